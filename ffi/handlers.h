@@ -1,0 +1,11 @@
+// C symbols of fthsdp's XLA FFI handlers. They are the whole public ABI of the
+// native library: the nanobind module hands them to jax as capsules, and the
+// Bazel-built shared library exports them for ctypes users.
+#pragma once
+
+#include "xla/ffi/api/c_api.h"
+
+extern "C" {
+// out = a + b (f32 / bf16 / f16), same shape and dtype.
+XLA_FFI_Error* FthsdpReduceSum(XLA_FFI_CallFrame* call_frame);
+}
