@@ -1,0 +1,19 @@
+"""Minimal @rules_cc for offline Bazel 4.x: the native C++ rules, re-exported.
+
+Bazel 4's own WORKSPACE suffix and tools load @rules_cc//cc:defs.bzl; the real
+repository is downloaded from GitHub, which an offline machine cannot do. The
+native rules are what the real rules_cc of that era forwards to anyway.
+"""
+
+cc_binary = native.cc_binary
+cc_import = native.cc_import
+cc_library = native.cc_library
+cc_proto_library = native.cc_proto_library
+cc_shared_library = getattr(native, "cc_shared_library", None)
+cc_test = native.cc_test
+cc_toolchain = native.cc_toolchain
+cc_toolchain_suite = native.cc_toolchain_suite
+fdo_prefetch_hints = native.fdo_prefetch_hints
+fdo_profile = native.fdo_profile
+objc_import = native.objc_import
+objc_library = native.objc_library
