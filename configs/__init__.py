@@ -1,0 +1,1 @@
+"""Experiment configs: each module defines `config` (an fthsdp.config.Config)."""

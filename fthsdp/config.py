@@ -1,0 +1,206 @@
+"""Experiment configuration: plain dataclasses, composed in Python files.
+
+A config file under `configs/` defines a module-level `config` (a `Config`).
+Variants import a base and override fields with `dataclasses.replace`, or with
+`override(config, ["optim.lr=1e-3", ...])`, which is also what the command
+line uses (`fthsdp train --config configs/base.py optim.lr=1e-3`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import pathlib
+import sys
+import types
+import typing
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """A small decoder-only transformer over bytes."""
+
+    vocab_size: int = 256
+    d_model: int = 128
+    num_layers: int = 2
+    num_heads: int = 4
+    mlp_ratio: int = 4
+    max_seq_len: int = 64
+    dtype: str = "float32"  # activations; parameters stay float32
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """Deterministic byte-level corpus generated from a seed (no downloads)."""
+
+    seed: int = 0
+    seq_len: int = 64
+    batch_size: int = 16  # per replica, per step
+    corpus_bytes: int = 1 << 20
+    eval_batches: int = 4
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    lr: float = 3e-3
+    warmup_steps: int = 20
+    weight_decay: float = 0.01
+    b1: float = 0.9
+    b2: float = 0.98
+    grad_clip: float = 1.0
+    decay: str = "cosine"  # cosine | constant
+
+
+@dataclass(frozen=True)
+class FTConfig:
+    """Fault tolerance: quorum, detection and retry policy, intervention."""
+
+    intervention: str = "sqrt"  # none | linear | sqrt
+    min_replicas: int = 1
+    join_timeout_s: float = 0.5
+    heartbeat_interval_s: float = 0.1
+    detect_s: float = 1.0
+    allreduce_timeout_s: float = 10.0
+    max_retries: int = 3
+    streams_per_peer: int = 2
+    checkpoint_every: int = 50
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    replicas: int = 1
+    devices_per_replica: int = 2
+    lighthouse: str = ""  # host:port; empty = start one locally
+    kill: tuple[str, ...] = ()  # "REPLICA@STEP"
+    stop: tuple[str, ...] = ()
+    random_kills: int = 0
+    fault_seed: int = 0
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    steps: int = 200
+    seed: int = 0
+    log_every: int = 10
+    eval_every: int = 50
+    out_dir: str = "runs/default"
+
+
+@dataclass(frozen=True)
+class Config:
+    name: str = "base"
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    ft: FTConfig = field(default_factory=FTConfig)
+    launch: LaunchConfig = field(default_factory=LaunchConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+    def validate(self) -> "Config":
+        m, d = self.model, self.data
+        if m.d_model % m.num_heads:
+            raise ValueError(f"model.d_model={m.d_model} is not divisible by model.num_heads={m.num_heads}")
+        if d.seq_len > m.max_seq_len:
+            raise ValueError(f"data.seq_len={d.seq_len} exceeds model.max_seq_len={m.max_seq_len}")
+        if d.batch_size < 1 or self.train.steps < 0:
+            raise ValueError("data.batch_size must be >= 1 and train.steps >= 0")
+        if self.launch.replicas < 1 or self.launch.devices_per_replica < 1:
+            raise ValueError("launch.replicas and launch.devices_per_replica must be >= 1")
+        if d.batch_size % self.launch.devices_per_replica:
+            raise ValueError(
+                f"data.batch_size={d.batch_size} must be divisible by launch.devices_per_replica="
+                f"{self.launch.devices_per_replica} (the batch is sharded over the replica's devices)"
+            )
+        from fthsdp.intervention import Intervention
+
+        Intervention.parse(self.ft.intervention)
+        return self
+
+
+class ConfigError(ValueError):
+    pass
+
+
+def _convert(text: str, typ, where: str):
+    origin = typing.get_origin(typ)
+    if typ is bool:
+        low = text.lower()
+        if low in ("1", "true", "yes", "on"):
+            return True
+        if low in ("0", "false", "no", "off"):
+            return False
+        raise ConfigError(f"{where}: expected a boolean, got {text!r}")
+    if origin is tuple:
+        return tuple(s for s in (p.strip() for p in text.split(",")) if s)
+    try:
+        return typ(text)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{where}: expected {getattr(typ, '__name__', typ)}, got {text!r}") from None
+
+
+def override(cfg, assignments: typing.Iterable[str]):
+    """Returns `cfg` with dotted `path=value` assignments applied (typed by the dataclass)."""
+    for item in assignments:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} is not of the form section.field=value")
+        path, value = item.split("=", 1)
+        cfg = _set(cfg, path.strip().split("."), value, path)
+    return cfg
+
+
+def _set(obj, parts: list[str], value: str, full: str):
+    if not dataclasses.is_dataclass(obj):
+        raise ConfigError(f"override {full!r}: {parts[0]!r} is not a config section")
+    hints = typing.get_type_hints(type(obj))
+    names = [f.name for f in dataclasses.fields(obj)]
+    if parts[0] not in names:
+        raise ConfigError(f"override {full!r}: no field {parts[0]!r} in {type(obj).__name__}; fields: {', '.join(names)}")
+    if len(parts) == 1:
+        new = _convert(value, hints[parts[0]], full)
+    else:
+        new = _set(getattr(obj, parts[0]), parts[1:], value, full)
+    return dataclasses.replace(obj, **{parts[0]: new})
+
+
+def load(path_or_name: str | None, overrides: typing.Iterable[str] = ()) -> Config:
+    """Loads `config` from a config file (path, or a name under configs/) and applies overrides."""
+    if not path_or_name:
+        cfg = Config()
+    else:
+        cfg = _load_file(path_or_name)
+    return override(cfg, overrides).validate()
+
+
+def _resolve(path_or_name: str) -> pathlib.Path:
+    p = pathlib.Path(path_or_name)
+    if p.suffix != ".py":
+        p = p.with_suffix(".py")
+    if p.exists():
+        return p
+    import configs
+
+    candidate = pathlib.Path(configs.__file__).parent / p.name
+    if candidate.exists():
+        return candidate
+    available = sorted(x.stem for x in pathlib.Path(configs.__file__).parent.glob("*.py") if x.stem != "__init__")
+    raise ConfigError(f"config {path_or_name!r} not found; available: {', '.join(available)}")
+
+
+def _load_file(path_or_name: str) -> Config:
+    path = _resolve(path_or_name)
+    name = f"configs.{path.stem}" if path.parent.name == "configs" else f"_fthsdp_config_{path.stem}"
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec and spec.loader
+    module = types.ModuleType(name)
+    module.__file__ = str(path)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    cfg = getattr(module, "config", None)
+    if not isinstance(cfg, Config):
+        raise ConfigError(f"{path} must define a module-level `config = Config(...)`")
+    return cfg
+
+
+def to_dict(cfg) -> dict:
+    return dataclasses.asdict(cfg)

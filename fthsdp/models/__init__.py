@@ -1,0 +1,3 @@
+from fthsdp.models.transformer import DecoderLM
+
+__all__ = ["DecoderLM"]

@@ -1,0 +1,175 @@
+"""The functional training step.
+
+`make_train_step` returns jitted functions whose quorum (who contributes, how
+many, the LR intervention, the communicator) is an array input, so membership
+changes never recompile (invariant 4). The step is split in two so that the
+Manager can retry only the all-reduce and update with the gradients it already
+holds after a recoverable failure (numerically identical to retraining the
+step on the same batch):
+
+    compute_grads(state, batch)        -> grads, metrics
+    apply_grads(state, grads, quorum)  -> state, metrics   (FTAR + vote + update)
+    step(state, batch, quorum)         -> state, metrics   (the two fused)
+
+The split path is bitwise reproducible (same bytes on a retry, and on every
+replica); the fused step is the same maths, but XLA may fuse it differently,
+so it agrees with the split path only to rounding. Multi-replica code (the
+Manager, the numerical twin) uses the split path everywhere.
+
+The intra-replica commit vote of the paper's two-phase commit is a collective
+inside `apply_grads`: the update is applied only if every local shard's
+all-reduce reported success; otherwise the state is returned bit for bit.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from fthsdp import intervention
+from fthsdp.config import Config, OptimConfig
+from fthsdp.models import DecoderLM
+from fthsdp.quorum_inputs import STATUS_OK, AllReduceFn, QuorumInputs, local_allreduce
+from fthsdp.sharding import batch_sharding, fsdp_shardings
+
+
+class TrainState(NamedTuple):
+    """Everything a replica must hold identically to its peers after a commit."""
+
+    step: jax.Array  # int32 scalar: committed steps
+    params: Any  # pure nested dict of arrays (flax NNX Params)
+    opt_state: Any
+
+
+def lr_schedule(cfg: OptimConfig, total_steps: int) -> optax.Schedule:
+    warmup = max(cfg.warmup_steps, 1)
+    if cfg.decay == "constant":
+        return optax.linear_schedule(0.0, cfg.lr, warmup) if cfg.warmup_steps else optax.constant_schedule(cfg.lr)
+    if cfg.decay != "cosine":
+        raise ValueError(f"optim.decay must be 'cosine' or 'constant', got {cfg.decay!r}")
+    return optax.warmup_cosine_decay_schedule(
+        0.0, cfg.lr, warmup, max(total_steps, warmup + 1), end_value=cfg.lr * 0.1
+    )
+
+
+def make_optimizer(cfg: OptimConfig) -> optax.GradientTransformation:
+    """AdamW behind inject_hyperparams: the LR is set from an array inside jit."""
+
+    def build(learning_rate):
+        return optax.chain(
+            optax.clip_by_global_norm(cfg.grad_clip),
+            optax.adamw(learning_rate, b1=cfg.b1, b2=cfg.b2, weight_decay=cfg.weight_decay),
+        )
+
+    return optax.inject_hyperparams(build)(learning_rate=cfg.lr)
+
+
+def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
+    return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
+
+
+@dataclass(frozen=True)
+class TrainStep:
+    init: Callable[[int], TrainState]
+    compute_grads: Callable
+    apply_grads: Callable
+    step: Callable
+    eval_loss: Callable
+    state_shardings: Any
+    mesh: jax.sharding.Mesh
+
+    def shard_batch(self, inputs: np.ndarray, targets: np.ndarray):
+        s = batch_sharding(self.mesh)
+        return jax.device_put(inputs, s), jax.device_put(targets, s)
+
+
+def make_train_step(
+    cfg: Config,
+    mesh: jax.sharding.Mesh,
+    allreduce: AllReduceFn = local_allreduce,
+) -> TrainStep:
+    """Builds the jitted step functions of one replica over `mesh`."""
+    cfg.validate()
+    model_cfg = cfg.model
+    tx = make_optimizer(cfg.optim)
+    schedule = lr_schedule(cfg.optim, cfg.train.steps)
+
+    abstract_model = nnx.eval_shape(lambda: DecoderLM(model_cfg, rngs=nnx.Rngs(0)))
+    graphdef, abstract_params = nnx.split(abstract_model, nnx.Param)
+
+    def to_model(params):
+        state = jax.tree.map(lambda x: x, abstract_params)
+        nnx.replace_by_pure_dict(state, params)
+        return nnx.merge(graphdef, state)
+
+    def init_fn(seed):
+        model = DecoderLM(model_cfg, rngs=nnx.Rngs(jax.random.key(seed)))
+        params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+        return TrainState(jnp.zeros((), jnp.int32), params, tx.init(params))
+
+    abstract_state = jax.eval_shape(init_fn, jnp.uint32(0))
+    state_shardings = fsdp_shardings(abstract_state, mesh)
+    param_shardings = state_shardings.params
+    bsh = batch_sharding(mesh)
+
+    def loss_fn(params, inputs, targets):
+        return cross_entropy(to_model(params)(inputs), targets)
+
+    def compute_grads(state: TrainState, inputs, targets):
+        loss, grads = jax.value_and_grad(loss_fn)(state.params, inputs, targets)
+        grads = jax.lax.with_sharding_constraint(grads, param_shardings)
+        return grads, {"loss": loss}
+
+    def apply_grads(state: TrainState, grads, quorum: QuorumInputs):
+        contribute = quorum.contribute > 0
+        grads = jax.tree.map(lambda g: jnp.where(contribute, g, jnp.zeros_like(g)), grads)
+        summed, status = allreduce(grads, quorum, mesh)
+        n = jnp.maximum(quorum.num_contributing, 1).astype(jnp.float32)
+        mean = jax.tree.map(lambda g: (g / n.astype(g.dtype)).astype(g.dtype), summed)
+        mean = jax.lax.with_sharding_constraint(mean, param_shardings)
+        # The commit vote: every local shard's all-reduce must have succeeded.
+        ok = jnp.all(status == STATUS_OK) & (quorum.num_contributing > 0)
+
+        scale = intervention.lr_scale(quorum.lr_mode, quorum.num_contributing, quorum.num_configured, xp=jnp)
+        lr = schedule(state.step) * scale
+        opt_state = state.opt_state
+        opt_state.hyperparams["learning_rate"] = jnp.asarray(lr, jnp.float32)
+        updates, new_opt = tx.update(mean, opt_state, state.params)
+        new_params = optax.apply_updates(state.params, updates)
+        new_state = TrainState(state.step + 1, new_params, new_opt)
+        keep = lambda new, old: jnp.where(ok, new, old)  # noqa: E731
+        out = jax.tree.map(keep, new_state, state)
+        metrics = {
+            "committed": ok,
+            "lr": lr,
+            "lr_scale": scale,
+            "grad_norm": optax.tree.norm(mean),
+            "status": status,
+        }
+        return out, metrics
+
+    def step(state, inputs, targets, quorum):
+        grads, m1 = compute_grads(state, inputs, targets)
+        new_state, m2 = apply_grads(state, grads, quorum)
+        return new_state, {**m1, **m2}
+
+    def eval_loss(state, inputs, targets):
+        return loss_fn(state.params, inputs, targets)
+
+    jit_init = jax.jit(init_fn, out_shardings=state_shardings)
+    return TrainStep(
+        init=lambda seed: jit_init(jnp.asarray(seed, jnp.uint32)),
+        compute_grads=jax.jit(compute_grads, in_shardings=(state_shardings, bsh, bsh)),
+        apply_grads=jax.jit(apply_grads, out_shardings=(state_shardings, None)),
+        step=jax.jit(step, in_shardings=(state_shardings, bsh, bsh, None),
+                     out_shardings=(state_shardings, None)),
+        eval_loss=jax.jit(eval_loss, in_shardings=(state_shardings, bsh, bsh)),
+        state_shardings=state_shardings,
+        mesh=mesh,
+    )

@@ -1,0 +1,28 @@
+"""Test-wide setup: 4 host devices for in-process sharding tests, a shared
+XLA compilation cache for the many processes the multi-process tests start."""
+
+import os
+import pathlib
+import sys
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+CACHE = os.environ.setdefault("FTHSDP_COMPILATION_CACHE", str(REPO / ".cache" / "xla-tests"))
+
+# Must happen before jax is imported anywhere in this process.
+from fthsdp.devices import force_host_devices  # noqa: E402
+
+force_host_devices(4)
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _compilation_cache():
+    from fthsdp.devices import enable_compilation_cache
+
+    enable_compilation_cache(CACHE)
+
+
+@pytest.fixture
+def python_exe() -> str:
+    return sys.executable
