@@ -83,6 +83,11 @@ class TrainStep:
     eval_loss: Callable
     state_shardings: Any
     mesh: jax.sharding.Mesh
+    # The same functions before jit, for callers that transform them further
+    # (the numerical twin vmaps them over a replica axis).
+    raw_compute_grads: Callable
+    raw_apply_grads: Callable
+    raw_init: Callable
 
     def shard_batch(self, inputs: np.ndarray, targets: np.ndarray):
         s = batch_sharding(self.mesh)
@@ -172,4 +177,7 @@ def make_train_step(
         eval_loss=jax.jit(eval_loss, in_shardings=(state_shardings, bsh, bsh)),
         state_shardings=state_shardings,
         mesh=mesh,
+        raw_compute_grads=compute_grads,
+        raw_apply_grads=apply_grads,
+        raw_init=init_fn,
     )
