@@ -67,13 +67,18 @@ def _force_remove(root: pathlib.Path) -> None:
         shutil.rmtree(root, onerror=make_writable_and_retry)
 
 
-@pytest.fixture(scope="module")
-def bazel_library(tmp_path_factory) -> pathlib.Path:
-    """Builds the target once with Bazel and returns a copy of the .so outside Bazel's tree."""
-    work = tmp_path_factory.mktemp("bazel")
+def bazel_build(
+    work: pathlib.Path, python: str, keep: pathlib.Path | None = None
+) -> tuple[subprocess.CompletedProcess, float]:
+    """Builds TARGET offline in --batch mode under a fresh output_user_root in `work`.
+
+    Copies the built library to `keep` (when given) before Bazel's output root is
+    deleted; nothing is left in the git tree or running. Returns the finished
+    process and its wall time.
+    """
     user_root = work / "output_user_root"
     env = dict(os.environ)
-    env["FTHSDP_PYTHON"] = sys.executable  # the Python whose jaxlib supplies the FFI headers
+    env["FTHSDP_PYTHON"] = python  # the Python whose jaxlib supplies the FFI headers
     dead_proxy = "http://127.0.0.1:9"  # discard port: nothing listens, downloads fail at once
     for var in ("http_proxy", "https_proxy", "HTTP_PROXY", "HTTPS_PROXY"):
         env[var] = dead_proxy
@@ -95,18 +100,9 @@ def bazel_library(tmp_path_factory) -> pathlib.Path:
         proc = subprocess.run(
             cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S
         )
-        elapsed = time.monotonic() - start
-        if proc.returncode != 0:
-            lines = [ln for ln in proc.stderr.splitlines() if "linux-sandbox" not in ln]
-            pytest.fail(
-                f"`{' '.join(cmd)}` failed with exit {proc.returncode} after {elapsed:.1f}s:\n"
-                + "\n".join(lines[-40:])
-            )
         built = work / "out-bin" / "libfthsdp_ffi.so"
-        assert built.is_file(), f"bazel reported success but {built} does not exist"
-        lib = work / "libfthsdp_ffi.so"
-        shutil.copyfile(built, lib)
-        print(f"bazel build of {TARGET}: {elapsed:.1f}s")
+        if keep is not None and proc.returncode == 0 and built.is_file():
+            shutil.copyfile(built, keep)
     finally:
         # Bazel 4 adds ./bazel-out whatever --symlink_prefix says; drop it when it is ours.
         out_link = REPO / "bazel-out"
@@ -114,7 +110,41 @@ def bazel_library(tmp_path_factory) -> pathlib.Path:
             out_link.unlink()
         if user_root.exists():
             _force_remove(user_root)
+    return proc, time.monotonic() - start
+
+
+def _log_tail(proc: subprocess.CompletedProcess, lines: int = 40) -> str:
+    """Bazel's stderr without the sandbox's debug chatter."""
+    kept = [ln for ln in proc.stderr.splitlines() if "linux-sandbox" not in ln]
+    return "\n".join(kept[-lines:])
+
+
+@pytest.fixture(scope="module")
+def bazel_library(tmp_path_factory) -> pathlib.Path:
+    """Builds the target once with Bazel; returns a copy of the .so outside Bazel's tree."""
+    work = tmp_path_factory.mktemp("bazel")
+    lib = work / "libfthsdp_ffi.so"
+    proc, elapsed = bazel_build(work, sys.executable, keep=lib)
+    if proc.returncode != 0:
+        pytest.fail(
+            f"bazel build {TARGET} failed (exit {proc.returncode}, {elapsed:.1f}s):\n"
+            + _log_tail(proc)
+        )
+    assert lib.is_file(), f"bazel reported success but built no {lib.name}"
+    print(f"bazel build of {TARGET}: {elapsed:.1f}s")
     return lib
+
+
+def test_python_without_jax_is_a_clear_error(tmp_path):
+    """FTHSDP_PYTHON is authoritative: one without jax fails and says what to do."""
+    bare = tmp_path / "bare-venv"  # a real Python 3.12 with nothing installed
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(bare)], check=True, timeout=120)
+    no_jax = bare / "bin" / "python"
+    proc, _ = bazel_build(tmp_path, str(no_jax))
+    assert proc.returncode != 0, "the build succeeded with a Python that cannot import jax"
+    assert "no Python with jax found" in proc.stderr, _log_tail(proc)
+    assert "FTHSDP_PYTHON" in proc.stderr, _log_tail(proc)
+    assert "No module named 'jax'" in proc.stderr, _log_tail(proc)
 
 
 def test_build_leaves_nothing_in_the_tree(bazel_library):

@@ -4,8 +4,10 @@ fthsdp's handlers must be compiled against the exact FFI ABI of the jaxlib that
 will load them, so the headers come from the Python environment (the same
 `jax.ffi.include_dir()` CMake uses) instead of a pinned download.
 
-Python is looked up in this order: $FTHSDP_PYTHON, $PYTHON_BIN_PATH, the
-repository's own .venv/bin/python, then python3 on PATH.
+Python: $FTHSDP_PYTHON when set (then it is the only one tried, so a wrong
+choice is reported rather than silently replaced); otherwise the first of
+$PYTHON_BIN_PATH, the repository's own .venv/bin/python, python3 on PATH that
+can import jax.
 """
 
 _ENV_VARS = ["FTHSDP_PYTHON", "PYTHON_BIN_PATH"]
@@ -13,11 +15,12 @@ _ENV_VARS = ["FTHSDP_PYTHON", "PYTHON_BIN_PATH"]
 _PROBE = "import jax.ffi, sys; sys.stdout.write(jax.ffi.include_dir())"
 
 def _candidate_pythons(rctx):
+    explicit = rctx.os.environ.get("FTHSDP_PYTHON", "")
+    if explicit:
+        return [explicit]
     found = []
-    for var in _ENV_VARS:
-        value = rctx.os.environ.get(var, "")
-        if value:
-            found.append(value)
+    if rctx.os.environ.get("PYTHON_BIN_PATH", ""):
+        found.append(rctx.os.environ["PYTHON_BIN_PATH"])
 
     # The workspace root, found through a file every fthsdp checkout has.
     root = rctx.path(Label("//:BUILD.bazel")).dirname
@@ -40,7 +43,7 @@ def _jaxlib_ffi_headers_impl(rctx):
         tried.append("%s: %s" % (python, (result.stderr.strip().splitlines() or ["exit %d" % result.return_code])[-1]))
     if include_dir == None:
         fail(("fthsdp: no Python with jax found (tried: %s). Install jax>=0.11.2 " +
-              "(e.g. `make env`) or point FTHSDP_PYTHON at a Python that has it.") %
+              "(e.g. `make install`) or point FTHSDP_PYTHON at a Python that has it.") %
              ("; ".join(tried) or "none"))
 
     header = rctx.path(include_dir + "/xla/ffi/api/ffi.h")
