@@ -3,7 +3,7 @@
 Skipped when `bazel` is not on PATH (install it with `bash scripts/install_system_deps.sh`).
 The build runs in `--batch` mode (no Bazel server is left running) under a temporary
 output_user_root outside the git tree, with every proxy pointed at a closed loopback
-port so that any attempted download fails: passing proves the build is offline.
+port so that a build that tried to download anything would fail rather than pass.
 """
 
 from __future__ import annotations
