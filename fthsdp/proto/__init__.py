@@ -1,0 +1,30 @@
+"""Generated gRPC/protobuf stubs (built by CMake from the .proto files here).
+
+grpc_tools emits ``import lighthouse_pb2`` (a top-level name) inside
+``lighthouse_pb2_grpc``; :func:`lighthouse` aliases that name to the packaged
+module before importing the service stubs, so no generated file is edited.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from types import ModuleType
+
+
+def lighthouse() -> tuple[ModuleType, ModuleType]:
+    """Return ``(lighthouse_pb2, lighthouse_pb2_grpc)``, with a clear error if unbuilt."""
+    try:
+        pb2 = importlib.import_module("fthsdp.proto.lighthouse_pb2")
+        sys.modules.setdefault("lighthouse_pb2", pb2)
+        pb2_grpc = importlib.import_module("fthsdp.proto.lighthouse_pb2_grpc")
+    except ImportError as e:  # pragma: no cover - depends on the install
+        raise ImportError(
+            "fthsdp's gRPC stubs are missing (they are generated at build time): run "
+            "`pip install --no-build-isolation -e .` in the repository root"
+        ) from e
+    return pb2, pb2_grpc
+
+
+# Bumped on any incompatible change to lighthouse.proto; both sides check it.
+LIGHTHOUSE_PROTOCOL_VERSION = 1

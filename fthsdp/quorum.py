@@ -1,0 +1,305 @@
+"""The quorum decision, as one pure function over plain data.
+
+The lighthouse server (fthsdp/lighthouse.py) owns time, sockets and state; this
+module only answers "given who is asking, who has been heard from and the last
+quorum, is there a quorum now, and why (not)?". Keeping it pure lets every rule
+be unit-tested without a server and makes the server's behaviour explainable:
+the reason string it returns is what `fthsdp lighthouse` status shows.
+
+Rules, in the order they are checked (see :func:`decide_quorum`):
+
+1. **Liveness.** A replica is *live* if it was heard from (heartbeat or quorum
+   request) within ``heartbeat_window_s``. Only live requesters can be members.
+2. **min_replicas.** Fewer live requesters than ``min_replicas``: no quorum.
+3. **Join time limit** (paper, section 6.1). Live replicas that are not asking
+   yet are waited for, at most ``join_timeout_s`` after the round's first
+   request; then the quorum forms without them. A replica left out this way is
+   not waited for again (it joins at whichever later step it asks at), so a
+   slow joiner costs the others at most one ``join_timeout_s``, not one per step.
+   Before the job's first quorum it also waits (same limit) for replicas never
+   heard from yet, when the job states its configured replica count.
+4. **Split-brain guard.** The members must be a strict majority of the replicas
+   live now (requesters included). We count against *live* replicas, not the
+   configured total: after losing 2 of 4 replicas the 2 survivors must go on
+   training (counting against 4 would stall them), while a minority that is
+   merely faster than a live majority can never move on alone.
+5. **Quorum id.** Kept when the membership (replica ids and their addresses) is
+   unchanged, incremented when it changes or any requester reports that its
+   last commit failed (so every FTAR ring is rebuilt).
+
+Members are in ring order (:func:`ring_key`); replicas at the highest step are
+*healthy*, the rest *behind*: they contribute zero gradients and fetch state
+from healthy replicas, one source per local shard, spread round-robin.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+__all__ = [
+    "QuorumConfig",
+    "QuorumRequest",
+    "Member",
+    "Quorum",
+    "decide_quorum",
+    "dead_replicas",
+    "assign_sources",
+    "ring_key",
+]
+
+
+def ring_key(replica_id: str) -> tuple[int, int, str]:
+    """Natural order of replica ids: numeric ids numerically ("2" < "10"), then others."""
+    if replica_id.isdigit():
+        return (0, int(replica_id), replica_id)
+    return (1, 0, replica_id)
+
+
+@dataclass(frozen=True)
+class QuorumConfig:
+    """Per-job decision parameters (the lighthouse's flags, possibly refined per job)."""
+
+    min_replicas: int = 1
+    join_timeout_s: float = 1.0
+    # The failure-detection window: silent this long -> dead (not live).
+    heartbeat_window_s: float = 1.0
+    # Replicas the job is configured with; 0 = count every replica ever heard from.
+    num_configured: int = 0
+
+    def __post_init__(self) -> None:
+        if self.min_replicas < 1:
+            raise ValueError(f"min_replicas must be >= 1, got {self.min_replicas}")
+        if not (self.join_timeout_s >= 0 and math.isfinite(self.join_timeout_s)):
+            raise ValueError(f"join_timeout_s must be a finite number >= 0, got {self.join_timeout_s}")
+        if not (self.heartbeat_window_s > 0 and math.isfinite(self.heartbeat_window_s)):
+            raise ValueError(f"heartbeat_window_s must be > 0, got {self.heartbeat_window_s}")
+        if self.num_configured < 0:
+            raise ValueError(f"num_configured must be >= 0 (0 = unknown), got {self.num_configured}")
+
+
+@dataclass(frozen=True)
+class QuorumRequest:
+    """One pending quorum request, as the decision sees it."""
+
+    replica_id: str
+    step: int
+    arrived_at: float
+    ftar_addresses: tuple[str, ...] = ()
+    state_server_address: str = ""
+    local_world_size: int = 1
+    commit_failed: bool = False
+
+
+@dataclass(frozen=True)
+class Member:
+    replica_id: str
+    step: int
+    ftar_addresses: tuple[str, ...] = ()
+    state_server_address: str = ""
+    local_world_size: int = 1
+
+    def identity(self) -> tuple:
+        """What a ring connection depends on: a change here needs a new quorum id."""
+        return (self.replica_id, self.ftar_addresses, self.state_server_address, self.local_world_size)
+
+
+@dataclass(frozen=True)
+class Quorum:
+    """The answer every member of one step receives (identical for all of them)."""
+
+    quorum_id: int
+    members: tuple[Member, ...]  # ring order
+    max_step: int
+    healthy: tuple[str, ...]  # at max_step, ring order
+    behind: tuple[str, ...]  # below max_step, ring order
+    # behind replica id -> source replica id per local shard
+    recovery: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    num_healthy: int = 0
+    num_configured: int = 0
+    reason: str = ""
+    # Live replicas this quorum was formed without after the join timeout;
+    # the next decision does not wait for them again.
+    left_out: tuple[str, ...] = ()
+
+    @property
+    def member_ids(self) -> tuple[str, ...]:
+        return tuple(m.replica_id for m in self.members)
+
+    @property
+    def num_members(self) -> int:
+        return len(self.members)
+
+    def rank_of(self, replica_id: str) -> int:
+        """Ring position of ``replica_id``; ValueError if it is not a member."""
+        for i, m in enumerate(self.members):
+            if m.replica_id == replica_id:
+                return i
+        raise ValueError(f"replica {replica_id!r} is not in quorum {self.quorum_id} {list(self.member_ids)}")
+
+    def member(self, replica_id: str) -> Member:
+        return self.members[self.rank_of(replica_id)]
+
+    def is_healthy(self, replica_id: str) -> bool:
+        return replica_id in self.healthy
+
+    def sources_for(self, replica_id: str) -> tuple[str, ...]:
+        """Healthy replicas that serve each local shard of behind ``replica_id`` (empty if healthy)."""
+        return tuple(self.recovery.get(replica_id, ()))
+
+
+def dead_replicas(heartbeats: Mapping[str, float], now: float, window: float) -> list[str]:
+    """Replicas last heard from more than ``window`` seconds before ``now`` (ring order)."""
+    return sorted((r for r, t in heartbeats.items() if now - t > window), key=ring_key)
+
+
+def assign_sources(
+    behind: Iterable[tuple[str, int]], healthy: tuple[str, ...]
+) -> dict[str, tuple[str, ...]]:
+    """Assign each behind replica one healthy source per local shard, round-robin.
+
+    ``behind`` is ``(replica_id, local_world_size)`` pairs in ring order. Shard k
+    of the i-th behind replica comes from ``healthy[(offset_i + k) % H]`` where
+    ``offset_i`` is the number of shards assigned before it, so the fetch load
+    is spread evenly over the healthy replicas and, whenever H >= shards, one
+    replica's shards come from different sources.
+    """
+    if not healthy:
+        raise ValueError("cannot assign recovery sources: no healthy replica")
+    out: dict[str, tuple[str, ...]] = {}
+    offset = 0
+    for rid, shards in behind:
+        out[rid] = tuple(healthy[(offset + k) % len(healthy)] for k in range(shards))
+        offset += shards
+    return out
+
+
+def _fmt(ids: Iterable[str], limit: int = 8) -> str:
+    ids = sorted(ids, key=ring_key)
+    shown = ", ".join(ids[:limit])
+    return f"[{shown}{', ...' if len(ids) > limit else ''}]"
+
+
+def decide_quorum(
+    requests: Mapping[str, QuorumRequest],
+    heartbeats: Mapping[str, float],
+    previous: Quorum | None,
+    config: QuorumConfig,
+    now: float,
+) -> tuple[Quorum | None, str]:
+    """Decide the quorum of one job, or explain why there is none yet.
+
+    ``requests``: pending quorum requests by replica id. ``heartbeats``: time
+    each replica was last heard from (same clock as ``now`` and ``arrived_at``).
+    ``previous``: the job's last quorum. Returns ``(quorum, reason)`` with
+    ``quorum`` None while the rules in the module docstring say wait.
+    """
+    if not requests:
+        return None, "no replica is asking for a quorum"
+    window = config.heartbeat_window_s
+
+    def last_seen(rid: str) -> float:
+        t = heartbeats.get(rid, -math.inf)
+        req = requests.get(rid)
+        return max(t, req.arrived_at) if req is not None else t
+
+    live = {r for r in heartbeats if now - last_seen(r) <= window}
+    live.update(r for r in requests if now - last_seen(r) <= window)
+    candidates = [requests[r] for r in requests if r in live]
+    stale = [r for r in requests if r not in live]
+    stale_note = f"; ignoring requests of {_fmt(stale)} (silent > {window:g}s)" if stale else ""
+    cand_ids = {c.replica_id for c in candidates}
+    not_asking = live - cand_ids
+
+    # Rule 2: min_replicas.
+    if len(candidates) < config.min_replicas:
+        waiting = f"; live but not asking: {_fmt(not_asking)}" if not_asking else ""
+        return None, (
+            f"waiting for replicas: {len(candidates)} live requesting, min_replicas={config.min_replicas}"
+            f"{waiting}{stale_note}"
+        )
+
+    # Rule 3: join time limit (replicas left out last time are not waited for again).
+    already_left_out = set(previous.left_out) if previous is not None else set()
+    waited_for = not_asking - already_left_out
+    round_start = min(c.arrived_at for c in candidates)
+    waited = now - round_start
+    if waited_for and waited < config.join_timeout_s:
+        return None, (
+            f"waiting up to {config.join_timeout_s - waited:.2f}s more for {len(waited_for)} live "
+            f"replica(s) not asking yet {_fmt(waited_for)}; {len(candidates)} asking{stale_note}"
+        )
+    unheard = config.num_configured - len(live | set(heartbeats))
+    if previous is None and unheard > 0 and waited < config.join_timeout_s:
+        return None, (
+            f"first quorum: waiting up to {config.join_timeout_s - waited:.2f}s more for {unheard} of "
+            f"{config.num_configured} configured replica(s) never heard from; {len(candidates)} asking{stale_note}"
+        )
+
+    # Rule 4: split-brain guard (strict majority of the live replicas).
+    if 2 * len(candidates) <= len(live):
+        need = len(live) // 2 + 1
+        return None, (
+            f"split-brain guard: only {len(candidates)} of {len(live)} live replicas asking, "
+            f"a quorum needs a strict majority ({need}); live but not asking: {_fmt(not_asking)}"
+            f"{stale_note}"
+        )
+
+    # Form it.
+    ordered = sorted(candidates, key=lambda c: ring_key(c.replica_id))
+    members = tuple(
+        Member(c.replica_id, c.step, tuple(c.ftar_addresses), c.state_server_address, c.local_world_size)
+        for c in ordered
+    )
+    max_step = max(m.step for m in members)
+    healthy = tuple(m.replica_id for m in members if m.step == max_step)
+    behind = tuple(m.replica_id for m in members if m.step != max_step)
+    lws = {m.replica_id: m.local_world_size for m in members}
+    recovery = assign_sources(((b, lws[b]) for b in behind), healthy)
+    known = set(heartbeats) | set(requests)
+    num_configured = config.num_configured or len(known)
+
+    # Rule 5: quorum id.
+    failed = sorted((c.replica_id for c in candidates if c.commit_failed), key=ring_key)
+    identity = tuple(m.identity() for m in members)
+    if previous is None:
+        quorum_id, why_id = 1, "first quorum"
+    elif failed:
+        quorum_id, why_id = previous.quorum_id + 1, f"commit failed on {_fmt(failed)}"
+    elif identity != tuple(m.identity() for m in previous.members):
+        old, new = set(previous.member_ids), set(cand_ids)
+        delta = []
+        if new - old:
+            delta.append(f"+{_fmt(new - old)}")
+        if old - new:
+            delta.append(f"-{_fmt(old - new)}")
+        if not delta:
+            delta.append("addresses changed")
+        quorum_id, why_id = previous.quorum_id + 1, "membership changed " + " ".join(delta)
+    else:
+        quorum_id, why_id = previous.quorum_id, "same membership"
+
+    left_out = tuple(sorted(not_asking, key=ring_key))
+    if left_out:
+        how = f"without live {_fmt(left_out)} (join timeout {config.join_timeout_s:g}s or left out before)"
+    else:
+        how = "every live replica asking"
+    reason = (
+        f"quorum {quorum_id} ({why_id}): {len(members)} members at max step {max_step}, "
+        f"{len(healthy)} healthy, {len(behind)} behind; {how}{stale_note}"
+    )
+    quorum = Quorum(
+        quorum_id=quorum_id,
+        members=members,
+        max_step=max_step,
+        healthy=healthy,
+        behind=behind,
+        recovery=recovery,
+        num_healthy=len(healthy),
+        num_configured=num_configured,
+        reason=reason,
+        left_out=left_out,
+    )
+    return quorum, reason
+
