@@ -14,8 +14,8 @@ PYTEST_ARGS ?=
 
 install: $(STAMP)
 
-$(STAMP): $(NATIVE) scripts/find_python.sh
-	@if [ -f scripts/install_system_deps.sh ]; then bash scripts/install_system_deps.sh; fi
+$(STAMP): $(NATIVE) scripts/find_python.sh scripts/install_system_deps.sh
+	bash scripts/install_system_deps.sh
 	@test -x $(PYBIN) || "$$(bash scripts/find_python.sh)" -m venv $(VENV)
 	$(PYBIN) -m pip install -q --upgrade pip
 	$(PYBIN) -m pip install -q "jax>=0.11.2" "scikit-build-core>=0.10" "nanobind>=2.0" cmake ninja "grpcio-tools>=1.60"
