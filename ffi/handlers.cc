@@ -2,7 +2,9 @@
 #include "handlers.h"
 
 #include <string>
+#include <vector>
 
+#include "ftar.h"
 #include "reduce.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -38,6 +40,62 @@ ffi::Error ReduceSumImpl(ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::Result<ffi::An
   return ffi::Error::Success();
 }
 
+ffi::ErrorOr<int32_t> scalar_i32(ffi::Buffer<ffi::S32> b, const char* name) {
+  if (b.element_count() != 1) {
+    return ffi::Unexpected(ffi::Error::InvalidArgument(
+        std::string("fthsdp ftar: ") + name + " must be a single int32, got " +
+        std::to_string(b.element_count()) + " elements"));
+  }
+  return b.typed_data()[0];
+}
+
+ffi::Error FtarImpl(ffi::Buffer<ffi::S32> comm, ffi::Buffer<ffi::S32> shard,
+                    ffi::Buffer<ffi::S32> quorum_id, ffi::Buffer<ffi::S32> rank,
+                    ffi::Buffer<ffi::S32> num_members, ffi::RemainingArgs args,
+                    ffi::Result<ffi::Buffer<ffi::S32>> status, ffi::RemainingRets rets) {
+  int32_t v[5];
+  const ffi::Buffer<ffi::S32>* in[5] = {&comm, &shard, &quorum_id, &rank, &num_members};
+  const char* names[5] = {"comm", "shard", "quorum_id", "rank", "num_members"};
+  for (int i = 0; i < 5; ++i) {
+    auto r = scalar_i32(*in[i], names[i]);
+    if (r.has_error()) return r.error();
+    v[i] = r.value();
+  }
+  if (status->element_count() != 1) {
+    return ffi::Error::InvalidArgument("fthsdp ftar: status output must hold one int32");
+  }
+  if (args.size() != rets.size()) {
+    return ffi::Error::InvalidArgument("fthsdp ftar: " + std::to_string(args.size()) +
+                                       " buffers in but " + std::to_string(rets.size()) + " out");
+  }
+  std::vector<FtarBuffer> buffers;
+  for (size_t i = 0; i < args.size(); ++i) {
+    auto a = args.get<ffi::AnyBuffer>(i);
+    auto r = rets.get<ffi::AnyBuffer>(i);
+    if (a.has_error()) return a.error();
+    if (r.has_error()) return r.error();
+    FtarBuffer b;
+    if (!to_dtype(a.value().element_type(), &b.dtype)) {
+      return ffi::Error::InvalidArgument(
+          "fthsdp ftar: buffer " + std::to_string(i) +
+          " has an unsupported dtype (supported: float32, bfloat16, float16)");
+    }
+    if ((*r.value()).element_type() != a.value().element_type() ||
+        (*r.value()).element_count() != a.value().element_count()) {
+      return ffi::Error::InvalidArgument("fthsdp ftar: output " + std::to_string(i) +
+                                         " must match its input's dtype and size");
+    }
+    b.in = a.value().untyped_data();
+    b.out = (*r.value()).untyped_data();
+    b.count = static_cast<int64_t>(a.value().element_count());
+    buffers.push_back(b);
+  }
+  const FtarResult res = ftar_allreduce(v[0], v[1], v[2], v[3], v[4], buffers);
+  if (res.fatal) return ffi::Error::Internal("fthsdp ftar: " + res.reason);
+  status->typed_data()[0] = static_cast<int32_t>(res.status);
+  return ffi::Error::Success();
+}
+
 }  // namespace
 }  // namespace fthsdp
 
@@ -46,3 +104,14 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FthsdpReduceSum, fthsdp::ReduceSumImpl,
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(FthsdpFtar, fthsdp::FtarImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // comm
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // shard
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // quorum_id
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // rank
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // num_members
+                                  .RemainingArgs()
+                                  .Ret<ffi::Buffer<ffi::S32>>()  // status
+                                  .RemainingRets());

@@ -8,4 +8,8 @@
 extern "C" {
 // out = a + b (f32 / bf16 / f16), same shape and dtype.
 XLA_FFI_Error* FthsdpReduceSum(XLA_FFI_CallFrame* call_frame);
+// FTAR: (comm, shard, quorum_id, rank, num_members: int32 scalars, buffers...)
+//   -> (status: int32[1], sums...). Sums every buffer over the ring of `shard`
+// of communicator `comm`; status 0 OK, 1 RECOVERABLE; fatal errors raise.
+XLA_FFI_Error* FthsdpFtar(XLA_FFI_CallFrame* call_frame);
 }

@@ -1,6 +1,16 @@
 // nanobind module `fthsdp._ffi`: hands the FFI handlers to jax as capsules and
 // exposes the native control API to Python. No logic lives here.
 #include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
+#include <nanobind/stl/pair.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/tuple.h>
+#include <nanobind/stl/vector.h>
+
+#include <stdexcept>
+
+#include "ftar.h"
+#include "ring_schedule.h"
 
 #include "handlers.h"
 
@@ -21,6 +31,102 @@ NB_MODULE(_ffi, m) {
   m.def("registrations", []() {
     nb::dict d;
     d["fthsdp_reduce_sum"] = as_capsule(FthsdpReduceSum);
+    d["fthsdp_ftar"] = as_capsule(FthsdpFtar);
     return d;
   }, "Map of FFI target name -> handler capsule, for jax.ffi.register_ffi_target.");
+
+  // ---- FTAR control API (thin: the logic lives in ffi/ftar.cc) ----
+  m.def("ftar_create",
+        [](int num_shards, const std::string& listen_host, int streams, int64_t chunk_bytes,
+           int chunks, double timeout_s, int socket_buffer_bytes) {
+          fthsdp::RingOptions o;
+          o.listen_host = listen_host;
+          o.streams = streams;
+          o.chunk_bytes = chunk_bytes;
+          o.chunks = chunks;
+          o.timeout_s = timeout_s;
+          o.socket_buffer_bytes = socket_buffer_bytes;
+          return fthsdp::ftar_create(num_shards, o);
+        },
+        nb::arg("num_shards"), nb::arg("listen_host"), nb::arg("streams"), nb::arg("chunk_bytes"),
+        nb::arg("chunks"), nb::arg("timeout_s"), nb::arg("socket_buffer_bytes"),
+        "Creates a communicator (one ring endpoint per local shard); returns its handle.");
+  auto get = [](int32_t handle) {
+    auto c = fthsdp::ftar_get(handle);
+    if (!c) throw std::invalid_argument("unknown ftar communicator handle " + std::to_string(handle));
+    return c;
+  };
+  m.def("ftar_addresses", [get](int32_t h) { return get(h)->addresses(); });
+  m.def("ftar_configure",
+        [get](int32_t h, const std::string& job_id, int64_t quorum_id, int32_t rank,
+              const std::vector<std::string>& members, double connect_timeout_s) {
+          get(h)->configure(job_id, quorum_id, rank, members, connect_timeout_s);
+        });
+  m.def("ftar_wait_configured",
+        [get](int32_t h, double timeout_s) {
+          auto c = get(h);
+          nb::gil_scoped_release release;
+          return c->wait_configured(timeout_s);
+        });
+  m.def("ftar_abort", [get](int32_t h, const std::string& reason) { get(h)->abort(reason); });
+  m.def("ftar_destroy", [](int32_t h) { return fthsdp::ftar_destroy(h); });
+  m.def("ftar_stats", [get](int32_t h) {
+    nb::list out;
+    for (const auto& s : get(h)->stats()) {
+      nb::dict d;
+      d["state"] = s.state;
+      d["ops_ok"] = s.ops_ok;
+      d["ops_recoverable"] = s.ops_recoverable;
+      d["ops_fatal"] = s.ops_fatal;
+      d["bytes_sent"] = s.bytes_sent;
+      d["bytes_received"] = s.bytes_received;
+      d["configures"] = s.configures;
+      d["refused_handshakes"] = s.refused_handshakes;
+      d["last_error"] = s.last_error;
+      out.append(d);
+    }
+    return out;
+  });
+  m.def("ftar_allreduce_host",
+        [](int32_t h, int32_t shard, int64_t quorum_id, int32_t rank, int32_t n,
+           nb::ndarray<nb::c_contig, nb::device::cpu> a) {
+          fthsdp::FtarBuffer b;
+          const auto dt = a.dtype();
+          if (dt == nb::dtype<float>()) {
+            b.dtype = fthsdp::DType::kF32;
+          } else if (dt.code == static_cast<uint8_t>(nb::dlpack::dtype_code::Float) && dt.bits == 16) {
+            b.dtype = fthsdp::DType::kF16;
+          } else if (dt.code == static_cast<uint8_t>(nb::dlpack::dtype_code::Bfloat) && dt.bits == 16) {
+            b.dtype = fthsdp::DType::kBF16;
+          } else {
+            throw std::invalid_argument("ftar_allreduce_host: float32/float16/bfloat16 arrays only");
+          }
+          b.in = a.data();
+          b.out = a.data();
+          b.count = static_cast<int64_t>(a.size());
+          fthsdp::FtarResult r;
+          {
+            nb::gil_scoped_release release;
+            r = fthsdp::ftar_allreduce(h, shard, quorum_id, rank, n, {b});
+          }
+          if (r.fatal) throw std::runtime_error(r.reason);
+          return std::make_pair(static_cast<int>(r.status), r.reason);
+        },
+        "In-place all-reduce of a C-contiguous host array, outside XLA (tests, benchmarks).");
+  m.def("ring_schedule",
+        [](int64_t count, int64_t chunk_elems, int32_t chunks, int32_t n, int32_t rank) {
+          fthsdp::RingSchedule s(count, chunk_elems, chunks, n, rank);
+          nb::list out;
+          for (int32_t lane = 0; lane < s.lanes(); ++lane) {
+            for (int64_t i = 0; i < s.steps_per_lane(); ++i) {
+              const auto c = s.lane_step(lane, i);
+              out.append(nb::make_tuple(c.lane, i, c.partition, c.step, c.send_segment,
+                                        c.recv_segment, c.send.offset, c.send.count,
+                                        c.recv.offset, c.recv.count, static_cast<int>(c.op)));
+            }
+          }
+          return nb::make_tuple(s.num_partitions(), s.steps_per_partition(), out);
+        },
+        "The pure ring schedule: (partitions, steps per partition, [(lane, index, partition, "
+        "step, send_seg, recv_seg, send_off, send_count, recv_off, recv_count, op)]).");
 }

@@ -1,0 +1,812 @@
+#include "control_thread.h"
+
+#include <errno.h>
+#include <sys/eventfd.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstring>
+#include <stdexcept>
+
+namespace fthsdp {
+namespace {
+
+template <size_t N>
+void copy_str(char (&dst)[N], const std::string& s) {
+  std::memset(dst, 0, N);
+  std::memcpy(dst, s.data(), std::min(N - 1, s.size()));
+}
+
+template <size_t N>
+std::string read_str(const char (&src)[N]) {
+  return std::string(src, strnlen(src, N));
+}
+
+std::string io_error(int err) { return err ? std::string(strerror(err)) : "closed by peer"; }
+
+Clock::duration seconds(double s) {
+  return std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(s));
+}
+
+constexpr auto kRetryDelay = std::chrono::milliseconds(20);
+constexpr auto kPendingLimit = std::chrono::seconds(120);
+constexpr size_t kReadBudget = 8u << 20;  // bytes read from one stream per wake-up
+
+}  // namespace
+
+// ---------------------------------------------------------------------------
+// Public side (any thread).
+
+RingEndpoint::RingEndpoint(const RingOptions& options, ControlThread* thread)
+    : options_(options), thread_(thread) {
+  if (options.streams < 1 || options.streams > 64) {
+    throw std::invalid_argument("ftar: streams per peer must be in [1, 64], got " +
+                                std::to_string(options.streams));
+  }
+  if (options.chunks < 1 || options.chunks > 256) {
+    throw std::invalid_argument("ftar: chunks in flight must be in [1, 256], got " +
+                                std::to_string(options.chunks));
+  }
+  if (options.chunk_bytes < 64 || options.chunk_bytes > (int64_t{1} << 30)) {
+    throw std::invalid_argument("ftar: chunk_bytes must be in [64, 2^30], got " +
+                                std::to_string(options.chunk_bytes));
+  }
+  if (!(options.timeout_s > 0)) {
+    throw std::invalid_argument("ftar: timeout_s must be > 0");
+  }
+  listen_fd_ = tcp::listen_on(options.listen_host, 0, &address_);
+  // Receive staging of S x C, touched now so that no op pays first-touch faults.
+  staging_.resize(static_cast<size_t>(options.chunk_bytes) * options.chunks);
+  std::memset(staging_.data(), 0, staging_.size());
+}
+
+RingEndpoint::~RingEndpoint() = default;
+
+void RingEndpoint::configure(const RingConfig& config) {
+  const int64_t n = static_cast<int64_t>(config.members.size());
+  if (n < 1) throw std::invalid_argument("ftar configure: members must not be empty");
+  if (config.rank < 0 || config.rank >= n) {
+    throw std::invalid_argument("ftar configure: rank " + std::to_string(config.rank) +
+                                " outside ring of " + std::to_string(n) + " members");
+  }
+  if (config.job_id.empty() || config.job_id.size() >= tcp::kJobIdMax) {
+    throw std::invalid_argument("ftar configure: job_id must have 1.." +
+                                std::to_string(tcp::kJobIdMax - 1) + " characters");
+  }
+  if (!(config.connect_timeout_s > 0)) {
+    throw std::invalid_argument("ftar configure: connect_timeout_s must be > 0");
+  }
+  for (const auto& m : config.members) {
+    sockaddr_in addr;
+    std::string error;
+    if (!tcp::parse_address(m, &addr, &error)) throw std::invalid_argument("ftar configure: " + error);
+  }
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    commands_.push_back(Command{true, config, ""});
+    ++config_gen_;
+    state_ = State::kConnecting;
+    state_reason_.clear();
+  }
+  thread_->wake();
+}
+
+std::pair<bool, std::string> RingEndpoint::wait_configured(double timeout_s) {
+  std::unique_lock<std::mutex> lk(mu_);
+  const auto until = Clock::now() + seconds(timeout_s);
+  const bool decided =
+      state_cv_.wait_until(lk, until, [&] { return state_ != State::kConnecting; });
+  if (!decided) return {false, "still connecting after " + std::to_string(timeout_s) + " s"};
+  if (state_ == State::kReady) return {true, ""};
+  if (state_ == State::kUnconfigured) return {false, "not configured"};
+  return {false, state_reason_};
+}
+
+void RingEndpoint::abort(const std::string& reason) {
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    commands_.push_back(Command{false, RingConfig{}, reason});
+  }
+  thread_->wake();
+}
+
+void RingEndpoint::run(const std::shared_ptr<Op>& op) {
+  std::unique_lock<std::mutex> lk(mu_);
+  if (submitted_) {
+    op->done = true;
+    op->fatal = true;
+    op->reason = "two all-reduces were submitted concurrently to one ring endpoint";
+    return;
+  }
+  submitted_ = op;
+  lk.unlock();
+  thread_->wake();
+  lk.lock();
+  const auto pred = [&] { return op->done; };
+  // The control thread enforces op->deadline itself; the margins only guard
+  // against a control thread that stopped making progress (a bug).
+  if (op->cv.wait_until(lk, op->deadline + std::chrono::seconds(2), pred)) return;
+  if (submitted_ == op) {
+    submitted_.reset();
+    op->done = true;
+    op->status = OpStatus::kRecoverable;
+    op->reason = "the control thread did not start the all-reduce before its deadline";
+    return;
+  }
+  commands_.push_back(Command{false, RingConfig{}, "all-reduce overran its deadline"});
+  lk.unlock();
+  thread_->wake();
+  lk.lock();
+  if (op->cv.wait_until(lk, op->deadline + std::chrono::seconds(7), pred)) return;
+  op->done = true;
+  op->fatal = true;
+  op->reason = "ftar control thread unresponsive: all-reduce neither finished nor aborted";
+}
+
+RingStats RingEndpoint::stats() {
+  std::lock_guard<std::mutex> lk(mu_);
+  RingStats s = stats_;
+  switch (state_) {
+    case State::kUnconfigured: s.state = "unconfigured"; break;
+    case State::kConnecting: s.state = "connecting"; break;
+    case State::kReady: s.state = "ready"; break;
+    case State::kFailed: s.state = "failed: " + state_reason_; break;
+  }
+  return s;
+}
+
+// ---------------------------------------------------------------------------
+// Control-thread side.
+
+int32_t RingEndpoint::left() const {
+  const int32_t n = static_cast<int32_t>(cfg_->members.size());
+  return (cfg_->rank + n - 1) % n;
+}
+
+int32_t RingEndpoint::right() const {
+  const int32_t n = static_cast<int32_t>(cfg_->members.size());
+  return (cfg_->rank + 1) % n;
+}
+
+void RingEndpoint::set_state(State s, const std::string& reason) {
+  local_state_ = s;
+  local_reason_ = reason;
+  std::lock_guard<std::mutex> lk(mu_);
+  if (applied_gen_ != config_gen_) return;  // a newer configure() is queued
+  state_ = s;
+  state_reason_ = reason;
+  if (s == State::kFailed) stats_.last_error = reason;
+  state_cv_.notify_all();
+}
+
+void RingEndpoint::take_commands(Clock::time_point now) {
+  for (;;) {
+    Command cmd;
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      if (commands_.empty()) break;
+      cmd = std::move(commands_.front());
+      commands_.pop_front();
+      if (cmd.is_configure) {
+        ++applied_gen_;
+        ++stats_.configures;
+      }
+    }
+    if (cmd.is_configure) {
+      apply_configure(cmd.config, now);
+    } else {
+      fail("aborted: " + cmd.reason);
+    }
+  }
+  std::shared_ptr<Op> op;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    if (!op_ && submitted_) op = std::move(submitted_);
+  }
+  if (op) {
+    op_ = std::move(op);
+    start_op(now);
+  }
+}
+
+void RingEndpoint::close_all() {
+  out_.clear();
+  in_.clear();
+  ++epoch_;
+}
+
+void RingEndpoint::apply_configure(const RingConfig& config, Clock::time_point now) {
+  if (op_) finish_op(OpStatus::kRecoverable, false, "quorum changed while an all-reduce was in flight");
+  close_all();
+  cfg_ = config;
+  op_seq_ = 0;
+  const int32_t n = static_cast<int32_t>(config.members.size());
+  if (n == 1) {
+    set_state(State::kReady, "");
+    return;
+  }
+  out_.resize(options_.streams);
+  for (auto& s : out_) {
+    s.phase = OutStream::Phase::kWaitRetry;
+    s.retry_at = now;
+  }
+  in_.resize(options_.streams);
+  connect_deadline_ = now + seconds(config.connect_timeout_s);
+  set_state(State::kConnecting, "");
+  // Connections that arrived before this configure() may belong to it.
+  for (auto& p : pending_) {
+    if (p.fd.valid() && p.done == sizeof(tcp::Hello)) decide(&p);
+  }
+}
+
+void RingEndpoint::check_ready() {
+  if (local_state_ != State::kConnecting) return;
+  for (const auto& s : out_) {
+    if (s.phase != OutStream::Phase::kReady) return;
+  }
+  for (const auto& s : in_) {
+    if (!s.fd.valid()) return;
+  }
+  set_state(State::kReady, "");
+  if (op_ && !sched_) begin_op();
+}
+
+void RingEndpoint::fail(const std::string& reason, bool fatal) {
+  close_all();
+  if (cfg_) {
+    set_state(State::kFailed, reason);
+  } else {
+    std::lock_guard<std::mutex> lk(mu_);
+    stats_.last_error = reason;
+  }
+  if (op_) finish_op(OpStatus::kRecoverable, fatal, reason);
+}
+
+void RingEndpoint::finish_op(OpStatus status, bool fatal, const std::string& reason) {
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    op_->done = true;
+    op_->fatal = fatal;
+    op_->status = status;
+    op_->reason = reason;
+    if (fatal) {
+      ++stats_.ops_fatal;
+    } else if (status == OpStatus::kOk) {
+      ++stats_.ops_ok;
+    } else {
+      ++stats_.ops_recoverable;
+    }
+    if (status != OpStatus::kOk || fatal) stats_.last_error = reason;
+    op_->cv.notify_all();
+  }
+  op_.reset();
+  sched_.reset();
+  lanes_.clear();
+}
+
+void RingEndpoint::start_op(Clock::time_point now) {
+  (void)now;
+  Op& op = *op_;
+  if (!cfg_) {
+    finish_op(OpStatus::kRecoverable, false, "ftar communicator is not configured yet");
+    return;
+  }
+  const int32_t n = static_cast<int32_t>(cfg_->members.size());
+  if (op.quorum_id != cfg_->quorum_id) {
+    finish_op(OpStatus::kRecoverable, false,
+              "stale quorum id: the step carries quorum " + std::to_string(op.quorum_id) +
+                  " but the communicator is configured for quorum " +
+                  std::to_string(cfg_->quorum_id));
+    return;
+  }
+  if (op.n != n || op.rank != cfg_->rank) {
+    finish_op(OpStatus::kRecoverable, true,
+              "bad quorum inputs: the step says rank " + std::to_string(op.rank) + " of " +
+                  std::to_string(op.n) + " but quorum " + std::to_string(cfg_->quorum_id) +
+                  " configured this communicator as rank " + std::to_string(cfg_->rank) +
+                  " of " + std::to_string(n));
+    return;
+  }
+  if (local_state_ == State::kFailed) {
+    finish_op(OpStatus::kRecoverable, false, "ring is down: " + local_reason_);
+    return;
+  }
+  if (n == 1 || op.count == 0) {
+    finish_op(OpStatus::kOk, false, "");
+    return;
+  }
+  if (local_state_ == State::kReady) begin_op();
+  // else: connecting; check_ready() begins it, or the deadline fails it.
+}
+
+void RingEndpoint::begin_op() {
+  Op& op = *op_;
+  elem_ = dtype_size(op.dtype);
+  const int64_t chunk_elems = std::max<int64_t>(1, options_.chunk_bytes / static_cast<int64_t>(elem_));
+  sched_.emplace(op.count, chunk_elems, options_.chunks, op.n, op.rank);
+  ++op_seq_;
+  lanes_.assign(options_.chunks, Lane{});
+  lanes_done_ = 0;
+  const int k = options_.streams;
+  for (auto& s : in_) {
+    s.expected = 0;
+    s.reading_payload = false;
+    s.done = 0;
+  }
+  const int64_t total = sched_->steps_per_lane();
+  for (int32_t lane = 0; lane < options_.chunks; ++lane) {
+    for (int64_t i = 0; i < total; ++i) {
+      if (sched_->lane_step(lane, i).recv.count > 0) ++in_[lane % k].expected;
+    }
+  }
+  for (int32_t lane = 0; lane < options_.chunks && op_; ++lane) advance(lane);
+  op_maybe_done();
+}
+
+void RingEndpoint::advance(int32_t lane) {
+  Lane& L = lanes_[lane];
+  const int64_t total = sched_->steps_per_lane();
+  for (;;) {
+    while (L.next_recv < total && sched_->lane_step(lane, L.next_recv).recv.count == 0) ++L.next_recv;
+    if (!L.send_queued && L.next_send < total) {
+      const ChunkStep cs = sched_->lane_step(lane, L.next_send);
+      if (cs.step == 0 || L.next_recv >= L.next_send) {
+        if (cs.send.count == 0) {
+          ++L.next_send;
+          continue;
+        }
+        OutStream::Item item;
+        item.header.magic = tcp::kChunkMagic;
+        item.header.lane = static_cast<uint32_t>(lane);
+        item.header.op_seq = op_seq_;
+        item.header.index = L.next_send;
+        item.bytes = static_cast<size_t>(cs.send.count) * elem_;
+        item.header.bytes = item.bytes;
+        item.data = static_cast<const char*>(op_->data) + cs.send.offset * static_cast<int64_t>(elem_);
+        item.lane = lane;
+        out_[lane % options_.streams].queue.push_back(item);
+        L.send_queued = true;
+      }
+    }
+    break;
+  }
+  if (!L.done && L.next_send == total && L.next_recv == total) {
+    L.done = true;
+    ++lanes_done_;
+  }
+}
+
+void RingEndpoint::op_maybe_done() {
+  if (op_ && sched_ && lanes_done_ == static_cast<int64_t>(lanes_.size())) {
+    finish_op(OpStatus::kOk, false, "");
+  }
+}
+
+void RingEndpoint::refuse(tcp::Fd fd, const std::string& reason) {
+  tcp::Reply reply{};
+  reply.ok = 0;
+  copy_str(reply.reason, reason);
+  (void)::send(fd.get(), &reply, sizeof(reply), MSG_NOSIGNAL | MSG_DONTWAIT);
+  std::lock_guard<std::mutex> lk(mu_);
+  ++stats_.refused_handshakes;
+  stats_.last_error = "refused a handshake: " + reason;
+}
+
+int RingEndpoint::decide(Pending* p) {
+  const tcp::Hello& h = p->hello;
+  if (h.magic != tcp::kHelloMagic || h.version != tcp::kProtocolVersion) {
+    refuse(std::move(p->fd), "not an FTAR peer or protocol version mismatch");
+    return 0;
+  }
+  if (!cfg_) return -1;
+  const std::string job = read_str(h.job_id);
+  if (job != cfg_->job_id) {
+    refuse(std::move(p->fd), "job id mismatch: peer is in job '" + job + "', this rank in job '" +
+                                 cfg_->job_id + "'");
+    return 0;
+  }
+  if (h.quorum_id < cfg_->quorum_id) {
+    refuse(std::move(p->fd), "stale quorum id " + std::to_string(h.quorum_id) +
+                                 ": this rank is configured for quorum " +
+                                 std::to_string(cfg_->quorum_id));
+    return 0;
+  }
+  if (h.quorum_id > cfg_->quorum_id) return -1;  // this rank will be reconfigured soon
+  const int32_t n = static_cast<int32_t>(cfg_->members.size());
+  std::string why;
+  if (local_state_ == State::kFailed) {
+    why = "this rank's ring for quorum " + std::to_string(cfg_->quorum_id) +
+          " already failed (" + local_reason_ + "); reconfigure with a new quorum id";
+  } else if (h.n != n) {
+    why = "ring size mismatch: peer says " + std::to_string(h.n) + ", this rank " + std::to_string(n);
+  } else if (n < 2 || h.rank != left()) {
+    why = "rank " + std::to_string(h.rank) + " is not this rank's left neighbour (rank " +
+          std::to_string(cfg_->rank) + " of " + std::to_string(n) + ")";
+  } else if (h.streams != options_.streams) {
+    why = "streams per peer mismatch: peer uses " + std::to_string(h.streams) + ", this rank " +
+          std::to_string(options_.streams);
+  } else if (h.stream < 0 || h.stream >= options_.streams ||
+             static_cast<size_t>(h.stream) >= in_.size() || in_[h.stream].fd.valid()) {
+    why = "bad or duplicate stream index " + std::to_string(h.stream);
+  }
+  if (!why.empty()) {
+    refuse(std::move(p->fd), why);
+    return 0;
+  }
+  tcp::Reply reply{};
+  reply.ok = 1;
+  if (::send(p->fd.get(), &reply, sizeof(reply), MSG_NOSIGNAL | MSG_DONTWAIT) !=
+      static_cast<ssize_t>(sizeof(reply))) {
+    p->fd.reset();
+    return 0;
+  }
+  tcp::tune_stream(p->fd.get(), options_.socket_buffer_bytes);
+  in_[h.stream].fd = std::move(p->fd);
+  check_ready();
+  return 1;
+}
+
+void RingEndpoint::on_accept(Clock::time_point now) {
+  for (;;) {
+    tcp::Fd fd = tcp::accept_one(listen_fd_.get());
+    if (!fd.valid()) break;
+    Pending p;
+    p.fd = std::move(fd);
+    p.since = now;
+    pending_.push_back(std::move(p));
+  }
+}
+
+void RingEndpoint::on_pending(size_t i, short revents) {
+  (void)revents;
+  Pending& p = pending_[i];
+  if (!p.fd.valid()) return;
+  if (p.done < sizeof(tcp::Hello)) {
+    int err = 0;
+    const tcp::Io io = tcp::recv_into(p.fd.get(), &p.hello, sizeof(p.hello), &p.done, &err);
+    if (io == tcp::Io::kClosed || io == tcp::Io::kError) {
+      p.fd.reset();
+      return;
+    }
+    if (p.done == sizeof(tcp::Hello)) decide(&p);
+  } else {
+    // A held connection: readable now means its peer gave up (EOF) or broke protocol.
+    char c;
+    const ssize_t r = ::recv(p.fd.get(), &c, 1, MSG_DONTWAIT | MSG_PEEK);
+    if (r == 0 || (r < 0 && errno != EAGAIN && errno != EWOULDBLOCK)) p.fd.reset();
+  }
+}
+
+void RingEndpoint::on_out(size_t i, short revents, Clock::time_point now) {
+  OutStream& s = out_[i];
+  using Phase = OutStream::Phase;
+  const std::string peer = cfg_->members[right()];
+  if (s.phase == Phase::kConnecting) {
+    const int err = tcp::connect_result(s.fd.get());
+    if (err != 0) {
+      s.fd.reset();
+      s.phase = Phase::kWaitRetry;
+      s.retry_at = now + kRetryDelay;
+      return;
+    }
+    tcp::tune_stream(s.fd.get(), options_.socket_buffer_bytes);
+    s.hello = tcp::Hello{};
+    s.hello.magic = tcp::kHelloMagic;
+    s.hello.version = tcp::kProtocolVersion;
+    s.hello.quorum_id = cfg_->quorum_id;
+    s.hello.rank = cfg_->rank;
+    s.hello.n = static_cast<int32_t>(cfg_->members.size());
+    s.hello.stream = static_cast<int32_t>(i);
+    s.hello.streams = options_.streams;
+    copy_str(s.hello.job_id, cfg_->job_id);
+    s.io_done = 0;
+    s.phase = Phase::kHello;
+  }
+  if (s.phase == Phase::kHello) {
+    int err = 0;
+    const tcp::Io io = tcp::send_two(s.fd.get(), &s.hello, sizeof(s.hello), nullptr, 0, &s.io_done, &err);
+    if (io == tcp::Io::kClosed || io == tcp::Io::kError) {
+      s.fd.reset();
+      s.phase = Phase::kWaitRetry;
+      s.retry_at = now + kRetryDelay;
+      return;
+    }
+    if (s.io_done == sizeof(s.hello)) {
+      s.io_done = 0;
+      s.phase = Phase::kAwaitReply;
+    }
+    return;
+  }
+  if (s.phase == Phase::kAwaitReply) {
+    int err = 0;
+    const tcp::Io io = tcp::recv_into(s.fd.get(), &s.reply, sizeof(s.reply), &s.io_done, &err);
+    if (io == tcp::Io::kClosed || io == tcp::Io::kError) {
+      s.fd.reset();
+      s.phase = Phase::kWaitRetry;
+      s.retry_at = now + kRetryDelay;
+      return;
+    }
+    if (s.io_done < sizeof(s.reply)) return;
+    if (s.reply.ok != 1) {
+      fail("right neighbour " + peer + " refused the handshake: " + read_str(s.reply.reason));
+      return;
+    }
+    s.phase = Phase::kReady;
+    check_ready();
+    return;
+  }
+  if (s.phase != Phase::kReady) return;
+  if (revents & (POLLERR | POLLHUP)) {
+    fail("connection to right neighbour " + peer + " closed or reset");
+    return;
+  }
+  const uint64_t epoch = epoch_;
+  while (!s.queue.empty()) {
+    OutStream::Item& item = s.queue.front();
+    int err = 0;
+    const size_t before = s.sent;
+    const tcp::Io io = tcp::send_two(s.fd.get(), &item.header, sizeof(item.header), item.data,
+                                     item.bytes, &s.sent, &err);
+    if (io == tcp::Io::kWouldBlock) break;
+    if (io != tcp::Io::kProgress) {
+      fail("connection to right neighbour " + peer + " lost: " + io_error(err));
+      return;
+    }
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      stats_.bytes_sent += static_cast<int64_t>(s.sent - before);
+    }
+    if (s.sent < sizeof(item.header) + item.bytes) continue;
+    const int32_t lane = item.lane;
+    s.queue.pop_front();
+    s.sent = 0;
+    Lane& L = lanes_[lane];
+    ++L.next_send;
+    L.send_queued = false;
+    advance(lane);
+    op_maybe_done();
+    if (!op_ || epoch != epoch_) return;
+  }
+}
+
+void RingEndpoint::on_in(size_t i, short revents) {
+  (void)revents;
+  const std::string peer = cfg_->members[left()];
+  size_t budget = kReadBudget;
+  while (op_ && sched_) {
+    InStream& s = in_[i];
+    if (!s.reading_payload) {
+      if (s.expected <= 0) return;
+      int err = 0;
+      const tcp::Io io = tcp::recv_into(s.fd.get(), &s.header, sizeof(s.header), &s.done, &err);
+      if (io == tcp::Io::kWouldBlock) return;
+      if (io != tcp::Io::kProgress) {
+        fail("connection from left neighbour " + peer + " lost: " + io_error(err));
+        return;
+      }
+      if (s.done < sizeof(s.header)) continue;
+      const tcp::ChunkHeader& h = s.header;
+      std::string bad;
+      if (h.magic != tcp::kChunkMagic) {
+        bad = "bad chunk magic";
+      } else if (h.op_seq != op_seq_) {
+        bad = "chunk of op " + std::to_string(h.op_seq) + " during op " + std::to_string(op_seq_);
+      } else if (h.lane >= lanes_.size() || static_cast<int>(h.lane % options_.streams) != static_cast<int>(i)) {
+        bad = "chunk of lane " + std::to_string(h.lane) + " on stream " + std::to_string(i);
+      } else if (h.index != lanes_[h.lane].next_recv) {
+        bad = "lane " + std::to_string(h.lane) + " expected step " +
+              std::to_string(lanes_[h.lane].next_recv) + ", got " + std::to_string(h.index);
+      } else {
+        const ChunkStep cs = sched_->lane_step(static_cast<int32_t>(h.lane), h.index);
+        if (h.bytes != static_cast<uint64_t>(cs.recv.count) * elem_) {
+          bad = "chunk of " + std::to_string(h.bytes) + " bytes where the schedule says " +
+                std::to_string(cs.recv.count * static_cast<int64_t>(elem_)) +
+                " (do both ranks all-reduce buffers of the same size and dtype?)";
+        } else {
+          s.lane = static_cast<int32_t>(h.lane);
+          s.dest = cs.op == RecvOp::kStore
+                       ? static_cast<char*>(op_->data) + cs.recv.offset * static_cast<int64_t>(elem_)
+                       : staging_.data() + static_cast<size_t>(h.lane) * options_.chunk_bytes;
+        }
+      }
+      if (!bad.empty()) {
+        fail("ftar protocol violation from left neighbour " + peer + ": " + bad, /*fatal=*/true);
+        return;
+      }
+      s.reading_payload = true;
+      s.done = 0;
+    }
+    int err = 0;
+    const size_t before = s.done;
+    const tcp::Io io = tcp::recv_into(s.fd.get(), s.dest, s.header.bytes, &s.done, &err);
+    if (io == tcp::Io::kWouldBlock) return;
+    if (io != tcp::Io::kProgress) {
+      fail("connection from left neighbour " + peer + " lost: " + io_error(err));
+      return;
+    }
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      stats_.bytes_received += static_cast<int64_t>(s.done - before);
+    }
+    const size_t got = s.done - before;
+    if (s.done < s.header.bytes) {
+      if (got >= budget) return;
+      budget -= got;
+      continue;
+    }
+    const int32_t lane = s.lane;
+    const ChunkStep cs = sched_->lane_step(lane, s.header.index);
+    if (cs.op != RecvOp::kStore) {
+      char* out = static_cast<char*>(op_->data) + cs.recv.offset * static_cast<int64_t>(elem_);
+      reduce_sum(op_->dtype, out, s.dest, out, static_cast<size_t>(cs.recv.count));
+    }
+    s.reading_payload = false;
+    s.done = 0;
+    --s.expected;
+    ++lanes_[lane].next_recv;
+    advance(lane);
+    op_maybe_done();
+    if (got >= budget) return;
+    budget -= got;
+  }
+}
+
+void RingEndpoint::poll_prepare(Clock::time_point now, std::vector<pollfd>* fds,
+                                Clock::time_point* wake_at) {
+  take_commands(now);
+  if (op_ && now >= op_->deadline) {
+    const auto waited = std::chrono::duration<double>(now - op_->deadline).count() + options_.timeout_s;
+    fail("timeout: the all-reduce did not finish within " + std::to_string(waited) +
+         " s (a peer is stopped, overloaded or unreachable)");
+  }
+  if (local_state_ == State::kConnecting && now >= connect_deadline_) {
+    int out_ready = 0, in_ready = 0;
+    for (const auto& s : out_) out_ready += s.phase == OutStream::Phase::kReady;
+    for (const auto& s : in_) in_ready += s.fd.valid();
+    fail("timeout connecting the ring for quorum " + std::to_string(cfg_->quorum_id) + ": " +
+         std::to_string(out_ready) + "/" + std::to_string(out_.size()) +
+         " streams to right neighbour " + cfg_->members[right()] + " and " +
+         std::to_string(in_ready) + "/" + std::to_string(in_.size()) +
+         " streams from left neighbour " + cfg_->members[left()] + " established");
+  }
+  if (local_state_ == State::kConnecting) {
+    sockaddr_in addr;
+    std::string error;
+    const bool ok = tcp::parse_address(cfg_->members[right()], &addr, &error);
+    for (auto& s : out_) {
+      if (s.phase != OutStream::Phase::kWaitRetry) continue;
+      if (now < s.retry_at) {
+        *wake_at = std::min(*wake_at, s.retry_at);
+        continue;
+      }
+      int err = 0;
+      tcp::Fd fd = ok ? tcp::connect_start(addr, &err) : tcp::Fd();
+      if (!fd.valid()) {
+        s.retry_at = now + kRetryDelay;
+        *wake_at = std::min(*wake_at, s.retry_at);
+        continue;
+      }
+      s.fd = std::move(fd);
+      s.phase = OutStream::Phase::kConnecting;
+    }
+    *wake_at = std::min(*wake_at, connect_deadline_);
+  }
+  if (op_) *wake_at = std::min(*wake_at, op_->deadline);
+  // Drop decided or long-held pending connections.
+  pending_.erase(std::remove_if(pending_.begin(), pending_.end(),
+                                [&](const Pending& p) {
+                                  return !p.fd.valid() || now - p.since > kPendingLimit;
+                                }),
+                 pending_.end());
+
+  slot_base_ = fds->size();
+  slots_.clear();
+  auto add = [&](int fd, short events, int kind, size_t index) {
+    fds->push_back(pollfd{fd, events, 0});
+    slots_.push_back(Slot{kind, index});
+  };
+  add(listen_fd_.get(), POLLIN, 0, 0);
+  for (size_t i = 0; i < pending_.size(); ++i) add(pending_[i].fd.get(), POLLIN, 1, i);
+  for (size_t i = 0; i < out_.size(); ++i) {
+    const OutStream& s = out_[i];
+    switch (s.phase) {
+      case OutStream::Phase::kConnecting:
+      case OutStream::Phase::kHello: add(s.fd.get(), POLLOUT, 2, i); break;
+      case OutStream::Phase::kAwaitReply: add(s.fd.get(), POLLIN, 2, i); break;
+      case OutStream::Phase::kReady:
+        if (!s.queue.empty()) add(s.fd.get(), POLLOUT, 2, i);
+        break;
+      default: break;
+    }
+  }
+  if (op_ && sched_) {
+    for (size_t i = 0; i < in_.size(); ++i) {
+      const InStream& s = in_[i];
+      if (s.fd.valid() && (s.expected > 0 || s.reading_payload)) add(s.fd.get(), POLLIN, 3, i);
+    }
+  }
+}
+
+void RingEndpoint::poll_handle(const std::vector<pollfd>& fds, Clock::time_point now) {
+  const uint64_t epoch = epoch_;
+  for (size_t j = 0; j < slots_.size(); ++j) {
+    const short rev = fds[slot_base_ + j].revents;
+    if (rev == 0) continue;
+    if (epoch != epoch_) break;  // connections were dropped: the rest of the slots are stale
+    const Slot& slot = slots_[j];
+    switch (slot.kind) {
+      case 0: on_accept(now); break;
+      case 1: on_pending(slot.index, rev); break;
+      case 2: on_out(slot.index, rev, now); break;
+      case 3: on_in(slot.index, rev); break;
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------
+
+ControlThread::ControlThread() {
+  wake_fd_ = tcp::Fd(::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC));
+  if (!wake_fd_.valid()) throw std::runtime_error(std::string("ftar: eventfd: ") + strerror(errno));
+  thread_ = std::thread([this] { loop(); });
+}
+
+ControlThread::~ControlThread() {
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    stop_ = true;
+  }
+  wake();
+  if (thread_.joinable()) thread_.join();
+}
+
+void ControlThread::add(const std::shared_ptr<RingEndpoint>& ep) {
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    endpoints_.push_back(ep);
+  }
+  wake();
+}
+
+void ControlThread::remove(const RingEndpoint* ep) {
+  std::lock_guard<std::mutex> lk(mu_);
+  endpoints_.erase(std::remove_if(endpoints_.begin(), endpoints_.end(),
+                                  [&](const std::shared_ptr<RingEndpoint>& e) { return e.get() == ep; }),
+                   endpoints_.end());
+}
+
+void ControlThread::wake() {
+  const uint64_t one = 1;
+  (void)!::write(wake_fd_.get(), &one, sizeof(one));
+}
+
+void ControlThread::loop() {
+  std::vector<pollfd> fds;
+  std::vector<std::shared_ptr<RingEndpoint>> eps;
+  for (;;) {
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      if (stop_) break;
+      eps = endpoints_;
+    }
+    auto now = Clock::now();
+    Clock::time_point wake_at = now + std::chrono::milliseconds(200);
+    fds.clear();
+    fds.push_back(pollfd{wake_fd_.get(), POLLIN, 0});
+    for (auto& ep : eps) ep->poll_prepare(now, &fds, &wake_at);
+    now = Clock::now();
+    const auto wait_ms =
+        std::chrono::duration_cast<std::chrono::milliseconds>(wake_at - now).count() + 1;
+    const int timeout = static_cast<int>(std::max<int64_t>(0, std::min<int64_t>(wait_ms, 200)));
+    ::poll(fds.data(), fds.size(), timeout);
+    if (fds[0].revents & POLLIN) {
+      uint64_t v;
+      (void)!::read(wake_fd_.get(), &v, sizeof(v));
+    }
+    now = Clock::now();
+    for (auto& ep : eps) ep->poll_handle(fds, now);
+  }
+}
+
+}  // namespace fthsdp

@@ -1,0 +1,245 @@
+// FTAR's control plane on CPU: one control thread per process owns every
+// connection of every ring endpoint (one endpoint per local shard), runs the
+// ring schedule over non-blocking sockets, and is what completes the ops that
+// XLA's handler threads wait on. Handler threads never touch a socket; they
+// submit an op and wait for it (with a deadline).
+//
+// Outcomes: OK; RECOVERABLE (peer closed or reset, timeout, quorum changed,
+// stale quorum id, aborted, not connected) -> the step is retried on a new
+// quorum; FATAL (bad arguments, protocol violation, configuration that
+// contradicts the op) -> ffi::Error.
+#pragma once
+
+#include <poll.h>
+
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "reduce.h"
+#include "ring_schedule.h"
+#include "transport/tcp.h"
+
+namespace fthsdp {
+
+using Clock = std::chrono::steady_clock;
+
+enum class OpStatus : int32_t { kOk = 0, kRecoverable = 1 };
+
+struct RingOptions {
+  std::string listen_host = "127.0.0.1";
+  int streams = 1;                  // TCP streams per peer; chunks are striped over them
+  int64_t chunk_bytes = 1 << 20;    // S
+  int chunks = 4;                   // C: chunks in flight (lanes)
+  double timeout_s = 60.0;          // deadline of one all-reduce
+  int socket_buffer_bytes = 0;      // 0: kernel default (autotuned)
+};
+
+struct RingConfig {
+  std::string job_id;
+  int64_t quorum_id = 0;
+  int32_t rank = 0;
+  std::vector<std::string> members;  // ring order; this endpoint's address per member
+  double connect_timeout_s = 30.0;
+};
+
+// One all-reduce of a contiguous buffer, in place.
+struct Op {
+  void* data = nullptr;
+  DType dtype = DType::kF32;
+  int64_t count = 0;
+  int64_t quorum_id = 0;
+  int32_t rank = 0;
+  int32_t n = 0;
+  Clock::time_point deadline;
+  // Result, guarded by the endpoint's mutex.
+  bool done = false;
+  bool fatal = false;
+  OpStatus status = OpStatus::kOk;
+  std::string reason;
+  std::condition_variable cv;
+};
+
+struct RingStats {
+  int64_t ops_ok = 0;
+  int64_t ops_recoverable = 0;
+  int64_t ops_fatal = 0;
+  int64_t bytes_sent = 0;
+  int64_t bytes_received = 0;
+  int64_t configures = 0;
+  int64_t refused_handshakes = 0;
+  std::string state;
+  std::string last_error;
+};
+
+class ControlThread;
+
+// One ring endpoint. Public methods are thread-safe; the private ones run on
+// the control thread only.
+class RingEndpoint {
+ public:
+  RingEndpoint(const RingOptions& options, ControlThread* thread);
+  ~RingEndpoint();
+  RingEndpoint(const RingEndpoint&) = delete;
+  RingEndpoint& operator=(const RingEndpoint&) = delete;
+
+  const std::string& address() const { return address_; }
+  const RingOptions& options() const { return options_; }
+
+  // Validates (throws std::invalid_argument) and hands the new configuration
+  // to the control thread, which tears down the old connections and connects
+  // the new neighbours. Returns at once.
+  void configure(const RingConfig& config);
+  // Waits until the last configure() finished connecting. Returns ok/reason.
+  std::pair<bool, std::string> wait_configured(double timeout_s);
+  // Makes the in-flight op (if any) return RECOVERABLE promptly and drops the
+  // connections; ops fail RECOVERABLE until the next configure().
+  void abort(const std::string& reason);
+  // Runs one all-reduce (blocking, bounded by options().timeout_s).
+  void run(const std::shared_ptr<Op>& op);
+  RingStats stats();
+
+ private:
+  friend class ControlThread;
+  enum class State { kUnconfigured, kConnecting, kReady, kFailed };
+
+  struct OutStream {
+    enum class Phase { kWaitRetry, kConnecting, kHello, kAwaitReply, kReady };
+    Phase phase = Phase::kWaitRetry;
+    tcp::Fd fd;
+    Clock::time_point retry_at;
+    size_t io_done = 0;
+    tcp::Hello hello{};
+    tcp::Reply reply{};
+    // Chunk sending.
+    struct Item {
+      tcp::ChunkHeader header;
+      const char* data;
+      size_t bytes;
+      int32_t lane;
+    };
+    std::deque<Item> queue;
+    size_t sent = 0;  // of queue.front(): header + payload bytes
+  };
+  struct InStream {
+    tcp::Fd fd;
+    bool reading_payload = false;
+    tcp::ChunkHeader header{};
+    size_t done = 0;
+    char* dest = nullptr;
+    int32_t lane = 0;
+    int64_t expected = 0;  // messages still due on this stream in the current op
+  };
+  struct Pending {  // an accepted connection whose handshake is not decided yet
+    tcp::Fd fd;
+    tcp::Hello hello{};
+    size_t done = 0;
+    Clock::time_point since;
+  };
+  struct Lane {
+    int64_t next_send = 0;
+    int64_t next_recv = 0;
+    bool send_queued = false;
+    bool done = false;
+  };
+  struct Slot {
+    int kind;  // 0 listen, 1 pending, 2 out, 3 in
+    size_t index;
+  };
+
+  // Control-thread side.
+  void poll_prepare(Clock::time_point now, std::vector<pollfd>* fds, Clock::time_point* wake_at);
+  void poll_handle(const std::vector<pollfd>& fds, Clock::time_point now);
+  void take_commands(Clock::time_point now);
+  void begin_op();
+  void apply_configure(const RingConfig& config, Clock::time_point now);
+  void start_op(Clock::time_point now);
+  void finish_op(OpStatus status, bool fatal, const std::string& reason);
+  void fail(const std::string& reason, bool fatal = false);
+  void close_all();
+  void set_state(State s, const std::string& reason);
+  void check_ready();
+  void on_accept(Clock::time_point now);
+  void on_pending(size_t i, short revents);
+  // Decides a completed hello: returns 1 accepted, 0 refused (closed), -1 hold.
+  int decide(Pending* p);
+  void refuse(tcp::Fd fd, const std::string& reason);
+  void on_out(size_t i, short revents, Clock::time_point now);
+  void on_in(size_t i, short revents);
+  void advance(int32_t lane);
+  void op_maybe_done();
+  bool configured_locally() const { return cfg_.has_value(); }
+  int32_t left() const;
+  int32_t right() const;
+
+  RingOptions options_;
+  ControlThread* thread_;
+  std::string address_;
+  tcp::Fd listen_fd_;
+  std::vector<char> staging_;  // C * S bytes, pre-faulted
+
+  // Shared with other threads (guarded by mu_).
+  std::mutex mu_;
+  std::condition_variable state_cv_;
+  struct Command {
+    bool is_configure;
+    RingConfig config;
+    std::string reason;
+  };
+  std::deque<Command> commands_;
+  std::shared_ptr<Op> submitted_;
+  State state_ = State::kUnconfigured;
+  std::string state_reason_;
+  uint64_t config_gen_ = 0;   // bumped by configure()
+  uint64_t applied_gen_ = 0;  // the generation state_ describes
+  RingStats stats_;
+
+  // Control-thread private.
+  std::optional<RingConfig> cfg_;
+  Clock::time_point connect_deadline_;
+  std::vector<OutStream> out_;
+  std::vector<InStream> in_;
+  std::vector<Pending> pending_;
+  std::vector<Slot> slots_;
+  size_t slot_base_ = 0;
+  std::shared_ptr<Op> op_;
+  std::optional<RingSchedule> sched_;
+  std::vector<Lane> lanes_;
+  size_t elem_ = 4;
+  uint64_t op_seq_ = 0;
+  int64_t lanes_done_ = 0;
+  State local_state_ = State::kUnconfigured;
+  std::string local_reason_;
+  uint64_t epoch_ = 0;  // bumped whenever connections are dropped
+};
+
+// The per-process thread that drives every endpoint.
+class ControlThread {
+ public:
+  ControlThread();
+  ~ControlThread();
+  ControlThread(const ControlThread&) = delete;
+  ControlThread& operator=(const ControlThread&) = delete;
+
+  void add(const std::shared_ptr<RingEndpoint>& ep);
+  void remove(const RingEndpoint* ep);
+  void wake();
+
+ private:
+  void loop();
+
+  std::mutex mu_;
+  std::vector<std::shared_ptr<RingEndpoint>> endpoints_;
+  bool stop_ = false;
+  tcp::Fd wake_fd_;
+  std::thread thread_;
+};
+
+}  // namespace fthsdp

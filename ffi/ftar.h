@@ -1,0 +1,65 @@
+// FTAR's entry points above the control thread: the communicator registry
+// (the one global of the library) and the all-reduce of a list of buffers
+// that the XLA FFI handler and the host API share.
+//
+// A communicator is a group of ring endpoints, one per local shard: shard i
+// of this replica forms a ring with shard i of every other replica, so the
+// local device programs that XLA runs concurrently never share a ring and
+// cannot deadlock on each other. Python holds only the small integer handle
+// and passes it into the jitted step as an int32 array.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "control_thread.h"
+
+namespace fthsdp {
+
+class Communicator {
+ public:
+  Communicator(int num_shards, const RingOptions& options, ControlThread* thread);
+  ~Communicator();
+
+  int num_shards() const { return static_cast<int>(shards_.size()); }
+  // One listen address per shard.
+  std::vector<std::string> addresses() const;
+  // members[m] is member m's address string: its shards' addresses joined by ','.
+  void configure(const std::string& job_id, int64_t quorum_id, int32_t rank,
+                 const std::vector<std::string>& members, double connect_timeout_s);
+  std::pair<bool, std::string> wait_configured(double timeout_s);
+  void abort(const std::string& reason);
+  std::vector<RingStats> stats();
+  RingEndpoint* shard(int i) { return shards_[i].get(); }
+
+ private:
+  ControlThread* thread_;
+  std::vector<std::shared_ptr<RingEndpoint>> shards_;
+};
+
+int32_t ftar_create(int num_shards, const RingOptions& options);
+std::shared_ptr<Communicator> ftar_get(int32_t handle);  // nullptr if unknown
+bool ftar_destroy(int32_t handle);
+
+struct FtarBuffer {
+  const void* in = nullptr;
+  void* out = nullptr;
+  DType dtype = DType::kF32;
+  int64_t count = 0;
+};
+
+struct FtarResult {
+  bool fatal = false;  // true: reason says what is wrong (raise)
+  OpStatus status = OpStatus::kOk;
+  std::string reason;
+};
+
+// Sums each buffer over the ring (out = sum over ranks of in), one after the
+// other, in the order given. Blocks; bounded by the communicator's timeout.
+FtarResult ftar_allreduce(int32_t handle, int32_t shard, int64_t quorum_id, int32_t rank,
+                          int32_t n, const std::vector<FtarBuffer>& buffers);
+
+}  // namespace fthsdp

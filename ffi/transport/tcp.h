@@ -1,0 +1,109 @@
+// TCP transport for FTAR: the only code that knows about sockets.
+//
+// Connections are unidirectional streams: a rank opens `streams` connections
+// to its right neighbour and accepts as many from its left one. Every stream
+// starts with a fixed-size handshake (Hello -> Reply) that carries the job id,
+// the quorum id and the sender's rank; after it, a stream carries chunks, each
+// behind a fixed ChunkHeader that says which op, lane and step it belongs to,
+// so that the receiver can check it against its own schedule (a mismatch is a
+// protocol violation, never silently mixed data).
+#pragma once
+
+#include <netinet/in.h>
+#include <sys/types.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+namespace fthsdp::tcp {
+
+constexpr uint32_t kHelloMagic = 0x46544152;  // "FTAR"
+constexpr uint32_t kChunkMagic = 0x4348554e;  // "CHUN"
+constexpr uint32_t kProtocolVersion = 1;
+constexpr size_t kJobIdMax = 64;
+constexpr size_t kReasonMax = 192;
+
+#pragma pack(push, 1)
+struct Hello {
+  uint32_t magic;
+  uint32_t version;
+  int64_t quorum_id;
+  int32_t rank;     // sender's rank
+  int32_t n;        // sender's ring size
+  int32_t stream;   // which of the `streams` connections this is
+  int32_t streams;  // sender's streams per peer
+  char job_id[kJobIdMax];
+};
+struct Reply {
+  uint32_t ok;  // 1 accepted, 0 refused
+  char reason[kReasonMax];
+};
+struct ChunkHeader {
+  uint32_t magic;
+  uint32_t lane;
+  uint64_t op_seq;   // ops since configure, counted the same on every rank
+  int64_t index;     // lane step index (partition * (2n-2) + step)
+  uint64_t bytes;    // payload bytes that follow
+};
+#pragma pack(pop)
+
+// Owns one file descriptor.
+class Fd {
+ public:
+  Fd() = default;
+  explicit Fd(int fd) : fd_(fd) {}
+  ~Fd() { reset(); }
+  Fd(const Fd&) = delete;
+  Fd& operator=(const Fd&) = delete;
+  Fd(Fd&& o) noexcept : fd_(o.release()) {}
+  Fd& operator=(Fd&& o) noexcept {
+    if (this != &o) {
+      reset();
+      fd_ = o.release();
+    }
+    return *this;
+  }
+  int get() const { return fd_; }
+  bool valid() const { return fd_ >= 0; }
+  int release() {
+    int f = fd_;
+    fd_ = -1;
+    return f;
+  }
+  void reset();
+
+ private:
+  int fd_ = -1;
+};
+
+// "host:port" -> IPv4 socket address. Returns false with `error` set.
+bool parse_address(const std::string& address, sockaddr_in* out, std::string* error);
+std::string format_address(const sockaddr_in& addr);
+
+// Listening socket on host:port (port 0: the OS picks one). `bound` gets the
+// address peers should connect to. Throws std::runtime_error on failure.
+Fd listen_on(const std::string& host, int port, std::string* bound);
+
+// Starts a non-blocking connect. Returns an invalid Fd and sets `error` when
+// the attempt failed at once (for example: connection refused).
+Fd connect_start(const sockaddr_in& addr, int* error);
+// After POLLOUT on a connecting socket: 0 if connected, else the errno.
+int connect_result(int fd);
+
+// Accepts one pending connection (non-blocking); invalid Fd when none.
+Fd accept_one(int listen_fd);
+
+// TCP_NODELAY, large socket buffers, non-blocking.
+void tune_stream(int fd, int buffer_bytes);
+
+// Outcome of one non-blocking I/O attempt.
+enum class Io { kProgress, kWouldBlock, kClosed, kError };
+
+// Sends from up to two buffers (header + payload); advances *done.
+Io send_two(int fd, const void* a, size_t a_len, const void* b, size_t b_len, size_t* done,
+            int* err);
+// Receives into buf[*done .. len); advances *done.
+Io recv_into(int fd, void* buf, size_t len, size_t* done, int* err);
+
+}  // namespace fthsdp::tcp
