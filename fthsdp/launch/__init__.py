@@ -1,0 +1,1 @@
+"""Launchers: local processes with fault injection; Ray clusters."""

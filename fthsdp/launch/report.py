@@ -1,0 +1,197 @@
+"""What happened in a fault-tolerant run, computed from its files.
+
+Pure functions over the replicas' step records and the launcher's event log:
+quorum changes, detection time (kill -> a survivor hears the replica is dead),
+the survivors' stall (extra wall time of the step that straddles a failure over
+their median step), and a timeline plot with the membership shaded.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import statistics
+from dataclasses import dataclass, field
+
+from fthsdp.logs import read_metrics
+
+
+@dataclass
+class RunFiles:
+    steps: dict[str, list[dict]]  # replica -> step records (one per commit, in order)
+    detections: list[dict]
+    done: dict[str, dict]
+    events: list[dict]  # launcher: kill / stop / cont / restart / exit
+
+
+def load_run(out_dir: str | pathlib.Path) -> RunFiles:
+    out = pathlib.Path(out_dir)
+    steps: dict[str, list[dict]] = {}
+    detections: list[dict] = []
+    done: dict[str, dict] = {}
+    for path in sorted(out.glob("metrics-*.jsonl")):
+        for r in read_metrics(path):
+            kind = r.get("kind")
+            if kind == "step":
+                steps.setdefault(r["replica"], []).append(r)
+            elif kind == "detection":
+                detections.append(r)
+            elif kind == "done":
+                done[r["replica"]] = r
+    events = read_metrics(out / "events.jsonl") if (out / "events.jsonl").exists() else []
+    return RunFiles(steps, detections, done, events)
+
+
+def median_step_s(records: list[dict], skip: int = 2) -> float:
+    durations = [r["end"] - r["start"] for r in records[skip:]] or [r["end"] - r["start"] for r in records]
+    return statistics.median(durations) if durations else float("nan")
+
+
+@dataclass
+class FailureReport:
+    replica: str
+    kind: str
+    time: float
+    step_at_fault: int | None
+    detection_s: float | None  # kill -> first survivor learns it (heartbeat abort or new quorum)
+    stall_s: dict[str, float] = field(default_factory=dict)  # survivor -> extra seconds
+    straddling_step: dict[str, int] = field(default_factory=dict)
+
+
+def quorum_changes(run: RunFiles) -> list[dict]:
+    """(step, quorum id, members) at every change, as seen by any replica."""
+    seen: dict[int, dict] = {}
+    for recs in run.steps.values():
+        for r in recs:
+            q = r["quorum_id"]
+            if q not in seen or r["step"] < seen[q]["step"]:
+                seen[q] = {"step": r["step"], "quorum_id": q, "members": r["members"], "time": r["start"]}
+    return [seen[q] for q in sorted(seen)]
+
+
+def analyse_failures(run: RunFiles) -> list[FailureReport]:
+    out = []
+    for ev in run.events:
+        if ev.get("kind") not in ("kill", "stop"):
+            continue
+        victim, t = str(ev["replica"]), ev["time"]
+        # Detection: the first abort triggered by the lighthouse naming the victim,
+        # else the first survivor step on a quorum without the victim.
+        det = [d["time"] for d in run.detections if victim in d.get("dead", []) and d["time"] >= t]
+        excl = [r["start"] for rid, recs in run.steps.items() if rid != victim
+                for r in recs if r["start"] >= t and victim not in r["members"]]
+        detection = (min(det) - t) if det else ((min(excl) - t) if excl else None)
+        rep = FailureReport(victim, ev["kind"], t, ev.get("step"), detection)
+        for rid, recs in run.steps.items():
+            if rid == victim:
+                continue
+            med = median_step_s(recs)
+            hit = [r for r in recs if r["start"] <= t <= r["end"]] or [r for r in recs if r["start"] > t][:1]
+            if hit:
+                r = hit[0]
+                rep.stall_s[rid] = (r["end"] - r["start"]) - med
+                rep.straddling_step[rid] = r["step"]
+        out.append(rep)
+    return out
+
+
+def summarize(out_dir: str | pathlib.Path) -> dict:
+    run = load_run(out_dir)
+    failures = analyse_failures(run)
+    per_replica = {}
+    for rid, recs in sorted(run.steps.items()):
+        losses = [r["loss"] for r in recs if r.get("loss") is not None]
+        per_replica[rid] = {
+            "committed_steps": len(recs),
+            "final_step": run.done.get(rid, {}).get("step", recs[-1]["step"] + 1 if recs else 0),
+            "median_step_s": median_step_s(recs),
+            "first_loss": losses[0] if losses else None,
+            "last_loss": losses[-1] if losses else None,
+            "retried_steps": sum(1 for r in recs if r["attempts"] > 1),
+            "catch_up_steps": sum(1 for r in recs if not r["healthy"]),
+        }
+    hashes = {rid: d.get("hash") for rid, d in run.done.items()}
+    finals = {rid: d.get("step") for rid, d in run.done.items()}
+    return {
+        "replicas": per_replica,
+        "quorum_changes": quorum_changes(run),
+        "failures": [f.__dict__ for f in failures],
+        "final_hashes": hashes,
+        "final_steps": finals,
+        "identical_final_state": len(set(hashes.values())) <= 1 and len(set(finals.values())) <= 1,
+        "events": run.events,
+    }
+
+
+def describe(summary: dict) -> list[str]:
+    """Human-readable lines for the end of a run."""
+    lines = []
+    for q in summary["quorum_changes"]:
+        lines.append(f"quorum {q['quorum_id']} from step {q['step']}: members {q['members']}")
+    for f in summary["failures"]:
+        det = f"{f['detection_s']:.2f}s" if f["detection_s"] is not None else "n/a"
+        stalls = ", ".join(f"replica {k}: {v:+.2f}s at step {f['straddling_step'][k]}" for k, v in f["stall_s"].items())
+        lines.append(f"{f['kind']} of replica {f['replica']} (at step {f['step_at_fault']}): detected in {det}; "
+                     f"survivors' stall {stalls or 'n/a'}")
+    for rid, r in summary["replicas"].items():
+        lines.append(f"replica {rid}: {r['committed_steps']} commits, median step {r['median_step_s'] * 1e3:.0f} ms, "
+                     f"loss {r['first_loss'] or float('nan'):.3f} -> {r['last_loss'] or float('nan'):.3f}, "
+                     f"{r['retried_steps']} retried, {r['catch_up_steps']} catch-up")
+    lines.append("final state identical on every finishing replica: "
+                 + ("yes" if summary["identical_final_state"] else f"NO {summary['final_hashes']}"))
+    return lines
+
+
+def plot_timeline(out_dir: str | pathlib.Path, path: str | pathlib.Path | None = None,
+                  num_configured: int | None = None) -> pathlib.Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    run = load_run(out_dir)
+    out = pathlib.Path(path or pathlib.Path(out_dir) / "timeline.png")
+    fig, (ax_loss, ax_time, ax_mem) = plt.subplots(3, 1, figsize=(9, 7.5), sharex=True,
+                                                    gridspec_kw={"height_ratios": [3, 2, 1]})
+    members_by_step: dict[int, int] = {}
+    for rid, recs in sorted(run.steps.items(), key=lambda kv: int(kv[0]) if kv[0].isdigit() else kv[0]):
+        xs = [r["step"] for r in recs if r.get("loss") is not None]
+        ax_loss.plot(xs, [r["loss"] for r in recs if r.get("loss") is not None], lw=1, label=f"replica {rid}")
+        ax_time.plot([r["step"] for r in recs], [(r["end"] - r["start"]) * 1e3 for r in recs], ".", ms=3,
+                     label=f"replica {rid}")
+        for r in recs:
+            members_by_step[r["step"]] = max(members_by_step.get(r["step"], 0), len(r["members"]))
+    if members_by_step:
+        steps = sorted(members_by_step)
+        full = num_configured or max(members_by_step.values())
+        ax_mem.step(steps, [members_by_step[s] for s in steps], where="post", color="k")
+        ax_mem.set_ylim(0, full + 0.5)
+        for s in steps:
+            if members_by_step[s] < full:
+                for ax in (ax_loss, ax_time, ax_mem):
+                    ax.axvspan(s - 0.5, s + 0.5, color="tab:red", alpha=0.12, lw=0)
+    for ev in run.events:
+        if ev.get("kind") in ("kill", "stop", "restart") and ev.get("step") is not None:
+            for ax in (ax_loss, ax_time):
+                ax.axvline(ev["step"], color="tab:red" if ev["kind"] != "restart" else "tab:green", ls="--", lw=0.8)
+            ax_loss.annotate(f"{ev['kind']} r{ev['replica']}", (ev["step"], ax_loss.get_ylim()[1]),
+                             fontsize=7, va="top", rotation=90)
+    ax_loss.set_ylabel("train loss")
+    ax_loss.legend(fontsize=7)
+    ax_time.set_ylabel("step time (ms)")
+    ax_time.set_yscale("log")
+    ax_mem.set_ylabel("ring size")
+    ax_mem.set_xlabel("step (shaded: replicas missing)")
+    for ax in (ax_loss, ax_time, ax_mem):
+        ax.grid(alpha=0.3)
+    fig.suptitle("fthsdp fault-tolerant run")
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
+def write_summary(out_dir: str | pathlib.Path) -> dict:
+    summary = summarize(out_dir)
+    pathlib.Path(out_dir, "summary.json").write_text(json.dumps(summary, indent=2, default=str))
+    return summary

@@ -1,0 +1,277 @@
+"""One replica's step loop: quorum -> (re)configure FTAR -> step -> commit or retry.
+
+The Manager is the per-replica control plane of FT-HSDP (paper, sections 4.1
+and 4.3). Each step it asks the lighthouse for a quorum, rebuilds the FTAR ring
+when the quorum id changed, and runs the split training step:
+
+* a healthy replica computes gradients on its next batch, then all-reduces and
+  updates (`apply_grads`); the intra-replica commit vote is inside that jitted
+  function;
+* a behind replica (restarted, late, or one whose last commit failed while the
+  others committed) sends a zero gradient, consumes no batch, and installs the
+  state of the end of the previous step fetched from its assigned peers before
+  the update is applied, so after the all-reduce it holds the same bytes as
+  everyone else.
+
+On a RECOVERABLE all-reduce (a peer died, a deadline passed, the lighthouse
+declared a member dead and we aborted), only the all-reduce and update are
+retried, on a new quorum, with the gradients already in hand: numerically the
+same as retraining the step on the same batch. After `max_retries` failed
+attempts of one step the Manager raises `ManagerError` instead of live-locking.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import pathlib
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Protocol, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from fthsdp import quorum as qm
+from fthsdp.config import Config
+from fthsdp.data import LoaderState, ReplicaStream
+from fthsdp.intervention import Intervention
+from fthsdp.quorum_inputs import AllReduceFn, QuorumInputs, make_quorum_inputs
+from fthsdp.step import TrainState, TrainStep, make_train_step
+
+log = logging.getLogger("fthsdp.manager")
+
+
+class ManagerError(RuntimeError):
+    """A fatal condition of the step loop: retries exhausted, no source to recover from."""
+
+
+class Communicator(Protocol):
+    """What the Manager needs from FTAR's Python face (fthsdp.ftar)."""
+
+    handle: int
+
+    @property
+    def addresses(self) -> Sequence[str]: ...  # one listen address per local shard
+
+    def configure(self, job_id: str, quorum_id: int, rank: int, members: Sequence[Sequence[str]],
+                  timeout_s: float) -> None: ...
+
+    def abort(self, reason: str) -> None: ...
+
+
+class QuorumSource(Protocol):
+    """What the Manager needs from the lighthouse client."""
+
+    def get_quorum(self, step: int, *, ftar_addresses: Sequence[str], state_server_address: str = "",
+                   commit_failed: bool = False, num_replicas: int = 0, timeout_s: float = 60.0) -> qm.Quorum: ...
+
+
+class SoloCommunicator:
+    """The communicator of a job with one replica: a ring of one needs no
+    connections. Refuses a larger ring instead of silently not reducing."""
+
+    handle = -1
+    addresses: tuple[str, ...] = ("solo",)
+
+    def configure(self, job_id: str, quorum_id: int, rank: int, members, timeout_s: float) -> None:
+        if len(members) != 1:
+            raise ManagerError(
+                f"quorum {quorum_id} has {len(members)} replicas but this replica runs without FTAR "
+                "(--allreduce local); start every replica with --allreduce ftar"
+            )
+
+    def abort(self, reason: str) -> None:
+        pass
+
+
+# fetch(quorum, step) -> TrainState at the end of step `step - 1` (state.step == step)
+Recover = Callable[[qm.Quorum, int, TrainState], TrainState]
+
+
+@dataclass
+class StepRecord:
+    """What happened in one step, for logs, plots and the failure-stall study."""
+
+    step: int
+    quorum_id: int
+    members: tuple[str, ...]
+    healthy: bool
+    committed: bool
+    attempts: int
+    loss: float | None
+    start: float
+    end: float
+    position: int | None  # stream position trained (None for a zero-gradient step)
+    events: list[str] = field(default_factory=list)
+
+    @property
+    def seconds(self) -> float:
+        return self.end - self.start
+
+
+@dataclass
+class Manager:
+    cfg: Config
+    replica_id: str
+    job_id: str
+    ts: TrainStep
+    comm: Communicator
+    lighthouse: QuorumSource
+    state: TrainState
+    loader: LoaderState
+    recover: Recover | None = None
+    state_server_address: str = ""
+    on_commit: Callable[["Manager", StepRecord], None] | None = None
+    quorum_timeout_s: float = 120.0
+
+    def __post_init__(self) -> None:
+        self.stream = ReplicaStream(self.cfg.data, int(self.loader.replica))
+        self.quorum: qm.Quorum | None = None
+        self._configured_qid: int | None = None
+        self._inflight_qid = -1
+        self._lock = threading.Lock()
+        self.records: list[StepRecord] = []
+        self.detections: list[dict] = []
+        self._zero_grads = None
+        self._lr_mode = int(Intervention.parse(self.cfg.ft.intervention))
+
+    # -- failure detection ----------------------------------------------------
+
+    def on_dead(self, dead: tuple[str, ...], quorum_id: int) -> None:
+        """Heartbeat-thread callback: abort the in-flight all-reduce at once.
+
+        Called ~10 Hz while the lighthouse lists dead members of its current
+        quorum; it aborts only if one of them is in the ring we are using, once
+        per quorum id, so FTAR returns RECOVERABLE now instead of at its deadline.
+        """
+        with self._lock:
+            q = self.quorum
+            if q is None or quorum_id != self._configured_qid or self._inflight_qid == -2:
+                return
+            ours = [d for d in dead if d in q.member_ids and d != self.replica_id]
+            if not ours:
+                return
+            self._inflight_qid = -2  # aborted: until the next configure
+        log.warning("lighthouse declared %s dead: aborting the all-reduce of quorum %d", ours, quorum_id)
+        self.detections.append({"time": time.time(), "dead": list(ours), "quorum_id": quorum_id})
+        self.comm.abort(f"lighthouse declared replica(s) {', '.join(ours)} dead")
+
+    # -- one step -------------------------------------------------------------
+
+    def _configure(self, q: qm.Quorum) -> float:
+        t0 = time.perf_counter()
+        rank = q.rank_of(self.replica_id)
+        members = [list(m.ftar_addresses) for m in q.members]
+        self.comm.configure(self.job_id, q.quorum_id, rank, members, timeout_s=self.cfg.ft.allreduce_timeout_s)
+        with self._lock:
+            self._configured_qid = q.quorum_id
+            self._inflight_qid = q.quorum_id
+        return time.perf_counter() - t0
+
+    def _quorum_inputs(self, q: qm.Quorum, healthy: bool) -> QuorumInputs:
+        return make_quorum_inputs(
+            contribute=healthy,
+            num_contributing=q.num_healthy,
+            num_members=q.num_members,
+            num_configured=max(self.cfg.launch.replicas, q.num_members),
+            lr_mode=self._lr_mode,
+            rank=q.rank_of(self.replica_id),
+            quorum_id=q.quorum_id,
+            comm=self.comm.handle,
+        )
+
+    def zero_grads(self):
+        if self._zero_grads is None:
+            self._zero_grads = jax.tree.map(jnp.zeros_like, self.state.params)
+        return self._zero_grads
+
+    def train_step(self) -> StepRecord:
+        """Runs the current step to a commit (possibly after retries)."""
+        step = int(self.state.step)
+        start = time.time()
+        grads = None
+        position = None
+        loss = None
+        commit_failed = False
+        events: list[str] = []
+        for attempt in range(1, self.cfg.ft.max_retries + 2):
+            q = self.lighthouse.get_quorum(
+                step, ftar_addresses=list(self.comm.addresses), state_server_address=self.state_server_address,
+                commit_failed=commit_failed, num_replicas=self.cfg.launch.replicas, timeout_s=self.quorum_timeout_s)
+            if self.replica_id not in q.member_ids:
+                raise ManagerError(f"quorum {q.quorum_id} does not include replica {self.replica_id}: {q.reason}")
+            if q.quorum_id != self._configured_qid:
+                self.quorum = q
+                took = self._configure(q)
+                events.append(f"quorum {q.quorum_id} members {list(q.member_ids)} (ring rebuilt in {took:.3f}s)")
+                log.info("step %d: quorum %d members=%s healthy=%s behind=%s (%s); ring rebuilt in %.3fs",
+                         step, q.quorum_id, list(q.member_ids), list(q.healthy), list(q.behind), q.reason, took)
+            self.quorum = q
+            healthy = self.replica_id in q.healthy
+            if not healthy:
+                step = self._catch_up(q, step, events)
+                grads = None
+            elif grads is None:
+                batch = self.stream.batch(self.loader.position)
+                x, y = self.ts.shard_batch(batch.inputs, batch.targets)
+                grads, m = self.ts.compute_grads(self.state, x, y)
+                loss, position = m["loss"], batch.position
+            new_state, m = self.ts.apply_grads(self.state, grads if healthy else self.zero_grads(),
+                                               self._quorum_inputs(q, healthy))
+            if bool(m["committed"]):
+                self.state = new_state
+                if healthy:
+                    self.loader = self.loader.advanced()
+                rec = StepRecord(step, q.quorum_id, q.member_ids, healthy, True, attempt,
+                                 float(loss) if (healthy and loss is not None) else None,
+                                 start, time.time(), position if healthy else None, events)
+                self.records.append(rec)
+                if self.on_commit:
+                    self.on_commit(self, rec)
+                return rec
+            commit_failed = True
+            events.append(f"attempt {attempt} on quorum {q.quorum_id}: all-reduce failed (status {np.asarray(m['status']).tolist()})")
+            log.warning("step %d attempt %d: all-reduce on quorum %d failed; retrying on a new quorum",
+                        step, attempt, q.quorum_id)
+        raise ManagerError(
+            f"step {step}: {self.cfg.ft.max_retries + 1} attempts failed ({'; '.join(events[-3:])}); giving up. "
+            f"Raise ft.max_retries or check the replicas' logs for the failing peer."
+        )
+
+    def _catch_up(self, q: qm.Quorum, step: int, events: list[str]) -> int:
+        """Behind: install the healthy replicas' state of the end of step max_step - 1."""
+        if self.recover is None:
+            raise ManagerError(
+                f"replica {self.replica_id} is behind (at step {step}, quorum at {q.max_step}) and has no way to "
+                "fetch state from peers (start it with a state server / recovery enabled)"
+            )
+        t0 = time.perf_counter()
+        self.state = self.recover(q, q.max_step, self.state)
+        got = int(self.state.step)
+        if got != q.max_step:
+            raise ManagerError(f"recovered state is at step {got}, expected {q.max_step}")
+        events.append(f"caught up to step {got} from {list(q.sources_for(self.replica_id))} "
+                      f"in {time.perf_counter() - t0:.3f}s")
+        log.info("step %d: caught up from %s in %.3fs", got, list(q.sources_for(self.replica_id)),
+                 time.perf_counter() - t0)
+        return got
+
+    def run(self, until_step: int) -> TrainState:
+        while int(self.state.step) < until_step:
+            self.train_step()
+        return self.state
+
+
+def state_hash(state: TrainState) -> str:
+    """A hash of every byte of params and optimizer state (invariant 1 checks)."""
+    import hashlib
+
+    h = hashlib.blake2b(digest_size=16)
+    for leaf in jax.tree.leaves((state.params, state.opt_state)):
+        h.update(np.ascontiguousarray(np.asarray(leaf)).tobytes())
+    return h.hexdigest()

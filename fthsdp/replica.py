@@ -1,0 +1,117 @@
+"""One replica process: `python -m fthsdp.replica --replica-id R --lighthouse HOST:PORT ...`.
+
+The launcher (fthsdp/launch/local.py, Ray) starts one of these per replica.
+It builds the replica's mesh, FTAR communicator and step, connects to the
+lighthouse, and runs the Manager. Every committed step it appends a JSON line
+to `metrics-R.jsonl` and rewrites `status-R.json` atomically, which is what
+the launcher's live status line and the tests read.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import pathlib
+import sys
+import time
+
+log = logging.getLogger("fthsdp.replica")
+
+
+def write_json_atomic(path: pathlib.Path, obj: dict) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(obj))
+    os.replace(tmp, path)
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m fthsdp.replica", description=__doc__.split("\n")[0])
+    p.add_argument("--config", default="base")
+    p.add_argument("--replica-id", required=True, type=int)
+    p.add_argument("--lighthouse", required=True, help="HOST:PORT of `fthsdp lighthouse`")
+    p.add_argument("--job", default="fthsdp")
+    p.add_argument("--out-dir", required=True)
+    p.add_argument("--allreduce", choices=("ftar", "local"), default="ftar",
+                   help="local = identity (a job of one replica, no FTAR)")
+    p.add_argument("--hash-every", type=int, default=1, help="record a state hash every N committed steps (0: never)")
+    p.add_argument("overrides", nargs="*")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    from fthsdp import config as config_lib
+    from fthsdp import logs
+    from fthsdp.devices import enable_compilation_cache, force_host_devices
+
+    cfg = config_lib.load(args.config, args.overrides)
+    force_host_devices(cfg.launch.devices_per_replica)
+    out = pathlib.Path(args.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    rid = str(args.replica_id)
+    logs.setup(f"fthsdp.replica{rid}", file=str(out / f"replica-{rid}.log"))
+    enable_compilation_cache()
+
+    from fthsdp.data import LoaderState
+    from fthsdp.lighthouse_client import LighthouseClient
+    from fthsdp.manager import Manager, StepRecord, state_hash
+    from fthsdp.quorum_inputs import local_allreduce
+    from fthsdp.sharding import replica_mesh
+    from fthsdp.step import make_train_step
+
+    mesh = replica_mesh(cfg.launch.devices_per_replica)
+    if args.allreduce == "ftar":
+        from fthsdp import ftar
+
+        comm = ftar.Communicator(num_shards=mesh.devices.size, streams=cfg.ft.streams_per_peer,
+                                 timeout_s=cfg.ft.allreduce_timeout_s)
+        allreduce = ftar.allreduce
+    else:
+        from fthsdp.manager import SoloCommunicator
+
+        comm, allreduce = SoloCommunicator(), local_allreduce
+    ts = make_train_step(cfg, mesh, allreduce=allreduce)
+    state = ts.init(cfg.train.seed)
+    loader = LoaderState(replica=args.replica_id)
+
+    metrics = logs.MetricsWriter(out / f"metrics-{rid}.jsonl")
+    status_path = out / f"status-{rid}.json"
+    started = time.time()
+
+    def on_commit(mgr: Manager, rec: StepRecord) -> None:
+        record = {"kind": "step", "replica": rid, "step": rec.step, "quorum_id": rec.quorum_id,
+                  "members": list(rec.members), "healthy": rec.healthy, "attempts": rec.attempts,
+                  "loss": rec.loss, "start": rec.start, "end": rec.end, "position": rec.position,
+                  "events": rec.events, "pid": os.getpid()}
+        if args.hash_every and (rec.step + 1) % args.hash_every == 0:
+            record["hash"] = state_hash(mgr.state)
+        metrics.write(**record)
+        write_json_atomic(status_path, {"replica": rid, "step": rec.step + 1, "loss": rec.loss,
+                                        "quorum_id": rec.quorum_id, "members": list(rec.members),
+                                        "state": "training" if rec.healthy else "catching up",
+                                        "pid": os.getpid(), "time": time.time(), "started": started})
+
+    client = LighthouseClient(args.lighthouse, args.job, rid, heartbeat_interval_s=cfg.ft.heartbeat_interval_s)
+    mgr = Manager(cfg=cfg, replica_id=rid, job_id=args.job, ts=ts, comm=comm, lighthouse=client,
+                  state=state, loader=loader, on_commit=on_commit)
+    client.start_heartbeats(on_dead=mgr.on_dead)
+    log.info("replica %s: %d device(s), lighthouse %s, ftar endpoints %s", rid, mesh.devices.size,
+             args.lighthouse, list(comm.addresses))
+    try:
+        mgr.run(cfg.train.steps)
+    finally:
+        client.close()
+    for d in mgr.detections:
+        metrics.write(kind="detection", replica=rid, **d)
+    metrics.write(kind="done", replica=rid, step=int(mgr.state.step), hash=state_hash(mgr.state),
+                  position=mgr.loader.position)
+    write_json_atomic(status_path, {"replica": rid, "step": int(mgr.state.step), "state": "done",
+                                    "pid": os.getpid(), "time": time.time(), "started": started})
+    log.info("replica %s done at step %d", rid, int(mgr.state.step))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
