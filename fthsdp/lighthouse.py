@@ -1,0 +1,564 @@
+"""The lighthouse: a gRPC (asyncio) quorum service for many jobs at once.
+
+Each replica asks it for the quorum of its next step (`GetQuorum`, blocking
+until the pure decision in :mod:`fthsdp.quorum` says yes, or the call's
+deadline passes) and heartbeats about every 100 ms. A replica silent for the
+detection window is declared dead and listed in every heartbeat reply of its
+job, so survivors abort their in-flight all-reduce at once instead of waiting
+for its deadline. Jobs are keyed by job id and fully independent.
+
+Run it with ``fthsdp lighthouse --bind 127.0.0.1:0`` or
+``python -m fthsdp.lighthouse``; it prints ``lighthouse listening on HOST:PORT``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+
+import grpc
+
+from fthsdp import quorum as qm
+from fthsdp.proto import LIGHTHOUSE_PROTOCOL_VERSION, lighthouse as _load_stubs
+
+pb2, pb2_grpc = _load_stubs()
+log = logging.getLogger("fthsdp.lighthouse")
+
+__all__ = ["LighthouseConfig", "Lighthouse", "LighthouseThread", "quorum_to_proto", "cli"]
+
+
+@dataclass(frozen=True)
+class LighthouseConfig:
+    """Server settings; the decision parameters apply to every job."""
+
+    bind: str = "127.0.0.1:0"
+    min_replicas: int = 1
+    join_timeout_s: float = 1.0
+    detect_s: float = 1.0  # failure-detection window (heartbeat silence -> dead)
+    num_replicas: int = 0  # default configured replicas per job (0 = replicas seen)
+    tick_s: float = 0.02  # re-evaluation period: time alone can complete a quorum
+
+    def __post_init__(self) -> None:
+        qm.QuorumConfig(self.min_replicas, self.join_timeout_s, self.detect_s, self.num_replicas)
+        if not (0 < self.tick_s <= 1.0):
+            raise ValueError(f"tick_s must be in (0, 1], got {self.tick_s}")
+        host, sep, port = self.bind.rpartition(":")
+        if not sep or not host or not port.isdigit():
+            raise ValueError(f"bind must be HOST:PORT (e.g. 127.0.0.1:0 for any free port), got {self.bind!r}")
+
+
+def quorum_to_proto(q: qm.Quorum) -> pb2.Quorum:
+    return pb2.Quorum(
+        quorum_id=q.quorum_id,
+        members=[
+            pb2.Member(
+                replica_id=m.replica_id,
+                step=m.step,
+                ftar_addresses=list(m.ftar_addresses),
+                state_server_address=m.state_server_address,
+                local_world_size=m.local_world_size,
+            )
+            for m in q.members
+        ],
+        max_step=q.max_step,
+        healthy=list(q.healthy),
+        behind=list(q.behind),
+        recovery=[pb2.Recovery(replica_id=b, source_replica_ids=list(q.recovery[b])) for b in q.behind],
+        num_healthy=q.num_healthy,
+        num_configured=q.num_configured,
+        reason=q.reason,
+    )
+
+
+class _Superseded(Exception):
+    pass
+
+
+@dataclass
+class _Pending:
+    request: qm.QuorumRequest
+    future: asyncio.Future
+
+
+@dataclass
+class _Job:
+    job_id: str
+    last_seen: dict[str, float] = field(default_factory=dict)  # heartbeat or request
+    heartbeating: set[str] = field(default_factory=set)  # ever sent a Heartbeat
+    steps: dict[str, int] = field(default_factory=dict)
+    local_world_size: dict[str, int] = field(default_factory=dict)
+    stated_replicas: dict[str, int] = field(default_factory=dict)
+    pending: dict[str, _Pending] = field(default_factory=dict)
+    quorum: qm.Quorum | None = None
+    last_reason: str = "no quorum request yet"
+    dead: set[str] = field(default_factory=set)
+    eval_scheduled: bool = False
+
+
+def _version_error(v: int) -> str | None:
+    if v == LIGHTHOUSE_PROTOCOL_VERSION:
+        return None
+    if v == 0:
+        return (
+            f"protocol_version is missing: this lighthouse speaks version {LIGHTHOUSE_PROTOCOL_VERSION}; "
+            "use fthsdp's LighthouseClient or set protocol_version"
+        )
+    return (
+        f"client speaks lighthouse protocol version {v}, this lighthouse speaks "
+        f"{LIGHTHOUSE_PROTOCOL_VERSION}: run the same fthsdp version on replicas and lighthouse"
+    )
+
+
+def _ids_error(job_id: str, replica_id: str, step: int) -> str | None:
+    if not job_id:
+        return "job_id is empty: pass the job's name (every replica of one job uses the same job_id)"
+    if not replica_id:
+        return f"replica_id is empty (job {job_id!r}): pass this replica's id, unique within the job"
+    if step < 0:
+        return f"step is {step} (replica {replica_id!r}, job {job_id!r}): it must be >= 0"
+    return None
+
+
+class Lighthouse(pb2_grpc.LighthouseServicer):
+    """The server. Use :meth:`start`/:meth:`stop` inside a running asyncio loop."""
+
+    def __init__(self, config: LighthouseConfig | None = None) -> None:
+        self.config = config or LighthouseConfig()
+        self._jobs: dict[str, _Job] = {}
+        self._server: grpc.aio.Server | None = None
+        self._tick_task: asyncio.Task | None = None
+        self.port: int = 0
+
+    # -- lifecycle ---------------------------------------------------------
+
+    @property
+    def address(self) -> str:
+        host = self.config.bind.rpartition(":")[0]
+        return f"{host}:{self.port}"
+
+    async def start(self) -> int:
+        """Bind and serve; returns the bound port (useful with port 0)."""
+        self._server = grpc.aio.server()
+        pb2_grpc.add_LighthouseServicer_to_server(self, self._server)
+        try:
+            self.port = self._server.add_insecure_port(self.config.bind)
+        except RuntimeError as e:
+            raise OSError(f"lighthouse cannot bind {self.config.bind}: {e} (is the port in use?)") from e
+        if self.port == 0:
+            raise OSError(f"lighthouse cannot bind {self.config.bind} (is the port in use?)")
+        await self._server.start()
+        self._tick_task = asyncio.get_running_loop().create_task(self._tick_loop())
+        log.info("lighthouse serving on %s (%s)", self.address, self.config)
+        return self.port
+
+    async def stop(self, grace_s: float = 0.2) -> None:
+        if self._tick_task is not None:
+            self._tick_task.cancel()
+            try:
+                await self._tick_task
+            except asyncio.CancelledError:
+                pass
+            self._tick_task = None
+        if self._server is not None:
+            await self._server.stop(grace_s)
+            self._server = None
+
+    async def wait_for_termination(self) -> None:
+        assert self._server is not None
+        await self._server.wait_for_termination()
+
+    # -- state ---------------------------------------------------------------
+
+    def _job(self, job_id: str) -> _Job:
+        job = self._jobs.get(job_id)
+        if job is None:
+            job = self._jobs[job_id] = _Job(job_id)
+            log.info("new job %r", job_id)
+        return job
+
+    def _liveness(self, job: _Job, now: float) -> dict[str, float]:
+        """Last-heard times; a waiting requester that never heartbeats counts as heard now.
+
+        Its open call is its sign of life (a killed process's call is cancelled
+        by the kernel closing its socket); replicas that do heartbeat are judged
+        by their heartbeats alone, so a stopped process is detected.
+        """
+        silent_waiters = [r for r in job.pending if r not in job.heartbeating]
+        if not silent_waiters:
+            return job.last_seen
+        view = dict(job.last_seen)
+        for r in silent_waiters:
+            view[r] = now
+        return view
+
+    def _decision_config(self, job: _Job) -> qm.QuorumConfig:
+        stated = next(iter(job.stated_replicas.values()), 0)
+        c = self.config
+        return qm.QuorumConfig(c.min_replicas, c.join_timeout_s, c.detect_s, stated or c.num_replicas)
+
+    def _evaluate(self, job: _Job) -> None:
+        job.eval_scheduled = False
+        if not job.pending:
+            return
+        now = time.monotonic()
+        requests = {r: p.request for r, p in job.pending.items()}
+        quorum, reason = qm.decide_quorum(
+            requests, self._liveness(job, now), job.quorum, self._decision_config(job), now
+        )
+        job.last_reason = reason
+        if quorum is None:
+            return
+        if job.quorum is None or quorum.quorum_id != job.quorum.quorum_id:
+            log.info("job %r: %s", job.job_id, reason)
+        job.quorum = quorum
+        for rid in quorum.member_ids:
+            p = job.pending.pop(rid)
+            if not p.future.done():
+                p.future.set_result(quorum)
+
+    def _schedule_evaluation(self, job: _Job) -> None:
+        # Coalesce: many requests arriving together cost one evaluation.
+        if not job.eval_scheduled:
+            job.eval_scheduled = True
+            asyncio.get_running_loop().call_soon(self._evaluate, job)
+
+    def _update_dead(self, job: _Job, now: float) -> list[str]:
+        dead = qm.dead_replicas(self._liveness(job, now), now, self.config.detect_s)
+        for r in set(dead) - job.dead:
+            log.warning(
+                "job %r: replica %s declared dead (silent %.3fs > %gs)",
+                job.job_id, r, now - job.last_seen[r], self.config.detect_s,
+            )
+        for r in job.dead - set(dead):
+            log.info("job %r: replica %s is back", job.job_id, r)
+        job.dead = set(dead)
+        return dead
+
+    async def _tick_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.tick_s)
+            now = time.monotonic()
+            for job in list(self._jobs.values()):
+                try:
+                    self._update_dead(job, now)
+                    if job.pending:
+                        self._evaluate(job)
+                except Exception:  # never let one job's bug stop the others
+                    log.exception("job %r: evaluation failed", job.job_id)
+
+    # -- RPCs ----------------------------------------------------------------
+
+    def _check_quorum_request(self, req: pb2.QuorumRequest, now: float) -> str | None:
+        err = _version_error(req.protocol_version) or _ids_error(req.job_id, req.replica_id, req.step)
+        if err:
+            return err
+        who = f"replica {req.replica_id!r} of job {req.job_id!r}"
+        if req.local_world_size < 1:
+            return f"local_world_size is {req.local_world_size} ({who}): it must be the number of devices (shards) per replica, >= 1"
+        if len(req.ftar_addresses) != req.local_world_size:
+            return (
+                f"ftar_addresses has {len(req.ftar_addresses)} entries but local_world_size is "
+                f"{req.local_world_size} ({who}): send one FTAR endpoint (host:port) per local shard"
+            )
+        if any(not a for a in req.ftar_addresses):
+            return f"ftar_addresses contains an empty address ({who}): every shard needs host:port"
+        if req.num_replicas < 0:
+            return f"num_replicas is {req.num_replicas} ({who}): it must be >= 0 (0 = not stated)"
+        job = self._jobs.get(req.job_id)
+        if job is None:
+            return None
+        live = {r for r, t in job.last_seen.items() if now - t <= self.config.detect_s and r != req.replica_id}
+        for r in sorted(live, key=qm.ring_key):
+            other = job.local_world_size.get(r)
+            if other is not None and other != req.local_world_size:
+                return (
+                    f"local_world_size {req.local_world_size} of {who} conflicts with {other} of live replica "
+                    f"{r!r}: every replica of a job must shard the same way (same devices per replica)"
+                )
+        if req.num_replicas:
+            for r in sorted(live, key=qm.ring_key):
+                other = job.stated_replicas.get(r)
+                if other and other != req.num_replicas:
+                    return (
+                        f"num_replicas {req.num_replicas} of {who} conflicts with {other} stated by live replica "
+                        f"{r!r}: every replica of a job must be launched with the same replica count"
+                    )
+        return None
+
+    async def GetQuorum(self, request: pb2.QuorumRequest, context: grpc.aio.ServicerContext) -> pb2.QuorumResponse:
+        now = time.monotonic()
+        err = self._check_quorum_request(request, now)
+        if err:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, err)
+        job = self._job(request.job_id)
+        rid = request.replica_id
+        job.last_seen[rid] = now
+        job.steps[rid] = request.step
+        job.local_world_size[rid] = request.local_world_size
+        if request.num_replicas:
+            job.stated_replicas[rid] = request.num_replicas
+        else:
+            job.stated_replicas.pop(rid, None)
+        old = job.pending.pop(rid, None)
+        if old is not None and not old.future.done():
+            old.future.set_exception(_Superseded())
+        future = asyncio.get_running_loop().create_future()
+        entry = _Pending(
+            qm.QuorumRequest(
+                replica_id=rid,
+                step=request.step,
+                arrived_at=now,
+                ftar_addresses=tuple(request.ftar_addresses),
+                state_server_address=request.state_server_address,
+                local_world_size=request.local_world_size,
+                commit_failed=request.commit_failed,
+            ),
+            future,
+        )
+        job.pending[rid] = entry
+        self._schedule_evaluation(job)
+        remaining = context.time_remaining()
+        # Answer a little before the caller's deadline so it gets our reason,
+        # not a bare DEADLINE_EXCEEDED from its own timer.
+        wait = None if remaining is None else max(0.0, remaining - min(0.1, 0.1 * remaining))
+        try:
+            quorum = await asyncio.wait_for(future, wait)
+        except TimeoutError:
+            await context.abort(
+                grpc.StatusCode.DEADLINE_EXCEEDED,
+                f"no quorum for job {request.job_id!r} within the call's deadline; last decision: {job.last_reason}",
+            )
+        except _Superseded:
+            await context.abort(
+                grpc.StatusCode.ABORTED,
+                f"superseded by a newer quorum request from replica {rid!r} of job {request.job_id!r}",
+            )
+        finally:
+            if job.pending.get(rid) is entry:
+                del job.pending[rid]
+        return pb2.QuorumResponse(protocol_version=LIGHTHOUSE_PROTOCOL_VERSION, quorum=quorum_to_proto(quorum))
+
+    async def Heartbeat(self, request: pb2.HeartbeatRequest, context: grpc.aio.ServicerContext) -> pb2.HeartbeatResponse:
+        err = _version_error(request.protocol_version) or _ids_error(request.job_id, request.replica_id, request.step)
+        if err:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, err)
+        now = time.monotonic()
+        job = self._job(request.job_id)
+        rid = request.replica_id
+        job.last_seen[rid] = now
+        job.heartbeating.add(rid)
+        job.steps[rid] = request.step
+        dead = self._update_dead(job, now)
+        members = set(job.quorum.member_ids) if job.quorum is not None else set()
+        return pb2.HeartbeatResponse(
+            protocol_version=LIGHTHOUSE_PROTOCOL_VERSION,
+            dead_replica_ids=dead,
+            quorum_id=job.quorum.quorum_id if job.quorum is not None else 0,
+            dead_members=[r for r in dead if r in members],
+        )
+
+    async def Status(self, request: pb2.StatusRequest, context: grpc.aio.ServicerContext) -> pb2.StatusResponse:
+        err = _version_error(request.protocol_version)
+        if err:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, err)
+        if request.job_id and request.job_id not in self._jobs:
+            await context.abort(
+                grpc.StatusCode.NOT_FOUND,
+                f"no job {request.job_id!r} on this lighthouse; known jobs: {sorted(self._jobs)}",
+            )
+        now = time.monotonic()
+        jobs = [self._jobs[request.job_id]] if request.job_id else [self._jobs[k] for k in sorted(self._jobs)]
+        out = []
+        for job in jobs:
+            view = self._liveness(job, now)
+            dead = set(qm.dead_replicas(view, now, self.config.detect_s))
+            replicas = [
+                pb2.ReplicaStatus(
+                    replica_id=r,
+                    step=job.steps.get(r, 0),
+                    last_heartbeat_age_s=now - view[r],
+                    dead=r in dead,
+                    waiting=r in job.pending,
+                )
+                for r in sorted(view, key=qm.ring_key)
+            ]
+            lws = {v for r, v in job.local_world_size.items() if r not in dead}
+            js = pb2.JobStatus(
+                job_id=job.job_id,
+                replicas=replicas,
+                has_quorum=job.quorum is not None,
+                last_reason=job.last_reason,
+                local_world_size=lws.pop() if len(lws) == 1 else 0,
+                num_configured=self._decision_config(job).num_configured or len(view),
+            )
+            if job.quorum is not None:
+                js.quorum.CopyFrom(quorum_to_proto(job.quorum))
+            out.append(js)
+        c = self.config
+        return pb2.StatusResponse(
+            protocol_version=LIGHTHOUSE_PROTOCOL_VERSION,
+            jobs=out,
+            min_replicas=c.min_replicas,
+            join_timeout_s=c.join_timeout_s,
+            detect_s=c.detect_s,
+        )
+
+
+class LighthouseThread:
+    """A lighthouse on its own event loop in a daemon thread (tests, notebooks, launchers).
+
+    ``with LighthouseThread(config) as lh: lh.address`` — the address is valid
+    once the context is entered; leaving it stops the server.
+    """
+
+    def __init__(self, config: LighthouseConfig | None = None, *, start_timeout_s: float = 10.0) -> None:
+        self.config = config or LighthouseConfig()
+        self._start_timeout_s = start_timeout_s
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._ready = threading.Event()
+        self._stop: asyncio.Event | None = None
+        self._error: BaseException | None = None
+        self.server: Lighthouse | None = None
+
+    @property
+    def address(self) -> str:
+        assert self.server is not None, "LighthouseThread not started"
+        return self.server.address
+
+    def start(self) -> str:
+        self._thread = threading.Thread(target=self._run, name="fthsdp-lighthouse", daemon=True)
+        self._thread.start()
+        if not self._ready.wait(self._start_timeout_s):
+            raise TimeoutError(f"lighthouse did not start within {self._start_timeout_s}s")
+        if self._error is not None:
+            raise self._error
+        return self.address
+
+    def _run(self) -> None:
+        async def main() -> None:
+            self._stop = asyncio.Event()
+            self.server = Lighthouse(self.config)
+            try:
+                await self.server.start()
+            except BaseException as e:
+                self._error = e
+                self._ready.set()
+                return
+            self._ready.set()
+            await self._stop.wait()
+            await self.server.stop()
+
+        self._loop = asyncio.new_event_loop()
+        try:
+            self._loop.run_until_complete(main())
+        finally:
+            self._loop.close()
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        if self._thread is None:
+            return
+        if self._loop is not None and self._stop is not None and not self._loop.is_closed():
+            try:
+                self._loop.call_soon_threadsafe(self._stop.set)
+            except RuntimeError:
+                pass  # loop already finished
+        self._thread.join(timeout_s)
+        if self._thread.is_alive():
+            raise TimeoutError(f"lighthouse thread did not stop within {timeout_s}s")
+        self._thread = None
+
+    def __enter__(self) -> LighthouseThread:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def _write_port_file(path: str, port: int) -> None:
+    """Write atomically, so a launcher polling the file never reads half a number."""
+    d = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(prefix=".lighthouse-port-", dir=d)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(f"{port}\n")
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="fthsdp lighthouse",
+        description="Quorum and failure-detection service for fault-tolerant training jobs (many jobs per lighthouse).",
+    )
+    d = LighthouseConfig()
+    p.add_argument("--bind", default=d.bind, help="HOST:PORT to listen on; port 0 = any free port (default %(default)s)")
+    p.add_argument("--min-replicas", type=int, default=d.min_replicas, help="fewest replicas a quorum may have (default %(default)s)")
+    p.add_argument("--join-timeout", type=float, default=d.join_timeout_s,
+                   help="seconds to wait for live replicas not yet asking before forming the quorum without them (default %(default)s)")
+    p.add_argument("--detect", type=float, default=d.detect_s,
+                   help="failure-detection window: a replica silent this long is dead (default %(default)s s)")
+    p.add_argument("--replicas", type=int, default=d.num_replicas,
+                   help="configured replicas per job when requests do not state it (0 = replicas seen; default %(default)s)")
+    p.add_argument("--tick", type=float, default=d.tick_s, help="re-evaluation period in seconds (default %(default)s)")
+    p.add_argument("--port-file", default=None, help="write the bound port to this file (atomically) once listening")
+    p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    return p
+
+
+async def _serve(config: LighthouseConfig, port_file: str | None) -> None:
+    server = Lighthouse(config)
+    await server.start()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    if port_file:  # before the line, so whoever reads the line also finds the file
+        _write_port_file(port_file, server.port)
+    print(f"lighthouse listening on {server.address}", flush=True)
+    await stop.wait()
+    log.info("lighthouse stopping")
+    await server.stop()
+
+
+def cli(argv: list[str]) -> int:
+    """``fthsdp lighthouse ...``: serve until SIGTERM/SIGINT; returns the exit code."""
+    parser = _parser()
+    args = parser.parse_args(argv)
+    try:
+        config = LighthouseConfig(
+            bind=args.bind,
+            min_replicas=args.min_replicas,
+            join_timeout_s=args.join_timeout,
+            detect_s=args.detect,
+            num_replicas=args.replicas,
+            tick_s=args.tick,
+        )
+    except ValueError as e:
+        parser.error(str(e))
+    logging.basicConfig(
+        level=getattr(logging, args.log_level), stream=sys.stderr,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        asyncio.run(_serve(config, args.port_file))
+    except OSError as e:
+        print(f"fthsdp lighthouse: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(cli(sys.argv[1:]))

@@ -1,0 +1,331 @@
+"""The lighthouse over real gRPC on loopback: in-process server thread and a real subprocess."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+
+from fthsdp.lighthouse import LighthouseConfig, LighthouseThread
+from fthsdp.lighthouse_client import (
+    InvalidLighthouseRequest,
+    LighthouseClient,
+    LighthouseUnavailable,
+    QuorumTimeout,
+)
+from fthsdp.proto import lighthouse as load_stubs
+
+pb2, pb2_grpc = load_stubs()
+
+DETECT = 0.5
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture
+def lighthouse():
+    with LighthouseThread(LighthouseConfig(join_timeout_s=0.3, detect_s=DETECT)) as lh:
+        yield lh
+
+
+def addrs(rid: int, lws: int = 1) -> list[str]:
+    return [f"127.0.0.1:{20000 + 10 * rid + k}" for k in range(lws)]
+
+
+def make_clients(address: str, job: str, n: int, heartbeat: bool = True, **kw) -> list[LighthouseClient]:
+    clients = [LighthouseClient(address, job, i) for i in range(n)]
+    if heartbeat:
+        for c in clients:
+            c.start_heartbeats(**kw)
+        time.sleep(0.15)  # every replica heard from before anyone asks
+    return clients
+
+
+def quorum_all(clients, steps, **kw):
+    """Each client asks concurrently (as separate replicas do); returns their answers."""
+    with ThreadPoolExecutor(len(clients)) as ex:
+        futs = [
+            ex.submit(c.get_quorum, s, ftar_addresses=addrs(int(c.replica_id), kw.get("lws", 1)),
+                      state_server_address=f"127.0.0.1:{30000 + int(c.replica_id)}",
+                      commit_failed=kw.get("failed", False), timeout_s=kw.get("timeout_s", 10.0))
+            for c, s in zip(clients, steps)
+        ]
+        return [f.result() for f in futs]
+
+
+def close_all(clients):
+    for c in clients:
+        c.close()
+
+
+def test_three_replicas_form_one_quorum(lighthouse):
+    clients = make_clients(lighthouse.address, "job", 3)
+    try:
+        qs = quorum_all(clients, [0, 0, 0])
+        assert all(q == qs[0] for q in qs)  # identical answer for every member
+        q = qs[0]
+        assert q.member_ids == ("0", "1", "2") and q.quorum_id == 1
+        assert q.healthy == ("0", "1", "2") and q.behind == () and q.num_configured == 3
+        assert q.member("1").ftar_addresses == tuple(addrs(1))
+        assert q.member("2").state_server_address == "127.0.0.1:30002"
+        [st] = clients[0].status()
+        assert st.quorum == q and [r.replica_id for r in st.replicas] == ["0", "1", "2"]
+        assert not any(r.dead for r in st.replicas)
+        assert all(0 <= r.last_heartbeat_age_s < DETECT for r in st.replicas)
+    finally:
+        close_all(clients)
+
+
+def test_silent_replica_declared_dead_and_reported_to_survivors(lighthouse):
+    seen: dict[str, tuple[float, tuple[str, ...], int]] = {}
+    lock = threading.Lock()
+
+    def on_dead_for(rid):
+        def cb(dead, quorum_id):
+            with lock:
+                seen.setdefault(rid, (time.monotonic(), dead, quorum_id))
+        return cb
+
+    clients = [LighthouseClient(lighthouse.address, "job", i) for i in range(3)]
+    for c in clients:
+        c.start_heartbeats(on_dead=on_dead_for(c.replica_id))
+    time.sleep(0.15)
+    try:
+        q = quorum_all(clients, [0, 0, 0])[0]
+        assert not seen  # nobody is dead while all heartbeat
+        clients[2].stop_heartbeats()
+        silent_since = time.monotonic()
+        deadline = silent_since + DETECT + 1.0
+        while len(seen) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert set(seen) == {"0", "1"}, seen
+        for rid, (t, dead, qid) in seen.items():
+            assert dead == ("2",) and qid == q.quorum_id
+            # detection within the window plus a heartbeat period and scheduling slack
+            assert t - silent_since < DETECT + 0.35, (rid, t - silent_since)
+            assert t - silent_since > DETECT - 0.15
+        reply = clients[0].heartbeat()
+        assert reply.dead_replica_ids == ("2",) and reply.dead_members == ("2",)
+        [st] = clients[0].status()
+        assert {r.replica_id: r.dead for r in st.replicas} == {"0": False, "1": False, "2": True}
+        # The survivors form a new quorum at once (the dead replica is not waited for).
+        t0 = time.monotonic()
+        q2 = quorum_all(clients[:2], [1, 1], failed=True)[0]
+        assert time.monotonic() - t0 < 0.25
+        assert q2.member_ids == ("0", "1") and q2.quorum_id == q.quorum_id + 1
+        assert clients[0].heartbeat().dead_members == ()  # the new quorum has no dead member
+    finally:
+        close_all(clients)
+
+
+def test_two_jobs_do_not_interfere(lighthouse):
+    a = make_clients(lighthouse.address, "job-a", 2)
+    b = make_clients(lighthouse.address, "job-b", 3)
+    try:
+        with ThreadPoolExecutor(2) as ex:
+            fa = ex.submit(quorum_all, a, [7, 7])
+            fb = ex.submit(quorum_all, b, [0, 0, 0])
+            qa, qb = fa.result()[0], fb.result()[0]
+        assert qa.member_ids == ("0", "1") and qa.max_step == 7 and qa.num_configured == 2
+        assert qb.member_ids == ("0", "1", "2") and qb.max_step == 0 and qb.num_configured == 3
+        assert qa.quorum_id == qb.quorum_id == 1  # ids are per job
+        b[2].stop_heartbeats()  # a death in job b ...
+        time.sleep(DETECT + 0.2)
+        assert b[0].heartbeat().dead_replica_ids == ("2",)
+        assert a[0].heartbeat().dead_replica_ids == ()  # ... is invisible to job a
+        # job a keeps stepping on its own quorum, same id, no waiting for job b
+        assert quorum_all(a, [8, 8])[0].quorum_id == 1
+        jobs = {j.job_id: j for j in a[0].status(job_id="")}
+        assert set(jobs) == {"job-a", "job-b"}
+        assert [r.dead for r in jobs["job-b"].replicas] == [False, False, True]
+    finally:
+        close_all(a + b)
+
+
+def test_behind_replica_gets_load_balanced_sources(lighthouse):
+    clients = make_clients(lighthouse.address, "job", 4)
+    try:
+        qs = quorum_all(clients, [12, 12, 12, 3], lws=2)
+        q = qs[3]
+        assert q.max_step == 12 and q.healthy == ("0", "1", "2") and q.behind == ("3",)
+        assert q.num_healthy == 3
+        srcs = q.sources_for("3")
+        assert len(srcs) == 2 and len(set(srcs)) == 2 and set(srcs) <= {"0", "1", "2"}
+    finally:
+        close_all(clients)
+
+
+def test_quorum_id_stable_across_steps_and_changes_with_membership_or_commit_failure(lighthouse):
+    clients = make_clients(lighthouse.address, "job", 3)
+    two = clients[:2]
+    try:
+        clients[2].stop_heartbeats()  # replica 2 starts later
+        time.sleep(DETECT + 0.1)
+        ids = [quorum_all(two, [s, s])[0].quorum_id for s in range(3)]
+        assert ids == [1, 1, 1]
+        clients[2].start_heartbeats()
+        q = quorum_all(clients, [3, 3, 0])[0]
+        assert q.quorum_id == 2 and q.member_ids == ("0", "1", "2") and q.behind == ("2",)
+        assert quorum_all(clients, [4, 4, 4])[0].quorum_id == 2
+        q = quorum_all(clients, [4, 4, 4], failed=True)[0]
+        assert q.quorum_id == 3 and "commit failed" in q.reason
+        assert quorum_all(clients, [5, 5, 5])[0].quorum_id == 3
+    finally:
+        close_all(clients)
+
+
+def test_deadline_gives_the_lighthouse_reason():
+    with LighthouseThread(LighthouseConfig(min_replicas=2, detect_s=DETECT)) as lh:
+        with LighthouseClient(lh.address, "job", 0) as c:
+            t0 = time.monotonic()
+            with pytest.raises(QuorumTimeout, match="min_replicas=2"):
+                c.get_quorum(0, ftar_addresses=addrs(0), timeout_s=0.6)
+            assert 0.4 < time.monotonic() - t0 < 1.5
+            [st] = c.status()
+            assert st.quorum is None and not any(r.waiting for r in st.replicas)
+
+
+def raw_request(**over):
+    fields = dict(protocol_version=1, job_id="job", replica_id="0", step=0,
+                  ftar_addresses=addrs(0), local_world_size=1)
+    fields.update(over)
+    return pb2.QuorumRequest(**fields)
+
+
+@pytest.mark.parametrize(
+    "over,match",
+    [
+        ({"job_id": ""}, "job_id is empty"),
+        ({"replica_id": ""}, "replica_id is empty"),
+        ({"step": -1}, "step is -1"),
+        ({"protocol_version": 7}, "version 7, this lighthouse speaks 1"),
+        ({"protocol_version": 0}, "protocol_version is missing"),
+        ({"local_world_size": 0, "ftar_addresses": []}, "local_world_size is 0"),
+        ({"local_world_size": 2}, "ftar_addresses has 1 entries but local_world_size is 2"),
+        ({"ftar_addresses": [""]}, "empty address"),
+        ({"num_replicas": -3}, "num_replicas is -3"),
+    ],
+)
+def test_invalid_quorum_request_is_invalid_argument(lighthouse, over, match):
+    with grpc.insecure_channel(lighthouse.address) as ch:
+        stub = pb2_grpc.LighthouseStub(ch)
+        with pytest.raises(grpc.RpcError) as ei:
+            stub.GetQuorum(raw_request(**over), timeout=5)
+        assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert match in ei.value.details()
+
+
+def test_invalid_heartbeat_and_status_versions(lighthouse):
+    with grpc.insecure_channel(lighthouse.address) as ch:
+        stub = pb2_grpc.LighthouseStub(ch)
+        for call, msg in [
+            (stub.Heartbeat, pb2.HeartbeatRequest(protocol_version=1, job_id="", replica_id="0")),
+            (stub.Heartbeat, pb2.HeartbeatRequest(protocol_version=1, job_id="j", replica_id="0", step=-2)),
+            (stub.Status, pb2.StatusRequest(protocol_version=9)),
+        ]:
+            with pytest.raises(grpc.RpcError) as ei:
+                call(msg, timeout=5)
+            assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT, ei.value.details()
+
+
+def test_conflicting_job_settings_are_rejected_with_the_fix(lighthouse):
+    clients = make_clients(lighthouse.address, "job", 3)
+    try:
+        with ThreadPoolExecutor(1) as ex:  # replica 0 waits (2 shards, 3 replicas) for the others
+            fut = ex.submit(clients[0].get_quorum, 0, ftar_addresses=addrs(0, 2), num_replicas=3, timeout_s=5)
+            time.sleep(0.1)
+            with pytest.raises(InvalidLighthouseRequest, match="4 of replica '1'.*conflicts with 2 of live replica '0'"):
+                clients[1].get_quorum(0, ftar_addresses=addrs(1, 4), num_replicas=3, timeout_s=5)
+            with pytest.raises(InvalidLighthouseRequest, match="num_replicas 5 .*conflicts with 3"):
+                clients[1].get_quorum(0, ftar_addresses=addrs(1, 2), num_replicas=5, timeout_s=5)
+            # Fixed requests complete the quorum that replica 0 has been waiting for.
+            qs = quorum_all(clients[1:], [0, 0], lws=2)
+            assert fut.result() == qs[0]
+            assert qs[0].num_members == 3 and qs[0].num_configured == 3 and qs[0].quorum_id == 1
+    finally:
+        close_all(clients)
+
+
+def test_unreachable_lighthouse_is_a_clear_error():
+    import socket
+
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with LighthouseClient(f"127.0.0.1:{port}", "job", 0) as c:
+        with pytest.raises(LighthouseUnavailable, match="is `fthsdp lighthouse` running"):
+            c.get_quorum(0, ftar_addresses=addrs(0), timeout_s=2)
+
+
+REPLICA = textwrap.dedent(
+    """
+    import sys, time
+    from fthsdp.lighthouse_client import LighthouseClient
+    c = LighthouseClient(sys.argv[1], "job", sys.argv[2])
+    c.start_heartbeats()
+    q = c.get_quorum(0, ftar_addresses=["127.0.0.1:1"], timeout_s=20)
+    print("quorum", q.quorum_id, ",".join(q.member_ids), flush=True)
+    time.sleep(60)
+    """
+)
+
+
+@pytest.mark.multiprocess
+def test_subprocess_lighthouse_detects_a_killed_replica(tmp_path):
+    port_file = tmp_path / "port"
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    lh = subprocess.Popen(
+        [sys.executable, "-m", "fthsdp.lighthouse", "--bind", "127.0.0.1:0", "--detect", str(DETECT),
+         "--join-timeout", "5", "--replicas", "2", "--port-file", str(port_file)],
+        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    replica = None
+    try:
+        line = lh.stdout.readline()
+        assert line.startswith("lighthouse listening on 127.0.0.1:"), line
+        address = line.split()[-1]
+        assert port_file.read_text().strip() == address.rsplit(":", 1)[1]
+        replica = subprocess.Popen([sys.executable, "-c", REPLICA, address, "1"], cwd=REPO, env=env,
+                                   stdout=subprocess.PIPE, text=True)
+        dead_at: list[float] = []
+        with LighthouseClient(address, "job", 0) as me:
+            me.start_heartbeats(on_dead=lambda dead, qid: dead_at.append(time.monotonic()) if dead == ("1",) else None)
+            # --replicas 2: the first quorum waits (up to 5 s) for the replica still starting up
+            q = me.get_quorum(0, ftar_addresses=["127.0.0.1:2"], timeout_s=20)
+            assert q.member_ids == ("0", "1")
+            assert replica.stdout.readline().split() == ["quorum", str(q.quorum_id), "0,1"]
+            os.kill(replica.pid, signal.SIGKILL)
+            killed_at = time.monotonic()
+            replica.wait(5)
+            while not dead_at and time.monotonic() < killed_at + DETECT + 2:
+                time.sleep(0.01)
+            assert dead_at, "the killed replica was never reported dead"
+            detection = dead_at[0] - killed_at
+            assert detection < DETECT + 0.4, detection
+            q2 = me.get_quorum(1, ftar_addresses=["127.0.0.1:2"], commit_failed=True, timeout_s=5)
+            assert q2.member_ids == ("0",) and q2.quorum_id == q.quorum_id + 1
+        lh.send_signal(signal.SIGTERM)
+        assert lh.wait(10) == 0
+        assert "declared dead" in lh.stderr.read()
+    finally:
+        for p in (replica, lh):
+            if p is not None and p.poll() is None:
+                p.kill()
+                p.wait(5)
+
+
+def test_cli_rejects_bad_flags():
+    from fthsdp.lighthouse import cli
+
+    with pytest.raises(SystemExit) as ei:
+        cli(["--bind", "localhost"])
+    assert ei.value.code == 2
+    with pytest.raises(SystemExit):
+        cli(["--min-replicas", "0"])
