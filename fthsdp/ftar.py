@@ -1,0 +1,219 @@
+"""FTAR's Python face: the communicator and the jittable all-reduce.
+
+A `Communicator` owns one native ring endpoint per local shard (the C++
+control thread drives them all). `allreduce` implements the AllReduceFn
+contract of `fthsdp.quorum_inputs`: inside the jitted step it buckets the
+gradient pytree into one flat buffer per dtype for every local shard, calls
+the `fthsdp_ftar` custom call once per shard under `shard_map` (shard i of
+this replica forms a ring with shard i of every other replica), and
+unbuckets. Membership and the communicator handle enter as int32 arrays, so
+reconfiguring never recompiles (DESIGN.md invariant 4).
+
+Outcomes: status 0 (OK) or 1 (RECOVERABLE: a peer died, a timeout, a stale
+quorum, an abort) per local shard; fatal errors raise JaxRuntimeError.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, PartitionSpec as P
+
+from fthsdp import native
+from fthsdp.quorum_inputs import STATUS_OK, STATUS_RECOVERABLE, QuorumInputs
+
+__all__ = ["FtarOptions", "ConfigureResult", "Communicator", "allreduce", "STATUS_OK",
+           "STATUS_RECOVERABLE", "SUPPORTED_DTYPES"]
+
+SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+TARGET = "fthsdp_ftar"
+
+
+@dataclasses.dataclass(frozen=True)
+class FtarOptions:
+    """Transport knobs of one communicator (fixed for its lifetime).
+
+    streams: TCP connections per ring neighbour; chunks are striped over them.
+    chunk_bytes / chunks: chunk size S and chunks in flight C of the pipeline;
+        S*C bytes of receive staging are allocated (and touched) up front.
+    timeout_s: deadline of one all-reduce call; past it the call returns
+        RECOVERABLE instead of hanging (DESIGN.md invariant 3).
+    """
+
+    streams: int = 2
+    chunk_bytes: int = 1 << 20
+    chunks: int = 4
+    timeout_s: float = 60.0
+    listen_host: str = "127.0.0.1"
+    socket_buffer_bytes: int = 0
+
+    def __post_init__(self):
+        if not 1 <= self.streams <= 64:
+            raise ValueError(f"streams must be in [1, 64], got {self.streams}")
+        if not 1 <= self.chunks <= 256:
+            raise ValueError(f"chunks must be in [1, 256], got {self.chunks}")
+        if not 64 <= self.chunk_bytes <= 1 << 30:
+            raise ValueError(f"chunk_bytes must be in [64, 2**30], got {self.chunk_bytes}")
+        if not self.timeout_s > 0:
+            raise ValueError(f"timeout_s must be > 0, got {self.timeout_s}")
+
+
+@dataclasses.dataclass(frozen=True)
+class ConfigureResult:
+    """Whether the ring of a configure() is connected; `reason` says why not."""
+
+    ok: bool
+    reason: str = ""
+
+    def __bool__(self) -> bool:
+        return self.ok
+
+
+class Communicator:
+    """A handle on the native FTAR communicator of this replica (one ring per local shard).
+
+    Pass `handle` into the step as `QuorumInputs.comm`; publish `addresses`
+    (one host:port per local shard) to the other replicas; call `configure`
+    with every quorum change and `abort` when a peer is declared dead.
+    """
+
+    def __init__(self, num_shards: int = 1, options: FtarOptions | None = None, **kwargs: Any):
+        if options is None:
+            options = FtarOptions(**kwargs)
+        elif kwargs:
+            raise TypeError("pass either options= or keyword options, not both")
+        self.options = options
+        self.num_shards = int(num_shards)
+        self._mod = native.module()
+        self.handle: int = self._mod.ftar_create(
+            self.num_shards, options.listen_host, options.streams, options.chunk_bytes,
+            options.chunks, float(options.timeout_s), options.socket_buffer_bytes)
+
+    @property
+    def addresses(self) -> list[str]:
+        """This replica's listen address per local shard."""
+        return list(self._mod.ftar_addresses(self.handle))
+
+    @property
+    def address(self) -> str:
+        """All shard addresses joined by ',' (a member's entry in `configure`)."""
+        return ",".join(self.addresses)
+
+    def configure(self, job_id: str, quorum_id: int, rank: int,
+                  members: Sequence[str | Sequence[str]], timeout_s: float = 30.0,
+                  wait: bool = True) -> ConfigureResult:
+        """Tear down the old ring and connect this quorum's neighbours.
+
+        members: every member's addresses in ring order (a list of per-shard
+        addresses, or one ','-joined string). With wait=True, blocks until the
+        ring is connected or `timeout_s` passed; a failure is not raised: the
+        next all-reduce reports RECOVERABLE with the same reason.
+        """
+        joined = [m if isinstance(m, str) else ",".join(m) for m in members]
+        self._mod.ftar_configure(self.handle, str(job_id), int(quorum_id), int(rank), joined,
+                                 float(timeout_s))
+        if not wait:
+            return ConfigureResult(True, "connecting")
+        ok, reason = self._mod.ftar_wait_configured(self.handle, float(timeout_s) + 1.0)
+        return ConfigureResult(bool(ok), reason)
+
+    def wait_configured(self, timeout_s: float) -> ConfigureResult:
+        ok, reason = self._mod.ftar_wait_configured(self.handle, float(timeout_s))
+        return ConfigureResult(bool(ok), reason)
+
+    def abort(self, reason: str = "aborted") -> None:
+        """In-flight all-reduces return RECOVERABLE promptly; reconfigure to go on."""
+        self._mod.ftar_abort(self.handle, reason)
+
+    def stats(self) -> list[dict]:
+        """Per-shard counters: state, ops, bytes, refused handshakes, last error."""
+        return list(self._mod.ftar_stats(self.handle))
+
+    def allreduce_host(self, array: np.ndarray, *, quorum_id: int, rank: int, n: int,
+                       shard: int = 0) -> tuple[int, str]:
+        """In-place sum of a host array over the ring, outside XLA (tests, benchmarks)."""
+        return self._mod.ftar_allreduce_host(self.handle, shard, quorum_id, rank, n, array)
+
+    def close(self) -> None:
+        if self.handle is not None:
+            self._mod.ftar_destroy(self.handle)
+            self.handle = None
+
+    def __enter__(self) -> Communicator:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _shard_index(mesh: Mesh) -> jax.Array:
+    """Linear index of this device in the mesh (the same on every replica)."""
+    idx = jnp.int32(0)
+    for name in mesh.axis_names:
+        idx = idx * mesh.shape[name] + jax.lax.axis_index(name).astype(jnp.int32)
+    return idx
+
+
+def _ftar_call(comm, shard, quorum_id, rank, n, buckets):
+    outs = [jax.ShapeDtypeStruct((1,), jnp.int32)] + [jax.ShapeDtypeStruct(b.shape, b.dtype) for b in buckets]
+    call = jax.ffi.ffi_call(TARGET, outs, has_side_effect=True,
+                            input_output_aliases={5 + i: 1 + i for i in range(len(buckets))})
+    res = call(comm, shard, quorum_id, rank, n, *buckets)
+    return res[0], list(res[1:])
+
+
+def _default_specs(leaves, mesh: Mesh):
+    from fthsdp.sharding import fsdp_spec
+
+    return [fsdp_spec(tuple(x.shape), mesh.devices.size) if len(mesh.axis_names) == 1 else P()
+            for x in leaves]
+
+
+def allreduce(grads, quorum: QuorumInputs, mesh: Mesh, specs=None):
+    """Sum `grads` over the ring members (AllReduceFn). Returns (sums, status[num_local_devices]).
+
+    specs: PartitionSpec per leaf (a pytree like `grads`) describing how the
+    gradients are sharded over `mesh`; default: fthsdp.sharding's FSDP layout.
+    """
+    native.ensure_registered()
+    leaves, treedef = jax.tree.flatten(grads)
+    for x in leaves:
+        if jnp.dtype(x.dtype) not in SUPPORTED_DTYPES:
+            raise TypeError(f"ftar.allreduce: gradient of dtype {x.dtype} (shape {x.shape}); "
+                            "supported: float32, bfloat16, float16")
+    spec_leaves = _default_specs(leaves, mesh) if specs is None else treedef.flatten_up_to(specs)
+    axes = tuple(mesh.axis_names)
+    status_spec = P(axes if len(axes) > 1 else axes[0])
+    q = [jnp.asarray(v, jnp.int32).reshape(()) for v in
+         (quorum.comm, quorum.quorum_id, quorum.rank, quorum.num_members)]
+
+    def body(comm, quorum_id, rank, n, *local):
+        order: list[jnp.dtype] = []
+        for x in local:
+            if jnp.dtype(x.dtype) not in order:
+                order.append(jnp.dtype(x.dtype))
+        buckets = [jnp.concatenate([x.reshape(-1) for x in local if jnp.dtype(x.dtype) == dt])
+                   for dt in order]
+        shard = _shard_index(mesh).reshape(())
+        status, sums = _ftar_call(comm, shard, quorum_id, rank, n, buckets)
+        out, offsets = [], {dt: 0 for dt in order}
+        for x in local:
+            dt = jnp.dtype(x.dtype)
+            flat = sums[order.index(dt)]
+            out.append(jax.lax.dynamic_slice_in_dim(flat, offsets[dt], x.size).reshape(x.shape)
+                       if x.size else jnp.zeros(x.shape, x.dtype))
+            offsets[dt] += x.size
+        return (status, *out)
+
+    if not leaves:
+        status = jnp.zeros((mesh.devices.size,), jnp.int32)
+        return grads, status
+    mapped = jax.shard_map(body, mesh=mesh, in_specs=(P(), P(), P(), P(), *spec_leaves),
+                           out_specs=(status_spec, *spec_leaves), check_vma=False)
+    status, *summed = mapped(*q, *leaves)
+    return jax.tree.unflatten(treedef, summed), status
