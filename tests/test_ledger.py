@@ -1,0 +1,154 @@
+"""The exactly-once ledger: duplicates, gaps, restores, torn tails."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from fthsdp.data.ledger import Ledger, LedgerError, check_exactly_once, read_ledger
+
+
+def _run(tmp_path, script):
+    """Writes ledgers through the given callables, one per replica."""
+    paths = {}
+    for r, events in script.items():
+        paths[r] = tmp_path / f"ledger_{r}.jsonl"
+        with Ledger(paths[r], r) as led:
+            for kind, *args in events:
+                getattr(led, kind)(*args)
+    return paths
+
+
+def test_clean_run_is_exactly_once(tmp_path):
+    paths = _run(tmp_path, {0: [("commit", s, s - 1) for s in range(1, 6)], 1: [("commit", s, s - 1) for s in range(1, 6)]})
+    rep = check_exactly_once(paths.values(), {0: 5, 1: 5})
+    assert rep.ok and rep.counted == 10, rep.summary()
+
+
+def test_duplicate_and_gap_are_named(tmp_path):
+    # replica 0 trains position 2 twice (a retried step that had in fact committed), replica 1 skips position 3
+    paths = _run(tmp_path, {
+        0: [("commit", 1, 0), ("commit", 2, 1), ("commit", 3, 2), ("commit", 4, 2), ("commit", 5, 3)],
+        1: [("commit", 1, 0), ("commit", 2, 1), ("commit", 3, 2), ("commit", 4, 4)],
+    })
+    rep = check_exactly_once(paths.values(), {0: 4, 1: 5})
+    assert not rep.ok
+    assert rep.duplicates == {(0, 2): [3, 4]}
+    assert rep.gaps == {1: [3]}
+    assert "replica 0, position 2" in rep.summary() and "replica 1: 3" in rep.summary()
+
+
+def test_batches_past_the_end_and_two_batches_in_one_step(tmp_path):
+    paths = _run(tmp_path, {0: [("commit", 1, 0), ("commit", 1, 1), ("commit", 2, 2)]})
+    rep = check_exactly_once(paths.values(), {0: 2})
+    assert rep.unexpected == {0: [2]}
+    assert rep.step_conflicts == {(0, 1): [0, 1]}
+    assert not rep.ok
+
+
+def test_full_restart_rolls_back_commits_after_the_checkpoint(tmp_path):
+    # steps 1..4 committed, the job dies, resumes from the checkpoint of step 2 and retrains positions 2, 3
+    pre = [("commit", s, s - 1) for s in range(1, 5)]
+    paths = _run(tmp_path, {0: pre, 1: pre})
+    time.sleep(0.001)
+    for r in (0, 1):
+        with Ledger(paths[r], r) as led:
+            led.restore(2, "restart-1")
+            led.commit(3, 2)
+            led.commit(4, 3)
+    rep = check_exactly_once(paths.values(), {0: 4, 1: 4})
+    assert rep.ok, rep.summary()
+    assert rep.rolled_back == 4
+    # a replica that did not log the restore itself is still rolled back (restores apply to every ledger)
+    paths2 = _run(tmp_path / "b", {0: pre, 1: pre})
+    with Ledger(paths2[0], 0) as led:
+        led.restore(2, "restart-1")
+        led.commit(3, 2)
+        led.commit(4, 3)
+    rep2 = check_exactly_once(paths2.values(), {0: 4, 1: 4})
+    assert rep2.gaps == {1: [2, 3]} and not rep2.duplicates
+
+
+def test_replicas_disagreeing_on_a_restart_is_an_error(tmp_path):
+    paths = _run(tmp_path, {0: [("restore", 2, "r1")], 1: [("restore", 3, "r1")]})
+    with pytest.raises(LedgerError, match="restore one checkpoint everywhere"):
+        check_exactly_once(paths.values(), {})
+
+
+def test_torn_last_line_is_skipped_and_cut_before_appending(tmp_path):
+    p = tmp_path / "ledger_0.jsonl"
+    with Ledger(p, 0) as led:
+        led.commit(1, 0)
+        led.commit(2, 1)
+    data = p.read_bytes()
+    p.write_bytes(data[: len(data) - 10])  # the second record lost its end in a crash
+    got = read_ledger(p)
+    assert got.torn_tail and len(got.records) == 1
+    with Ledger(p, 0) as led:
+        assert led.repaired
+        led.commit(2, 1)
+    got = read_ledger(p)
+    assert not got.torn_tail and [r.position for r in got.records] == [0, 1]
+    assert check_exactly_once([p], {0: 2}).ok
+
+
+def test_record_missing_only_its_newline_is_kept(tmp_path):
+    p = tmp_path / "l.jsonl"
+    with Ledger(p, 0) as led:
+        led.commit(1, 0)
+    p.write_bytes(p.read_bytes().rstrip(b"\n"))
+    assert len(read_ledger(p).records) == 1
+    with Ledger(p, 0) as led:
+        assert not led.repaired
+        led.commit(2, 1)
+    assert [r.position for r in read_ledger(p).records] == [0, 1]
+
+
+def test_damaged_middle_line_is_an_error(tmp_path):
+    p = tmp_path / "l.jsonl"
+    with Ledger(p, 0) as led:
+        for s in range(1, 4):
+            led.commit(s, s - 1)
+    lines = p.read_bytes().split(b"\n")
+    doc = json.loads(lines[1])
+    doc["position"] = 7  # altered after the fact: the CRC no longer matches
+    lines[1] = json.dumps(doc).encode()
+    p.write_bytes(b"\n".join(lines))
+    with pytest.raises(LedgerError, match="line 2 is damaged"):
+        read_ledger(p)
+
+
+def test_writer_killed_mid_stream_leaves_a_readable_ledger(tmp_path):
+    p = tmp_path / "l.jsonl"
+    code = (
+        "import sys\nfrom fthsdp.data.ledger import Ledger\n"
+        f"led = Ledger({str(p)!r}, 3)\n"
+        "s = 1\n"
+        "while True:\n"
+        "    led.commit(s, s - 1); s += 1\n"
+        "    if s == 50: print('go', flush=True)\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, cwd=os.getcwd())
+    assert proc.stdout.readline().strip() == b"go"
+    proc.kill()
+    proc.wait(timeout=10)
+    got = read_ledger(p)
+    n = len(got.records)
+    assert n >= 49
+    assert [r.position for r in got.records] == list(range(n))
+    assert check_exactly_once([got], {3: n}).ok
+
+
+def test_bad_arguments_are_refused(tmp_path):
+    with Ledger(tmp_path / "x", 0) as led:
+        with pytest.raises(ValueError, match="step >= 1"):
+            led.commit(0, 0)
+        with pytest.raises(ValueError, match="restore step"):
+            led.restore(-1, "r")
+        with pytest.raises(ValueError, match="restart id"):
+            led.restore(1, "")
+    with pytest.raises(ValueError, match="replica"):
+        Ledger(tmp_path / "y", -1)
