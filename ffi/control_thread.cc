@@ -586,6 +586,10 @@ void RingEndpoint::on_in(size_t i, short revents) {
         return;
       }
       if (s.done < sizeof(s.header)) continue;
+      {
+        std::lock_guard<std::mutex> lk(mu_);
+        stats_.bytes_received += static_cast<int64_t>(sizeof(s.header));
+      }
       const tcp::ChunkHeader& h = s.header;
       std::string bad;
       if (h.magic != tcp::kChunkMagic) {

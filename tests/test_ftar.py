@@ -1,0 +1,261 @@
+"""FTAR end to end: real processes, real sockets on loopback, real signals.
+
+Each multi-process test starts one worker per replica (tests/ftar_workers/
+worker.py); the workers run the jitted `fthsdp.ftar.allreduce` and write what
+they got; the test checks it against numpy. In-process tests drive the same
+native path through the host API to check handshakes, aborts and errors.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from fthsdp import ftar
+
+HERE = pathlib.Path(__file__).resolve().parent
+WORKER = HERE / "ftar_workers" / "worker.py"
+sys.path.insert(0, str(HERE / "ftar_workers"))
+from ftar_test_data import inputs  # noqa: E402
+
+pytestmark = pytest.mark.multiprocess
+
+
+def launch(tmp_path, n, devices, scenario, **extra):
+    rdv = tmp_path / "rdv"
+    rdv.mkdir(exist_ok=True)
+    procs = []
+    for rank in range(n):
+        spec = dict(n=n, rank=rank, devices=devices, rdv=str(rdv), scenario=scenario,
+                    out=str(tmp_path / f"out{rank}.npz"), timeout_s=20.0)
+        spec.update(extra)
+        procs.append(subprocess.Popen([sys.executable, str(WORKER), json.dumps(spec)],
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    return procs
+
+
+def finish(procs, ranks, timeout=120):
+    outs = {}
+    for r in ranks:
+        try:
+            log, _ = procs[r].communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            for p in procs:
+                p.kill()
+            raise
+        assert procs[r].returncode == 0, f"rank {r} failed:\n{log}"
+    return outs
+
+
+def load(tmp_path, rank):
+    with np.load(tmp_path / f"out{rank}.npz") as z:
+        return {k: z[k] for k in z.files}
+
+
+def check_sums(results, tag, ranks_in_ring):
+    expected = [inputs(r) for r in ranks_in_ring]
+    first = results[0]
+    for res in results:
+        assert np.all(res[f"{tag}/status"] == ftar.STATUS_OK), res[f"{tag}/status"]
+        for key in ("ints", "rand", "bf16", "f16"):  # invariant 1: bitwise identical everywhere
+            assert res[f"{tag}/{key}"].tobytes() == first[f"{tag}/{key}"].tobytes(), key
+    np.testing.assert_array_equal(first[f"{tag}/ints"], sum(e["ints"] for e in expected))
+    np.testing.assert_array_equal(first[f"{tag}/f16"], sum(e["f16"].astype(np.float32) for e in expected))
+    np.testing.assert_allclose(first[f"{tag}/rand"], sum(e["rand"] for e in expected), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(first[f"{tag}/bf16"], sum(e["bf16"].astype(np.float32) for e in expected),
+                               rtol=0.05, atol=0.05)
+
+
+@pytest.mark.parametrize("n,devices", [(2, 1), (3, 1), (4, 1), (2, 2), (3, 2), (4, 2)])
+def test_sum_is_exact_identical_and_survives_reconfiguration(tmp_path, n, devices):
+    procs = launch(tmp_path, n, devices, "sum")
+    finish(procs, range(n))
+    results = [load(tmp_path, r) for r in range(n)]
+    check_sums(results, "q1", range(n))
+    check_sums(results, "q2", range(n))
+    for res in results:
+        assert res["q1/status"].shape == (devices,)
+        assert int(res["cache_size"]) == 1, "reconfiguring recompiled the step"
+
+
+def test_sigkill_mid_allreduce_then_smaller_ring(tmp_path):
+    n, big = 3, 4 << 20  # 16 MiB of float32 per rank
+    procs = launch(tmp_path, n, 1, "kill", big=big, chunk_bytes=1 << 16)
+    finish(procs, range(n - 1))
+    procs[n - 1].wait(timeout=30)
+    assert procs[n - 1].returncode == -signal.SIGKILL
+    survivors = [load(tmp_path, r) for r in range(n - 1)]
+    for res in survivors:
+        assert np.all(res["q1/status"] == ftar.STATUS_RECOVERABLE), str(res.get("reason_q1"))
+        assert float(res["q1/seconds"]) < 20.0, "not detected before the deadline"
+        assert int(res["cache_size"]) == 1
+    check_sums(survivors, "q2", range(n - 1))
+    exp_big = sum(inputs(r, big)["big"] for r in range(n - 1))
+    np.testing.assert_allclose(survivors[0]["q2/big"], exp_big, rtol=1e-5, atol=1e-5)
+    assert survivors[0]["q2/big"].tobytes() == survivors[1]["q2/big"].tobytes()
+
+
+def test_sigstopped_peer_hits_the_deadline(tmp_path):
+    n, timeout = 3, 2.0
+    procs = launch(tmp_path, n, 1, "stop", timeout_s=timeout)
+    try:
+        rdv = tmp_path / "rdv"
+        deadline = time.time() + 120
+        while not all((rdv / f"configured{r}").exists() for r in range(n)):
+            assert time.time() < deadline
+            time.sleep(0.05)
+        finish(procs, range(n - 1), timeout=120)
+    finally:
+        procs[n - 1].send_signal(signal.SIGCONT)
+        procs[n - 1].kill()
+        procs[n - 1].wait(timeout=30)
+    for r in range(n - 1):
+        res = load(tmp_path, r)
+        assert np.all(res["q1/status"] == ftar.STATUS_RECOVERABLE)
+        secs = float(res["q1/seconds"])
+        # Bounded by the deadline: not before it (nobody closed anything), not long after.
+        assert 0.9 * timeout <= secs < timeout + 3.0, secs
+        assert "timeout" in str(res["reason_q1"]) or "lost" in str(res["reason_q1"]), str(res["reason_q1"])
+
+
+# ---------------------------------------------------------------------------
+# In-process: two communicators of this process form a ring of two through
+# real loopback sockets, driven by the host API (the handler's code path).
+
+
+def pair(timeout_s=5.0, **kw):
+    a = ftar.Communicator(timeout_s=timeout_s, **kw)
+    b = ftar.Communicator(timeout_s=timeout_s, **kw)
+    return a, b
+
+
+def configure_both(a, b, qa, qb, job_a="job", job_b="job", timeout_s=5.0):
+    members = [a.address, b.address]
+    a.configure(job_a, qa, 0, members, timeout_s=timeout_s, wait=False)
+    b.configure(job_b, qb, 1, members, timeout_s=timeout_s, wait=False)
+    return a.wait_configured(timeout_s + 1), b.wait_configured(timeout_s + 1)
+
+
+def run_both(a, b, xa, xb, qa, qb):
+    out = {}
+
+    def go(name, c, x, q, rank):
+        out[name] = (c.allreduce_host(x, quorum_id=q, rank=rank, n=2), time.perf_counter())
+
+    ts = [threading.Thread(target=go, args=("a", a, xa, qa, 0)),
+          threading.Thread(target=go, args=("b", b, xb, qb, 1))]
+    t0 = time.perf_counter()
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(timeout=60)
+    return out, t0
+
+
+def test_host_allreduce_sums_odd_sizes_in_process():
+    a, b = pair(chunk_bytes=256, chunks=3, streams=3)
+    with a, b:
+        ra, rb = configure_both(a, b, 1, 1)
+        assert ra and rb, (ra, rb)
+        for size in (0, 1, 2, 3, 1001, 100_003):
+            xa = np.arange(size, dtype=np.float32)
+            xb = np.full(size, 2.0, np.float32)
+            out, _ = run_both(a, b, xa, xb, 1, 1)
+            assert out["a"][0] == (0, "") and out["b"][0] == (0, ""), out
+            np.testing.assert_array_equal(xa, np.arange(size, dtype=np.float32) + 2)
+            assert xa.tobytes() == xb.tobytes()
+
+
+def test_stale_quorum_id_is_refused_at_the_handshake():
+    a, b = pair()
+    with a, b:
+        ra, rb = configure_both(a, b, qa=5, qb=4, timeout_s=1.0)
+        assert not rb and "stale quorum id 4" in rb.reason, rb
+        assert not ra and "timeout connecting" in ra.reason, ra
+        assert a.stats()[0]["refused_handshakes"] >= 1
+        # The all-reduce on a failed ring returns RECOVERABLE at once, with the reason.
+        status, reason = a.allreduce_host(np.ones(4, np.float32), quorum_id=5, rank=0, n=2)
+        assert status == ftar.STATUS_RECOVERABLE and "timeout connecting" in reason
+        # Both move on to quorum 6: the ring comes up.
+        ra, rb = configure_both(a, b, 6, 6)
+        assert ra and rb, (ra, rb)
+        out, _ = run_both(a, b, np.ones(8, np.float32), np.ones(8, np.float32), 6, 6)
+        assert out["a"][0][0] == out["b"][0][0] == ftar.STATUS_OK
+
+
+def test_job_id_mismatch_is_refused():
+    a, b = pair()
+    with a, b:
+        ra, rb = configure_both(a, b, 1, 1, job_a="job-a", job_b="job-b", timeout_s=1.0)
+        reasons = ra.reason + rb.reason
+        assert "job id mismatch" in reasons, (ra, rb)
+
+
+def test_step_with_stale_quorum_id_is_recoverable_and_bad_rank_is_fatal():
+    a, b = pair()
+    with a, b:
+        assert all(configure_both(a, b, 3, 3))
+        status, reason = a.allreduce_host(np.ones(4, np.float32), quorum_id=2, rank=0, n=2)
+        assert status == ftar.STATUS_RECOVERABLE and "stale quorum id" in reason
+        with pytest.raises(RuntimeError, match="configured this communicator as rank 0 of 2"):
+            a.allreduce_host(np.ones(4, np.float32), quorum_id=3, rank=1, n=2)
+
+
+def test_abort_unblocks_an_inflight_allreduce_promptly():
+    a, b = pair(timeout_s=30.0)
+    with a, b:
+        assert all(configure_both(a, b, 1, 1))
+        result = {}
+
+        def go():
+            result["r"] = a.allreduce_host(np.ones(1 << 16, np.float32), quorum_id=1, rank=0, n=2)
+
+        t = threading.Thread(target=go)
+        t.start()  # b never joins: a would wait for its 30 s deadline
+        time.sleep(0.3)
+        t0 = time.perf_counter()
+        a.abort("lighthouse declared the peer dead")
+        t.join(timeout=5)
+        assert not t.is_alive() and time.perf_counter() - t0 < 1.0
+        assert result["r"][0] == ftar.STATUS_RECOVERABLE and "aborted" in result["r"][1]
+        # Aborted until reconfigured.
+        status, reason = a.allreduce_host(np.ones(4, np.float32), quorum_id=1, rank=0, n=2)
+        assert status == ftar.STATUS_RECOVERABLE and "aborted" in reason
+
+
+def test_bad_arguments_fail_with_a_clear_message():
+    with pytest.raises(ValueError, match="streams must be in"):
+        ftar.Communicator(streams=0)
+    c = ftar.Communicator()
+    with c:
+        with pytest.raises(ValueError, match="rank 2 outside ring of 2"):
+            c.configure("job", 1, 2, [c.address, c.address])
+        with pytest.raises(ValueError, match="not host:port"):
+            c.configure("job", 1, 0, [c.address, "nonsense"])
+
+
+def test_unknown_communicator_handle_raises_inside_jit():
+    import jax
+    import jax.numpy as jnp
+
+    from fthsdp.quorum_inputs import make_quorum_inputs
+    from fthsdp.sharding import replica_mesh
+
+    mesh = replica_mesh(1)
+    q = make_quorum_inputs(num_contributing=2, num_members=2, num_configured=2, rank=0, quorum_id=1, comm=999)
+    with pytest.raises(Exception, match="unknown communicator handle 999"):
+        jax.block_until_ready(jax.jit(lambda g, q: ftar.allreduce(g, q, mesh))({"w": jnp.ones(4)}, q))
+    # A ring of one needs no communicator: the sum is the input, status OK.
+    q1 = make_quorum_inputs(comm=-1)
+    s, st = jax.jit(lambda g, q: ftar.allreduce(g, q, mesh))({"w": jnp.arange(4.0)}, q1)
+    np.testing.assert_array_equal(np.asarray(s["w"]), np.arange(4.0))
+    assert np.asarray(st).tolist() == [0]
