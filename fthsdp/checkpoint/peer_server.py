@@ -1,0 +1,293 @@
+"""HTTP server for a replica's latest host snapshot, so behind peers can fetch it.
+
+Routes (every one needs `Authorization: Bearer <token>`; the token is compared
+in constant time):
+
+    GET /v1/manifest                              the served snapshot's manifest (JSON)
+    GET /v1/snapshot/{step}/manifest              the same, only if `step` is served
+    GET /v1/snapshot/{step}/leaf/{i}/piece/{k}    piece k of leaf i (raw bytes)
+
+A piece response carries `X-Fthsdp-Step`, `X-Fthsdp-Leaf`, `X-Fthsdp-Range`
+(start-end within the leaf) and `X-Fthsdp-Checksum` (crc32, 8 hex digits,
+computed once when the snapshot landed). Errors are JSON `{"error": ...}`:
+400 malformed request, 401 missing token, 403 wrong token, 404 unknown
+route, 409 stale step (the body says which step is served), 503 no snapshot
+yet. Bodies are sent straight from the snapshot buffer (no copy) under a
+lease, so the slot is not overwritten mid-transfer.
+
+`Fault` injects misbehaviour (corrupt bytes, truncated bodies, lying
+checksums, delays) for tests and experiments of the fetcher.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import re
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Protocol
+
+from fthsdp.checkpoint.snapshot import Snapshot, StaleStepError
+
+_PIECE = re.compile(r"^/v1/snapshot/(?P<step>[^/]+)/leaf/(?P<leaf>[^/]+)/piece/(?P<piece>[^/]+)$")
+_STEP_MANIFEST = re.compile(r"^/v1/snapshot/(?P<step>[^/]+)/manifest$")
+
+
+class SnapshotSource(Protocol):
+    """What the server serves from: `Snapshotter` or `StaticSource`."""
+
+    def lease(self, step: int | None = None): ...  # context manager yielding a Snapshot
+
+
+class StaticSource:
+    """Serves one fixed snapshot (tests, benchmarks, a finished replica)."""
+
+    def __init__(self, snapshot: Snapshot):
+        self.snapshot = snapshot
+
+    def lease(self, step: int | None = None):
+        import contextlib
+
+        if step is not None and step != self.snapshot.step:
+            raise StaleStepError(step, self.snapshot.step)
+        return contextlib.nullcontext(self.snapshot)
+
+
+@dataclass(frozen=True)
+class Fault:
+    """Misbehaviour to inject into piece responses (fault injection, not a mock).
+
+    kind: corrupt (flip a byte), truncate (send half the body, then close),
+    bad_checksum (header lies), delay (sleep `delay_s` before each piece).
+    count: how many piece responses to affect (None: all)."""
+
+    kind: str
+    count: int | None = None
+    delay_s: float = 0.0
+
+    KINDS = ("corrupt", "truncate", "bad_checksum", "delay")
+
+    def __post_init__(self):
+        if self.kind not in self.KINDS:
+            raise ValueError(f"fault kind {self.kind!r} is not one of {', '.join(self.KINDS)}")
+
+
+class _Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    server: "_Server"
+
+    def log_message(self, format, *args):  # noqa: A002 - quiet by default
+        pass
+
+    # -- helpers ------------------------------------------------------------
+
+    def _json(self, code: int, body: dict) -> None:
+        data = json.dumps(body).encode()
+        self.send_response(code)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def _authorised(self) -> bool:
+        auth = self.headers.get("Authorization")
+        if not auth:
+            self._json(401, {"error": "missing token: send 'Authorization: Bearer <token>'"})
+            return False
+        scheme, _, token = auth.partition(" ")
+        if scheme != "Bearer" or not token:
+            self._json(401, {"error": "malformed Authorization header: expected 'Bearer <token>'"})
+            return False
+        if not hmac.compare_digest(token.strip().encode(), self.server.token):
+            self._json(403, {"error": "wrong token: this peer serves another job or the secret differs"})
+            return False
+        return True
+
+    def _int(self, name: str, text: str) -> int | None:
+        try:
+            v = int(text)
+        except ValueError:
+            self._json(400, {"error": f"{name} must be a non-negative integer, got {text!r}"})
+            return None
+        if v < 0:
+            self._json(400, {"error": f"{name} must be a non-negative integer, got {v}"})
+            return None
+        return v
+
+    # -- routes -------------------------------------------------------------
+
+    def do_GET(self):  # noqa: N802
+        self.server.requests += 1
+        if not self._authorised():
+            return
+        path = self.path.split("?", 1)[0]
+        if path == "/v1/manifest":
+            return self._manifest(None)
+        m = _STEP_MANIFEST.match(path)
+        if m:
+            step = self._int("step", m["step"])
+            return None if step is None else self._manifest(step)
+        m = _PIECE.match(path)
+        if m:
+            step = self._int("step", m["step"])
+            leaf = None if step is None else self._int("leaf", m["leaf"])
+            piece = None if leaf is None else self._int("piece", m["piece"])
+            if piece is None:
+                return None
+            return self._piece(step, leaf, piece)
+        self._json(404, {"error": f"no route {path!r}; see /v1/manifest and /v1/snapshot/STEP/leaf/I/piece/K"})
+
+    def do_POST(self):  # noqa: N802
+        self._json(405, {"error": "the peer server is read-only: use GET"})
+
+    def _stale(self, e: StaleStepError) -> None:
+        if e.served is None:
+            self._json(503, {"error": "no snapshot is served yet", "served_step": None})
+        else:
+            self._json(409, {"error": str(e), "requested_step": e.requested, "served_step": e.served})
+
+    def _manifest(self, step: int | None) -> None:
+        try:
+            with self.server.source.lease(step) as snap:
+                text = snap.manifest.to_json()
+        except StaleStepError as e:
+            return self._stale(e)
+        data = text.encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def _piece(self, step: int, leaf: int, piece: int) -> None:
+        try:
+            lease = self.server.source.lease(step)
+            snap = lease.__enter__()
+        except StaleStepError as e:
+            return self._stale(e)
+        try:
+            man = snap.manifest
+            if leaf >= len(man.leaves):
+                return self._json(400, {"error": f"leaf {leaf} out of range: step {step} has {len(man.leaves)} leaves"})
+            if piece >= man.num_pieces(leaf):
+                return self._json(
+                    400, {"error": f"piece {piece} out of range: leaf {leaf} has {man.num_pieces(leaf)} pieces"}
+                )
+            start, end = man.piece_range(leaf, piece)
+            body = snap.piece(leaf, piece)
+            crc = man.checksums[leaf][piece]
+            fault = self.server.take_fault()
+            if fault is not None and fault.kind == "delay":
+                time.sleep(fault.delay_s)
+            if fault is not None and fault.kind == "bad_checksum":
+                crc ^= 0x5A5A5A5A
+            if fault is not None and fault.kind == "corrupt" and len(body):
+                damaged = bytearray(body)
+                damaged[len(damaged) // 2] ^= 0xFF
+                body = memoryview(damaged)
+            self.send_response(200)
+            self.send_header("Content-Type", "application/octet-stream")
+            self.send_header("Content-Length", str(len(body)))
+            self.send_header("X-Fthsdp-Step", str(man.step))
+            self.send_header("X-Fthsdp-Leaf", str(leaf))
+            self.send_header("X-Fthsdp-Range", f"{start}-{end}")
+            self.send_header("X-Fthsdp-Checksum", f"{crc:08x}")
+            self.end_headers()
+            if fault is not None and fault.kind == "truncate":
+                self.wfile.write(body[: len(body) // 2])
+                self.close_connection = True
+                self.connection.shutdown(socket.SHUT_RDWR)
+                return None
+            self.wfile.write(body)
+            self.server.bytes_served += len(body)
+            self.server.pieces_served += 1
+        finally:
+            lease.__exit__(None, None, None)
+        return None
+
+
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+    allow_reuse_address = True
+    request_queue_size = 64
+
+    def __init__(self, addr, source: SnapshotSource, token: bytes, fault: Fault | None):
+        super().__init__(addr, _Handler)
+        self.source = source
+        self.token = token
+        self.fault = fault
+        self._fault_lock = threading.Lock()
+        self._faults_left = None if fault is None else fault.count
+        self.requests = 0
+        self.bytes_served = 0
+        self.pieces_served = 0
+
+    def handle_error(self, request, client_address) -> None:
+        import sys
+
+        exc = sys.exc_info()[1]
+        if isinstance(exc, (ConnectionError, TimeoutError)):
+            return  # a fetcher hung up (done, or gave up on us): nothing to report
+        super().handle_error(request, client_address)
+
+    def take_fault(self) -> Fault | None:
+        if self.fault is None:
+            return None
+        with self._fault_lock:
+            if self._faults_left is None:
+                return self.fault
+            if self._faults_left <= 0:
+                return None
+            self._faults_left -= 1
+            return self.fault
+
+
+class PeerServer:
+    """Serves `source`'s latest snapshot on host:port (127.0.0.1, any free port by default)."""
+
+    def __init__(
+        self,
+        source: SnapshotSource,
+        token: str,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        fault: Fault | None = None,
+    ):
+        if not token:
+            raise ValueError("the peer server needs a non-empty shared-secret token")
+        self._server = _Server((host, port), source, token.encode(), fault)
+        self._thread: threading.Thread | None = None
+
+    @property
+    def url(self) -> str:
+        host, port = self._server.server_address[:2]
+        return f"http://{host}:{port}"
+
+    @property
+    def stats(self) -> dict:
+        s = self._server
+        return {"requests": s.requests, "pieces_served": s.pieces_served, "bytes_served": s.bytes_served}
+
+    def start(self) -> "PeerServer":
+        self._thread = threading.Thread(target=self._server.serve_forever, name="fthsdp-peer-server", daemon=True)
+        self._thread.start()
+        return self
+
+    def serve_forever(self) -> None:
+        self._server.serve_forever()
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+
+    def __enter__(self) -> "PeerServer":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,262 @@
+"""Peer server + striped fetcher over real HTTP, with real server processes:
+lying peers, a wrong token, a stale step, a peer SIGKILLed mid-transfer.
+
+Run as a script (`python tests/test_peer_fetch.py serve ...`) it is one peer
+server process serving a deterministic state."""
+
+import argparse
+import http.client
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+TOKEN = "s3cret-token"
+STEP = 12
+PIECE = 64 << 10
+
+
+def make_state(seed: int):
+    rng = np.random.default_rng(seed)
+    return {
+        "params": {"w": rng.standard_normal((512, 1024)).astype(np.float32), "b": rng.standard_normal(100).astype(np.float32)},
+        "opt": {"mu": rng.standard_normal((256, 256)).astype(np.float32), "count": np.int32(seed)},
+        "empty": np.zeros((0, 3), np.float32),
+    }
+
+
+def _serve(argv):
+    from fthsdp.checkpoint.peer_server import Fault, PeerServer, StaticSource
+    from fthsdp.checkpoint.snapshot import Snapshotter
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--step", type=int, default=STEP)
+    ap.add_argument("--fault", default="")
+    ap.add_argument("--count", type=int, default=None)
+    ap.add_argument("--delay", type=float, default=0.0)
+    a = ap.parse_args(argv)
+    snap = Snapshotter(piece_bytes=PIECE).take(a.step, make_state(a.seed))
+    fault = Fault(a.fault, a.count, a.delay) if a.fault else None
+    server = PeerServer(StaticSource(snap), TOKEN, fault=fault)
+    print(server.url, flush=True)
+    server.serve_forever()
+
+
+class Peer:
+    def __init__(self, *args: str):
+        here = os.path.abspath(__file__)
+        self.proc = subprocess.Popen([sys.executable, here, "serve", *args], stdout=subprocess.PIPE)
+        self._url = None
+
+    @property
+    def url(self) -> str:
+        if self._url is None:
+            line = self.proc.stdout.readline().decode().strip()
+            assert line.startswith("http://"), f"peer server did not start: {line!r}"
+            self._url = line
+        return self._url
+
+    def kill(self):
+        if self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def peers():
+    ps = {
+        "a": Peer(), "b": Peer(), "c": Peer(),
+        "corrupt": Peer("--fault", "corrupt"),
+        "truncate": Peer("--fault", "truncate"),
+        "liar": Peer("--fault", "bad_checksum"),
+        "other_step": Peer("--step", str(STEP + 1)),
+    }
+    for p in ps.values():
+        p.url  # wait for every server
+    yield ps
+    for p in ps.values():
+        p.kill()
+
+
+def _same(tree, ref):
+    from fthsdp.checkpoint.snapshot import flatten
+
+    pa, la, _ = flatten(tree)
+    pb, lb, _ = flatten(ref)
+    return pa == pb and all(np.asarray(x).tobytes() == np.asarray(y).tobytes() and np.asarray(x).dtype == np.asarray(y).dtype
+                            for x, y in zip(la, lb))
+
+
+def _get(url, path, token=TOKEN):
+    from fthsdp.checkpoint.peer_fetch import _split
+
+    conn = http.client.HTTPConnection(*_split(url), timeout=5)
+    headers = {} if token is None else {"Authorization": f"Bearer {token}"}
+    conn.request("GET", path, headers=headers)
+    resp = conn.getresponse()
+    body = resp.read()
+    conn.close()
+    return resp.status, body, resp
+
+
+def test_striped_over_three_peers(peers):
+    from fthsdp.checkpoint.peer_fetch import PeerFetcher
+
+    ref = make_state(0)
+    f = PeerFetcher([peers[k].url for k in "abc"], TOKEN, step=STEP, streams_per_source=2)
+    session = f.start(like=ref)
+    out = session.tree(like=ref)
+    assert _same(out, ref)
+    rep = session.report()
+    assert rep["retries"] == 0
+    counts = [s["pieces"] for s in rep["sources"].values()]
+    assert all(c > 0 for c in counts), counts  # every peer carried part of the state
+    assert sum(counts) == sum(1 for _ in session.manifest.pieces())
+
+
+def test_lying_peers_are_caught_and_their_pieces_refetched(peers):
+    from fthsdp.checkpoint.peer_fetch import PeerFetcher
+
+    ref = make_state(0)
+    liars = [peers[k].url for k in ("corrupt", "truncate", "liar")]
+    f = PeerFetcher([*liars, peers["a"].url], TOKEN, step=STEP)
+    session = f.start()
+    out = session.tree(like=ref)
+    assert _same(out, ref)
+    rep = session.report()
+    # every byte came from the honest peer (a liar may still hand over an empty piece intact)
+    assert rep["sources"][peers["a"].url]["bytes"] == sum(leaf.nbytes for leaf in session.manifest.leaves)
+    for url in liars:
+        assert rep["sources"][url]["bytes"] == 0 and rep["sources"][url]["failures"] >= 1
+    reasons = " ".join(session.stats[u].failures[0] for u in liars)
+    assert "corrupt body" in reasons and "IncompleteRead" in reasons and "disagrees with the manifest" in reasons
+
+
+def test_only_liars_fail_with_every_reason(peers):
+    from fthsdp.checkpoint.peer_fetch import FetchError, PeerFetcher
+
+    f = PeerFetcher([peers["corrupt"].url, peers["liar"].url], TOKEN, step=STEP)
+    with pytest.raises(FetchError, match="no source can supply") as e:
+        f.fetch()
+    assert "corrupt body" in str(e.value) and "disagrees with the manifest" in str(e.value)
+
+
+def test_wrong_or_missing_token_is_refused(peers):
+    from fthsdp.checkpoint.peer_fetch import FetchError, PeerFetcher
+
+    with pytest.raises(FetchError, match="HTTP 403: wrong token"):
+        PeerFetcher([peers["a"].url], "not-the-token", step=STEP).fetch()
+    status, body, _ = _get(peers["a"].url, "/v1/manifest", token=None)
+    assert status == 401 and "missing token" in json.loads(body)["error"]
+    status, body, _ = _get(peers["a"].url, f"/v1/snapshot/{STEP}/leaf/0/piece/0", token="x" * 12)
+    assert status == 403
+
+
+def test_stale_step_is_refused_with_the_served_step(peers):
+    from fthsdp.checkpoint.peer_fetch import FetchError, PeerFetcher
+
+    status, body, _ = _get(peers["a"].url, f"/v1/snapshot/{STEP - 1}/leaf/0/piece/0")
+    assert status == 409 and json.loads(body)["served_step"] == STEP
+    with pytest.raises(FetchError, match=f"step {STEP - 1} is not available: step {STEP} is served"):
+        PeerFetcher([peers["a"].url], TOKEN, step=STEP - 1).fetch()
+    # a peer that already moved on is left out; the others finish the fetch
+    f = PeerFetcher([peers["other_step"].url, peers["b"].url], TOKEN, step=STEP)
+    session = f.start()
+    assert _same(session.tree(like=make_state(0)), make_state(0))
+    assert "409" in session.stats[peers["other_step"].url].dead
+
+
+def test_malformed_requests_get_400_with_the_reason(peers):
+    url = peers["a"].url
+    status, body, _ = _get(url, f"/v1/snapshot/{STEP}/leaf/x/piece/0")
+    assert status == 400 and "leaf must be a non-negative integer" in json.loads(body)["error"]
+    status, body, _ = _get(url, f"/v1/snapshot/{STEP}/leaf/99/piece/0")
+    assert status == 400 and "out of range" in json.loads(body)["error"]
+    status, body, _ = _get(url, f"/v1/snapshot/{STEP}/leaf/0/piece/99")
+    assert status == 400 and "piece 99 out of range" in json.loads(body)["error"]
+    status, body, _ = _get(url, "/v2/whatever")
+    assert status == 404
+    status, body, resp = _get(url, f"/v1/snapshot/{STEP}/leaf/4/piece/1")
+    assert status == 200 and resp.getheader("X-Fthsdp-Range") == f"{PIECE}-{2 * PIECE}" and len(body) == PIECE
+    from fthsdp.checkpoint.snapshot import checksum
+
+    assert int(resp.getheader("X-Fthsdp-Checksum"), 16) == checksum(body)
+
+
+def test_peer_killed_mid_transfer_is_finished_by_the_other():
+    from fthsdp.checkpoint.peer_fetch import PeerFetcher
+
+    victim, survivor = Peer("--fault", "delay", "--delay", "0.02"), Peer("--fault", "delay", "--delay", "0.02")
+    try:
+        f = PeerFetcher([victim.url, survivor.url], TOKEN, step=STEP, timeout_s=5)
+        session = f.start()
+        total = sum(1 for _ in session.manifest.pieces())
+        deadline = time.monotonic() + 20
+        while session.stats[victim.url].pieces < 4:
+            assert time.monotonic() < deadline, "the victim never served a piece"
+            time.sleep(0.005)
+        victim.kill()  # SIGKILL, mid-transfer
+        out = session.tree(like=make_state(0))
+        assert _same(out, make_state(0))
+        got_victim = session.stats[victim.url].pieces
+        assert 4 <= got_victim < total
+        assert session.stats[survivor.url].pieces == total - got_victim
+        assert session.stats[victim.url].dead is not None
+    finally:
+        victim.kill()
+        survivor.kill()
+
+
+def test_no_reachable_source(tmp_path):
+    import socket
+
+    from fthsdp.checkpoint.peer_fetch import FetchError, PeerFetcher
+
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()  # nothing listens there now
+    with pytest.raises(FetchError, match="unreachable"):
+        PeerFetcher([f"http://127.0.0.1:{port}"], TOKEN, step=1, timeout_s=2).fetch()
+    with pytest.raises(ValueError, match="must look like http://HOST:PORT"):
+        PeerFetcher(["ftp://x"], TOKEN)
+    with pytest.raises(ValueError, match="at least one source"):
+        PeerFetcher([], TOKEN)
+
+
+def test_in_process_fetch_places_on_shardings_and_follows_the_snapshotter():
+    """A live Snapshotter behind the server: the served step moves on, the lease keeps bytes stable."""
+    import jax
+
+    from fthsdp.checkpoint.peer_fetch import PeerFetcher
+    from fthsdp.checkpoint.peer_server import PeerServer
+    from fthsdp.checkpoint.snapshot import Snapshotter
+    from fthsdp.sharding import fsdp_shardings, replica_mesh
+
+    mesh = replica_mesh(4)
+    ref = make_state(5)
+    sh = fsdp_shardings(ref, mesh)
+    state = jax.device_put(ref, sh)
+    snaps = Snapshotter(piece_bytes=PIECE)
+    snaps.take(1, state)
+    with PeerServer(snaps, TOKEN) as server:
+        out = PeerFetcher([server.url], TOKEN, step=1).fetch(like=state)
+        assert out["params"]["w"].sharding == state["params"]["w"].sharding
+        assert _same(out, ref)
+        snaps.take(2, jax.device_put(make_state(6), sh))
+        latest = PeerFetcher([server.url], TOKEN).fetch(like=ref)  # step=None: whatever the peers serve
+        assert _same(latest, make_state(6))
+        abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), ref, sh)
+        placed = PeerFetcher([server.url], TOKEN, step=2).fetch(like=abstract)
+        assert isinstance(placed["opt"]["mu"], jax.Array) and _same(placed, make_state(6))
+    snaps.close()
+
+
+if __name__ == "__main__" and len(sys.argv) > 1 and sys.argv[1] == "serve":
+    _serve(sys.argv[2:])
