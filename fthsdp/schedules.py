@@ -20,9 +20,10 @@ step), and the F failures of a period sit centred in F equal slots, so they
 never overlap. The paper starts killing at 200B of 500B tokens (start_frac 0.4);
 we stop killing at end_frac so that the tail shows whether the run returns to
 the baseline. Which C replicas die in a failure is drawn from the seed. The
-precision maps to the model's activation dtype (`PRECISION_DTYPE`): fp8 has no
-matmul on XLA:CPU, so it runs at bfloat16 here, the nearest lower precision
-available; the name keeps what was asked.
+precision maps to the model's activation dtype (`activation_dtype`): fp8 has no
+matmul in XLA here and XLA:CPU has no float16 dot, so fp8 always and fp16 on
+CPU run at bfloat16, the nearest lower precision available; the name keeps
+what was asked, the results record the dtype that ran.
 
 Everything here is a pure function of its arguments: the same schedule, rule
 and seed give the same membership mask on every machine.
@@ -81,6 +82,10 @@ class FailureSchedule:
     @property
     def dtype(self) -> str:
         return PRECISION_DTYPE[self.precision]
+
+    def activation_dtype(self, platform: str = "cpu") -> str:
+        """The dtype this precision runs at on `platform` (see the module docstring)."""
+        return "bfloat16" if platform == "cpu" and self.precision == "fp16" else self.dtype
 
     def with_intervention(self, mode: "str | Intervention | None") -> "FailureSchedule":
         from dataclasses import replace
@@ -249,7 +254,7 @@ class StudyConfig:
     schedules: tuple[str, ...] = ("d2x_fp32_for1k_1reps", "d2x_fp32_for1k_3reps", "d2x_fp32_for4k_3reps")
     interventions: tuple[str, ...] = ("none", "linear", "sqrt")
     seeds: tuple[int, ...] = (0, 1, 2)
-    num_replicas: int = 4
+    num_replicas: int = 0  # 0: the Config's launch.replicas
     start_frac: float = 0.4
     end_frac: float = 0.85
     periods: int = 1
@@ -267,9 +272,12 @@ class StudyConfig:
             Intervention.parse(m)
         if not self.seeds:
             raise ScheduleError("the study lists no seeds")
+        if self.num_replicas < 0:
+            raise ScheduleError(f"num_replicas must be >= 0 (0: use launch.replicas), got {self.num_replicas}")
         if self.eval_every < 1 or self.smooth < 1 or self.window_margin < 0:
             raise ScheduleError("eval_every and smooth must be >= 1 and window_margin >= 0")
         return self
 
-    def rule(self, total_steps: int) -> ScaleRule:
-        return ScaleRule(total_steps, self.num_replicas, self.start_frac, self.end_frac, self.periods).validate()
+    def rule(self, total_steps: int, num_replicas: int) -> ScaleRule:
+        n = self.num_replicas or num_replicas
+        return ScaleRule(total_steps, n, self.start_frac, self.end_frac, self.periods).validate()
