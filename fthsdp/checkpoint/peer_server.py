@@ -78,6 +78,7 @@ class Fault:
 
 class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
+    disable_nagle_algorithm = True  # headers and body are two writes: no 40 ms delayed-ACK stall per piece
     server: "_Server"
 
     def log_message(self, format, *args):  # noqa: A002 - quiet by default

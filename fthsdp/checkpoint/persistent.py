@@ -1,0 +1,144 @@
+"""Persistent checkpoints: one replica writes an asynchronous Orbax checkpoint every K steps.
+
+A checkpoint step directory holds three plain Orbax items, so anyone can read
+it with the stock API (`ocp.CheckpointManager(dir).restore(step,
+args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract),
+loader=ocp.args.JsonRestore(), meta=ocp.args.JsonRestore()))`):
+
+    state   the TrainState pytree (StandardSave)
+    loader  every replica's next stream position at this step (JSON)
+    meta    free-form metadata: config name, quorum, wall time... (JSON)
+
+Saving all replicas' loader positions *with* the state is what makes a full
+restart exactly-once: the state at step s contains exactly the batches before
+those positions.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import orbax.checkpoint as ocp
+
+LOADER_FORMAT = "fthsdp.loader_positions"
+LOADER_VERSION = 1
+
+
+class CheckpointError(RuntimeError):
+    pass
+
+
+@dataclass(frozen=True)
+class Restored:
+    step: int
+    state: Any
+    loader_positions: dict[int, int]  # replica -> next position to train
+    metadata: dict
+
+
+def _positions_to_json(step: int, positions: Mapping[int, int]) -> dict:
+    bad = {r: p for r, p in positions.items() if int(r) < 0 or int(p) < 0}
+    if bad:
+        raise ValueError(f"loader positions must be non-negative (replica -> position), got {bad}")
+    return {
+        "format": LOADER_FORMAT,
+        "version": LOADER_VERSION,
+        "step": int(step),
+        "positions": {str(int(r)): int(p) for r, p in sorted(positions.items())},
+    }
+
+
+def positions_from_json(d: Any, where: str) -> dict[int, int]:
+    if not isinstance(d, dict) or d.get("format") != LOADER_FORMAT:
+        raise CheckpointError(f"{where}: not a loader-positions item (format {d.get('format') if isinstance(d, dict) else d!r})")
+    if d.get("version") != LOADER_VERSION:
+        raise CheckpointError(f"{where}: loader-positions version {d.get('version')!r} unsupported (expected {LOADER_VERSION})")
+    try:
+        return {int(r): int(p) for r, p in d["positions"].items()}
+    except (KeyError, AttributeError, ValueError) as e:
+        raise CheckpointError(f"{where}: malformed loader positions: {e}") from None
+
+
+class PersistentCheckpointer:
+    """Async Orbax checkpoints of state + loader positions + metadata every `every` steps.
+
+    Only the writer replica (`writer=True`, usually the lowest healthy replica
+    id) saves; every replica can restore."""
+
+    def __init__(self, directory: str | os.PathLike, every: int, max_to_keep: int | None = 3,
+                 writer: bool = True, async_save: bool = True):
+        if every < 1:
+            raise ValueError(f"checkpoint every must be >= 1 step, got {every} (set ft.checkpoint_every)")
+        self.directory = os.path.abspath(os.fspath(directory))
+        self.every = every
+        self.writer = writer
+        options = ocp.CheckpointManagerOptions(
+            max_to_keep=max_to_keep,
+            enable_async_checkpointing=async_save,
+            create=True,
+            save_interval_steps=1,  # we decide with should_save (the committed step, not a call count)
+        )
+        self._mngr = ocp.CheckpointManager(self.directory, options=options, item_names=("state", "loader", "meta"))
+
+    def should_save(self, step: int) -> bool:
+        return self.writer and step > 0 and step % self.every == 0
+
+    def save(self, step: int, state, loader_positions: Mapping[int, int], metadata: Mapping | None = None,
+             force: bool = False) -> bool:
+        """Starts an async save of committed `step` if due (or `force`); returns whether it started."""
+        if not (force or self.should_save(step)):
+            return False
+        if not self.writer:
+            raise CheckpointError("this replica is not the checkpoint writer (writer=False)")
+        meta = {"step": int(step), "time": time.time(), **(dict(metadata) if metadata else {})}
+        args = ocp.args.Composite(
+            state=ocp.args.StandardSave(state),
+            loader=ocp.args.JsonSave(_positions_to_json(step, loader_positions)),
+            meta=ocp.args.JsonSave(meta),
+        )
+        return bool(self._mngr.save(int(step), args=args, force=True))
+
+    def wait(self) -> None:
+        """Blocks until the async save in flight (if any) is durable."""
+        self._mngr.wait_until_finished()
+
+    def latest_step(self) -> int | None:
+        self._mngr.reload()
+        return self._mngr.latest_step()
+
+    def all_steps(self) -> list[int]:
+        self._mngr.reload()
+        return list(self._mngr.all_steps())
+
+    def step_dir(self, step: int) -> str:
+        return os.path.join(self.directory, str(step))
+
+    def restore(self, like, step: int | None = None) -> Restored:
+        """Restores `step` (default: the latest) into the structure/shardings of `like`
+        (a pytree of jax.ShapeDtypeStruct with shardings, or of arrays)."""
+        if step is None:
+            step = self.latest_step()
+            if step is None:
+                raise CheckpointError(f"no persistent checkpoint under {self.directory}")
+        elif step not in self.all_steps():
+            raise CheckpointError(f"no checkpoint of step {step} under {self.directory}; have {self.all_steps()}")
+        out = self._mngr.restore(
+            int(step),
+            args=ocp.args.Composite(
+                state=ocp.args.StandardRestore(like), loader=ocp.args.JsonRestore(), meta=ocp.args.JsonRestore()
+            ),
+        )
+        return Restored(int(step), out["state"], positions_from_json(out["loader"], self.step_dir(step)), dict(out["meta"]))
+
+    def close(self) -> None:
+        self._mngr.wait_until_finished()
+        self._mngr.close()
+
+    def __enter__(self) -> "PersistentCheckpointer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

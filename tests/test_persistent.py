@@ -1,0 +1,168 @@
+"""Persistent Orbax checkpoints (read back with plain Orbax) and the peer-restore Orbax extension."""
+
+import os
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+
+from fthsdp.checkpoint.orbax_peer import PeerCheckpointHandler, PeerRestore, PeerSave, restore
+from fthsdp.checkpoint.peer_fetch import FetchError, PeerFetcher
+from fthsdp.checkpoint.peer_server import Fault, PeerServer, StaticSource
+from fthsdp.checkpoint.persistent import CheckpointError, PersistentCheckpointer
+from fthsdp.checkpoint.snapshot import Snapshotter
+from fthsdp.config import Config, DataConfig, ModelConfig, OptimConfig
+from fthsdp.data.stream import ReplicaStream
+from fthsdp.quorum_inputs import make_quorum_inputs
+from fthsdp.sharding import replica_mesh
+from fthsdp.step import make_train_step
+
+CFG = Config(
+    model=ModelConfig(d_model=32, num_layers=1, num_heads=2, max_seq_len=16),
+    data=DataConfig(seq_len=16, batch_size=8, corpus_bytes=1 << 16),
+    optim=OptimConfig(lr=1e-2, warmup_steps=0, decay="constant"),
+)
+TOKEN = "tok-123"
+
+
+@pytest.fixture(scope="module")
+def states():
+    """(train step, state after 1 step, state after 2 steps)."""
+    ts = make_train_step(CFG, replica_mesh(4))
+    s0 = ts.init(0)
+    out = [s0]
+    for pos in range(2):
+        b = ReplicaStream(CFG.data, 0).batch(pos)
+        x, y = ts.shard_batch(b.inputs, b.targets)
+        s, m = ts.step(out[-1], x, y, make_quorum_inputs())
+        assert bool(m["committed"])
+        out.append(s)
+    return ts, out[1], out[2]
+
+
+def _abstract(state):
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
+
+
+def _bytes(tree):
+    return [np.asarray(x).tobytes() for x in jax.tree.leaves(tree)]
+
+
+def test_async_checkpoints_every_k_readable_by_plain_orbax(tmp_path, states):
+    _, s1, _ = states
+    with PersistentCheckpointer(tmp_path, every=3) as pc:
+        started = [pc.save(step, s1, {0: step, 1: step + 100}, {"config": CFG.name}) for step in range(1, 7)]
+        assert started == [False, False, True, False, False, True]
+        pc.wait()
+        assert pc.all_steps() == [3, 6] and pc.latest_step() == 6
+        r = pc.restore(_abstract(s1))
+        assert r.step == 6 and r.loader_positions == {0: 6, 1: 106} and r.metadata["config"] == CFG.name
+        assert type(r.state).__name__ == "TrainState" and _bytes(r.state) == _bytes(s1)
+        assert r.state.params["embed"]["embedding"].sharding == s1.params["embed"]["embedding"].sharding \
+            if "embed" in r.state.params else True
+    # plain Orbax, no fthsdp code involved
+    mngr = ocp.CheckpointManager(tmp_path)
+    assert mngr.latest_step() == 6
+    got = mngr.restore(3, args=ocp.args.Composite(state=ocp.args.StandardRestore(_abstract(s1)),
+                                                  loader=ocp.args.JsonRestore(), meta=ocp.args.JsonRestore()))
+    assert _bytes(got["state"]) == _bytes(s1)
+    assert got["loader"]["positions"] == {"0": 3, "1": 103} and got["meta"]["step"] == 3
+    mngr.close()
+    plain = ocp.StandardCheckpointer().restore(os.path.join(tmp_path, "6", "state"), _abstract(s1))
+    assert _bytes(plain) == _bytes(s1)
+
+
+def test_writer_rules_and_errors(tmp_path, states):
+    _, s1, _ = states
+    with pytest.raises(ValueError, match="every must be >= 1"):
+        PersistentCheckpointer(tmp_path / "x", every=0)
+    reader = PersistentCheckpointer(tmp_path / "r", every=1, writer=False)
+    assert not reader.should_save(5)
+    with pytest.raises(CheckpointError, match="not the checkpoint writer"):
+        reader.save(5, s1, {0: 5}, force=True)
+    with pytest.raises(CheckpointError, match="no persistent checkpoint"):
+        reader.restore(_abstract(s1))
+    reader.close()
+    with PersistentCheckpointer(tmp_path / "w", every=2) as pc:
+        with pytest.raises(ValueError, match="non-negative"):
+            pc.save(2, s1, {0: -1})
+        pc.save(2, s1, {0: 2})
+        pc.wait()
+        with pytest.raises(CheckpointError, match=r"no checkpoint of step 4 .* have \[2\]"):
+            pc.restore(_abstract(s1), step=4)
+
+
+@pytest.fixture()
+def peer_and_disk(tmp_path, states):
+    """Peers serve step 2 from memory; the persistent checkpoint on disk is step 1."""
+    _, s1, s2 = states
+    pc = PersistentCheckpointer(tmp_path, every=1)
+    pc.save(1, s1, {0: 1}, force=True)
+    pc.wait()
+    snaps = Snapshotter(piece_bytes=8 << 10)
+    snaps.take(2, s2)
+    server = PeerServer(snaps, TOKEN).start()
+    yield server, pc, s1, s2
+    server.close()
+    snaps.close()
+    pc.close()
+
+
+def test_orbax_handler_restores_from_peers(peer_and_disk):
+    server, pc, s1, s2 = peer_and_disk
+    handler = PeerCheckpointHandler()
+    got = ocp.Checkpointer(handler).restore(pc.step_dir(1) + "/state",
+                                            args=PeerRestore(_abstract(s2), [server.url], TOKEN, step=2))
+    assert handler.last_restore.source == "peers" and handler.last_restore.step == 2
+    assert _bytes(got) == _bytes(s2)
+    assert all(a.sharding == b.sharding for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(s2)))
+
+
+@pytest.mark.parametrize("why", ["wrong token", "dead peer"])
+def test_orbax_handler_falls_back_to_the_persistent_checkpoint(peer_and_disk, why):
+    server, pc, s1, s2 = peer_and_disk
+    if why == "dead peer":
+        url, token = server.url, TOKEN
+        server.close()
+    else:
+        url, token = server.url, "wrong"
+    tree, info = restore(_abstract(s2), [url], token, step=2, checkpoint_dir=pc.step_dir(1) + "/state", timeout_s=2)
+    assert info.source == "persistent" and info.step == 1  # a whole, consistent older state, never a mix
+    assert _bytes(tree) == _bytes(s1)
+    assert ("403" if why == "wrong token" else "unreachable") in info.detail["peer_error"]
+    with pytest.raises(FetchError, match="no persistent checkpoint to fall back to"):
+        restore(_abstract(s2), [url], token, step=2, checkpoint_dir=None, timeout_s=2)
+    with pytest.raises(FetchError):
+        restore(_abstract(s2), [url], token, step=2, checkpoint_dir=pc.step_dir(1) + "/state", fallback=False,
+                timeout_s=2)
+
+
+def test_checkpoint_manager_item_handler(peer_and_disk):
+    server, pc, s1, s2 = peer_and_disk
+    handler = PeerCheckpointHandler()
+    mngr = ocp.CheckpointManager(pc.directory, item_handlers={"state": handler, "loader": ocp.JsonCheckpointHandler(),
+                                                               "meta": ocp.JsonCheckpointHandler()})
+    got = mngr.restore(1, args=ocp.args.Composite(state=PeerRestore(_abstract(s2), [server.url], TOKEN, step=2),
+                                                  loader=ocp.args.JsonRestore()))
+    assert _bytes(got["state"]) == _bytes(s2) and handler.last_restore.source == "peers"
+    mngr.close()
+
+
+def test_saving_through_the_handler_writes_plain_orbax(tmp_path, states):
+    _, s1, _ = states
+    ocp.Checkpointer(PeerCheckpointHandler()).save(tmp_path / "ck", args=PeerSave(s1))
+    assert _bytes(ocp.StandardCheckpointer().restore(tmp_path / "ck", _abstract(s1))) == _bytes(s1)
+
+
+def test_arrays_become_available_one_by_one():
+    """The lazy part: leaf 0 is usable while later leaves are still on the wire."""
+    tree = {f"l{i}": np.full((64 << 10,), i, np.float32) for i in range(6)}  # 256 KB each
+    snap = Snapshotter(piece_bytes=64 << 10).take(4, tree)
+    with PeerServer(StaticSource(snap), TOKEN, fault=Fault("delay", delay_s=0.02)) as server:
+        session = PeerFetcher([server.url], TOKEN, step=4, streams_per_source=1).start(like=tree)
+        first = session.leaf(0, timeout=10)
+        assert np.array_equal(first, tree["l0"])
+        assert session.stats[server.url].pieces < len(list(session.manifest.pieces()))
+        session.wait(timeout=30)
+        assert all(np.array_equal(session.leaf(i), tree[f"l{i}"]) for i in range(6))
