@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import math
 import os
 import signal
 import sys
@@ -89,18 +90,69 @@ class _Pending:
 
 
 @dataclass
+class _Setting:
+    """A per-replica setting every live replica of a job must agree on.
+
+    Indexed by value, so checking a request is O(1) while the job agrees
+    (the usual case) instead of a scan of all its replicas.
+    """
+
+    by_replica: dict[str, int] = field(default_factory=dict)
+    by_value: dict[int, set[str]] = field(default_factory=dict)
+
+    def set(self, rid: str, value: int | None) -> None:
+        old = self.by_replica.get(rid)
+        if old == value:
+            return
+        if old is not None:
+            self.by_value[old].discard(rid)
+            if not self.by_value[old]:
+                del self.by_value[old]
+        if value is None:
+            self.by_replica.pop(rid, None)
+        else:
+            self.by_replica[rid] = value
+            self.by_value.setdefault(value, set()).add(rid)
+
+    def conflict(self, rid: str, value: int, is_live) -> tuple[str, int] | None:
+        """A live replica other than ``rid`` holding a different value, if any."""
+        for v, rids in self.by_value.items():
+            if v != value:
+                for r in sorted(rids, key=qm.ring_key):
+                    if r != rid and is_live(r):
+                        return r, v
+        return None
+
+    def live_values(self, is_live) -> list[int]:
+        return [v for v, rids in self.by_value.items() if any(is_live(r) for r in rids)]
+
+
+@dataclass
 class _Job:
     job_id: str
     last_seen: dict[str, float] = field(default_factory=dict)  # heartbeat or request
     heartbeating: set[str] = field(default_factory=set)  # ever sent a Heartbeat
     steps: dict[str, int] = field(default_factory=dict)
-    local_world_size: dict[str, int] = field(default_factory=dict)
-    stated_replicas: dict[str, int] = field(default_factory=dict)
+    local_world_size: _Setting = field(default_factory=_Setting)
+    stated_replicas: _Setting = field(default_factory=_Setting)  # num_replicas when stated
     pending: dict[str, _Pending] = field(default_factory=dict)
     quorum: qm.Quorum | None = None
     last_reason: str = "no quorum request yet"
     dead: set[str] = field(default_factory=set)
+    # Live replicas as of the last tick (+ newcomers since): a request is
+    # evaluated at once only when it could complete a quorum (every live
+    # replica asking); otherwise the next tick does it. This keeps a burst of
+    # N requests at O(N) work instead of O(N^2) (experiments/quorum_scale.py).
+    live_hint: int = 0
     eval_scheduled: bool = False
+    # The last quorum in wire form, built once and shared by all its members'
+    # answers (building it per answer made a round O(N^2)).
+    proto_cache: tuple[qm.Quorum, pb2.Quorum] | None = None
+
+    def quorum_proto(self, q: qm.Quorum) -> pb2.Quorum:
+        if self.proto_cache is None or self.proto_cache[0] is not q:
+            self.proto_cache = (q, quorum_to_proto(q))
+        return self.proto_cache[1]
 
 
 def _version_error(v: int) -> str | None:
@@ -200,7 +252,7 @@ class Lighthouse(pb2_grpc.LighthouseServicer):
         return view
 
     def _decision_config(self, job: _Job) -> qm.QuorumConfig:
-        stated = next(iter(job.stated_replicas.values()), 0)
+        stated = next(iter(job.stated_replicas.by_value), 0)
         c = self.config
         return qm.QuorumConfig(c.min_replicas, c.join_timeout_s, c.detect_s, stated or c.num_replicas)
 
@@ -224,6 +276,14 @@ class Lighthouse(pb2_grpc.LighthouseServicer):
             if not p.future.done():
                 p.future.set_result(quorum)
 
+    def _heard(self, job: _Job, rid: str, now: float) -> None:
+        if rid not in job.last_seen or rid in job.dead:
+            job.live_hint += 1
+            if rid in job.dead:
+                job.dead.discard(rid)
+                log.info("job %r: replica %s is back", job.job_id, rid)
+        job.last_seen[rid] = now
+
     def _schedule_evaluation(self, job: _Job) -> None:
         # Coalesce: many requests arriving together cost one evaluation.
         if not job.eval_scheduled:
@@ -231,7 +291,10 @@ class Lighthouse(pb2_grpc.LighthouseServicer):
             asyncio.get_running_loop().call_soon(self._evaluate, job)
 
     def _update_dead(self, job: _Job, now: float) -> list[str]:
-        dead = qm.dead_replicas(self._liveness(job, now), now, self.config.detect_s)
+        """Recompute the job's dead set (each tick: O(replicas))."""
+        view = self._liveness(job, now)
+        dead = qm.dead_replicas(view, now, self.config.detect_s)
+        job.live_hint = len(view) - len(dead)
         for r in set(dead) - job.dead:
             log.warning(
                 "job %r: replica %s declared dead (silent %.3fs > %gs)",
@@ -275,22 +338,22 @@ class Lighthouse(pb2_grpc.LighthouseServicer):
         job = self._jobs.get(req.job_id)
         if job is None:
             return None
-        live = {r for r, t in job.last_seen.items() if now - t <= self.config.detect_s and r != req.replica_id}
-        for r in sorted(live, key=qm.ring_key):
-            other = job.local_world_size.get(r)
-            if other is not None and other != req.local_world_size:
-                return (
-                    f"local_world_size {req.local_world_size} of {who} conflicts with {other} of live replica "
-                    f"{r!r}: every replica of a job must shard the same way (same devices per replica)"
-                )
+        def is_live(r: str) -> bool:
+            return r in job.pending or now - job.last_seen.get(r, -math.inf) <= self.config.detect_s
+
+        c = job.local_world_size.conflict(req.replica_id, req.local_world_size, is_live)
+        if c is not None:
+            return (
+                f"local_world_size {req.local_world_size} of {who} conflicts with {c[1]} of live replica "
+                f"{c[0]!r}: every replica of a job must shard the same way (same devices per replica)"
+            )
         if req.num_replicas:
-            for r in sorted(live, key=qm.ring_key):
-                other = job.stated_replicas.get(r)
-                if other and other != req.num_replicas:
-                    return (
-                        f"num_replicas {req.num_replicas} of {who} conflicts with {other} stated by live replica "
-                        f"{r!r}: every replica of a job must be launched with the same replica count"
-                    )
+            c = job.stated_replicas.conflict(req.replica_id, req.num_replicas, is_live)
+            if c is not None:
+                return (
+                    f"num_replicas {req.num_replicas} of {who} conflicts with {c[1]} stated by live replica "
+                    f"{c[0]!r}: every replica of a job must be launched with the same replica count"
+                )
         return None
 
     async def GetQuorum(self, request: pb2.QuorumRequest, context: grpc.aio.ServicerContext) -> pb2.QuorumResponse:
@@ -300,13 +363,10 @@ class Lighthouse(pb2_grpc.LighthouseServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, err)
         job = self._job(request.job_id)
         rid = request.replica_id
-        job.last_seen[rid] = now
+        self._heard(job, rid, now)
         job.steps[rid] = request.step
-        job.local_world_size[rid] = request.local_world_size
-        if request.num_replicas:
-            job.stated_replicas[rid] = request.num_replicas
-        else:
-            job.stated_replicas.pop(rid, None)
+        job.local_world_size.set(rid, request.local_world_size)
+        job.stated_replicas.set(rid, request.num_replicas or None)
         old = job.pending.pop(rid, None)
         if old is not None and not old.future.done():
             old.future.set_exception(_Superseded())
@@ -324,7 +384,12 @@ class Lighthouse(pb2_grpc.LighthouseServicer):
             future,
         )
         job.pending[rid] = entry
-        self._schedule_evaluation(job)
+        if job.quorum is not None:
+            expected = job.live_hint - len(job.quorum.left_out)
+        else:  # before the first quorum, a stated replica count is the better guess
+            expected = max(job.live_hint, next(iter(job.stated_replicas.by_value), 0))
+        if len(job.pending) >= max(expected, self.config.min_replicas):
+            self._schedule_evaluation(job)
         remaining = context.time_remaining()
         # Answer a little before the caller's deadline so it gets our reason,
         # not a bare DEADLINE_EXCEEDED from its own timer.
@@ -344,7 +409,7 @@ class Lighthouse(pb2_grpc.LighthouseServicer):
         finally:
             if job.pending.get(rid) is entry:
                 del job.pending[rid]
-        return pb2.QuorumResponse(protocol_version=LIGHTHOUSE_PROTOCOL_VERSION, quorum=quorum_to_proto(quorum))
+        return pb2.QuorumResponse(protocol_version=LIGHTHOUSE_PROTOCOL_VERSION, quorum=job.quorum_proto(quorum))
 
     async def Heartbeat(self, request: pb2.HeartbeatRequest, context: grpc.aio.ServicerContext) -> pb2.HeartbeatResponse:
         err = _version_error(request.protocol_version) or _ids_error(request.job_id, request.replica_id, request.step)
@@ -353,10 +418,12 @@ class Lighthouse(pb2_grpc.LighthouseServicer):
         now = time.monotonic()
         job = self._job(request.job_id)
         rid = request.replica_id
-        job.last_seen[rid] = now
+        self._heard(job, rid, now)
         job.heartbeating.add(rid)
         job.steps[rid] = request.step
-        dead = self._update_dead(job, now)
+        # The dead set is recomputed each tick (tick_s adds to detection time;
+        # per-heartbeat recomputation would cost O(replicas) per heartbeat).
+        dead = sorted(job.dead, key=qm.ring_key)
         members = set(job.quorum.member_ids) if job.quorum is not None else set()
         return pb2.HeartbeatResponse(
             protocol_version=LIGHTHOUSE_PROTOCOL_VERSION,
@@ -390,7 +457,7 @@ class Lighthouse(pb2_grpc.LighthouseServicer):
                 )
                 for r in sorted(view, key=qm.ring_key)
             ]
-            lws = {v for r, v in job.local_world_size.items() if r not in dead}
+            lws = set(job.local_world_size.live_values(lambda r: r not in dead))
             js = pb2.JobStatus(
                 job_id=job.job_id,
                 replicas=replicas,
@@ -400,7 +467,7 @@ class Lighthouse(pb2_grpc.LighthouseServicer):
                 num_configured=self._decision_config(job).num_configured or len(view),
             )
             if job.quorum is not None:
-                js.quorum.CopyFrom(quorum_to_proto(job.quorum))
+                js.quorum.CopyFrom(job.quorum_proto(job.quorum))
             out.append(js)
         c = self.config
         return pb2.StatusResponse(
