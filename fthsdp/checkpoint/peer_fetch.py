@@ -102,12 +102,18 @@ class FetchSession:
         timeout_s: float,
         max_consecutive_errors: int,
         excluded: dict[str, str],
+        buffer: HostBuffer | None = None,
     ):
         self.manifest = manifest
         self.token = token
         self.timeout_s = timeout_s
         self.max_consecutive_errors = max_consecutive_errors
-        self.buffer = HostBuffer(manifest.total_bytes)
+        if buffer is not None and buffer.nbytes != manifest.total_bytes:
+            raise ValueError(
+                f"the given fetch buffer holds {buffer.nbytes} bytes but step {manifest.step}'s snapshot needs "
+                f"{manifest.total_bytes}; allocate HostBuffer(manifest.total_bytes)"
+            )
+        self.buffer = buffer if buffer is not None else HostBuffer(manifest.total_bytes)
         self.pieces = list(manifest.pieces())
         self.stats = {u: SourceStats(u) for u in sources}
         for url, why in excluded.items():
@@ -419,8 +425,12 @@ class PeerFetcher:
                     failed[url] = err or "unknown error"
         return {u: got[u] for u in self.sources if u in got}, failed
 
-    def start(self, like=None) -> FetchSession:
-        """Agrees on a manifest and starts the transfer; returns at once."""
+    def start(self, like=None, buffer: HostBuffer | None = None) -> FetchSession:
+        """Agrees on a manifest and starts the transfer; returns at once.
+
+        `buffer`: a pre-faulted HostBuffer of the snapshot's size to receive
+        into (reuse one across fetches to keep page faults off the critical path);
+        by default a fresh one is made (and faulted in before the clock starts)."""
         manifests, failed = self.manifests()
         if not manifests:
             why = "; ".join(f"{u}: {r}" for u, r in failed.items())
@@ -431,7 +441,8 @@ class PeerFetcher:
             paths, leaves, _ = flatten(like)
             check_matches(manifest, paths, leaves)
         return FetchSession(
-            manifest, members, self.token, self.streams_per_source, self.timeout_s, self.max_consecutive_errors, excluded
+            manifest, members, self.token, self.streams_per_source, self.timeout_s, self.max_consecutive_errors, excluded,
+            buffer,
         )
 
     def fetch(self, like=None, shardings=None) -> Any:

@@ -1,0 +1,455 @@
+"""Peer-fetch throughput for recovery, beside the alternatives, in one run.
+
+    python experiments/recovery_fetch.py [--quick] --out results/recovery_fetch.json
+
+Measures, for one replica's state (~1 GiB; --quick: 128 MiB) of
+transformer-like float32 leaves (params, Adam mu and nu):
+
+  fetch_gbps        our striped peer fetch from 1, 2 and 3 peer server processes
+                    (HTTP on loopback, CRC-checked, into a pre-faulted buffer)
+  orbax_local_gbps  plain Orbax restoring the same state from a local directory
+                    (warm page cache: the best case for disk)
+  torchft_gbps      torchft's HTTPTransport (send_checkpoint / recv_checkpoint)
+                    between two Python 3.11 processes, if a python with torchft
+                    is given (--torchft-python or FTHSDP_TORCHFT_PYTHON); else
+                    null, with the reason under "torchft"
+  loopback_gbps     the ceiling: raw TCP on loopback, sendall -> recv_into between
+                    two processes, pre-faulted buffers, best of 1..4 streams
+
+Everything is warmed up before timing, and every figure is the median of
+--repeats runs (all runs are in the JSON). GB/s are 1e9 bytes per second.
+On a 2-core machine all processes share the same two cores: the sender's and
+the receiver's kernel copies and the receiver's CRC all compete, which is
+exactly what the loopback ceiling also pays (minus the CRC).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import textwrap
+import threading
+import time
+
+import numpy as np
+
+HERE = os.path.abspath(__file__)
+REPO = os.path.dirname(os.path.dirname(HERE))
+if REPO not in sys.path:
+    sys.path.insert(0, REPO)
+
+TOKEN = "recovery-bench-token"
+STEP = 100
+
+
+# -- the state ---------------------------------------------------------------
+
+
+def leaf_shapes(total_bytes: int) -> dict[str, tuple[int, ...]]:
+    """Transformer-like leaves (float32): per layer 4 d*d + 2 d*4d matrices, biases, norms; x3 for params/mu/nu."""
+    d = 1024
+    per_layer = (4 * d * d + 2 * d * 4 * d + 8 * d) * 4 * 3
+    layers = max(1, round(total_bytes / per_layer))
+    shapes = {}
+    for part in ("params", "mu", "nu"):
+        for i in range(layers):
+            for name, shp in (("wq", (d, d)), ("wk", (d, d)), ("wv", (d, d)), ("wo", (d, d)),
+                              ("w1", (d, 4 * d)), ("w2", (4 * d, d)), ("b1", (4 * d,)), ("ln", (2, d)),
+                              ("b2", (d,)), ("bo", (d,))):
+                shapes[f"{part}/layer{i}/{name}"] = shp
+    return shapes
+
+
+def make_state(total_bytes: int, seed: int = 0) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    out = {}
+    for k, shp in leaf_shapes(total_bytes).items():
+        n = int(np.prod(shp))
+        out[k] = np.frombuffer(rng.bytes(4 * n), np.float32).reshape(shp)  # random bits: nothing compresses
+    return out
+
+
+def nbytes(state) -> int:
+    return sum(x.nbytes for x in state.values())
+
+
+# -- subprocess roles ----------------------------------------------------------
+
+
+def role_peer(total_bytes: int, piece_bytes: int) -> None:
+    from fthsdp.checkpoint.peer_server import PeerServer, StaticSource
+    from fthsdp.checkpoint.snapshot import Snapshotter
+
+    state = make_state(total_bytes)
+    snap = Snapshotter(piece_bytes=piece_bytes).take(STEP, state)
+    del state
+    server = PeerServer(StaticSource(snap), TOKEN)
+    print(server.url, flush=True)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    sys.stdin.read()  # until the parent closes our stdin
+
+
+def role_tcp_sink(port_out: str) -> None:
+    """Loopback ceiling, receiving side: accepts streams, receives into a pre-faulted buffer."""
+    lst = socket.socket()
+    lst.bind(("127.0.0.1", 0))
+    lst.listen(16)
+    print(lst.getsockname()[1], flush=True)
+    bufs = {}
+
+    def serve(conn):
+        with conn:
+            n = int.from_bytes(conn.recv(8, socket.MSG_WAITALL), "little")
+            buf = bufs.setdefault(n, memoryview(np.ones(max(n, 1), np.uint8)))
+            got = 0
+            while got < n:
+                r = conn.recv_into(buf[got:n])
+                if not r:
+                    break
+                got += r
+            conn.sendall(b"k")
+
+    while True:
+        conn, _ = lst.accept()
+        threading.Thread(target=serve, args=(conn,), daemon=True).start()
+
+
+# -- measurements --------------------------------------------------------------
+
+
+def _spawn(args: list[str], python: str = sys.executable) -> subprocess.Popen:
+    return subprocess.Popen([python, HERE, *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE, cwd=REPO)
+
+
+class Loopback:
+    """Raw TCP ceiling: sendall from a pre-faulted buffer -> recv_into a pre-faulted buffer, another process."""
+
+    def __init__(self):
+        self.sink = _spawn(["--role", "tcp-sink"])
+        self.port = int(self.sink.stdout.readline())
+        self._src: dict[int, memoryview] = {}
+
+    def run(self, total: int, streams: int) -> float:
+        per = total // streams
+        src = self._src.setdefault(per, memoryview(np.ones(per, np.uint8)))
+
+        def send():
+            with socket.create_connection(("127.0.0.1", self.port)) as c:
+                c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                c.sendall(per.to_bytes(8, "little"))
+                c.sendall(src)
+                c.recv(1)
+
+        ts = [threading.Thread(target=send) for _ in range(streams)]
+        t0 = time.perf_counter()
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join()
+        return per * streams / (time.perf_counter() - t0) / 1e9
+
+    def close(self):
+        self.sink.kill()
+        self.sink.wait()
+
+
+class Peers:
+    """Three peer server processes serving the same snapshot; our fetcher into one reused pre-faulted buffer."""
+
+    def __init__(self, total: int, piece_bytes: int, streams: int):
+        from fthsdp.checkpoint.peer_fetch import PeerFetcher
+        from fthsdp.checkpoint.snapshot import HostBuffer
+
+        self.procs = [_spawn(["--role", "peer", "--bytes", str(total), "--piece", str(piece_bytes)]) for _ in range(3)]
+        self.urls = [p.stdout.readline().decode().strip() for p in self.procs]
+        self.streams = streams
+        manifest = PeerFetcher(self.urls[:1], TOKEN, step=STEP).manifests()[0][self.urls[0]]
+        t0 = time.perf_counter()
+        self.buf = HostBuffer(manifest.total_bytes)
+        self.prefault_s = time.perf_counter() - t0
+        self.manifest = manifest
+
+    def check(self, total: int) -> None:
+        """Correctness, once: every byte as the peers hold it."""
+        from fthsdp.checkpoint.peer_fetch import PeerFetcher
+
+        ref = make_state(total)
+        got = PeerFetcher(self.urls, TOKEN, step=STEP, streams_per_source=self.streams).start(buffer=self.buf).tree()
+        assert all(got[f"['{k}']"].tobytes() == v.tobytes() for k, v in ref.items()), "fetched state differs"
+
+    def run(self, n: int) -> tuple[float, dict]:
+        from fthsdp.checkpoint.peer_fetch import PeerFetcher
+
+        session = PeerFetcher(self.urls[:n], TOKEN, step=STEP, streams_per_source=self.streams, timeout_s=120).start(
+            buffer=self.buf)
+        session.wait()
+        return session.gbps, session.report()
+
+    def close(self):
+        for p in self.procs:
+            p.stdin.close()
+            p.kill()
+            p.wait()
+
+
+class OrbaxLocal:
+    """Plain Orbax: StandardCheckpointer save once, restore (into CPU jax arrays) per run."""
+
+    def __init__(self, total: int, workdir: str):
+        import jax
+        import orbax.checkpoint as ocp
+
+        state = make_state(total)
+        dev = jax.devices("cpu")[0]
+        self.sharding = jax.sharding.SingleDeviceSharding(dev)
+        self.path = os.path.join(workdir, "orbax_state")
+        self.ckptr = ocp.StandardCheckpointer()
+        t0 = time.perf_counter()
+        self.ckptr.save(self.path, {k: jax.device_put(v, dev) for k, v in state.items()})
+        self.ckptr.wait_until_finished()
+        self.save_s = time.perf_counter() - t0
+        self.version = ocp.__version__
+        self.abstract = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=self.sharding) for k, v in state.items()}
+        self.nbytes = nbytes(state)
+        k0 = next(iter(state))
+        got = self.ckptr.restore(self.path, self.abstract)  # warm-up + check
+        assert np.asarray(got[k0]).tobytes() == state[k0].tobytes(), "orbax restored different bytes"
+
+    def run(self) -> float:
+        import jax
+
+        t0 = time.perf_counter()
+        got = self.ckptr.restore(self.path, self.abstract)
+        jax.block_until_ready(got)
+        dt = time.perf_counter() - t0
+        del got
+        return self.nbytes / dt / 1e9
+
+    def close(self):
+        self.ckptr.close()
+        shutil.rmtree(self.path, ignore_errors=True)
+
+
+_TORCHFT = textwrap.dedent(r"""
+    import json, sys, time
+    from datetime import timedelta
+    import torch
+    from torchft.checkpointing.http_transport import HTTPTransport
+    role, shapes_json, chunks = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    shapes = json.loads(shapes_json)
+    timeout = timedelta(seconds=300)
+    if role == "serve":
+        g = torch.Generator().manual_seed(0)
+        state = {k: torch.randint(-2**31, 2**31 - 1, tuple(s), dtype=torch.int32, generator=g).view(torch.float32)
+                 for k, s in shapes.items()}
+        t = HTTPTransport(timeout, num_chunks=chunks)
+        t.send_checkpoint([1], step=%(step)d, state_dict=state, timeout=timeout)
+        port = t._server.socket.getsockname()[1]
+        print(f"http://localhost:{port}/checkpoint/", flush=True)
+        sys.stdin.read()
+        t.shutdown(wait=False)
+    else:
+        address, runs_wanted = sys.argv[4], int(sys.argv[5])
+        t = HTTPTransport(timeout, num_chunks=chunks)
+        runs = []
+        for r in range(runs_wanted + 1):  # the first one warms up (connections, allocator)
+            t0 = time.perf_counter()
+            got = t.recv_checkpoint(0, address, step=%(step)d, timeout=timeout)
+            dt = time.perf_counter() - t0
+            n = sum(v.numel() * v.element_size() for v in got.values())
+            if r:
+                runs.append(n / dt / 1e9)
+            del got
+        t.shutdown(wait=False)
+        print(json.dumps({"runs": runs, "torch": torch.__version__}), flush=True)
+""") % {"step": STEP}
+
+
+def find_torchft_python(arg: str | None) -> tuple[str | None, str]:
+    for c in (arg, os.environ.get("FTHSDP_TORCHFT_PYTHON")):
+        if not c:
+            continue
+        if not os.path.exists(c):
+            return None, f"{c} does not exist"
+        r = subprocess.run([c, "-c", "import torchft, torch; print(torch.__version__)"], capture_output=True, text=True)
+        if r.returncode == 0:
+            return c, ""
+        last = r.stderr.strip().splitlines()[-1] if r.stderr.strip() else f"exit {r.returncode}"
+        return None, f"{c} cannot import torchft: {last}"
+    return None, (
+        "no python with torchft given. torchft needs torch, which must not go into the 3.12 venv; make a side "
+        "environment: python3.11 -m venv /tmp/tftenv && /tmp/tftenv/bin/pip install torch==2.13.0 torchft, "
+        "then pass --torchft-python /tmp/tftenv/bin/python (or set FTHSDP_TORCHFT_PYTHON)"
+    )
+
+
+class TorchFT:
+    """torchft's HTTPTransport: one server per num_chunks setting (0 = one stream, 4 = four chunk streams)."""
+
+    CHUNKS = (0, 4)
+
+    def __init__(self, python: str, total: int):
+        self.python = python
+        self.shapes = json.dumps({k: list(v) for k, v in leaf_shapes(total).items()})
+        self.servers = {}
+        for chunks in self.CHUNKS:
+            p = subprocess.Popen([python, "-c", _TORCHFT, "serve", self.shapes, str(chunks)], stdin=subprocess.PIPE,
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+            address = p.stdout.readline().decode().strip()
+            if not address.startswith("http"):
+                err = p.stderr.read().decode()[-800:] if p.poll() is not None else ""
+                p.kill()
+                raise RuntimeError(f"torchft server (num_chunks={chunks}) did not start: {err}")
+            self.servers[chunks] = (p, address)
+
+    def run(self, chunks: int, runs: int = 1) -> tuple[list[float], str]:
+        _, address = self.servers[chunks]
+        r = subprocess.run([self.python, "-c", _TORCHFT, "fetch", self.shapes, str(chunks), address, str(runs)],
+                           capture_output=True, text=True, timeout=600)
+        if r.returncode != 0:
+            raise RuntimeError(f"torchft fetch failed: {r.stderr.strip()[-800:]}")
+        res = json.loads(r.stdout.strip().splitlines()[-1])
+        return res["runs"], res["torch"]
+
+    def close(self):
+        for p, _ in self.servers.values():
+            p.stdin.close()
+            p.kill()
+            p.wait()
+
+
+def _summary(runs: list[float]) -> dict:
+    return {"median_gbps": statistics.median(runs), "best_gbps": max(runs), "runs": runs}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="128 MiB state, 2 repeats")
+    ap.add_argument("--out", help="JSON results file")
+    ap.add_argument("--bytes", type=int, default=None, help="state size (default 1 GiB; --quick 128 MiB)")
+    ap.add_argument("--piece", type=int, default=8 << 20, help="snapshot piece size")
+    ap.add_argument("--streams", type=int, default=2, help="HTTP streams per source")
+    ap.add_argument("--repeats", type=int, default=None)
+    ap.add_argument("--torchft-python", default=None, help="a python (3.11) that can import torchft and torch")
+    ap.add_argument("--workdir", default=None, help="where Orbax writes (default: a temp dir)")
+    ap.add_argument("--role", default=None, help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    total = a.bytes or ((128 << 20) if a.quick else (1 << 30))
+    if a.role == "peer":
+        return role_peer(total, a.piece)
+    if a.role == "tcp-sink":
+        return role_tcp_sink("")
+    if not a.out:
+        ap.error("--out FILE.json is required")
+    repeats = a.repeats or (2 if a.quick else 3)
+    state_bytes = sum(4 * int(np.prod(s)) for s in leaf_shapes(total).values())
+    res: dict = {
+        "experiment": "recovery_fetch",
+        "quick": a.quick,
+        "state_bytes": state_bytes,
+        "leaves": len(leaf_shapes(total)),
+        "repeats": repeats,
+        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform()},
+    }
+    t_all = time.perf_counter()
+    print(f"state: {state_bytes / 1e9:.3f} GB in {res['leaves']} leaves", flush=True)
+    python, why = find_torchft_python(a.torchft_python)
+    workdir = a.workdir or tempfile.mkdtemp(prefix="fthsdp-recovery-")
+    loop = peers = orbax = tft = None
+    raw: dict = {"loopback": {1: [], 2: [], 4: []}, "fetch": {1: [], 2: [], 3: []}, "orbax": [],
+                 "torchft": {c: [] for c in TorchFT.CHUNKS}}
+    reports: dict = {1: [], 2: [], 3: []}
+    try:
+        loop = Loopback()
+        peers = Peers(total, a.piece, a.streams)
+        peers.check(total)
+        orbax = OrbaxLocal(total, workdir)
+        if python is not None:
+            try:
+                tft = TorchFT(python, total)
+            except Exception as e:  # report it, keep the other figures
+                why = f"torchft could not start: {e}"
+        # Interleaved rounds: this machine is shared, so every method sees the same background load.
+        for r in range(repeats + 1):  # round 0 warms everything up and is not recorded
+            for s_ in (1, 2, 4):
+                g = loop.run(state_bytes, s_)
+                raw["loopback"][s_].append(g) if r else None
+            for n in (1, 2, 3):
+                g, rep = peers.run(n)
+                if r:
+                    raw["fetch"][n].append(g)
+                    reports[n].append([v["pieces"] for v in rep["sources"].values()])
+            g = orbax.run()
+            raw["orbax"].append(g) if r else None
+            if tft is not None and r:
+                for c in TorchFT.CHUNKS:
+                    try:
+                        runs, res["torch"] = tft.run(c)
+                        raw["torchft"][c].extend(runs)
+                    except Exception as e:
+                        why = f"torchft run failed: {e}"
+                        tft.close()
+                        tft = None
+                        break
+            print(f"round {r}: loopback {[round(x[-1], 2) for x in raw['loopback'].values() if x]} "
+                  f"fetch {[round(x[-1], 2) for x in raw['fetch'].values() if x]} "
+                  f"orbax {round(raw['orbax'][-1], 2) if raw['orbax'] else None} "
+                  f"torchft {[round(x[-1], 2) for x in raw['torchft'].values() if x]}", flush=True)
+        res["orbax"] = {**_summary(raw["orbax"]), "save_s": orbax.save_s, "orbax_version": orbax.version,
+                        "restores_into": "jax arrays on the CPU device"}
+    finally:
+        for x in (loop, peers, orbax, tft):
+            if x is not None:
+                x.close()
+        if not a.workdir:
+            shutil.rmtree(workdir, ignore_errors=True)
+    lb = {s_: _summary(v) for s_, v in raw["loopback"].items()}
+    best_s = max(lb, key=lambda s_: lb[s_]["median_gbps"])
+    res["loopback"] = {"gbps": lb[best_s]["median_gbps"], "best_streams": best_s, "by_streams": lb,
+                       "how": "sendall -> recv_into between two processes, TCP_NODELAY, pre-faulted buffers"}
+    res["loopback_gbps"] = res["loopback"]["gbps"]
+    res["fetch"] = {"by_sources": {n: {**_summary(v), "pieces_per_source": reports[n]} for n, v in raw["fetch"].items()},
+                    "streams_per_source": a.streams, "piece_bytes": a.piece, "prefault_s": peers.prefault_s,
+                    "how": "HTTP/1.1 keep-alive per stream, CRC32 of every piece checked, into one reused "
+                           "pre-faulted buffer (prefault_s: its one-time cost, not in the figure)"}
+    res["fetch_gbps"] = {str(n): v["median_gbps"] for n, v in res["fetch"]["by_sources"].items()}
+    res["orbax_local_gbps"] = res["orbax"]["median_gbps"]
+    if tft is None and not any(raw["torchft"].values()):
+        res["torchft"] = {"skipped": why}
+        res["torchft_gbps"] = None
+    elif not all(raw["torchft"].values()):
+        res["torchft"] = {"skipped": why, "partial": raw["torchft"]}
+        res["torchft_gbps"] = None
+    else:
+        by = {c: _summary(v) for c, v in raw["torchft"].items()}
+        best_c = max(by, key=lambda c: by[c]["median_gbps"])
+        res["torchft"] = {"by_num_chunks": by, "best_num_chunks": best_c, "torch": res.pop("torch", None),
+                          "how": "HTTPTransport.send_checkpoint in one process, recv_checkpoint in another "
+                                 "(torch CPU tensors), first fetch of each client process not recorded"}
+        res["torchft_gbps"] = by[best_c]["median_gbps"]
+    best = max(res["fetch_gbps"].values())
+    res["ratios"] = {
+        "best_fetch_over_loopback": best / res["loopback_gbps"],
+        "fetch_over_loopback": {n: g / res["loopback_gbps"] for n, g in res["fetch_gbps"].items()},
+        "best_fetch_over_orbax_local": best / res["orbax_local_gbps"],
+        "best_fetch_over_torchft": None if not res["torchft_gbps"] else best / res["torchft_gbps"],
+    }
+    res["targets"] = {"fetch_vs_loopback_min": 0.8, "fetch_vs_torchft_min": 3.0}
+    res["wall_s"] = time.perf_counter() - t_all
+    os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
+    with open(a.out, "w") as f:
+        json.dump(res, f, indent=2)
+    print(json.dumps({k: res[k] for k in ("fetch_gbps", "orbax_local_gbps", "torchft_gbps", "loopback_gbps", "ratios")},
+                     indent=2))
+
+
+if __name__ == "__main__":
+    main()
