@@ -121,6 +121,9 @@ def test_silent_replica_declared_dead_and_reported_to_survivors(lighthouse):
         assert time.monotonic() - t0 < 0.25
         assert q2.member_ids == ("0", "1") and q2.quorum_id == q.quorum_id + 1
         assert clients[0].heartbeat().dead_members == ()  # the new quorum has no dead member
+        clients[2].start_heartbeats()  # it comes back: no longer dead
+        time.sleep(0.15)
+        assert clients[0].heartbeat().dead_replica_ids == ()
     finally:
         close_all(clients)
 
@@ -321,6 +324,19 @@ def test_subprocess_lighthouse_detects_a_killed_replica(tmp_path):
                 p.wait(5)
 
 
+def test_cli_reports_a_port_in_use():
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        p = subprocess.run([sys.executable, "-m", "fthsdp.lighthouse", "--bind", f"127.0.0.1:{port}"],
+                           cwd=REPO, capture_output=True, text=True, timeout=30)
+    assert p.returncode == 1
+    assert f"lighthouse cannot bind 127.0.0.1:{port}" in p.stderr and "in use" in p.stderr
+
+
 def test_cli_rejects_bad_flags():
     from fthsdp.lighthouse import cli
 
@@ -329,3 +345,21 @@ def test_cli_rejects_bad_flags():
     assert ei.value.code == 2
     with pytest.raises(SystemExit):
         cli(["--min-replicas", "0"])
+
+
+@pytest.mark.multiprocess
+def test_quorum_scale_experiment_runs(tmp_path):
+    out = tmp_path / "qs.json"
+    p = subprocess.run(
+        [sys.executable, "experiments/quorum_scale.py", "--replicas", "8", "48", "--rounds", "2", "--procs", "2",
+         "--out", str(out)],
+        cwd=REPO, capture_output=True, text=True, timeout=120,
+    )
+    assert p.returncode == 0, p.stderr[-2000:]
+    import json
+
+    res = json.loads(out.read_text())["results"]
+    assert [r["replicas"] for r in res] == [8, 48]
+    for r in res:
+        assert r["rounds_ok"] == 2 and r["failed_requests"] == 0
+        assert 0 < r["after_last_s"] <= r["round_s"] < 10
