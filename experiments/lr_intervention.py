@@ -13,6 +13,8 @@ Measured per run, against the baseline of the same seed and dtype:
   held-out loss   every `eval_every` steps and at every step in a failure window
   max_dev/rms_dev max and RMS |held-out loss - baseline| inside the failure
                   windows (each failure's steps plus `window_margin` after)
+  jitter          RMS of the step-to-step change of that deviation inside the
+                  windows: the wiggle of the curve, without its offset
   final_gap       final held-out loss - baseline's (both after the same number
                   of batches: a run with failures trains extra steps, everyone
                   up, until it has seen the baseline's data; exactly once)
@@ -52,7 +54,7 @@ from fthsdp import schedules  # noqa: E402
 from fthsdp.config import Config  # noqa: E402
 from fthsdp.schedules import StudyConfig  # noqa: E402
 
-METRICS = ("max_dev", "rms_dev", "final_gap", "train_max_dev", "train_rms_dev", "final_train_gap")
+METRICS = ("max_dev", "rms_dev", "jitter", "final_gap", "train_max_dev", "train_rms_dev", "final_train_gap")
 
 
 # -- configuration -------------------------------------------------------------
@@ -109,17 +111,26 @@ def fluctuation(dev: np.ndarray, mask: np.ndarray) -> tuple[float, float]:
     return float(np.max(np.abs(d))), float(np.sqrt(np.mean(d * d)))
 
 
+def jitter(steps: np.ndarray, dev: np.ndarray, mask: np.ndarray) -> float:
+    """RMS of the per-step change of `dev` between consecutive masked points one step apart."""
+    steps, dev, mask = np.asarray(steps), np.asarray(dev, np.float64), np.asarray(mask, bool)
+    pair = mask[1:] & mask[:-1] & (np.diff(steps) == 1)
+    d = np.diff(dev)[pair]
+    return float(np.sqrt(np.mean(d * d))) if d.size else 0.0
+
+
 def run_metrics(run: dict, base: dict, windows: list[tuple[int, int]], study: StudyConfig) -> dict:
     ev = np.asarray(run["evals"], dtype=np.float64)  # (k, 3): step, batches, loss
     bev = np.asarray(base["evals"], dtype=np.float64)
     dev = deviation(ev[:, 1], ev[:, 2], bev[:, 1], bev[:, 2])
-    max_dev, rms_dev = fluctuation(dev, in_windows(ev[:, 0], windows, study.window_margin))
+    mask = in_windows(ev[:, 0], windows, study.window_margin)
+    max_dev, rms_dev = fluctuation(dev, mask)
     steps = np.arange(1, len(run["train_loss"]) + 1)
     tdev = deviation(run["batches"], smooth(run["train_loss"], study.smooth),
                      base["batches"], smooth(base["train_loss"], study.smooth))
     tmax, trms = fluctuation(tdev, in_windows(steps, windows, study.window_margin))
     return {
-        "max_dev": max_dev, "rms_dev": rms_dev, "final_gap": float(ev[-1, 2] - bev[-1, 2]),
+        "max_dev": max_dev, "rms_dev": rms_dev, "jitter": jitter(ev[:, 0], dev, mask), "final_gap": float(ev[-1, 2] - bev[-1, 2]),
         "train_max_dev": tmax, "train_rms_dev": trms,
         "final_train_gap": float(smooth(run["train_loss"], study.smooth)[-1] - smooth(base["train_loss"], study.smooth)[-1]),
     }
@@ -170,18 +181,37 @@ def conclude(summary: list[dict], baseline_spread: float) -> dict:
     lines.append(f"sqrt had a lower RMS deviation from the baseline than none in {n_none} of {n} schedules "
                  f"(by more than the seed spread in {n_clear}), and lower than linear in {n_lin} of {n}.")
     lines.append("Flattest intervention per schedule: " + ", ".join(f"{s}: {per[s]['flattest']}" for s in scheds) + ".")
+    def smoother(other):
+        return sum(by[(s, "sqrt")]["jitter"] < by[(s, other)]["jitter"] for s in scheds
+                   if (s, "sqrt") in by and (s, other) in by)
+
+    n_jit, n_jit_lin = smoother("none"), smoother("linear")
+    lines.append(f"By jitter (the step-to-step wiggle of the deviation, without its offset) sqrt was smoother "
+                 f"than none in {n_jit} of {n} schedules and than linear in {n_jit_lin} of {n}.")
     max_gap = max((abs(g) for s in scheds for g in per[s]["final_gap"].values()), default=0.0)
-    lines.append(f"Largest |final held-out loss gap| to the baseline: {max_gap:.4f} "
-                 f"(baseline seed-to-seed std of the final held-out loss: {baseline_spread:.4f}).")
+    back = {m: sum(per[s]["final_within_baseline_spread"].get(m, False) for s in scheds) for m in ("none", "linear", "sqrt")}
+    mean_gap = {m: float(np.mean([per[s]["final_gap"][m] for s in scheds if m in per[s]["final_gap"]] or [0.0]))
+                for m in ("none", "linear", "sqrt")}
+    lines.append(f"Largest |final held-out loss gap| to the baseline: {max_gap:.4f}; final held-out loss within the "
+                 f"baseline's seed-to-seed std ({baseline_spread:.4f}) in " +
+                 ", ".join(f"{m} {back[m]}/{n}" for m in ("none", "linear", "sqrt")) +
+                 " schedules; mean final gap " + ", ".join(f"{m} {mean_gap[m]:+.4f}" for m in mean_gap) + ".")
     agrees = n > 0 and n_none == n and n_lin == n
-    verdict = ("AGREES with the paper: sqrt flattened the fluctuation vs none and linear in every schedule."
-               if agrees else
-               "DISAGREES with the paper in part: sqrt was not the flattest vs both none and linear in every schedule.")
-    lines.append(verdict)
+    lines.append("Flattening: AGREES with the paper (sqrt had a smaller deviation than none and linear in every schedule)."
+                 if agrees else
+                 "Flattening: DISAGREES with the paper in part (sqrt did not have the smallest deviation vs both none "
+                 "and linear in every schedule).")
+    final_agrees = n > 0 and back["sqrt"] == n
+    lines.append("Final model: AGREES with the paper (with sqrt the final held-out loss is within the baseline's "
+                 "seed-to-seed std in every schedule)." if final_agrees else
+                 f"Final model: DISAGREES with the paper for sqrt (its final held-out loss is outside the baseline's "
+                 f"seed-to-seed std in {n - back['sqrt']} of {n} schedules; none: {n - back['none']} of {n}).")
     return {"per_schedule": per, "sqrt_flatter_than_none": n_none, "sqrt_flatter_than_linear": n_lin,
             "sqrt_clearly_flatter_than_none": n_clear, "flattest_counts": n_flat, "schedules": n,
             "max_abs_final_gap": max_gap, "baseline_final_spread": baseline_spread,
-            "agrees_with_paper": agrees, "text": " ".join(lines)}
+            "final_within_baseline_spread": back, "mean_final_gap": mean_gap, "sqrt_smoother_than_none": n_jit,
+            "sqrt_smoother_than_linear": n_jit_lin, "agrees_with_paper": agrees,
+            "final_agrees_with_paper": final_agrees, "text": " ".join(lines)}
 
 
 # -- the study -----------------------------------------------------------------
@@ -378,12 +408,14 @@ def plot(results: dict, out_stem: pathlib.Path) -> list[pathlib.Path]:
 
 
 def format_summary(summary: list[dict]) -> str:
-    head = f"{'schedule':<24} {'interv.':<7} {'max_dev':>15} {'rms_dev':>15} {'final_gap':>16}"
+    """The summary as a fixed-width table: mean±std over seeds."""
+    cols = ("max_dev", "rms_dev", "jitter", "final_gap")
+    head = f"{'schedule':<22} {'interv.':<7} " + " ".join(f"{c:>17}" for c in cols)
     lines = [head, "-" * len(head)]
     for r in summary:
-        lines.append(f"{r['schedule']:<24} {r['intervention']:<7} "
-                     f"{r['max_dev']:>7.4f}±{r['max_dev_std']:<7.4f} {r['rms_dev']:>7.4f}±{r['rms_dev_std']:<7.4f} "
-                     f"{r['final_gap']:>+8.4f}±{r['final_gap_std']:<7.4f}")
+        cells = " ".join(f"{r[c]:>+8.4f}±{r[c + '_std']:<8.4f}" if c == "final_gap" else f"{r[c]:>8.4f}±{r[c + '_std']:<8.4f}"
+                         for c in cols)
+        lines.append(f"{r['schedule']:<22} {r['intervention']:<7} {cells}")
     return "\n".join(lines)
 
 

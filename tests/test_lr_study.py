@@ -34,6 +34,9 @@ def test_metric_helpers_on_known_curves():
     mx, rms = lri.fluctuation(np.array([0.3, -0.4, 5.0]), np.array([True, True, False]))
     assert mx == pytest.approx(0.4) and rms == pytest.approx(math.sqrt((0.09 + 0.16) / 2))
     assert lri.fluctuation(np.array([1.0]), np.array([False])) == (0.0, 0.0)
+    # jitter: only consecutive steps inside the windows count (3 -> 5 is a gap)
+    assert lri.jitter([1, 2, 3, 5], [0.0, 1.0, 1.0, 3.0], [True] * 4) == pytest.approx(math.sqrt(0.5))
+    assert lri.jitter([1, 2], [0.0, 1.0], [True, False]) == 0.0
 
 
 def test_summary_and_conclusion_follow_the_numbers():
@@ -71,11 +74,12 @@ def test_quick_mode_end_to_end_writes_a_complete_json(tmp_path):
     assert {(r["schedule"], r["intervention"]) for r in summary} == {("baseline", "none")} | {
         (s, m) for s in ("d2x_fp32_for1k_1reps", "d1x_fp32_for4k_2reps") for m in ("none", "linear", "sqrt")}
     for row in summary:
-        for k in ("max_dev", "rms_dev", "final_gap"):
+        for k in ("max_dev", "rms_dev", "jitter", "final_gap"):
             assert math.isfinite(row[k]) and math.isfinite(row[f"{k}_std"]), (row, k)
         assert row["seeds"] == 2
     base = next(r for r in summary if r["schedule"] == "baseline")
-    assert base["max_dev"] == base["rms_dev"] == base["final_gap"] == 0.0  # the baseline against itself
+    # the baseline against itself
+    assert base["max_dev"] == base["rms_dev"] == base["jitter"] == base["final_gap"] == 0.0
     failing = [r for r in summary if r["schedule"] != "baseline"]
     assert all(r["max_dev"] > 0 for r in failing)  # failures do move the curves
     # every run trained exactly the baseline's data: 50 steps x 3 replicas batches (plus < 3 overshoot)
