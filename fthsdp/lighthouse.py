@@ -46,11 +46,14 @@ class LighthouseConfig:
     detect_s: float = 1.0  # failure-detection window (heartbeat silence -> dead)
     num_replicas: int = 0  # default configured replicas per job (0 = replicas seen)
     tick_s: float = 0.02  # re-evaluation period: time alone can complete a quorum
+    forget_after_s: float = 600.0  # drop a job silent this long (no replica heard, none waiting)
 
     def __post_init__(self) -> None:
         qm.QuorumConfig(self.min_replicas, self.join_timeout_s, self.detect_s, self.num_replicas)
         if not (0 < self.tick_s <= 1.0):
             raise ValueError(f"tick_s must be in (0, 1], got {self.tick_s}")
+        if not self.forget_after_s > self.detect_s:
+            raise ValueError(f"forget_after_s ({self.forget_after_s}) must exceed detect_s ({self.detect_s})")
         host, sep, port = self.bind.rpartition(":")
         if not sep or not host or not port.isdigit():
             raise ValueError(f"bind must be HOST:PORT (e.g. 127.0.0.1:0 for any free port), got {self.bind!r}")
@@ -310,6 +313,10 @@ class Lighthouse(pb2_grpc.LighthouseServicer):
             await asyncio.sleep(self.config.tick_s)
             now = time.monotonic()
             for job in list(self._jobs.values()):
+                if not job.pending and all(now - t > self.config.forget_after_s for t in job.last_seen.values()):
+                    log.info("job %r: silent for %gs, forgotten", job.job_id, self.config.forget_after_s)
+                    del self._jobs[job.job_id]
+                    continue
                 try:
                     self._update_dead(job, now)
                     if job.pending:
@@ -580,6 +587,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--replicas", type=int, default=d.num_replicas,
                    help="configured replicas per job when requests do not state it (0 = replicas seen; default %(default)s)")
     p.add_argument("--tick", type=float, default=d.tick_s, help="re-evaluation period in seconds (default %(default)s)")
+    p.add_argument("--forget-after", type=float, default=d.forget_after_s,
+                   help="forget a job none of whose replicas was heard for this long (default %(default)s s)")
     p.add_argument("--port-file", default=None, help="write the bound port to this file (atomically) once listening")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     return p
@@ -612,6 +621,7 @@ def cli(argv: list[str]) -> int:
             detect_s=args.detect,
             num_replicas=args.replicas,
             tick_s=args.tick,
+            forget_after_s=args.forget_after,
         )
     except ValueError as e:
         parser.error(str(e))

@@ -363,3 +363,16 @@ def test_quorum_scale_experiment_runs(tmp_path):
     for r in res:
         assert r["rounds_ok"] == 2 and r["failed_requests"] == 0
         assert 0 < r["after_last_s"] <= r["round_s"] < 10
+
+
+def test_silent_job_is_forgotten():
+    with LighthouseThread(LighthouseConfig(detect_s=0.2, forget_after_s=0.4)) as lh:
+        with LighthouseClient(lh.address, "gone", 0) as c, LighthouseClient(lh.address, "alive", 0) as d:
+            c.heartbeat()
+            d.start_heartbeats()
+            time.sleep(0.3)
+            assert {j.job_id for j in d.status(job_id="")} == {"gone", "alive"}
+            time.sleep(0.3)
+            assert {j.job_id for j in d.status(job_id="")} == {"alive"}
+            with pytest.raises(Exception, match="no job 'gone'"):
+                c.status()

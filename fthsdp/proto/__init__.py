@@ -16,8 +16,17 @@ def lighthouse() -> tuple[ModuleType, ModuleType]:
     """Return ``(lighthouse_pb2, lighthouse_pb2_grpc)``, with a clear error if unbuilt."""
     try:
         pb2 = importlib.import_module("fthsdp.proto.lighthouse_pb2")
-        sys.modules.setdefault("lighthouse_pb2", pb2)
-        pb2_grpc = importlib.import_module("fthsdp.proto.lighthouse_pb2_grpc")
+        # Alias only while the service stubs import (they bind the name then),
+        # so an unrelated top-level `lighthouse_pb2` elsewhere is left alone.
+        previous = sys.modules.get("lighthouse_pb2")
+        sys.modules["lighthouse_pb2"] = pb2
+        try:
+            pb2_grpc = importlib.import_module("fthsdp.proto.lighthouse_pb2_grpc")
+        finally:
+            if previous is None:
+                del sys.modules["lighthouse_pb2"]
+            else:
+                sys.modules["lighthouse_pb2"] = previous
     except ImportError as e:  # pragma: no cover - depends on the install
         raise ImportError(
             "fthsdp's gRPC stubs are missing (they are generated at build time): run "
