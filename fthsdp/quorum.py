@@ -64,7 +64,7 @@ class QuorumConfig:
     min_replicas: int = 1
     join_timeout_s: float = 1.0
     # The failure-detection window: silent this long -> dead (not live).
-    heartbeat_window_s: float = 1.0
+    heartbeat_window_s: float = 0.8
     # Replicas the job is configured with; 0 = count every replica ever heard from.
     num_configured: int = 0
 
