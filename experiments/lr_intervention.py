@@ -143,7 +143,7 @@ def summarize(runs: list[dict]) -> list[dict]:
         groups.setdefault((r["schedule"], r["intervention"]), []).append(r)
     rows = []
     for (sched, mode), rs in groups.items():
-        row = {"schedule": sched, "intervention": mode, "seeds": len(rs)}
+        row = {"schedule": sched, "intervention": mode, "runs": len(rs)}
         for k in METRICS:
             vals = np.array([r["metrics"][k] for r in rs], dtype=np.float64)
             row[k] = float(vals.mean())

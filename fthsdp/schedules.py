@@ -242,6 +242,27 @@ def scale(sched: FailureSchedule | str, rule: ScaleRule, seed: int = 0) -> Scale
     return ScaledSchedule(sched, rule, seed, tuple(failures), alive)
 
 
+def mask_from_outages(total_steps: int, num_replicas: int, outages) -> np.ndarray:
+    """A membership mask from explicit outages `(replica, first_absent_step, first_back_step)`.
+
+    For cross-checks against a multi-process run with scripted kills: the
+    replica is absent for steps [first_absent_step, first_back_step) and is
+    behind (catching up) at first_back_step.
+    """
+    alive = no_failures(total_steps, num_replicas)
+    for replica, lo, hi in outages:
+        if not 0 <= replica < num_replicas:
+            raise ScheduleError(f"outage of replica {replica}: the run has replicas 0..{num_replicas - 1}")
+        if not 0 < lo < hi:
+            raise ScheduleError(f"outage of replica {replica} over steps [{lo}, {hi}): need 0 < start < end "
+                                "(everyone starts from the same init at step 0)")
+        alive[lo:hi, replica] = False
+    dead = np.flatnonzero(~alive.any(axis=1))
+    if dead.size:
+        raise ScheduleError(f"no replica is up at step {int(dead[0])}: at least one must survive every step")
+    return alive
+
+
 def no_failures(total_steps: int, num_replicas: int) -> np.ndarray:
     """The baseline's mask: everyone up at every step."""
     return np.ones((total_steps, num_replicas), dtype=bool)

@@ -3,6 +3,7 @@
 import importlib.util
 import json
 import math
+import os
 import pathlib
 import subprocess
 import sys
@@ -20,7 +21,7 @@ spec.loader.exec_module(lri)
 TINY = [
     "model.d_model=16", "model.num_heads=2", "model.max_seq_len=16", "data.seq_len=16", "data.batch_size=4",
     "data.eval_batches=1", "data.corpus_bytes=65536", "launch.replicas=3", "train.steps=50", "optim.warmup_steps=5",
-    "study.seeds=0,1", "study.schedules=d2x_fp32_for1k_1reps,d1x_fp32_for4k_2reps",
+    "study.seeds=0,1", "study.schedules=d2x_fp32_for1k_1reps,d1x_bf16_for4k_2reps",
     "study.eval_every=5", "study.window_margin=3", "study.smooth=4",
 ]
 
@@ -72,11 +73,11 @@ def test_quick_mode_end_to_end_writes_a_complete_json(tmp_path):
     assert res["quick"] is True and res["num_replicas"] == 3
     summary = res["summary"]
     assert {(r["schedule"], r["intervention"]) for r in summary} == {("baseline", "none")} | {
-        (s, m) for s in ("d2x_fp32_for1k_1reps", "d1x_fp32_for4k_2reps") for m in ("none", "linear", "sqrt")}
+        (s, m) for s in ("d2x_fp32_for1k_1reps", "d1x_bf16_for4k_2reps") for m in ("none", "linear", "sqrt")}
     for row in summary:
         for k in ("max_dev", "rms_dev", "jitter", "final_gap"):
             assert math.isfinite(row[k]) and math.isfinite(row[f"{k}_std"]), (row, k)
-        assert row["seeds"] == 2
+        assert row["runs"] == (4 if row["schedule"] == "baseline" else 2)  # baseline: 2 dtypes x 2 seeds
     base = next(r for r in summary if r["schedule"] == "baseline")
     # the baseline against itself
     assert base["max_dev"] == base["rms_dev"] == base["jitter"] == base["final_gap"] == 0.0
@@ -87,8 +88,27 @@ def test_quick_mode_end_to_end_writes_a_complete_json(tmp_path):
         assert 150 <= run["batches"][-1] < 153 and run["extra_steps"] >= 1
         assert all(math.isfinite(x) for x in run["train_loss"]) and all(math.isfinite(e[2]) for e in run["evals"])
         assert min(run["num_contributing"]) == 3 - int(run["schedule"].split("_")[3][0])
+    # each precision is compared with a baseline of its own dtype (bf16 runs as bfloat16 here)
+    assert sorted((b["dtype"], b["seed"]) for b in res["baselines"]) == [
+        ("bfloat16", 0), ("bfloat16", 1), ("float32", 0), ("float32", 1)]
+    assert {(r["precision"], r["dtype"]) for r in res["runs"]} == {("fp32", "float32"), ("bf16", "bfloat16")}
     assert "sqrt had a lower RMS deviation" in res["conclusion"]["text"]
     assert "sqrt had a lower RMS deviation" in proc.stdout
     for p in res["plots"]:
         assert pathlib.Path(p).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert {pathlib.Path(p).name for p in res["plots"]} == {"lr_full.png", "lr_zoom.png"}
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.environ.get("FTHSDP_RUN_SLOW"), reason="the real quick study (~2 min): set FTHSDP_RUN_SLOW=1")
+def test_the_quick_study_itself(tmp_path):
+    """Acceptance: the shipped quick study runs here and states its conclusion from its numbers."""
+    out = tmp_path / "quick.json"
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--out", str(out)],
+                          cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert len(res["summary"]) == 1 + 3 * 3 and res["num_replicas"] == 8
+    assert all(math.isfinite(r[k]) for r in res["summary"] for k in lri.METRICS)
+    assert res["elapsed_s"] < 600
+    assert ("Flattening: AGREES" in proc.stdout) or ("Flattening: DISAGREES" in proc.stdout)

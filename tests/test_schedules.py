@@ -98,3 +98,24 @@ def test_study_config_validates_its_lists():
         schedules.StudyConfig(schedules=("d2x_fp9_for1k_1reps",)).validate()
     with pytest.raises(ValueError, match="unknown LR intervention"):
         schedules.StudyConfig(interventions=("cubic",)).validate()
+
+
+def test_precision_runs_at_a_dtype_this_platform_has():
+    assert parse("d1x_fp32_for1k_1reps").activation_dtype("cpu") == "float32"
+    assert parse("d1x_bf16_for1k_1reps").activation_dtype("cpu") == "bfloat16"
+    assert parse("d1x_fp16_for1k_1reps").activation_dtype("cpu") == "bfloat16"  # no f16 dot on XLA:CPU
+    assert parse("d1x_fp16_for1k_1reps").activation_dtype("gpu") == "float16"
+    assert parse("d1x_fp8_for1k_1reps").activation_dtype("gpu") == "bfloat16"
+
+
+def test_mask_from_scripted_outages():
+    alive = schedules.mask_from_outages(10, 3, [(1, 2, 5), (2, 4, 6)])
+    assert alive.shape == (10, 3)
+    assert alive[:, 1].tolist() == [True, True, False, False, False, True, True, True, True, True]
+    assert (~alive).sum() == 3 + 2
+    with pytest.raises(ScheduleError, match="replicas 0..2"):
+        schedules.mask_from_outages(10, 3, [(3, 2, 5)])
+    with pytest.raises(ScheduleError, match="need 0 < start < end"):
+        schedules.mask_from_outages(10, 3, [(0, 0, 5)])
+    with pytest.raises(ScheduleError, match="no replica is up at step 3"):
+        schedules.mask_from_outages(10, 2, [(0, 3, 5), (1, 2, 4)])
