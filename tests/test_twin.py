@@ -112,6 +112,8 @@ def test_failed_replica_contributes_nothing_and_rejoins_identical():
     # exactly once: replica 1 trained 2 + 2 batches (not the 3 absent steps, not its behind step)
     assert [ld.position for ld in res.loaders] == [8, 4, 8]
     assert res.steps[-1].batches == 20
+    # membership changed four times, yet each program compiled once (invariant 4)
+    assert twin._apply_jit._cache_size() == 1 and twin.ts.compute_grads._cache_size() == 1
 
 
 def test_intervention_only_matters_while_replicas_are_missing(twin3):
