@@ -14,15 +14,15 @@ namespace {
 class Registry {
  public:
   ~Registry() {
-    // Stop the thread first: it holds the endpoints it drives.
-    thread_.reset();
+    // Communicators unregister from the thread; the thread stops with its last owner.
     comms_.clear();
+    thread_.reset();
   }
 
   int32_t create(int num_shards, const RingOptions& options) {
     std::lock_guard<std::mutex> lk(mu_);
-    if (!thread_) thread_ = std::make_unique<ControlThread>();
-    auto comm = std::make_shared<Communicator>(num_shards, options, thread_.get());
+    if (!thread_) thread_ = std::make_shared<ControlThread>();
+    auto comm = std::make_shared<Communicator>(num_shards, options, thread_);
     const int32_t handle = next_++;
     comms_[handle] = std::move(comm);
     return handle;
@@ -49,7 +49,7 @@ class Registry {
 
  private:
   std::mutex mu_;
-  std::unique_ptr<ControlThread> thread_;
+  std::shared_ptr<ControlThread> thread_;
   std::map<int32_t, std::shared_ptr<Communicator>> comms_;
   int32_t next_ = 1;
 };
@@ -69,14 +69,15 @@ std::vector<std::string> split(const std::string& s, char sep) {
 
 }  // namespace
 
-Communicator::Communicator(int num_shards, const RingOptions& options, ControlThread* thread)
-    : thread_(thread) {
+Communicator::Communicator(int num_shards, const RingOptions& options,
+                           std::shared_ptr<ControlThread> thread)
+    : thread_(std::move(thread)) {
   if (num_shards < 1 || num_shards > 1024) {
     throw std::invalid_argument("ftar: num_shards must be in [1, 1024], got " +
                                 std::to_string(num_shards));
   }
   for (int i = 0; i < num_shards; ++i) {
-    shards_.push_back(std::make_shared<RingEndpoint>(options, thread));
+    shards_.push_back(std::make_shared<RingEndpoint>(options, thread_.get()));
   }
   for (auto& s : shards_) thread_->add(s);
 }

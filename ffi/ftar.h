@@ -21,7 +21,7 @@ namespace fthsdp {
 
 class Communicator {
  public:
-  Communicator(int num_shards, const RingOptions& options, ControlThread* thread);
+  Communicator(int num_shards, const RingOptions& options, std::shared_ptr<ControlThread> thread);
   ~Communicator();
 
   int num_shards() const { return static_cast<int>(shards_.size()); }
@@ -36,7 +36,7 @@ class Communicator {
   RingEndpoint* shard(int i) { return shards_[i].get(); }
 
  private:
-  ControlThread* thread_;
+  std::shared_ptr<ControlThread> thread_;  // outlives this communicator's endpoints
   std::vector<std::shared_ptr<RingEndpoint>> shards_;
 };
 
