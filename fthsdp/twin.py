@@ -23,6 +23,15 @@ membership mask (fthsdp.schedules) through the SAME step code the replicas run:
   advances it by one, an absent or behind step does not, so every batch of
   every stream is trained exactly once (invariant 2).
 
+Why a loop over replicas and not `jax.vmap` over a replica axis: vmapping
+the step changes its numerics. Measured here (jax 0.12, XLA:CPU): a vmapped
+`raw_compute_grads` with a replica axis of size 1 already returns gradients
+that differ in the last bits from the unbatched jitted `compute_grads` at the
+first step (the batched dot is lowered differently), so a vmapped twin could
+never match a real replica bit for bit. The loop runs each replica's own
+compiled program (2N + 1 dispatches a step); with a tiny model that is still
+~1 ms per replica-step, and one compilation serves every run of a study.
+
 Where the twin may differ from the multi-process run, bit for bit:
 
 1. Summation order. The twin folds the members' gradients left to right in
