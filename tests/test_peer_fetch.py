@@ -76,6 +76,7 @@ def peers():
         "truncate": Peer("--fault", "truncate"),
         "liar": Peer("--fault", "bad_checksum"),
         "other_step": Peer("--step", str(STEP + 1)),
+        "diverged": Peer("--seed", "1"),  # consistent manifest, but of different bytes (a diverged replica)
     }
     for p in ps.values():
         p.url  # wait for every server
@@ -172,6 +173,42 @@ def test_stale_step_is_refused_with_the_served_step(peers):
     assert "409" in session.stats[peers["other_step"].url].dead
 
 
+def test_majority_manifest_outvotes_a_diverged_peer(peers):
+    from fthsdp.checkpoint.peer_fetch import PeerFetcher
+
+    f = PeerFetcher([peers["diverged"].url, peers["a"].url, peers["b"].url], TOKEN, step=STEP)
+    session = f.start()
+    assert _same(session.tree(like=make_state(0)), make_state(0))
+    st = session.stats[peers["diverged"].url]
+    assert st.bytes == 0 and all("disagrees with the manifest" in x for x in st.failures)
+
+
+def test_peer_frozen_mid_transfer_times_out_and_the_other_finishes():
+    from fthsdp.checkpoint.peer_fetch import PeerFetcher
+
+    frozen, other = Peer("--fault", "delay", "--delay", "0.02"), Peer("--fault", "delay", "--delay", "0.02")
+    try:
+        f = PeerFetcher([frozen.url, other.url], TOKEN, step=STEP, timeout_s=0.5, max_consecutive_errors=2)
+        session = f.start()
+        deadline = time.monotonic() + 20
+        while session.stats[frozen.url].pieces < 3:
+            assert time.monotonic() < deadline
+            time.sleep(0.005)
+        os.kill(frozen.proc.pid, signal.SIGSTOP)  # alive, holds its port and connections, answers nothing
+        t0 = time.monotonic()
+        assert _same(session.tree(like=make_state(0)), make_state(0))
+        assert time.monotonic() - t0 < 10
+        assert "timed out" in session.stats[frozen.url].dead
+        assert session.stats[other.url].pieces > session.stats[frozen.url].pieces
+        # a frozen peer is also left out up front, when its manifest request times out
+        s2 = PeerFetcher([frozen.url, other.url], TOKEN, step=STEP, timeout_s=0.5).start()
+        assert _same(s2.tree(like=make_state(0)), make_state(0)) and s2.stats[frozen.url].pieces == 0
+    finally:
+        os.kill(frozen.proc.pid, signal.SIGCONT)
+        frozen.kill()
+        other.kill()
+
+
 def test_malformed_requests_get_400_with_the_reason(peers):
     url = peers["a"].url
     status, body, _ = _get(url, f"/v1/snapshot/{STEP}/leaf/x/piece/0")
@@ -244,8 +281,10 @@ def test_in_process_fetch_places_on_shardings_and_follows_the_snapshotter():
     sh = fsdp_shardings(ref, mesh)
     state = jax.device_put(ref, sh)
     snaps = Snapshotter(piece_bytes=PIECE)
-    snaps.take(1, state)
     with PeerServer(snaps, TOKEN) as server:
+        status, body, _ = _get(server.url, "/v1/manifest")
+        assert status == 503 and "no snapshot is served yet" in json.loads(body)["error"]
+        snaps.take(1, state)
         out = PeerFetcher([server.url], TOKEN, step=1).fetch(like=state)
         assert out["params"]["w"].sharding == state["params"]["w"].sharding
         assert _same(out, ref)
