@@ -30,7 +30,7 @@ that differ in the last bits from the unbatched jitted `compute_grads` at the
 first step (the batched dot is lowered differently), so a vmapped twin could
 never match a real replica bit for bit. The loop runs each replica's own
 compiled program (2N + 1 dispatches a step); with a tiny model that is still
-~1 ms per replica-step, and one compilation serves every run of a study.
+about 1-2 ms per replica-step here, and one compilation serves every run of a study.
 
 Where the twin may differ from the multi-process run, bit for bit:
 
