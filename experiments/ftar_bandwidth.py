@@ -1,0 +1,244 @@
+"""FTAR's all-reduce bandwidth on CPU against the all-reduces that install here.
+
+    python experiments/ftar_bandwidth.py [--quick] --out results/ftar_bandwidth.json
+
+Same process counts (2, 4) and sizes (float32 messages, 8..256 MiB) for every
+system, in one run: FTAR through the jitted custom call with 1 and 4 TCP
+streams per peer; torch.distributed + Gloo and OpenMPI (mpi4py, shared memory
+by default and TCP-only) from a Python 3.11 side environment; JAX's own CPU
+collectives (jax.distributed + psum, gloo); and the loopback TCP ceiling with
+n concurrent senders. A system that is not installed is recorded under
+`skipped`, never a crash. Rows: system, n, bytes, algbw_gbps, busbw_gbps
+(median of the timed runs after warm-up), busbw_gbps_best. A PNG plot is
+written beside the JSON.
+
+Side environment (see experiments/setup_peers.sh): /work/peers311 with torch
+2.13 (CPU) and mpi4py; override with --peer-python.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = pathlib.Path(__file__).resolve().parent
+PEERS = HERE / "peers"
+MIB = 1 << 20
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def python_has(python: str, module: str) -> str | None:
+    """None if `python` imports `module`, else why not."""
+    if not python or not pathlib.Path(python).exists():
+        return f"interpreter {python!r} not found (run experiments/setup_peers.sh)"
+    r = subprocess.run([python, "-c", f"import {module}"], capture_output=True, text=True, timeout=120)
+    return None if r.returncode == 0 else f"{python} cannot import {module}: {r.stderr.strip().splitlines()[-1:]}"
+
+
+def run_group(cmds: list[list[str]], timeout: float, env=None) -> None:
+    procs = [subprocess.Popen(c, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+             for c in cmds]
+    deadline = time.time() + timeout
+    logs = []
+    try:
+        for p in procs:
+            out, _ = p.communicate(timeout=max(1.0, deadline - time.time()))
+            logs.append(out)
+    except subprocess.TimeoutExpired:
+        raise RuntimeError(f"timed out after {timeout:.0f}s")
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    bad = [(i, p.returncode, logs[i] if i < len(logs) else "") for i, p in enumerate(procs) if p.returncode]
+    if bad:
+        i, rc, log = bad[0]
+        raise RuntimeError(f"process {i} exited with {rc}: {log[-2000:]}")
+
+
+def measure(system: str, n: int, sizes: list[int], args, work: pathlib.Path) -> dict:
+    rdv = pathlib.Path(tempfile.mkdtemp(dir=work, prefix=f"{system}-{n}-"))
+    out = rdv / "result.json"
+    base = dict(n=n, sizes=sizes, iters=args.iters, warmup=args.warmup, rdv=str(rdv), out=str(out))
+    env = dict(os.environ)
+    timeout = args.group_timeout
+    if system.startswith("ftar"):
+        streams = int(system.split("_")[1].removesuffix("streams").removesuffix("stream"))
+        env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=1"
+        cmds = [[sys.executable, str(PEERS / "ftar_peer.py"),
+                 json.dumps(dict(base, rank=r, streams=streams, chunk_bytes=args.chunk_bytes,
+                                 chunks=args.chunks))] for r in range(n)]
+    elif system == "gloo":
+        cmds = [[args.peer_python, str(PEERS / "gloo_peer.py"), json.dumps(dict(base, rank=r))] for r in range(n)]
+    elif system.startswith("mpi"):
+        mpirun = shutil.which("mpirun")
+        mca = ["--mca", "btl", "tcp,self"] if system == "mpi_tcp" else []
+        cmds = [[mpirun, "--allow-run-as-root", "--oversubscribe", "-n", str(n), *mca, "--bind-to", "none",
+                 args.peer_python, str(PEERS / "mpi_peer.py"), json.dumps(dict(base, rank=0))]]
+        env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    elif system == "jax":
+        coord = f"127.0.0.1:{free_port()}"
+        cmds = [[sys.executable, str(PEERS / "jax_peer.py"), json.dumps(dict(base, rank=r, coordinator=coord))]
+                for r in range(n)]
+    else:
+        raise ValueError(system)
+    run_group(cmds, timeout, env=env)
+    return json.loads(out.read_text())
+
+
+def loopback(n: int, nbytes: int, work: pathlib.Path, timeout: float) -> float:
+    rdv = pathlib.Path(tempfile.mkdtemp(dir=work, prefix=f"loopback-{n}-"))
+    out = rdv / "result.json"
+    cmds = [[sys.executable, str(PEERS / "loopback.py"),
+             json.dumps(dict(rank=r, n=n, bytes=nbytes, rdv=str(rdv), out=str(out)))] for r in range(n)]
+    run_group(cmds, timeout)
+    return json.loads(out.read_text())["gbps"]
+
+
+def availability(system: str, args) -> str | None:
+    if system.startswith("ftar") or system == "jax":
+        return None
+    if system == "gloo":
+        return python_has(args.peer_python, "torch.distributed")
+    if system.startswith("mpi"):
+        if not shutil.which("mpirun"):
+            return "mpirun not found (apt-get install openmpi-bin libopenmpi-dev)"
+        return python_has(args.peer_python, "mpi4py.MPI")
+    return f"unknown system {system}"
+
+
+def plot(result: dict, path: pathlib.Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    procs = sorted({r["n"] for r in result["rows"]})
+    fig, axes = plt.subplots(1, len(procs), figsize=(6 * len(procs), 4.5), squeeze=False)
+    for ax, n in zip(axes[0], procs):
+        for system in sorted({r["system"] for r in result["rows"] if r["n"] == n}):
+            rows = sorted((r for r in result["rows"] if r["n"] == n and r["system"] == system),
+                          key=lambda r: r["bytes"])
+            ax.plot([r["bytes"] / MIB for r in rows], [r["busbw_gbps"] for r in rows], marker="o", label=system)
+        lb = result["loopback_gbps_by_n"].get(str(n))
+        if lb:
+            ax.axhline(lb / n, color="gray", ls="--", label=f"loopback / n ({lb / n:.2f})")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("message (MiB of float32)")
+        ax.set_ylabel("bus bandwidth (GB/s, median)")
+        ax.set_title(f"{n} processes, loopback TCP, {os.cpu_count()} cores")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def targets(result: dict) -> dict:
+    """The issue's targets, evaluated on the rows (>= 64 MiB)."""
+    rows = result["rows"]
+    out = {}
+    for n in sorted({r["n"] for r in rows}):
+        for nbytes in sorted({r["bytes"] for r in rows if r["n"] == n and r["bytes"] >= 64 * MIB}):
+            at = {r["system"]: r["busbw_gbps"] for r in rows if r["n"] == n and r["bytes"] == nbytes}
+            ftar = max((v for k, v in at.items() if k.startswith("ftar")), default=None)
+            peers = {k: v for k, v in at.items() if not k.startswith("ftar")}
+            if ftar is None:
+                continue
+            entry = {"ftar_busbw_gbps": ftar}
+            if peers:
+                best = max(peers, key=peers.get)
+                entry.update(best_peer=best, vs_best_peer=ftar / peers[best],
+                             meets_1x_best_peer=ftar >= peers[best])
+            if "jax" in at:
+                entry.update(vs_jax=ftar / at["jax"], meets_1_5x_jax=ftar >= 1.5 * at["jax"])
+            lb = result["loopback_gbps_by_n"].get(str(n))
+            if lb and n == 2:
+                entry.update(n_busbw_over_loopback=n * ftar / lb, meets_0_9_loopback=n * ftar >= 0.9 * lb)
+            out[f"n={n},MiB={nbytes // MIB}"] = entry
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="sizes 8 and 64 MiB, fewer iterations")
+    p.add_argument("--out", required=True, help="JSON file to write (a .png plot goes beside it)")
+    p.add_argument("--procs", default="2,4")
+    p.add_argument("--sizes-mib", default=None, help="comma-separated; default 8,16,32,64,128,256")
+    p.add_argument("--systems", default="ftar_1stream,ftar_4streams,gloo,mpi,mpi_tcp,jax")
+    p.add_argument("--iters", type=int, default=None)
+    p.add_argument("--warmup", type=int, default=None)
+    p.add_argument("--chunk-bytes", type=int, default=1 << 20)
+    p.add_argument("--chunks", type=int, default=4)
+    p.add_argument("--peer-python", default=os.environ.get("FTHSDP_PEER_PYTHON", "/work/peers311/bin/python"))
+    p.add_argument("--group-timeout", type=float, default=600.0)
+    args = p.parse_args(argv)
+    sizes_mib = [8, 64] if args.quick else [8, 16, 32, 64, 128, 256]
+    if args.sizes_mib:
+        sizes_mib = [int(x) for x in args.sizes_mib.split(",")]
+    args.iters = args.iters or (3 if args.quick else 7)
+    args.warmup = args.warmup or (1 if args.quick else 2)
+    procs = [int(x) for x in args.procs.split(",")]
+    sizes = [m * MIB for m in sizes_mib]
+    out_path = pathlib.Path(args.out)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    work = pathlib.Path(tempfile.mkdtemp(prefix="ftar-bw-"))
+
+    result = {"rows": [], "skipped": [], "failed": [], "loopback_gbps": None, "loopback_gbps_by_n": {},
+              "config": {"procs": procs, "sizes": sizes, "iters": args.iters, "warmup": args.warmup,
+                         "chunk_bytes": args.chunk_bytes, "chunks": args.chunks, "cpus": os.cpu_count()}}
+    try:
+        for n in procs:
+            gbps = loopback(n, 256 * MIB if args.quick else 1024 * MIB, work, args.group_timeout)
+            result["loopback_gbps_by_n"][str(n)] = gbps
+            print(f"loopback, {n} concurrent senders: {gbps:.2f} GB/s", flush=True)
+        result["loopback_gbps"] = result["loopback_gbps_by_n"].get("2")
+        for system in args.systems.split(","):
+            why = availability(system, args)
+            if why:
+                result["skipped"].append({"system": system, "reason": why})
+                print(f"{system}: skipped ({why})", flush=True)
+                continue
+            for n in procs:
+                try:
+                    res = measure(system, n, sizes, args, work)
+                except Exception as e:  # a peer failing is a finding, not a crash
+                    result["failed"].append({"system": system, "n": n, "error": str(e)[-1500:]})
+                    print(f"{system} n={n}: FAILED {str(e)[-300:]}", flush=True)
+                    continue
+                for nbytes in sizes:
+                    ts = res["times"][str(nbytes)]
+                    alg = [nbytes / t / 1e9 for t in ts]
+                    med = nbytes / statistics.median(ts) / 1e9
+                    factor = 2 * (n - 1) / n
+                    row = dict(system=system, n=n, bytes=nbytes, algbw_gbps=med, busbw_gbps=med * factor,
+                               busbw_gbps_best=max(alg) * factor, times_s=ts)
+                    result["rows"].append(row)
+                    print(f"{system:14s} n={n} {nbytes // MIB:4d} MiB  algbw {med:6.3f}  busbw {med * factor:6.3f}"
+                          f"  best {max(alg) * factor:6.3f} GB/s", flush=True)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    result["targets"] = targets(result)
+    out_path.write_text(json.dumps(result, indent=1))
+    if result["rows"]:
+        plot(result, out_path.with_suffix(".png"))
+    print(json.dumps(result["targets"], indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
