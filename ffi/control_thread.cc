@@ -217,8 +217,8 @@ void RingEndpoint::close_all() {
 }
 
 void RingEndpoint::apply_configure(const RingConfig& config, Clock::time_point now) {
+  close_all();  // first: sender threads must stop touching the op's buffer before it returns
   if (op_) finish_op(OpStatus::kRecoverable, false, "quorum changed while an all-reduce was in flight");
-  close_all();
   cfg_ = config;
   op_seq_ = 0;
   const int32_t n = static_cast<int32_t>(config.members.size());
@@ -356,7 +356,7 @@ void RingEndpoint::advance(int32_t lane) {
           ++L.next_send;
           continue;
         }
-        OutStream::Item item;
+        SendItem item;
         item.header.magic = tcp::kChunkMagic;
         item.header.lane = static_cast<uint32_t>(lane);
         item.header.op_seq = op_seq_;
@@ -365,7 +365,7 @@ void RingEndpoint::advance(int32_t lane) {
         item.header.bytes = item.bytes;
         item.data = static_cast<const char*>(op_->data) + cs.send.offset * static_cast<int64_t>(elem_);
         item.lane = lane;
-        out_[lane % options_.streams].queue.push_back(item);
+        out_[lane % options_.streams].sender->push(item);
         L.send_queued = true;
       }
     }
@@ -533,40 +533,39 @@ void RingEndpoint::on_out(size_t i, short revents, Clock::time_point now) {
       return;
     }
     s.phase = Phase::kReady;
+    s.sender = std::make_unique<Sender>(s.fd.get(), thread_);
     check_ready();
     return;
   }
-  if (s.phase != Phase::kReady) return;
-  if (revents & (POLLERR | POLLHUP)) {
-    fail("connection to right neighbour " + peer + " closed or reset");
-    return;
-  }
+  (void)revents;
+}
+
+void RingEndpoint::drain_senders() {
+  std::vector<int32_t> lanes;
   const uint64_t epoch = epoch_;
-  while (!s.queue.empty()) {
-    OutStream::Item& item = s.queue.front();
+  for (size_t i = 0; i < out_.size(); ++i) {
+    if (!out_[i].sender) continue;
+    lanes.clear();
     int err = 0;
-    const size_t before = s.sent;
-    const tcp::Io io = tcp::send_two(s.fd.get(), &item.header, sizeof(item.header), item.data,
-                                     item.bytes, &s.sent, &err);
-    if (io == tcp::Io::kWouldBlock) break;
-    if (io != tcp::Io::kProgress) {
-      fail("connection to right neighbour " + peer + " lost: " + io_error(err));
+    const bool ok = out_[i].sender->take_completed(&lanes, &err);
+    const int64_t bytes = out_[i].sender->take_bytes();
+    if (bytes) {
+      std::lock_guard<std::mutex> lk(mu_);
+      stats_.bytes_sent += bytes;
+    }
+    if (!ok) {
+      fail("connection to right neighbour " + cfg_->members[right()] + " lost: " + io_error(err));
       return;
     }
-    {
-      std::lock_guard<std::mutex> lk(mu_);
-      stats_.bytes_sent += static_cast<int64_t>(s.sent - before);
+    for (int32_t lane : lanes) {
+      if (!op_ || !sched_) return;
+      Lane& L = lanes_[lane];
+      ++L.next_send;
+      L.send_queued = false;
+      advance(lane);
+      op_maybe_done();
+      if (epoch != epoch_) return;
     }
-    if (s.sent < sizeof(item.header) + item.bytes) continue;
-    const int32_t lane = item.lane;
-    s.queue.pop_front();
-    s.sent = 0;
-    Lane& L = lanes_[lane];
-    ++L.next_send;
-    L.send_queued = false;
-    advance(lane);
-    op_maybe_done();
-    if (!op_ || epoch != epoch_) return;
   }
 }
 
@@ -718,9 +717,6 @@ void RingEndpoint::poll_prepare(Clock::time_point now, std::vector<pollfd>* fds,
       case OutStream::Phase::kConnecting:
       case OutStream::Phase::kHello: add(s.fd.get(), POLLOUT, 2, i); break;
       case OutStream::Phase::kAwaitReply: add(s.fd.get(), POLLIN, 2, i); break;
-      case OutStream::Phase::kReady:
-        if (!s.queue.empty()) add(s.fd.get(), POLLOUT, 2, i);
-        break;
       default: break;
     }
   }
@@ -733,6 +729,7 @@ void RingEndpoint::poll_prepare(Clock::time_point now, std::vector<pollfd>* fds,
 }
 
 void RingEndpoint::poll_handle(const std::vector<pollfd>& fds, Clock::time_point now) {
+  if (op_ && sched_) drain_senders();
   const uint64_t epoch = epoch_;
   for (size_t j = 0; j < slots_.size(); ++j) {
     const short rev = fds[slot_base_ + j].revents;
@@ -749,6 +746,81 @@ void RingEndpoint::poll_handle(const std::vector<pollfd>& fds, Clock::time_point
 }
 
 // ---------------------------------------------------------------------------
+
+RingEndpoint::Sender::Sender(int fd, ControlThread* wake) : fd_(fd), wake_(wake) {
+  thread_ = std::thread([this] { loop(); });
+}
+
+RingEndpoint::Sender::~Sender() {
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    stop_ = true;
+  }
+  cv_.notify_all();
+  thread_.join();
+}
+
+void RingEndpoint::Sender::push(const SendItem& item) {
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    queue_.push_back(item);
+  }
+  cv_.notify_one();
+}
+
+bool RingEndpoint::Sender::take_completed(std::vector<int32_t>* lanes, int* err) {
+  std::lock_guard<std::mutex> lk(mu_);
+  lanes->swap(completed_);
+  completed_.clear();
+  *err = err_;
+  return !broken_;
+}
+
+void RingEndpoint::Sender::loop() {
+  for (;;) {
+    SendItem item;
+    {
+      std::unique_lock<std::mutex> lk(mu_);
+      cv_.wait(lk, [&] { return stop_ || (!queue_.empty() && !broken_); });
+      if (stop_) return;
+      item = queue_.front();
+    }
+    size_t sent = 0;
+    const size_t total = sizeof(item.header) + item.bytes;
+    while (sent < total) {
+      int err = 0;
+      const size_t before = sent;
+      const tcp::Io io = tcp::send_two(fd_, &item.header, sizeof(item.header), item.data, item.bytes,
+                                       &sent, &err);
+      if (io == tcp::Io::kProgress) {
+        bytes_ += static_cast<int64_t>(sent - before);
+        continue;
+      }
+      if (io == tcp::Io::kWouldBlock) {
+        {
+          std::lock_guard<std::mutex> lk(mu_);
+          if (stop_) return;
+        }
+        pollfd p{fd_, POLLOUT, 0};
+        ::poll(&p, 1, 20);  // short: stop_ is checked between waits
+        continue;
+      }
+      {
+        std::lock_guard<std::mutex> lk(mu_);
+        broken_ = true;
+        err_ = err;
+      }
+      wake_->wake();
+      return;
+    }
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      queue_.pop_front();
+      completed_.push_back(item.lane);
+    }
+    wake_->wake();
+  }
+}
 
 ControlThread::ControlThread() {
   wake_fd_ = tcp::Fd(::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC));

@@ -12,6 +12,7 @@
 
 #include <poll.h>
 
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
@@ -110,6 +111,39 @@ class RingEndpoint {
   friend class ControlThread;
   enum class State { kUnconfigured, kConnecting, kReady, kFailed };
 
+  struct SendItem {
+    tcp::ChunkHeader header;
+    const char* data;
+    size_t bytes;
+    int32_t lane;
+  };
+  // Moves the chunks of one outgoing stream on its own thread, so that sending
+  // (a kernel copy per byte on loopback) overlaps the control thread's
+  // receiving and reducing. Schedule state stays on the control thread: the
+  // sender only reports which lanes' chunks have left.
+  class Sender {
+   public:
+    Sender(int fd, ControlThread* wake);
+    ~Sender();  // stops and joins the thread
+    void push(const SendItem& item);
+    // Lanes whose chunk was sent since the last call; false if the stream broke (err set).
+    bool take_completed(std::vector<int32_t>* lanes, int* err);
+    int64_t take_bytes() { return bytes_.exchange(0); }
+
+   private:
+    void loop();
+    int fd_;
+    ControlThread* wake_;
+    std::mutex mu_;
+    std::condition_variable cv_;
+    std::deque<SendItem> queue_;
+    std::vector<int32_t> completed_;
+    bool stop_ = false;
+    bool broken_ = false;
+    int err_ = 0;
+    std::atomic<int64_t> bytes_{0};
+    std::thread thread_;
+  };
   struct OutStream {
     enum class Phase { kWaitRetry, kConnecting, kHello, kAwaitReply, kReady };
     Phase phase = Phase::kWaitRetry;
@@ -118,15 +152,7 @@ class RingEndpoint {
     size_t io_done = 0;
     tcp::Hello hello{};
     tcp::Reply reply{};
-    // Chunk sending.
-    struct Item {
-      tcp::ChunkHeader header;
-      const char* data;
-      size_t bytes;
-      int32_t lane;
-    };
-    std::deque<Item> queue;
-    size_t sent = 0;  // of queue.front(): header + payload bytes
+    std::unique_ptr<Sender> sender;  // declared after fd: stopped before the fd closes
   };
   struct InStream {
     tcp::Fd fd;
@@ -173,6 +199,7 @@ class RingEndpoint {
   void refuse(tcp::Fd fd, const std::string& reason);
   void on_out(size_t i, short revents, Clock::time_point now);
   void on_in(size_t i, short revents);
+  void drain_senders();
   void advance(int32_t lane);
   void op_maybe_done();
   bool configured_locally() const { return cfg_.has_value(); }
