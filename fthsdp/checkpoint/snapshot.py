@@ -280,6 +280,8 @@ class Snapshotter:
         self._pending: Future | None = None
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fthsdp-snapshot")
         self.last_copy_s = 0.0  # background time of the last copy (copy + checksums)
+        self._layout_key = None
+        self._layout: tuple[tuple[LeafSpec, ...], int] = ((), 0)
 
     # -- taking snapshots -------------------------------------------------
 
@@ -290,7 +292,11 @@ class Snapshotter:
         reuse is still being read by a peer (bounded by lease_timeout_s)."""
         self.wait()
         paths, leaves, _ = flatten(state)
-        layout, total = plan_layout(paths, leaves)
+        key = (tuple(paths), tuple((getattr(x, "shape", None), getattr(x, "dtype", None)) for x in leaves))
+        if key != self._layout_key:  # the layout only changes if the state's structure does
+            self._layout = plan_layout(paths, leaves)
+            self._layout_key = key
+        layout, total = self._layout
         slot = self._free_slot()
         if slot.layout != layout or slot.buffer is None:
             slot.buffer = HostBuffer(total)
