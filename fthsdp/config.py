@@ -59,8 +59,9 @@ class FTConfig:
     intervention: str = "sqrt"  # none | linear | sqrt
     min_replicas: int = 1
     join_timeout_s: float = 0.5
+    startup_timeout_s: float = 120.0  # a fresh job waits this long for all replicas to be live
     heartbeat_interval_s: float = 0.1
-    detect_s: float = 1.0
+    detect_s: float = 0.8  # heartbeat silence that declares a replica dead
     allreduce_timeout_s: float = 10.0
     max_retries: int = 3
     streams_per_peer: int = 2

@@ -53,6 +53,10 @@ class InvalidLighthouseRequest(LighthouseError, ValueError):
     """The lighthouse rejected the request as malformed (the message says what to fix)."""
 
 
+class JobNotFound(LighthouseError, LookupError):
+    """The lighthouse has no such job yet (no replica of it has been heard from)."""
+
+
 class LighthouseUnavailable(LighthouseError, ConnectionError):
     """The lighthouse cannot be reached."""
 
@@ -148,6 +152,8 @@ class LighthouseClient:
             return QuorumTimeout(f"{what}: no answer from {where} within {timeout_s:g}s: {details}", code)
         if code == grpc.StatusCode.INVALID_ARGUMENT:
             return InvalidLighthouseRequest(f"{what} rejected by {where}: {details}", code)
+        if code == grpc.StatusCode.NOT_FOUND:
+            return JobNotFound(f"{what} at {where}: {details}", code)
         if code == grpc.StatusCode.UNAVAILABLE:
             return LighthouseUnavailable(
                 f"{what}: cannot reach {where}: {details}; is `fthsdp lighthouse` running at that address?", code

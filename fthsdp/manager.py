@@ -261,6 +261,50 @@ class Manager:
                  time.perf_counter() - t0)
         return got
 
+    def warm_up(self) -> float:
+        """Compile both halves of the step before checking in with the lighthouse.
+
+        The paper's first-step effect (section 5): a replica that compiles after
+        joining the quorum stalls everyone. The warm-up runs `compute_grads` on
+        the next batch and `apply_grads` on a ring of one with no contributor,
+        which all-reduces nothing over the network and never commits.
+        """
+        t0 = time.perf_counter()
+        batch = self.stream.batch(self.loader.position)
+        x, y = self.ts.shard_batch(batch.inputs, batch.targets)
+        grads, _ = self.ts.compute_grads(self.state, x, y)
+        probe = make_quorum_inputs(contribute=False, num_contributing=0, num_members=1, num_configured=1,
+                                   lr_mode=self._lr_mode, comm=self.comm.handle)
+        new_state, m = self.ts.apply_grads(self.state, grads, probe)
+        if bool(m["committed"]):
+            raise ManagerError("warm-up step committed; the step's commit vote is broken")
+        jax.block_until_ready(new_state)
+        return time.perf_counter() - t0
+
+    def wait_for_peers(self, status: Callable[[], Sequence], want: int, timeout_s: float) -> int:
+        """Start-up barrier: wait until `want` replicas of the job are live (heartbeating).
+
+        Only for a job's first start, so that replicas that compile at different
+        speeds begin on one quorum instead of the fastest training alone and the
+        rest catching up. A restarted replica does not call it: it joins the
+        running quorum. Returns how many were live when it stopped waiting.
+        """
+        deadline = time.monotonic() + timeout_s
+        live = 0
+        while time.monotonic() < deadline:
+            try:
+                jobs = status()
+            except LookupError:
+                jobs = []  # the job does not exist on the lighthouse until a replica heartbeats
+            live = sum(1 for j in jobs for r in j.replicas if not r.dead)
+            if live >= want:
+                break
+            time.sleep(0.1)
+        if live < want:
+            log.warning("start-up: only %d of %d replicas live after %.0fs; starting without the rest",
+                        live, want, timeout_s)
+        return live
+
     def run(self, until_step: int) -> TrainState:
         while int(self.state.step) < until_step:
             self.train_step()

@@ -96,13 +96,20 @@ def main(argv: list[str] | None = None) -> int:
     client = LighthouseClient(args.lighthouse, args.job, rid, heartbeat_interval_s=cfg.ft.heartbeat_interval_s)
     mgr = Manager(cfg=cfg, replica_id=rid, job_id=args.job, ts=ts, comm=comm, lighthouse=client,
                   state=state, loader=loader, on_commit=on_commit)
-    client.start_heartbeats(on_dead=mgr.on_dead)
     log.info("replica %s: %d device(s), lighthouse %s, ftar endpoints %s", rid, mesh.devices.size,
              args.lighthouse, list(comm.addresses))
+    log.info("replica %s: compiled the step in %.1fs (before checking in)", rid, mgr.warm_up())
+    client.start_heartbeats(on_dead=mgr.on_dead)
+    if int(mgr.state.step) == 0 and cfg.launch.replicas > 1:
+        live = mgr.wait_for_peers(client.status, cfg.launch.replicas, cfg.ft.startup_timeout_s)
+        log.info("replica %s: %d replica(s) live, starting", rid, live)
     try:
         mgr.run(cfg.train.steps)
     finally:
         client.close()
+        close = getattr(comm, "close", None)
+        if close is not None:
+            close()
     for d in mgr.detections:
         metrics.write(kind="detection", replica=rid, **d)
     metrics.write(kind="done", replica=rid, step=int(mgr.state.step), hash=state_hash(mgr.state),
