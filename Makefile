@@ -23,7 +23,7 @@ $(STAMP): $(NATIVE) scripts/find_python.sh scripts/install_system_deps.sh
 	@touch $(STAMP)
 
 run: $(STAMP)
-	$(VENV)/bin/fthsdp train --config configs/base.py
+	$(VENV)/bin/fthsdp run --config configs/ft_local.py
 
 train: run
 

@@ -113,7 +113,9 @@ def main(argv: list[str] | None = None) -> int:
     for d in mgr.detections:
         metrics.write(kind="detection", replica=rid, **d)
     metrics.write(kind="done", replica=rid, step=int(mgr.state.step), hash=state_hash(mgr.state),
-                  position=mgr.loader.position)
+                  position=mgr.loader.position,
+                  compilations={"compute_grads": ts.compute_grads._cache_size(),
+                                "apply_grads": ts.apply_grads._cache_size()})
     write_json_atomic(status_path, {"replica": rid, "step": int(mgr.state.step), "state": "done",
                                     "pid": os.getpid(), "time": time.time(), "started": started})
     log.info("replica %s done at step %d", rid, int(mgr.state.step))
