@@ -781,7 +781,11 @@ void RingEndpoint::Sender::loop() {
     SendItem item;
     {
       std::unique_lock<std::mutex> lk(mu_);
-      cv_.wait(lk, [&] { return stop_ || (!queue_.empty() && !broken_); });
+      // Idle until a chunk is queued; the bounded wait only re-checks stop_.
+      if (!cv_.wait_for(lk, std::chrono::milliseconds(100),
+                        [&] { return stop_ || (!queue_.empty() && !broken_); })) {
+        continue;
+      }
       if (stop_) return;
       item = queue_.front();
     }

@@ -1,0 +1,34 @@
+"""The bandwidth study's --quick form: it runs, writes the documented JSON and
+a plot, and records a peer that is not installed as skipped instead of crashing."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.multiprocess
+
+
+def test_quick_benchmark_writes_rows_and_skips_missing_peers(tmp_path, repo_root=None):
+    import pathlib
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    out = tmp_path / "bw.json"
+    r = subprocess.run(
+        [sys.executable, str(root / "experiments" / "ftar_bandwidth.py"), "--quick", "--out", str(out),
+         "--procs", "2", "--sizes-mib", "8", "--iters", "2", "--warmup", "1", "--loopback-runs", "1",
+         "--systems", "ftar_1stream,gloo", "--peer-python", str(tmp_path / "no-such-python")],
+        capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    res = json.loads(out.read_text())
+    assert res["loopback_gbps"] > 0
+    rows = res["rows"]
+    assert [(x["system"], x["n"], x["bytes"]) for x in rows] == [("ftar_1stream", 2, 8 << 20)]
+    for key in ("algbw_gbps", "busbw_gbps", "busbw_gbps_best"):
+        assert rows[0][key] > 0
+    assert rows[0]["busbw_gbps_best"] >= rows[0]["busbw_gbps"]
+    assert [s["system"] for s in res["skipped"]] == ["gloo"] and "not found" in res["skipped"][0]["reason"]
+    assert out.with_suffix(".png").stat().st_size > 1000
