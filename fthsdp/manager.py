@@ -108,6 +108,9 @@ class StepRecord:
     end: float
     position: int | None  # stream position trained (None for a zero-gradient step)
     events: list[str] = field(default_factory=list)
+    rebuild_s: float = 0.0  # ring reconfigurations during this step
+    allreduce_s: float = 0.0  # the committing apply_grads (all-reduce + vote + update)
+    grads_s: float = 0.0  # forward + backward
 
     @property
     def seconds(self) -> float:
@@ -199,6 +202,7 @@ class Manager:
         loss = None
         commit_failed = False
         events: list[str] = []
+        rebuild_s = grads_s = 0.0
         for attempt in range(1, self.cfg.ft.max_retries + 2):
             q = self.lighthouse.get_quorum(
                 step, ftar_addresses=list(self.comm.addresses), state_server_address=self.state_server_address,
@@ -208,6 +212,7 @@ class Manager:
             if q.quorum_id != self._configured_qid:
                 self.quorum = q
                 took = self._configure(q)
+                rebuild_s += took
                 events.append(f"quorum {q.quorum_id} members {list(q.member_ids)} (ring rebuilt in {took:.3f}s)")
                 log.info("step %d: quorum %d members=%s healthy=%s behind=%s (%s); ring rebuilt in %.3fs",
                          step, q.quorum_id, list(q.member_ids), list(q.healthy), list(q.behind), q.reason, took)
@@ -219,17 +224,24 @@ class Manager:
             elif grads is None:
                 batch = self.stream.batch(self.loader.position)
                 x, y = self.ts.shard_batch(batch.inputs, batch.targets)
+                t0 = time.perf_counter()
                 grads, m = self.ts.compute_grads(self.state, x, y)
                 loss, position = m["loss"], batch.position
+                jax.block_until_ready(grads)
+                grads_s = time.perf_counter() - t0
+            t0 = time.perf_counter()
             new_state, m = self.ts.apply_grads(self.state, grads if healthy else self.zero_grads(),
                                                self._quorum_inputs(q, healthy))
-            if bool(m["committed"]):
+            committed = bool(m["committed"])
+            allreduce_s = time.perf_counter() - t0
+            if committed:
                 self.state = new_state
                 if healthy:
                     self.loader = self.loader.advanced()
                 rec = StepRecord(step, q.quorum_id, q.member_ids, healthy, True, attempt,
                                  float(loss) if (healthy and loss is not None) else None,
-                                 start, time.time(), position if healthy else None, events)
+                                 start, time.time(), position if healthy else None, events,
+                                 rebuild_s=rebuild_s, allreduce_s=allreduce_s, grads_s=grads_s)
                 self.records.append(rec)
                 if self.on_commit:
                     self.on_commit(self, rec)

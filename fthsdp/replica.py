@@ -84,7 +84,8 @@ def main(argv: list[str] | None = None) -> int:
         record = {"kind": "step", "replica": rid, "step": rec.step, "quorum_id": rec.quorum_id,
                   "members": list(rec.members), "healthy": rec.healthy, "attempts": rec.attempts,
                   "loss": rec.loss, "start": rec.start, "end": rec.end, "position": rec.position,
-                  "events": rec.events, "pid": os.getpid()}
+                  "events": rec.events, "pid": os.getpid(), "rebuild_s": rec.rebuild_s,
+                  "allreduce_s": rec.allreduce_s, "grads_s": rec.grads_s}
         if args.hash_every and (rec.step + 1) % args.hash_every == 0:
             record["hash"] = state_hash(mgr.state)
         metrics.write(**record)
