@@ -101,3 +101,17 @@ def test_bad_arguments_raise_with_a_reason():
         mod.ring_schedule(10, 0, 2, 3, 0)
     with pytest.raises(ValueError, match="ring size"):
         mod.ring_schedule(10, 4, 2, 0, 0)
+
+
+def test_cpp_ring_schedule_unit_test_binary():
+    """ffi/tests/ring_schedule_test.cc, built by CMake beside the extension (skipped if not built)."""
+    import pathlib
+    import subprocess
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    found = sorted(root.glob("build/*/fthsdp_ring_schedule_test"))
+    if not found:
+        pytest.skip("fthsdp_ring_schedule_test not built (pip install --no-build-isolation -e .)")
+    r = subprocess.run([str(found[-1])], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "all cases passed" in r.stdout
