@@ -87,9 +87,10 @@ def test_sum_is_exact_identical_and_survives_reconfiguration(tmp_path, n, device
         assert int(res["cache_size"]) == 1, "reconfiguring recompiled the step"
 
 
-def test_sigkill_mid_allreduce_then_smaller_ring(tmp_path):
+@pytest.mark.parametrize("devices", [1, 2])
+def test_sigkill_mid_allreduce_then_smaller_ring(tmp_path, devices):
     n, big = 3, 4 << 20  # 16 MiB of float32 per rank
-    procs = launch(tmp_path, n, 1, "kill", big=big, chunk_bytes=1 << 16)
+    procs = launch(tmp_path, n, devices, "kill", big=big, chunk_bytes=1 << 16)
     finish(procs, range(n - 1))
     procs[n - 1].wait(timeout=30)
     assert procs[n - 1].returncode == -signal.SIGKILL
