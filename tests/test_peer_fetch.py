@@ -250,6 +250,26 @@ def test_peer_killed_mid_transfer_is_finished_by_the_other():
         survivor.kill()
 
 
+def test_capped_peers_add_up_when_striped():
+    """Each server caps its serving bandwidth; striping over two gets about twice one."""
+    from fthsdp.checkpoint.peer_fetch import PeerFetcher
+    from fthsdp.checkpoint.peer_server import PeerServer, StaticSource
+    from fthsdp.checkpoint.snapshot import Snapshotter
+
+    snap = Snapshotter(piece_bytes=PIECE).take(STEP, make_state(0))
+    cap = 10e6  # 10 MB/s each: the 2.4 MB state takes ~0.24 s from one, ~0.12 s from two
+    with PeerServer(StaticSource(snap), TOKEN, max_bytes_per_s=cap) as a, \
+            PeerServer(StaticSource(snap), TOKEN, max_bytes_per_s=cap) as b:
+        one = PeerFetcher([a.url], TOKEN, step=STEP).start()
+        one.wait()
+        two = PeerFetcher([a.url, b.url], TOKEN, step=STEP).start()
+        assert _same(two.tree(like=make_state(0)), make_state(0))
+    assert one.gbps * 1e9 < 1.3 * cap  # the cap holds
+    assert two.gbps > 1.5 * one.gbps, (one.gbps, two.gbps)
+    with pytest.raises(ValueError, match="max_bytes_per_s must be > 0"):
+        PeerServer(StaticSource(snap), TOKEN, max_bytes_per_s=0)
+
+
 def test_no_reachable_source(tmp_path):
     import socket
 

@@ -203,7 +203,14 @@ class _Handler(BaseHTTPRequestHandler):
                 self.close_connection = True
                 self.connection.shutdown(socket.SHUT_RDWR)
                 return None
-            self.wfile.write(body)
+            pacer = self.server.pacer
+            if pacer is None:
+                self.wfile.write(body)
+            else:  # paced in slices so a capped server streams smoothly instead of in bursts
+                for at in range(0, len(body), _PACE_SLICE):
+                    part = body[at : at + _PACE_SLICE]
+                    pacer.wait_for(len(part))
+                    self.wfile.write(part)
             self.server.bytes_served += len(body)
             self.server.pieces_served += 1
         finally:
@@ -211,13 +218,34 @@ class _Handler(BaseHTTPRequestHandler):
         return None
 
 
+_PACE_SLICE = 1 << 20
+
+
+class _Pacer:
+    """Caps the bytes per second a server sends, over all its connections together."""
+
+    def __init__(self, bytes_per_s: float):
+        self.bytes_per_s = float(bytes_per_s)
+        self._next = time.monotonic()
+        self._lock = threading.Lock()
+
+    def wait_for(self, nbytes: int) -> None:
+        with self._lock:
+            now = time.monotonic()
+            start = max(now, self._next)
+            self._next = start + nbytes / self.bytes_per_s
+        if start > now:
+            time.sleep(start - now)
+
+
 class _Server(ThreadingHTTPServer):
     daemon_threads = True
     allow_reuse_address = True
     request_queue_size = 64
 
-    def __init__(self, addr, source: SnapshotSource, token: bytes, fault: Fault | None):
+    def __init__(self, addr, source: SnapshotSource, token: bytes, fault: Fault | None, max_bytes_per_s: float | None):
         super().__init__(addr, _Handler)
+        self.pacer = None if not max_bytes_per_s else _Pacer(max_bytes_per_s)
         self.source = source
         self.token = token
         self.fault = fault
@@ -248,7 +276,12 @@ class _Server(ThreadingHTTPServer):
 
 
 class PeerServer:
-    """Serves `source`'s latest snapshot on host:port (127.0.0.1, any free port by default)."""
+    """Serves `source`'s latest snapshot on host:port (127.0.0.1, any free port by default).
+
+    `max_bytes_per_s` caps what this replica spends on serving (all fetchers
+    together), so that feeding a rejoining peer cannot slow its own training
+    steps beyond a budget; a fetcher striping over several capped peers still
+    gets their sum."""
 
     def __init__(
         self,
@@ -257,10 +290,13 @@ class PeerServer:
         host: str = "127.0.0.1",
         port: int = 0,
         fault: Fault | None = None,
+        max_bytes_per_s: float | None = None,
     ):
         if not token:
             raise ValueError("the peer server needs a non-empty shared-secret token")
-        self._server = _Server((host, port), source, token.encode(), fault)
+        if max_bytes_per_s is not None and max_bytes_per_s <= 0:
+            raise ValueError(f"max_bytes_per_s must be > 0 (or None for no cap), got {max_bytes_per_s}")
+        self._server = _Server((host, port), source, token.encode(), fault, max_bytes_per_s)
         self._thread: threading.Thread | None = None
 
     @property
