@@ -178,7 +178,11 @@ def allreduce(grads, quorum: QuorumInputs, mesh: Mesh, specs=None):
     """Sum `grads` over the ring members (AllReduceFn). Returns (sums, status[num_local_devices]).
 
     specs: PartitionSpec per leaf (a pytree like `grads`) describing how the
-    gradients are sharded over `mesh`; default: fthsdp.sharding's FSDP layout.
+    gradients are sharded over `mesh`; default: fthsdp.sharding's FSDP layout
+    on a 1-D mesh, replicated on other meshes (pass specs there, or XLA
+    gathers the gradients first). Each local shard is all-reduced in its own
+    ring (shard i with shard i of every replica), so the local device
+    programs never wait on each other, whatever order XLA runs them in.
     """
     native.ensure_registered()
     leaves, treedef = jax.tree.flatten(grads)
