@@ -1,6 +1,10 @@
 """Persistent Orbax checkpoints (read back with plain Orbax) and the peer-restore Orbax extension."""
 
+import hashlib
+import json
 import os
+import subprocess
+import sys
 
 import jax
 import numpy as np
@@ -166,3 +170,79 @@ def test_arrays_become_available_one_by_one():
         assert session.stats[server.url].pieces < len(list(session.manifest.pieces()))
         session.wait(timeout=30)
         assert all(np.array_equal(session.leaf(i), tree[f"l{i}"]) for i in range(6))
+
+
+def _hash(tree) -> str:
+    h = hashlib.sha256()
+    for x in jax.tree.leaves(tree):
+        h.update(np.asarray(x).tobytes())
+    return h.hexdigest()
+
+
+def _train_and_serve(steps: int) -> None:
+    """Script mode: a healthy replica that trains, snapshots after every commit and serves."""
+    import time
+
+    from fthsdp.devices import enable_compilation_cache
+
+    enable_compilation_cache()
+    ts = make_train_step(CFG, replica_mesh(4))
+    state = ts.init(0)
+    snaps = Snapshotter(piece_bytes=16 << 10)
+    server = PeerServer(snaps, TOKEN).start()
+    print(json.dumps({"url": server.url}), flush=True)
+    stream = ReplicaStream(CFG.data, 0)
+    for step in range(1, steps + 1):
+        b = stream.batch(step - 1)
+        x, y = ts.shard_batch(b.inputs, b.targets)
+        state, m = ts.step(state, x, y, make_quorum_inputs())
+        assert bool(m["committed"])
+        snaps.begin(step, state)
+        print(json.dumps({"step": step, "hash": _hash(state)}), flush=True)
+        time.sleep(0.1)  # the rest of a training step
+    sys.stdin.read()
+
+
+def test_rejoin_from_a_training_peer_process(states):
+    """A replica process keeps training and snapshotting; a rejoiner fetches a committed step through
+    the Orbax handler while it does, then takes the next step itself and lands on the same bytes."""
+    ts, s1, _ = states
+    proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "train", "12"], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE)
+    try:
+        url = json.loads(proc.stdout.readline())["url"]
+        hashes: dict[int, str] = {}
+
+        def read_until(step):
+            while step not in hashes:
+                line = proc.stdout.readline()
+                assert line, "the training peer died"
+                d = json.loads(line)
+                hashes[d["step"]] = d["hash"]
+
+        read_until(3)
+        abstract = _abstract(s1)
+        for _ in range(5):  # the peer moves on; a fetch that loses the race retries at the newer step
+            want = max(hashes)
+            try:
+                tree, info = restore(abstract, [url], TOKEN, step=want, checkpoint_dir=None, timeout_s=5)
+                break
+            except FetchError as e:
+                assert "is not available" in str(e)
+                read_until(want + 1)
+        else:
+            raise AssertionError("never caught up with the training peer")
+        assert info.source == "peers" and info.step == want and int(tree.step) == want
+        assert _hash(tree) == hashes[want]  # parameters and optimizer state, bit for bit
+        b = ReplicaStream(CFG.data, 0).batch(want)  # the next step, on the same batch as the peer
+        x, y = ts.shard_batch(b.inputs, b.targets)
+        mine, _ = ts.step(tree, x, y, make_quorum_inputs())
+        read_until(want + 1)
+        assert _hash(mine) == hashes[want + 1]
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+if __name__ == "__main__" and len(sys.argv) > 1 and sys.argv[1] == "train":
+    _train_and_serve(int(sys.argv[2]))

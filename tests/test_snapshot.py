@@ -114,15 +114,21 @@ def test_double_buffering_and_leases():
         s2 = snaps.take(2, b)  # goes to the other slot: the served one is untouched
         assert s2.buffer is not buf1 and snaps.served_step() == 2
         assert held.leaf(3).tobytes() == np.asarray(a["w"]).tobytes()
-        with pytest.raises(StaleStepError, match="step 2 is served"):
-            with snaps.lease(1):
-                pass
+        with snaps.lease(1) as again:  # the previous step stays servable until its slot is reused
+            assert again.step == 1
+        with snaps.lease() as latest:
+            assert latest.step == 2
         # step 3 would overwrite step 1's slot, still being read: refused after the lease timeout
         with pytest.raises(SnapshotError, match="still being read by a peer"):
             snaps.take(3, c)
     s3 = snaps.take(3, c)
     assert s3.buffer is buf1  # slots are reused, not reallocated
     assert s3.leaf(3).tobytes() == np.asarray(c["w"]).tobytes()
+    with pytest.raises(StaleStepError, match="step 1 is not available: step 3 is served"):
+        with snaps.lease(1):
+            pass
+    with snaps.lease(2) as held:
+        assert held.step == 2 and held.leaf(3).tobytes() == np.asarray(b["w"]).tobytes()
     with snaps.lease(3) as held:
         assert held.step == 3
     snaps.close()

@@ -220,7 +220,8 @@ class FetchSession:
                     self._fail(url, pid, str(e), dead=True)
                     return
                 except (OSError, http.client.HTTPException) as e:
-                    conn.close() if conn is not None else None
+                    if conn is not None:
+                        conn.close()
                     conn = None
                     self._fail(url, pid, f"connection error: {type(e).__name__}: {e}")
                     try:  # a dead source refuses to reconnect; a liar that cut one body does not

@@ -4,7 +4,7 @@ Routes (every one needs `Authorization: Bearer <token>`; the token is compared
 in constant time):
 
     GET /v1/manifest                              the served snapshot's manifest (JSON)
-    GET /v1/snapshot/{step}/manifest              the same, only if `step` is served
+    GET /v1/snapshot/{step}/manifest              the manifest of `step`, if still held (latest or previous)
     GET /v1/snapshot/{step}/leaf/{i}/piece/{k}    piece k of leaf i (raw bytes)
 
 A piece response carries `X-Fthsdp-Step`, `X-Fthsdp-Leaf`, `X-Fthsdp-Range`

@@ -8,9 +8,10 @@ returns; a background thread lands the bytes in one coalesced, pre-faulted
 host buffer and checksums each piece once, as it lands. `wait()` blocks only
 if that copy is still pending.
 
-Two buffers (slots) are reused across steps: the one being served to peers is
-never the one being overwritten, and a slot with a peer still reading from it
-(a lease) is not reused until that read ends.
+Two buffers (slots) are reused across steps: the latest snapshot is never the
+one being overwritten, the previous one stays servable until its slot is
+reused, and a slot with a peer still reading from it (a lease) is not reused
+until that read ends.
 
 Layout: every leaf of the state (in `jax.tree_util` order) is stored whole, in
 C order, at a 64-byte aligned offset; each leaf is cut into pieces of at most
@@ -256,6 +257,7 @@ class _Slot:
         self.buffer: HostBuffer | None = None
         self.layout: tuple[LeafSpec, ...] | None = None
         self.leases = 0
+        self.snap: Snapshot | None = None  # the complete snapshot this slot holds, None while (re)written
 
 
 class Snapshotter:
@@ -342,6 +344,7 @@ class Snapshotter:
                 candidates = [s for s in self._slots if s is not served]
                 free = [s for s in candidates if s.leases == 0]
                 if free:
+                    free[0].snap = None  # no longer servable: it is about to be overwritten
                     return free[0]
                 left = deadline - time.monotonic()
                 if left <= 0:
@@ -374,6 +377,7 @@ class Snapshotter:
         manifest = Manifest(step, layout, self.piece_bytes, tuple(sums), total)
         snap = Snapshot(manifest, buf)
         with self._cond:
+            slot.snap = snap
             self._served = (slot, snap)
             self._cond.notify_all()
         self.last_copy_s = time.perf_counter() - t0
@@ -390,11 +394,21 @@ class Snapshotter:
 
     @contextlib.contextmanager
     def lease(self, step: int | None = None) -> Iterator[Snapshot]:
-        """Holds the served snapshot (of `step`, if given) so it is not overwritten while read."""
+        """Holds a snapshot so it is not overwritten while read: the latest, or that of `step`.
+
+        The previous step's snapshot stays servable until its slot is reused
+        by the next-but-one `begin`, so a fetch of step s that outlasts one
+        training step still completes."""
         with self._cond:
-            if self._served is None or (step is not None and self._served[1].step != step):
-                raise StaleStepError(-1 if step is None else step, None if self._served is None else self._served[1].step)
-            slot, snap = self._served
+            if self._served is None:
+                raise StaleStepError(-1 if step is None else step, None)
+            if step is None:
+                slot, snap = self._served
+            else:
+                held = [s for s in self._slots if s.snap is not None and s.snap.step == step]
+                if not held:
+                    raise StaleStepError(step, self._served[1].step)
+                slot, snap = held[0], held[0].snap
             slot.leases += 1
         try:
             yield snap
