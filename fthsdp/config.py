@@ -74,6 +74,8 @@ class LaunchConfig:
     devices_per_replica: int = 2
     lighthouse: str = ""  # host:port; empty = start one locally
     kill: tuple[str, ...] = ()  # "REPLICA@STEP"
+    restart: bool = True  # the launcher restarts a killed replica, which rejoins from its peers
+    restart_delay_s: float = 1.0
     stop: tuple[str, ...] = ()
     random_kills: int = 0
     fault_seed: int = 0

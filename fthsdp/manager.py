@@ -89,8 +89,9 @@ class SoloCommunicator:
         pass
 
 
-# fetch(quorum, step) -> TrainState at the end of step `step - 1` (state.step == step)
-Recover = Callable[[qm.Quorum, int, TrainState], TrainState]
+# recover(quorum, step) -> (TrainState with .step == step, data state) fetched from the
+# quorum's healthy replicas: the state at the end of step `step - 1`.
+Recover = Callable[[qm.Quorum, int], tuple[TrainState, dict]]
 
 
 @dataclass
@@ -134,6 +135,17 @@ class Manager:
 
     def __post_init__(self) -> None:
         self.stream = ReplicaStream(self.cfg.data, int(self.loader.replica))
+        # Replicated data state: every replica's next stream position and the step
+        # that last trained one of its batches. Each commit advances it for the
+        # quorum's healthy (contributing) members, identically on every member,
+        # so it travels with the model state to a catching-up replica and into
+        # persistent checkpoints: a restarted replica resumes its stream from
+        # what the model really contains (exactly once), not from what it managed
+        # to write before it died.
+        n = max(self.cfg.launch.replicas, int(self.loader.replica) + 1)
+        self.positions = np.zeros(n, np.int64)
+        self.last_step = np.full(n, -1, np.int64)
+        self.positions[int(self.loader.replica)] = self.loader.position
         self.quorum: qm.Quorum | None = None
         self._configured_qid: int | None = None
         self._inflight_qid = -1
@@ -236,8 +248,12 @@ class Manager:
             allreduce_s = time.perf_counter() - t0
             if committed:
                 self.state = new_state
+                for r in q.healthy:
+                    self.positions[int(r)] += 1
+                    self.last_step[int(r)] = step
                 if healthy:
                     self.loader = self.loader.advanced()
+                    assert self.positions[int(self.replica_id)] == self.loader.position
                 rec = StepRecord(step, q.quorum_id, q.member_ids, healthy, True, attempt,
                                  float(loss) if (healthy and loss is not None) else None,
                                  start, time.time(), position if healthy else None, events,
@@ -263,7 +279,8 @@ class Manager:
                 "fetch state from peers (start it with a state server / recovery enabled)"
             )
         t0 = time.perf_counter()
-        self.state = self.recover(q, q.max_step, self.state)
+        self.state, data = self.recover(q, q.max_step)
+        self.install_data_state(data)
         got = int(self.state.step)
         if got != q.max_step:
             raise ManagerError(f"recovered state is at step {got}, expected {q.max_step}")
@@ -272,6 +289,19 @@ class Manager:
         log.info("step %d: caught up from %s in %.3fs", got, list(q.sources_for(self.replica_id)),
                  time.perf_counter() - t0)
         return got
+
+    def data_state(self) -> dict:
+        """A copy of the replicated data state (for snapshots and checkpoints)."""
+        return {"positions": self.positions.copy(), "last_step": self.last_step.copy()}
+
+    def install_data_state(self, data: dict) -> None:
+        positions = np.asarray(data["positions"], np.int64)
+        if positions.shape != self.positions.shape:
+            raise ManagerError(f"peer data state has {positions.shape[0]} replicas, this job {self.positions.shape[0]}; "
+                               "the replicas run with different launch.replicas")
+        self.positions = positions.copy()
+        self.last_step = np.asarray(data["last_step"], np.int64).copy()
+        self.loader = LoaderState(self.loader.replica, int(self.positions[int(self.replica_id)]))
 
     def warm_up(self) -> float:
         """Compile both halves of the step before checking in with the lighthouse.

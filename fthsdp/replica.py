@@ -14,6 +14,7 @@ import json
 import logging
 import os
 import pathlib
+import secrets
 import sys
 import time
 
@@ -36,6 +37,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--allreduce", choices=("ftar", "local"), default="ftar",
                    help="local = identity (a job of one replica, no FTAR)")
     p.add_argument("--hash-every", type=int, default=1, help="record a state hash every N committed steps (0: never)")
+    p.add_argument("--resume", default="", metavar="RESTART_ID",
+                   help="full restart: resume from the latest persistent checkpoint and its loader positions; "
+                        "RESTART_ID names this restart in the exactly-once ledgers")
     p.add_argument("overrides", nargs="*")
     return p.parse_args(argv)
 
@@ -54,9 +58,18 @@ def main(argv: list[str] | None = None) -> int:
     logs.setup(f"fthsdp.replica{rid}", file=str(out / f"replica-{rid}.log"))
     enable_compilation_cache()
 
+    import jax
+    import numpy as np
+
+    from fthsdp.checkpoint import orbax_peer
+    from fthsdp.checkpoint.peer_server import PeerServer
+    from fthsdp.checkpoint.persistent import PersistentCheckpointer
+    from fthsdp.checkpoint.snapshot import Snapshotter
     from fthsdp.data import LoaderState
+    from fthsdp.data.ledger import Ledger
+    from fthsdp.data.loader_state import LoaderStateStore
     from fthsdp.lighthouse_client import LighthouseClient
-    from fthsdp.manager import Manager, StepRecord, state_hash
+    from fthsdp.manager import Manager, ManagerError, StepRecord, state_hash
     from fthsdp.quorum_inputs import local_allreduce
     from fthsdp.sharding import replica_mesh
     from fthsdp.step import make_train_step
@@ -76,45 +89,106 @@ def main(argv: list[str] | None = None) -> int:
     state = ts.init(cfg.train.seed)
     loader = LoaderState(replica=args.replica_id)
 
+    token = os.environ.get("FTHSDP_PEER_TOKEN", "")
+    if not token:
+        if cfg.launch.replicas > 1:
+            raise SystemExit("FTHSDP_PEER_TOKEN is not set: every replica of a job needs the same shared secret "
+                             "to serve and fetch state (fthsdp run sets it)")
+        token = secrets.token_hex(16)
+    snapshots = Snapshotter()
+    server = PeerServer(snapshots, token).start()
+    ckpt = PersistentCheckpointer(out / "checkpoints", every=cfg.ft.checkpoint_every)
+    ledger = Ledger(out / "ledger" / f"replica_{rid}.jsonl", args.replica_id)
+    loader_store = LoaderStateStore(out / "loader_state")
+    loader_store.clean_temporaries()
+
+    abstract = jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh),
+                            state, ts.state_shardings)
+
+    def recover(q, step):
+        """The healthy replicas' state at `step`: assigned sources first, then any healthy peer."""
+        me = rid
+        assigned = [q.member(src).state_server_address for src in q.sources_for(me)]
+        others = [q.member(h).state_server_address for h in q.healthy]
+        tries = [list(dict.fromkeys(a for a in assigned if a))]
+        tries.append([a for a in dict.fromkeys(others) if a and a not in tries[0]] + tries[0])
+        like = {"train": abstract, "data": mgr.data_state()}
+        last = None
+        for sources in tries:
+            if not sources:
+                continue
+            try:
+                tree, info = orbax_peer.restore(like, sources, token, step, timeout_s=cfg.ft.allreduce_timeout_s)
+                log.info("fetched state of step %d from %s: %s", step, sources, info)
+                return tree["train"], tree["data"]
+            except Exception as e:  # noqa: BLE001 - every failure falls through to the next set of sources
+                last = e
+                log.warning("fetch of step %d from %s failed: %s", step, sources, e)
+        raise ManagerError(f"could not fetch the state of step {step} from any healthy peer: {last}")
+
     metrics = logs.MetricsWriter(out / f"metrics-{rid}.jsonl")
     status_path = out / f"status-{rid}.json"
     started = time.time()
 
     def on_commit(mgr: Manager, rec: StepRecord) -> None:
+        committed = rec.step + 1
+        payload = {"train": mgr.state, "data": mgr.data_state()}
+        snapshots.begin(committed, payload)  # lazy: lands while the next step computes
+        if rec.healthy:
+            ledger.commit(committed, rec.position)
+        loader_store.save(mgr.loader, committed)
+        if ckpt.should_save(committed) and rid == min(mgr.quorum.healthy, key=int):
+            ckpt.save(committed, mgr.state, {i: int(p) for i, p in enumerate(mgr.positions)},
+                      metadata={"writer": rid, "quorum_id": rec.quorum_id})
         record = {"kind": "step", "replica": rid, "step": rec.step, "quorum_id": rec.quorum_id,
                   "members": list(rec.members), "healthy": rec.healthy, "attempts": rec.attempts,
                   "loss": rec.loss, "start": rec.start, "end": rec.end, "position": rec.position,
                   "events": rec.events, "pid": os.getpid(), "rebuild_s": rec.rebuild_s,
                   "allreduce_s": rec.allreduce_s, "grads_s": rec.grads_s}
-        if args.hash_every and (rec.step + 1) % args.hash_every == 0:
+        if args.hash_every and committed % args.hash_every == 0:
             record["hash"] = state_hash(mgr.state)
         metrics.write(**record)
-        write_json_atomic(status_path, {"replica": rid, "step": rec.step + 1, "loss": rec.loss,
+        write_json_atomic(status_path, {"replica": rid, "step": committed, "loss": rec.loss,
                                         "quorum_id": rec.quorum_id, "members": list(rec.members),
-                                        "state": "training" if rec.healthy else "catching up",
+                                        "state": "training" if rec.healthy else "caught up",
                                         "pid": os.getpid(), "time": time.time(), "started": started})
 
     client = LighthouseClient(args.lighthouse, args.job, rid, heartbeat_interval_s=cfg.ft.heartbeat_interval_s)
     mgr = Manager(cfg=cfg, replica_id=rid, job_id=args.job, ts=ts, comm=comm, lighthouse=client,
-                  state=state, loader=loader, on_commit=on_commit)
-    log.info("replica %s: %d device(s), lighthouse %s, ftar endpoints %s", rid, mesh.devices.size,
-             args.lighthouse, list(comm.addresses))
+                  state=state, loader=loader, recover=recover, state_server_address=server.url,
+                  on_commit=on_commit)
+    if args.resume:
+        restored = ckpt.restore(abstract)
+        mgr.state = restored.state
+        mgr.install_data_state({"positions": np.array([restored.positions.get(i, 0) for i in range(len(mgr.positions))]),
+                                "last_step": np.full(len(mgr.positions), -1)})
+        ledger.restore(restored.step, args.resume)
+        log.info("replica %s: resumed from the persistent checkpoint of step %d, stream position %d",
+                 rid, restored.step, mgr.loader.position)
+    restarted = (not args.resume) and loader_store.load(args.replica_id) is not None
+    log.info("replica %s: %d device(s), lighthouse %s, ftar endpoints %s, state server %s", rid,
+             mesh.devices.size, args.lighthouse, list(comm.addresses), server.url)
     log.info("replica %s: compiled the step in %.1fs (before checking in)", rid, mgr.warm_up())
+    snapshots.begin(int(mgr.state.step), {"train": mgr.state, "data": mgr.data_state()})
     client.start_heartbeats(on_dead=mgr.on_dead)
-    if int(mgr.state.step) == 0 and cfg.launch.replicas > 1:
+    if int(mgr.state.step) == 0 and cfg.launch.replicas > 1 and not restarted:
         live = mgr.wait_for_peers(client.status, cfg.launch.replicas, cfg.ft.startup_timeout_s)
         log.info("replica %s: %d replica(s) live, starting", rid, live)
     try:
         mgr.run(cfg.train.steps)
+        ckpt.wait()
     finally:
         client.close()
         close = getattr(comm, "close", None)
         if close is not None:
             close()
+        server.close()
+        ckpt.close()
+        ledger.close()
     for d in mgr.detections:
         metrics.write(kind="detection", replica=rid, **d)
     metrics.write(kind="done", replica=rid, step=int(mgr.state.step), hash=state_hash(mgr.state),
-                  position=mgr.loader.position,
+                  position=mgr.loader.position, positions=mgr.positions.tolist(),
                   compilations={"compute_grads": ts.compute_grads._cache_size(),
                                 "apply_grads": ts.apply_grads._cache_size()})
     write_json_atomic(status_path, {"replica": rid, "step": int(mgr.state.step), "state": "done",

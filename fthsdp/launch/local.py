@@ -14,6 +14,8 @@ import json
 import logging
 import os
 import pathlib
+import secrets
+import shutil
 import signal
 import subprocess
 import sys
@@ -53,6 +55,8 @@ class LocalJob:
     deadline_s: float = 900.0
     progress: bool = True
     hash_every: int = 1
+    resume: str = ""  # full restart id: replicas resume from the latest persistent checkpoint
+    kill_all_at: int | None = None  # SIGKILL every process once a replica reaches this step
     procs: dict[int, ReplicaProc] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -61,6 +65,8 @@ class LocalJob:
         self._events = open(self.out_dir / "events.jsonl", "a", buffering=1)
         self.lighthouse: subprocess.Popen | None = None
         self.lighthouse_addr = ""
+        self.token = secrets.token_hex(16)  # the job's shared secret for peer state transfer
+        self.killed_all = False
 
     # -- bookkeeping ---------------------------------------------------------
 
@@ -80,6 +86,7 @@ class LocalJob:
         env = dict(os.environ)
         env.setdefault("FTHSDP_COMPILATION_CACHE", str(pathlib.Path.home() / ".cache" / "fthsdp" / "xla"))
         env["PYTHONUNBUFFERED"] = "1"
+        env["FTHSDP_PEER_TOKEN"] = self.token
         return env
 
     # -- processes -----------------------------------------------------------
@@ -111,7 +118,8 @@ class LocalJob:
         rp.proc = subprocess.Popen(
             [sys.executable, "-m", "fthsdp.replica", "--config", self.config, "--replica-id", str(rid),
              "--lighthouse", self.lighthouse_addr, "--job", self.job_id, "--out-dir", str(self.out_dir),
-             "--allreduce", self.allreduce, "--hash-every", str(self.hash_every), *self.overrides],
+             "--allreduce", self.allreduce, "--hash-every", str(self.hash_every),
+             *(["--resume", self.resume] if self.resume and rp.restarts == 0 else []), *self.overrides],
             stdout=logf, stderr=subprocess.STDOUT, env=self._env(), start_new_session=True)
         rp.state = "running"
         rp.restart_at = None
@@ -125,6 +133,16 @@ class LocalJob:
 
     def apply_faults(self) -> None:
         now = time.time()
+        if self.kill_all_at is not None and not self.killed_all and self._max_step() >= self.kill_all_at:
+            step = self._max_step()
+            for rp in self.procs.values():
+                self.signal_replica(rp.rid, signal.SIGKILL)
+                rp.state, rp.restart_at = "killed", None
+            if self.lighthouse is not None:
+                self.lighthouse.kill()
+            self.killed_all = True
+            self.event("kill_all", None, step=step)
+            return
         for rp in self.procs.values():
             if rp.state == "stopped" and rp.cont_at is not None and now >= rp.cont_at:
                 self.signal_replica(rp.rid, signal.SIGCONT)
@@ -243,6 +261,18 @@ class LocalJob:
         self._events.close()
 
 
+def archive_previous_attempt(out: pathlib.Path, name: str) -> pathlib.Path:
+    """Moves the per-attempt files of a previous run aside (ledgers, loader states
+    and checkpoints stay: the resumed run continues them)."""
+    dest = out / "attempts" / name
+    dest.mkdir(parents=True, exist_ok=True)
+    for pattern in ("metrics-*.jsonl", "status-*.json", "events.jsonl", "replica-*.out", "replica-*.log",
+                    "summary.json", "timeline.png", "lighthouse.*", "launch.log"):
+        for f in out.glob(pattern):
+            shutil.move(str(f), dest / f.name)
+    return dest
+
+
 def cli(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="fthsdp run", description="Run a fault-tolerant job locally: a lighthouse "
                                 "and N replica processes, with injected faults.")
@@ -255,7 +285,10 @@ def cli(argv: list[str]) -> int:
     p.add_argument("--random-kills", type=int, default=None, help="this many seeded random SIGKILLs")
     p.add_argument("--seed", type=int, default=None, help="seed of the random kills")
     p.add_argument("--restart", action=argparse.BooleanOptionalAction, default=None,
-                   help="restart killed replicas (they rejoin by fetching state from peers)")
+                   help="restart killed replicas; they rejoin by fetching state from peers (default: launch.restart)")
+    p.add_argument("--resume", action="store_true",
+                   help="full restart of a job in --out-dir: every replica resumes from the latest persistent "
+                        "checkpoint and the loader positions saved with it")
     p.add_argument("--out-dir", default=None)
     p.add_argument("--allreduce", choices=("ftar", "local"), default="ftar")
     p.add_argument("--no-progress", action="store_true")
@@ -284,13 +317,23 @@ def cli(argv: list[str]) -> int:
     except ValueError as e:
         p.error(str(e))
     out = pathlib.Path(args.out_dir or cfg.train.out_dir)
-    if out.exists():
-        for pattern in ("metrics-*.jsonl", "status-*.json", "events.jsonl", "replica-*.out", "replica-*.log"):
+    resume = ""
+    if args.resume:
+        if not (out / "checkpoints").is_dir():
+            p.error(f"--resume: no checkpoints under {out / 'checkpoints'}; run the job first (or pass its --out-dir)")
+        resume = f"restart-{int(time.time())}"
+        archive_previous_attempt(out, resume)
+    elif out.exists():
+        for pattern in ("metrics-*.jsonl", "status-*.json", "events.jsonl", "replica-*.out", "replica-*.log",
+                        "ledger/*.jsonl", "loader_state/*.json"):
             for f in out.glob(pattern):
                 f.unlink()
+        shutil.rmtree(out / "checkpoints", ignore_errors=True)
     logs.setup("fthsdp.launch", file=str(out / "launch.log"))
     job = LocalJob(config=args.config, overrides=overrides, out_dir=out, replicas=cfg.launch.replicas,
-                   steps=cfg.train.steps, faults=faults, restart=bool(args.restart), allreduce=args.allreduce,
+                   steps=cfg.train.steps, faults=faults,
+                   restart=cfg.launch.restart if args.restart is None else args.restart,
+                   restart_delay_s=cfg.launch.restart_delay_s, resume=resume, allreduce=args.allreduce,
                    detect_s=cfg.ft.detect_s, join_timeout_s=cfg.ft.join_timeout_s,
                    progress=not args.no_progress and sys.stderr.isatty())
     log.info("job: %d replicas x %d devices, %d steps, faults %s; logs in %s", cfg.launch.replicas,
