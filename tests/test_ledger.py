@@ -2,13 +2,14 @@
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
 
 import pytest
 
-from fthsdp.data.ledger import Ledger, LedgerError, check_exactly_once, read_ledger
+from fthsdp.data.ledger import Ledger, LedgerError, Restore, check_exactly_once, read_ledger
 
 
 def _run(tmp_path, script):
@@ -152,3 +153,109 @@ def test_bad_arguments_are_refused(tmp_path):
             led.restore(1, "")
     with pytest.raises(ValueError, match="replica"):
         Ledger(tmp_path / "y", -1)
+
+
+# -- a full restart, end to end: persistent checkpoint + loader positions + ledger ----------------
+
+def _cfg():
+    from fthsdp.config import Config, DataConfig, ModelConfig, OptimConfig
+
+    return Config(
+        model=ModelConfig(d_model=32, num_layers=1, num_heads=2, max_seq_len=16),
+        data=DataConfig(seq_len=16, batch_size=8, corpus_bytes=1 << 16),
+        optim=OptimConfig(lr=1e-2, warmup_steps=0, decay="constant"),
+    )
+
+
+def _train(workdir: str, steps: int, every: int, restart: str) -> None:
+    """Script mode: one replica's loop with everything issue 6 records after each commit."""
+    import jax
+
+    from fthsdp.checkpoint.persistent import PersistentCheckpointer
+    from fthsdp.data import LoaderState, ReplicaStream
+    from fthsdp.data.loader_state import LoaderStateStore
+    from fthsdp.devices import enable_compilation_cache
+    from fthsdp.quorum_inputs import make_quorum_inputs
+    from fthsdp.sharding import replica_mesh
+    from fthsdp.step import make_train_step
+
+    enable_compilation_cache()
+    cfg = _cfg()
+    ts = make_train_step(cfg, replica_mesh(4))
+    pc = PersistentCheckpointer(os.path.join(workdir, "ckpt"), every=every)
+    store = LoaderStateStore(os.path.join(workdir, "loader"))
+    ledger = Ledger(os.path.join(workdir, "ledger_0.jsonl"), 0)
+    state, step, pos = ts.init(0), 0, 0
+    if pc.latest_step() is not None:  # a full restart: the checkpoint's state *and* its loader positions
+        abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
+        r = pc.restore(abstract)
+        state, step, pos = r.state, r.step, r.loader_positions[0]
+        ledger.restore(step, restart)
+    stream = ReplicaStream(cfg.data, 0)
+    while step < steps:
+        b = stream.batch(pos)
+        x, y = ts.shard_batch(b.inputs, b.targets)
+        state, m = ts.step(state, x, y, make_quorum_inputs())
+        assert bool(m["committed"])
+        step, pos = step + 1, pos + 1
+        ledger.commit(step, pos - 1)
+        store.save(LoaderState(0, pos), step)
+        pc.save(step, state, {0: pos})
+        print(step, flush=True)
+        time.sleep(0.05)
+    pc.close()
+    print("done", flush=True)
+
+
+def test_full_restart_trains_every_batch_exactly_once(tmp_path):
+    import jax
+    import numpy as np
+
+    from fthsdp.checkpoint.persistent import PersistentCheckpointer
+    from fthsdp.data import ReplicaStream
+    from fthsdp.data.loader_state import LoaderStateStore
+    from fthsdp.quorum_inputs import make_quorum_inputs
+    from fthsdp.sharding import replica_mesh
+    from fthsdp.step import make_train_step
+
+    steps, every = 12, 4
+    here = os.path.abspath(__file__)
+    run1 = subprocess.Popen([sys.executable, here, "train", str(tmp_path), str(steps), str(every), "first"],
+                            stdout=subprocess.PIPE)
+    try:
+        while run1.stdout.readline().strip() != b"7":
+            assert run1.poll() is None, "the first run died before step 7"
+        os.kill(run1.pid, signal.SIGKILL)  # every process of the job killed
+    finally:
+        run1.kill()
+        run1.wait()
+    before = LoaderStateStore(tmp_path / "loader").load(0)
+    assert before.position >= 7
+    run2 = subprocess.run([sys.executable, here, "train", str(tmp_path), str(steps), str(every), "second"],
+                          capture_output=True, timeout=240)
+    assert run2.returncode == 0 and run2.stdout.strip().endswith(b"done"), run2.stderr.decode()[-2000:]
+
+    ledger = read_ledger(tmp_path / "ledger_0.jsonl")
+    restores = [r for r in ledger.records if isinstance(r, Restore)]
+    assert len(restores) == 1 and restores[0].step % every == 0 and restores[0].step < before.position
+    rep = check_exactly_once([ledger], {0: steps})
+    assert rep.ok, rep.summary()
+    assert rep.rolled_back == before.position - restores[0].step  # trained after the checkpoint, then discarded
+    # and the model is the one an uninterrupted run trains, bit for bit
+    cfg = _cfg()
+    ts = make_train_step(cfg, replica_mesh(4))
+    state = ts.init(0)
+    for pos in range(steps):
+        b = ReplicaStream(cfg.data, 0).batch(pos)
+        x, y = ts.shard_batch(b.inputs, b.targets)
+        state, _ = ts.step(state, x, y, make_quorum_inputs())
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
+    with PersistentCheckpointer(tmp_path / "ckpt", every=every, writer=False) as pc:
+        final = pc.restore(abstract)
+    assert final.step == steps and final.loader_positions == {0: steps}
+    assert all(np.asarray(a).tobytes() == np.asarray(b).tobytes()
+               for a, b in zip(jax.tree.leaves(final.state), jax.tree.leaves(state)))
+
+
+if __name__ == "__main__" and len(sys.argv) > 1 and sys.argv[1] == "train":
+    _train(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5])
