@@ -349,29 +349,31 @@ void RingEndpoint::advance(int32_t lane) {
   const int64_t total = sched_->steps_per_lane();
   for (;;) {
     while (L.next_recv < total && sched_->lane_step(lane, L.next_recv).recv.count == 0) ++L.next_recv;
-    if (!L.send_queued && L.next_send < total) {
+    // Queue every send that is ready, in lane order: a lane may have a
+    // forwarded chunk and the next partition's first chunk in flight at once.
+    if (L.next_send < total) {
       const ChunkStep cs = sched_->lane_step(lane, L.next_send);
       if (cs.step == 0 || L.next_recv >= L.next_send) {
-        if (cs.send.count == 0) {
-          ++L.next_send;
-          continue;
+        if (cs.send.count > 0) {
+          SendItem item;
+          item.header.magic = tcp::kChunkMagic;
+          item.header.lane = static_cast<uint32_t>(lane);
+          item.header.op_seq = op_seq_;
+          item.header.index = L.next_send;
+          item.bytes = static_cast<size_t>(cs.send.count) * elem_;
+          item.header.bytes = item.bytes;
+          item.data = static_cast<const char*>(op_->data) + cs.send.offset * static_cast<int64_t>(elem_);
+          item.lane = lane;
+          out_[lane % options_.streams].sender->push(item);
+          ++L.in_flight;
         }
-        SendItem item;
-        item.header.magic = tcp::kChunkMagic;
-        item.header.lane = static_cast<uint32_t>(lane);
-        item.header.op_seq = op_seq_;
-        item.header.index = L.next_send;
-        item.bytes = static_cast<size_t>(cs.send.count) * elem_;
-        item.header.bytes = item.bytes;
-        item.data = static_cast<const char*>(op_->data) + cs.send.offset * static_cast<int64_t>(elem_);
-        item.lane = lane;
-        out_[lane % options_.streams].sender->push(item);
-        L.send_queued = true;
+        ++L.next_send;
+        continue;
       }
     }
     break;
   }
-  if (!L.done && L.next_send == total && L.next_recv == total) {
+  if (!L.done && L.next_send == total && L.in_flight == 0 && L.next_recv == total) {
     L.done = true;
     ++lanes_done_;
   }
@@ -559,9 +561,7 @@ void RingEndpoint::drain_senders() {
     }
     for (int32_t lane : lanes) {
       if (!op_ || !sched_) return;
-      Lane& L = lanes_[lane];
-      ++L.next_send;
-      L.send_queued = false;
+      --lanes_[lane].in_flight;
       advance(lane);
       op_maybe_done();
       if (epoch != epoch_) return;

@@ -172,7 +172,7 @@ class RingEndpoint {
   struct Lane {
     int64_t next_send = 0;
     int64_t next_recv = 0;
-    bool send_queued = false;
+    int64_t in_flight = 0;  // queued to the sender, not yet sent
     bool done = false;
   };
   struct Slot {
