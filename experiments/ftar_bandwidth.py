@@ -9,7 +9,9 @@ by default and TCP-only) from a Python 3.11 side environment; JAX's own CPU
 collectives (jax.distributed + psum, gloo); and the loopback TCP ceiling with
 n concurrent senders. A system that is not installed is recorded under
 `skipped`, never a crash. Rows: system, n, bytes, algbw_gbps, busbw_gbps
-(median of the timed runs after warm-up), busbw_gbps_best. A PNG plot is
+(median of the timed runs after warm-up, pooled over --rounds interleaved
+passes), busbw_gbps_best, times_s. `targets` evaluates the issue's targets at
+>= 64 MiB (FTAR = the better of its two stream settings). A PNG plot is
 written beside the JSON.
 
 Side environment (see experiments/setup_peers.sh): /work/peers311 with torch
@@ -187,12 +189,14 @@ def main(argv=None) -> int:
     p.add_argument("--peer-python", default=os.environ.get("FTHSDP_PEER_PYTHON", "/work/peers311/bin/python"))
     p.add_argument("--group-timeout", type=float, default=600.0)
     p.add_argument("--loopback-runs", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=None, help="interleaved passes over the systems (default 2, quick 1)")
     args = p.parse_args(argv)
     sizes_mib = [8, 64] if args.quick else [8, 16, 32, 64, 128, 256]
     if args.sizes_mib:
         sizes_mib = [int(x) for x in args.sizes_mib.split(",")]
     args.iters = args.iters or (3 if args.quick else 7)
     args.warmup = args.warmup or (1 if args.quick else 2)
+    args.rounds = args.rounds or (1 if args.quick else 2)
     procs = [int(x) for x in args.procs.split(",")]
     sizes = [m * MIB for m in sizes_mib]
     out_path = pathlib.Path(args.out)
@@ -201,7 +205,8 @@ def main(argv=None) -> int:
 
     result = {"rows": [], "skipped": [], "failed": [], "loopback_gbps": None, "loopback_gbps_by_n": {},
               "config": {"procs": procs, "sizes": sizes, "iters": args.iters, "warmup": args.warmup,
-                         "chunk_bytes": args.chunk_bytes, "chunks": args.chunks, "cpus": os.cpu_count()}}
+                         "chunk_bytes": args.chunk_bytes, "chunks": args.chunks, "cpus": os.cpu_count(),
+                         "rounds": args.rounds}}
     try:
         for n in procs:
             # Median of a few runs: the ceiling moves with whatever else shares the cores.
@@ -213,29 +218,37 @@ def main(argv=None) -> int:
             print(f"loopback, {n} concurrent senders: {gbps:.2f} GB/s (runs {[round(r, 2) for r in runs]})",
                   flush=True)
         result["loopback_gbps"] = result["loopback_gbps_by_n"].get("2")
+        systems = []
         for system in args.systems.split(","):
             why = availability(system, args)
             if why:
                 result["skipped"].append({"system": system, "reason": why})
                 print(f"{system}: skipped ({why})", flush=True)
-                continue
-            for n in procs:
-                try:
-                    res = measure(system, n, sizes, args, work)
-                except Exception as e:  # a peer failing is a finding, not a crash
-                    result["failed"].append({"system": system, "n": n, "error": str(e)[-1500:]})
-                    print(f"{system} n={n}: FAILED {str(e)[-300:]}", flush=True)
-                    continue
-                for nbytes in sizes:
-                    ts = res["times"][str(nbytes)]
-                    alg = [nbytes / t / 1e9 for t in ts]
-                    med = nbytes / statistics.median(ts) / 1e9
-                    factor = 2 * (n - 1) / n
-                    row = dict(system=system, n=n, bytes=nbytes, algbw_gbps=med, busbw_gbps=med * factor,
-                               busbw_gbps_best=max(alg) * factor, times_s=ts)
-                    result["rows"].append(row)
-                    print(f"{system:14s} n={n} {nbytes // MIB:4d} MiB  algbw {med:6.3f}  busbw {med * factor:6.3f}"
-                          f"  best {max(alg) * factor:6.3f} GB/s", flush=True)
+            else:
+                systems.append(system)
+        # Rounds interleave the systems so that a load that drifts over the run
+        # (other work on the cores) does not favour whichever system ran first.
+        times: dict[tuple[str, int, int], list[float]] = {}
+        for rnd in range(args.rounds):
+            for system in systems:
+                for n in procs:
+                    try:
+                        res = measure(system, n, sizes, args, work)
+                    except Exception as e:  # a peer failing is a finding, not a crash
+                        result["failed"].append({"system": system, "n": n, "round": rnd, "error": str(e)[-1500:]})
+                        print(f"{system} n={n}: FAILED {str(e)[-300:]}", flush=True)
+                        continue
+                    for nbytes in sizes:
+                        times.setdefault((system, n, nbytes), []).extend(res["times"][str(nbytes)])
+                    print(f"round {rnd + 1}/{args.rounds}: {system} n={n} done", flush=True)
+        for (system, n, nbytes), ts in times.items():
+            alg = [nbytes / t / 1e9 for t in ts]
+            med = nbytes / statistics.median(ts) / 1e9
+            factor = 2 * (n - 1) / n
+            result["rows"].append(dict(system=system, n=n, bytes=nbytes, algbw_gbps=med, busbw_gbps=med * factor,
+                                       busbw_gbps_best=max(alg) * factor, times_s=ts))
+            print(f"{system:14s} n={n} {nbytes // MIB:4d} MiB  algbw {med:6.3f}  busbw {med * factor:6.3f}"
+                  f"  best {max(alg) * factor:6.3f} GB/s", flush=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     result["targets"] = targets(result)
