@@ -4,6 +4,12 @@
 // XLA's handler threads wait on. Handler threads never touch a socket; they
 // submit an op and wait for it (with a deadline).
 //
+// Data path on CPU: chunks are sent straight from the op's output buffer (it
+// is host memory already, so a send-buffer copy would only cost bandwidth)
+// by one sender thread per outgoing stream; they are received into S x C
+// pre-allocated, pre-faulted staging (reduce-scatter) or straight into the
+// output (all-gather) by the control thread, which also reduces.
+//
 // Outcomes: OK; RECOVERABLE (peer closed or reset, timeout, quorum changed,
 // stale quorum id, aborted, not connected) -> the step is retried on a new
 // quorum; FATAL (bad arguments, protocol violation, configuration that
