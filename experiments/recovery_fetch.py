@@ -328,12 +328,12 @@ class TorchFT:
 
 
 def measure_snapshot_overhead(steps: int) -> dict:
-    """Healthy-step time of the base model (FSDP over 2 local devices) with and without a lazy snapshot.
+    """Healthy-step time of the base model (FSDP over 2 local devices) with and without lazy snapshots.
 
-    Steps alternate plain / snapshot, so both see the same background load. A snapshot step is
-    timed as a healthy replica pays it: `begin` right after the previous commit, the step itself
-    (overlapping the copy), and any wait for a copy still pending when the step is done. The same
-    alternation is repeated while a peer continuously fetches the served snapshot."""
+    Blocks of 10 steps alternate plain / snapshotting, so both see the same background load. A
+    snapshotting step is timed as a healthy replica pays it: the step, then `begin` for the state it
+    committed (which waits only if the previous copy is still pending); the copy overlaps the next
+    step. The same alternation is repeated while a peer continuously fetches the served snapshot."""
     import dataclasses
 
     import jax
@@ -359,21 +359,23 @@ def measure_snapshot_overhead(steps: int) -> dict:
     server = PeerServer(snaps, TOKEN).start()
     step_no = 0
 
-    def run(n: int) -> dict[str, list[float]]:
+    def run(n: int, block: int = 10) -> dict[str, list[float]]:
+        """Blocks of `block` steps, alternately plain and snapshotting after every commit."""
         nonlocal state, step_no
         out: dict[str, list[float]] = {"plain": [], "snapshot": []}
         for i in range(n):
             x, y = batches[i % len(batches)]
-            snap = i % 2 == 1
+            snap = (i // block) % 2 == 1
             t0 = time.perf_counter()
-            if snap:
-                snaps.begin(step_no, state)  # the state committed by the previous step
             state, _ = ts.step(state, x, y, quorum)
             jax.block_until_ready(state)
-            if snap:
-                snaps.wait()  # what the next update would wait for
-            out["snapshot" if snap else "plain"].append(time.perf_counter() - t0)
             step_no += 1
+            if snap:  # as the Manager would: start the copy right after the commit; it waits only for
+                snaps.begin(step_no, state)  # a previous copy still pending
+            elif i % block == 0:
+                snaps.wait()  # a plain block starts with no copy in flight
+            out["snapshot" if snap else "plain"].append(time.perf_counter() - t0)
+        snaps.wait()
         return out
 
     run(6)  # compile, warm the slots
@@ -458,6 +460,12 @@ def main() -> None:
     }
     t_all = time.perf_counter()
     print(f"state: {state_bytes / 1e9:.3f} GB in {res['leaves']} leaves", flush=True)
+    if not a.skip_overhead:  # first, before Orbax and the servers start their thread pools in this process
+        res["snapshot"] = measure_snapshot_overhead(60 if a.quick else 150)
+        res["snapshot_overhead"] = res["snapshot"]["snapshot_overhead"]
+        print(f"snapshot overhead: {res['snapshot_overhead']:.2%} of a step; while a peer fetches: "
+              f"{res['snapshot']['snapshot_overhead_while_served']:.2%} (+ serving itself "
+              f"{res['snapshot']['serving_overhead']:.2%})", flush=True)
     python, why = find_torchft_python(a.torchft_python)
     workdir = a.workdir or tempfile.mkdtemp(prefix="fthsdp-recovery-")
     loop = peers = orbax = tft = None
@@ -550,12 +558,6 @@ def main() -> None:
                                       "emulated per-peer link, not a real NIC"}
         res["fetch_capped_gbps"] = {str(n): statistics.median(v) for n, v in runs_c.items()}
         print(f"striping over capped peers ({a.cap_gbps} GB/s each): {res['fetch_capped_gbps']}", flush=True)
-    if not a.skip_overhead:
-        res["snapshot"] = measure_snapshot_overhead(30 if a.quick else 100)
-        res["snapshot_overhead"] = res["snapshot"]["snapshot_overhead"]
-        print(f"snapshot overhead: {res['snapshot_overhead']:.2%} of a step; while a peer fetches: "
-              f"{res['snapshot']['snapshot_overhead_while_served']:.2%} (+ serving itself "
-              f"{res['snapshot']['serving_overhead']:.2%})", flush=True)
     best = max(res["fetch_gbps"].values())
     res["ratios"] = {
         "best_fetch_over_loopback": best / res["loopback_gbps"],

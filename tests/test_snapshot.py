@@ -1,6 +1,7 @@
 """Lazy host snapshots: sharded state assembled whole, checksummed, double-buffered."""
 
 import json
+import os
 import time
 
 import jax
@@ -176,3 +177,10 @@ def test_bad_arguments():
         Snapshotter(piece_bytes=0)
     with pytest.raises(ValueError, match="slots must be >= 2"):
         Snapshotter(slots=1)
+
+
+def test_copy_thread_runs_below_the_training_threads():
+    snaps = Snapshotter(nice=7)
+    snaps.take(1, {"a": np.zeros(8, np.float32)})
+    assert os.getpriority(os.PRIO_PROCESS, snaps.worker_tid) == os.getpriority(os.PRIO_PROCESS, 0) + 7
+    snaps.close()
