@@ -88,6 +88,11 @@ class TrainConfig:
     log_every: int = 10
     eval_every: int = 50
     out_dir: str = "runs/default"
+    # Emulate a longer forward/backward by sleeping until each healthy step's
+    # compute took this long. Tiny CPU models step in ~20 ms while a replica
+    # restart takes seconds; real steps take ~20 s (paper). Demos and rejoin
+    # tests use this to restore a realistic ratio. 0 = off.
+    min_step_s: float = 0.0
 
 
 @dataclass(frozen=True)

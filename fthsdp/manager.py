@@ -132,6 +132,7 @@ class Manager:
     state_server_address: str = ""
     on_commit: Callable[["Manager", StepRecord], None] | None = None
     quorum_timeout_s: float = 120.0
+    rejoin: bool = False  # restarted alone: it must find peers to rejoin
 
     def __post_init__(self) -> None:
         self.stream = ReplicaStream(self.cfg.data, int(self.loader.replica))
@@ -202,7 +203,10 @@ class Manager:
 
     def zero_grads(self):
         if self._zero_grads is None:
-            self._zero_grads = jax.tree.map(jnp.zeros_like, self.state.params)
+            # Laid out exactly like compute_grads' output, so apply_grads sees the
+            # same input shardings on a catch-up step and never recompiles.
+            zeros = jax.jit(lambda p: jax.tree.map(jnp.zeros_like, p), out_shardings=self.ts.state_shardings.params)
+            self._zero_grads = zeros(self.state.params)
         return self._zero_grads
 
     def train_step(self) -> StepRecord:
@@ -230,6 +234,11 @@ class Manager:
                          step, q.quorum_id, list(q.member_ids), list(q.healthy), list(q.behind), q.reason, took)
             self.quorum = q
             healthy = self.replica_id in q.healthy
+            if self.rejoin and not self.records and healthy and q.num_members == 1 and self.cfg.launch.replicas > 1:
+                raise ManagerError(
+                    f"replica {self.replica_id} was restarted to rejoin its job, but no other replica is running "
+                    "(the job finished or every replica died); it will not train alone from its initial state. "
+                    "Resume the whole job from its persistent checkpoint (fthsdp run --resume).")
             if not healthy:
                 step = self._catch_up(q, step, events)
                 grads = None
@@ -240,6 +249,9 @@ class Manager:
                 grads, m = self.ts.compute_grads(self.state, x, y)
                 loss, position = m["loss"], batch.position
                 jax.block_until_ready(grads)
+                pace = self.cfg.train.min_step_s - (time.perf_counter() - t0)
+                if pace > 0:  # emulate a longer forward/backward (see TrainConfig.min_step_s)
+                    time.sleep(pace)
                 grads_s = time.perf_counter() - t0
             t0 = time.perf_counter()
             new_state, m = self.ts.apply_grads(self.state, grads if healthy else self.zero_grads(),
@@ -320,7 +332,7 @@ class Manager:
         new_state, m = self.ts.apply_grads(self.state, grads, probe)
         if bool(m["committed"]):
             raise ManagerError("warm-up step committed; the step's commit vote is broken")
-        jax.block_until_ready(new_state)
+        jax.block_until_ready((new_state, self.zero_grads()))  # a catch-up step compiles nothing
         return time.perf_counter() - t0
 
     def wait_for_peers(self, status: Callable[[], Sequence], want: int, timeout_s: float) -> int:

@@ -37,6 +37,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--allreduce", choices=("ftar", "local"), default="ftar",
                    help="local = identity (a job of one replica, no FTAR)")
     p.add_argument("--hash-every", type=int, default=1, help="record a state hash every N committed steps (0: never)")
+    p.add_argument("--rejoin", action="store_true",
+                   help="this replica was restarted alone: join the running quorum without the start-up barrier")
     p.add_argument("--resume", default="", metavar="RESTART_ID",
                    help="full restart: resume from the latest persistent checkpoint and its loader positions; "
                         "RESTART_ID names this restart in the exactly-once ledgers")
@@ -66,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     from fthsdp.checkpoint.persistent import PersistentCheckpointer
     from fthsdp.checkpoint.snapshot import Snapshotter
     from fthsdp.data import LoaderState
-    from fthsdp.data.ledger import Ledger
+    from fthsdp.data.ledger import Commit, Ledger, Restore, read_ledger
     from fthsdp.data.loader_state import LoaderStateStore
     from fthsdp.lighthouse_client import LighthouseClient
     from fthsdp.manager import Manager, ManagerError, StepRecord, state_hash
@@ -120,11 +122,33 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 tree, info = orbax_peer.restore(like, sources, token, step, timeout_s=cfg.ft.allreduce_timeout_s)
                 log.info("fetched state of step %d from %s: %s", step, sources, info)
+                backfill_ledger(tree["data"])
                 return tree["train"], tree["data"]
             except Exception as e:  # noqa: BLE001 - every failure falls through to the next set of sources
                 last = e
                 log.warning("fetch of step %d from %s failed: %s", step, sources, e)
         raise ManagerError(f"could not fetch the state of step {step} from any healthy peer: {last}")
+
+    def backfill_ledger(data: dict) -> None:
+        """Record our batch that the peers' model contains but our ledger lacks.
+
+        That happens when the all-reduce of a step completed on the peers but not
+        here (we died, or failed the commit vote, right after contributing): the
+        replicated positions say the batch is in the model, so it is recorded now,
+        at the step that trained it (last_step), not trained again.
+        """
+        me = args.replica_id
+        pos, last = int(data["positions"][me]), int(data["last_step"][me])
+        if pos == 0 or last < 0:
+            return
+        contents = read_ledger(ledger.path)
+        restores = [r for r in contents.records if isinstance(r, Restore)]
+        cut = max(restores, key=lambda r: r.t_ns) if restores else None
+        live = {c.position for c in contents.records if isinstance(c, Commit)
+                and (cut is None or c.t_ns > cut.t_ns or c.step <= cut.step)}
+        if pos - 1 not in live:
+            ledger.commit(last + 1, pos - 1)
+            log.info("ledger: batch %d was committed by the peers at step %d before we recorded it", pos - 1, last + 1)
 
     metrics = logs.MetricsWriter(out / f"metrics-{rid}.jsonl")
     status_path = out / f"status-{rid}.json"
@@ -138,8 +162,11 @@ def main(argv: list[str] | None = None) -> int:
             ledger.commit(committed, rec.position)
         loader_store.save(mgr.loader, committed)
         if ckpt.should_save(committed) and rid == min(mgr.quorum.healthy, key=int):
-            ckpt.save(committed, mgr.state, {i: int(p) for i, p in enumerate(mgr.positions)},
-                      metadata={"writer": rid, "quorum_id": rec.quorum_id})
+            try:
+                ckpt.save(committed, mgr.state, {i: int(p) for i, p in enumerate(mgr.positions)},
+                          metadata={"writer": rid, "quorum_id": rec.quorum_id})
+            except Exception as e:  # noqa: BLE001 - a failed checkpoint must not stop training; say it loudly
+                log.error("persistent checkpoint of step %d failed: %s", committed, e)
         record = {"kind": "step", "replica": rid, "step": rec.step, "quorum_id": rec.quorum_id,
                   "members": list(rec.members), "healthy": rec.healthy, "attempts": rec.attempts,
                   "loss": rec.loss, "start": rec.start, "end": rec.end, "position": rec.position,
@@ -156,22 +183,21 @@ def main(argv: list[str] | None = None) -> int:
     client = LighthouseClient(args.lighthouse, args.job, rid, heartbeat_interval_s=cfg.ft.heartbeat_interval_s)
     mgr = Manager(cfg=cfg, replica_id=rid, job_id=args.job, ts=ts, comm=comm, lighthouse=client,
                   state=state, loader=loader, recover=recover, state_server_address=server.url,
-                  on_commit=on_commit)
+                  on_commit=on_commit, rejoin=args.rejoin)
     if args.resume:
         restored = ckpt.restore(abstract)
         mgr.state = restored.state
-        mgr.install_data_state({"positions": np.array([restored.positions.get(i, 0) for i in range(len(mgr.positions))]),
+        mgr.install_data_state({"positions": np.array([restored.loader_positions.get(i, 0) for i in range(len(mgr.positions))]),
                                 "last_step": np.full(len(mgr.positions), -1)})
         ledger.restore(restored.step, args.resume)
         log.info("replica %s: resumed from the persistent checkpoint of step %d, stream position %d",
                  rid, restored.step, mgr.loader.position)
-    restarted = (not args.resume) and loader_store.load(args.replica_id) is not None
     log.info("replica %s: %d device(s), lighthouse %s, ftar endpoints %s, state server %s", rid,
              mesh.devices.size, args.lighthouse, list(comm.addresses), server.url)
     log.info("replica %s: compiled the step in %.1fs (before checking in)", rid, mgr.warm_up())
     snapshots.begin(int(mgr.state.step), {"train": mgr.state, "data": mgr.data_state()})
     client.start_heartbeats(on_dead=mgr.on_dead)
-    if int(mgr.state.step) == 0 and cfg.launch.replicas > 1 and not restarted:
+    if cfg.launch.replicas > 1 and not args.rejoin:  # a job's (re)start: begin together
         live = mgr.wait_for_peers(client.status, cfg.launch.replicas, cfg.ft.startup_timeout_s)
         log.info("replica %s: %d replica(s) live, starting", rid, live)
     try:

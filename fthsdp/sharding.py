@@ -33,9 +33,10 @@ def fsdp_spec(shape: tuple[int, ...], num_shards: int) -> P:
             best = axis
     if best is None:
         return P()
-    spec = [None] * len(shape)
-    spec[best] = AXIS
-    return P(*spec)
+    # No trailing Nones: jit normalises output specs that way, and jit's dispatch
+    # cache compares specs literally, so P('fsdp', None) on an input would
+    # recompile a step that was compiled with P('fsdp').
+    return P(*([None] * best), AXIS)
 
 
 def fsdp_shardings(tree, mesh: Mesh):

@@ -57,10 +57,13 @@ class LocalJob:
     hash_every: int = 1
     resume: str = ""  # full restart id: replicas resume from the latest persistent checkpoint
     kill_all_at: int | None = None  # SIGKILL every process once a replica reaches this step
+    late: dict[int, float] = field(default_factory=dict)  # replica -> start it this many seconds after the others
     procs: dict[int, ReplicaProc] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.out_dir.mkdir(parents=True, exist_ok=True)
+        if self.resume:
+            archive_previous_attempt(self.out_dir, self.resume)
         self.pending = sorted(self.faults)
         self._events = open(self.out_dir / "events.jsonl", "a", buffering=1)
         self.lighthouse: subprocess.Popen | None = None
@@ -111,7 +114,7 @@ class LocalJob:
         self.lighthouse_addr = f"127.0.0.1:{port_file.read_text().strip()}"
         self.event("lighthouse", address=self.lighthouse_addr)
 
-    def start_replica(self, rid: int) -> None:
+    def start_replica(self, rid: int, rejoin: bool = False) -> None:
         rp = self.procs.setdefault(rid, ReplicaProc(rid))
         rp.log_path = self.out_dir / f"replica-{rid}.out"
         logf = open(rp.log_path, "a")
@@ -119,7 +122,8 @@ class LocalJob:
             [sys.executable, "-m", "fthsdp.replica", "--config", self.config, "--replica-id", str(rid),
              "--lighthouse", self.lighthouse_addr, "--job", self.job_id, "--out-dir", str(self.out_dir),
              "--allreduce", self.allreduce, "--hash-every", str(self.hash_every),
-             *(["--resume", self.resume] if self.resume and rp.restarts == 0 else []), *self.overrides],
+             *(["--resume", self.resume] if self.resume and rp.restarts == 0 else []),
+             *(["--rejoin"] if rejoin else []), *self.overrides],
             stdout=logf, stderr=subprocess.STDOUT, env=self._env(), start_new_session=True)
         rp.state = "running"
         rp.restart_at = None
@@ -149,9 +153,14 @@ class LocalJob:
                 rp.state, rp.cont_at = "running", None
                 self.event("cont", rp.rid)
             if rp.state == "killed" and rp.restart_at is not None and now >= rp.restart_at:
+                if rp.restarts >= 0 and not any(o.state in ("running", "stopped") for o in self.procs.values()
+                                                if o.rid != rp.rid):
+                    rp.restart_at = None
+                    self.event("no_restart", rp.rid, reason="no other replica is running to rejoin")
+                    continue
                 rp.restarts += 1
-                self.event("restart", rp.rid, step=self._max_step())
-                self.start_replica(rp.rid)
+                self.event("restart" if rp.restarts else "late_start", rp.rid, step=self._max_step())
+                self.start_replica(rp.rid, rejoin=True)
         while self.pending:
             f = self.pending[0]
             rp = self.procs.get(f.replica)
@@ -208,6 +217,11 @@ class LocalJob:
 
         self.start_lighthouse()
         for rid in range(self.replicas):
+            if rid in self.late:
+                rp = self.procs.setdefault(rid, ReplicaProc(rid, state="killed"))
+                rp.restart_at = time.time() + self.late[rid]
+                rp.restarts = -1  # becomes 0 at its first start, which joins as a late joiner
+                continue
             self.start_replica(rid)
         t0 = time.monotonic()
         last_print = 0.0
@@ -286,6 +300,8 @@ def cli(argv: list[str]) -> int:
     p.add_argument("--seed", type=int, default=None, help="seed of the random kills")
     p.add_argument("--restart", action=argparse.BooleanOptionalAction, default=None,
                    help="restart killed replicas; they rejoin by fetching state from peers (default: launch.restart)")
+    p.add_argument("--kill-all", type=int, default=None, metavar="STEP",
+                   help="SIGKILL every replica and the lighthouse at STEP (then try --resume)")
     p.add_argument("--resume", action="store_true",
                    help="full restart of a job in --out-dir: every replica resumes from the latest persistent "
                         "checkpoint and the loader positions saved with it")
@@ -322,7 +338,6 @@ def cli(argv: list[str]) -> int:
         if not (out / "checkpoints").is_dir():
             p.error(f"--resume: no checkpoints under {out / 'checkpoints'}; run the job first (or pass its --out-dir)")
         resume = f"restart-{int(time.time())}"
-        archive_previous_attempt(out, resume)
     elif out.exists():
         for pattern in ("metrics-*.jsonl", "status-*.json", "events.jsonl", "replica-*.out", "replica-*.log",
                         "ledger/*.jsonl", "loader_state/*.json"):
@@ -334,12 +349,17 @@ def cli(argv: list[str]) -> int:
                    steps=cfg.train.steps, faults=faults,
                    restart=cfg.launch.restart if args.restart is None else args.restart,
                    restart_delay_s=cfg.launch.restart_delay_s, resume=resume, allreduce=args.allreduce,
+                   kill_all_at=args.kill_all,
                    detect_s=cfg.ft.detect_s, join_timeout_s=cfg.ft.join_timeout_s,
                    progress=not args.no_progress and sys.stderr.isatty())
     log.info("job: %d replicas x %d devices, %d steps, faults %s; logs in %s", cfg.launch.replicas,
              cfg.launch.devices_per_replica, cfg.train.steps,
              [f"{f.kind} r{f.replica}@{f.step}" for f in faults] or "none", out)
     summary = job.run()
+    if job.killed_all:
+        log.info("every process was killed at step %s; resume with: fthsdp run --resume --out-dir %s --config %s",
+                 args.kill_all, out, args.config)
+        return 0
     if summary["failed_replicas"]:
         return 1
     return 0 if summary["identical_final_state"] else 3

@@ -118,7 +118,7 @@ def summarize(out_dir: str | pathlib.Path) -> dict:
         "failures": [f.__dict__ for f in failures],
         "final_hashes": hashes,
         "final_steps": finals,
-        "identical_final_state": len(set(hashes.values())) <= 1 and len(set(finals.values())) <= 1,
+        "identical_final_state": bool(hashes) and len(set(hashes.values())) == 1 and len(set(finals.values())) == 1,
         "events": run.events,
     }
 
@@ -137,8 +137,11 @@ def describe(summary: dict) -> list[str]:
         lines.append(f"replica {rid}: {r['committed_steps']} commits, median step {r['median_step_s'] * 1e3:.0f} ms, "
                      f"loss {r['first_loss'] or float('nan'):.3f} -> {r['last_loss'] or float('nan'):.3f}, "
                      f"{r['retried_steps']} retried, {r['catch_up_steps']} catch-up")
-    lines.append("final state identical on every finishing replica: "
-                 + ("yes" if summary["identical_final_state"] else f"NO {summary['final_hashes']}"))
+    if not summary["final_hashes"]:
+        lines.append("no replica finished the run")
+    else:
+        lines.append(f"final state identical on every finishing replica ({len(summary['final_hashes'])}): "
+                     + ("yes" if summary["identical_final_state"] else f"NO {summary['final_hashes']}"))
     return lines
 
 
@@ -177,7 +180,8 @@ def plot_timeline(out_dir: str | pathlib.Path, path: str | pathlib.Path | None =
             ax_loss.annotate(f"{ev['kind']} r{ev['replica']}", (ev["step"], ax_loss.get_ylim()[1]),
                              fontsize=7, va="top", rotation=90)
     ax_loss.set_ylabel("train loss")
-    ax_loss.legend(fontsize=7)
+    if run.steps:
+        ax_loss.legend(fontsize=7)
     ax_time.set_ylabel("step time (ms)")
     ax_time.set_yscale("log")
     ax_mem.set_ylabel("ring size")
