@@ -10,7 +10,7 @@ STAMP    := $(VENV)/.fthsdp-installed
 NATIVE   := $(wildcard ffi/*.h ffi/*.cc ffi/*/*.h ffi/*/*.cc ffi/cuda/*.cu fthsdp/proto/*.proto) CMakeLists.txt pyproject.toml
 PYTEST_ARGS ?=
 
-.PHONY: install run train test clean bench
+.PHONY: install run train test clean study
 
 install: $(STAMP)
 
@@ -29,6 +29,9 @@ train: run
 
 test: $(STAMP)
 	$(PYBIN) -m pytest $(PYTEST_ARGS)
+
+study: $(STAMP)
+	$(PYBIN) experiments/lr_intervention.py --quick --out results/lr_quick.json
 
 clean:
 	rm -rf build $(VENV) .cache runs

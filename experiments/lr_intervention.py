@@ -62,9 +62,9 @@ METRICS = ("max_dev", "rms_dev", "jitter", "final_gap", "train_max_dev", "train_
 
 def load_study(name: str, overrides: list[str] = ()) -> tuple[Config, StudyConfig]:
     """Loads `config` and `study` from a configs/ module and applies `key=value` overrides."""
-    path = config_mod._resolve(name)
-    cfg = config_mod._load_file(str(path))
-    module = sys.modules[f"configs.{path.stem}" if path.parent.name == "configs" else f"_fthsdp_config_{path.stem}"]
+    module = config_mod.load_module(name)
+    path = module.__file__
+    cfg = module.config
     study = getattr(module, "study", None)
     if not isinstance(study, StudyConfig):
         raise config_mod.ConfigError(f"{path} must define a module-level `study = StudyConfig(...)`")

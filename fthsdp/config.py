@@ -195,7 +195,9 @@ def _resolve(path_or_name: str) -> pathlib.Path:
     raise ConfigError(f"config {path_or_name!r} not found; available: {', '.join(available)}")
 
 
-def _load_file(path_or_name: str) -> Config:
+def load_module(path_or_name: str) -> types.ModuleType:
+    """Imports a config file (path, or a name under configs/) and returns the module,
+    for callers that read more than `config` from it (e.g. a study's `study`)."""
     path = _resolve(path_or_name)
     name = f"configs.{path.stem}" if path.parent.name == "configs" else f"_fthsdp_config_{path.stem}"
     spec = importlib.util.spec_from_file_location(name, path)
@@ -204,6 +206,12 @@ def _load_file(path_or_name: str) -> Config:
     module.__file__ = str(path)
     sys.modules[name] = module
     spec.loader.exec_module(module)
+    return module
+
+
+def _load_file(path_or_name: str) -> Config:
+    module = load_module(path_or_name)
+    path = module.__file__
     cfg = getattr(module, "config", None)
     if not isinstance(cfg, Config):
         raise ConfigError(f"{path} must define a module-level `config = Config(...)`")

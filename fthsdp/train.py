@@ -73,7 +73,11 @@ def train(cfg: Config, *, progress: bool = True) -> TrainResult:
         for i in range(cfg.train.steps):
             batch = stream.batch(loader.position)
             x, y = ts.shard_batch(batch.inputs, batch.targets)
-            state, m = ts.step(state, x, y, quorum)
+            # The split path, as the Manager and the numerical twin run it, so a
+            # one-replica run is bit for bit the reference for both.
+            grads, m = ts.compute_grads(state, x, y)
+            state, m2 = ts.apply_grads(state, grads, quorum)
+            m = {**m, **m2}
             if bool(m["committed"]):
                 loader = loader.advanced()
             if i == 0:
