@@ -41,7 +41,7 @@ from fthsdp.config import Config
 from fthsdp.data import LoaderState, ReplicaStream
 from fthsdp.intervention import Intervention
 from fthsdp.quorum_inputs import AllReduceFn, QuorumInputs, make_quorum_inputs
-from fthsdp.step import TrainState, TrainStep, make_train_step
+from fthsdp.step import TrainState, TrainStep, make_train_step, state_hash  # noqa: F401 - state_hash re-exported
 
 log = logging.getLogger("fthsdp.manager")
 
@@ -363,13 +363,3 @@ class Manager:
         while int(self.state.step) < until_step:
             self.train_step()
         return self.state
-
-
-def state_hash(state: TrainState) -> str:
-    """A hash of every byte of params and optimizer state (invariant 1 checks)."""
-    import hashlib
-
-    h = hashlib.blake2b(digest_size=16)
-    for leaf in jax.tree.leaves((state.params, state.opt_state)):
-        h.update(np.ascontiguousarray(np.asarray(leaf)).tobytes())
-    return h.hexdigest()

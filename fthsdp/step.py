@@ -47,6 +47,20 @@ class TrainState(NamedTuple):
     opt_state: Any
 
 
+def state_hash(state: TrainState) -> str:
+    """sha256 over every leaf's dtype and bytes (step, params, optimizer state), in
+    tree order: what invariant 1 (identical replicas) is checked with, by the
+    replicas, the launcher's report and the numerical twin alike."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for leaf in jax.tree.leaves(state):
+        a = np.asarray(leaf)
+        h.update(str(a.dtype).encode())
+        h.update(np.ascontiguousarray(a).tobytes())
+    return h.hexdigest()
+
+
 def lr_schedule(cfg: OptimConfig, total_steps: int) -> optax.Schedule:
     warmup = max(cfg.warmup_steps, 1)
     if cfg.decay == "constant":

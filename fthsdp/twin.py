@@ -15,10 +15,11 @@ membership mask (fthsdp.schedules) through the SAME step code the replicas run:
   previous step (catch-up, peers assigned round-robin like the lighthouse's
   load balancing), absent replicas are not members;
 * the cross-replica all-reduce is a sum, in ring (rank) order, of the
-  members' gradients after the step's own contribute-zeroing, handed to
-  `raw_apply_grads` (jitted per replica, like the Manager's `apply_grads`) as
-  the all-reduce's output; it divides by num_contributing, applies the LR
-  intervention and the commit vote as in the real step;
+  members' gradients after the step's own contribute-zeroing; it is handed to
+  the replicas' own jitted `apply_grads` (FTAR custom call included) as the
+  gradient of a ring of one, which FTAR passes through unchanged, so the rest
+  of the step (mean, LR intervention, commit vote, update) is the very
+  program a real replica runs;
 * each replica keeps its own loader position: a committed contributing step
   advances it by one, an absent or behind step does not, so every batch of
   every stream is trained exactly once (invariant 2).
@@ -34,37 +35,29 @@ about 1-2 ms per replica-step here, and one compilation serves every run of a st
 
 Where the twin may differ from the multi-process run, bit for bit:
 
-1. Summation order. The twin folds the members' gradients left to right in
-   rank order: ((g0 + g1) + g2) + ... The ring all-reduce's reduce-scatter
-   sums each chunk starting at a different rank, so for N >= 3 the order of
-   float additions differs per chunk and the results differ in the last bits
-   (for N = 2, a + b == b + a exactly, and the twin matches in principle).
-   `make_twin(..., reduce=...)` accepts another fold for a ring-order cross-check.
-2. How the sum enters the step. Real FTAR is a custom call whose output XLA
-   cannot fuse with its producers; the twin's sum is a jit argument, which XLA
-   also cannot fuse, so both programs see an opaque buffer. With ONE replica
-   the twin uses `local_allreduce` (the identity), exactly the program that
-   `fthsdp.train` and a lone replica compile; that is why the N = 1 twin
-   matches the single-replica split path bit for bit.
-3. Zero signs. A behind replica's zero gradient is summed like in the ring; a
-   -0.0 gradient element plus +0.0 becomes +0.0 in both, so this agrees.
-4. Timing-driven membership. A real run's quorum follows heartbeats and
-   timeouts (a failure may cost a retried all-reduce, a slow rejoin may stay
-   behind for more than one step); the twin's follows the mask exactly, with
-   catch-up always completing within the rejoin step and commits always
-   succeeding. The cross-check must feed both the same effective membership.
-5. The fused `TrainStep.step` is not used (it agrees with the split path
-   only to rounding); `fthsdp.train` uses it, so train.py's single-replica run
-   agrees with the twin to rounding, its split-path twin bit for bit.
+1. Summation order, for N >= 3. The twin folds the members' gradients left to
+   right in rank order: ((g0 + g1) + g2) + ... The ring's reduce-scatter sums
+   each chunk starting at a different rank, so for N >= 3 the float additions
+   happen in another order per chunk and results differ in the last bits. For
+   N = 2, a + b == b + a exactly: tests/test_twin_crosscheck.py shows the twin
+   reproduces a real two-replica run with a SIGKILL in it bit for bit, every
+   step. `Twin(..., reduce=...)` accepts another fold for a ring-order check.
+2. Local devices. The twin runs each replica on one device; a replica FSDP-
+   sharded over D > 1 devices computes its gradients with sharded reductions,
+   which round differently. Cross-check with devices_per_replica=1.
+3. Timing-driven membership. A real run's quorum follows heartbeats and
+   timeouts (a slow rejoin may stay behind for more than one step); the twin's
+   follows the mask exactly. The cross-check feeds the twin the membership the
+   real run's committed steps had.
+4. Zero signs agree: a behind replica's zero gradient is summed as in the ring.
 
-`step_hashes(cfg, alive, ...)` returns the twin's per-step, per-replica state
-hashes for a membership mask, for the cross-check against the multi-process
-run once that exists.
+With ONE replica the twin uses `local_allreduce` (the identity), the program
+`fthsdp.train` compiles, and matches it bit for bit.
+`step_hashes(cfg, alive, ...)` returns the per-step, per-replica state hashes.
 """
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -77,7 +70,7 @@ from fthsdp.data import LoaderState, ReplicaStream, eval_batches
 from fthsdp.intervention import Intervention
 from fthsdp.quorum_inputs import QuorumInputs, local_allreduce, make_quorum_inputs
 from fthsdp.sharding import replica_mesh
-from fthsdp.step import TrainState, make_train_step
+from fthsdp.step import TrainState, make_train_step, state_hash
 
 ReduceFn = Callable[[list], object]  # list of gradient pytrees in rank order -> their sum
 
@@ -102,16 +95,6 @@ def _tree_add(a, b):
 def _zero_unless(grads, contribute):
     """The step's own contribute-zeroing, applied to what a member puts on the ring."""
     return jax.tree.map(lambda g: jnp.where(contribute > 0, g, jnp.zeros_like(g)), grads)
-
-
-def state_hash(state: TrainState) -> str:
-    """sha256 over every leaf's bytes (params, optimizer state, step), in tree order."""
-    h = hashlib.sha256()
-    for leaf in jax.tree.leaves(state):
-        a = np.asarray(leaf)
-        h.update(str(a.dtype).encode())
-        h.update(np.ascontiguousarray(a).tobytes())
-    return h.hexdigest()
 
 
 @dataclass
@@ -154,24 +137,24 @@ class Twin:
             self._apply = lambda state, grads, quorum, summed: self.ts.apply_grads(state, grads, quorum)
             self._apply_jit = None
         else:
-            # The all-reduce's output enters as an argument: it is bound while tracing this jit.
-            slot: dict = {}
+            # The replicas' own compiled program, FTAR custom call included, on a
+            # ring of one: the twin hands it the ring's sum as this member's
+            # gradient (contribute=1), FTAR passes it through unchanged, and the
+            # rest of the step (mean, LR intervention, vote, update) is the very
+            # program a real replica runs. Same HLO, same bits (quorum values are
+            # array inputs, so num_members=1 here compiles nothing new).
+            from fthsdp import ftar
 
-            def ring_sum(grads, quorum: QuorumInputs, mesh):
-                del grads, quorum
-                return slot["summed"], jnp.zeros((mesh.devices.size,), jnp.int32)
-
-            ts_ring = make_train_step(cfg, self.mesh, allreduce=ring_sum)
+            ts_ring = make_train_step(cfg, self.mesh, allreduce=ftar.allreduce)
 
             def apply(state, grads, quorum, summed):
-                slot["summed"] = summed
-                try:
-                    return ts_ring.raw_apply_grads(state, grads, quorum)
-                finally:
-                    slot.clear()
+                del grads
+                ring_of_one = quorum._replace(contribute=np.int32(1), num_members=np.int32(1),
+                                              rank=np.int32(0), comm=np.int32(-1))
+                return ts_ring.apply_grads(state, summed, ring_of_one)
 
-            self._apply_jit = jax.jit(apply, out_shardings=(ts_ring.state_shardings, None))
-            self._apply = self._apply_jit
+            self._apply_jit = ts_ring.apply_grads
+            self._apply = apply
         self._evals = None
         self._zeros = None
         self._streams = [ReplicaStream(cfg.data, r) for r in range(num_replicas)]
