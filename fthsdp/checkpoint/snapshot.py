@@ -318,16 +318,16 @@ class Snapshotter:
             self._layout = plan_layout(paths, leaves)
             self._layout_key = key
         layout, total = self._layout
-        slot = self._free_slot()
-        if slot.layout != layout or slot.buffer is None:
-            slot.buffer = HostBuffer(total)
-            slot.layout = layout
         for x in leaves:
             if getattr(x, "is_fully_addressable", True) is False:
                 raise SnapshotError(
                     f"array of shape {x.shape} is not fully addressable by this process; a snapshot holds a "
                     "replica's whole state, so each replica must live in one process (its mesh over local devices)"
                 )
+        slot = self._free_slot()
+        if slot.layout != layout or slot.buffer is None:
+            slot.buffer = HostBuffer(total)
+            slot.layout = layout
         # Starting transfers (~40 us per array) and enumerating shards (~15 us) is done by the copy
         # thread, off the training thread.
         self._pending = self._pool.submit(self._land, int(step), slot, layout, total, leaves)
