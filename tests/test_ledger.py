@@ -190,7 +190,9 @@ def _train(workdir: str, steps: int, every: int, restart: str) -> None:
         abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
         r = pc.restore(abstract)
         state, step, pos = r.state, r.step, r.loader_positions[0]
-        ledger.restore(step, restart)
+    # Every (re)start logs where it starts from, step 0 included: a job killed before its first
+    # checkpoint was durable starts over, and what it had committed is void.
+    ledger.restore(step, restart)
     stream = ReplicaStream(cfg.data, 0)
     while step < steps:
         b = stream.batch(pos)
@@ -237,10 +239,12 @@ def test_full_restart_trains_every_batch_exactly_once(tmp_path):
 
     ledger = read_ledger(tmp_path / "ledger_0.jsonl")
     restores = [r for r in ledger.records if isinstance(r, Restore)]
-    assert len(restores) == 1 and restores[0].step % every == 0 and restores[0].step < before.position
+    assert [r.restart for r in restores] == ["first", "second"] and restores[0].step == 0
+    resumed = restores[1].step  # the last durable checkpoint when the job died (0 if none was yet)
+    assert resumed % every == 0 and resumed < before.position
     rep = check_exactly_once([ledger], {0: steps})
     assert rep.ok, rep.summary()
-    assert rep.rolled_back == before.position - restores[0].step  # trained after the checkpoint, then discarded
+    assert rep.rolled_back == before.position - resumed  # trained after the checkpoint, then discarded
     # and the model is the one an uninterrupted run trains, bit for bit
     cfg = _cfg()
     ts = make_train_step(cfg, replica_mesh(4))

@@ -3,11 +3,13 @@
 Each replica appends one line per committed step to its own ledger file:
 `(step, replica, position)` of the batch it contributed (a catching-up
 replica's zero-gradient step contributes none and records nothing). A full
-restart that resumes from checkpoint step s appends a `restore` line naming the restart: every commit
-recorded before the restart's first `restore` line (in wall-clock time, on
-any replica's ledger) at a step after s was rolled back with the discarded
-model. (Wall-clock order: the replicas' clocks must agree to well within the
-time a restart takes, as they do on one host or under NTP.)
+restart that resumes from checkpoint step s appends a `restore` line naming
+the restart: every commit recorded before the restart's first `restore` line
+(in wall-clock time, on any replica's ledger) at a step after s was rolled
+back with the discarded model. Log it at every (re)start of the job, step 0
+included: a job killed before its first checkpoint was durable starts over.
+(Wall-clock order: the replicas' clocks must agree to well within the time a
+restart takes, as they do on one host or under NTP.)
 
 `check_exactly_once` replays the ledgers and reports, relative to the final
 model, every batch trained twice (duplicates), every expected batch never
