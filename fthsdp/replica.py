@@ -185,13 +185,20 @@ def main(argv: list[str] | None = None) -> int:
                   state=state, loader=loader, recover=recover, state_server_address=server.url,
                   on_commit=on_commit, rejoin=args.rejoin)
     if args.resume:
-        restored = ckpt.restore(abstract)
-        mgr.state = restored.state
-        mgr.install_data_state({"positions": np.array([restored.loader_positions.get(i, 0) for i in range(len(mgr.positions))]),
-                                "last_step": np.full(len(mgr.positions), -1)})
-        ledger.restore(restored.step, args.resume)
-        log.info("replica %s: resumed from the persistent checkpoint of step %d, stream position %d",
-                 rid, restored.step, mgr.loader.position)
+        if ckpt.latest_step() is None:
+            # killed before its first durable checkpoint: the whole job starts over
+            ledger.restore(0, args.resume)
+            log.warning("replica %s: --resume but no finished checkpoint under %s; starting from step 0",
+                        rid, out / "checkpoints")
+        else:
+            restored = ckpt.restore(abstract)
+            mgr.state = restored.state
+            mgr.install_data_state({
+                "positions": np.array([restored.loader_positions.get(i, 0) for i in range(len(mgr.positions))]),
+                "last_step": np.full(len(mgr.positions), -1)})
+            ledger.restore(restored.step, args.resume)
+            log.info("replica %s: resumed from the persistent checkpoint of step %d, stream position %d",
+                     rid, restored.step, mgr.loader.position)
     log.info("replica %s: %d device(s), lighthouse %s, ftar endpoints %s, state server %s", rid,
              mesh.devices.size, args.lighthouse, list(comm.addresses), server.url)
     log.info("replica %s: compiled the step in %.1fs (before checking in)", rid, mgr.warm_up())
