@@ -66,6 +66,8 @@ class FTConfig:
     max_retries: int = 3
     streams_per_peer: int = 2
     checkpoint_every: int = 50
+    peer_streams: int = 2  # parallel HTTP streams per source when fetching a peer's state
+    peer_serve_cap_gbps: float = 0.0  # cap on what a replica spends serving its state (0 = none)
 
 
 @dataclass(frozen=True)

@@ -98,7 +98,8 @@ def main(argv: list[str] | None = None) -> int:
                              "to serve and fetch state (fthsdp run sets it)")
         token = secrets.token_hex(16)
     snapshots = Snapshotter()
-    server = PeerServer(snapshots, token).start()
+    server = PeerServer(snapshots, token,
+                        max_bytes_per_s=cfg.ft.peer_serve_cap_gbps * 1e9 if cfg.ft.peer_serve_cap_gbps > 0 else None).start()
     ckpt = PersistentCheckpointer(out / "checkpoints", every=cfg.ft.checkpoint_every)
     ledger = Ledger(out / "ledger" / f"replica_{rid}.jsonl", args.replica_id)
     loader_store = LoaderStateStore(out / "loader_state")
@@ -120,7 +121,8 @@ def main(argv: list[str] | None = None) -> int:
             if not sources:
                 continue
             try:
-                tree, info = orbax_peer.restore(like, sources, token, step, timeout_s=cfg.ft.allreduce_timeout_s)
+                tree, info = orbax_peer.restore(like, sources, token, step, timeout_s=cfg.ft.allreduce_timeout_s,
+                                                streams_per_source=cfg.ft.peer_streams)
                 log.info("fetched state of step %d from %s: %s", step, sources, info)
                 backfill_ledger(tree["data"])
                 return tree["train"], tree["data"]
