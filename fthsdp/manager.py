@@ -149,7 +149,7 @@ class Manager:
         self.positions[int(self.loader.replica)] = self.loader.position
         self.quorum: qm.Quorum | None = None
         self._configured_qid: int | None = None
-        self._inflight_qid = -1
+        self._aborted_qid: int | None = None  # the configured quorum whose ring we aborted
         self._lock = threading.Lock()
         self.records: list[StepRecord] = []
         self.detections: list[dict] = []
@@ -167,12 +167,12 @@ class Manager:
         """
         with self._lock:
             q = self.quorum
-            if q is None or quorum_id != self._configured_qid or self._inflight_qid == -2:
+            if q is None or quorum_id != self._configured_qid or self._aborted_qid == quorum_id:
                 return
             ours = [d for d in dead if d in q.member_ids and d != self.replica_id]
             if not ours:
                 return
-            self._inflight_qid = -2  # aborted: until the next configure
+            self._aborted_qid = quorum_id  # once: FTAR fails RECOVERABLE until the next configure
         log.warning("lighthouse declared %s dead: aborting the all-reduce of quorum %d", ours, quorum_id)
         self.detections.append({"time": time.time(), "dead": list(ours), "quorum_id": quorum_id})
         self.comm.abort(f"lighthouse declared replica(s) {', '.join(ours)} dead")
@@ -186,7 +186,7 @@ class Manager:
         self.comm.configure(self.job_id, q.quorum_id, rank, members, timeout_s=self.cfg.ft.allreduce_timeout_s)
         with self._lock:
             self._configured_qid = q.quorum_id
-            self._inflight_qid = q.quorum_id
+            self._aborted_qid = None
         return time.perf_counter() - t0
 
     def _quorum_inputs(self, q: qm.Quorum, healthy: bool) -> QuorumInputs:
