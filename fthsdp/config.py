@@ -66,6 +66,14 @@ class FTConfig:
     max_retries: int = 3
     streams_per_peer: int = 2
     checkpoint_every: int = 50
+    # When a healthy replica copies its state to host memory for peers:
+    #   on_demand    - only when the quorum lists a behind replica, right after the
+    #                  quorum arrives: the committed state is immutable until this
+    #                  step's update, so the copy overlaps forward/backward, and a
+    #                  step with nobody behind pays nothing (the common case);
+    #   every_commit - after every commit (DataStates-style), so a snapshot is
+    #                  always ready, at a small cost on every step.
+    snapshot: str = "on_demand"
     peer_streams: int = 2  # parallel HTTP streams per source when fetching a peer's state
     peer_serve_cap_gbps: float = 0.0  # cap on what a replica spends serving its state (0 = none)
 
@@ -125,6 +133,8 @@ class Config:
         from fthsdp.intervention import Intervention
 
         Intervention.parse(self.ft.intervention)
+        if self.ft.snapshot not in ("on_demand", "every_commit"):
+            raise ValueError(f"ft.snapshot must be on_demand or every_commit, got {self.ft.snapshot!r}")
         return self
 
 

@@ -131,6 +131,7 @@ class Manager:
     recover: Recover | None = None
     state_server_address: str = ""
     on_commit: Callable[["Manager", StepRecord], None] | None = None
+    on_quorum: Callable[["Manager", qm.Quorum], None] | None = None  # after (re)configuring, before compute
     quorum_timeout_s: float = 120.0
     rejoin: bool = False  # restarted alone: it must find peers to rejoin
 
@@ -234,6 +235,8 @@ class Manager:
                          step, q.quorum_id, list(q.member_ids), list(q.healthy), list(q.behind), q.reason, took)
             self.quorum = q
             healthy = self.replica_id in q.healthy
+            if self.on_quorum:
+                self.on_quorum(self, q)
             if self.rejoin and not self.records and healthy and q.num_members == 1 and self.cfg.launch.replicas > 1:
                 raise ManagerError(
                     f"replica {self.replica_id} was restarted to rejoin its job, but no other replica is running "

@@ -117,18 +117,24 @@ def main(argv: list[str] | None = None) -> int:
         tries.append([a for a in dict.fromkeys(others) if a and a not in tries[0]] + tries[0])
         like = {"train": abstract, "data": mgr.data_state()}
         last = None
-        for sources in tries:
-            if not sources:
-                continue
-            try:
-                tree, info = orbax_peer.restore(like, sources, token, step, timeout_s=cfg.ft.allreduce_timeout_s,
-                                                streams_per_source=cfg.ft.peer_streams)
-                log.info("fetched state of step %d from %s: %s", step, sources, info)
-                backfill_ledger(tree["data"])
-                return tree["train"], tree["data"]
-            except Exception as e:  # noqa: BLE001 - every failure falls through to the next set of sources
-                last = e
-                log.warning("fetch of step %d from %s failed: %s", step, sources, e)
+        deadline = time.monotonic() + cfg.ft.allreduce_timeout_s
+        while True:
+            for sources in tries:
+                if not sources:
+                    continue
+                try:
+                    tree, info = orbax_peer.restore(like, sources, token, step, timeout_s=cfg.ft.allreduce_timeout_s,
+                                                    streams_per_source=cfg.ft.peer_streams)
+                    log.info("fetched state of step %d from %s: %s", step, sources, info.detail)
+                    backfill_ledger(tree["data"])
+                    return tree["train"], tree["data"]
+                except Exception as e:  # noqa: BLE001 - every failure falls through to the next set of sources
+                    last = e
+            # With on-demand snapshots the peers start copying when they see the
+            # same quorum we do: a source may not serve this step for a few ms yet.
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
         raise ManagerError(f"could not fetch the state of step {step} from any healthy peer: {last}")
 
     def backfill_ledger(data: dict) -> None:
@@ -156,10 +162,23 @@ def main(argv: list[str] | None = None) -> int:
     status_path = out / f"status-{rid}.json"
     started = time.time()
 
+    snapshot_of = {"step": -1}
+
+    def snapshot(mgr: Manager) -> None:
+        """Start the lazy host copy of the committed state (lands while the step computes)."""
+        step = int(mgr.state.step)
+        if snapshot_of["step"] != step:
+            snapshots.begin(step, {"train": mgr.state, "data": mgr.data_state()})
+            snapshot_of["step"] = step
+
+    def on_quorum(mgr: Manager, q) -> None:
+        if cfg.ft.snapshot == "on_demand" and q.behind and rid in q.healthy:
+            snapshot(mgr)
+
     def on_commit(mgr: Manager, rec: StepRecord) -> None:
         committed = rec.step + 1
-        payload = {"train": mgr.state, "data": mgr.data_state()}
-        snapshots.begin(committed, payload)  # lazy: lands while the next step computes
+        if cfg.ft.snapshot == "every_commit":
+            snapshot(mgr)
         if rec.healthy:
             ledger.commit(committed, rec.position)
         loader_store.save(mgr.loader, committed)
@@ -185,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     client = LighthouseClient(args.lighthouse, args.job, rid, heartbeat_interval_s=cfg.ft.heartbeat_interval_s)
     mgr = Manager(cfg=cfg, replica_id=rid, job_id=args.job, ts=ts, comm=comm, lighthouse=client,
                   state=state, loader=loader, recover=recover, state_server_address=server.url,
-                  on_commit=on_commit, rejoin=args.rejoin)
+                  on_commit=on_commit, on_quorum=on_quorum, rejoin=args.rejoin)
     if args.resume:
         if ckpt.latest_step() is None:
             # killed before its first durable checkpoint: the whole job starts over
@@ -204,7 +223,8 @@ def main(argv: list[str] | None = None) -> int:
     log.info("replica %s: %d device(s), lighthouse %s, ftar endpoints %s, state server %s", rid,
              mesh.devices.size, args.lighthouse, list(comm.addresses), server.url)
     log.info("replica %s: compiled the step in %.1fs (before checking in)", rid, mgr.warm_up())
-    snapshots.begin(int(mgr.state.step), {"train": mgr.state, "data": mgr.data_state()})
+    if cfg.ft.snapshot == "every_commit":
+        snapshot(mgr)
     client.start_heartbeats(on_dead=mgr.on_dead)
     if cfg.launch.replicas > 1 and not args.rejoin:  # a job's (re)start: begin together
         live = mgr.wait_for_peers(client.status, cfg.launch.replicas, cfg.ft.startup_timeout_s)
