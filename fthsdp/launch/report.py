@@ -158,8 +158,16 @@ def plot_timeline(out_dir: str | pathlib.Path, path: str | pathlib.Path | None =
                                                     gridspec_kw={"height_ratios": [3, 2, 1]})
     members_by_step: dict[int, int] = {}
     for rid, recs in sorted(run.steps.items(), key=lambda kv: int(kv[0]) if kv[0].isdigit() else kv[0]):
-        xs = [r["step"] for r in recs if r.get("loss") is not None]
-        ax_loss.plot(xs, [r["loss"] for r in recs if r.get("loss") is not None], lw=1, label=f"replica {rid}")
+        xs, ys = [], []
+        for r in recs:
+            if r.get("loss") is None:
+                continue
+            if xs and r["step"] != xs[-1] + 1:  # absent or catching up: break the line
+                xs.append(xs[-1] + 0.5)
+                ys.append(float("nan"))
+            xs.append(r["step"])
+            ys.append(r["loss"])
+        ax_loss.plot(xs, ys, lw=1, label=f"replica {rid}")
         ax_time.plot([r["step"] for r in recs], [(r["end"] - r["start"]) * 1e3 for r in recs], ".", ms=3,
                      label=f"replica {rid}")
         for r in recs:
@@ -178,6 +186,7 @@ def plot_timeline(out_dir: str | pathlib.Path, path: str | pathlib.Path | None =
             for ax in (ax_loss, ax_time):
                 ax.axvline(ev["step"], color="tab:red" if ev["kind"] != "restart" else "tab:green", ls="--", lw=0.8)
             ax_loss.annotate(f"{ev['kind']} r{ev['replica']}", (ev["step"], ax_loss.get_ylim()[1]),
+                             xytext=(-9 if ev["kind"] != "restart" else 3, 0), textcoords="offset points",
                              fontsize=7, va="top", rotation=90)
     ax_loss.set_ylabel("train loss")
     if run.steps:
