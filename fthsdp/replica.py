@@ -46,98 +46,108 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(sys.argv[1:] if argv is None else argv)
-    from fthsdp import config as config_lib
-    from fthsdp import logs
-    from fthsdp.devices import enable_compilation_cache, force_host_devices
+class ReplicaProcess:
+    """Everything one replica process owns, wired around its Manager.
 
-    cfg = config_lib.load(args.config, args.overrides)
-    force_host_devices(cfg.launch.devices_per_replica)
-    out = pathlib.Path(args.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    rid = str(args.replica_id)
-    logs.setup(f"fthsdp.replica{rid}", file=str(out / f"replica-{rid}.log"))
-    enable_compilation_cache()
+    The Manager runs the step loop; this class gives it the process's parts:
+    the FTAR communicator, the snapshotter and the HTTP peer server that feeds
+    catching-up peers, the fetch from peers when this replica is behind, the
+    persistent checkpoints, loader_state, the exactly-once ledger, and the
+    metrics and status files the launcher reads.
+    """
 
-    import jax
-    import numpy as np
+    def __init__(self, args: argparse.Namespace, cfg, out: pathlib.Path):
+        import jax
 
-    from fthsdp.checkpoint import orbax_peer
-    from fthsdp.checkpoint.peer_server import PeerServer
-    from fthsdp.checkpoint.persistent import PersistentCheckpointer
-    from fthsdp.checkpoint.snapshot import Snapshotter
-    from fthsdp.data import LoaderState
-    from fthsdp.data.ledger import Commit, Ledger, Restore, read_ledger
-    from fthsdp.data.loader_state import LoaderStateStore
-    from fthsdp.lighthouse_client import LighthouseClient
-    from fthsdp.manager import Manager, ManagerError, StepRecord, state_hash
-    from fthsdp.quorum_inputs import local_allreduce
-    from fthsdp.sharding import replica_mesh
-    from fthsdp.step import make_train_step
+        from fthsdp import logs
+        from fthsdp.checkpoint.peer_server import PeerServer
+        from fthsdp.checkpoint.persistent import PersistentCheckpointer
+        from fthsdp.checkpoint.snapshot import Snapshotter
+        from fthsdp.data import LoaderState
+        from fthsdp.data.ledger import Ledger
+        from fthsdp.data.loader_state import LoaderStateStore
+        from fthsdp.lighthouse_client import LighthouseClient
+        from fthsdp.manager import Manager, SoloCommunicator
+        from fthsdp.quorum_inputs import local_allreduce
+        from fthsdp.sharding import replica_mesh
+        from fthsdp.step import make_train_step
 
-    mesh = replica_mesh(cfg.launch.devices_per_replica)
-    if args.allreduce == "ftar":
-        from fthsdp import ftar
+        self.args, self.cfg, self.out = args, cfg, out
+        self.rid = str(args.replica_id)
+        self.mesh = replica_mesh(cfg.launch.devices_per_replica)
+        if args.allreduce == "ftar":
+            from fthsdp import ftar
 
-        comm = ftar.Communicator(num_shards=mesh.devices.size, streams=cfg.ft.streams_per_peer,
-                                 timeout_s=cfg.ft.allreduce_timeout_s)
-        allreduce = ftar.allreduce
-    else:
-        from fthsdp.manager import SoloCommunicator
+            self.comm = ftar.Communicator(num_shards=self.mesh.devices.size, streams=cfg.ft.streams_per_peer,
+                                          timeout_s=cfg.ft.allreduce_timeout_s)
+            allreduce = ftar.allreduce
+        else:
+            self.comm, allreduce = SoloCommunicator(), local_allreduce
+        self.ts = make_train_step(cfg, self.mesh, allreduce=allreduce)
+        state = self.ts.init(cfg.train.seed)
+        self.abstract = jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh),
+                                     state, self.ts.state_shardings)
 
-        comm, allreduce = SoloCommunicator(), local_allreduce
-    ts = make_train_step(cfg, mesh, allreduce=allreduce)
-    state = ts.init(cfg.train.seed)
-    loader = LoaderState(replica=args.replica_id)
+        self.token = os.environ.get("FTHSDP_PEER_TOKEN", "")
+        if not self.token:
+            if cfg.launch.replicas > 1:
+                raise SystemExit("FTHSDP_PEER_TOKEN is not set: every replica of a job needs the same shared "
+                                 "secret to serve and fetch state (fthsdp run sets it)")
+            self.token = secrets.token_hex(16)
+        self.snapshots = Snapshotter()
+        self._snapshot_step = -1
+        cap = cfg.ft.peer_serve_cap_gbps * 1e9 if cfg.ft.peer_serve_cap_gbps > 0 else None
+        self.server = PeerServer(self.snapshots, self.token, max_bytes_per_s=cap).start()
+        self.ckpt = PersistentCheckpointer(out / "checkpoints", every=cfg.ft.checkpoint_every)
+        self.ledger = Ledger(out / "ledger" / f"replica_{self.rid}.jsonl", args.replica_id)
+        self.loader_store = LoaderStateStore(out / "loader_state")
+        self.loader_store.clean_temporaries()
+        self.metrics = logs.MetricsWriter(out / f"metrics-{self.rid}.jsonl")
+        self.status_path = out / f"status-{self.rid}.json"
+        self.started = time.time()
 
-    token = os.environ.get("FTHSDP_PEER_TOKEN", "")
-    if not token:
-        if cfg.launch.replicas > 1:
-            raise SystemExit("FTHSDP_PEER_TOKEN is not set: every replica of a job needs the same shared secret "
-                             "to serve and fetch state (fthsdp run sets it)")
-        token = secrets.token_hex(16)
-    snapshots = Snapshotter()
-    server = PeerServer(snapshots, token,
-                        max_bytes_per_s=cfg.ft.peer_serve_cap_gbps * 1e9 if cfg.ft.peer_serve_cap_gbps > 0 else None).start()
-    ckpt = PersistentCheckpointer(out / "checkpoints", every=cfg.ft.checkpoint_every)
-    ledger = Ledger(out / "ledger" / f"replica_{rid}.jsonl", args.replica_id)
-    loader_store = LoaderStateStore(out / "loader_state")
-    loader_store.clean_temporaries()
+        self.client = LighthouseClient(args.lighthouse, args.job, self.rid,
+                                       heartbeat_interval_s=cfg.ft.heartbeat_interval_s)
+        self.mgr = Manager(cfg=cfg, replica_id=self.rid, job_id=args.job, ts=self.ts, comm=self.comm,
+                           lighthouse=self.client, state=state, loader=LoaderState(replica=args.replica_id),
+                           recover=self.recover, state_server_address=self.server.url,
+                           on_commit=self.on_commit, on_quorum=self.on_quorum, rejoin=args.rejoin)
 
-    abstract = jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh),
-                            state, ts.state_shardings)
+    # -- state from peers -------------------------------------------------------
 
-    def recover(q, step):
+    def recover(self, q, step: int):
         """The healthy replicas' state at `step`: assigned sources first, then any healthy peer."""
-        me = rid
-        assigned = [q.member(src).state_server_address for src in q.sources_for(me)]
+        from fthsdp.checkpoint import orbax_peer
+        from fthsdp.manager import ManagerError
+
+        assigned = [q.member(src).state_server_address for src in q.sources_for(self.rid)]
         others = [q.member(h).state_server_address for h in q.healthy]
-        tries = [list(dict.fromkeys(a for a in assigned if a))]
-        tries.append([a for a in dict.fromkeys(others) if a and a not in tries[0]] + tries[0])
-        like = {"train": abstract, "data": mgr.data_state()}
-        last = None
-        deadline = time.monotonic() + cfg.ft.allreduce_timeout_s
+        first = list(dict.fromkeys(a for a in assigned if a))
+        tries = [first, [a for a in dict.fromkeys(others) if a and a not in first] + first]
+        like = {"train": self.abstract, "data": self.mgr.data_state()}
+        last: Exception | None = None
+        deadline = time.monotonic() + self.cfg.ft.allreduce_timeout_s
         while True:
             for sources in tries:
                 if not sources:
                     continue
                 try:
-                    tree, info = orbax_peer.restore(like, sources, token, step, timeout_s=cfg.ft.allreduce_timeout_s,
-                                                    streams_per_source=cfg.ft.peer_streams)
-                    log.info("fetched state of step %d from %s: %s", step, sources, info.detail)
-                    backfill_ledger(tree["data"])
-                    return tree["train"], tree["data"]
-                except Exception as e:  # noqa: BLE001 - every failure falls through to the next set of sources
+                    tree, info = orbax_peer.restore(like, sources, self.token, step,
+                                                    timeout_s=self.cfg.ft.allreduce_timeout_s,
+                                                    streams_per_source=self.cfg.ft.peer_streams)
+                except Exception as e:  # noqa: BLE001 - every failure falls through to the next sources
                     last = e
+                    continue
+                log.info("fetched state of step %d from %s: %s", step, sources, info.detail)
+                self.backfill_ledger(tree["data"])
+                return tree["train"], tree["data"]
             # With on-demand snapshots the peers start copying when they see the
             # same quorum we do: a source may not serve this step for a few ms yet.
             if time.monotonic() > deadline:
-                break
+                raise ManagerError(f"could not fetch the state of step {step} from any healthy peer: {last}")
             time.sleep(0.05)
-        raise ManagerError(f"could not fetch the state of step {step} from any healthy peer: {last}")
 
-    def backfill_ledger(data: dict) -> None:
+    def backfill_ledger(self, data: dict) -> None:
         """Record our batch that the peers' model contains but our ledger lacks.
 
         That happens when the all-reduce of a step completed on the peers but not
@@ -145,111 +155,132 @@ def main(argv: list[str] | None = None) -> int:
         replicated positions say the batch is in the model, so it is recorded now,
         at the step that trained it (last_step), not trained again.
         """
-        me = args.replica_id
+        from fthsdp.data.ledger import live_positions, read_ledger
+
+        me = self.args.replica_id
         pos, last = int(data["positions"][me]), int(data["last_step"][me])
-        if pos == 0 or last < 0:
-            return
-        contents = read_ledger(ledger.path)
-        restores = [r for r in contents.records if isinstance(r, Restore)]
-        cut = max(restores, key=lambda r: r.t_ns) if restores else None
-        live = {c.position for c in contents.records if isinstance(c, Commit)
-                and (cut is None or c.t_ns > cut.t_ns or c.step <= cut.step)}
-        if pos - 1 not in live:
-            ledger.commit(last + 1, pos - 1)
+        if pos > 0 and last >= 0 and pos - 1 not in live_positions(read_ledger(self.ledger.path)):
+            self.ledger.commit(last + 1, pos - 1)
             log.info("ledger: batch %d was committed by the peers at step %d before we recorded it", pos - 1, last + 1)
 
-    metrics = logs.MetricsWriter(out / f"metrics-{rid}.jsonl")
-    status_path = out / f"status-{rid}.json"
-    started = time.time()
+    # -- hooks of the Manager -----------------------------------------------------
 
-    snapshot_of = {"step": -1}
+    def snapshot(self) -> None:
+        """Start the lazy host copy of the committed state (it lands while the step computes)."""
+        step = int(self.mgr.state.step)
+        if self._snapshot_step != step:
+            self.snapshots.begin(step, {"train": self.mgr.state, "data": self.mgr.data_state()})
+            self._snapshot_step = step
 
-    def snapshot(mgr: Manager) -> None:
-        """Start the lazy host copy of the committed state (lands while the step computes)."""
-        step = int(mgr.state.step)
-        if snapshot_of["step"] != step:
-            snapshots.begin(step, {"train": mgr.state, "data": mgr.data_state()})
-            snapshot_of["step"] = step
+    def on_quorum(self, mgr, q) -> None:
+        if self.cfg.ft.snapshot == "on_demand" and q.behind and self.rid in q.healthy:
+            self.snapshot()
 
-    def on_quorum(mgr: Manager, q) -> None:
-        if cfg.ft.snapshot == "on_demand" and q.behind and rid in q.healthy:
-            snapshot(mgr)
+    def on_commit(self, mgr, rec) -> None:
+        from fthsdp.step import state_hash
 
-    def on_commit(mgr: Manager, rec: StepRecord) -> None:
         committed = rec.step + 1
-        if cfg.ft.snapshot == "every_commit":
-            snapshot(mgr)
+        if self.cfg.ft.snapshot == "every_commit":
+            self.snapshot()
         if rec.healthy:
-            ledger.commit(committed, rec.position)
-        loader_store.save(mgr.loader, committed)
-        if ckpt.should_save(committed) and rid == min(mgr.quorum.healthy, key=int):
+            self.ledger.commit(committed, rec.position)
+        self.loader_store.save(mgr.loader, committed)
+        if self.ckpt.should_save(committed) and self.rid == min(mgr.quorum.healthy, key=int):
             try:
-                ckpt.save(committed, mgr.state, {i: int(p) for i, p in enumerate(mgr.positions)},
-                          metadata={"writer": rid, "quorum_id": rec.quorum_id})
+                self.ckpt.save(committed, mgr.state, {i: int(p) for i, p in enumerate(mgr.positions)},
+                               metadata={"writer": self.rid, "quorum_id": rec.quorum_id})
             except Exception as e:  # noqa: BLE001 - a failed checkpoint must not stop training; say it loudly
                 log.error("persistent checkpoint of step %d failed: %s", committed, e)
-        record = {"kind": "step", "replica": rid, "step": rec.step, "quorum_id": rec.quorum_id,
+        record = {"kind": "step", "replica": self.rid, "step": rec.step, "quorum_id": rec.quorum_id,
                   "members": list(rec.members), "healthy": rec.healthy, "attempts": rec.attempts,
                   "loss": rec.loss, "start": rec.start, "end": rec.end, "position": rec.position,
                   "events": rec.events, "pid": os.getpid(), "rebuild_s": rec.rebuild_s,
                   "allreduce_s": rec.allreduce_s, "grads_s": rec.grads_s}
-        if args.hash_every and committed % args.hash_every == 0:
+        if self.args.hash_every and committed % self.args.hash_every == 0:
             record["hash"] = state_hash(mgr.state)
-        metrics.write(**record)
-        write_json_atomic(status_path, {"replica": rid, "step": committed, "loss": rec.loss,
-                                        "quorum_id": rec.quorum_id, "members": list(rec.members),
-                                        "state": "training" if rec.healthy else "caught up",
-                                        "pid": os.getpid(), "time": time.time(), "started": started})
+        self.metrics.write(**record)
+        self.write_status(step=committed, loss=rec.loss, quorum_id=rec.quorum_id, members=list(rec.members),
+                          state="training" if rec.healthy else "caught up")
 
-    client = LighthouseClient(args.lighthouse, args.job, rid, heartbeat_interval_s=cfg.ft.heartbeat_interval_s)
-    mgr = Manager(cfg=cfg, replica_id=rid, job_id=args.job, ts=ts, comm=comm, lighthouse=client,
-                  state=state, loader=loader, recover=recover, state_server_address=server.url,
-                  on_commit=on_commit, on_quorum=on_quorum, rejoin=args.rejoin)
-    if args.resume:
-        if ckpt.latest_step() is None:
+    def write_status(self, **fields) -> None:
+        write_json_atomic(self.status_path, {"replica": self.rid, "pid": os.getpid(), "time": time.time(),
+                                             "started": self.started, **fields})
+
+    # -- lifetime ---------------------------------------------------------------------
+
+    def resume(self, restart_id: str) -> None:
+        """Full restart: the latest persistent checkpoint and the loader positions saved with it."""
+        import numpy as np
+
+        mgr = self.mgr
+        if self.ckpt.latest_step() is None:
             # killed before its first durable checkpoint: the whole job starts over
-            ledger.restore(0, args.resume)
+            self.ledger.restore(0, restart_id)
             log.warning("replica %s: --resume but no finished checkpoint under %s; starting from step 0",
-                        rid, out / "checkpoints")
-        else:
-            restored = ckpt.restore(abstract)
-            mgr.state = restored.state
-            mgr.install_data_state({
-                "positions": np.array([restored.loader_positions.get(i, 0) for i in range(len(mgr.positions))]),
-                "last_step": np.full(len(mgr.positions), -1)})
-            ledger.restore(restored.step, args.resume)
-            log.info("replica %s: resumed from the persistent checkpoint of step %d, stream position %d",
-                     rid, restored.step, mgr.loader.position)
-    log.info("replica %s: %d device(s), lighthouse %s, ftar endpoints %s, state server %s", rid,
-             mesh.devices.size, args.lighthouse, list(comm.addresses), server.url)
-    log.info("replica %s: compiled the step in %.1fs (before checking in)", rid, mgr.warm_up())
-    if cfg.ft.snapshot == "every_commit":
-        snapshot(mgr)
-    client.start_heartbeats(on_dead=mgr.on_dead)
-    if cfg.launch.replicas > 1 and not args.rejoin:  # a job's (re)start: begin together
-        live = mgr.wait_for_peers(client.status, cfg.launch.replicas, cfg.ft.startup_timeout_s)
-        log.info("replica %s: %d replica(s) live, starting", rid, live)
-    try:
-        mgr.run(cfg.train.steps)
-        ckpt.wait()
-    finally:
-        client.close()
-        close = getattr(comm, "close", None)
+                        self.rid, self.out / "checkpoints")
+            return
+        restored = self.ckpt.restore(self.abstract)
+        mgr.state = restored.state
+        n = len(mgr.positions)
+        mgr.install_data_state({"positions": np.array([restored.loader_positions.get(i, 0) for i in range(n)]),
+                                "last_step": np.full(n, -1)})
+        self.ledger.restore(restored.step, restart_id)
+        log.info("replica %s: resumed from the persistent checkpoint of step %d, stream position %d",
+                 self.rid, restored.step, mgr.loader.position)
+
+    def run(self) -> int:
+        from fthsdp.step import state_hash
+
+        cfg, mgr = self.cfg, self.mgr
+        if self.args.resume:
+            self.resume(self.args.resume)
+        log.info("replica %s: %d device(s), lighthouse %s, ftar endpoints %s, state server %s", self.rid,
+                 self.mesh.devices.size, self.args.lighthouse, list(self.comm.addresses), self.server.url)
+        log.info("replica %s: compiled the step in %.1fs (before checking in)", self.rid, mgr.warm_up())
+        if cfg.ft.snapshot == "every_commit":
+            self.snapshot()
+        self.client.start_heartbeats(on_dead=mgr.on_dead)
+        if cfg.launch.replicas > 1 and not self.args.rejoin:  # a job's (re)start: begin together
+            live = mgr.wait_for_peers(self.client.status, cfg.launch.replicas, cfg.ft.startup_timeout_s)
+            log.info("replica %s: %d replica(s) live, starting", self.rid, live)
+        try:
+            mgr.run(cfg.train.steps)
+            self.ckpt.wait()
+        finally:
+            self.close()
+        for d in mgr.detections:
+            self.metrics.write(kind="detection", replica=self.rid, **d)
+        self.metrics.write(kind="done", replica=self.rid, step=int(mgr.state.step), hash=state_hash(mgr.state),
+                           position=mgr.loader.position, positions=mgr.positions.tolist(),
+                           compilations={"compute_grads": self.ts.compute_grads._cache_size(),
+                                         "apply_grads": self.ts.apply_grads._cache_size()})
+        self.write_status(step=int(mgr.state.step), state="done")
+        log.info("replica %s done at step %d", self.rid, int(mgr.state.step))
+        return 0
+
+    def close(self) -> None:
+        self.client.close()
+        close = getattr(self.comm, "close", None)
         if close is not None:
             close()
-        server.close()
-        ckpt.close()
-        ledger.close()
-    for d in mgr.detections:
-        metrics.write(kind="detection", replica=rid, **d)
-    metrics.write(kind="done", replica=rid, step=int(mgr.state.step), hash=state_hash(mgr.state),
-                  position=mgr.loader.position, positions=mgr.positions.tolist(),
-                  compilations={"compute_grads": ts.compute_grads._cache_size(),
-                                "apply_grads": ts.apply_grads._cache_size()})
-    write_json_atomic(status_path, {"replica": rid, "step": int(mgr.state.step), "state": "done",
-                                    "pid": os.getpid(), "time": time.time(), "started": started})
-    log.info("replica %s done at step %d", rid, int(mgr.state.step))
-    return 0
+        self.server.close()
+        self.ckpt.close()
+        self.ledger.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    from fthsdp import config as config_lib
+    from fthsdp import logs
+    from fthsdp.devices import enable_compilation_cache, force_host_devices
+
+    cfg = config_lib.load(args.config, args.overrides)
+    force_host_devices(cfg.launch.devices_per_replica)  # before jax starts
+    out = pathlib.Path(args.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    logs.setup(f"fthsdp.replica{args.replica_id}", file=str(out / f"replica-{args.replica_id}.log"))
+    enable_compilation_cache()
+    return ReplicaProcess(args, cfg, out).run()
 
 
 if __name__ == "__main__":

@@ -174,6 +174,13 @@ class Ledger:
         self.close()
 
 
+def live_positions(contents: LedgerContents) -> set[int]:
+    """Positions of one ledger's commits that no later restore in it rolled back."""
+    restores = [r for r in contents.records if isinstance(r, Restore)]
+    return {c.position for c in contents.records if isinstance(c, Commit)
+            and not any(r.t_ns > c.t_ns and r.step < c.step for r in restores)}
+
+
 @dataclass
 class ExactlyOnceReport:
     ok: bool
