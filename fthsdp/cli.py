@@ -14,6 +14,7 @@ SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
     "train": ("fthsdp.cli", "train_cli", "train one replica (no fault tolerance) on a config"),
     "run": ("fthsdp.launch.local", "cli", "run a fault-tolerant job locally: lighthouse + N replicas + faults"),
     "lighthouse": ("fthsdp.lighthouse", "cli", "serve quorums and failure detection over gRPC"),
+    "status": ("fthsdp.lighthouse_client", "status_cli", "show a lighthouse's jobs, quorums and replicas"),
 }
 
 

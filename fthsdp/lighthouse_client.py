@@ -11,6 +11,7 @@ backstop. Every RPC carries a deadline.
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -85,6 +86,52 @@ class JobStatus:
     last_reason: str
     local_world_size: int
     num_configured: int
+
+
+def format_status(jobs: Sequence[JobStatus]) -> str:
+    """A person's view of the lighthouse: per job, the quorum and why, and every replica."""
+    if not jobs:
+        return "no jobs"
+    lines = []
+    for j in jobs:
+        q = j.quorum
+        head = f"job {j.job_id!r}: {j.num_configured or '?'} configured"
+        if q is not None:
+            head += (f", quorum {q.quorum_id} members {list(q.member_ids)} at step {q.max_step} "
+                     f"(healthy {list(q.healthy)}, behind {list(q.behind)})")
+        lines.append(head)
+        lines.append(f"  last decision: {j.last_reason or '-'}")
+        for r in j.replicas:
+            state = "DEAD" if r.dead else ("waiting for quorum" if r.waiting else "training")
+            lines.append(f"  replica {r.replica_id:>4}: step {r.step:>6}  heard {r.last_heartbeat_age_s:6.2f}s ago  {state}")
+    return "\n".join(lines)
+
+
+def status_cli(argv: list[str]) -> int:
+    """``fthsdp status --lighthouse HOST:PORT [--job ID] [--watch S]``."""
+    import argparse
+
+    p = argparse.ArgumentParser(prog="fthsdp status", description="Show a lighthouse's jobs, quorums and replicas.")
+    p.add_argument("--lighthouse", required=True, help="HOST:PORT of `fthsdp lighthouse`")
+    p.add_argument("--job", default="", help="one job (default: every job)")
+    p.add_argument("--watch", type=float, default=0.0, help="refresh every S seconds until interrupted")
+    args = p.parse_args(argv)
+    client = LighthouseClient(args.lighthouse, "fthsdp-status", "status", rpc_timeout_s=5.0)
+    try:
+        while True:
+            try:
+                print(format_status(client.status(args.job)), flush=True)
+            except LighthouseError as e:
+                print(f"fthsdp status: {e}", file=sys.stderr)
+                return 1
+            if args.watch <= 0:
+                return 0
+            time.sleep(args.watch)
+            print()
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        client.close()
 
 
 def quorum_from_proto(p: pb2.Quorum) -> qm.Quorum:

@@ -376,3 +376,21 @@ def test_silent_job_is_forgotten():
             assert {j.job_id for j in d.status(job_id="")} == {"alive"}
             with pytest.raises(Exception, match="no job 'gone'"):
                 c.status()
+
+
+def test_status_command_shows_quorum_reason_and_replicas(lighthouse, capsys):
+    from fthsdp.cli import main as fthsdp_main
+
+    clients = make_clients(lighthouse.address, "statusjob", 2)
+    try:
+        quorum_all(clients, [3, 3])
+        assert fthsdp_main(["status", "--lighthouse", lighthouse.address]) == 0
+        out = capsys.readouterr().out
+        assert "job 'statusjob'" in out and "members ['0', '1'] at step 3" in out
+        assert "last decision: quorum" in out
+        assert out.count("training") + out.count("waiting for quorum") == 2
+    finally:
+        for c in clients:
+            c.close()
+    assert fthsdp_main(["status", "--lighthouse", "127.0.0.1:9", "--job", "x"]) == 1
+    assert "cannot reach" in capsys.readouterr().err
