@@ -60,13 +60,12 @@ def rejoin_run(out: pathlib.Path, steps: int, kill_step: int, min_step_s: float)
         at = next(r for r in recs if r["step"] == catch_up["step"])
         extra.append((at["end"] - at["start"]) - med)
         fractions.append(extra[-1] / med)
-    fetch_s = [float(e.split(" in ")[-1].rstrip("s")) for e in catch_up["events"] if e.startswith("caught up")]
     return {
         "rejoin_step": catch_up["step"],
         "rejoin_stall_fraction": statistics.median(fractions),
         "rejoin_stall_s": statistics.median(extra),
         "restart_to_commit_s": catch_up["end"] - restart["time"],
-        "catch_up_fetch_s": fetch_s[0] if fetch_s else None,
+        "catch_up_fetch_s": catch_up["catch_up_s"],
         "identical_final_state": summary["identical_final_state"],
         "min_step_s": min_step_s,
         "out_dir": str(out),

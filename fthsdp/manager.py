@@ -22,15 +22,11 @@ attempts of one step the Manager raises `ManagerError` instead of live-locking.
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import logging
-import os
-import pathlib
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol, Sequence
+from typing import Callable, Protocol, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -40,8 +36,8 @@ from fthsdp import quorum as qm
 from fthsdp.config import Config
 from fthsdp.data import LoaderState, ReplicaStream
 from fthsdp.intervention import Intervention
-from fthsdp.quorum_inputs import AllReduceFn, QuorumInputs, make_quorum_inputs
-from fthsdp.step import TrainState, TrainStep, make_train_step, state_hash  # noqa: F401 - state_hash re-exported
+from fthsdp.quorum_inputs import QuorumInputs, make_quorum_inputs
+from fthsdp.step import TrainState, TrainStep
 
 log = logging.getLogger("fthsdp.manager")
 
@@ -112,6 +108,7 @@ class StepRecord:
     rebuild_s: float = 0.0  # ring reconfigurations during this step
     allreduce_s: float = 0.0  # the committing apply_grads (all-reduce + vote + update)
     grads_s: float = 0.0  # forward + backward
+    catch_up_s: float = 0.0  # fetching and installing the peers' state (behind replicas)
 
     @property
     def seconds(self) -> float:
@@ -219,7 +216,7 @@ class Manager:
         loss = None
         commit_failed = False
         events: list[str] = []
-        rebuild_s = grads_s = 0.0
+        rebuild_s = grads_s = catch_up_s = 0.0
         for attempt in range(1, self.cfg.ft.max_retries + 2):
             q = self.lighthouse.get_quorum(
                 step, ftar_addresses=list(self.comm.addresses), state_server_address=self.state_server_address,
@@ -243,7 +240,9 @@ class Manager:
                     "(the job finished or every replica died); it will not train alone from its initial state. "
                     "Resume the whole job from its persistent checkpoint (fthsdp run --resume).")
             if not healthy:
+                t0 = time.perf_counter()
                 step = self._catch_up(q, step, events)
+                catch_up_s += time.perf_counter() - t0
                 grads = None
             elif grads is None:
                 batch = self.stream.batch(self.loader.position)
@@ -272,7 +271,8 @@ class Manager:
                 rec = StepRecord(step, q.quorum_id, q.member_ids, healthy, True, attempt,
                                  float(loss) if (healthy and loss is not None) else None,
                                  start, time.time(), position if healthy else None, events,
-                                 rebuild_s=rebuild_s, allreduce_s=allreduce_s, grads_s=grads_s)
+                                 rebuild_s=rebuild_s, allreduce_s=allreduce_s, grads_s=grads_s,
+                                 catch_up_s=catch_up_s)
                 self.records.append(rec)
                 if self.on_commit:
                     self.on_commit(self, rec)
@@ -299,10 +299,10 @@ class Manager:
         got = int(self.state.step)
         if got != q.max_step:
             raise ManagerError(f"recovered state is at step {got}, expected {q.max_step}")
-        events.append(f"caught up to step {got} from {list(q.sources_for(self.replica_id))} "
-                      f"in {time.perf_counter() - t0:.3f}s")
-        log.info("step %d: caught up from %s in %.3fs", got, list(q.sources_for(self.replica_id)),
-                 time.perf_counter() - t0)
+        took = time.perf_counter() - t0
+        sources = list(q.sources_for(self.replica_id))
+        events.append(f"caught up to step {got} from {sources} in {took:.3f}s")
+        log.info("step %d: caught up from %s in %.3fs", got, sources, took)
         return got
 
     def data_state(self) -> dict:

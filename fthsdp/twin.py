@@ -68,7 +68,7 @@ import numpy as np
 from fthsdp.config import Config
 from fthsdp.data import LoaderState, ReplicaStream, eval_batches
 from fthsdp.intervention import Intervention
-from fthsdp.quorum_inputs import QuorumInputs, local_allreduce, make_quorum_inputs
+from fthsdp.quorum_inputs import make_quorum_inputs
 from fthsdp.sharding import replica_mesh
 from fthsdp.step import TrainState, make_train_step, state_hash
 

@@ -9,7 +9,6 @@ native path through the host API to check handshakes, aborts and errors.
 from __future__ import annotations
 
 import json
-import os
 import pathlib
 import signal
 import subprocess

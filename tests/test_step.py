@@ -1,7 +1,5 @@
 """The functional step on one replica: FSDP sharding, commit vote, LR intervention, no recompilation."""
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 import numpy as np

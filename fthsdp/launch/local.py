@@ -9,7 +9,6 @@ replica is started again and rejoins by fetching state from its peers.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import logging
 import os
