@@ -63,6 +63,8 @@ class FTConfig:
     heartbeat_interval_s: float = 0.1
     detect_s: float = 0.8  # heartbeat silence that declares a replica dead
     allreduce_timeout_s: float = 10.0
+    quorum_timeout_s: float = 120.0  # one get_quorum call waits this long for a decision
+    lighthouse_outage_s: float = 60.0  # replicas ride out a lighthouse outage this long
     max_retries: int = 3
     streams_per_peer: int = 2
     checkpoint_every: int = 50
@@ -115,6 +117,13 @@ class Config:
     launch: LaunchConfig = field(default_factory=LaunchConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
 
+    @property
+    def timeouts(self):
+        """The job's timeouts (:class:`fthsdp.timeouts.Timeouts`), the one owner of their ordering."""
+        from fthsdp.timeouts import Timeouts
+
+        return Timeouts.from_ft(self.ft)
+
     def validate(self) -> "Config":
         m, d = self.model, self.data
         if m.d_model % m.num_heads:
@@ -131,6 +140,9 @@ class Config:
                 f"{self.launch.devices_per_replica} (the batch is sharded over the replica's devices)"
             )
         from fthsdp.intervention import Intervention
+        from fthsdp.timeouts import Timeouts
+
+        Timeouts.from_ft(self.ft).check()
 
         Intervention.parse(self.ft.intervention)
         if self.ft.snapshot not in ("on_demand", "every_commit"):

@@ -129,7 +129,6 @@ class Manager:
     state_server_address: str = ""
     on_commit: Callable[["Manager", StepRecord], None] | None = None
     on_quorum: Callable[["Manager", qm.Quorum], None] | None = None  # after (re)configuring, before compute
-    quorum_timeout_s: float = 120.0
     rejoin: bool = False  # restarted alone: it must find peers to rejoin
 
     def __post_init__(self) -> None:
@@ -220,7 +219,7 @@ class Manager:
         for attempt in range(1, self.cfg.ft.max_retries + 2):
             q = self.lighthouse.get_quorum(
                 step, ftar_addresses=list(self.comm.addresses), state_server_address=self.state_server_address,
-                commit_failed=commit_failed, num_replicas=self.cfg.launch.replicas, timeout_s=self.quorum_timeout_s)
+                commit_failed=commit_failed, num_replicas=self.cfg.launch.replicas, timeout_s=self.cfg.timeouts.quorum_timeout_s)
             if self.replica_id not in q.member_ids:
                 raise ManagerError(f"quorum {q.quorum_id} does not include replica {self.replica_id}: {q.reason}")
             if q.quorum_id != self._configured_qid:

@@ -1,0 +1,81 @@
+"""Every timeout of a fault-tolerant job, in one place, with their ordering checked.
+
+The control plane's timeouts only work together: a heartbeat must be sent
+several times within the detection window, or a live replica is declared dead;
+the detection window must be shorter than the all-reduce deadline, or a frozen
+peer is found by the deadline (slow) instead of by the lighthouse (fast); the
+all-reduce deadline must be shorter than the quorum wait, or a replica gives up
+on the quorum while its peers are still inside an all-reduce that will time
+out. Scattering these numbers over modules let inconsistent settings through
+silently; :class:`Timeouts` is their one owner. Every module that waits reads
+its deadline from here, and :meth:`Timeouts.check` refuses a set whose order
+would break the protocol, naming the fields and what is allowed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+
+class TimeoutsError(ValueError):
+    """A timeout is out of range or the set is not ordered as the protocol needs."""
+
+
+@dataclass(frozen=True)
+class Timeouts:
+    """The job's timeouts in seconds. Field names match ``FTConfig`` (``ft.<name>``)."""
+
+    heartbeat_interval_s: float = 0.1  # a replica heartbeats this often
+    detect_s: float = 0.8  # heartbeat silence that declares a replica dead
+    join_timeout_s: float = 0.5  # how long a quorum waits for a *newcomer* that is live but not asking
+    allreduce_timeout_s: float = 10.0  # FTAR's deadline: the backstop when detection misses a fault
+    quorum_timeout_s: float = 120.0  # how long one get_quorum call waits for a decision
+    startup_timeout_s: float = 120.0  # a fresh job waits this long for every replica to be live
+    lighthouse_outage_s: float = 60.0  # replicas ride out a lighthouse outage this long, then give up
+
+    # The minimum number of heartbeats that must fit in the detection window:
+    # one late heartbeat (a GC pause, a busy core) must not look like a death.
+    MIN_HEARTBEATS_PER_WINDOW = 3
+
+    def check(self) -> "Timeouts":
+        """Returns self, or raises :class:`TimeoutsError` naming the offending ``ft.`` fields."""
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
+                raise TimeoutsError(f"ft.{f.name}={v!r}: must be a finite number of seconds > 0")
+        order = [
+            ("heartbeat_interval_s", "detect_s", "a replica must heartbeat several times per detection window"),
+            ("detect_s", "allreduce_timeout_s",
+             "failure detection must be faster than the all-reduce deadline (the deadline is the backstop)"),
+            ("allreduce_timeout_s", "quorum_timeout_s",
+             "a replica must not give up on a quorum while its peers can still be inside an all-reduce"),
+            ("join_timeout_s", "quorum_timeout_s", "the join limit must end before the quorum wait does"),
+        ]
+        for lo, hi, why in order:
+            if not getattr(self, lo) < getattr(self, hi):
+                raise TimeoutsError(
+                    f"ft.{lo}={getattr(self, lo):g} must be < ft.{hi}={getattr(self, hi):g}: {why}")
+        need = self.MIN_HEARTBEATS_PER_WINDOW * self.heartbeat_interval_s
+        if self.detect_s < need:
+            raise TimeoutsError(
+                f"ft.detect_s={self.detect_s:g} must be >= {self.MIN_HEARTBEATS_PER_WINDOW} x "
+                f"ft.heartbeat_interval_s={self.heartbeat_interval_s:g} (= {need:g}): one late heartbeat "
+                "must not declare a live replica dead")
+        if self.lighthouse_outage_s < self.detect_s:
+            raise TimeoutsError(
+                f"ft.lighthouse_outage_s={self.lighthouse_outage_s:g} must be >= ft.detect_s={self.detect_s:g}: "
+                "replicas must outlast at least one detection window of lighthouse silence")
+        return self
+
+    @classmethod
+    def from_ft(cls, ft) -> "Timeouts":
+        """The timeouts of an ``FTConfig`` (any object with the same field names)."""
+        return cls(**{f.name: getattr(ft, f.name) for f in dataclasses.fields(cls)})
+
+    @property
+    def heartbeat_rpc_s(self) -> float:
+        """Deadline of one heartbeat RPC: a lost one is retried at the next interval,
+        and a few lost in a row must still fit in the detection window."""
+        return max(0.05, min(0.5, self.detect_s / 2))
