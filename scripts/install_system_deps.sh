@@ -1,21 +1,33 @@
 #!/usr/bin/env bash
-# Installs the system packages fthsdp's optional checks use: today only Bazel
-# (Debian's bazel-bootstrap), so tests/test_bazel.py can build BUILD.bazel.
+# Installs the Debian packages fthsdp's tests and tools use. Each package is
+# listed once in PACKAGES with the reason it is needed; add new ones there.
 #
-# Idempotent: does nothing when `bazel` is already on PATH. Never fails the
-# caller: a machine without apt (or without root) just gets a message saying
-# why Bazel was not installed, and the Bazel test then skips with its reason.
+# Idempotent: installs only what is missing. Never fails the caller: a machine
+# without apt (or without root) gets a message saying what was not installed,
+# and the tests that need it skip with their reason.
 set -u
+
+# package -> command (or file) that shows it is present, and why we need it
+PACKAGES=(
+  "bazel-bootstrap:bazel"            # tests/test_bazel.py builds BUILD.bazel offline
+)
 
 log() { echo "install_system_deps: $*"; }
 
-if command -v bazel >/dev/null 2>&1; then
-  log "bazel already present ($(command -v bazel)); nothing to do"
+missing=()
+for entry in "${PACKAGES[@]}"; do
+  pkg="${entry%%:*}"; probe="${entry#*:}"
+  if [[ "$probe" == /* ]]; then [ -e "$probe" ] && continue
+  else command -v "$probe" >/dev/null 2>&1 && continue; fi
+  missing+=("$pkg")
+done
+if [ "${#missing[@]}" -eq 0 ]; then
+  log "all present; nothing to do"
   exit 0
 fi
 
 if ! command -v apt-get >/dev/null 2>&1; then
-  log "apt-get not found; skipping bazel (install Bazel >= 4.2 by hand to run the Bazel test)"
+  log "apt-get not found; not installed: ${missing[*]} (the tests that need them will skip)"
   exit 0
 fi
 
@@ -24,38 +36,32 @@ if [ "$(id -u)" -ne 0 ]; then
   if command -v sudo >/dev/null 2>&1 && sudo -n true 2>/dev/null; then
     SUDO="sudo -n"
   else
-    log "not root and no passwordless sudo; skipping bazel (run: apt-get install bazel-bootstrap)"
+    log "not root and no passwordless sudo; run: apt-get install ${missing[*]}"
     exit 0
   fi
 fi
 
 export DEBIAN_FRONTEND=noninteractive
-updated=0
-apt_update() {
-  updated=1
-  $SUDO apt-get update -q || { log "apt-get update failed"; return 1; }
-}
-install_bazel() {
-  $SUDO apt-get install -y -q --no-install-recommends bazel-bootstrap
-}
+install_missing() { $SUDO apt-get install -y -q --no-install-recommends "${missing[@]}"; }
 
-# Refresh the package lists once: up front when the package is unknown, or
-# after a failed install (stale lists point at files the mirror no longer has).
-if ! apt-cache show bazel-bootstrap >/dev/null 2>&1; then
-  apt_update || { log "skipping bazel (the Bazel test will skip)"; exit 0; }
-fi
-if ! install_bazel; then
-  if [ "$updated" -eq 0 ] && apt_update && install_bazel; then
-    :
-  else
-    log "apt-get install bazel-bootstrap failed; skipping bazel (the Bazel test will skip)"
-    exit 0
+# Refresh the package lists when a package is unknown, or after a failed
+# install (stale lists point at files the mirror no longer has).
+updated=0
+for pkg in "${missing[@]}"; do
+  if ! apt-cache show "$pkg" >/dev/null 2>&1; then
+    $SUDO apt-get update -q || log "apt-get update failed"
+    updated=1
+    break
+  fi
+done
+if ! install_missing; then
+  if [ "$updated" -eq 0 ]; then $SUDO apt-get update -q || true; fi
+  if ! install_missing; then
+    # One by one, so one unavailable package does not cost the others.
+    for pkg in "${missing[@]}"; do
+      $SUDO apt-get install -y -q --no-install-recommends "$pkg" || log "could not install $pkg (its tests will skip)"
+    done
   fi
 fi
-
-if command -v bazel >/dev/null 2>&1; then
-  log "installed $(bazel --version 2>/dev/null | head -1)"
-else
-  log "bazel-bootstrap installed but no 'bazel' on PATH; the Bazel test will skip"
-fi
+log "done: ${missing[*]}"
 exit 0
