@@ -10,6 +10,9 @@ set -u
 # package -> command (or file) that shows it is present, and why we need it
 PACKAGES=(
   "bazel-bootstrap:bazel"            # tests/test_bazel.py builds BUILD.bazel offline
+  "prometheus:prometheus"            # tests/test_observe_metrics.py scrapes a running job with a real Prometheus
+  "chromium:chromium"                # tests/test_observe_dashboard.py drives the dashboard in headless Chromium
+  "chromium-driver:chromedriver"     # ... through selenium's WebDriver
 )
 
 log() { echo "install_system_deps: $*"; }
