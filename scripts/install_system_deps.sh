@@ -9,6 +9,9 @@ set -u
 
 # package -> command (or file) that shows it is present, and why we need it
 PACKAGES=(
+  "clang:clang++"                    # ffi/fuzz/: libFuzzer harnesses are compiled with clang++ (experiments/fuzz.py)
+  "libfuzzer-14-dev:/usr/lib/llvm-14/lib/libFuzzer.a"  # ... -fsanitize=fuzzer (tests/test_fuzz.py skips without it)
+  "libclang-rt-14-dev:/usr/lib/llvm-14/lib/clang/14.0.6/lib/linux/libclang_rt.asan-x86_64.a"  # ... AddressSanitizer/UBSan runtime
   "bazel-bootstrap:bazel"            # tests/test_bazel.py builds BUILD.bazel offline
   "prometheus:prometheus"            # tests/test_observe_metrics.py scrapes a running job with a real Prometheus
   "chromium:chromium"                # tests/test_observe_dashboard.py drives the dashboard in headless Chromium
