@@ -91,6 +91,10 @@ class LaunchConfig:
     stop: tuple[str, ...] = ()
     random_kills: int = 0
     fault_seed: int = 0
+    # When no healthy replica is left (all dead, or restarting without having
+    # rejoined), the launcher restarts the whole job from its latest persistent
+    # checkpoint by itself, at most this many times (0: never; then --resume by hand).
+    max_job_restarts: int = 2
 
 
 @dataclass(frozen=True)
@@ -134,6 +138,9 @@ class Config:
             raise ValueError("data.batch_size must be >= 1 and train.steps >= 0")
         if self.launch.replicas < 1 or self.launch.devices_per_replica < 1:
             raise ValueError("launch.replicas and launch.devices_per_replica must be >= 1")
+        if self.launch.max_job_restarts < 0:
+            raise ValueError(f"launch.max_job_restarts={self.launch.max_job_restarts} must be >= 0 "
+                             "(0 = never fall back to the checkpoint by itself)")
         if d.batch_size % self.launch.devices_per_replica:
             raise ValueError(
                 f"data.batch_size={d.batch_size} must be divisible by launch.devices_per_replica="
