@@ -11,13 +11,25 @@ Rules, in the order they are checked (see :func:`decide_quorum`):
 1. **Liveness.** A replica is *live* if it was heard from (heartbeat or quorum
    request) within ``heartbeat_window_s``. Only live requesters can be members.
 2. **min_replicas.** Fewer live requesters than ``min_replicas``: no quorum.
-3. **Join time limit** (paper, section 6.1). Live replicas that are not asking
-   yet are waited for, at most ``join_timeout_s`` after the round's first
-   request; then the quorum forms without them. A replica left out this way is
-   not waited for again (it joins at whichever later step it asks at), so a
-   slow joiner costs the others at most one ``join_timeout_s``, not one per step.
-   Before the job's first quorum it also waits (same limit) for replicas never
-   heard from yet, when the job states its configured replica count.
+3. **Incumbents are waited for; the join time limit is for newcomers only.**
+   A live member of the previous quorum (an *incumbent*) that is not asking
+   yet is mid-step: it is waited for until it asks or the failure detector
+   declares it dead (silent > ``heartbeat_window_s``), never dropped by a
+   timer. Dropping it would make a healthy replica "behind" and cost it a
+   catch-up just because a rejoiner asked first (a waiting rejoiner asks up
+   to a whole step before the healthy members finish theirs). A live
+   *newcomer* (not in the previous quorum) that is not asking yet is waited
+   for at most ``join_timeout_s`` (paper, section 6.1), counted from when the
+   last incumbent asked, i.e. from when the quorum could otherwise have
+   formed: it is the newcomer's lateness alone that the limit bounds, so a
+   long step of the incumbents never uses it up. A newcomer left out this way
+   is not waited for again (it joins at whichever later step it asks at).
+   Before the job's first quorum every live replica is a newcomer, and the
+   limit (from the first request) also covers configured replicas never
+   heard from yet, when the job states its replica count.
+   After a lighthouse restart (no previous quorum in memory) the incumbents
+   are the members of the highest quorum the requesters report
+   (``last_quorum_id``, ``last_members``).
 4. **Split-brain guard.** The members must be a strict majority of the replicas
    live now (requesters included). We count against *live* replicas, not the
    configured total: after losing 2 of 4 replicas the 2 survivors must go on
@@ -25,7 +37,10 @@ Rules, in the order they are checked (see :func:`decide_quorum`):
    merely faster than a live majority can never move on alone.
 5. **Quorum id.** Kept when the membership (replica ids and their addresses) is
    unchanged, incremented when it changes or any requester reports that its
-   last commit failed (so every FTAR ring is rebuilt).
+   last commit failed (so every FTAR ring is rebuilt). Never at or below an
+   id a replica reports having seen (``last_quorum_id``, or the job's
+   ``quorum_id_floor``) unless it is that very quorum: a restarted lighthouse,
+   which remembers nothing, continues the job's ids instead of reusing them.
 
 Members are in ring order (:func:`ring_key`); replicas at the highest step are
 *healthy*, the rest *behind*: they contribute zero gradients and fetch state
@@ -45,6 +60,7 @@ __all__ = [
     "Quorum",
     "decide_quorum",
     "dead_replicas",
+    "incumbents_of",
     "assign_sources",
     "ring_key",
 ]
@@ -90,6 +106,10 @@ class QuorumRequest:
     state_server_address: str = ""
     local_world_size: int = 1
     commit_failed: bool = False
+    # The last quorum this replica was a member of (0 = none) and its members:
+    # what a restarted lighthouse rebuilds the job's ids and incumbents from.
+    last_quorum_id: int = 0
+    last_members: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -119,7 +139,7 @@ class Quorum:
     num_healthy: int = 0
     num_configured: int = 0
     reason: str = ""
-    # Live replicas this quorum was formed without after the join timeout;
+    # Live newcomers this quorum was formed without after the join timeout;
     # the next decision does not wait for them again.
     left_out: tuple[str, ...] = ()
 
@@ -181,18 +201,32 @@ def _fmt(ids: Iterable[str], limit: int = 8) -> str:
     return f"[{shown}{', ...' if len(ids) > limit else ''}]"
 
 
+def incumbents_of(previous: Quorum | None, requests: Iterable[QuorumRequest]) -> tuple[set[str], int]:
+    """The previous quorum's members and id, from memory or, after a lighthouse
+    restart, from the requesters' reports (the highest ``last_quorum_id`` wins)."""
+    if previous is not None:
+        return set(previous.member_ids), previous.quorum_id
+    best = max(requests, key=lambda r: r.last_quorum_id, default=None)
+    if best is None or best.last_quorum_id <= 0:
+        return set(), 0
+    return set(best.last_members), best.last_quorum_id
+
+
 def decide_quorum(
     requests: Mapping[str, QuorumRequest],
     heartbeats: Mapping[str, float],
     previous: Quorum | None,
     config: QuorumConfig,
     now: float,
+    quorum_id_floor: int = 0,
 ) -> tuple[Quorum | None, str]:
     """Decide the quorum of one job, or explain why there is none yet.
 
     ``requests``: pending quorum requests by replica id. ``heartbeats``: time
     each replica was last heard from (same clock as ``now`` and ``arrived_at``).
-    ``previous``: the job's last quorum. Returns ``(quorum, reason)`` with
+    ``previous``: the job's last quorum (None on a fresh or restarted
+    lighthouse). ``quorum_id_floor``: the highest quorum id any replica of the
+    job reported (heartbeats included). Returns ``(quorum, reason)`` with
     ``quorum`` None while the rules in the module docstring say wait.
     """
     if not requests:
@@ -220,18 +254,28 @@ def decide_quorum(
             f"{waiting}{stale_note}"
         )
 
-    # Rule 3: join time limit (replicas left out last time are not waited for again).
-    already_left_out = set(previous.left_out) if previous is not None else set()
-    waited_for = not_asking - already_left_out
-    round_start = min(c.arrived_at for c in candidates)
-    waited = now - round_start
-    if waited_for and waited < config.join_timeout_s:
+    # Rule 3a: live incumbents are waited for until they ask or are declared dead.
+    incumbents, prev_qid = incumbents_of(previous, candidates)
+    rebuilt = previous is None and prev_qid > 0
+    busy = not_asking & incumbents
+    if busy:
         return None, (
-            f"waiting up to {config.join_timeout_s - waited:.2f}s more for {len(waited_for)} live "
-            f"replica(s) not asking yet {_fmt(waited_for)}; {len(candidates)} asking{stale_note}"
+            f"waiting for {len(busy)} live member(s) of quorum {prev_qid} not asking yet {_fmt(busy)} "
+            f"(until they ask or stay silent > {window:g}s); {len(candidates)} asking{stale_note}"
+        )
+    # Rule 3b: newcomers are waited for at most join_timeout_s after the last incumbent asked.
+    already_left_out = set(previous.left_out) if previous is not None else set()
+    newcomers = not_asking - already_left_out
+    asked = [c.arrived_at for c in candidates if c.replica_id in incumbents]
+    ready_at = max(asked) if asked else min(c.arrived_at for c in candidates)
+    waited = now - ready_at
+    if newcomers and waited < config.join_timeout_s:
+        return None, (
+            f"waiting up to {config.join_timeout_s - waited:.2f}s more for {len(newcomers)} live "
+            f"newcomer(s) not asking yet {_fmt(newcomers)}; {len(candidates)} asking{stale_note}"
         )
     unheard = config.num_configured - len(live | set(heartbeats))
-    if previous is None and unheard > 0 and waited < config.join_timeout_s:
+    if previous is None and not rebuilt and unheard > 0 and waited < config.join_timeout_s:
         return None, (
             f"first quorum: waiting up to {config.join_timeout_s - waited:.2f}s more for {unheard} of "
             f"{config.num_configured} configured replica(s) never heard from; {len(candidates)} asking{stale_note}"
@@ -263,8 +307,10 @@ def decide_quorum(
     # Rule 5: quorum id.
     failed = sorted((c.replica_id for c in candidates if c.commit_failed), key=ring_key)
     identity = tuple(m.identity() for m in members)
-    if previous is None:
+    if previous is None and not rebuilt:
         quorum_id, why_id = 1, "first quorum"
+    elif previous is None:
+        quorum_id, why_id = prev_qid + 1, f"lighthouse restarted: replicas last saw quorum {prev_qid}"
     elif failed:
         quorum_id, why_id = previous.quorum_id + 1, f"commit failed on {_fmt(failed)}"
     elif identity != tuple(m.identity() for m in previous.members):
@@ -279,10 +325,14 @@ def decide_quorum(
         quorum_id, why_id = previous.quorum_id + 1, "membership changed " + " ".join(delta)
     else:
         quorum_id, why_id = previous.quorum_id, "same membership"
+    floor = max([quorum_id_floor, *(c.last_quorum_id for c in candidates)])
+    reused = previous is None or quorum_id != previous.quorum_id
+    if quorum_id < floor or (quorum_id == floor and reused):
+        quorum_id, why_id = floor + 1, f"{why_id}; above quorum {floor} reported by a replica"
 
     left_out = tuple(sorted(not_asking, key=ring_key))
     if left_out:
-        how = f"without live {_fmt(left_out)} (join timeout {config.join_timeout_s:g}s or left out before)"
+        how = f"without live newcomer(s) {_fmt(left_out)} (join timeout {config.join_timeout_s:g}s or left out before)"
     else:
         how = "every live replica asking"
     reason = (

@@ -21,7 +21,8 @@ from fthsdp.quorum import (
 CFG = QuorumConfig(min_replicas=1, join_timeout_s=1.0, heartbeat_window_s=1.0)
 
 
-def req(rid: str, step: int = 0, at: float = 0.0, *, lws: int = 1, port: int | None = None, failed: bool = False):
+def req(rid: str, step: int = 0, at: float = 0.0, *, lws: int = 1, port: int | None = None, failed: bool = False,
+        last_qid: int = 0, last_members: tuple[str, ...] = ()):
     base = 10000 + 10 * int(rid) if port is None else port
     return QuorumRequest(
         replica_id=rid,
@@ -31,6 +32,8 @@ def req(rid: str, step: int = 0, at: float = 0.0, *, lws: int = 1, port: int | N
         state_server_address=f"127.0.0.1:{base + 9}",
         local_world_size=lws,
         commit_failed=failed,
+        last_quorum_id=last_qid,
+        last_members=last_members,
     )
 
 
@@ -38,8 +41,8 @@ def reqs(*rs: QuorumRequest) -> dict[str, QuorumRequest]:
     return {r.replica_id: r for r in rs}
 
 
-def decide(requests, heartbeats=None, previous=None, config=CFG, now=0.0):
-    return decide_quorum(requests, heartbeats or {}, previous, config, now)
+def decide(requests, heartbeats=None, previous=None, config=CFG, now=0.0, floor=0):
+    return decide_quorum(requests, heartbeats or {}, previous, config, now, quorum_id_floor=floor)
 
 
 def test_no_requests_no_quorum():
@@ -74,7 +77,7 @@ def test_join_timeout_waits_then_forms_without_the_straggler():
     q, reason = decide(r, hb, now=1.15)  # join timeout (1.0 s after the first request) passed
     assert q is not None, reason
     assert q.member_ids == ("0", "1") and q.left_out == ("2",)
-    assert "without live [2]" in reason
+    assert "without live newcomer(s) [2]" in reason
 
 
 def test_left_out_replica_is_not_waited_for_again():
@@ -230,3 +233,102 @@ def test_dead_replicas():
 def test_config_validation(kwargs, match):
     with pytest.raises(ValueError, match=match):
         QuorumConfig(**kwargs)
+
+
+# -- issue 10: incumbents are never left out by a timer; the join limit is for newcomers --------------------
+
+
+def survivors_quorum() -> Quorum:
+    """Quorum 2 of a job whose replica 1 died: members 0 and 2 at step 40."""
+    return Quorum(2, (Member("0", 40, ("127.0.0.1:10000",), "127.0.0.1:10009"),
+                      Member("2", 40, ("127.0.0.1:10020",), "127.0.0.1:10029")), 40, ("0", "2"), ())
+
+
+def test_rejoiner_asking_first_does_not_drop_a_busy_incumbent():
+    # The restarted replica 1 asks at t=0; survivor 2 finishes its step at 0.3, survivor 0 is
+    # still computing (heartbeating) at t=5, far past the join limit: nobody is dropped.
+    prev = survivors_quorum()
+    r = reqs(req("1", 0, at=0.0), req("2", 41, at=0.3))
+    hb = {"0": 4.95, "1": 4.95, "2": 4.95}
+    q, reason = decide(r, hb, prev, now=5.0)
+    assert q is None, reason
+    assert "live member(s) of quorum 2 not asking yet [0]" in reason
+    r["0"] = req("0", 41, at=5.1)
+    q, reason = decide(r, {k: 5.1 for k in hb}, prev, now=5.1)
+    assert q is not None, reason
+    assert q.member_ids == ("0", "1", "2") and q.healthy == ("0", "2") and q.behind == ("1",)
+    assert q.left_out == () and q.quorum_id == 3 and "+[1]" in reason
+
+
+def test_incumbent_is_waited_for_only_until_declared_dead():
+    prev = survivors_quorum()
+    r = reqs(req("1", 0, at=0.0), req("2", 41, at=0.3))
+    # 0 last heard at 0.2: within the window at 1.1 (still waited for), silent > 1.0 at 1.3 (dead).
+    q, reason = decide(r, {"0": 0.2, "1": 1.1, "2": 1.1}, prev, now=1.1)
+    assert q is None and "[0]" in reason, reason
+    q, reason = decide(r, {"0": 0.2, "1": 1.3, "2": 1.3}, prev, now=1.3)
+    assert q is not None and q.member_ids == ("1", "2") and "-[0]" in reason, reason
+
+
+def test_newcomer_join_limit_counts_from_the_last_incumbent_request():
+    # Incumbents 0 and 2 ask 3 s apart (a long step); newcomer 1 is live but not asking.
+    prev = survivors_quorum()
+    r = reqs(req("0", 41, at=0.0), req("2", 41, at=3.0))
+    hb = {"0": 3.0, "1": 3.0, "2": 3.0}
+    q, reason = decide(r, hb, prev, now=3.01)
+    assert q is None and "newcomer(s) not asking yet [1]" in reason, reason
+    q, reason = decide(r, {k: 4.0 for k in hb}, prev, now=4.01)  # 1.01 s after the last incumbent
+    assert q is not None and q.member_ids == ("0", "2") and q.left_out == ("1",), reason
+    assert q.quorum_id == 2 and "same membership" in reason
+
+
+@pytest.mark.parametrize("order", list(itertools.permutations(["0", "1", "2", "3"])))
+def test_no_arrival_order_makes_a_live_incumbent_behind(order):
+    # Incumbents 0, 2, 3 at step 40, rejoiner 1 at step 0, arriving in any order 0.7 s apart
+    # (longer than the join limit); everyone heartbeats. Each decision point is checked.
+    prev = Quorum(5, tuple(Member(r, 40) for r in ("0", "2", "3")), 40, ("0", "2", "3"), ())
+    r: dict[str, QuorumRequest] = {}
+    for i, rid in enumerate(order):
+        t = 0.7 * i
+        r[rid] = QuorumRequest(rid, 0 if rid == "1" else 40, t)
+        q, reason = decide(dict(r), {k: t for k in "0123"}, prev, config=QuorumConfig(join_timeout_s=0.5), now=t + 0.6)
+        if q is not None:
+            assert set(q.healthy) >= {"0", "2", "3"}, (order, reason)
+            assert "1" not in q.healthy
+    assert q is not None and q.member_ids == ("0", "1", "2", "3") and q.behind == ("1",)
+
+
+def test_restarted_lighthouse_waits_for_reported_members_and_continues_ids():
+    # A lighthouse restarted mid-run remembers nothing; 0 and 1 report quorum 7 = {0, 1, 2}.
+    r = reqs(req("0", 88, at=0.0, last_qid=7, last_members=("0", "1", "2")),
+             req("1", 88, at=0.0, last_qid=7, last_members=("0", "1", "2")))
+    hb = {"0": 5.0, "1": 5.0, "2": 5.0}
+    q, reason = decide(r, hb, now=5.0)
+    assert q is None and "member(s) of quorum 7" in reason and "[2]" in reason, reason
+    r["2"] = req("2", 88, at=5.0, last_qid=7, last_members=("0", "1", "2"))
+    q, reason = decide(r, hb, now=5.0)
+    assert q is not None and q.member_ids == ("0", "1", "2"), reason
+    assert q.quorum_id == 8 and "lighthouse restarted" in reason
+    assert q.healthy == ("0", "1", "2")  # same step: nobody is behind, nobody trains twice
+
+
+def test_restarted_lighthouse_does_not_wait_for_a_dead_reported_member():
+    r = reqs(req("0", 88, at=0.0, last_qid=7, last_members=("0", "1", "2")),
+             req("1", 88, at=0.0, last_qid=7, last_members=("0", "1", "2")))
+    q, reason = decide(r, {"0": 0.0, "1": 0.0}, config=QuorumConfig(num_configured=3), now=0.0)
+    # 2 was never heard from by this lighthouse: it is not live, and the first-quorum wait for
+    # configured replicas does not apply to a running job.
+    assert q is not None and q.member_ids == ("0", "1") and q.quorum_id == 8, reason
+
+
+def test_quorum_id_never_at_or_below_a_reported_one():
+    q, reason = decide(reqs(req("0"), req("1")), {"0": 0.0, "1": 0.0}, now=0.0, floor=12)
+    assert q is not None and q.quorum_id == 13 and "above quorum 12" in reason
+    # A replica reporting a higher id than the lighthouse's previous quorum bumps a changed one past it.
+    prev = Quorum(3, (Member("0", 5),), 5, ("0",), ())
+    q, reason = decide(reqs(req("0", 5), req("1", 0, last_qid=9)), {}, prev, now=0.0)
+    assert q is not None and q.quorum_id == 10, reason
+    # ...while an unchanged quorum keeps its id.
+    q1, _ = decide(reqs(req("0", 0), req("1", 0)), now=0.0)
+    q2, reason = decide(reqs(req("0", 1, last_qid=1), req("1", 1, last_qid=1)), {}, q1, now=1.0)
+    assert q2.quorum_id == 1 and "same membership" in reason
