@@ -4,6 +4,10 @@ A config file under `configs/` defines a module-level `config` (a `Config`).
 Variants import a base and override fields with `dataclasses.replace`, or with
 `override(config, ["optim.lr=1e-3", ...])`, which is also what the command
 line uses (`fthsdp train --config configs/base.py optim.lr=1e-3`).
+
+Every field's allowed values are declared once, in `fthsdp.config_checks.RULES`
+(a new field needs a rule there; tests/test_config.py fails without one), and
+`Config.validate()` checks them all when a config is loaded, before anything starts.
 """
 
 from __future__ import annotations
@@ -15,6 +19,10 @@ import sys
 import types
 import typing
 from dataclasses import dataclass, field
+
+from fthsdp.config_checks import ConfigError, check
+
+__all__ = ["Config", "ConfigError", "load", "load_module", "override", "to_dict"]
 
 
 @dataclass(frozen=True)
@@ -129,36 +137,10 @@ class Config:
         return Timeouts.from_ft(self.ft)
 
     def validate(self) -> "Config":
-        m, d = self.model, self.data
-        if m.d_model % m.num_heads:
-            raise ValueError(f"model.d_model={m.d_model} is not divisible by model.num_heads={m.num_heads}")
-        if d.seq_len > m.max_seq_len:
-            raise ValueError(f"data.seq_len={d.seq_len} exceeds model.max_seq_len={m.max_seq_len}")
-        if d.batch_size < 1 or self.train.steps < 0:
-            raise ValueError("data.batch_size must be >= 1 and train.steps >= 0")
-        if self.launch.replicas < 1 or self.launch.devices_per_replica < 1:
-            raise ValueError("launch.replicas and launch.devices_per_replica must be >= 1")
-        if self.launch.max_job_restarts < 0:
-            raise ValueError(f"launch.max_job_restarts={self.launch.max_job_restarts} must be >= 0 "
-                             "(0 = never fall back to the checkpoint by itself)")
-        if d.batch_size % self.launch.devices_per_replica:
-            raise ValueError(
-                f"data.batch_size={d.batch_size} must be divisible by launch.devices_per_replica="
-                f"{self.launch.devices_per_replica} (the batch is sharded over the replica's devices)"
-            )
-        from fthsdp.intervention import Intervention
-        from fthsdp.timeouts import Timeouts
-
-        Timeouts.from_ft(self.ft).check()
-
-        Intervention.parse(self.ft.intervention)
-        if self.ft.snapshot not in ("on_demand", "every_commit"):
-            raise ValueError(f"ft.snapshot must be on_demand or every_commit, got {self.ft.snapshot!r}")
+        """Returns self, or raises :class:`ConfigError` naming the first field that is not allowed
+        and what is (every field's rule: :data:`fthsdp.config_checks.RULES`)."""
+        check(self)
         return self
-
-
-class ConfigError(ValueError):
-    pass
 
 
 def _convert(text: str, typ, where: str):
@@ -236,7 +218,13 @@ def load_module(path_or_name: str) -> types.ModuleType:
     module = types.ModuleType(name)
     module.__file__ = str(path)
     sys.modules[name] = module
-    spec.loader.exec_module(module)
+    try:
+        spec.loader.exec_module(module)
+    except Exception as e:  # a config file is code: any error in it is the file's, reported as such
+        sys.modules.pop(name, None)
+        if isinstance(e, ConfigError):
+            raise ConfigError(f"config {path} failed to load: {e}") from e
+        raise ConfigError(f"config {path} failed to load: {type(e).__name__}: {e}") from e
     return module
 
 

@@ -38,13 +38,18 @@ class Timeouts:
     # The minimum number of heartbeats that must fit in the detection window:
     # one late heartbeat (a GC pause, a busy core) must not look like a death.
     MIN_HEARTBEATS_PER_WINDOW = 3
+    # No timeout may exceed a week: the native control thread turns seconds into
+    # an int64 count of nanoseconds, and a value like 1e300 would overflow it.
+    MAX_S = 7 * 24 * 3600.0
 
     def check(self) -> "Timeouts":
         """Returns self, or raises :class:`TimeoutsError` naming the offending ``ft.`` fields."""
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
-            if not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
-                raise TimeoutsError(f"ft.{f.name}={v!r}: must be a finite number of seconds > 0")
+            if not (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+                    and 0 < v <= self.MAX_S):
+                raise TimeoutsError(f"ft.{f.name}={v!r}: must be a finite number of seconds > 0 and "
+                                    f"<= {self.MAX_S:g} (a week)")
         order = [
             ("heartbeat_interval_s", "detect_s", "a replica must heartbeat several times per detection window"),
             ("detect_s", "allreduce_timeout_s",

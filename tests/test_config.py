@@ -54,3 +54,128 @@ def test_user_config_file_outside_the_repo(tmp_path):
     cfg = config_lib.load(str(f))
     assert cfg.name == "mine" and cfg.train.steps == 7
     assert dataclasses.asdict(cfg)["model"] == dataclasses.asdict(Config().model)
+
+
+# --- every field checked before anything starts (issue 13, item 4) -----------------------------
+
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+
+from fthsdp import config_checks  # noqa: E402
+from fthsdp.timeouts import Timeouts  # noqa: E402
+
+
+def test_every_field_of_every_section_has_a_rule():
+    """A field added without a rule would be accepted with any value: name it here."""
+    names = {name for name, _, _ in config_checks.leaf_fields(Config())}
+    missing = sorted(names - set(config_checks.RULES))
+    assert not missing, f"add a rule for {missing} to fthsdp.config_checks.RULES"
+    stale = sorted(set(config_checks.RULES) - names)
+    assert not stale, f"rules for fields that no longer exist: {stale}"
+    # Timeouts have one owner: exactly Timeouts' fields are delegated to it.
+    delegated = {n for n, r in config_checks.RULES.items() if isinstance(r, config_checks.Timeout)}
+    assert delegated == {f"ft.{f.name}" for f in dataclasses.fields(Timeouts)}
+
+
+@pytest.mark.parametrize("name", ["base", "wide", "ft_local", "lr_study", "lr_study_quick"])
+def test_shipped_configs_validate(name):
+    assert config_lib.load(name).name == name
+
+
+@pytest.mark.parametrize("bad,msg", [
+    ("optim.lr=nan", "optim.lr=nan: must be a finite number > 0"),
+    ("optim.lr=inf", "optim.lr=inf: must be a finite number > 0"),
+    ("optim.lr=0", "optim.lr=0.0: must be a finite number > 0"),
+    ("optim.b2=1", r"optim.b2=1.0: must be a finite number >= 0 and < 1"),
+    ("optim.weight_decay=-0.1", "optim.weight_decay=-0.1: must be a finite number >= 0"),
+    ("ft.detect_s=-1", r"ft.detect_s=-1.0: must be a finite number of seconds > 0"),
+    ("ft.detect_s=nan", r"ft.detect_s=nan: must be a finite number"),
+    ("ft.allreduce_timeout_s=0", r"ft.allreduce_timeout_s=0.0: must be a finite number of seconds > 0"),
+    ("ft.quorum_timeout_s=1e300", r"ft.quorum_timeout_s=1e\+300: must be .* <= 604800"),
+    ("ft.allreduce_timeout_s=0.5", r"ft.detect_s=0.8 must be < ft.allreduce_timeout_s=0.5"),
+    ("ft.max_retries=-1", r"ft.max_retries=-1: must be an integer >= 0"),
+    ("ft.streams_per_peer=65", r"ft.streams_per_peer=65: must be an integer >= 1 and <= 64"),
+    ("ft.checkpoint_every=0", r"ft.checkpoint_every=0: must be an integer >= 1"),
+    ("ft.peer_serve_cap_gbps=-1", r"ft.peer_serve_cap_gbps=-1.0: must be a finite number >= 0"),
+    ("ft.min_replicas=4", r"ft.min_replicas=4 must be <= launch.replicas=3"),
+    ("data.seq_len=0", r"data.seq_len=0: must be an integer >= 1"),
+    ("data.batch_size=0", r"data.batch_size=0: must be an integer >= 1"),
+    ("data.corpus_bytes=10", r"data.corpus_bytes=10: must be an integer >= 1024"),
+    ("data.seed=-1", r"data.seed=-1: must be an integer >= 0 and <= 4294967295"),
+    ("train.steps=-5", r"train.steps=-5: must be an integer >= 0"),
+    ("train.log_every=0", r"train.log_every=0: must be an integer >= 1"),
+    ("train.out_dir=", r"train.out_dir='': is empty"),
+    ("train.min_step_s=-1", r"train.min_step_s=-1.0: must be a finite number >= 0"),
+    ("model.dtype=banana", r"model.dtype='banana': must be one of float32, bfloat16, float16"),
+    ("model.vocab_size=100", r"model.vocab_size=100: must be an integer >= 256"),
+    ("model.num_layers=0", r"model.num_layers=0: must be an integer >= 1"),
+    ("optim.decay=linear", r"optim.decay='linear': must be one of cosine, constant"),
+    ("ft.intervention=cubic", r"ft.intervention='cubic': unknown LR intervention 'cubic'; choose one of: none"),
+    ("ft.snapshot=always", r"ft.snapshot='always': must be one of on_demand, every_commit"),
+    ("launch.kill=garbage", r"launch.kill=\('garbage',\): bad --kill 'garbage': expected REPLICA@STEP"),
+    ("launch.stop=1@x", r"launch.stop=\('1@x',\): bad --stop '1@x': expected REPLICA@STEP"),
+    ("launch.kill=-1@5", r"launch.kill=\('-1@5',\): .*must be >= 0"),
+    ("launch.lighthouse=127.0.0.1:99999", r"launch.lighthouse='127.0.0.1:99999': not host:port with a port in "
+                                          r"1..65535"),
+    ("launch.replicas=0", r"launch.replicas=0: must be an integer >= 1"),
+    ("launch.restart_delay_s=nan", r"launch.restart_delay_s=nan: must be a finite number >= 0"),
+    ("launch.random_kills=-2", r"launch.random_kills=-2: must be an integer >= 0"),
+    ("data.seq_len=100", r"data.seq_len=100 exceeds model.max_seq_len=64"),
+])
+def test_out_of_range_values_are_refused_naming_the_field_and_what_is_allowed(bad, msg):
+    with pytest.raises(ConfigError, match=msg):
+        config_lib.load("ft_local", [bad])
+
+
+def test_launch_lighthouse_accepts_host_port_or_empty():
+    assert config_lib.load("base", ["launch.lighthouse=127.0.0.1:29510"]).launch.lighthouse == "127.0.0.1:29510"
+    assert config_lib.load("base", ["launch.lighthouse=localhost:1"]).launch.lighthouse == "localhost:1"
+    assert config_lib.load("base").launch.lighthouse == ""
+
+
+@pytest.mark.parametrize("section,field,value,msg", [
+    ("model", "d_model", "128", r"model.d_model='128': must be an integer >= 1"),
+    ("model", "d_model", True, r"model.d_model=True: must be an integer >= 1"),
+    ("optim", "lr", float("nan"), r"optim.lr=nan: must be a finite number > 0"),
+    ("optim", "lr", None, r"optim.lr=None: must be a finite number > 0"),
+    ("launch", "kill", ["1@5"], r"launch.kill=\['1@5'\]: must be a tuple of strings"),
+    ("launch", "restart", "yes", r"launch.restart='yes': must be true or false"),
+    ("ft", "heartbeat_interval_s", "0.1", r"ft.heartbeat_interval_s='0.1': must be a finite number"),
+])
+def test_wrong_types_from_a_config_file_are_refused(section, field, value, msg):
+    """Config files are Python: a value of the wrong type is refused at load, not deep in a job."""
+    cfg = Config()
+    bad = dataclasses.replace(cfg, **{section: dataclasses.replace(getattr(cfg, section), **{field: value})})
+    with pytest.raises(ConfigError, match=msg):
+        bad.validate()
+
+
+def test_a_config_file_that_raises_is_reported_as_failing_to_load(tmp_path):
+    f = tmp_path / "broken.py"
+    f.write_text("from configs.base import config\nraise RuntimeError('oops in the config')\n")
+    with pytest.raises(ConfigError, match=r"config .*broken.py failed to load: RuntimeError: oops in the config"):
+        config_lib.load(str(f))
+    assert "_fthsdp_config_broken" not in sys.modules  # a half-run module is not left behind
+    f.write_text("config = (\n")
+    with pytest.raises(ConfigError, match=r"config .*broken.py failed to load: SyntaxError"):
+        config_lib.load(str(f))
+
+
+def _cli(*args):
+    return subprocess.run([sys.executable, "-m", "fthsdp.cli", *args], capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize("command", ["train", "run"])
+def test_every_cli_that_loads_a_config_prints_the_error_without_a_traceback(tmp_path, command):
+    raising = tmp_path / "raising.py"
+    raising.write_text("x = 1 / 0\n")
+    cases = [
+        (["model.dtype=banana"], "model.dtype='banana': must be one of float32, bfloat16, float16"),
+        (["ft.detect_s=-1"], "ft.detect_s=-1.0: must be a finite number of seconds > 0"),
+        (["--config", str(raising)], f"config {raising} failed to load: ZeroDivisionError: division by zero"),
+    ]
+    for args, msg in cases:
+        r = _cli(command, *args)
+        assert r.returncode == 2, r.stderr
+        assert msg in r.stderr
+        assert "Traceback" not in r.stderr

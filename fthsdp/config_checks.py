@@ -1,0 +1,322 @@
+"""What every config field may hold, declared once, checked before anything starts.
+
+A bad value used to surface late and far from its cause: ``optim.lr=nan``
+trained a model into NaNs, ``model.dtype=banana`` died in a traceback deep in
+flax, ``data.seq_len=0`` or ``ft.max_retries=-1`` were accepted and failed (or
+silently misbehaved) minutes into a job. :data:`RULES` says, for every field of
+every section, what is allowed; :func:`check` applies it to a whole ``Config``
+and raises one :class:`ConfigError` naming the field, the value and what is
+allowed. A test checks that every field has a rule, so a new field cannot slip
+through unchecked.
+
+Three kinds of checks, in order:
+
+1. **type** (from the dataclass annotations): an ``int`` field holds an int
+   (not a bool), a ``float`` field a finite number, and so on;
+2. **per field** (:data:`RULES`): ranges, enums, the fault-spec grammar;
+3. **across fields** (:func:`check`): the timeouts' order (owned by
+   :class:`fthsdp.timeouts.Timeouts`), heads dividing the width, the sequence
+   fitting the model and the corpus, the batch splitting over the devices.
+
+The fault specs' grammar is checked here; whether they name existing replicas
+is checked by the launcher (``fthsdp.launch.faults.plan``) before it starts
+anything, because ``fthsdp run --replicas N --kill ...`` replaces both.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import typing
+from dataclasses import dataclass
+from typing import Any, Callable
+
+
+class ConfigError(ValueError):
+    """A config (file, override or value) is not usable; the message says which field and what is allowed."""
+
+
+@dataclass(frozen=True)
+class Number:
+    """A number in a range. ``integer``: ints only; otherwise any finite number."""
+
+    integer: bool
+    lo: float | None = None
+    hi: float | None = None
+    lo_open: bool = False  # lo itself is not allowed
+    hi_open: bool = False
+    why: str = ""
+
+    def allowed(self) -> str:
+        def num(x: float) -> str:
+            return str(int(x)) if float(x).is_integer() and abs(x) < 1e15 else f"{x:g}"
+
+        parts = []
+        if self.lo is not None:
+            parts.append(f"{'>' if self.lo_open else '>='} {num(self.lo)}")
+        if self.hi is not None:
+            parts.append(f"{'<' if self.hi_open else '<='} {num(self.hi)}")
+        what = "an integer" if self.integer else "a finite number"
+        text = f"{what} {' and '.join(parts)}".rstrip()
+        return f"{text} ({self.why})" if self.why else text
+
+    def problem(self, value: Any) -> str | None:
+        if isinstance(value, bool):
+            return self.allowed()
+        if self.integer and not isinstance(value, int):
+            return self.allowed()
+        if not isinstance(value, (int, float)) or not math.isfinite(value):
+            return self.allowed()
+        if self.lo is not None and (value < self.lo or (self.lo_open and value == self.lo)):
+            return self.allowed()
+        if self.hi is not None and (value > self.hi or (self.hi_open and value == self.hi)):
+            return self.allowed()
+        return None
+
+
+@dataclass(frozen=True)
+class OneOf:
+    """One of a fixed set of names (an enum read from a config file or the command line)."""
+
+    choices: tuple[str, ...]
+
+    def allowed(self) -> str:
+        return "one of " + ", ".join(self.choices)
+
+    def problem(self, value: Any) -> str | None:
+        return None if isinstance(value, str) and value in self.choices else self.allowed()
+
+
+@dataclass(frozen=True)
+class Parsed:
+    """A value accepted by a parser (which raises ``ValueError`` with its own reason)."""
+
+    parse: Callable[[Any], Any]
+    description: str
+
+    def allowed(self) -> str:
+        return self.description
+
+    def problem(self, value: Any) -> str | None:
+        try:
+            self.parse(value)
+        except (ValueError, TypeError) as e:
+            return f"{e} (allowed: {self.description})"
+        return None
+
+
+@dataclass(frozen=True)
+class Timeout:
+    """A timeout: its range and its order with the others belong to :class:`fthsdp.timeouts.Timeouts`."""
+
+    def allowed(self) -> str:
+        return "a number of seconds (see fthsdp.timeouts.Timeouts)"
+
+    def problem(self, value: Any) -> str | None:
+        return None  # Timeouts.check() runs on the whole set in check()
+
+
+@dataclass(frozen=True)
+class Anything:
+    """No constraint beyond the field's type (say why in ``why``)."""
+
+    why: str
+
+    def allowed(self) -> str:
+        return self.why
+
+    def problem(self, value: Any) -> str | None:
+        return None
+
+
+Rule = Number | OneOf | Parsed | Timeout | Anything
+
+
+def _int(lo: float | None = None, hi: float | None = None, why: str = "") -> Number:
+    return Number(True, lo, hi, why=why)
+
+
+def _real(lo: float | None = None, hi: float | None = None, lo_open: bool = False, hi_open: bool = False,
+          why: str = "") -> Number:
+    return Number(False, lo, hi, lo_open, hi_open, why)
+
+
+SEED = _int(0, 2**32 - 1, "a random seed")
+DTYPES = ("float32", "bfloat16", "float16")  # what the model and FTAR's reduction kernels support
+FTAR_MAX_STREAMS = 64  # ffi/control_thread.cc refuses more streams per peer
+
+
+def _nonempty_text(value: Any) -> None:
+    if not isinstance(value, str) or not value.strip():
+        raise ValueError("is empty")
+    if any(ord(c) < 32 for c in value):
+        raise ValueError("contains control characters")
+
+
+def _host_port_or_empty(value: Any) -> None:
+    """'' (start a lighthouse locally) or host:port with a port in 1..65535."""
+    if value == "":
+        return
+    host, sep, port = str(value).rpartition(":")
+    if not sep or not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise ValueError("not host:port with a port in 1..65535 (e.g. 127.0.0.1:29510)")
+    if any(c.isspace() or ord(c) < 32 for c in host):
+        raise ValueError("the host contains spaces or control characters")
+
+
+def _fault_specs(kind: str) -> Callable[[Any], None]:
+    def parse(value: Any) -> None:
+        from fthsdp.launch.faults import parse_fault
+
+        for spec in value:
+            parse_fault(spec, kind)
+
+    return parse
+
+
+def _intervention(value: Any) -> None:
+    from fthsdp.intervention import Intervention
+
+    Intervention.parse(value)
+
+
+# Every field of every section: "section.field" (or "field" at the top level) -> rule.
+RULES: dict[str, Rule] = {
+    "name": Parsed(_nonempty_text, "a non-empty name"),
+    # model
+    "model.vocab_size": _int(256, why="every byte of the corpus must be a token"),
+    "model.d_model": _int(1),
+    "model.num_layers": _int(1),
+    "model.num_heads": _int(1),
+    "model.mlp_ratio": _int(1),
+    "model.max_seq_len": _int(1),
+    "model.dtype": OneOf(DTYPES),
+    # data
+    "data.seed": SEED,
+    "data.seq_len": _int(1),
+    "data.batch_size": _int(1),
+    "data.corpus_bytes": _int(1024, 1 << 32, "bytes of generated text"),
+    "data.eval_batches": _int(0),
+    # optim
+    "optim.lr": _real(0, lo_open=True),
+    "optim.warmup_steps": _int(0),
+    "optim.weight_decay": _real(0),
+    "optim.b1": _real(0, 1, hi_open=True),
+    "optim.b2": _real(0, 1, hi_open=True),
+    "optim.grad_clip": _real(0, lo_open=True, why="the global gradient norm is clipped to this"),
+    "optim.decay": OneOf(("cosine", "constant")),
+    # ft
+    "ft.intervention": Parsed(_intervention, "an LR intervention (none, linear or sqrt)"),
+    "ft.min_replicas": _int(1),
+    "ft.join_timeout_s": Timeout(),
+    "ft.startup_timeout_s": Timeout(),
+    "ft.heartbeat_interval_s": Timeout(),
+    "ft.detect_s": Timeout(),
+    "ft.allreduce_timeout_s": Timeout(),
+    "ft.quorum_timeout_s": Timeout(),
+    "ft.lighthouse_outage_s": Timeout(),
+    "ft.max_retries": _int(0, why="retries of a failed step before the replica gives up"),
+    "ft.streams_per_peer": _int(1, FTAR_MAX_STREAMS, "FTAR connections per neighbour"),
+    "ft.checkpoint_every": _int(1, why="steps between persistent checkpoints"),
+    "ft.snapshot": OneOf(("on_demand", "every_commit")),
+    "ft.peer_streams": _int(1, FTAR_MAX_STREAMS, "parallel HTTP streams per source"),
+    "ft.peer_serve_cap_gbps": _real(0, why="0 = no cap"),
+    # launch
+    "launch.replicas": _int(1),
+    "launch.devices_per_replica": _int(1),
+    "launch.lighthouse": Parsed(_host_port_or_empty, "empty (start one locally) or host:port"),
+    "launch.kill": Parsed(_fault_specs("kill"), "comma-separated REPLICA@STEP"),
+    "launch.restart": Anything("true or false"),
+    "launch.restart_delay_s": _real(0, why="seconds"),
+    "launch.stop": Parsed(_fault_specs("stop"), "comma-separated REPLICA@STEP"),
+    "launch.random_kills": _int(0),
+    "launch.fault_seed": SEED,
+    "launch.max_job_restarts": _int(0, why="whole-job restarts from the latest checkpoint, 0 = never"),
+    # train
+    "train.steps": _int(0),
+    "train.seed": SEED,
+    "train.log_every": _int(1),
+    "train.eval_every": _int(0, why="0 = no evaluation"),
+    "train.out_dir": Parsed(_nonempty_text, "a directory"),
+    "train.min_step_s": _real(0, why="seconds; 0 = off"),
+}
+
+
+def _type_problem(value: Any, typ: Any) -> str | None:
+    """Why `value` is not of the annotated type `typ` (None when it is)."""
+    origin = typing.get_origin(typ)
+    if typ is bool:
+        return None if isinstance(value, bool) else "true or false"
+    if typ is int:
+        return None if isinstance(value, int) and not isinstance(value, bool) else "an integer"
+    if typ is float:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+        return None if ok else "a finite number"
+    if typ is str:
+        return None if isinstance(value, str) else "a string"
+    if origin is tuple:
+        ok = isinstance(value, tuple) and all(isinstance(x, str) for x in value)
+        return None if ok else "a tuple of strings"
+    return None
+
+
+def leaf_fields(cfg: Any, prefix: str = "") -> list[tuple[str, Any, Any]]:
+    """(dotted name, value, annotated type) of every non-section field of a config."""
+    out = []
+    hints = typing.get_type_hints(type(cfg))
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        name = prefix + f.name
+        if dataclasses.is_dataclass(value) and not isinstance(value, type):
+            out += leaf_fields(value, name + ".")
+        else:
+            out.append((name, value, hints[f.name]))
+    return out
+
+
+def _fail(name: str, value: Any, allowed: str) -> typing.NoReturn:
+    raise ConfigError(f"{name}={value!r}: must be {allowed}")
+
+
+def _refuse(name: str, value: Any, reason: str) -> typing.NoReturn:
+    raise ConfigError(f"{name}={value!r}: {reason}")
+
+
+def check(cfg: Any) -> None:
+    """Raises :class:`ConfigError` for the first field (or combination) that is not allowed."""
+    for name, value, typ in leaf_fields(cfg):
+        rule = RULES.get(name)
+        wrong = _type_problem(value, typ)
+        if wrong is not None:
+            _fail(name, value, rule.allowed() if isinstance(rule, Number | OneOf) else wrong)
+        if rule is not None:
+            why = rule.problem(value)
+            if why is not None and isinstance(rule, Parsed):
+                _refuse(name, value, why)
+            if why is not None:
+                _fail(name, value, why)
+
+    from fthsdp.timeouts import Timeouts, TimeoutsError
+
+    try:
+        Timeouts.from_ft(cfg.ft).check()
+    except TimeoutsError as e:
+        raise ConfigError(str(e)) from None
+
+    m, d, launch = cfg.model, cfg.data, cfg.launch
+    if m.d_model % m.num_heads:
+        raise ConfigError(f"model.d_model={m.d_model} is not divisible by model.num_heads={m.num_heads}: "
+                          "choose a width that is a multiple of the number of heads")
+    if d.seq_len > m.max_seq_len:
+        raise ConfigError(f"data.seq_len={d.seq_len} exceeds model.max_seq_len={m.max_seq_len}: "
+                          "data.seq_len must be <= model.max_seq_len")
+    if d.corpus_bytes < d.seq_len + 2:
+        raise ConfigError(f"data.corpus_bytes={d.corpus_bytes} must be >= data.seq_len + 2 = {d.seq_len + 2}: "
+                          "a training window must fit in the corpus")
+    if d.batch_size % launch.devices_per_replica:
+        raise ConfigError(
+            f"data.batch_size={d.batch_size} must be divisible by launch.devices_per_replica="
+            f"{launch.devices_per_replica} (the batch is sharded over the replica's devices)")
+    if cfg.ft.min_replicas > launch.replicas:
+        raise ConfigError(f"ft.min_replicas={cfg.ft.min_replicas} must be <= launch.replicas={launch.replicas}: "
+                          "otherwise no quorum can ever form")
