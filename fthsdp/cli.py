@@ -15,6 +15,7 @@ SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
     "run": ("fthsdp.launch.local", "cli", "run a fault-tolerant job locally: lighthouse + N replicas + faults"),
     "lighthouse": ("fthsdp.lighthouse", "cli", "serve quorums and failure detection over gRPC"),
     "status": ("fthsdp.lighthouse_client", "status_cli", "show a lighthouse's jobs, quorums and replicas"),
+    "dashboard": ("fthsdp.observe.dashboard", "cli", "serve a live web page and /metrics of a lighthouse's jobs"),
 }
 
 
@@ -45,7 +46,9 @@ def train_cli(argv: list[str]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
+    from fthsdp.logs import take_format_option
+
+    argv = take_format_option(list(sys.argv[1:] if argv is None else argv))  # --log-format on every command
     if not argv or argv[0] in ("-h", "--help"):
         print("usage: fthsdp <command> [args]\n\ncommands:")
         for name, (_, _, help_text) in SUBCOMMANDS.items():

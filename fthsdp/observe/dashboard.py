@@ -1,0 +1,231 @@
+"""`fthsdp dashboard`: a live web page of a lighthouse's jobs, self-contained.
+
+A small HTTP server polls a lighthouse's public Status RPC and serves:
+
+* ``/``: the page (``observe/static``: hand-written HTML, CSS and JS, no CDN,
+  no build step; the membership timeline is an inline SVG drawn by the page);
+* ``/api/status``: the JSON the page polls: per job the quorum and the reason
+  for the last decision, every replica's state, step, heartbeat age and step
+  time, a membership timeline and recent failures (kept in memory from polls);
+* ``/metrics``: the lighthouse's Prometheus metrics (``LighthouseMetrics``), so
+  one process gives an operator the page and the lighthouse scrape target;
+* ``/healthz``.
+
+The server is bounded: a fixed number of requests are served at once (the
+rest get 503), each socket has a timeout, and the poll history has a fixed
+size. It only reads the lighthouse, so it can run anywhere that reaches it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.resources
+import json
+import logging
+import mimetypes
+import pathlib
+import signal
+import sys
+import threading
+import time
+from http import HTTPStatus
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from fthsdp.observe.lighthouse_view import History, LighthouseUnreachable, LighthouseView, StatusPoller
+from fthsdp.observe.metrics import LighthouseMetrics, parse_bind
+
+log = logging.getLogger("fthsdp.observe.dashboard")
+
+STATIC_FILES = ("index.html", "dashboard.css", "dashboard.js")
+
+
+def static_dir() -> Any:
+    """The page's files, wherever the package is installed (a wheel, an editable tree)."""
+    return importlib.resources.files("fthsdp.observe").joinpath("static")
+
+
+def status_json(address: str, view: LighthouseView | None, history: History, error: str) -> dict:
+    """The body of ``/api/status`` (pure: view + history in, JSON-ready data out)."""
+    return {
+        "lighthouse": address,
+        "up": view is not None and not error,
+        "error": error,
+        "time": view.time if view is not None else time.time(),
+        "detect_s": view.detect_s if view is not None else None,
+        "jobs": [history.job_json(j) for j in view.jobs] if view is not None else [],
+    }
+
+
+class Dashboard:
+    """Polls one lighthouse and serves the page. ``start()`` returns self;
+    ``address`` is where it listens (port 0 binds a free port)."""
+
+    def __init__(self, lighthouse: str, bind: str = "127.0.0.1:8765", interval_s: float = 0.5,
+                 max_concurrent: int = 16, socket_timeout_s: float = 10.0) -> None:
+        if interval_s <= 0:
+            raise ValueError(f"poll interval {interval_s!r}: must be > 0 seconds")
+        self.poller = StatusPoller(lighthouse, rpc_timeout_s=max(1.0, 4 * interval_s))
+        self.lighthouse = lighthouse
+        self.interval_s = interval_s
+        self.metrics = LighthouseMetrics()
+        self.history = self.metrics.history
+        self._view: LighthouseView | None = None
+        self._error = "not polled yet"
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._slots = threading.BoundedSemaphore(max_concurrent)
+        self._static = {name: static_dir().joinpath(name).read_bytes() for name in STATIC_FILES}
+        host, port = parse_bind(bind)
+        self._httpd = ThreadingHTTPServer((host, port), self._handler_class(socket_timeout_s))
+        self._httpd.daemon_threads = True
+        self._threads: list[threading.Thread] = []
+
+    @property
+    def address(self) -> str:
+        host, port = self._httpd.server_address[:2]
+        return f"{host}:{port}"
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.address}/"
+
+    # -- polling ------------------------------------------------------------------
+
+    def poll_once(self) -> None:
+        try:
+            view = self.poller.poll()
+        except LighthouseUnreachable as e:
+            with self._lock:
+                self._error = str(e)
+            self.metrics.up.set(0)
+            return
+        with self._lock:
+            self.metrics.update(view)  # also updates self.history
+            self._view, self._error = view, ""
+
+    def _poll_loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.poll_once()
+            except Exception:  # noqa: BLE001 - the page must outlive a bad answer; say it in the log
+                log.exception("dashboard: polling %s failed", self.lighthouse)
+            self._stop.wait(self.interval_s)
+
+    def snapshot(self) -> dict:
+        with self._lock:
+            return status_json(self.lighthouse, self._view, self.history, self._error)
+
+    # -- serving ------------------------------------------------------------------
+
+    def _handler_class(self, socket_timeout_s: float):
+        dash = self
+
+        class Handler(BaseHTTPRequestHandler):
+            timeout = socket_timeout_s
+            server_version = "fthsdp-dashboard"
+
+            def log_message(self, fmt: str, *args: Any) -> None:  # quiet: polled every second
+                log.debug("%s " + fmt, self.address_string(), *args)
+
+            def _send(self, code: int, body: bytes, ctype: str) -> None:
+                self.send_response(code)
+                self.send_header("Content-Type", ctype)
+                self.send_header("Content-Length", str(len(body)))
+                self.send_header("Cache-Control", "no-store")
+                self.end_headers()
+                if self.command != "HEAD":
+                    self.wfile.write(body)
+
+            def do_HEAD(self) -> None:
+                self.do_GET()
+
+            def do_GET(self) -> None:
+                if not dash._slots.acquire(blocking=False):
+                    self._send(HTTPStatus.SERVICE_UNAVAILABLE, b"busy: too many requests at once\n", "text/plain")
+                    return
+                try:
+                    self._route(self.path.split("?", 1)[0])
+                finally:
+                    dash._slots.release()
+
+            def _route(self, path: str) -> None:
+                if path in ("/", "/index.html"):
+                    self._send(200, dash._static["index.html"], "text/html; charset=utf-8")
+                elif path.startswith("/static/") and path[len("/static/"):] in dash._static:
+                    name = path[len("/static/"):]
+                    ctype = mimetypes.guess_type(name)[0] or "application/octet-stream"
+                    self._send(200, dash._static[name], f"{ctype}; charset=utf-8")
+                elif path == "/api/status":
+                    body = json.dumps(dash.snapshot(), allow_nan=False, default=str).encode()
+                    self._send(200, body, "application/json")
+                elif path == "/metrics":
+                    with dash._lock:
+                        body = generate_latest(dash.metrics.registry)
+                    self._send(200, body, CONTENT_TYPE_LATEST)
+                elif path == "/healthz":
+                    self._send(200, b"ok\n", "text/plain")
+                else:
+                    self._send(404, f"not found: {path}; try / or /api/status\n".encode(), "text/plain")
+
+        return Handler
+
+    def start(self) -> "Dashboard":
+        for target, name in ((self._poll_loop, "fthsdp-dashboard-poll"), (self._httpd.serve_forever, "fthsdp-dashboard-http")):
+            t = threading.Thread(target=target, name=name, daemon=True)
+            t.start()
+            self._threads.append(t)
+        return self
+
+    def close(self) -> None:
+        self._stop.set()
+        self._httpd.shutdown()
+        self._httpd.server_close()
+        for t in self._threads:
+            t.join(5.0)
+        self.poller.close()
+
+    def __enter__(self) -> "Dashboard":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def cli(argv: list[str]) -> int:
+    """``fthsdp dashboard --lighthouse HOST:PORT [--bind HOST:PORT]``."""
+    from fthsdp import logs
+
+    p = argparse.ArgumentParser(prog="fthsdp dashboard",
+                                description="Serve a live web page (and /metrics) of a lighthouse's jobs.")
+    p.add_argument("--lighthouse", required=True, help="HOST:PORT of `fthsdp lighthouse`")
+    p.add_argument("--bind", default="127.0.0.1:8765",
+                   help="HOST:PORT to serve on (default %(default)s, loopback; port 0 = any free port)")
+    p.add_argument("--interval", type=float, default=0.5, help="seconds between Status polls (default %(default)s)")
+    p.add_argument("--port-file", default="", help="write the bound port here once listening (for scripts)")
+    logs.add_format_argument(p)
+    args = p.parse_args(argv)
+    logs.setup("fthsdp.observe.dashboard", fmt=args.log_format)
+    try:
+        dash = Dashboard(args.lighthouse, args.bind, interval_s=args.interval)
+    except (ValueError, OSError) as e:
+        p.error(str(e))
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # close the server cleanly on `kill`
+    with dash:
+        log.info("dashboard of lighthouse %s at %s", args.lighthouse, dash.url)
+        if args.port_file:
+            path = pathlib.Path(args.port_file)
+            tmp = path.with_name(f".{path.name}.tmp")
+            tmp.write_text(str(dash.address.rpartition(":")[2]))
+            tmp.replace(path)
+        try:
+            while True:
+                time.sleep(3600)
+        except KeyboardInterrupt:
+            return 0
+
+
+if __name__ == "__main__":
+    sys.exit(cli(sys.argv[1:]))

@@ -1,0 +1,269 @@
+"""A lighthouse seen from outside: its Status RPC as plain data, plus history.
+
+One Status answer is a snapshot: the current quorum, each replica's step,
+heartbeat age and whether it is dead. What an operator asks ("when did
+replica 1 die, how long until the lighthouse noticed, when was it back, how
+did membership change") needs the snapshots over time. :class:`History` keeps
+that from successive polls, in memory and bounded; it is a pure object (views
+in, events out) so it is unit-tested without a server.
+
+The poller talks to the lighthouse only through its public Status call, so
+the dashboard and the lighthouse metrics work against any running lighthouse
+without touching its code.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+# Replica states as the dashboard and metrics name them.
+DEAD = "dead"  # the lighthouse declared it dead (heartbeat silence > detect_s)
+HEALTHY = "healthy"  # member of the current quorum, at its max step: contributes gradients
+BEHIND = "behind"  # member of the current quorum below its max step: fetches state, sends zeros
+WAITING = "waiting"  # alive, asking for a quorum that does not include it yet
+OUTSIDE = "outside"  # alive, not in the current quorum, not asking (starting, compiling, done)
+STATES = (HEALTHY, BEHIND, WAITING, OUTSIDE, DEAD)
+
+
+class LighthouseUnreachable(ConnectionError):
+    """The lighthouse's Status call failed; the message says where and why."""
+
+
+@dataclass(frozen=True)
+class ReplicaView:
+    replica_id: str
+    step: int
+    heartbeat_age_s: float  # < 0: never heard
+    dead: bool
+    waiting: bool
+
+
+@dataclass(frozen=True)
+class QuorumView:
+    quorum_id: int
+    members: tuple[str, ...]
+    healthy: tuple[str, ...]
+    behind: tuple[str, ...]
+    max_step: int
+    reason: str
+
+
+@dataclass(frozen=True)
+class JobView:
+    job_id: str
+    replicas: tuple[ReplicaView, ...]
+    quorum: QuorumView | None
+    last_reason: str
+    num_configured: int
+    local_world_size: int
+
+    def state_of(self, r: ReplicaView) -> str:
+        """One word for a replica, from the lighthouse's point of view."""
+        if r.dead:
+            return DEAD
+        q = self.quorum
+        if q is not None and r.replica_id in q.members:
+            return BEHIND if r.replica_id in q.behind else HEALTHY
+        return WAITING if r.waiting else OUTSIDE
+
+
+@dataclass(frozen=True)
+class LighthouseView:
+    time: float  # wall clock of the answer (time.time())
+    jobs: tuple[JobView, ...]
+    detect_s: float
+    min_replicas: int
+
+    def job(self, job_id: str) -> JobView | None:
+        return next((j for j in self.jobs if j.job_id == job_id), None)
+
+
+def view_from_proto(resp: Any, now: float) -> LighthouseView:
+    """A ``StatusResponse`` as plain data. Fields are read by name with defaults,
+    so an older or newer lighthouse that lacks one still gives a view."""
+
+    def quorum(j) -> QuorumView | None:
+        if not getattr(j, "has_quorum", False):
+            return None
+        q = j.quorum
+        return QuorumView(int(q.quorum_id), tuple(m.replica_id for m in q.members), tuple(q.healthy),
+                          tuple(q.behind), int(q.max_step), str(q.reason))
+
+    jobs = tuple(
+        JobView(
+            job_id=j.job_id,
+            replicas=tuple(ReplicaView(r.replica_id, int(r.step), float(r.last_heartbeat_age_s), bool(r.dead),
+                                       bool(getattr(r, "waiting", False))) for r in j.replicas),
+            quorum=quorum(j),
+            last_reason=str(getattr(j, "last_reason", "")),
+            num_configured=int(getattr(j, "num_configured", 0)),
+            local_world_size=int(getattr(j, "local_world_size", 0)),
+        )
+        for j in resp.jobs
+    )
+    return LighthouseView(now, jobs, float(getattr(resp, "detect_s", 0.0)), int(getattr(resp, "min_replicas", 0)))
+
+
+class StatusPoller:
+    """Calls a lighthouse's Status RPC (every job) with a deadline on each call."""
+
+    def __init__(self, address: str, rpc_timeout_s: float = 2.0) -> None:
+        import grpc
+
+        from fthsdp.proto import LIGHTHOUSE_PROTOCOL_VERSION, lighthouse
+
+        host, sep, port = address.rpartition(":")
+        if not sep or not host or not port.isdigit():
+            raise ValueError(f"lighthouse address {address!r} is not HOST:PORT (e.g. 127.0.0.1:29510)")
+        self.address = address
+        self.rpc_timeout_s = rpc_timeout_s
+        self._grpc = grpc
+        self._pb2, pb2_grpc = lighthouse()
+        self._version = LIGHTHOUSE_PROTOCOL_VERSION
+        self._channel = grpc.insecure_channel(address)
+        self._stub = pb2_grpc.LighthouseStub(self._channel)
+
+    def poll(self) -> LighthouseView:
+        try:
+            resp = self._stub.Status(self._pb2.StatusRequest(protocol_version=self._version),
+                                     timeout=self.rpc_timeout_s)
+        except self._grpc.RpcError as e:
+            raise LighthouseUnreachable(
+                f"lighthouse {self.address}: Status failed ({e.code().name}: {e.details()}); "
+                "is `fthsdp lighthouse` running there?") from e
+        return view_from_proto(resp, time.time())
+
+    def close(self) -> None:
+        self._channel.close()
+
+
+# -- history -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One poll of one job: the quorum and every replica's state."""
+
+    time: float
+    quorum_id: int
+    members: tuple[str, ...]
+    states: dict[str, str]  # replica -> one of STATES
+
+
+@dataclass
+class Failure:
+    """A replica lost to the job: declared dead, or dropped from the quorum alive."""
+
+    job: str
+    replica: str
+    kind: str  # "dead" | "left quorum"
+    time: float  # when a poll first showed it
+    quorum_id: int  # the quorum it was lost from
+    silence_s: float | None = None  # heartbeat silence when first seen dead (detection time, to one poll)
+    back_time: float | None = None  # when it was a quorum member again
+    back_after_s: float | None = None
+
+
+@dataclass
+class JobHistory:
+    samples: collections.deque = field(default_factory=lambda: collections.deque(maxlen=2000))
+    failures: collections.deque = field(default_factory=lambda: collections.deque(maxlen=100))
+    decisions: int = 0  # quorum changes seen
+    steps: dict[str, collections.deque] = field(default_factory=dict)  # replica -> (time, step) of recent polls
+    last_reason: str = ""
+
+
+class History:
+    """Membership and failures over time, built from successive views.
+
+    ``update(view)`` returns the failures that this view revealed (for logs and
+    counters); ``job_json(job_id)`` is what the dashboard shows. A failure is
+    recorded once per loss: a replica first seen dead, or a member of the
+    previous quorum missing from the new one while alive. It is closed (back)
+    when the replica is a quorum member again.
+    """
+
+    STEP_WINDOW = 20  # polls used for a replica's step-time estimate
+
+    def __init__(self) -> None:
+        self.jobs: dict[str, JobHistory] = {}
+        self._prev: dict[str, Sample] = {}
+
+    def update(self, view: LighthouseView) -> list[Failure]:
+        found: list[Failure] = []
+        for job in view.jobs:
+            h = self.jobs.setdefault(job.job_id, JobHistory())
+            q = job.quorum
+            s = Sample(view.time, q.quorum_id if q else 0, q.members if q else (),
+                       {r.replica_id: job.state_of(r) for r in job.replicas})
+            prev = self._prev.get(job.job_id)
+            if prev is not None and s.quorum_id != prev.quorum_id and s.quorum_id:
+                h.decisions += 1
+            elif prev is None and s.quorum_id:
+                h.decisions += 1
+            h.last_reason = job.last_reason or (q.reason if q else "")
+            new: list[Failure] = []
+            open_ = {f.replica: f for f in h.failures if f.back_time is None}
+            for r in job.replicas:
+                was = prev.states.get(r.replica_id) if prev else None
+                silence = r.heartbeat_age_s if r.heartbeat_age_s >= 0 else None
+                if r.dead and was != DEAD:
+                    f = open_.get(r.replica_id)
+                    if f is not None and f.kind != "dead":  # it left the quorum first, then was declared dead
+                        f.kind, f.silence_s = "dead", silence
+                    elif f is None:
+                        new.append(Failure(job.job_id, r.replica_id, "dead", view.time,
+                                           prev.quorum_id if prev else s.quorum_id, silence_s=silence))
+                elif (prev is not None and not r.dead and r.replica_id in prev.members
+                      and s.quorum_id != prev.quorum_id and r.replica_id not in s.members
+                      and r.replica_id not in open_):
+                    new.append(Failure(job.job_id, r.replica_id, "left quorum", view.time, prev.quorum_id))
+                f = open_.get(r.replica_id)
+                if f is not None and not r.dead and r.replica_id in s.members and s.quorum_id > f.quorum_id:
+                    f.back_time = view.time
+                    f.back_after_s = view.time - f.time
+                dq = h.steps.setdefault(r.replica_id, collections.deque(maxlen=self.STEP_WINDOW))
+                if dq and r.step < dq[-1][1]:
+                    dq.clear()  # restarted from an earlier step
+                dq.append((view.time, r.step))
+            h.failures.extend(new)
+            found.extend(new)
+            h.samples.append(s)
+            self._prev[job.job_id] = s
+        return found
+
+    def step_seconds(self, job_id: str, replica: str) -> float | None:
+        """Seconds per step over the recent polls (None until the step moved)."""
+        dq = self.jobs.get(job_id, JobHistory()).steps.get(replica)
+        if not dq or len(dq) < 2:
+            return None
+        (t0, s0), (t1, s1) = dq[0], dq[-1]
+        return (t1 - t0) / (s1 - s0) if s1 > s0 else None
+
+    def job_json(self, job: JobView, max_samples: int = 600) -> dict:
+        """Everything the dashboard shows of one job, as JSON-ready data."""
+        h = self.jobs.get(job.job_id, JobHistory())
+        q = job.quorum
+        return {
+            "job_id": job.job_id,
+            "num_configured": job.num_configured,
+            "local_world_size": job.local_world_size,
+            "quorum": None if q is None else {
+                "quorum_id": q.quorum_id, "members": list(q.members), "healthy": list(q.healthy),
+                "behind": list(q.behind), "max_step": q.max_step, "reason": q.reason},
+            "last_reason": h.last_reason or job.last_reason,
+            "decisions": h.decisions,
+            "replicas": [
+                {"replica_id": r.replica_id, "step": r.step, "state": job.state_of(r),
+                 "heartbeat_age_s": r.heartbeat_age_s, "step_s": self.step_seconds(job.job_id, r.replica_id)}
+                for r in job.replicas
+            ],
+            "timeline": [
+                {"t": s.time, "quorum_id": s.quorum_id, "members": list(s.members), "states": s.states}
+                for s in list(h.samples)[-max_samples:]
+            ],
+            "failures": [asdict(f) for f in reversed(h.failures)],
+        }

@@ -1,0 +1,403 @@
+"""Prometheus metrics of a replica and of a lighthouse, an HTTP exporter, scrape targets.
+
+Naming follows Prometheus conventions: an ``fthsdp_`` prefix, base units in
+the name (``_seconds``, ``_bytes``, ``_bytes_per_second``), ``_total`` on
+counters, labels for what varies (job, replica, process). The ``job`` label
+collides with the label Prometheus attaches to every target (the name of its
+scrape job); scrape with ``honor_labels: true`` (as :func:`scrape_config`
+writes) so the training job's name is kept instead of being renamed
+``exported_job``.
+
+Each class owns its own ``CollectorRegistry``: several replicas (or a replica
+and a lighthouse collector) can live in one process, as in tests, without
+clashing on the global registry.
+
+*Replica side* (:class:`ReplicaMetrics`) is fed by the Manager's per-step
+``StepRecord`` (one call per commit), plus optional hooks for detection,
+peer fetch and snapshots. *Lighthouse side* (:class:`LighthouseMetrics`) is fed
+by the lighthouse's public Status RPC (polled), so it needs no change to the
+lighthouse itself.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import pathlib
+import threading
+from dataclasses import dataclass
+from typing import Any, Iterable, Mapping, Sequence
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+from fthsdp.observe.lighthouse_view import (
+    STATES,
+    History,
+    LighthouseUnreachable,
+    LighthouseView,
+    StatusPoller,
+)
+
+log = logging.getLogger("fthsdp.observe.metrics")
+
+LABELS = ("job", "replica", "process")
+
+# Buckets in seconds. Steps of real jobs take ~seconds to tens of seconds (the
+# paper's ~20 s), tiny CPU demos ~10 ms: cover both.
+STEP_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160)
+# Detection: heartbeat silence, around ft.detect_s (0.8 s by default).
+DETECT_BUCKETS = (0.1, 0.25, 0.5, 0.75, 1, 1.5, 2, 3, 5, 10, 30)
+# Stalls and catch-ups: from a ring rebuild (ms) to an all-reduce deadline (s).
+STALL_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 60, 120)
+
+
+def ring_bus_bytes(payload_bytes: int, members: int) -> float:
+    """Bytes each rank sends in a ring all-reduce of ``payload_bytes`` over ``members`` ranks.
+
+    The NCCL-tests "bus bandwidth" convention: 2 (n - 1) / n times the payload
+    (reduce-scatter then all-gather), so the figure compares across ring sizes.
+    """
+    if members < 2:
+        return 0.0
+    return 2.0 * (members - 1) / members * payload_bytes
+
+
+class ReplicaMetrics:
+    """One replica process's metrics, fed by its Manager's ``StepRecord`` s.
+
+    ``grad_bytes`` (the bytes one replica all-reduces per step: its gradient
+    pytree) turns the all-reduce time into a bus bandwidth; 0 leaves that gauge
+    out. The all-reduce time is that of the committing ``apply_grads`` (all-reduce,
+    commit vote and update in one jitted call), so the bandwidth is a lower
+    bound on FTAR's.
+    """
+
+    def __init__(self, job: str, replica: str, process: str = "0", grad_bytes: int = 0,
+                 registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        self.grad_bytes = int(grad_bytes)
+        labels = {"job": job, "replica": str(replica), "process": str(process)}
+        r = self.registry
+
+        def make(kind, name, doc, **kw):
+            return kind(name, doc, LABELS, registry=r, **kw).labels(**labels)
+
+        self.step_seconds = make(Histogram, "fthsdp_step_seconds",
+                                 "Wall time of a committed step: quorum, compute, all-reduce, retries", buckets=STEP_BUCKETS)
+        self.compute_seconds = make(Histogram, "fthsdp_compute_seconds",
+                                    "Forward and backward of a healthy step", buckets=STEP_BUCKETS)
+        self.allreduce_seconds = make(Histogram, "fthsdp_allreduce_seconds",
+                                      "The committing all-reduce + commit vote + update", buckets=STEP_BUCKETS)
+        self.rebuild_seconds = make(Histogram, "fthsdp_ring_rebuild_seconds",
+                                    "FTAR ring reconfiguration after a quorum change", buckets=STALL_BUCKETS)
+        self.stall_seconds = make(Histogram, "fthsdp_stall_seconds",
+                                  "Time a step lost to failures: its wall time minus compute and the committing "
+                                  "all-reduce, for steps that retried", buckets=STALL_BUCKETS)
+        self.catch_up_seconds = make(Histogram, "fthsdp_catch_up_seconds",
+                                     "Fetching and installing the peers' state on a behind step", buckets=STALL_BUCKETS)
+        self.step = make(Gauge, "fthsdp_step", "Committed steps (the step this replica runs next)")
+        self.loss = make(Gauge, "fthsdp_loss", "Training loss of the last healthy step")
+        self.quorum_size = make(Gauge, "fthsdp_quorum_size", "Members of the quorum of the last committed step")
+        self.quorum_id = make(Gauge, "fthsdp_quorum_id", "Id of the quorum of the last committed step")
+        self.healthy = make(Gauge, "fthsdp_healthy", "1 if the last committed step contributed gradients, 0 if it caught up")
+        self.commits = make(Counter, "fthsdp_commits", "Committed steps")
+        self.retries = make(Counter, "fthsdp_retries", "All-reduce attempts that failed and were retried on a new quorum")
+        self.catch_ups = make(Counter, "fthsdp_catch_ups", "Steps on which this replica was behind and fetched state")
+        self.bus_bandwidth = make(Gauge, "fthsdp_allreduce_bus_bandwidth_bytes_per_second",
+                                  "Ring bus bandwidth of the last committing all-reduce: 2(n-1)/n x gradient bytes / time")
+        self.detections = make(Counter, "fthsdp_detections",
+                               "Times the lighthouse declared a member of this replica's ring dead")
+        self.fetch_bytes = make(Counter, "fthsdp_peer_fetch_bytes", "State bytes fetched from peers")
+        self.fetch_seconds = make(Histogram, "fthsdp_peer_fetch_seconds", "Duration of a state fetch from peers",
+                                  buckets=STALL_BUCKETS)
+        self.fetch_throughput = make(Gauge, "fthsdp_peer_fetch_throughput_bytes_per_second",
+                                     "Throughput of the last state fetch from peers")
+        self.snapshot_seconds = make(Histogram, "fthsdp_snapshot_seconds",
+                                     "Device-to-host copy of the committed state for peers", buckets=STALL_BUCKETS)
+        self.snapshot_bytes = make(Gauge, "fthsdp_snapshot_bytes", "Size of the last host snapshot")
+
+    def observe_step(self, rec: Any) -> None:
+        """Record one committed step (a ``fthsdp.manager.StepRecord``)."""
+        seconds = float(rec.end - rec.start)
+        self.step_seconds.observe(seconds)
+        self.commits.inc()
+        self.step.set(rec.step + 1)
+        self.quorum_size.set(len(rec.members))
+        self.quorum_id.set(rec.quorum_id)
+        self.healthy.set(1 if rec.healthy else 0)
+        if rec.attempts > 1:
+            self.retries.inc(rec.attempts - 1)
+            self.stall_seconds.observe(max(0.0, seconds - rec.grads_s - rec.allreduce_s))
+        if rec.rebuild_s > 0:
+            self.rebuild_seconds.observe(rec.rebuild_s)
+        if rec.healthy:
+            if rec.grads_s > 0:
+                self.compute_seconds.observe(rec.grads_s)
+            if rec.loss is not None:
+                self.loss.set(rec.loss)
+        else:
+            self.catch_ups.inc()
+            self.catch_up_seconds.observe(rec.catch_up_s)
+        if rec.allreduce_s > 0:
+            self.allreduce_seconds.observe(rec.allreduce_s)
+            bus = ring_bus_bytes(self.grad_bytes, len(rec.members))
+            if bus > 0:
+                self.bus_bandwidth.set(bus / rec.allreduce_s)
+
+    def observe_detection(self, dead: Sequence[str] = (), quorum_id: int = 0) -> None:
+        """The lighthouse declared ring members dead (the Manager's ``on_dead`` abort)."""
+        self.detections.inc()
+
+    def observe_fetch(self, report: Mapping[str, Any]) -> None:
+        """One state fetch from peers (``peer_fetch`` report: ``bytes``, ``seconds``)."""
+        nbytes, seconds = float(report.get("bytes", 0)), float(report.get("seconds", 0))
+        self.fetch_bytes.inc(nbytes)
+        self.fetch_seconds.observe(seconds)
+        if seconds > 0:
+            self.fetch_throughput.set(nbytes / seconds)
+
+    def observe_snapshot(self, seconds: float, nbytes: int | None = None) -> None:
+        self.snapshot_seconds.observe(seconds)
+        if nbytes is not None:
+            self.snapshot_bytes.set(nbytes)
+
+
+def step_record_from_json(d: Mapping[str, Any]) -> Any:
+    """A ``StepRecord`` from a ``metrics-R.jsonl`` "step" line (what replica.py writes),
+    so a finished or running job's files can feed :class:`ReplicaMetrics`."""
+    from fthsdp.manager import StepRecord
+
+    return StepRecord(step=int(d["step"]), quorum_id=int(d["quorum_id"]), members=tuple(d["members"]),
+                      healthy=bool(d["healthy"]), committed=True, attempts=int(d["attempts"]), loss=d.get("loss"),
+                      start=float(d["start"]), end=float(d["end"]), position=d.get("position"),
+                      events=list(d.get("events", ())), rebuild_s=float(d.get("rebuild_s", 0.0)),
+                      allreduce_s=float(d.get("allreduce_s", 0.0)), grads_s=float(d.get("grads_s", 0.0)),
+                      catch_up_s=float(d.get("catch_up_s", 0.0)))
+
+
+class MetricsFileFollower:
+    """Feeds a :class:`ReplicaMetrics` from a growing ``metrics-R.jsonl`` (the
+    replica's own per-commit lines). Call :meth:`poll` repeatedly; it reads only
+    complete new lines, so a line being written is taken on the next call."""
+
+    def __init__(self, path: str | pathlib.Path, metrics: ReplicaMetrics) -> None:
+        self.path = pathlib.Path(path)
+        self.metrics = metrics
+        self._offset = 0
+        self.steps = 0
+
+    def poll(self) -> int:
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self._offset)
+                data = f.read()
+        except FileNotFoundError:
+            return 0
+        end = data.rfind(b"\n")
+        if end < 0:
+            return 0
+        self._offset += end + 1
+        n = 0
+        for line in data[: end + 1].splitlines():
+            try:
+                d = json.loads(line)
+            except json.JSONDecodeError:
+                continue  # a torn line of a killed writer
+            if d.get("kind") == "step":
+                self.metrics.observe_step(step_record_from_json(d))
+                n += 1
+            elif d.get("kind") == "detection":
+                self.metrics.observe_detection(d.get("dead", ()), int(d.get("quorum_id", 0)))
+        self.steps += n
+        return n
+
+
+class LighthouseMetrics:
+    """A lighthouse's metrics from its Status answers (quorum, replicas per
+    state, heartbeat ages, decisions, failures and their detection times).
+
+    :meth:`update` takes one :class:`LighthouseView` (pure: tests feed views);
+    :meth:`start` polls a lighthouse in a daemon thread. Label sets of replicas
+    or jobs that disappear from the lighthouse are removed, not left stale.
+    """
+
+    def __init__(self, registry: CollectorRegistry | None = None, history: History | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        self.history = history if history is not None else History()
+        r = self.registry
+        self.up = Gauge("fthsdp_lighthouse_up", "1 if the last Status poll of the lighthouse succeeded", registry=r)
+        self.quorum_id = Gauge("fthsdp_lighthouse_quorum_id", "Current quorum id", ["job"], registry=r)
+        self.quorum_size = Gauge("fthsdp_lighthouse_quorum_size", "Members of the current quorum", ["job"], registry=r)
+        self.quorum_healthy = Gauge("fthsdp_lighthouse_quorum_healthy",
+                                    "Members of the current quorum at its max step (contributing)", ["job"], registry=r)
+        self.max_step = Gauge("fthsdp_lighthouse_quorum_max_step", "Step of the current quorum", ["job"], registry=r)
+        self.configured = Gauge("fthsdp_lighthouse_replicas_configured", "Replicas the job is configured with",
+                                ["job"], registry=r)
+        self.replicas = Gauge("fthsdp_lighthouse_replicas", "Replicas per state (healthy, behind, waiting, outside, dead)",
+                              ["job", "state"], registry=r)
+        self.heartbeat_age = Gauge("fthsdp_lighthouse_heartbeat_age_seconds", "Seconds since a replica was last heard",
+                                   ["job", "replica"], registry=r)
+        self.replica_step = Gauge("fthsdp_lighthouse_replica_step", "Step a replica last reported", ["job", "replica"],
+                                  registry=r)
+        self.decisions = Counter("fthsdp_lighthouse_quorum_decisions", "Quorum changes seen", ["job"], registry=r)
+        self.failures = Counter("fthsdp_lighthouse_failures", "Replicas lost: declared dead or dropped from the quorum",
+                                ["job", "kind"], registry=r)
+        self.detection = Histogram("fthsdp_lighthouse_detection_seconds",
+                                   "Heartbeat silence of a replica when first seen dead (detection time, "
+                                   "to within one poll)", ["job"], buckets=DETECT_BUCKETS, registry=r)
+        self._decisions_seen: dict[str, int] = {}
+        self._labels: dict[Any, set[tuple[str, ...]]] = {}
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.last_error = ""
+
+    def _set(self, gauge: Gauge, labels: tuple[str, ...], value: float, seen: dict) -> None:
+        gauge.labels(*labels).set(value)
+        seen.setdefault(gauge, set()).add(labels)
+
+    def update(self, view: LighthouseView) -> None:
+        failures = self.history.update(view)
+        self.up.set(1)
+        seen: dict[Any, set[tuple[str, ...]]] = {}
+        for job in view.jobs:
+            j = job.job_id
+            q = job.quorum
+            self._set(self.quorum_id, (j,), q.quorum_id if q else 0, seen)
+            self._set(self.quorum_size, (j,), len(q.members) if q else 0, seen)
+            self._set(self.quorum_healthy, (j,), len(q.healthy) if q else 0, seen)
+            self._set(self.max_step, (j,), q.max_step if q else 0, seen)
+            self._set(self.configured, (j,), job.num_configured, seen)
+            counts = dict.fromkeys(STATES, 0)
+            for r in job.replicas:
+                counts[job.state_of(r)] += 1
+                self._set(self.heartbeat_age, (j, r.replica_id), r.heartbeat_age_s, seen)
+                self._set(self.replica_step, (j, r.replica_id), r.step, seen)
+            for state, n in counts.items():
+                self._set(self.replicas, (j, state), n, seen)
+            h = self.history.jobs[j]
+            grew = h.decisions - self._decisions_seen.get(j, 0)
+            if grew > 0:
+                self.decisions.labels(j).inc(grew)
+            self._decisions_seen[j] = h.decisions
+        for f in failures:
+            job = f.job
+            self.failures.labels(job, f.kind).inc()
+            if f.silence_s is not None:
+                self.detection.labels(job).observe(f.silence_s)
+            log.warning("job %r: replica %s %s (quorum %d)%s", job, f.replica, f.kind, f.quorum_id,
+                        f", silent {f.silence_s:.2f}s" if f.silence_s is not None else "")
+        for gauge, old in self._labels.items():
+            for labels in old - seen.get(gauge, set()):
+                gauge.remove(*labels)
+        self._labels = seen
+
+    def poll_once(self, poller: StatusPoller) -> LighthouseView | None:
+        try:
+            view = poller.poll()
+        except LighthouseUnreachable as e:
+            self.up.set(0)
+            self.last_error = str(e)
+            return None
+        self.last_error = ""
+        self.update(view)
+        return view
+
+    def start(self, poller: StatusPoller, interval_s: float = 0.5) -> "LighthouseMetrics":
+        def loop() -> None:
+            while not self._stop.is_set():
+                self.poll_once(poller)
+                self._stop.wait(interval_s)
+
+        self._thread = threading.Thread(target=loop, name="fthsdp-lighthouse-metrics", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+
+
+# -- serving and discovery ---------------------------------------------------------
+
+
+def parse_bind(bind: str, default_host: str = "127.0.0.1") -> tuple[str, int]:
+    """``HOST:PORT``, ``:PORT`` or ``PORT`` -> (host, port); port 0 = ephemeral."""
+    host, sep, port = bind.rpartition(":")
+    if not sep:
+        host, port = "", bind
+    host = host.strip("[]") or default_host
+    if not port.isdigit() or not 0 <= int(port) < 65536:
+        raise ValueError(f"bind address {bind!r}: expected HOST:PORT with a port in 0..65535 (0 = any free port)")
+    return host, int(port)
+
+
+@dataclass
+class MetricsServer:
+    """A running ``/metrics`` endpoint (prometheus_client's WSGI server in a thread)."""
+
+    host: str
+    port: int
+    _server: Any
+    _thread: threading.Thread
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join(5.0)
+
+
+def serve(registry: CollectorRegistry, bind: str = "127.0.0.1:0") -> MetricsServer:
+    """Serve ``registry`` at ``http://HOST:PORT/metrics``. Loopback by default:
+    exposing metrics beyond the machine is a decision, not a default."""
+    host, port = parse_bind(bind)
+    server, thread = start_http_server(port, addr=host, registry=registry)
+    return MetricsServer(host, server.server_address[1], server, thread)
+
+
+def prometheus_targets(targets: Iterable[tuple[str, Mapping[str, str]]]) -> list[dict]:
+    """A Prometheus ``file_sd`` target list from (``host:port``, labels) pairs.
+
+    Targets sharing the same labels are grouped; the output is deterministic
+    (sorted) so rewriting the file only changes it when the targets change.
+    Labels must be valid Prometheus label names, and addresses ``HOST:PORT``.
+    """
+    groups: dict[tuple[tuple[str, str], ...], list[str]] = {}
+    for address, labels in targets:
+        parse_bind(address)
+        if address.rpartition(":")[0] == "":
+            raise ValueError(f"target {address!r}: expected HOST:PORT")
+        for k in labels:
+            if not k or not (k[0].isalpha() or k[0] == "_") or not all(c.isalnum() or c == "_" for c in k):
+                raise ValueError(f"label name {k!r} is not a valid Prometheus label name ([a-zA-Z_][a-zA-Z0-9_]*)")
+        key = tuple(sorted((str(k), str(v)) for k, v in labels.items()))
+        groups.setdefault(key, []).append(address)
+    return [{"targets": sorted(set(addrs)), "labels": dict(key)} for key, addrs in sorted(groups.items())]
+
+
+def write_targets(path: str | pathlib.Path, targets: Iterable[tuple[str, Mapping[str, str]]]) -> pathlib.Path:
+    """Writes the ``file_sd`` list atomically (Prometheus re-reads it on change)."""
+    path = pathlib.Path(path)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(prometheus_targets(targets), indent=1))
+    tmp.replace(path)
+    return path
+
+
+def scrape_config(file_sd_path: str | pathlib.Path, scrape_interval: str = "15s", job_name: str = "fthsdp") -> str:
+    """A minimal ``prometheus.yml`` scraping the targets of a file_sd list (YAML is
+    a JSON superset, so this is JSON). ``honor_labels`` keeps fthsdp's ``job`` label."""
+    return json.dumps({
+        "global": {"scrape_interval": scrape_interval, "evaluation_interval": scrape_interval},
+        "scrape_configs": [{
+            "job_name": job_name,
+            "honor_labels": True,
+            "scrape_interval": scrape_interval,
+            "scrape_timeout": scrape_interval,
+            "file_sd_configs": [{"files": [str(file_sd_path)], "refresh_interval": "1s"}],
+        }],
+    }, indent=1)
