@@ -1,10 +1,13 @@
 #include "ftar.h"
 
+#include <algorithm>
 #include <cstring>
 #include <map>
 #include <mutex>
 #include <sstream>
 #include <stdexcept>
+
+#include "staging.h"
 
 namespace fthsdp {
 namespace {
@@ -14,6 +17,8 @@ namespace {
 class Registry {
  public:
   ~Registry() {
+    // Staging queues first: their workers may be running ops on the communicators.
+    queues_.clear();
     // Communicators unregister from the thread; the thread stops with its last owner.
     comms_.clear();
     thread_.reset();
@@ -47,8 +52,16 @@ class Registry {
     return true;
   }
 
+  StagingQueue* queue(uint64_t key, const FthsdpAllocator& alloc) {
+    std::lock_guard<std::mutex> lk(mu_);
+    auto& q = queues_[key];
+    if (!q) q = std::make_unique<StagingQueue>(alloc);
+    return q.get();
+  }
+
  private:
   std::mutex mu_;
+  std::map<uint64_t, std::unique_ptr<StagingQueue>> queues_;  // one per GPU stream
   std::shared_ptr<ControlThread> thread_;
   std::map<int32_t, std::shared_ptr<Communicator>> comms_;
   int32_t next_ = 1;
@@ -146,6 +159,10 @@ std::shared_ptr<Communicator> ftar_get(int32_t handle) { return registry().get(h
 
 bool ftar_destroy(int32_t handle) { return registry().destroy(handle); }
 
+StagingQueue* ftar_staging_queue(uint64_t key, const FthsdpAllocator& alloc) {
+  return registry().queue(key, alloc);
+}
+
 FtarResult ftar_allreduce(int32_t handle, int32_t shard, int64_t quorum_id, int32_t rank,
                           int32_t n, const std::vector<FtarBuffer>& buffers) {
   FtarResult result;
@@ -160,46 +177,71 @@ FtarResult ftar_allreduce(int32_t handle, int32_t shard, int64_t quorum_id, int3
     return result;
   }
   if (n == 1) return result;  // a ring of one: the sum is the input
-  auto comm = ftar_get(handle);
-  if (!comm) {
-    result.fatal = true;
-    result.reason = "ftar: unknown communicator handle " + std::to_string(handle) +
-                    " (create one with fthsdp.ftar.Communicator and pass its handle as quorum.comm)";
-    return result;
-  }
-  if (shard < 0 || shard >= comm->num_shards()) {
-    result.fatal = true;
-    result.reason = "ftar: shard index " + std::to_string(shard) + " but communicator " +
-                    std::to_string(handle) + " has " + std::to_string(comm->num_shards()) +
-                    " shards (create it with num_shards = number of local devices)";
-    return result;
-  }
-  RingEndpoint* ep = comm->shard(shard);
+  std::shared_ptr<Communicator> comm;
+  RingEndpoint* ep = ftar_endpoint(handle, shard, rank, n, &comm, &result);
+  if (!ep) return result;
   const auto timeout = std::chrono::duration_cast<Clock::duration>(
       std::chrono::duration<double>(ep->options().timeout_s));
   const auto deadline = Clock::now() + timeout;  // one deadline for the whole call
   for (const auto& b : buffers) {
-    auto op = std::make_shared<Op>();
-    op->data = b.out;
-    op->dtype = b.dtype;
-    op->count = b.count;
-    op->quorum_id = quorum_id;
-    op->rank = rank;
-    op->n = n;
-    op->deadline = deadline;
-    ep->run(op);
-    if (op->fatal) {
-      result.fatal = true;
-      result.reason = op->reason;
-      return result;
-    }
-    if (op->status != OpStatus::kOk) {
-      result.status = op->status;
-      result.reason = op->reason;
-      return result;
-    }
+    result = ftar_allreduce_on(ep, quorum_id, rank, n, b.out, b.dtype, b.count, deadline);
+    if (result.fatal || result.status != OpStatus::kOk) return result;
   }
   return result;
+}
+
+RingEndpoint* ftar_endpoint(int32_t handle, int32_t shard, int32_t rank, int32_t n,
+                            std::shared_ptr<Communicator>* keep, FtarResult* result) {
+  if (n < 1 || rank < 0 || rank >= n) {
+    result->fatal = true;
+    result->reason = "ftar: rank " + std::to_string(rank) + " outside ring of " + std::to_string(n);
+    return nullptr;
+  }
+  auto comm = ftar_get(handle);
+  if (!comm) {
+    result->fatal = true;
+    result->reason = "ftar: unknown communicator handle " + std::to_string(handle) +
+                     " (create one with fthsdp.ftar.Communicator and pass its handle as quorum.comm)";
+    return nullptr;
+  }
+  if (shard < 0 || shard >= comm->num_shards()) {
+    result->fatal = true;
+    result->reason = "ftar: shard index " + std::to_string(shard) + " but communicator " +
+                     std::to_string(handle) + " has " + std::to_string(comm->num_shards()) +
+                     " shards (create it with num_shards = number of local devices)";
+    return nullptr;
+  }
+  RingEndpoint* ep = comm->shard(shard);
+  *keep = std::move(comm);
+  return ep;
+}
+
+FtarResult ftar_allreduce_on(RingEndpoint* ep, int64_t quorum_id, int32_t rank, int32_t n,
+                             void* data, DType dtype, int64_t count, Clock::time_point deadline) {
+  FtarResult result;
+  auto op = std::make_shared<Op>();
+  op->data = data;
+  op->dtype = dtype;
+  op->count = count;
+  op->quorum_id = quorum_id;
+  op->rank = rank;
+  op->n = n;
+  op->deadline = deadline;
+  ep->run(op);
+  if (op->fatal) {
+    result.fatal = true;
+    result.reason = op->reason;
+  } else if (op->status != OpStatus::kOk) {
+    result.status = op->status;
+    result.reason = op->reason;
+  }
+  return result;
+}
+
+int64_t ftar_partition_elems(const RingEndpoint& ep, DType dtype, int32_t n) {
+  const int64_t elem = static_cast<int64_t>(dtype_size(dtype));
+  const int64_t chunk_elems = std::max<int64_t>(1, ep.options().chunk_bytes / elem);
+  return chunk_elems * ep.options().chunks * std::max<int32_t>(1, n);
 }
 
 }  // namespace fthsdp

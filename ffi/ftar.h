@@ -62,4 +62,20 @@ struct FtarResult {
 FtarResult ftar_allreduce(int32_t handle, int32_t shard, int64_t quorum_id, int32_t rank,
                           int32_t n, const std::vector<FtarBuffer>& buffers);
 
+// The ring endpoint of (handle, shard) for a ring of n with this rank, or
+// nullptr with `error` set (fatal: unknown handle, bad shard or rank). `keep`
+// holds the communicator alive while the endpoint is used.
+RingEndpoint* ftar_endpoint(int32_t handle, int32_t shard, int32_t rank, int32_t n,
+                            std::shared_ptr<Communicator>* keep, FtarResult* error);
+
+// One in-place all-reduce of `data` on `ep` with an explicit deadline (the
+// staged GPU path runs a bucket as several of these, cut at partition
+// boundaries, under one deadline).
+FtarResult ftar_allreduce_on(RingEndpoint* ep, int64_t quorum_id, int32_t rank, int32_t n,
+                             void* data, DType dtype, int64_t count, Clock::time_point deadline);
+
+// Elements of one ring partition (chunk_elems * chunks * n) of `ep` for dtype:
+// cutting a buffer at multiples of it keeps every element's summation order.
+int64_t ftar_partition_elems(const RingEndpoint& ep, DType dtype, int32_t n);
+
 }  // namespace fthsdp
