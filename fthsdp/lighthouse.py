@@ -9,6 +9,24 @@ for its deadline. Jobs are keyed by job id and fully independent.
 
 Run it with ``fthsdp lighthouse --bind 127.0.0.1:0`` or
 ``python -m fthsdp.lighthouse``; it prints ``lighthouse listening on HOST:PORT``.
+
+**Restartable, no standby.** The lighthouse keeps no state that the replicas
+cannot give back: every quorum request and heartbeat carries the replica's
+step and the last quorum it was a member of (id and members). A lighthouse
+restarted on the same address with empty memory therefore rebuilds each job
+as its replicas come back (they retry with backoff through the outage, see
+:mod:`fthsdp.lighthouse_client`): the incumbents it must wait for are the
+reported quorum's members, new quorum ids continue above every reported id
+(never backwards), and healthy/behind follows from the reported steps, so no
+replica trains a step twice or loses one. A hot standby would add a second
+source of truth to keep consistent (and a leader election) for what a
+restart rebuilds in one round of requests; the outage costs the job only the
+restart time, bounded by ``ft.lighthouse_outage_s``.
+
+A replica that stops on purpose says goodbye (``Leave``): it is forgotten at
+once, never "declared dead", and when it finished the job the lighthouse
+remembers the last step, so a replica restarted after the end is told the job
+finished instead of being left to train alone.
 """
 
 from __future__ import annotations
@@ -88,6 +106,13 @@ class _Superseded(Exception):
     pass
 
 
+@dataclass(frozen=True)
+class _Finished:
+    """The answer to a request of a job that already finished."""
+
+    step: int
+
+
 @dataclass
 class _Pending:
     request: qm.QuorumRequest
@@ -153,6 +178,12 @@ class _Job:
     # The last quorum in wire form, built once and shared by all its members'
     # answers (building it per answer made a round O(N^2)).
     proto_cache: tuple[qm.Quorum, pb2.Quorum] | None = None
+    # The highest quorum id any replica reported having seen (requests and
+    # heartbeats): what a restarted lighthouse continues the ids above.
+    qid_floor: int = 0
+    # The job's last step once a replica left having finished it (None: running).
+    finished_step: int | None = None
+    last_activity: float = 0.0  # any RPC of this job (a job whose replicas all left is kept a while)
 
     def quorum_proto(self, q: qm.Quorum) -> pb2.Quorum:
         if self.proto_cache is None or self.proto_cache[0] is not q:
@@ -239,6 +270,7 @@ class Lighthouse(pb2_grpc.LighthouseServicer):
         if job is None:
             job = self._jobs[job_id] = _Job(job_id)
             log.info("new job %r", job_id)
+        job.last_activity = time.monotonic()
         return job
 
     def _liveness(self, job: _Job, now: float) -> dict[str, float]:
@@ -266,9 +298,16 @@ class Lighthouse(pb2_grpc.LighthouseServicer):
         if not job.pending:
             return
         now = time.monotonic()
+        if job.finished_step is not None:  # nothing left to train: say so to whoever still asks
+            for rid, p in list(job.pending.items()):
+                del job.pending[rid]
+                if not p.future.done():
+                    p.future.set_result(_Finished(job.finished_step))
+            return
         requests = {r: p.request for r, p in job.pending.items()}
         quorum, reason = qm.decide_quorum(
-            requests, self._liveness(job, now), job.quorum, self._decision_config(job), now
+            requests, self._liveness(job, now), job.quorum, self._decision_config(job), now,
+            quorum_id_floor=job.qid_floor,
         )
         job.last_reason = reason
         if quorum is None:
@@ -315,7 +354,8 @@ class Lighthouse(pb2_grpc.LighthouseServicer):
             await asyncio.sleep(self.config.tick_s)
             now = time.monotonic()
             for job in list(self._jobs.values()):
-                if not job.pending and all(now - t > self.config.forget_after_s for t in job.last_seen.values()):
+                if not job.pending and now - job.last_activity > self.config.forget_after_s and all(
+                        now - t > self.config.forget_after_s for t in job.last_seen.values()):
                     log.info("job %r: silent for %gs, forgotten", job.job_id, self.config.forget_after_s)
                     del self._jobs[job.job_id]
                     continue
@@ -372,6 +412,17 @@ class Lighthouse(pb2_grpc.LighthouseServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, err)
         job = self._job(request.job_id)
         rid = request.replica_id
+        if request.fresh_start and job.finished_step is not None:
+            log.info("job %r: a new run starts (replica %s); forgetting that the last run finished at step %d",
+                     job.job_id, rid, job.finished_step)
+            job.finished_step = None
+        if job.finished_step is not None:
+            log.info("job %r: replica %s asks at step %d but the job finished at step %d",
+                     job.job_id, rid, request.step, job.finished_step)
+            return pb2.QuorumResponse(protocol_version=LIGHTHOUSE_PROTOCOL_VERSION, job_finished=True,
+                                      finished_step=job.finished_step)
+        if request.last_quorum_id > job.qid_floor:
+            job.qid_floor = request.last_quorum_id
         self._heard(job, rid, now)
         job.steps[rid] = request.step
         job.local_world_size.set(rid, request.local_world_size)
@@ -389,6 +440,8 @@ class Lighthouse(pb2_grpc.LighthouseServicer):
                 state_server_address=request.state_server_address,
                 local_world_size=request.local_world_size,
                 commit_failed=request.commit_failed,
+                last_quorum_id=request.last_quorum_id,
+                last_members=tuple(request.last_members),
             ),
             future,
         )
@@ -418,6 +471,9 @@ class Lighthouse(pb2_grpc.LighthouseServicer):
         finally:
             if job.pending.get(rid) is entry:
                 del job.pending[rid]
+        if isinstance(quorum, _Finished):
+            return pb2.QuorumResponse(protocol_version=LIGHTHOUSE_PROTOCOL_VERSION, job_finished=True,
+                                      finished_step=quorum.step)
         return pb2.QuorumResponse(protocol_version=LIGHTHOUSE_PROTOCOL_VERSION, quorum=job.quorum_proto(quorum))
 
     async def Heartbeat(self, request: pb2.HeartbeatRequest, context: grpc.aio.ServicerContext) -> pb2.HeartbeatResponse:
@@ -430,6 +486,8 @@ class Lighthouse(pb2_grpc.LighthouseServicer):
         self._heard(job, rid, now)
         job.heartbeating.add(rid)
         job.steps[rid] = request.step
+        if request.last_quorum_id > job.qid_floor:
+            job.qid_floor = request.last_quorum_id
         # The dead set is recomputed each tick (tick_s adds to detection time;
         # per-heartbeat recomputation would cost O(replicas) per heartbeat).
         dead = sorted(job.dead, key=qm.ring_key)
@@ -440,6 +498,31 @@ class Lighthouse(pb2_grpc.LighthouseServicer):
             quorum_id=job.quorum.quorum_id if job.quorum is not None else 0,
             dead_members=[r for r in dead if r in members],
         )
+
+    async def Leave(self, request: pb2.LeaveRequest, context: grpc.aio.ServicerContext) -> pb2.LeaveResponse:
+        err = _version_error(request.protocol_version) or _ids_error(request.job_id, request.replica_id, request.step)
+        if err:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, err)
+        job = self._job(request.job_id)
+        rid = request.replica_id
+        known = rid in job.last_seen
+        for d in (job.last_seen, job.steps):
+            d.pop(rid, None)
+        job.heartbeating.discard(rid)
+        job.dead.discard(rid)
+        job.local_world_size.set(rid, None)
+        job.stated_replicas.set(rid, None)
+        old = job.pending.pop(rid, None)
+        if old is not None and not old.future.done():
+            old.future.set_exception(_Superseded())
+        job.live_hint = max(0, job.live_hint - (1 if known else 0))
+        if request.finished:
+            job.finished_step = max(job.finished_step or 0, request.step)
+        log.info("job %r: replica %s left at step %d (%s)", job.job_id, rid, request.step,
+                 "finished the job" if request.finished else "stopped")
+        if job.pending:  # someone may have been waiting for it
+            self._schedule_evaluation(job)
+        return pb2.LeaveResponse(protocol_version=LIGHTHOUSE_PROTOCOL_VERSION)
 
     async def Status(self, request: pb2.StatusRequest, context: grpc.aio.ServicerContext) -> pb2.StatusResponse:
         err = _version_error(request.protocol_version)
@@ -474,6 +557,7 @@ class Lighthouse(pb2_grpc.LighthouseServicer):
                 last_reason=job.last_reason,
                 local_world_size=lws.pop() if len(lws) == 1 else 0,
                 num_configured=self._decision_config(job).num_configured or len(view),
+                finished_step=-1 if job.finished_step is None else job.finished_step,
             )
             if job.quorum is not None:
                 js.quorum.CopyFrom(job.quorum_proto(job.quorum))

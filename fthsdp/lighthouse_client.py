@@ -6,6 +6,15 @@ heartbeats about every 100 ms and calls ``on_dead(dead_members, quorum_id)``
 whenever the lighthouse reports members of the current quorum dead, so the
 Manager can abort its in-flight FTAR at once; the FTAR deadline stays the
 backstop. Every RPC carries a deadline.
+
+**Riding out a lighthouse outage.** A lighthouse that dies (and is restarted
+on the same address) must not take the job with it: ``get_quorum`` retries an
+unreachable lighthouse with capped exponential backoff for up to
+``outage_s`` (``ft.lighthouse_outage_s``) before it gives up, and the
+heartbeat thread keeps trying every interval. The caller's step is untouched
+meanwhile (its gradients stay in hand). Every request reports the last quorum
+this replica was a member of, from which a restarted lighthouse rebuilds the
+job (see :mod:`fthsdp.lighthouse`). ``leave`` says goodbye at a normal exit.
 """
 
 from __future__ import annotations
@@ -34,6 +43,7 @@ __all__ = [
     "QuorumTimeout",
     "InvalidLighthouseRequest",
     "LighthouseUnavailable",
+    "JobFinished",
     "quorum_from_proto",
 ]
 
@@ -59,7 +69,37 @@ class JobNotFound(LighthouseError, LookupError):
 
 
 class LighthouseUnavailable(LighthouseError, ConnectionError):
-    """The lighthouse cannot be reached."""
+    """The lighthouse cannot be reached (``outage_s``: for how long it was retried)."""
+
+    def __init__(self, message: str, code: grpc.StatusCode | None = None, outage_s: float = 0.0) -> None:
+        super().__init__(message, code)
+        self.outage_s = outage_s
+
+
+class JobFinished(LighthouseError):
+    """The job this replica asks to train in already finished (at ``step``): nothing is left to do."""
+
+    def __init__(self, message: str, step: int) -> None:
+        super().__init__(message, None)
+        self.step = step
+
+
+# Reconnect quickly once a restarted lighthouse listens again (gRPC's default
+# reconnect backoff grows to minutes, far past a restart).
+_CHANNEL_OPTIONS = [
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 500),
+]
+
+
+def backoff_delays(first_s: float = 0.05, cap_s: float = 0.5, factor: float = 2.0):
+    """Retry delays: exponential from ``first_s``, capped at ``cap_s`` (a restart
+    is noticed within ``cap_s``; an outage costs the lighthouse a few RPCs per second per replica)."""
+    d = first_s
+    while True:
+        yield d
+        d = min(cap_s, d * factor)
 
 
 @dataclass(frozen=True)
@@ -166,20 +206,29 @@ class LighthouseClient:
         rpc_timeout_s: float = 5.0,
         heartbeat_interval_s: float = 0.1,
         heartbeat_timeout_s: float = 0.5,
+        outage_s: float = 0.0,
+        rejoin: bool = False,
     ) -> None:
+        """``outage_s``: how long ``get_quorum`` retries an unreachable lighthouse
+        (0 = fail at once). ``rejoin``: this process was restarted to rejoin a
+        running job (a finished job then answers :class:`JobFinished`)."""
         if not job_id:
             raise ValueError("job_id is empty: pass the job's name (shared by all its replicas)")
         if replica_id == "" or replica_id is None:
             raise ValueError("replica_id is empty: pass this replica's id, unique within the job")
         if heartbeat_interval_s <= 0 or heartbeat_timeout_s <= 0:
             raise ValueError("heartbeat_interval_s and heartbeat_timeout_s must be > 0")
+        if not outage_s >= 0:
+            raise ValueError(f"outage_s must be >= 0 seconds, got {outage_s}")
         self.address = address
         self.job_id = job_id
         self.replica_id = str(replica_id)
         self.rpc_timeout_s = rpc_timeout_s
         self.heartbeat_interval_s = heartbeat_interval_s
         self.heartbeat_timeout_s = heartbeat_timeout_s
-        self._channel = grpc.insecure_channel(address)
+        self.outage_s = outage_s
+        self.rejoin = rejoin
+        self._channel = grpc.insecure_channel(address, options=_CHANNEL_OPTIONS)
         self._stub = pb2_grpc.LighthouseStub(self._channel)
         self._step = 0
         self._hb_thread: threading.Thread | None = None
@@ -188,6 +237,10 @@ class LighthouseClient:
         self.last_heartbeat: HeartbeatReply | None = None
         self.heartbeat_failures = 0  # consecutive
         self.last_heartbeat_error: LighthouseError | None = None
+        # The last quorum this replica was a member of: reported with every
+        # request so a restarted lighthouse can rebuild the job.
+        self.last_quorum: qm.Quorum | None = None
+        self.outages: list[tuple[float, float]] = []  # (start, seconds) of each outage get_quorum rode out
 
     # -- errors --------------------------------------------------------------
 
@@ -223,9 +276,13 @@ class LighthouseClient:
         """Block until the quorum of ``step`` (this replica's next step) is decided.
 
         Raises QuorumTimeout (with the lighthouse's last decision reason) if
-        none is decided within ``timeout_s``.
+        none is decided within ``timeout_s``; :class:`JobFinished` if the job
+        already finished; :class:`LighthouseUnavailable` once the lighthouse
+        was unreachable for longer than ``outage_s`` (it is retried with
+        backoff until then, e.g. while it restarts).
         """
         self._step = step
+        last = self.last_quorum
         req = pb2.QuorumRequest(
             protocol_version=LIGHTHOUSE_PROTOCOL_VERSION,
             job_id=self.job_id,
@@ -236,19 +293,70 @@ class LighthouseClient:
             local_world_size=len(ftar_addresses) if local_world_size is None else local_world_size,
             commit_failed=commit_failed,
             num_replicas=num_replicas,
+            last_quorum_id=last.quorum_id if last is not None else 0,
+            last_members=list(last.member_ids) if last is not None else [],
+            rejoin=self.rejoin,
+            fresh_start=last is None and not self.rejoin,
         )
+        down_since: float | None = None
+        delays = backoff_delays()
+        while True:
+            try:
+                resp = self._stub.GetQuorum(req, timeout=timeout_s)
+                break
+            except grpc.RpcError as e:
+                err = self._error(f"get_quorum(step={step})", e, timeout_s)
+            if not isinstance(err, LighthouseUnavailable):
+                raise err from None
+            now = time.monotonic()
+            if down_since is None:
+                down_since = now
+                if self.outage_s > 0:
+                    log.warning("lighthouse %s unreachable at step %d; retrying for up to %gs "
+                                "(ft.lighthouse_outage_s): %s", self.address, step, self.outage_s, err)
+            if now - down_since >= self.outage_s:
+                raise LighthouseUnavailable(
+                    f"{err} (unreachable for {now - down_since:.1f}s; ft.lighthouse_outage_s={self.outage_s:g}). "
+                    "Restart the lighthouse on the same address within that limit, or resume the job from its "
+                    "persistent checkpoint (fthsdp run --resume)", err.code, outage_s=now - down_since) from None
+            time.sleep(min(next(delays), max(0.0, down_since + self.outage_s - now)))
+        if down_since is not None:
+            took = time.monotonic() - down_since
+            self.outages.append((time.time() - took, took))
+            log.warning("lighthouse %s reachable again after %.2fs; step %d goes on", self.address, took, step)
+        if resp.job_finished:
+            raise JobFinished(
+                f"job {self.job_id!r} already finished at step {resp.finished_step} (lighthouse {self.address}); "
+                f"replica {self.replica_id!r} at step {step} has nothing left to train", resp.finished_step)
+        q = quorum_from_proto(resp.quorum)
+        if self.replica_id in q.member_ids:
+            self.last_quorum = q
+        return q
+
+    def leave(self, step: int, *, finished: bool, timeout_s: float | None = None) -> bool:
+        """Say goodbye (stop heartbeats first): the lighthouse forgets this replica at
+        once instead of declaring it dead, and with ``finished`` remembers that the
+        job finished at ``step``. Best effort: returns False if the lighthouse could
+        not be told (it then detects the silence as usual)."""
+        self.stop_heartbeats()
+        req = pb2.LeaveRequest(protocol_version=LIGHTHOUSE_PROTOCOL_VERSION, job_id=self.job_id,
+                               replica_id=self.replica_id, step=step, finished=finished)
+        t = self.rpc_timeout_s if timeout_s is None else timeout_s
         try:
-            resp = self._stub.GetQuorum(req, timeout=timeout_s)
+            self._stub.Leave(req, timeout=t)
+            return True
         except grpc.RpcError as e:
-            raise self._error(f"get_quorum(step={step})", e, timeout_s) from None
-        return quorum_from_proto(resp.quorum)
+            log.warning("%s", self._error("leave", e, t))
+            return False
 
     def heartbeat(self, step: int | None = None) -> HeartbeatReply:
         """One heartbeat now (the background thread calls this)."""
         if step is not None:
             self._step = step
+        last = self.last_quorum
         req = pb2.HeartbeatRequest(
-            protocol_version=LIGHTHOUSE_PROTOCOL_VERSION, job_id=self.job_id, replica_id=self.replica_id, step=self._step
+            protocol_version=LIGHTHOUSE_PROTOCOL_VERSION, job_id=self.job_id, replica_id=self.replica_id,
+            step=self._step, last_quorum_id=last.quorum_id if last is not None else 0,
         )
         try:
             resp = self._stub.Heartbeat(req, timeout=self.heartbeat_timeout_s)
