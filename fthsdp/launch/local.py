@@ -2,8 +2,20 @@
 
 The launcher owns processes and signals only; what the replicas did is read
 back from their files (fthsdp/launch/report.py). Faults are real: SIGKILL for
-a dead machine, SIGSTOP/SIGCONT for a hung one. With `--restart`, a killed
-replica is started again and rejoins by fetching state from its peers.
+a dead machine, SIGSTOP/SIGCONT for a hung one, SIGKILL of the lighthouse.
+It supervises everything it started:
+
+* a killed replica is restarted (`--restart`) and rejoins by fetching state
+  from its peers, while someone healthy is left to fetch from;
+* its lighthouse is restarted on the same address when it dies, so the
+  replicas reconnect;
+* when no healthy replica is left, it restarts the whole job from the latest
+  persistent checkpoint (as `--resume` does), at most `launch.max_job_restarts`
+  times.
+
+The decisions are plain functions (faults.due, supervise.*); this module
+turns them into processes and signals. The run directory's bookkeeping
+(attempts, the user's overrides, fired faults) is fthsdp/launch/rundir.py.
 """
 
 from __future__ import annotations
@@ -14,16 +26,20 @@ import logging
 import os
 import pathlib
 import secrets
-import shutil
 import signal
 import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
 
-from fthsdp.launch.faults import Fault, plan
+from fthsdp.launch import rundir as rundir_lib
+from fthsdp.launch import supervise
+from fthsdp.launch.faults import Fault, choose_sources, due, plan
 
 log = logging.getLogger("fthsdp.launch")
+
+LIGHTHOUSE_START_S = 60.0  # a (re)started lighthouse must listen within this long
+LIGHTHOUSE_RESTART_TRIES = 3
 
 
 @dataclass
@@ -35,6 +51,8 @@ class ReplicaProc:
     cont_at: float | None = None
     restart_at: float | None = None
     log_path: pathlib.Path | None = None
+    mode: str = "start"  # start: with the others (initial, resumed) / rejoin: alone, from its peers
+    progressed: bool = False  # its live process has committed a step
 
 
 @dataclass
@@ -57,32 +75,85 @@ class LocalJob:
     resume: str = ""  # full restart id: replicas resume from the latest persistent checkpoint
     kill_all_at: int | None = None  # SIGKILL every process once a replica reaches this step
     late: dict[int, float] = field(default_factory=dict)  # replica -> start it this many seconds after the others
+    max_job_restarts: int = 2  # automatic whole-job fallbacks to the checkpoint
     procs: dict[int, ReplicaProc] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        self.out_dir = pathlib.Path(self.out_dir)
         self.out_dir.mkdir(parents=True, exist_ok=True)
-        if self.resume:
-            archive_previous_attempt(self.out_dir, self.resume)
+        self.rundir = rundir_lib.RunDir(self.out_dir)
+        if not self.rundir.load():  # used as a library (tests): record what the run is
+            self.rundir.save({"config": self.config, "overrides": list(self.overrides),
+                              "faults": [f.to_json() for f in self.faults], "fired": [], "attempts": []})
+        if self.kill_all_at is not None:
+            self.faults = sorted([*self.faults, *plan((), (), self.replicas, kill_all=(self.kill_all_at,))])
         self.pending = sorted(self.faults)
-        self._events = open(self.out_dir / "events.jsonl", "a", buffering=1)
+        self.fired: list[dict] = []
+        self._log_handler: logging.Handler | None = None
+        self._events = None
+        self._begin_attempt("resume" if self.resume else "fresh")
         self.lighthouse: subprocess.Popen | None = None
         self.lighthouse_addr = ""
+        self.lighthouse_port = 0
+        self._lighthouse_down_ok = False  # we took it down on purpose (kill-all, fallback, shutdown)
+        self.lighthouse_restarts: list[dict] = []
+        self.job_restarts: list[dict] = []
+        self.gave_up = ""  # why the launcher ended the job early, with the resume hint
         self.token = secrets.token_hex(16)  # the job's shared secret for peer state transfer
         self.killed_all = False
 
     # -- bookkeeping ---------------------------------------------------------
 
+    def _begin_attempt(self, kind: str) -> None:
+        """A new attempt: the previous one's files archived, its own launch log and events file."""
+        if self._events is not None:
+            self._events.close()
+        self.attempt, log_path = self.rundir.begin_attempt(kind, self.resume)
+        root = logging.getLogger("fthsdp")
+        if self._log_handler is not None:
+            root.removeHandler(self._log_handler)
+            self._log_handler.close()
+        self._log_handler = logging.FileHandler(log_path)
+        self._log_handler.setFormatter(logging.Formatter("%(asctime)s.%(msecs)03d %(levelname).1s %(name)s | "
+                                                         "%(message)s", "%H:%M:%S"))
+        root.addHandler(self._log_handler)
+        if root.level == logging.NOTSET or root.level > logging.INFO:
+            root.setLevel(logging.INFO)
+        self._events = open(self.out_dir / "events.jsonl", "a", buffering=1)
+        log.info("attempt %d (%s)%s; this attempt's log: %s", self.attempt, kind,
+                 f", restart id {self.resume}" if self.resume else "", log_path)
+
     def event(self, kind: str, replica: int | None = None, **extra) -> None:
-        rec = {"time": time.time(), "kind": kind, "replica": replica, **extra}
+        rec = {"time": time.time(), "kind": kind, "replica": replica, "attempt": self.attempt, **extra}
         self._events.write(json.dumps(rec) + "\n")
         log.info("%s%s %s", kind, f" replica {replica}" if replica is not None else "",
                  " ".join(f"{k}={v}" for k, v in extra.items()))
 
-    def status(self, rid: int) -> dict:
+    def live_status(self, rid: int) -> dict:
+        """The status its *live* process wrote; {} before that process commits
+        (a killed predecessor's file says nothing about the new process)."""
+        rp = self.procs.get(rid)
+        if rp is None or rp.proc is None or rp.proc.poll() is not None:
+            return {}
         try:
-            return json.loads((self.out_dir / f"status-{rid}.json").read_text())
+            st = json.loads((self.out_dir / f"status-{rid}.json").read_text())
         except (FileNotFoundError, json.JSONDecodeError):
             return {}
+        return st if st.get("pid") == rp.proc.pid else {}
+
+    def progress_by_replica(self) -> dict[int, int | None]:
+        out: dict[int, int | None] = {}
+        for rid, rp in self.procs.items():
+            st = self.live_status(rid) if rp.state in ("running", "starting") else {}
+            out[rid] = st.get("step") if st else None
+            if st:
+                rp.progressed = True
+        return out
+
+    def views(self) -> list[supervise.ReplicaView]:
+        prog = self.progress_by_replica()
+        return [supervise.ReplicaView(rid, rp.state, prog[rid], rp.mode, rp.progressed)
+                for rid, rp in sorted(self.procs.items())]
 
     def _env(self) -> dict:
         env = dict(os.environ)
@@ -91,29 +162,72 @@ class LocalJob:
         env["FTHSDP_PEER_TOKEN"] = self.token
         return env
 
+    def resume_hint(self) -> str:
+        return rundir_lib.resume_hint(self.out_dir, self.config, self.overrides)
+
     # -- processes -----------------------------------------------------------
 
     def start_lighthouse(self) -> None:
+        """Starts the lighthouse; on a restart, on the same port (the replicas know that address)."""
         port_file = self.out_dir / "lighthouse.port"
         port_file.unlink(missing_ok=True)
-        logf = open(self.out_dir / "lighthouse.log", "w")
+        logf = open(self.out_dir / "lighthouse.log", "a")
+        logf.write(f"--- lighthouse start {time.strftime('%H:%M:%S')} (attempt {self.attempt}) ---\n")
+        logf.flush()
         self.lighthouse = subprocess.Popen(
-            [sys.executable, "-m", "fthsdp.lighthouse", "--bind", "127.0.0.1:0", "--port-file", str(port_file),
-             "--detect", str(self.detect_s), "--join-timeout", str(self.join_timeout_s),
-             "--replicas", str(self.replicas)],
+            [sys.executable, "-m", "fthsdp.lighthouse", "--bind", f"127.0.0.1:{self.lighthouse_port}",
+             "--port-file", str(port_file), "--detect", str(self.detect_s),
+             "--join-timeout", str(self.join_timeout_s), "--replicas", str(self.replicas)],
             stdout=logf, stderr=subprocess.STDOUT, env=self._env(), start_new_session=True)
-        deadline = time.monotonic() + 60
+        logf.close()
+        deadline = time.monotonic() + LIGHTHOUSE_START_S
         while not port_file.exists():
             if self.lighthouse.poll() is not None:
                 raise RuntimeError(f"the lighthouse exited with {self.lighthouse.returncode}; see "
                                    f"{self.out_dir / 'lighthouse.log'}")
             if time.monotonic() > deadline:
-                raise RuntimeError("the lighthouse did not start listening within 60 s")
+                self.lighthouse.kill()
+                raise RuntimeError(f"the lighthouse did not start listening within {LIGHTHOUSE_START_S:.0f} s")
             time.sleep(0.05)
-        self.lighthouse_addr = f"127.0.0.1:{port_file.read_text().strip()}"
+        self.lighthouse_port = int(port_file.read_text().strip())
+        self.lighthouse_addr = f"127.0.0.1:{self.lighthouse_port}"
+        self._lighthouse_down_ok = False
         self.event("lighthouse", address=self.lighthouse_addr)
 
-    def start_replica(self, rid: int, rejoin: bool = False) -> None:
+    def stop_lighthouse(self) -> None:
+        self._lighthouse_down_ok = True
+        if self.lighthouse is not None and self.lighthouse.poll() is None:
+            self.lighthouse.kill()
+            self.lighthouse.wait(10)
+
+    def supervise_lighthouse(self) -> bool:
+        """Restarts a lighthouse that died; False (and `gave_up` set) if it cannot be."""
+        if self.lighthouse is None or self._lighthouse_down_ok or self.lighthouse.poll() is None:
+            return True
+        rc = self.lighthouse.returncode
+        why = f"signal {-rc}" if rc < 0 else f"exit code {rc}"
+        t0 = time.monotonic()
+        err: Exception | None = None
+        for _ in range(LIGHTHOUSE_RESTART_TRIES):
+            try:
+                self.start_lighthouse()
+                break
+            except RuntimeError as e:
+                err = e
+                time.sleep(0.5)
+        else:
+            self.gave_up = (f"the lighthouse at {self.lighthouse_addr} died ({why}) and could not be restarted "
+                            f"({err}); resume the job with: {self.resume_hint()}")
+            log.error("%s", self.gave_up)
+            self.event("lighthouse_lost", reason=why, error=str(err))
+            return False
+        took = time.monotonic() - t0
+        self.lighthouse_restarts.append({"died": why, "restart_s": took, "time": time.time()})
+        self.event("lighthouse_restart", died=why, restart_s=round(took, 3))
+        log.warning("lighthouse died (%s); restarted in %.2f s on %s", why, took, self.lighthouse_addr)
+        return True
+
+    def start_replica(self, rid: int, mode: str = "start") -> None:
         rp = self.procs.setdefault(rid, ReplicaProc(rid))
         rp.log_path = self.out_dir / f"replica-{rid}.out"
         logf = open(rp.log_path, "a")
@@ -121,66 +235,96 @@ class LocalJob:
             [sys.executable, "-m", "fthsdp.replica", "--config", self.config, "--replica-id", str(rid),
              "--lighthouse", self.lighthouse_addr, "--job", self.job_id, "--out-dir", str(self.out_dir),
              "--allreduce", self.allreduce, "--hash-every", str(self.hash_every),
-             *(["--resume", self.resume] if self.resume and rp.restarts == 0 else []),
-             *(["--rejoin"] if rejoin else []), *self.overrides],
+             *(["--resume", self.resume] if self.resume and mode == "start" else []),
+             *(["--rejoin"] if mode == "rejoin" else []), *self.overrides],
             stdout=logf, stderr=subprocess.STDOUT, env=self._env(), start_new_session=True)
-        rp.state = "running"
-        rp.restart_at = None
+        logf.close()
+        rp.state, rp.mode, rp.progressed = "running", mode, False
+        rp.restart_at = rp.cont_at = None
 
     def signal_replica(self, rid: int, sig: int) -> None:
         rp = self.procs[rid]
         if rp.proc is not None and rp.proc.poll() is None:
             os.kill(rp.proc.pid, sig)
 
-    # -- main loop -------------------------------------------------------------
+    def kill_replica(self, rid: int) -> None:
+        rp = self.procs[rid]
+        if rp.proc is not None and rp.proc.poll() is None:
+            try:
+                os.kill(rp.proc.pid, signal.SIGCONT)
+                rp.proc.kill()
+            except ProcessLookupError:
+                pass
+            rp.proc.wait(30)
+
+    # -- faults ------------------------------------------------------------------
+
+    def _fire(self, f: Fault, progress: dict[int, int | None], healthy: set[int]) -> None:
+        step = progress.get(f.replica) if f.replica >= 0 else max(p for p in progress.values() if p is not None)
+        self.fired.append({**f.to_json(), "attempt": self.attempt, "at_step": step, "time": time.time()})
+        self.rundir.record_fired(self.fired[-1])
+        if f.kind == "kill":
+            rp = self.procs[f.replica]
+            self.kill_replica(f.replica)
+            rp.state = "killed"
+            self.event("kill", f.replica, step=step, healthy=sorted(healthy - {f.replica}))
+            if self.restart:
+                rp.restart_at = time.time() + self.restart_delay_s
+        elif f.kind == "stop":
+            rp = self.procs[f.replica]
+            self.signal_replica(f.replica, signal.SIGSTOP)
+            rp.state, rp.cont_at = "stopped", time.time() + f.stop_s
+            self.event("stop", f.replica, step=step, seconds=f.stop_s, healthy=sorted(healthy - {f.replica}))
+        elif f.kind == "lighthouse":
+            if self.lighthouse is not None and self.lighthouse.poll() is None:
+                self.lighthouse.kill()
+                self.lighthouse.wait(10)
+            self.event("kill_lighthouse", step=step)
+        elif f.kind == "kill_all":
+            for rp in self.procs.values():
+                self.kill_replica(rp.rid)
+                rp.state, rp.restart_at = "killed", None
+            self.stop_lighthouse()
+            self.killed_all = True
+            self.pending.clear()
+            self.event("kill_all", None, step=step)
 
     def apply_faults(self) -> None:
         now = time.time()
-        if self.kill_all_at is not None and not self.killed_all and self._max_step() >= self.kill_all_at:
-            step = self._max_step()
-            for rp in self.procs.values():
-                self.signal_replica(rp.rid, signal.SIGKILL)
-                rp.state, rp.restart_at = "killed", None
-            if self.lighthouse is not None:
-                self.lighthouse.kill()
-            self.killed_all = True
-            self.event("kill_all", None, step=step)
-            return
         for rp in self.procs.values():
             if rp.state == "stopped" and rp.cont_at is not None and now >= rp.cont_at:
                 self.signal_replica(rp.rid, signal.SIGCONT)
                 rp.state, rp.cont_at = "running", None
                 self.event("cont", rp.rid)
-            if rp.state == "killed" and rp.restart_at is not None and now >= rp.restart_at:
-                if rp.restarts >= 0 and not any(o.state in ("running", "stopped") for o in self.procs.values()
-                                                if o.rid != rp.rid):
-                    rp.restart_at = None
-                    self.event("no_restart", rp.rid, reason="no other replica is running to rejoin")
-                    continue
-                rp.restarts += 1
-                self.event("restart" if rp.restarts else "late_start", rp.rid, step=self._max_step())
-                self.start_replica(rp.rid, rejoin=True)
-        while self.pending:
-            f = self.pending[0]
-            rp = self.procs.get(f.replica)
-            step = self.status(f.replica).get("step", 0)
-            if rp is None or rp.state != "running" or step < f.step:
-                break
-            self.pending.pop(0)
-            if f.kind == "kill":
-                self.signal_replica(f.replica, signal.SIGKILL)
-                rp.proc.wait(10)
-                rp.state = "killed"
-                self.event("kill", f.replica, step=step)
-                if self.restart:
-                    rp.restart_at = time.time() + self.restart_delay_s
+        i = 0
+        while i < len(self.pending):
+            f = self.pending[i]
+            progress = self.progress_by_replica()
+            healthy = supervise.healthy(self.views())
+            if due(f, progress, healthy) == "fire":
+                self.pending.pop(i)
+                self._fire(f, progress, healthy)
+                if self.killed_all:
+                    return
             else:
-                self.signal_replica(f.replica, signal.SIGSTOP)
-                rp.state, rp.cont_at = "stopped", time.time() + f.stop_s
-                self.event("stop", f.replica, step=step, seconds=f.stop_s)
+                i += 1
 
-    def _max_step(self) -> int:
-        return max((self.status(r).get("step", 0) for r in self.procs), default=0)
+    def restart_killed(self) -> None:
+        now = time.time()
+        for rp in self.procs.values():
+            if rp.state != "killed" or rp.restart_at is None or now < rp.restart_at:
+                continue
+            views = self.views()
+            if supervise.job_done(views):
+                rp.restart_at = None
+                self.event("no_restart", rp.rid, reason="the job finished")
+            elif supervise.restart_allowed(views, rp.rid):
+                late = rp.restarts < 0
+                rp.restarts = max(rp.restarts, 0) + (0 if late else 1)
+                self.event("late_start" if late else "restart", rp.rid,
+                           step=max((p for p in self.progress_by_replica().values() if p is not None), default=0))
+                self.start_replica(rp.rid, mode="rejoin")
+            # else: nobody to rejoin; needs_fallback() decides what happens to the job
 
     def reap(self) -> None:
         for rp in self.procs.values():
@@ -193,12 +337,58 @@ class LocalJob:
                     log.error("replica %d exited with %d; last lines of %s:\n%s", rp.rid, rc, rp.log_path,
                               "\n".join(tail))
 
+    # -- whole-job fallback -----------------------------------------------------------
+
+    def latest_checkpoint(self) -> int | None:
+        steps = [int(p.name) for p in (self.out_dir / "checkpoints").glob("*") if p.name.isdigit()]
+        return max(steps, default=None)
+
+    def maybe_fall_back(self) -> None:
+        if self.killed_all or self.gave_up or not supervise.needs_fallback(self.views()):
+            return
+        dead = {rp.rid: rp.state if rp.state != "running" else "restarting, not rejoined"
+                for rp in self.procs.values()}
+        ckpt = self.latest_checkpoint()
+        where = f"the checkpoint of step {ckpt}" if ckpt is not None else "step 0 (no finished checkpoint yet)"
+        if len(self.job_restarts) >= self.max_job_restarts:
+            self.gave_up = (f"no healthy replica is left ({dead}) and launch.max_job_restarts="
+                            f"{self.max_job_restarts} automatic restart(s) are used up; resume the job from "
+                            f"{where} with: {self.resume_hint()}")
+            log.error("%s", self.gave_up)
+            self.event("gave_up", reason="max_job_restarts", replicas=dead)
+            for rp in self.procs.values():
+                self.kill_replica(rp.rid)
+                rp.restart_at = None
+                if rp.state == "running":
+                    rp.state = "killed"
+            return
+        n = len(self.job_restarts) + 1
+        log.warning("no healthy replica is left (%s): restarting the whole job from %s, automatic restart %d of %d",
+                    dead, where, n, self.max_job_restarts)
+        self.event("job_restart", replicas=dead, checkpoint=ckpt, n=n)
+        for rp in self.procs.values():
+            self.kill_replica(rp.rid)
+        self.stop_lighthouse()
+        self.rundir.end_attempt(result="no healthy replica left")
+        self.resume = f"fallback-{self.attempt + 1}"
+        self._begin_attempt("fallback")
+        self.job_restarts.append({"attempt": self.attempt, "checkpoint": ckpt, "time": time.time(),
+                                  "replicas": dead})
+        self.start_lighthouse()
+        for rid in range(self.replicas):
+            self.start_replica(rid, mode="start")
+
+    # -- main loop -------------------------------------------------------------
+
     def status_line(self) -> str:
         parts = []
         for rid in sorted(self.procs):
-            rp, st = self.procs[rid], self.status(rid)
+            rp, st = self.procs[rid], self.live_status(rid)
             if rp.state in ("killed", "stopped", "failed"):
                 parts.append(f"r{rid}: {rp.state.upper()}")
+                continue
+            if not st:
+                parts.append(f"r{rid}: {'starting' if rp.mode == 'start' else 'rejoining'}")
                 continue
             loss = st.get("loss")
             parts.append(f"r{rid}: step {st.get('step', 0):>4} "
@@ -207,6 +397,8 @@ class LocalJob:
         return " | ".join(parts)
 
     def finished(self) -> bool:
+        if self.gave_up:
+            return True
         live = [rp for rp in self.procs.values() if rp.state in ("running", "starting", "stopped")]
         waiting_restart = any(rp.restart_at is not None for rp in self.procs.values())
         return not live and not waiting_restart
@@ -219,7 +411,7 @@ class LocalJob:
             if rid in self.late:
                 rp = self.procs.setdefault(rid, ReplicaProc(rid, state="killed"))
                 rp.restart_at = time.time() + self.late[rid]
-                rp.restarts = -1  # becomes 0 at its first start, which joins as a late joiner
+                rp.restarts = -1  # its first start joins as a late joiner
                 continue
             self.start_replica(rid)
         t0 = time.monotonic()
@@ -234,8 +426,12 @@ class LocalJob:
             while not self.finished():
                 if time.monotonic() - t0 > self.deadline_s:
                     raise RuntimeError(f"the job did not finish within {self.deadline_s:.0f} s; logs in {self.out_dir}")
+                if not self.supervise_lighthouse():
+                    break
                 self.apply_faults()
                 self.reap()
+                self.restart_killed()
+                self.maybe_fall_back()
                 line = self.status_line()
                 if live is not None:
                     live.update(line.replace(" | ", "\n"))
@@ -247,63 +443,69 @@ class LocalJob:
             if live is not None:
                 live.stop()
             self.shutdown()
-        summary = report.write_summary(self.out_dir)
+        failed = sorted(rp.rid for rp in self.procs.values() if rp.state == "failed")
+        extra = {"failed_replicas": failed, "attempt": self.attempt, "job_restarts": self.job_restarts,
+                 "lighthouse_restarts": self.lighthouse_restarts, "faults_fired": self.fired,
+                 "faults_not_fired": [f.label() for f in self.pending], "gave_up": self.gave_up or None}
+        summary = report.write_summary(self.out_dir, extra=extra)
         plot = report.plot_timeline(self.out_dir, num_configured=self.replicas)
         for line in report.describe(summary):
             log.info("%s", line)
         log.info("wrote %s and %s", self.out_dir / "summary.json", plot)
-        failed = [rp.rid for rp in self.procs.values() if rp.state == "failed"]
-        summary["failed_replicas"] = failed
+        self.rundir.end_attempt(result="killed_all" if self.killed_all else ("gave up" if self.gave_up else "ended"))
         return summary
 
     def shutdown(self) -> None:
         for rp in self.procs.values():
             if rp.proc is not None and rp.proc.poll() is None:
-                try:
-                    os.kill(rp.proc.pid, signal.SIGCONT)
-                    rp.proc.kill()
-                    rp.proc.wait(10)
-                except ProcessLookupError:
-                    pass
+                self.kill_replica(rp.rid)
+        self._lighthouse_down_ok = True
         if self.lighthouse is not None and self.lighthouse.poll() is None:
             self.lighthouse.terminate()
             try:
                 self.lighthouse.wait(10)
             except subprocess.TimeoutExpired:
                 self.lighthouse.kill()
+                self.lighthouse.wait(10)
         self._events.close()
+        if self._log_handler is not None:
+            logging.getLogger("fthsdp").removeHandler(self._log_handler)
+            self._log_handler.close()
+            self._log_handler = None
 
 
-def archive_previous_attempt(out: pathlib.Path, name: str) -> pathlib.Path:
-    """Moves the per-attempt files of a previous run aside (ledgers, loader states
-    and checkpoints stay: the resumed run continues them)."""
-    dest = out / "attempts" / name
-    dest.mkdir(parents=True, exist_ok=True)
-    for pattern in ("metrics-*.jsonl", "status-*.json", "events.jsonl", "replica-*.out", "replica-*.log",
-                    "summary.json", "timeline.png", "lighthouse.*", "launch.log"):
-        for f in out.glob(pattern):
-            shutil.move(str(f), dest / f.name)
-    return dest
+def _steps(values: list[str] | None, flag: str, p: argparse.ArgumentParser) -> tuple[int, ...] | None:
+    if values is None:
+        return None
+    try:
+        return tuple(int(v) for v in values)
+    except ValueError:
+        p.error(f"{flag} expects a step number, got {values}")
 
 
 def cli(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="fthsdp run", description="Run a fault-tolerant job locally: a lighthouse "
-                                "and N replica processes, with injected faults.")
-    p.add_argument("--config", default="ft_local")
+                                "and N replica processes, with injected faults. Any fault flag on the command "
+                                "line replaces the config's fault plan (launch.kill/stop/random_kills).")
+    p.add_argument("--config", default=None, help="config name or file (default: ft_local; on --resume, the run's)")
     p.add_argument("--replicas", type=int, default=None, help="overrides launch.replicas")
     p.add_argument("--devices-per-replica", type=int, default=None, help="overrides launch.devices_per_replica")
     p.add_argument("--kill", action="append", default=None, metavar="REPLICA@STEP", help="SIGKILL a replica at a step")
     p.add_argument("--stop", action="append", default=None, metavar="REPLICA@STEP", help="SIGSTOP a replica at a step")
     p.add_argument("--stop-seconds", type=float, default=3.0, help="SIGCONT a stopped replica after this long")
-    p.add_argument("--random-kills", type=int, default=None, help="this many seeded random SIGKILLs")
+    p.add_argument("--random-kills", type=int, default=None,
+                   help="exactly this many seeded random SIGKILLs (never of the last healthy replica)")
     p.add_argument("--seed", type=int, default=None, help="seed of the random kills")
+    p.add_argument("--kill-lighthouse", action="append", default=None, metavar="STEP",
+                   help="SIGKILL the launcher's lighthouse at STEP (it is restarted on the same address)")
     p.add_argument("--restart", action=argparse.BooleanOptionalAction, default=None,
                    help="restart killed replicas; they rejoin by fetching state from peers (default: launch.restart)")
-    p.add_argument("--kill-all", type=int, default=None, metavar="STEP",
-                   help="SIGKILL every replica and the lighthouse at STEP (then try --resume)")
+    p.add_argument("--kill-all", action="append", default=None, metavar="STEP",
+                   help="SIGKILL every replica and the lighthouse at STEP and end (then try --resume)")
     p.add_argument("--resume", action="store_true",
                    help="full restart of a job in --out-dir: every replica resumes from the latest persistent "
-                        "checkpoint and the loader positions saved with it")
+                        "checkpoint and the loader positions saved with it; the run's config and overrides are "
+                        "kept, a different shape is refused, faults that fired are not replayed")
     p.add_argument("--out-dir", default=None)
     p.add_argument("--allreduce", choices=("ftar", "local"), default="ftar")
     p.add_argument("--no-progress", action="store_true")
@@ -313,52 +515,90 @@ def cli(argv: list[str]) -> int:
     from fthsdp import config as config_lib
     from fthsdp import logs
 
-    overrides = list(args.overrides)
+    new_overrides = list(args.overrides)
     if args.replicas is not None:
-        overrides.append(f"launch.replicas={args.replicas}")
+        new_overrides.append(f"launch.replicas={args.replicas}")
     if args.devices_per_replica is not None:
-        overrides.append(f"launch.devices_per_replica={args.devices_per_replica}")
+        new_overrides.append(f"launch.devices_per_replica={args.devices_per_replica}")
+    config_name, overrides = args.config or "ft_local", new_overrides
+    saved: dict = {}
+    out: pathlib.Path | None = None
+    if args.resume:
+        if args.out_dir is None:
+            try:
+                out = pathlib.Path(config_lib.load(config_name, new_overrides).train.out_dir)
+            except ValueError as e:
+                p.error(str(e))
+        else:
+            out = pathlib.Path(args.out_dir)
+        saved = rundir_lib.RunDir(out).load()
+        if not (out / "checkpoints").is_dir() and not saved:
+            p.error(f"--resume: no run in {out} (no run.json, no checkpoints); run the job first (or pass its "
+                    "--out-dir)")
+        if saved:
+            config_name = args.config or saved["config"]
+            overrides = rundir_lib.merge_overrides(saved.get("overrides", []), new_overrides)
     try:
-        cfg = config_lib.load(args.config, overrides)
+        cfg = config_lib.load(config_name, overrides)
     except ValueError as e:
         p.error(str(e))
-    kills = tuple(args.kill) if args.kill is not None else cfg.launch.kill
-    stops = tuple(args.stop) if args.stop is not None else cfg.launch.stop
+    out = out or pathlib.Path(args.out_dir or cfg.train.out_dir)
+    if saved.get("effective"):
+        diffs = rundir_lib.shape_differences(saved["effective"], rundir_lib.effective(cfg))
+        if diffs:
+            p.error(f"--resume: the run in {out} has a different shape; " + "; ".join(diffs)
+                    + ". Resume with the run's own shape (drop those overrides), or start a new run in another "
+                    "--out-dir")
+
+    sources = choose_sources(args.kill, args.stop, args.random_kills, _steps(args.kill_lighthouse,
+                             "--kill-lighthouse", p), _steps(args.kill_all, "--kill-all", p),
+                             cfg.launch.kill, cfg.launch.stop, cfg.launch.random_kills)
     try:
-        faults = plan(kills, stops, cfg.launch.replicas,
-                      random_count=args.random_kills if args.random_kills is not None else cfg.launch.random_kills,
+        faults = plan(sources.kills, sources.stops, cfg.launch.replicas, random_count=sources.random_count,
                       steps=cfg.train.steps, seed=args.seed if args.seed is not None else cfg.launch.fault_seed,
-                      stop_s=args.stop_seconds)
+                      stop_s=args.stop_seconds, lighthouse=sources.lighthouse, kill_all=sources.kill_all)
     except ValueError as e:
         p.error(str(e))
-    out = pathlib.Path(args.out_dir or cfg.train.out_dir)
     resume = ""
     if args.resume:
-        if not (out / "checkpoints").is_dir():
-            p.error(f"--resume: no checkpoints under {out / 'checkpoints'}; run the job first (or pass its --out-dir)")
         resume = f"restart-{int(time.time())}"
-    elif out.exists():
-        for pattern in ("metrics-*.jsonl", "status-*.json", "events.jsonl", "replica-*.out", "replica-*.log",
-                        "ledger/*.jsonl", "loader_state/*.json"):
-            for f in out.glob(pattern):
-                f.unlink()
-        shutil.rmtree(out / "checkpoints", ignore_errors=True)
-    logs.setup("fthsdp.launch", file=str(out / "launch.log"))
-    job = LocalJob(config=args.config, overrides=overrides, out_dir=out, replicas=cfg.launch.replicas,
+        if saved and sources.origin == "config":
+            # the run's own plan, less what already fired: a resume does not replay faults
+            planned = [Fault.from_json(d) for d in saved.get("faults", [])]
+            for d in saved.get("fired", []):
+                f = Fault.from_json(d)
+                if f in planned:
+                    planned.remove(f)
+            faults = sorted(planned)
+            sources = sources.__class__(**{**sources.__dict__, "origin": "the run (less the fired faults)"})
+        rundir_lib.RunDir(out).update(overrides=overrides, config=config_name,
+                                      effective=saved.get("effective") or rundir_lib.effective(cfg),
+                                      faults=[f.to_json() for f in faults])
+    else:
+        out.mkdir(parents=True, exist_ok=True)
+        rundir_lib.clean_for_fresh_run(out)
+        rundir_lib.RunDir(out).save({"config": config_name, "overrides": overrides,
+                                     "effective": rundir_lib.effective(cfg),
+                                     "faults": [f.to_json() for f in faults], "fired": [], "attempts": []})
+    logs.setup("fthsdp.launch")
+    job = LocalJob(config=config_name, overrides=overrides, out_dir=out, replicas=cfg.launch.replicas,
                    steps=cfg.train.steps, faults=faults,
                    restart=cfg.launch.restart if args.restart is None else args.restart,
                    restart_delay_s=cfg.launch.restart_delay_s, resume=resume, allreduce=args.allreduce,
-                   kill_all_at=args.kill_all,
+                   max_job_restarts=cfg.launch.max_job_restarts,
                    detect_s=cfg.ft.detect_s, join_timeout_s=cfg.ft.join_timeout_s,
                    progress=not args.no_progress and sys.stderr.isatty())
-    log.info("job: %d replicas x %d devices, %d steps, faults %s; logs in %s", cfg.launch.replicas,
-             cfg.launch.devices_per_replica, cfg.train.steps,
-             [f"{f.kind} r{f.replica}@{f.step}" for f in faults] or "none", out)
+    log.info("job: %d replicas x %d devices, %d steps, faults (from %s) %s; logs in %s", cfg.launch.replicas,
+             cfg.launch.devices_per_replica, cfg.train.steps, sources.origin,
+             [f.label() for f in faults] or "none", out)
     summary = job.run()
     if job.killed_all:
-        log.info("every process was killed at step %s; resume with: fthsdp run --resume --out-dir %s --config %s",
-                 args.kill_all, out, args.config)
+        log.info("every process was killed at step %s; resume with: %s",
+                 job.fired[-1].get("at_step") if job.fired else "?", job.resume_hint())
         return 0
+    if job.gave_up:
+        return 4
     if summary["failed_replicas"]:
+        log.info("resume the job from its latest checkpoint with: %s", job.resume_hint())
         return 1
     return 0 if summary["identical_final_state"] else 3

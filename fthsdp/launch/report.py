@@ -82,8 +82,11 @@ def analyse_failures(run: RunFiles) -> list[FailureReport]:
                 for r in recs if r["start"] >= t and victim not in r["members"]]
         detection = (min(det) - t) if det else ((min(excl) - t) if excl else None)
         rep = FailureReport(victim, ev["kind"], t, ev.get("step"), detection)
+        # Survivors: the replicas that were healthy at the fault (the launcher
+        # records them); one still starting up or restarting has no stall to report.
+        survivors = {str(r) for r in ev["healthy"]} if "healthy" in ev else None
         for rid, recs in run.steps.items():
-            if rid == victim:
+            if rid == victim or (survivors is not None and rid not in survivors):
                 continue
             med = median_step_s(recs)
             hit = [r for r in recs if r["start"] <= t <= r["end"]] or [r for r in recs if r["start"] > t][:1]
@@ -133,6 +136,13 @@ def describe(summary: dict) -> list[str]:
         stalls = ", ".join(f"replica {k}: {v:+.2f}s at step {f['straddling_step'][k]}" for k, v in f["stall_s"].items())
         lines.append(f"{f['kind']} of replica {f['replica']} (at step {f['step_at_fault']}): detected in {det}; "
                      f"survivors' stall {stalls or 'n/a'}")
+    for lr in summary.get("lighthouse_restarts") or []:
+        lines.append(f"lighthouse died ({lr['died']}); restarted in {lr['restart_s']:.2f}s")
+    for jr in summary.get("job_restarts") or []:
+        lines.append(f"no healthy replica left: whole job restarted from the checkpoint of step "
+                     f"{jr['checkpoint']} (attempt {jr['attempt']})")
+    if summary.get("faults_not_fired"):
+        lines.append(f"faults not fired before the run ended: {summary['faults_not_fired']}")
     for rid, r in summary["replicas"].items():
         lines.append(f"replica {rid}: {r['committed_steps']} commits, median step {r['median_step_s'] * 1e3:.0f} ms, "
                      f"loss {r['first_loss'] or float('nan'):.3f} -> {r['last_loss'] or float('nan'):.3f}, "
@@ -142,6 +152,8 @@ def describe(summary: dict) -> list[str]:
     else:
         lines.append(f"final state identical on every finishing replica ({len(summary['final_hashes'])}): "
                      + ("yes" if summary["identical_final_state"] else f"NO {summary['final_hashes']}"))
+    if summary.get("gave_up"):
+        lines.append(f"the launcher ended the job: {summary['gave_up']}")
     return lines
 
 
@@ -204,7 +216,9 @@ def plot_timeline(out_dir: str | pathlib.Path, path: str | pathlib.Path | None =
     return out
 
 
-def write_summary(out_dir: str | pathlib.Path) -> dict:
-    summary = summarize(out_dir)
+def write_summary(out_dir: str | pathlib.Path, extra: dict | None = None) -> dict:
+    """summary.json: the run's analysis plus what the launcher adds (`extra`:
+    attempts, automatic job restarts, lighthouse restarts, faults fired)."""
+    summary = {**summarize(out_dir), **(extra or {})}
     pathlib.Path(out_dir, "summary.json").write_text(json.dumps(summary, indent=2, default=str))
     return summary
