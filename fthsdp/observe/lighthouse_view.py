@@ -263,7 +263,20 @@ class History:
             ],
             "timeline": [
                 {"t": s.time, "quorum_id": s.quorum_id, "members": list(s.members), "states": s.states}
-                for s in list(h.samples)[-max_samples:]
+                for s in changes(h.samples)[-max_samples:]
             ],
             "failures": [asdict(f) for f in reversed(h.failures)],
         }
+
+
+def changes(samples) -> list[Sample]:
+    """The samples where the quorum or a replica's state changed, plus the last
+    one: the same timeline, drawn from a fraction of the data."""
+    out: list[Sample] = []
+    for s in samples:
+        if not out or (s.quorum_id, s.members, s.states) != (out[-1].quorum_id, out[-1].members, out[-1].states):
+            out.append(s)
+    samples = list(samples)
+    if samples and out[-1] is not samples[-1]:
+        out.append(samples[-1])
+    return out
