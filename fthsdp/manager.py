@@ -18,6 +18,15 @@ declared a member dead and we aborted), only the all-reduce and update are
 retried, on a new quorum, with the gradients already in hand: numerically the
 same as retraining the step on the same batch. After `max_retries` failed
 attempts of one step the Manager raises `ManagerError` instead of live-locking.
+
+Exceptions are no surprise either: whatever the quorum request, the catch-up,
+the step or FTAR raises is classified by :func:`fthsdp.errors.classify`. A
+RECOVERABLE one (a malformed FTAR chunk from a neighbour, a fetch source that
+vanished, a transient lighthouse error) is handled like a failed all-reduce:
+the ring is aborted, the peer named in the message is blamed in the step's
+events, and the step is retried on a new quorum with the gradients in hand.
+Anything else propagates, and the replica process exits with the class's
+exit code (fthsdp/replica.py).
 """
 
 from __future__ import annotations
@@ -34,6 +43,7 @@ import numpy as np
 
 from fthsdp import quorum as qm
 from fthsdp.config import Config
+from fthsdp.errors import JobFatalError, PeerFetchError, ReplicaFatalError, classify
 from fthsdp.data import LoaderState, ReplicaStream
 from fthsdp.intervention import Intervention
 from fthsdp.quorum_inputs import QuorumInputs, make_quorum_inputs
@@ -42,8 +52,13 @@ from fthsdp.step import TrainState, TrainStep
 log = logging.getLogger("fthsdp.manager")
 
 
-class ManagerError(RuntimeError):
-    """A fatal condition of the step loop: retries exhausted, no source to recover from."""
+class ManagerError(ReplicaFatalError):
+    """A fatal condition of the step loop: retries exhausted, no source to recover from.
+    The replica exits and its supervisor restarts it (it rejoins from its peers)."""
+
+
+class ManagerJobError(ManagerError, JobFatalError):
+    """A condition no restart of this replica can fix (the message says what to do)."""
 
 
 class Communicator(Protocol):
@@ -217,48 +232,77 @@ class Manager:
         events: list[str] = []
         rebuild_s = grads_s = catch_up_s = 0.0
         for attempt in range(1, self.cfg.ft.max_retries + 2):
-            q = self.lighthouse.get_quorum(
-                step, ftar_addresses=list(self.comm.addresses), state_server_address=self.state_server_address,
-                commit_failed=commit_failed, num_replicas=self.cfg.launch.replicas, timeout_s=self.cfg.timeouts.quorum_timeout_s)
+            try:
+                q = self.lighthouse.get_quorum(
+                    step, ftar_addresses=list(self.comm.addresses), state_server_address=self.state_server_address,
+                    commit_failed=commit_failed, num_replicas=self.cfg.launch.replicas,
+                    timeout_s=self.cfg.timeouts.quorum_timeout_s)
+            except Exception as e:  # noqa: BLE001 - classified: only a transient error is retried
+                c = classify(e)
+                if not c.recoverable or type(e).__name__ == "JobFinished":
+                    raise
+                events.append(f"attempt {attempt}: quorum request failed: {c.reason}")
+                log.warning("step %d attempt %d: quorum request failed (%s); asking again", step, attempt, c.reason)
+                time.sleep(min(1.0, 0.1 * attempt))
+                continue
             if self.replica_id not in q.member_ids:
                 raise ManagerError(f"quorum {q.quorum_id} does not include replica {self.replica_id}: {q.reason}")
-            if q.quorum_id != self._configured_qid:
+            try:
+                if q.quorum_id != self._configured_qid:
+                    self.quorum = q
+                    took = self._configure(q)
+                    rebuild_s += took
+                    events.append(f"quorum {q.quorum_id} members {list(q.member_ids)} (ring rebuilt in {took:.3f}s)")
+                    log.info("step %d: quorum %d members=%s healthy=%s behind=%s (%s); ring rebuilt in %.3fs",
+                             step, q.quorum_id, list(q.member_ids), list(q.healthy), list(q.behind), q.reason, took)
                 self.quorum = q
-                took = self._configure(q)
-                rebuild_s += took
-                events.append(f"quorum {q.quorum_id} members {list(q.member_ids)} (ring rebuilt in {took:.3f}s)")
-                log.info("step %d: quorum %d members=%s healthy=%s behind=%s (%s); ring rebuilt in %.3fs",
-                         step, q.quorum_id, list(q.member_ids), list(q.healthy), list(q.behind), q.reason, took)
-            self.quorum = q
-            healthy = self.replica_id in q.healthy
-            if self.on_quorum:
-                self.on_quorum(self, q)
-            if self.rejoin and not self.records and healthy and q.num_members == 1 and self.cfg.launch.replicas > 1:
-                raise ManagerError(
-                    f"replica {self.replica_id} was restarted to rejoin its job, but no other replica is running "
-                    "(the job finished or every replica died); it will not train alone from its initial state. "
-                    "Resume the whole job from its persistent checkpoint (fthsdp run --resume).")
-            if not healthy:
+                healthy = self.replica_id in q.healthy
+                if self.on_quorum:
+                    self.on_quorum(self, q)
+                if (self.rejoin and not self.records and healthy and q.num_members == 1
+                        and self.cfg.launch.replicas > 1):
+                    raise ManagerJobError(
+                        f"replica {self.replica_id} was restarted to rejoin its job, but no other replica is "
+                        "running and the lighthouse does not know the job to have finished (every replica died); "
+                        "it will not train alone from its initial state. Resume the whole job from its "
+                        "persistent checkpoint (fthsdp run --resume).")
+                if not healthy:
+                    t0 = time.perf_counter()
+                    try:
+                        step = self._catch_up(q, step, events)
+                    finally:
+                        catch_up_s += time.perf_counter() - t0
+                    grads = None
+                elif grads is None:
+                    batch = self.stream.batch(self.loader.position)
+                    x, y = self.ts.shard_batch(batch.inputs, batch.targets)
+                    t0 = time.perf_counter()
+                    grads, m = self.ts.compute_grads(self.state, x, y)
+                    loss, position = m["loss"], batch.position
+                    jax.block_until_ready(grads)
+                    pace = self.cfg.train.min_step_s - (time.perf_counter() - t0)
+                    if pace > 0:  # emulate a longer forward/backward (see TrainConfig.min_step_s)
+                        time.sleep(pace)
+                    grads_s = time.perf_counter() - t0
                 t0 = time.perf_counter()
-                step = self._catch_up(q, step, events)
-                catch_up_s += time.perf_counter() - t0
-                grads = None
-            elif grads is None:
-                batch = self.stream.batch(self.loader.position)
-                x, y = self.ts.shard_batch(batch.inputs, batch.targets)
-                t0 = time.perf_counter()
-                grads, m = self.ts.compute_grads(self.state, x, y)
-                loss, position = m["loss"], batch.position
-                jax.block_until_ready(grads)
-                pace = self.cfg.train.min_step_s - (time.perf_counter() - t0)
-                if pace > 0:  # emulate a longer forward/backward (see TrainConfig.min_step_s)
-                    time.sleep(pace)
-                grads_s = time.perf_counter() - t0
-            t0 = time.perf_counter()
-            new_state, m = self.ts.apply_grads(self.state, grads if healthy else self.zero_grads(),
-                                               self._quorum_inputs(q, healthy))
-            committed = bool(m["committed"])
-            allreduce_s = time.perf_counter() - t0
+                new_state, m = self.ts.apply_grads(self.state, grads if healthy else self.zero_grads(),
+                                                   self._quorum_inputs(q, healthy))
+                committed = bool(m["committed"])
+                allreduce_s = time.perf_counter() - t0
+            except Exception as e:  # noqa: BLE001 - classified: RECOVERABLE retries, the rest propagates
+                c = classify(e)
+                if not c.recoverable:
+                    log.error("step %d attempt %d on quorum %d: %s fault: %s", step, attempt, q.quorum_id,
+                              c.kind.value, c.reason)
+                    raise
+                blamed = self.blame(q, c.blame)
+                self.comm.abort(f"step {step}: {c.reason}")  # neighbours see the ring close at once
+                commit_failed = True
+                events.append(f"attempt {attempt} on quorum {q.quorum_id}: {c.reason}"
+                              + (f"; blamed replica {blamed}" if blamed else ""))
+                log.warning("step %d attempt %d on quorum %d: recoverable fault%s: %s; retrying on a new quorum",
+                            step, attempt, q.quorum_id, f" (blamed replica {blamed})" if blamed else "", c.reason)
+                continue
             if committed:
                 self.state = new_state
                 for r in q.healthy:
@@ -285,6 +329,15 @@ class Manager:
             f"Raise ft.max_retries or check the replicas' logs for the failing peer."
         )
 
+    def blame(self, q: qm.Quorum, address: str | None) -> str | None:
+        """The member of ``q`` whose FTAR or state-server address is ``address`` (a fault's source)."""
+        if not address:
+            return None
+        for m in q.members:
+            if address in m.ftar_addresses or address == m.state_server_address:
+                return m.replica_id
+        return None
+
     def _catch_up(self, q: qm.Quorum, step: int, events: list[str]) -> int:
         """Behind: install the healthy replicas' state of the end of step max_step - 1."""
         if self.recover is None:
@@ -293,11 +346,13 @@ class Manager:
                 "fetch state from peers (start it with a state server / recovery enabled)"
             )
         t0 = time.perf_counter()
-        self.state, data = self.recover(q, q.max_step)
-        self.install_data_state(data)
-        got = int(self.state.step)
+        state, data = self.recover(q, q.max_step)
+        got = int(state.step)
         if got != q.max_step:
-            raise ManagerError(f"recovered state is at step {got}, expected {q.max_step}")
+            raise PeerFetchError(f"recovered state is at step {got}, expected {q.max_step} (sources "
+                                 f"{list(q.sources_for(self.replica_id))})")
+        self.state = state
+        self.install_data_state(data)
         took = time.perf_counter() - t0
         sources = list(q.sources_for(self.replica_id))
         events.append(f"caught up to step {got} from {sources} in {took:.3f}s")
@@ -311,7 +366,7 @@ class Manager:
     def install_data_state(self, data: dict) -> None:
         positions = np.asarray(data["positions"], np.int64)
         if positions.shape != self.positions.shape:
-            raise ManagerError(f"peer data state has {positions.shape[0]} replicas, this job {self.positions.shape[0]}; "
+            raise ManagerJobError(f"peer data state has {positions.shape[0]} replicas, this job {self.positions.shape[0]}; "
                                "the replicas run with different launch.replicas")
         self.positions = positions.copy()
         self.last_step = np.asarray(data["last_step"], np.int64).copy()

@@ -5,6 +5,12 @@ It builds the replica's mesh, FTAR communicator and step, connects to the
 lighthouse, and runs the Manager. Every committed step it appends a JSON line
 to `metrics-R.jsonl` and rewrites `status-R.json` atomically, which is what
 the launcher's live status line and the tests read.
+
+Exit codes: 0 when the replica finished the job, or arrived (restarted) after
+the job had already finished; :data:`fthsdp.errors.EXIT_REPLICA_FATAL` (70)
+when this process cannot go on but a restarted one can (its supervisor
+restarts it, it rejoins from its peers); :data:`fthsdp.errors.EXIT_JOB_FATAL`
+(78) when no restart of this replica can help (the message says what to do).
 """
 
 from __future__ import annotations
@@ -107,7 +113,9 @@ class ReplicaProcess:
         self.started = time.time()
 
         self.client = LighthouseClient(args.lighthouse, args.job, self.rid,
-                                       heartbeat_interval_s=cfg.ft.heartbeat_interval_s)
+                                       heartbeat_interval_s=cfg.ft.heartbeat_interval_s,
+                                       heartbeat_timeout_s=cfg.timeouts.heartbeat_rpc_s,
+                                       outage_s=cfg.timeouts.lighthouse_outage_s, rejoin=args.rejoin)
         self.mgr = Manager(cfg=cfg, replica_id=self.rid, job_id=args.job, ts=self.ts, comm=self.comm,
                            lighthouse=self.client, state=state, loader=LoaderState(replica=args.replica_id),
                            recover=self.recover, state_server_address=self.server.url,
@@ -118,7 +126,7 @@ class ReplicaProcess:
     def recover(self, q, step: int):
         """The healthy replicas' state at `step`: assigned sources first, then any healthy peer."""
         from fthsdp.checkpoint import orbax_peer
-        from fthsdp.manager import ManagerError
+        from fthsdp.errors import PeerFetchError
 
         assigned = [q.member(src).state_server_address for src in q.sources_for(self.rid)]
         others = [q.member(h).state_server_address for h in q.healthy]
@@ -144,7 +152,7 @@ class ReplicaProcess:
             # With on-demand snapshots the peers start copying when they see the
             # same quorum we do: a source may not serve this step for a few ms yet.
             if time.monotonic() > deadline:
-                raise ManagerError(f"could not fetch the state of step {step} from any healthy peer: {last}")
+                raise PeerFetchError(f"could not fetch the state of step {step} from any healthy peer: {last}")
             time.sleep(0.05)
 
     def backfill_ledger(self, data: dict) -> None:
@@ -243,11 +251,36 @@ class ReplicaProcess:
         if cfg.launch.replicas > 1 and not self.args.rejoin:  # a job's (re)start: begin together
             live = mgr.wait_for_peers(self.client.status, cfg.launch.replicas, cfg.ft.startup_timeout_s)
             log.info("replica %s: %d replica(s) live, starting", self.rid, live)
+        from fthsdp.errors import classify, exit_code
+        from fthsdp.lighthouse_client import JobFinished
+
         try:
             mgr.run(cfg.train.steps)
             self.ckpt.wait()
-        finally:
+            step = int(mgr.state.step)
+            self.client.leave(step, finished=step >= cfg.train.steps)  # a normal exit is not a death
+        except JobFinished as e:
+            # Restarted (or woken) after the others finished: nothing is left to train,
+            # and the replicas that finished hold the result.
+            log.warning("replica %s: %s; exiting normally (the replicas that finished hold the job's final state)",
+                        self.rid, e)
+            self.client.leave(int(mgr.state.step), finished=False)
+            self.metrics.write(kind="job_finished", replica=self.rid, step=int(mgr.state.step),
+                               finished_step=e.step)
+            self.write_status(step=int(mgr.state.step), state="job finished")
             self.close()
+            return 0
+        except Exception as e:  # noqa: BLE001 - every fault leaves with its class's exit code
+            c = classify(e)
+            code = exit_code(c)
+            log.exception("replica %s: %s fault at step %d, exiting with %d: %s", self.rid, c.kind.value,
+                          int(mgr.state.step), code, c.reason)
+            self.client.leave(int(mgr.state.step), finished=False)
+            self.write_status(step=int(mgr.state.step), state=f"failed ({c.kind.value})", fault=c.reason,
+                              exit_code=code)
+            self.close()
+            return code
+        self.close()
         for d in mgr.detections:
             self.metrics.write(kind="detection", replica=self.rid, **d)
         self.metrics.write(kind="done", replica=self.rid, step=int(mgr.state.step), hash=state_hash(mgr.state),

@@ -1,0 +1,91 @@
+"""The fault classifier (fthsdp/errors.py): one test per class, with the real
+exception types the step loop meets (issue 10, item 5). The end-to-end case
+(a malformed FTAR chunk sent to a real replica) is in test_resilience_ftar.py."""
+
+from __future__ import annotations
+
+import grpc
+import jax
+import jax.numpy as jnp
+import pytest
+
+from fthsdp.errors import (
+    EXIT_JOB_FATAL,
+    EXIT_REPLICA_FATAL,
+    FaultClass,
+    JobFatalError,
+    PeerFetchError,
+    blamed_address,
+    classify,
+    exit_code,
+)
+from fthsdp.lighthouse_client import (
+    InvalidLighthouseRequest,
+    JobFinished,
+    LighthouseError,
+    LighthouseUnavailable,
+    QuorumTimeout,
+)
+from fthsdp.manager import ManagerError, ManagerJobError
+
+R, RF, JF = FaultClass.RECOVERABLE, FaultClass.REPLICA_FATAL, FaultClass.JOB_FATAL
+
+
+def xla_error(message: str) -> Exception:
+    """A real JaxRuntimeError raised by XLA (a callback that fails inside a jitted function)."""
+
+    def boom(x):
+        raise RuntimeError(message)
+
+    f = jax.jit(lambda x: jax.pure_callback(boom, jax.ShapeDtypeStruct((), jnp.float32), x))
+    try:
+        jax.block_until_ready(f(jnp.float32(1)))
+    except Exception as e:  # noqa: BLE001
+        return e
+    raise AssertionError("the callback did not fail")
+
+
+def test_malformed_ftar_chunk_is_recoverable_and_blames_the_neighbour():
+    e = xla_error("INTERNAL: fthsdp ftar: ftar protocol violation from left neighbour 127.0.0.1:41234: bad chunk magic")
+    assert type(e).__name__ in ("JaxRuntimeError", "XlaRuntimeError")
+    c = classify(e)
+    assert c.kind is R and c.recoverable
+    assert c.blame == "127.0.0.1:41234" and "blaming 127.0.0.1:41234" in c.reason
+
+
+def test_xla_error_outside_ftar_is_replica_fatal():
+    c = classify(xla_error("RESOURCE_EXHAUSTED: out of memory allocating 12 GiB"))
+    assert c.kind is RF and "outside FTAR" in c.reason
+    assert exit_code(c) == EXIT_REPLICA_FATAL
+
+
+@pytest.mark.parametrize("exc,kind", [
+    (PeerFetchError("could not fetch the state of step 7 from any healthy peer: connection refused"), R),
+    (ConnectionResetError("peer 127.0.0.1:9 reset the connection"), R),
+    (TimeoutError("fetch timed out"), R),
+    (LighthouseError("get_quorum failed: ABORTED: superseded", grpc.StatusCode.ABORTED), R),
+    (QuorumTimeout("get_quorum(step=3): no answer within 120s", grpc.StatusCode.DEADLINE_EXCEEDED), RF),
+    (ManagerError("step 9: 5 attempts failed; giving up"), RF),
+    (MemoryError(), RF),
+    (KeyError("a bug"), RF),
+    (LighthouseUnavailable("cannot reach lighthouse", grpc.StatusCode.UNAVAILABLE, outage_s=61.0), JF),
+    (InvalidLighthouseRequest("local_world_size 4 conflicts with 2", grpc.StatusCode.INVALID_ARGUMENT), JF),
+    (ManagerJobError("no other replica is running"), JF),
+    (JobFatalError("the job cannot continue"), JF),
+])
+def test_each_exception_class(exc, kind):
+    c = classify(exc)
+    assert c.kind is kind, (exc, c)
+    assert type(exc).__name__ in c.reason
+    if kind is not R:
+        assert exit_code(c) == (EXIT_JOB_FATAL if kind is JF else EXIT_REPLICA_FATAL)
+
+
+def test_job_finished_is_never_retried():
+    assert not classify(JobFinished("job 'j' already finished at step 120", 120)).recoverable
+
+
+def test_blamed_address():
+    assert blamed_address("connection from left neighbour 10.0.0.7:5000 lost: reset") == "10.0.0.7:5000"
+    assert blamed_address("right neighbour 127.0.0.1:77 refused the handshake: stale") == "127.0.0.1:77"
+    assert blamed_address("deadline passed") is None
