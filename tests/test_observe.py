@@ -1,0 +1,365 @@
+"""Observability plane (issue 16): the pure parts (history of lighthouse views,
+metrics fed by step records and views, scrape targets) without servers, then
+the exporter, the dashboard server and its CLI against a real in-process
+lighthouse with real heartbeating clients on loopback."""
+
+import json
+import pathlib
+import re
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from fthsdp.manager import StepRecord
+from fthsdp.observe import dashboard as dash_mod
+from fthsdp.observe.lighthouse_view import (
+    BEHIND,
+    DEAD,
+    HEALTHY,
+    OUTSIDE,
+    WAITING,
+    History,
+    JobView,
+    LighthouseView,
+    QuorumView,
+    ReplicaView,
+    StatusPoller,
+    changes,
+)
+from fthsdp.observe.metrics import (
+    LighthouseMetrics,
+    MetricsFileFollower,
+    ReplicaMetrics,
+    parse_bind,
+    prometheus_targets,
+    ring_bus_bytes,
+    scrape_config,
+    serve,
+)
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+
+
+# -- views by hand ------------------------------------------------------------------
+
+
+def rv(rid, step=0, age=0.05, dead=False, waiting=False):
+    return ReplicaView(str(rid), step, age, dead, waiting)
+
+
+def qv(qid, members, behind=(), step=0, reason="r"):
+    members = tuple(str(m) for m in members)
+    behind = tuple(str(b) for b in behind)
+    return QuorumView(qid, members, tuple(m for m in members if m not in behind), behind, step, reason)
+
+
+def view(t, replicas, quorum, job="j", reason="why"):
+    return LighthouseView(t, (JobView(job, tuple(replicas), quorum, reason, 3, 1),), 0.8, 1)
+
+
+def kill_and_rejoin_views():
+    """Replica 1 dies in quorum 1, quorum 2 forms without it, it restarts and rejoins behind in quorum 3."""
+    return [
+        view(0.0, [rv(0, 5), rv(1, 5), rv(2, 5)], qv(1, [0, 1, 2], step=5)),
+        view(1.0, [rv(0, 6), rv(1, 6, age=0.9, dead=True), rv(2, 6)], qv(1, [0, 1, 2], step=6)),
+        view(2.0, [rv(0, 8), rv(1, 6, age=1.9, dead=True), rv(2, 8)], qv(2, [0, 2], step=8)),
+        view(3.0, [rv(0, 10), rv(1, 0, age=0.1), rv(2, 10)], qv(2, [0, 2], step=10)),
+        view(4.0, [rv(0, 12), rv(1, 0, age=0.1, waiting=True), rv(2, 12)], qv(2, [0, 2], step=12)),
+        view(5.0, [rv(0, 13), rv(1, 0), rv(2, 13)], qv(3, [0, 1, 2], behind=[1], step=13)),
+        view(6.0, [rv(0, 14), rv(1, 14), rv(2, 14)], qv(3, [0, 1, 2], step=14)),
+    ]
+
+
+def test_history_records_a_death_its_detection_time_and_the_rejoin():
+    h = History()
+    found = [h.update(v) for v in kill_and_rejoin_views()]
+    assert [len(f) for f in found] == [0, 1, 0, 0, 0, 0, 0]  # one loss, reported once
+    (f,) = h.jobs["j"].failures
+    assert (f.job, f.replica, f.kind, f.quorum_id, f.silence_s) == ("j", "1", "dead", 1, 0.9)
+    assert f.back_time == 5.0 and f.back_after_s == 4.0  # back when a quorum (3) includes it again
+    assert h.jobs["j"].decisions == 3  # quorums 1, 2, 3
+    states = [s.states["1"] for s in h.jobs["j"].samples]
+    assert states == [HEALTHY, DEAD, DEAD, OUTSIDE, WAITING, BEHIND, HEALTHY]
+
+
+def test_history_a_live_replica_dropped_from_the_quorum_is_a_failure_once():
+    h = History()
+    h.update(view(0.0, [rv(0), rv(1)], qv(1, [0, 1])))
+    (f,) = h.update(view(1.0, [rv(0), rv(1)], qv(2, [0])))
+    assert (f.replica, f.kind, f.silence_s) == ("1", "left quorum", None)
+    assert h.update(view(2.0, [rv(0), rv(1, age=2.0, dead=True)], qv(2, [0]))) == []  # the same loss, now dead
+    assert f.kind == "dead" and f.silence_s == 2.0
+    h.update(view(3.0, [rv(0), rv(1)], qv(3, [0, 1])))
+    assert f.back_after_s == 2.0
+
+
+def test_history_keeps_jobs_apart_and_estimates_step_time():
+    h = History()
+    for t in range(5):
+        h.update(LighthouseView(float(t), (
+            JobView("a", (rv(0, step=10 * t),), qv(1, [0]), "", 1, 1),
+            JobView("b", (rv(0, step=t, dead=t >= 3),), qv(1, [0]), "", 1, 1)), 0.8, 1))
+    assert h.step_seconds("a", "0") == pytest.approx(0.1)
+    assert h.step_seconds("b", "0") == pytest.approx(1.0)
+    assert [f.job for f in h.jobs["b"].failures] == ["b"] and not h.jobs["a"].failures
+    h.update(LighthouseView(5.0, (JobView("a", (rv(0, step=1),), qv(1, [0]), "", 1, 1),), 0.8, 1))
+    assert h.step_seconds("a", "0") is None  # restarted from an earlier step: estimate starts over
+
+
+def test_timeline_json_is_the_changes_and_the_last_sample():
+    h = History()
+    for v in kill_and_rejoin_views():
+        h.update(v)
+    for t in (7.0, 8.0):  # nothing changes after 6.0
+        h.update(view(t, [rv(0, 15), rv(1, 15), rv(2, 15)], qv(3, [0, 1, 2], step=15)))
+    kept = changes(h.jobs["j"].samples)
+    assert [s.time for s in kept] == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 8.0]  # 7.0 dropped, the last one kept
+    job = h.job_json(kill_and_rejoin_views()[-1].jobs[0])
+    assert [r["state"] for r in job["replicas"]] == [HEALTHY] * 3
+    assert job["failures"][0]["replica"] == "1" and job["timeline"][-1]["t"] == 8.0
+    json.dumps(job, allow_nan=False)
+
+
+# -- metrics ------------------------------------------------------------------------
+
+
+def rec(step, members=("0", "1", "2"), healthy=True, attempts=1, loss=2.5, seconds=0.5, grads=0.2, allreduce=0.1,
+        rebuild=0.0, catch_up=0.0, qid=1):
+    return StepRecord(step, qid, tuple(members), healthy, True, attempts, loss if healthy else None, 100.0,
+                      100.0 + seconds, step if healthy else None, [], rebuild_s=rebuild, allreduce_s=allreduce,
+                      grads_s=grads, catch_up_s=catch_up)
+
+
+def value(registry, name, **labels):
+    v = registry.get_sample_value(name, labels)
+    return v
+
+
+def test_replica_metrics_from_step_records():
+    m = ReplicaMetrics("job1", "2", grad_bytes=3_000_000)
+    lab = {"job": "job1", "replica": "2", "process": "0"}
+    m.observe_step(rec(0, rebuild=0.05))
+    m.observe_step(rec(1, attempts=3, seconds=4.0, grads=0.2, allreduce=0.3, members=("0", "2"), qid=2, loss=2.0))
+    m.observe_step(rec(2, healthy=False, catch_up=1.5, members=("0", "1", "2"), qid=3))
+    r = m.registry
+    assert value(r, "fthsdp_commits_total", **lab) == 3
+    assert value(r, "fthsdp_retries_total", **lab) == 2
+    assert value(r, "fthsdp_catch_ups_total", **lab) == 1
+    assert value(r, "fthsdp_step", **lab) == 3
+    assert value(r, "fthsdp_quorum_size", **lab) == 3 and value(r, "fthsdp_quorum_id", **lab) == 3
+    assert value(r, "fthsdp_loss", **lab) == 2.0  # the catch-up step has no loss: the last healthy one stays
+    assert value(r, "fthsdp_healthy", **lab) == 0
+    assert value(r, "fthsdp_step_seconds_count", **lab) == 3
+    assert value(r, "fthsdp_step_seconds_sum", **lab) == pytest.approx(0.5 + 4.0 + 0.5)
+    assert value(r, "fthsdp_stall_seconds_sum", **lab) == pytest.approx(4.0 - 0.2 - 0.3)
+    assert value(r, "fthsdp_catch_up_seconds_sum", **lab) == pytest.approx(1.5)
+    assert value(r, "fthsdp_ring_rebuild_seconds_count", **lab) == 1
+    # the last all-reduce ran over 3 members in 0.1 s: 2*(3-1)/3 * 3 MB / 0.1 s
+    assert value(r, "fthsdp_allreduce_bus_bandwidth_bytes_per_second", **lab) == pytest.approx(4e6 / 0.1)
+    m.observe_fetch({"bytes": 8e6, "seconds": 2.0})
+    m.observe_snapshot(0.25, 8_000_000)
+    m.observe_detection(("1",), 2)
+    assert value(r, "fthsdp_peer_fetch_throughput_bytes_per_second", **lab) == 4e6
+    assert value(r, "fthsdp_peer_fetch_bytes_total", **lab) == 8e6
+    assert value(r, "fthsdp_snapshot_seconds_sum", **lab) == 0.25
+    assert value(r, "fthsdp_detections_total", **lab) == 1
+
+
+def test_two_replica_metrics_in_one_process_do_not_clash():
+    a, b = ReplicaMetrics("j", "0"), ReplicaMetrics("j", "1")
+    a.observe_step(rec(0))
+    assert value(a.registry, "fthsdp_commits_total", job="j", replica="0", process="0") == 1
+    assert value(b.registry, "fthsdp_commits_total", job="j", replica="1", process="0") == 0
+
+
+def test_bus_bytes_follow_the_ring_convention():
+    assert ring_bus_bytes(100, 1) == 0
+    assert ring_bus_bytes(100, 2) == 100
+    assert ring_bus_bytes(100, 4) == 150
+
+
+def test_metrics_file_follower_reads_complete_lines_only(tmp_path):
+    path = tmp_path / "metrics-0.jsonl"
+    m = ReplicaMetrics("j", "0")
+    follow = MetricsFileFollower(path, m)
+    assert follow.poll() == 0  # no file yet
+    line = {"kind": "step", "replica": "0", "step": 0, "quorum_id": 1, "members": ["0", "1"], "healthy": True,
+            "attempts": 2, "loss": 3.0, "start": 1.0, "end": 2.0, "position": 0, "events": [], "rebuild_s": 0.1,
+            "allreduce_s": 0.2, "grads_s": 0.3, "catch_up_s": 0.0}
+    with open(path, "w") as f:
+        f.write(json.dumps(line) + "\n" + json.dumps({**line, "step": 1})[:20])  # a torn second line
+    assert follow.poll() == 1
+    with open(path, "a") as f:
+        f.write(json.dumps({**line, "step": 1})[20:] + "\n")
+    assert follow.poll() == 1 and follow.steps == 2
+    assert value(m.registry, "fthsdp_retries_total", job="j", replica="0", process="0") == 2
+    assert value(m.registry, "fthsdp_step", job="j", replica="0", process="0") == 2
+
+
+def test_lighthouse_metrics_from_views_and_stale_series_removed():
+    lm = LighthouseMetrics()
+    r = lm.registry
+    views = kill_and_rejoin_views()
+    for v in views[:3]:
+        lm.update(v)
+    assert value(r, "fthsdp_lighthouse_quorum_size", job="j") == 2
+    assert value(r, "fthsdp_lighthouse_quorum_id", job="j") == 2
+    assert value(r, "fthsdp_lighthouse_replicas", job="j", state="dead") == 1
+    assert value(r, "fthsdp_lighthouse_replicas", job="j", state="healthy") == 2
+    assert value(r, "fthsdp_lighthouse_failures_total", job="j", kind="dead") == 1
+    assert value(r, "fthsdp_lighthouse_detection_seconds_sum", job="j") == pytest.approx(0.9)
+    assert value(r, "fthsdp_lighthouse_heartbeat_age_seconds", job="j", replica="1") == 1.9
+    assert value(r, "fthsdp_lighthouse_quorum_decisions_total", job="j") == 2
+    for v in views[3:]:
+        lm.update(v)
+    assert value(r, "fthsdp_lighthouse_quorum_size", job="j") == 3
+    assert value(r, "fthsdp_lighthouse_replicas", job="j", state="dead") == 0
+    assert value(r, "fthsdp_lighthouse_failures_total", job="j", kind="dead") == 1
+    lm.update(view(9.0, [rv(0, 20)], qv(4, [0]), job="other"))  # job "j" is gone from the lighthouse
+    assert value(r, "fthsdp_lighthouse_quorum_size", job="j") is None
+    assert value(r, "fthsdp_lighthouse_heartbeat_age_seconds", job="j", replica="0") is None
+    assert value(r, "fthsdp_lighthouse_quorum_size", job="other") == 1
+
+
+def test_exporter_serves_the_registry_on_an_ephemeral_loopback_port():
+    m = ReplicaMetrics("j", "0")
+    m.observe_step(rec(0))
+    srv = serve(m.registry, "127.0.0.1:0")
+    try:
+        assert srv.host == "127.0.0.1" and srv.port > 0
+        text = urllib.request.urlopen(f"http://{srv.address}/metrics", timeout=10).read().decode()
+        assert re.search(r'^fthsdp_commits_total\{job="j",process="0",replica="0"\} 1\.0$', text, re.M)
+        assert "# TYPE fthsdp_step_seconds histogram" in text
+    finally:
+        srv.close()
+
+
+@pytest.mark.parametrize("bad", ["127.0.0.1:x", "host:70000", "a:b:"])
+def test_bad_bind_address_says_what_is_expected(bad):
+    with pytest.raises(ValueError, match="HOST:PORT"):
+        parse_bind(bad)
+
+
+def test_prometheus_targets_group_by_labels_sorted():
+    out = prometheus_targets([
+        ("127.0.0.1:9102", {"job": "j", "replica": "1"}),
+        ("127.0.0.1:9101", {"job": "j", "replica": "0"}),
+        ("127.0.0.1:9100", {"role": "lighthouse"}),
+        ("127.0.0.1:9103", {"job": "j", "replica": "0"}),
+    ])
+    assert out == [
+        {"targets": ["127.0.0.1:9101", "127.0.0.1:9103"], "labels": {"job": "j", "replica": "0"}},
+        {"targets": ["127.0.0.1:9102"], "labels": {"job": "j", "replica": "1"}},
+        {"targets": ["127.0.0.1:9100"], "labels": {"role": "lighthouse"}},
+    ]
+    with pytest.raises(ValueError, match="label name"):
+        prometheus_targets([("127.0.0.1:1", {"bad-name": "x"})])
+    with pytest.raises(ValueError, match="HOST:PORT"):
+        prometheus_targets([("9100", {})])
+    cfg = json.loads(scrape_config("/tmp/t.json", "1s"))
+    assert cfg["scrape_configs"][0]["honor_labels"] is True
+
+
+# -- dashboard ----------------------------------------------------------------------
+
+
+def get(url, timeout=10):
+    with urllib.request.urlopen(url, timeout=timeout) as r:
+        return r.status, r.headers.get("Content-Type", ""), r.read()
+
+
+def test_static_files_ship_in_the_package_and_reference_nothing_outside():
+    d = dash_mod.static_dir()
+    for name in dash_mod.STATIC_FILES:
+        data = d.joinpath(name).read_text()
+        assert not re.search(r"(src|href)=\"(https?:)?//", data), f"{name} loads something from outside"
+        assert "http://" not in data.replace("http://www.w3.org/2000/svg", "")
+        assert "https://" not in data
+    html = d.joinpath("index.html").read_text()
+    assert set(re.findall(r'"/static/([^"]+)"', html)) == {"dashboard.css", "dashboard.js"}
+
+
+def wait_until(pred, timeout_s=20.0, what="condition"):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        got = pred()
+        if got:
+            return got
+        time.sleep(0.05)
+    raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
+
+
+def test_dashboard_against_a_real_lighthouse_shows_a_replica_dying():
+    from fthsdp.lighthouse import LighthouseConfig, LighthouseThread
+    from fthsdp.lighthouse_client import LighthouseClient
+
+    with LighthouseThread(LighthouseConfig(detect_s=0.5)) as lh:
+        clients = [LighthouseClient(lh.address, "jobA", str(i), heartbeat_interval_s=0.1) for i in range(2)]
+        try:
+            for c in clients:
+                c.start_heartbeats()
+            with dash_mod.Dashboard(lh.address, "127.0.0.1:0", interval_s=0.1) as d:
+                status = lambda: json.loads(get(d.url + "api/status")[2])  # noqa: E731
+                s = wait_until(lambda: (x := status())["jobs"] and len(x["jobs"][0]["replicas"]) == 2 and x,
+                               what="both replicas on the dashboard")
+                assert s["up"] and s["lighthouse"] == lh.address
+                assert {r["state"] for r in s["jobs"][0]["replicas"]} == {OUTSIDE}  # alive, no quorum asked for
+                clients[1].stop_heartbeats()
+                s = wait_until(lambda: (x := status())["jobs"][0]["failures"] and x, what="the failure")
+                (f,) = s["jobs"][0]["failures"]
+                assert f["replica"] == "1" and f["kind"] == "dead" and f["silence_s"] >= 0.5
+                states = {r["replica_id"]: r["state"] for r in s["jobs"][0]["replicas"]}
+                assert states == {"0": OUTSIDE, "1": DEAD}
+                code, ctype, body = get(d.url)
+                assert code == 200 and ctype.startswith("text/html") and b"/static/dashboard.js" in body
+                assert get(d.url + "static/dashboard.js")[1].startswith("text/javascript")
+                metrics = get(d.url + "metrics")[2].decode()
+                assert 'fthsdp_lighthouse_failures_total{job="jobA",kind="dead"} 1.0' in metrics
+                for bad in ("static/../dashboard.py", "static/missing.js", "nope"):
+                    with pytest.raises(urllib.error.HTTPError) as e:
+                        get(d.url + bad)
+                    assert e.value.code == 404
+        finally:
+            for c in clients:
+                c.close()
+
+
+def test_dashboard_reports_an_unreachable_lighthouse():
+    import socket
+
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with dash_mod.Dashboard(f"127.0.0.1:{port}", "127.0.0.1:0", interval_s=0.1) as d:
+        s = wait_until(lambda: (x := json.loads(get(d.url + "api/status")[2]))["error"] != "not polled yet" and x,
+                       what="a poll")
+        assert not s["up"] and s["jobs"] == [] and f"127.0.0.1:{port}" in s["error"]
+        assert "fthsdp_lighthouse_up 0.0" in get(d.url + "metrics")[2].decode()
+    with pytest.raises(ValueError, match="HOST:PORT"):
+        StatusPoller("no-port")
+
+
+def test_dashboard_cli_serves_on_the_port_it_writes(tmp_path):
+    from fthsdp.lighthouse import LighthouseThread
+
+    port_file = tmp_path / "port"
+    with LighthouseThread() as lh:
+        proc = subprocess.Popen([sys.executable, "-m", "fthsdp.cli", "dashboard", "--lighthouse", lh.address,
+                                 "--bind", "127.0.0.1:0", "--port-file", str(port_file), "--interval", "0.2"],
+                                cwd=REPO, stderr=subprocess.PIPE, text=True)
+        try:
+            wait_until(lambda: port_file.exists() or proc.poll() is not None, 60, "the port file")
+            assert proc.poll() is None, proc.stderr.read()
+            s = json.loads(get(f"http://127.0.0.1:{port_file.read_text()}/api/status")[2])
+            assert s["lighthouse"] == lh.address and s["jobs"] == []
+        finally:
+            proc.terminate()
+            assert proc.wait(20) == 0
+    bad = subprocess.run([sys.executable, "-m", "fthsdp.cli", "dashboard", "--lighthouse", "x"], cwd=REPO,
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "HOST:PORT" in bad.stderr
