@@ -1,5 +1,7 @@
 #include "control_thread.h"
 
+#include "transport/wire.h"
+
 #include <errno.h>
 #include <sys/eventfd.h>
 #include <sys/socket.h>
@@ -11,17 +13,6 @@
 
 namespace fthsdp {
 namespace {
-
-template <size_t N>
-void copy_str(char (&dst)[N], const std::string& s) {
-  std::memset(dst, 0, N);
-  std::memcpy(dst, s.data(), std::min(N - 1, s.size()));
-}
-
-template <size_t N>
-std::string read_str(const char (&src)[N]) {
-  return std::string(src, strnlen(src, N));
-}
 
 std::string io_error(int err) { return err ? std::string(strerror(err)) : "closed by peer"; }
 
@@ -386,9 +377,7 @@ void RingEndpoint::op_maybe_done() {
 }
 
 void RingEndpoint::refuse(tcp::Fd fd, const std::string& reason) {
-  tcp::Reply reply{};
-  reply.ok = 0;
-  copy_str(reply.reason, reason);
+  const tcp::Reply reply = wire::make_reply(false, reason);
   (void)::send(fd.get(), &reply, sizeof(reply), MSG_NOSIGNAL | MSG_DONTWAIT);
   std::lock_guard<std::mutex> lk(mu_);
   ++stats_.refused_handshakes;
@@ -397,43 +386,24 @@ void RingEndpoint::refuse(tcp::Fd fd, const std::string& reason) {
 
 int RingEndpoint::decide(Pending* p) {
   const tcp::Hello& h = p->hello;
-  if (h.magic != tcp::kHelloMagic || h.version != tcp::kProtocolVersion) {
-    refuse(std::move(p->fd), "not an FTAR peer or protocol version mismatch");
-    return 0;
+  // The decision is wire::check_hello's (pure, fuzzed in ffi/fuzz/); this only gathers its inputs.
+  wire::HelloExpect expect;
+  expect.configured = cfg_.has_value();
+  if (cfg_) {
+    expect.job_id = cfg_->job_id;
+    expect.quorum_id = cfg_->quorum_id;
+    expect.rank = cfg_->rank;
+    expect.n = static_cast<int32_t>(cfg_->members.size());
+    expect.left = left();
+    expect.streams = options_.streams;
+    for (const auto& in : in_) expect.taken.push_back(in.fd.valid());
+    expect.failed = local_state_ == State::kFailed;
+    expect.failed_reason = local_reason_;
   }
-  if (!cfg_) return -1;
-  const std::string job = read_str(h.job_id);
-  if (job != cfg_->job_id) {
-    refuse(std::move(p->fd), "job id mismatch: peer is in job '" + job + "', this rank in job '" +
-                                 cfg_->job_id + "'");
-    return 0;
-  }
-  if (h.quorum_id < cfg_->quorum_id) {
-    refuse(std::move(p->fd), "stale quorum id " + std::to_string(h.quorum_id) +
-                                 ": this rank is configured for quorum " +
-                                 std::to_string(cfg_->quorum_id));
-    return 0;
-  }
-  if (h.quorum_id > cfg_->quorum_id) return -1;  // this rank will be reconfigured soon
-  const int32_t n = static_cast<int32_t>(cfg_->members.size());
-  std::string why;
-  if (local_state_ == State::kFailed) {
-    why = "this rank's ring for quorum " + std::to_string(cfg_->quorum_id) +
-          " already failed (" + local_reason_ + "); reconfigure with a new quorum id";
-  } else if (h.n != n) {
-    why = "ring size mismatch: peer says " + std::to_string(h.n) + ", this rank " + std::to_string(n);
-  } else if (n < 2 || h.rank != left()) {
-    why = "rank " + std::to_string(h.rank) + " is not this rank's left neighbour (rank " +
-          std::to_string(cfg_->rank) + " of " + std::to_string(n) + ")";
-  } else if (h.streams != options_.streams) {
-    why = "streams per peer mismatch: peer uses " + std::to_string(h.streams) + ", this rank " +
-          std::to_string(options_.streams);
-  } else if (h.stream < 0 || h.stream >= options_.streams ||
-             static_cast<size_t>(h.stream) >= in_.size() || in_[h.stream].fd.valid()) {
-    why = "bad or duplicate stream index " + std::to_string(h.stream);
-  }
-  if (!why.empty()) {
-    refuse(std::move(p->fd), why);
+  const wire::HelloDecision verdict = wire::check_hello(h, expect);
+  if (verdict.verdict == wire::HelloVerdict::kHold) return -1;
+  if (verdict.verdict == wire::HelloVerdict::kRefuse) {
+    refuse(std::move(p->fd), verdict.reason);
     return 0;
   }
   tcp::Reply reply{};
@@ -493,15 +463,9 @@ void RingEndpoint::on_out(size_t i, short revents, Clock::time_point now) {
       return;
     }
     tcp::tune_stream(s.fd.get(), options_.socket_buffer_bytes);
-    s.hello = tcp::Hello{};
-    s.hello.magic = tcp::kHelloMagic;
-    s.hello.version = tcp::kProtocolVersion;
-    s.hello.quorum_id = cfg_->quorum_id;
-    s.hello.rank = cfg_->rank;
-    s.hello.n = static_cast<int32_t>(cfg_->members.size());
-    s.hello.stream = static_cast<int32_t>(i);
-    s.hello.streams = options_.streams;
-    copy_str(s.hello.job_id, cfg_->job_id);
+    s.hello = wire::make_hello(cfg_->job_id, cfg_->quorum_id, cfg_->rank,
+                               static_cast<int32_t>(cfg_->members.size()), static_cast<int32_t>(i),
+                               options_.streams);
     s.io_done = 0;
     s.phase = Phase::kHello;
   }
@@ -530,8 +494,8 @@ void RingEndpoint::on_out(size_t i, short revents, Clock::time_point now) {
       return;
     }
     if (s.io_done < sizeof(s.reply)) return;
-    if (s.reply.ok != 1) {
-      fail("right neighbour " + peer + " refused the handshake: " + read_str(s.reply.reason));
+    if (const wire::ReplyDecision r = wire::read_reply(s.reply); !r.accepted) {
+      fail("right neighbour " + peer + " refused the handshake: " + r.reason);
       return;
     }
     s.phase = Phase::kReady;
@@ -590,32 +554,26 @@ void RingEndpoint::on_in(size_t i, short revents) {
         stats_.bytes_received += static_cast<int64_t>(sizeof(s.header));
       }
       const tcp::ChunkHeader& h = s.header;
-      std::string bad;
-      if (h.magic != tcp::kChunkMagic) {
-        bad = "bad chunk magic";
-      } else if (h.op_seq != op_seq_) {
-        bad = "chunk of op " + std::to_string(h.op_seq) + " during op " + std::to_string(op_seq_);
-      } else if (h.lane >= lanes_.size() || static_cast<int>(h.lane % options_.streams) != static_cast<int>(i)) {
-        bad = "chunk of lane " + std::to_string(h.lane) + " on stream " + std::to_string(i);
-      } else if (h.index != lanes_[h.lane].next_recv) {
-        bad = "lane " + std::to_string(h.lane) + " expected step " +
-              std::to_string(lanes_[h.lane].next_recv) + ", got " + std::to_string(h.index);
-      } else {
-        const ChunkStep cs = sched_->lane_step(static_cast<int32_t>(h.lane), h.index);
-        if (h.bytes != static_cast<uint64_t>(cs.recv.count) * elem_) {
-          bad = "chunk of " + std::to_string(h.bytes) + " bytes where the schedule says " +
-                std::to_string(cs.recv.count * static_cast<int64_t>(elem_)) +
-                " (do both ranks all-reduce buffers of the same size and dtype?)";
-        } else {
-          s.lane = static_cast<int32_t>(h.lane);
-          s.dest = cs.op == RecvOp::kStore
-                       ? static_cast<char*>(op_->data) + cs.recv.offset * static_cast<int64_t>(elem_)
-                       : staging_.data() + static_cast<size_t>(h.lane) * options_.chunk_bytes;
-        }
-      }
-      if (!bad.empty()) {
-        fail("ftar protocol violation from left neighbour " + peer + ": " + bad, /*fatal=*/true);
+      // The header is judged by wire::check_chunk_header (pure, fuzzed in ffi/fuzz/).
+      wire::ChunkExpect expect;
+      expect.op_seq = op_seq_;
+      expect.lanes = lanes_.size();
+      expect.streams = options_.streams;
+      expect.stream = i;
+      expect.next_recv = [this](uint32_t lane) { return lanes_[lane].next_recv; };
+      expect.schedule = &*sched_;
+      expect.elem = elem_;
+      const wire::ChunkDecision verdict = wire::check_chunk_header(h, expect);
+      if (!verdict.ok) {
+        fail("ftar protocol violation from left neighbour " + peer + ": " + verdict.error, /*fatal=*/true);
         return;
+      }
+      {
+        const ChunkStep& cs = verdict.step;
+        s.lane = static_cast<int32_t>(h.lane);
+        s.dest = cs.op == RecvOp::kStore
+                     ? static_cast<char*>(op_->data) + cs.recv.offset * static_cast<int64_t>(elem_)
+                     : staging_.data() + static_cast<size_t>(h.lane) * options_.chunk_bytes;
       }
       s.reading_payload = true;
       s.done = 0;

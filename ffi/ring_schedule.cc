@@ -1,6 +1,7 @@
 #include "ring_schedule.h"
 
 #include <algorithm>
+#include <cstdint>
 #include <stdexcept>
 
 namespace fthsdp {
@@ -31,16 +32,31 @@ RingSchedule::RingSchedule(int64_t count, int64_t chunk_elems, int32_t chunks, i
     throw std::invalid_argument("ring schedule: rank " + std::to_string(rank) +
                                 " outside ring of " + std::to_string(n));
   }
+  // The step and element arithmetic must fit its types (found by ffi/fuzz/fuzz_ring_schedule.cc):
+  // 2n-2 steps per partition in int32, chunk_elems * chunks * n elements per partition and
+  // partitions * (2n-2) steps per lane in int64.
+  if (n > INT32_MAX / 2) {
+    throw std::invalid_argument("ring schedule: ring size " + std::to_string(n) + " exceeds " +
+                                std::to_string(INT32_MAX / 2));
+  }
+  if (chunk_elems > INT64_MAX / chunks / n) {
+    throw std::invalid_argument("ring schedule: chunk size " + std::to_string(chunk_elems) + " x chunks " +
+                                std::to_string(chunks) + " x ring size " + std::to_string(n) +
+                                " overflows a 64-bit element count");
+  }
   const int64_t cap = partition_capacity();
-  num_partitions_ = (count + cap - 1) / cap;
+  num_partitions_ = count / cap + (count % cap != 0);
+  if (n > 1 && num_partitions_ > INT64_MAX / (2 * int64_t{n} - 2)) {
+    throw std::invalid_argument("ring schedule: " + std::to_string(count) +
+                                " elements make more steps than a 64-bit counter holds; use larger chunks");
+  }
 }
 
 Range RingSchedule::partition(int64_t p) const {
   const int64_t cap = partition_capacity();
   Range r;
   r.offset = p * cap;
-  const int64_t end = std::min(count_, r.offset + cap);
-  r.count = end > r.offset ? end - r.offset : 0;
+  r.count = r.offset < count_ ? std::min(count_ - r.offset, cap) : 0;
   return r;
 }
 

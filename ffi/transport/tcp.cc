@@ -1,4 +1,5 @@
 #include "transport/tcp.h"
+#include "transport/wire.h"
 
 #include <arpa/inet.h>
 #include <errno.h>
@@ -22,19 +23,9 @@ void Fd::reset() {
 }
 
 bool parse_address(const std::string& address, sockaddr_in* out, std::string* error) {
-  const auto colon = address.rfind(':');
-  if (colon == std::string::npos || colon == 0 || colon + 1 == address.size()) {
-    *error = "address '" + address + "' is not host:port";
-    return false;
-  }
-  const std::string host = address.substr(0, colon);
-  const std::string port_s = address.substr(colon + 1);
-  char* end = nullptr;
-  const long port = std::strtol(port_s.c_str(), &end, 10);
-  if (*end != '\0' || port < 0 || port > 65535) {
-    *error = "address '" + address + "' has a bad port";
-    return false;
-  }
+  std::string host;
+  long port = 0;
+  if (!wire::split_host_port(address, &host, &port, error)) return false;
   std::memset(out, 0, sizeof(*out));
   out->sin_family = AF_INET;
   out->sin_port = htons(static_cast<uint16_t>(port));

@@ -1,0 +1,37 @@
+// libFuzzer harness: the handshake reply, as the connecting rank reads it.
+//
+// Input: the first sizeof(Reply) bytes are the record a (possibly hostile)
+// right neighbour sends; the rest is a reason string for the round trip.
+// Properties: read_reply accepts exactly ok == 1, never reads past the reason
+// field (an unterminated reason is cut at the field's end), and
+// make_reply/read_reply round-trip a reason up to the field's size.
+#include <fuzzer/FuzzedDataProvider.h>
+
+#include <string>
+
+#include "fuzz_check.h"
+#include "transport/wire.h"
+
+using namespace fthsdp;
+
+extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
+  if (size < sizeof(tcp::Reply)) return 0;
+  tcp::Reply r;
+  FUZZ_CHECK(wire::decode_reply(data, sizeof(tcp::Reply), &r));
+  const wire::ReplyDecision d = wire::read_reply(r);
+  FUZZ_CHECK(d.accepted == (r.ok == 1));
+  FUZZ_CHECK(d.reason.size() <= tcp::kReasonMax);
+  FUZZ_CHECK(d.reason.find('\0') == std::string::npos);
+  if (!d.accepted) FUZZ_CHECK(d.reason.compare(0, std::string::npos, r.reason, d.reason.size()) == 0);
+
+  FuzzedDataProvider fdp(data + sizeof(tcp::Reply), size - sizeof(tcp::Reply));
+  const bool ok = fdp.ConsumeBool();
+  const std::string reason = fdp.ConsumeRemainingBytesAsString();
+  const wire::ReplyDecision back = wire::read_reply(wire::make_reply(ok, reason));
+  FUZZ_CHECK(back.accepted == ok);
+  if (!ok) {
+    const std::string expect = reason.substr(0, std::min(reason.find('\0'), tcp::kReasonMax - 1));
+    FUZZ_CHECK(back.reason == expect);
+  }
+  return 0;
+}

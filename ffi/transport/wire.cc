@@ -1,0 +1,139 @@
+#include "transport/wire.h"
+
+#include <cstdlib>
+
+namespace fthsdp::wire {
+namespace {
+
+template <typename T>
+bool decode(const void* data, size_t len, T* out) {
+  if (data == nullptr || len != sizeof(T)) return false;
+  std::memcpy(out, data, sizeof(T));
+  return true;
+}
+
+}  // namespace
+
+bool decode_hello(const void* data, size_t len, tcp::Hello* out) { return decode(data, len, out); }
+bool decode_reply(const void* data, size_t len, tcp::Reply* out) { return decode(data, len, out); }
+bool decode_chunk_header(const void* data, size_t len, tcp::ChunkHeader* out) {
+  return decode(data, len, out);
+}
+
+std::string fixed_str(const char* field, size_t size) { return std::string(field, strnlen(field, size)); }
+
+tcp::Hello make_hello(const std::string& job_id, int64_t quorum_id, int32_t rank, int32_t n,
+                      int32_t stream, int32_t streams) {
+  tcp::Hello h{};
+  h.magic = tcp::kHelloMagic;
+  h.version = tcp::kProtocolVersion;
+  h.quorum_id = quorum_id;
+  h.rank = rank;
+  h.n = n;
+  h.stream = stream;
+  h.streams = streams;
+  put_fixed_str(h.job_id, job_id);
+  return h;
+}
+
+tcp::Reply make_reply(bool ok, const std::string& reason) {
+  tcp::Reply r{};
+  r.ok = ok ? 1 : 0;
+  put_fixed_str(r.reason, reason);
+  return r;
+}
+
+HelloDecision check_hello(const tcp::Hello& h, const HelloExpect& e) {
+  auto refuse = [](std::string why) { return HelloDecision{HelloVerdict::kRefuse, std::move(why)}; };
+  if (h.magic != tcp::kHelloMagic || h.version != tcp::kProtocolVersion) {
+    return refuse("not an FTAR peer or protocol version mismatch");
+  }
+  if (!e.configured) return {HelloVerdict::kHold, ""};
+  const std::string job = fixed_str(h.job_id);
+  if (job != e.job_id) {
+    return refuse("job id mismatch: peer is in job '" + job + "', this rank in job '" + e.job_id + "'");
+  }
+  if (h.quorum_id < e.quorum_id) {
+    return refuse("stale quorum id " + std::to_string(h.quorum_id) +
+                  ": this rank is configured for quorum " + std::to_string(e.quorum_id));
+  }
+  if (h.quorum_id > e.quorum_id) return {HelloVerdict::kHold, ""};  // this rank will be reconfigured soon
+  if (e.failed) {
+    return refuse("this rank's ring for quorum " + std::to_string(e.quorum_id) + " already failed (" +
+                  e.failed_reason + "); reconfigure with a new quorum id");
+  }
+  if (h.n != e.n) {
+    return refuse("ring size mismatch: peer says " + std::to_string(h.n) + ", this rank " +
+                  std::to_string(e.n));
+  }
+  if (e.n < 2 || h.rank != e.left) {
+    return refuse("rank " + std::to_string(h.rank) + " is not this rank's left neighbour (rank " +
+                  std::to_string(e.rank) + " of " + std::to_string(e.n) + ")");
+  }
+  if (h.streams != e.streams) {
+    return refuse("streams per peer mismatch: peer uses " + std::to_string(h.streams) + ", this rank " +
+                  std::to_string(e.streams));
+  }
+  if (h.stream < 0 || h.stream >= e.streams || static_cast<size_t>(h.stream) >= e.taken.size() ||
+      e.taken[static_cast<size_t>(h.stream)]) {
+    return refuse("bad or duplicate stream index " + std::to_string(h.stream));
+  }
+  return {HelloVerdict::kAccept, ""};
+}
+
+ReplyDecision read_reply(const tcp::Reply& reply) {
+  ReplyDecision d;
+  d.accepted = reply.ok == 1;
+  if (!d.accepted) d.reason = fixed_str(reply.reason);
+  return d;
+}
+
+ChunkDecision check_chunk_header(const tcp::ChunkHeader& h, const ChunkExpect& e) {
+  ChunkDecision d;
+  if (h.magic != tcp::kChunkMagic) {
+    d.error = "bad chunk magic";
+  } else if (h.op_seq != e.op_seq) {
+    d.error = "chunk of op " + std::to_string(h.op_seq) + " during op " + std::to_string(e.op_seq);
+  } else if (h.lane >= e.lanes || e.streams < 1 ||
+             static_cast<int>(h.lane % static_cast<uint32_t>(e.streams)) != static_cast<int>(e.stream)) {
+    d.error = "chunk of lane " + std::to_string(h.lane) + " on stream " + std::to_string(e.stream);
+  } else if (const int64_t want = e.next_recv(h.lane); h.index != want) {
+    d.error = "lane " + std::to_string(h.lane) + " expected step " + std::to_string(want) + ", got " +
+              std::to_string(h.index);
+  } else if (h.index < 0 || h.index >= e.schedule->steps_per_lane()) {
+    // A finished lane expects nothing more: a chunk "at" its end is not in the schedule.
+    d.error = "chunk at step " + std::to_string(h.index) + " of lane " + std::to_string(h.lane) +
+              ", which has only " + std::to_string(e.schedule->steps_per_lane()) + " steps";
+  } else {
+    d.step = e.schedule->lane_step(static_cast<int32_t>(h.lane), h.index);
+    const uint64_t expect_bytes = static_cast<uint64_t>(d.step.recv.count) * e.elem;
+    if (h.bytes != expect_bytes) {
+      d.error = "chunk of " + std::to_string(h.bytes) + " bytes where the schedule says " +
+                std::to_string(d.step.recv.count * static_cast<int64_t>(e.elem)) +
+                " (do both ranks all-reduce buffers of the same size and dtype?)";
+    } else {
+      d.ok = true;
+    }
+  }
+  return d;
+}
+
+bool split_host_port(const std::string& address, std::string* host, long* port, std::string* error) {
+  const auto colon = address.rfind(':');
+  if (colon == std::string::npos || colon == 0 || colon + 1 == address.size()) {
+    *error = "address '" + address + "' is not host:port";
+    return false;
+  }
+  const std::string port_s = address.substr(colon + 1);
+  char* end = nullptr;
+  const long p = std::strtol(port_s.c_str(), &end, 10);
+  if (*end != '\0' || p < 0 || p > 65535) {
+    *error = "address '" + address + "' has a bad port";
+    return false;
+  }
+  *host = address.substr(0, colon);
+  *port = p;
+  return true;
+}
+
+}  // namespace fthsdp::wire
