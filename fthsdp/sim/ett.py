@@ -386,6 +386,8 @@ def lost_work_per_failure(rate: float, checkpoint_interval_s: float) -> float:
     x = rate * c
     if x < 1e-6:
         return c / 2
+    if x > 700:  # exp overflows; c / expm1(x) is 0 to double precision long before
+        return 1.0 / rate
     return 1.0 / rate - c / math.expm1(x)
 
 
