@@ -282,6 +282,17 @@ def test_experiment_missing_and_bad_inputs(tmp_path):
     assert d["inputs"]["measured"]["restart_to_commit_s"]["value"] == 3.3
     assert len(d["notes"]) == 2
 
+    # a survivors' stall measured slightly negative (noise around no stall) counts as 0, and says so
+    fs, rc = write_inputs(tmp_path, detection_s=0.3)
+    doc = json.loads(fs.read_text())
+    fs.write_text(json.dumps({**doc, "stall_s": -0.02}))
+    p = run_ett(tmp_path, "--failure-stall", str(fs), "--recovery", str(rc), "--out", str(out))
+    assert p.returncode == 0, p.stderr
+    d = json.loads(out.read_text())
+    assert d["inputs"]["measured"]["survivors_stall_s"] == {"value": 0.0, "source": f"{fs}:stall_s",
+                                                            "measured": -0.02}
+    assert any("stall_s=-0.02" in n for n in d["notes"])
+
     bad = tmp_path / "bad.json"
     bad.write_text('{"detection_s": "fast"}')
     p = run_ett(tmp_path, "--failure-stall", str(bad), "--recovery", str(tmp_path / "nope2.json"),
