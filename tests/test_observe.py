@@ -109,6 +109,11 @@ def test_history_keeps_jobs_apart_and_estimates_step_time():
     assert [f.job for f in h.jobs["b"].failures] == ["b"] and not h.jobs["a"].failures
     h.update(LighthouseView(5.0, (JobView("a", (rv(0, step=1),), qv(1, [0]), "", 1, 1),), 0.8, 1))
     assert h.step_seconds("a", "0") is None  # restarted from an earlier step: estimate starts over
+    h2 = History()
+    for v in kill_and_rejoin_views():  # replica 1 jumps from step 0 to 14 by catching up: not a step time
+        h2.update(v)
+    assert h2.step_seconds("j", "1") is None
+    assert h2.step_seconds("j", "0") == pytest.approx(6.0 / 9)  # 5 -> 14 healthy over 6 s
 
 
 def test_timeline_json_is_the_changes_and_the_last_sample():

@@ -172,7 +172,7 @@ class JobHistory:
     samples: collections.deque = field(default_factory=lambda: collections.deque(maxlen=2000))
     failures: collections.deque = field(default_factory=lambda: collections.deque(maxlen=100))
     decisions: int = 0  # quorum changes seen
-    steps: dict[str, collections.deque] = field(default_factory=dict)  # replica -> (time, step) of recent polls
+    steps: dict[str, collections.deque] = field(default_factory=dict)  # replica -> (time, step, state) of recent polls
     last_reason: str = ""
 
 
@@ -228,7 +228,7 @@ class History:
                 dq = h.steps.setdefault(r.replica_id, collections.deque(maxlen=self.STEP_WINDOW))
                 if dq and r.step < dq[-1][1]:
                     dq.clear()  # restarted from an earlier step
-                dq.append((view.time, r.step))
+                dq.append((view.time, r.step, s.states[r.replica_id]))
             h.failures.extend(new)
             found.extend(new)
             h.samples.append(s)
@@ -236,12 +236,17 @@ class History:
         return found
 
     def step_seconds(self, job_id: str, replica: str) -> float | None:
-        """Seconds per step over the recent polls (None until the step moved)."""
+        """Seconds per step over the recent polls in which the replica trained
+        (healthy at both ends): a catch-up jumps many steps at once and is not a
+        step time. None until it trained a step under observation."""
         dq = self.jobs.get(job_id, JobHistory()).steps.get(replica)
-        if not dq or len(dq) < 2:
+        if not dq:
             return None
-        (t0, s0), (t1, s1) = dq[0], dq[-1]
-        return (t1 - t0) / (s1 - s0) if s1 > s0 else None
+        dt = dsteps = 0.0
+        for (t0, s0, st0), (t1, s1, st1) in zip(list(dq), list(dq)[1:]):
+            if st0 == st1 == HEALTHY and s1 >= s0:
+                dt, dsteps = dt + (t1 - t0), dsteps + (s1 - s0)
+        return dt / dsteps if dsteps > 0 else None
 
     def job_json(self, job: JobView, max_samples: int = 600) -> dict:
         """Everything the dashboard shows of one job, as JSON-ready data."""

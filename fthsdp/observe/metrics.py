@@ -62,6 +62,14 @@ def ring_bus_bytes(payload_bytes: int, members: int) -> float:
     return 2.0 * (members - 1) / members * payload_bytes
 
 
+def pytree_bytes(tree: Any) -> int:
+    """Bytes of a pytree of arrays (or ``ShapeDtypeStruct`` s): the payload one
+    replica all-reduces when ``tree`` is its gradients (``state.params``)."""
+    import jax
+
+    return int(sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree)))
+
+
 class ReplicaMetrics:
     """One replica process's metrics, fed by its Manager's ``StepRecord`` s.
 
