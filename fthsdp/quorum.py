@@ -29,7 +29,8 @@ Rules, in the order they are checked (see :func:`decide_quorum`):
    heard from yet, when the job states its replica count.
    After a lighthouse restart (no previous quorum in memory) the incumbents
    are the members of the highest quorum the requesters report
-   (``last_quorum_id``, ``last_members``).
+   (``last_quorum_id``, ``last_members``); those it has not heard from at
+   all yet are given two detection windows to reconnect, once.
 4. **Split-brain guard.** The members must be a strict majority of the replicas
    live now (requesters included). We count against *live* replicas, not the
    configured total: after losing 2 of 4 replicas the 2 survivors must go on
@@ -262,6 +263,17 @@ def decide_quorum(
         return None, (
             f"waiting for {len(busy)} live member(s) of quorum {prev_qid} not asking yet {_fmt(busy)} "
             f"(until they ask or stay silent > {window:g}s); {len(candidates)} asking{stale_note}"
+        )
+    # After a lighthouse restart, reported incumbents it has not heard from yet are
+    # probably reconnecting (their heartbeats resume within a reconnect backoff):
+    # give them two detection windows from the round's first request, once.
+    unheard_incumbents = incumbents - live - set(heartbeats)
+    round_start = min(c.arrived_at for c in candidates)
+    if rebuilt and unheard_incumbents and now - round_start < 2 * window:
+        return None, (
+            f"lighthouse restarted: waiting up to {2 * window - (now - round_start):.2f}s more for "
+            f"{len(unheard_incumbents)} member(s) of quorum {prev_qid} not heard from yet "
+            f"{_fmt(unheard_incumbents)}; {len(candidates)} asking{stale_note}"
         )
     # Rule 3b: newcomers are waited for at most join_timeout_s after the last incumbent asked.
     already_left_out = set(previous.left_out) if previous is not None else set()

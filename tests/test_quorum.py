@@ -312,12 +312,15 @@ def test_restarted_lighthouse_waits_for_reported_members_and_continues_ids():
     assert q.healthy == ("0", "1", "2")  # same step: nobody is behind, nobody trains twice
 
 
-def test_restarted_lighthouse_does_not_wait_for_a_dead_reported_member():
+def test_restarted_lighthouse_gives_unheard_reported_members_two_windows_then_goes_on():
     r = reqs(req("0", 88, at=0.0, last_qid=7, last_members=("0", "1", "2")),
              req("1", 88, at=0.0, last_qid=7, last_members=("0", "1", "2")))
-    q, reason = decide(r, {"0": 0.0, "1": 0.0}, config=QuorumConfig(num_configured=3), now=0.0)
-    # 2 was never heard from by this lighthouse: it is not live, and the first-quorum wait for
-    # configured replicas does not apply to a running job.
+    cfg = QuorumConfig(num_configured=3, heartbeat_window_s=1.0)
+    # 2 was never heard from by this lighthouse: probably still reconnecting, so it is waited for...
+    q, reason = decide(r, {"0": 1.5, "1": 1.5}, config=cfg, now=1.5)
+    assert q is None and "not heard from yet [2]" in reason, reason
+    # ...for two detection windows; then it is taken for dead and the job goes on.
+    q, reason = decide(r, {"0": 2.0, "1": 2.0}, config=cfg, now=2.0)
     assert q is not None and q.member_ids == ("0", "1") and q.quorum_id == 8, reason
 
 

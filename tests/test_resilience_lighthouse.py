@@ -1,0 +1,223 @@
+"""A restartable lighthouse (issue 10, item 2) and a normal exit that is not a death (item 3).
+
+The lighthouse keeps nothing the replicas cannot give back: a lighthouse
+killed mid-run and restarted on the same address with empty memory rebuilds
+each job from what the replicas report (their last quorum id and members,
+their step). The end-to-end test runs a real job (3 replica processes, FTAR
+over loopback) against a lighthouse process started by the test with
+`fthsdp lighthouse --bind`, SIGKILLs it mid-run and restarts it on the same
+port: the job must finish with identical final states, every batch trained
+exactly once, quorum ids that never go backwards and no replica caught up.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import signal
+import socket
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from fthsdp.data.ledger import check_exactly_once
+from fthsdp.launch import report
+from fthsdp.lighthouse import LighthouseConfig, LighthouseThread
+from fthsdp.lighthouse_client import JobFinished, LighthouseClient, LighthouseUnavailable
+
+from test_fault_tolerance import TINY
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def addrs(rid: int) -> list[str]:
+    return [f"127.0.0.1:{21000 + rid}"]
+
+
+def ask_all(clients, step, timeout_s=20.0):
+    with ThreadPoolExecutor(len(clients)) as ex:
+        futs = [ex.submit(c.get_quorum, step, ftar_addresses=addrs(int(c.replica_id)), num_replicas=len(clients),
+                          timeout_s=timeout_s) for c in clients]
+        return [f.result() for f in futs]
+
+
+# -- the server and client, in process ------------------------------------------------------------------
+
+
+def test_restarted_lighthouse_continues_quorum_ids_and_waits_for_reported_members():
+    port = free_port()
+    cfg = LighthouseConfig(bind=f"127.0.0.1:{port}", join_timeout_s=0.2, detect_s=0.6)
+    clients = [LighthouseClient(f"127.0.0.1:{port}", "job", i, outage_s=30.0) for i in range(3)]
+    first = LighthouseThread(cfg)
+    first.start()
+    try:
+        for c in clients:
+            c.start_heartbeats()
+        time.sleep(0.2)
+        assert {q.quorum_id for q in ask_all(clients, 0)} == {1}
+        # a commit failure moves the job to quorum 2 (so "1" would be a reuse after a restart)
+        with ThreadPoolExecutor(3) as ex:
+            qs = list(ex.map(lambda c: c.get_quorum(1, ftar_addresses=addrs(int(c.replica_id)), commit_failed=True,
+                                                    num_replicas=3, timeout_s=20), clients))
+        assert {q.quorum_id for q in qs} == {2}
+        first.stop()  # the lighthouse goes away; the replicas ask for step 2 meanwhile
+        with ThreadPoolExecutor(3) as ex:
+            futs = [ex.submit(c.get_quorum, 2, ftar_addresses=addrs(int(c.replica_id)), num_replicas=3,
+                              timeout_s=20) for c in clients[:2]]
+            time.sleep(1.0)
+            assert not any(f.done() for f in futs)  # riding out the outage, not failing
+            second = LighthouseThread(cfg)  # same address, empty memory
+            second.start()
+            try:
+                time.sleep(1.0)
+                # replica 2 (a member of quorum 2, heartbeating again) is waited for, not left out
+                assert not any(f.done() for f in futs)
+                [st] = clients[0].status()
+                assert "member(s) of quorum 2" in st.last_reason, st.last_reason
+                q2 = clients[2].get_quorum(2, ftar_addresses=addrs(2), num_replicas=3, timeout_s=20)
+                qs = [f.result() for f in futs] + [q2]
+            finally:
+                second.stop()
+        assert {q.quorum_id for q in qs} == {3}, [q.reason for q in qs]
+        assert qs[0].member_ids == ("0", "1", "2") and qs[0].behind == ()
+        assert "lighthouse restarted: replicas last saw quorum 2" in qs[0].reason
+        assert all(c.outages for c in clients[:2])
+    finally:
+        for c in clients:
+            c.close()
+        first.stop()
+
+
+def test_outage_longer_than_the_limit_is_a_clear_error():
+    port = free_port()
+    with LighthouseClient(f"127.0.0.1:{port}", "job", 0, outage_s=0.8) as c:
+        t0 = time.monotonic()
+        with pytest.raises(LighthouseUnavailable, match="unreachable for .*ft.lighthouse_outage_s=0.8") as ei:
+            c.get_quorum(0, ftar_addresses=addrs(0), timeout_s=5)
+        assert 0.7 < time.monotonic() - t0 < 5
+        assert ei.value.outage_s >= 0.8
+
+
+def test_leave_is_not_a_death_and_a_finished_job_answers_rejoiners(caplog):
+    with LighthouseThread(LighthouseConfig(join_timeout_s=0.2, detect_s=0.4)) as lh:
+        a, b = (LighthouseClient(lh.address, "job", i) for i in range(2))
+        try:
+            for c in (a, b):
+                c.start_heartbeats()
+            time.sleep(0.2)
+            ask_all([a, b], 9)
+            with caplog.at_level("INFO", logger="fthsdp.lighthouse"):
+                assert a.leave(10, finished=True) and b.leave(10, finished=True)
+                time.sleep(0.8)  # two detection windows: nobody may be declared dead
+            assert "declared dead" not in caplog.text
+            assert "replica 0 left at step 10 (finished the job)" in caplog.text
+            [st] = a.status()
+            assert st.replicas == () or not any(r.dead for r in st.replicas)
+            # A replica restarted after the end is told so, at once.
+            with LighthouseClient(lh.address, "job", 1, rejoin=True) as late:
+                with pytest.raises(JobFinished, match="already finished at step 10") as ei:
+                    late.get_quorum(0, ftar_addresses=addrs(1), timeout_s=10)
+                assert ei.value.step == 10
+            # A new run of the same job id (a fresh start) is not refused.
+            with LighthouseClient(lh.address, "job", 0) as fresh:
+                q = fresh.get_quorum(0, ftar_addresses=addrs(0), timeout_s=10)
+                assert q.member_ids == ("0",)
+        finally:
+            a.close()
+            b.close()
+
+
+# -- a real job, its lighthouse SIGKILLed mid-run and restarted ----------------------------------------
+
+
+def start_lighthouse(port: int, log: pathlib.Path) -> subprocess.Popen:
+    port_file = log.with_suffix(".port")
+    port_file.unlink(missing_ok=True)
+    p = subprocess.Popen([sys.executable, "-m", "fthsdp.cli", "lighthouse", "--bind", f"127.0.0.1:{port}",
+                          "--detect", "0.8", "--join-timeout", "0.5", "--port-file", str(port_file)],
+                         cwd=REPO, stdout=open(log, "a"), stderr=subprocess.STDOUT, start_new_session=True)
+    deadline = time.monotonic() + 60
+    while not port_file.exists():
+        assert p.poll() is None, log.read_text()
+        assert time.monotonic() < deadline, "the lighthouse did not start"
+        time.sleep(0.05)
+    return p
+
+
+def step_of(out: pathlib.Path, rid: int) -> int:
+    try:
+        return json.loads((out / f"status-{rid}.json").read_text()).get("step", 0)
+    except (FileNotFoundError, json.JSONDecodeError):
+        return 0
+
+
+@pytest.mark.multiprocess
+def test_job_survives_a_lighthouse_sigkill_and_restart(tmp_path):
+    replicas, steps, kill_at, outage_s = 3, 60, 15, 3.0
+    port = free_port()
+    lh_log = tmp_path / "lighthouse.log"
+    lh = start_lighthouse(port, lh_log)
+    env = dict(os.environ, PYTHONUNBUFFERED="1", FTHSDP_PEER_TOKEN="lighthouse-restart-test")
+    env.setdefault("FTHSDP_COMPILATION_CACHE", str(pathlib.Path.home() / ".cache" / "fthsdp" / "xla"))
+    procs = []
+    try:
+        for rid in range(replicas):
+            procs.append(subprocess.Popen(
+                [sys.executable, "-m", "fthsdp.replica", "--config", "base", "--replica-id", str(rid),
+                 "--lighthouse", f"127.0.0.1:{port}", "--job", "lh-restart", "--out-dir", str(tmp_path),
+                 *TINY, f"launch.replicas={replicas}", "launch.devices_per_replica=1", f"train.steps={steps}",
+                 "train.min_step_s=0.1", "ft.checkpoint_every=1000", "ft.lighthouse_outage_s=60"],
+                cwd=REPO, env=env, stdout=open(tmp_path / f"replica-{rid}.out", "w"), stderr=subprocess.STDOUT,
+                start_new_session=True))
+        deadline = time.monotonic() + 240
+        while max(step_of(tmp_path, r) for r in range(replicas)) < kill_at:
+            assert time.monotonic() < deadline and all(p.poll() is None for p in procs)
+            time.sleep(0.02)
+        os.killpg(lh.pid, signal.SIGKILL)
+        lh.wait(10)
+        killed_at, killed_step = time.time(), max(step_of(tmp_path, r) for r in range(replicas))
+        time.sleep(outage_s)  # every replica is now waiting for the lighthouse
+        during = [step_of(tmp_path, r) for r in range(replicas)]
+        assert all(p.poll() is None for p in procs), "a replica died with the lighthouse"
+        lh = start_lighthouse(port, lh_log)  # same port, empty memory
+        restarted_at = time.time()
+        rcs = [p.wait(240) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait(10)
+        os.killpg(lh.pid, signal.SIGTERM)
+        lh.wait(10)
+    logs = {r: (tmp_path / f"replica-{r}.out").read_text() for r in range(replicas)}
+    assert rcs == [0] * replicas, {r: logs[r][-3000:] for r in range(replicas)}
+    assert max(during) <= killed_step + 1  # nobody trained on without a quorum
+    run = report.load_run(tmp_path)
+    hashes = {d["hash"] for d in run.done.values()}
+    assert len(run.done) == replicas and len(hashes) == 1, run.done
+    for rid, recs in run.steps.items():
+        assert [r["step"] for r in recs] == list(range(steps)), rid  # no step twice, none lost
+        assert all(r["healthy"] for r in recs), rid  # nobody was made to catch up
+        qids = [r["quorum_id"] for r in recs]
+        assert qids == sorted(qids), (rid, qids)  # quorum ids never go backwards
+        after = [r for r in recs if r["start"] >= restarted_at]
+        assert after and after[0]["quorum_id"] > max(r["quorum_id"] for r in recs if r["end"] <= killed_at)
+        assert "reachable again after" in logs[int(rid)]
+    (positions,) = {tuple(d["positions"]) for d in run.done.values()}
+    assert positions == (steps,) * replicas
+    rep = check_exactly_once(sorted((tmp_path / "ledger").glob("*.jsonl")), dict(enumerate(positions)))
+    assert rep.ok, rep.summary()
+    text = lh_log.read_text()
+    assert "lighthouse restarted: replicas last saw quorum" in text
+    assert "declared dead" not in text  # the normal exits at the end were goodbyes
+    assert text.count("(finished the job)") == replicas
