@@ -40,6 +40,7 @@ from fthsdp.observe.metrics import (
     ring_bus_bytes,
     scrape_config,
     serve,
+    status_targets,
 )
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -266,6 +267,14 @@ def test_prometheus_targets_group_by_labels_sorted():
         prometheus_targets([("127.0.0.1:1", {"bad-name": "x"})])
     with pytest.raises(ValueError, match="HOST:PORT"):
         prometheus_targets([("9100", {})])
+    v = LighthouseView(0.0, (JobView("j", (
+        ReplicaView("0", 1, 0.1, False, False, "127.0.0.1:9200"),
+        ReplicaView("1", 1, 2.0, True, False, "127.0.0.1:9201"),  # dead: not a target
+        ReplicaView("2", 1, 0.1, False, False, "")), None, "", 3, 1),), 0.8, 1)  # not advertised
+    assert status_targets(v, "127.0.0.1:9100") == [
+        {"targets": ["127.0.0.1:9200"], "labels": {"job": "j", "replica": "0", "role": "replica"}},
+        {"targets": ["127.0.0.1:9100"], "labels": {"role": "lighthouse"}},
+    ]
     cfg = json.loads(scrape_config("/tmp/t.json", "1s"))
     assert cfg["scrape_configs"][0]["honor_labels"] is True
 

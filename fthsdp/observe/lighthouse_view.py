@@ -39,6 +39,9 @@ class ReplicaView:
     heartbeat_age_s: float  # < 0: never heard
     dead: bool
     waiting: bool
+    # Where the replica serves /metrics, once the protocol carries it
+    # (ReplicaStatus.metrics_address); "" until then.
+    metrics_address: str = ""
 
 
 @dataclass(frozen=True)
@@ -96,7 +99,8 @@ def view_from_proto(resp: Any, now: float) -> LighthouseView:
         JobView(
             job_id=j.job_id,
             replicas=tuple(ReplicaView(r.replica_id, int(r.step), float(r.last_heartbeat_age_s), bool(r.dead),
-                                       bool(getattr(r, "waiting", False))) for r in j.replicas),
+                                       bool(getattr(r, "waiting", False)), str(getattr(r, "metrics_address", "")))
+                           for r in j.replicas),
             quorum=quorum(j),
             last_reason=str(getattr(j, "last_reason", "")),
             num_configured=int(getattr(j, "num_configured", 0)),

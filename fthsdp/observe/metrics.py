@@ -387,6 +387,21 @@ def prometheus_targets(targets: Iterable[tuple[str, Mapping[str, str]]]) -> list
     return [{"targets": sorted(set(addrs)), "labels": dict(key)} for key, addrs in sorted(groups.items())]
 
 
+def status_targets(view: LighthouseView, lighthouse_metrics: str = "") -> list[dict]:
+    """The scrape targets of everything a lighthouse knows: each live replica's
+    advertised metrics address (labelled job, replica) and, if given, the
+    address serving the lighthouse's own metrics. What ``fthsdp status
+    --prometheus-targets`` prints once replicas advertise their address."""
+    pairs: list[tuple[str, Mapping[str, str]]] = []
+    if lighthouse_metrics:
+        pairs.append((lighthouse_metrics, {"role": "lighthouse"}))
+    for job in view.jobs:
+        for r in job.replicas:
+            if r.metrics_address and not r.dead:
+                pairs.append((r.metrics_address, {"role": "replica", "job": job.job_id, "replica": r.replica_id}))
+    return prometheus_targets(pairs)
+
+
 def write_targets(path: str | pathlib.Path, targets: Iterable[tuple[str, Mapping[str, str]]]) -> pathlib.Path:
     """Writes the ``file_sd`` list atomically (Prometheus re-reads it on change)."""
     path = pathlib.Path(path)
