@@ -11,6 +11,7 @@
 
 #include "ftar.h"
 #include "ring_schedule.h"
+#include "staging.h"
 
 #include "handlers.h"
 
@@ -34,6 +35,10 @@ NB_MODULE(_ffi, m) {
     d["fthsdp_ftar"] = as_capsule(FthsdpFtar);
     return d;
   }, "Map of FFI target name -> handler capsule, for jax.ffi.register_ffi_target.");
+  m.def("host_api_address", []() { return reinterpret_cast<uintptr_t>(fthsdp_host_api()); },
+        "Address of the staging C table (ffi/staging_abi.h) that the CUDA library's "
+        "FthsdpCudaInit takes: the GPU handler reaches this module's control plane through it.");
+  m.attr("STAGING_ABI") = FTHSDP_STAGING_ABI;
 
   // ---- FTAR control API (thin: the logic lives in ffi/ftar.cc) ----
   m.def("ftar_create",

@@ -11,6 +11,14 @@ reconfiguring never recompiles (DESIGN.md invariant 4).
 
 Outcomes: status 0 (OK) or 1 (RECOVERABLE: a peer died, a timeout, a stale
 quorum, an abort) per local shard; fatal errors raise JaxRuntimeError.
+
+The same custom call runs on CPU and GPU devices (fthsdp.native registers
+both). On a GPU the handler only enqueues work on XLA's stream: the stream
+stages the gradient through host-pinned memory block by block, the C++
+control thread runs the ring over it (the same ring and schedule as on CPU,
+so results are bitwise identical to the CPU FTAR) and releases the stream
+block by block; a fatal error found after the handler returned is written as
+status 2 (STATUS_FATAL) and raised by the next call (ffi/staging_abi.h).
 """
 
 from __future__ import annotations
@@ -25,10 +33,10 @@ import numpy as np
 from jax.sharding import Mesh, PartitionSpec as P
 
 from fthsdp import native
-from fthsdp.quorum_inputs import STATUS_OK, STATUS_RECOVERABLE, QuorumInputs
+from fthsdp.quorum_inputs import STATUS_FATAL, STATUS_OK, STATUS_RECOVERABLE, QuorumInputs
 
 __all__ = ["FtarOptions", "ConfigureResult", "Communicator", "allreduce", "STATUS_OK",
-           "STATUS_RECOVERABLE", "SUPPORTED_DTYPES"]
+           "STATUS_RECOVERABLE", "STATUS_FATAL", "SUPPORTED_DTYPES"]
 
 SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 TARGET = "fthsdp_ftar"

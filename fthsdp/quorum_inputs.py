@@ -16,6 +16,11 @@ import numpy as np
 # Status codes of a cross-replica all-reduce (FTAR's status output).
 STATUS_OK = 0
 STATUS_RECOVERABLE = 1
+# Only on the GPU, where the handler has returned before the ring runs: a fatal
+# error found later (bad quorum inputs, unknown communicator, protocol
+# violation) is written to the device as 2 (the step does not commit) and the
+# next all-reduce call raises it as an ffi::Error (JaxRuntimeError).
+STATUS_FATAL = 2
 
 
 class QuorumInputs(NamedTuple):
@@ -31,6 +36,11 @@ class QuorumInputs(NamedTuple):
     quorum_id:         the lighthouse's quorum id; FTAR refuses a stale one.
     comm:              communicator handle: a small integer id into the native
                        registry of FTAR communicators (never a pointer).
+
+    On a GPU these arrays live on the device. FTAR's CUDA handler never reads
+    them on a host thread: the stream itself copies them into host-pinned
+    memory ahead of the gradient, where the control plane picks them up, so
+    the quorum stays a runtime value there too (no recompilation, no sync).
     """
 
     contribute: jax.Array
@@ -83,7 +93,7 @@ class AllReduceFn(Protocol):
     Called inside the jitted step with the (possibly FSDP-sharded) gradient
     pytree. Returns the element-wise SUM over the ring members and a status
     array of shape (num_local_devices,), int32, one entry per local shard
-    (STATUS_OK or STATUS_RECOVERABLE), sharded over the replica's mesh so that
+    (STATUS_OK, STATUS_RECOVERABLE; STATUS_FATAL on GPU), sharded over the replica's mesh so that
     the commit vote `all(status == OK)` is a collective inside the step.
     Fatal errors raise (ffi::Error -> JaxRuntimeError).
     """

@@ -9,6 +9,7 @@ native path through the host API to check handshakes, aborts and errors.
 from __future__ import annotations
 
 import json
+import os
 import pathlib
 import signal
 import subprocess
@@ -29,6 +30,12 @@ from ftar_test_data import inputs  # noqa: E402
 pytestmark = pytest.mark.multiprocess
 
 
+# The workers are CPU replicas (forced host devices): pin them to the CPU
+# platform so these tests mean the same on a host whose default backend is a
+# GPU (the GPU path has its own tests, tests/test_gpu_ftar.py).
+CPU_ENV = {**os.environ, "JAX_PLATFORMS": "cpu"}
+
+
 def launch(tmp_path, n, devices, scenario, **extra):
     rdv = tmp_path / "rdv"
     rdv.mkdir(exist_ok=True)
@@ -37,7 +44,7 @@ def launch(tmp_path, n, devices, scenario, **extra):
         spec = dict(n=n, rank=rank, devices=devices, rdv=str(rdv), scenario=scenario,
                     out=str(tmp_path / f"out{rank}.npz"), timeout_s=20.0)
         spec.update(extra)
-        procs.append(subprocess.Popen([sys.executable, str(WORKER), json.dumps(spec)],
+        procs.append(subprocess.Popen([sys.executable, str(WORKER), json.dumps(spec)], env=CPU_ENV,
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     return procs
 
@@ -247,15 +254,19 @@ def test_unknown_communicator_handle_raises_inside_jit():
     import jax
     import jax.numpy as jnp
 
-    from fthsdp.quorum_inputs import make_quorum_inputs
-    from fthsdp.sharding import replica_mesh
+    from jax.sharding import Mesh
 
-    mesh = replica_mesh(1)
+    from fthsdp.quorum_inputs import make_quorum_inputs
+    from fthsdp.sharding import AXIS
+
+    cpu = jax.local_devices(backend="cpu")[0]
+    mesh = Mesh(np.array([cpu]), (AXIS,))  # the CPU handler raises at once (the GPU one reports later)
     q = make_quorum_inputs(num_contributing=2, num_members=2, num_configured=2, rank=0, quorum_id=1, comm=999)
+    put = lambda x: jax.device_put(x, cpu)  # noqa: E731
     with pytest.raises(Exception, match="unknown communicator handle 999"):
-        jax.block_until_ready(jax.jit(lambda g, q: ftar.allreduce(g, q, mesh))({"w": jnp.ones(4)}, q))
+        jax.block_until_ready(jax.jit(lambda g, q: ftar.allreduce(g, q, mesh))({"w": put(jnp.ones(4))}, q))
     # A ring of one needs no communicator: the sum is the input, status OK.
     q1 = make_quorum_inputs(comm=-1)
-    s, st = jax.jit(lambda g, q: ftar.allreduce(g, q, mesh))({"w": jnp.arange(4.0)}, q1)
+    s, st = jax.jit(lambda g, q: ftar.allreduce(g, q, mesh))({"w": put(jnp.arange(4.0))}, q1)
     np.testing.assert_array_equal(np.asarray(s["w"]), np.arange(4.0))
     assert np.asarray(st).tolist() == [0]

@@ -1,17 +1,22 @@
-"""The functional step on one replica: FSDP sharding, commit vote, LR intervention, no recompilation."""
+"""The functional step on one replica: FSDP sharding, commit vote, LR intervention, no recompilation.
+
+These are CPU tests: they build their meshes over the CPU devices and make
+the CPU the default device, so they pass unchanged on a host whose default
+jax backend is a GPU (where `replica_mesh` would pick the GPUs).
+"""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from fthsdp import intervention
 from fthsdp.config import Config, DataConfig, ModelConfig, OptimConfig, TrainConfig
 from fthsdp.data import ReplicaStream
 from fthsdp.intervention import Intervention
 from fthsdp.quorum_inputs import STATUS_OK, STATUS_RECOVERABLE, make_quorum_inputs
-from fthsdp.sharding import replica_mesh
+from fthsdp.sharding import AXIS
 from fthsdp.step import make_train_step
 
 CFG = Config(
@@ -20,6 +25,23 @@ CFG = Config(
     optim=OptimConfig(lr=1e-2, warmup_steps=0, decay="constant"),
     train=TrainConfig(steps=10),
 )
+
+
+def cpu_devices():
+    return jax.local_devices(backend="cpu")
+
+
+def replica_mesh(n: int) -> Mesh:
+    """fthsdp.sharding.replica_mesh, pinned to the CPU platform."""
+    devices = cpu_devices()
+    assert len(devices) >= n, f"conftest forces 4 host devices, got {len(devices)}"
+    return Mesh(np.array(devices[:n]), (AXIS,))
+
+
+@pytest.fixture(autouse=True)
+def _cpu_default_device():
+    with jax.default_device(cpu_devices()[0]):
+        yield
 
 
 def _batch(ts, pos=0, cfg=CFG):
@@ -38,13 +60,13 @@ def ts4():
 
 def test_parameters_and_optimizer_state_are_sharded_over_local_devices(ts4):
     state = ts4.init(0)
-    assert len(jax.local_devices()) == 4
+    assert len(cpu_devices()) == 4
     sharded = 0
     for leaf in jax.tree.leaves((state.params, state.opt_state)):
         if leaf.ndim == 0 or leaf.size < 4:
             continue
         shards = leaf.addressable_shards
-        assert {s.device for s in shards} == set(jax.local_devices())
+        assert {s.device for s in shards} == set(cpu_devices())
         if not leaf.sharding.is_fully_replicated:
             sharded += 1
             # each device holds a quarter of the array, and the quarters differ in place
