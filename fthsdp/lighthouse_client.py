@@ -439,7 +439,9 @@ class LighthouseClient:
                         self._on_dead(reply.dead_members, reply.quorum_id)
                     except Exception:
                         log.exception("on_dead callback raised")
-            except LighthouseError as e:
+            except Exception as e:  # noqa: BLE001 - the thread must outlive any error: its silence is a death
+                if not isinstance(e, LighthouseError):
+                    e = LighthouseError(f"heartbeat: unexpected {type(e).__name__}: {e}")
                 self.heartbeat_failures += 1
                 self.last_heartbeat_error = e
                 if self.heartbeat_failures in (1, 10) or self.heartbeat_failures % 100 == 0:
