@@ -133,7 +133,8 @@ def systems(measured: E.MeasuredStalls, scale: E.ScaleParams, step_s: float, rep
     }
 
 
-def plot(path: pathlib.Path, projection: list[dict], projection_sim: list[dict], ref_gpus: int) -> pathlib.Path:
+def plot(path: pathlib.Path, projection: list[dict], projection_sim: list[dict], sync_optimistic: list[dict],
+         ref_gpus: int) -> pathlib.Path:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -148,6 +149,8 @@ def plot(path: pathlib.Path, projection: list[dict], projection_sim: list[dict],
         ax.plot(g, [100 * r[key] for r in projection], "-", color=colors[key], label=labels[key] + ", closed form")
         ax.plot([r["gpus"] for r in projection_sim], [100 * r[key] for r in projection_sim], "o", ms=4,
                 color=colors[key], mfc="none")
+    ax.plot([r["gpus"] for r in sync_optimistic], [100 * r["sync"] for r in sync_optimistic], "--",
+            color=colors["sync"], lw=1, label="synchronous, a failure mid-restart only restarts its clock")
     ax.plot([ref_gpus] * 2, [100 * E.PAPER_SYNC_ETT, 100 * E.PAPER_FT_HSDP_ETT], "k*", ms=9,
             label="paper's 44% / 80% at 100K")
     ax.axhline(100 * TARGET, color="gray", ls=":", lw=1, label=f"target {TARGET:.0%}")
@@ -231,6 +234,8 @@ def main(argv=None) -> int:
     counts = QUICK_GPU_COUNTS if args.quick else GPU_COUNTS
     projection = [{"gpus": g, **{k: E.closed_form(g, failures, rec) for k, rec in sysm.items()}} for g in counts]
     projection_sim = [{"gpus": g, **{k: sim(rec, g).ett for k, rec in sysm.items()}} for g in counts]
+    sync_optimistic = dataclasses.replace(E.PAPER_SYNC, overlap="restart")
+    projection_sync_optimistic = [{"gpus": g, "sync": E.closed_form(g, failures, sync_optimistic)} for g in counts]
 
     # 4. Sensitivities at the reference scale (closed form): what the answer leans on.
     def fth_with(**changes) -> float:
@@ -267,12 +272,18 @@ def main(argv=None) -> int:
     result = {
         "projection": projection,
         "projection_sim": projection_sim,
+        "projection_sync_optimistic": projection_sync_optimistic,
         "reproduction": reproduction,
         "at_reference": {"gpus": ref, **at_ref},
         "target": {
             "fthsdp_ett_min": TARGET, "gpus": ref, "failure_interval_min": args.failure_interval_min,
             "fthsdp_closed_form": fth_closed, "fthsdp_simulation": fth_sim, "met": met,
             "left": 1 - fth_closed, "dominant": dominant, "dominant_share": shares[dominant],
+            # the repair (failure -> back in the quorum) that the replica_out share is made of
+            "repair_parts_s": {"detection": measured.detection_s, "allocation": scale.allocation_s,
+                               "process_start": scale.process_start_s, "compile": scale.compile_s,
+                               "fetch": scale.fetch_s(), "first_commit_step": args.step_s,
+                               "total": fth.repair_s},
         },
         "sensitivity": sensitivity,
         "inputs": {
@@ -289,7 +300,7 @@ def main(argv=None) -> int:
     }
     out = pathlib.Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    result["plot"] = str(plot(out.with_suffix(".png"), projection, projection_sim, ref))
+    result["plot"] = str(plot(out.with_suffix(".png"), projection, projection_sim, projection_sync_optimistic, ref))
     result["wall_s"] = time.time() - t0
     out.write_text(json.dumps(result, indent=2, default=str))
 

@@ -240,6 +240,9 @@ def test_experiment_figures_follow_from_inputs(tmp_path):
     assert any(r["gpus"] == 100_000 for r in rows) and rows[-1]["gpus"] >= 200_000
     assert all(0 <= r[k] <= 1 for r in rows + d["projection_sim"] for k in ("sync", "paper", "fthsdp"))
     assert [r["gpus"] for r in d["projection_sim"]] == [r["gpus"] for r in rows]
+    opt = d["projection_sync_optimistic"]
+    assert [r["gpus"] for r in opt] == [r["gpus"] for r in rows]
+    assert all(o["sync"] >= r["sync"] for o, r in zip(opt, rows))
     # every measured figure came from the files written above
     m = d["inputs"]["measured"]
     assert m["detection_s"] == {"value": 0.3, "source": f"{fs}:detection_s"}
