@@ -37,6 +37,73 @@ _PIECE = re.compile(r"^/v1/snapshot/(?P<step>[^/]+)/leaf/(?P<leaf>[^/]+)/piece/(
 _STEP_MANIFEST = re.compile(r"^/v1/snapshot/(?P<step>[^/]+)/manifest$")
 
 
+@dataclass(frozen=True)
+class Route:
+    """A request path the server understands: a manifest (the served one when
+    `step` is None) or one piece of one leaf of `step`."""
+
+    kind: str  # "manifest" | "piece"
+    step: int | None = None
+    leaf: int | None = None
+    piece: int | None = None
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """An HTTP error status and the JSON error text that says what was wrong."""
+
+    status: int
+    error: str
+
+
+def check_authorization(header: str | None, token: bytes) -> Refusal | None:
+    """None when `header` is ``Bearer <token>`` (compared in constant time), else why not.
+
+    Pure, so it is fuzzed on its own (experiments/fuzz.py) as well as behind the server."""
+    if not header:
+        return Refusal(401, "missing token: send 'Authorization: Bearer <token>'")
+    scheme, _, given = header.partition(" ")
+    if scheme != "Bearer" or not given:
+        return Refusal(401, "malformed Authorization header: expected 'Bearer <token>'")
+    # surrogateescape: a header that is not valid text still compares (unequal), never raises.
+    if not hmac.compare_digest(given.strip().encode("utf-8", "surrogateescape"), token):
+        return Refusal(403, "wrong token: this peer serves another job or the secret differs")
+    return None
+
+
+def _nonnegative(name: str, text: str) -> int | Refusal:
+    try:
+        v = int(text)
+    except ValueError:
+        return Refusal(400, f"{name} must be a non-negative integer, got {text!r}")
+    if v < 0:
+        return Refusal(400, f"{name} must be a non-negative integer, got {v}")
+    return v
+
+
+def parse_route(raw_path: str) -> Route | Refusal:
+    """The route a request path asks for (the query string is ignored), or the refusal.
+
+    Pure, so it is fuzzed on its own (experiments/fuzz.py) as well as behind the server."""
+    path = raw_path.split("?", 1)[0]
+    if path == "/v1/manifest":
+        return Route("manifest")
+    m = _STEP_MANIFEST.match(path)
+    if m:
+        step = _nonnegative("step", m["step"])
+        return step if isinstance(step, Refusal) else Route("manifest", step=step)
+    m = _PIECE.match(path)
+    if m:
+        values = []
+        for name in ("step", "leaf", "piece"):
+            v = _nonnegative(name, m[name])
+            if isinstance(v, Refusal):
+                return v
+            values.append(v)
+        return Route("piece", *values)
+    return Refusal(404, f"no route {path!r}; see /v1/manifest and /v1/snapshot/STEP/leaf/I/piece/K")
+
+
 class SnapshotSource(Protocol):
     """What the server serves from: `Snapshotter` or `StaticSource`."""
 
@@ -95,29 +162,11 @@ class _Handler(BaseHTTPRequestHandler):
         self.wfile.write(data)
 
     def _authorised(self) -> bool:
-        auth = self.headers.get("Authorization")
-        if not auth:
-            self._json(401, {"error": "missing token: send 'Authorization: Bearer <token>'"})
-            return False
-        scheme, _, token = auth.partition(" ")
-        if scheme != "Bearer" or not token:
-            self._json(401, {"error": "malformed Authorization header: expected 'Bearer <token>'"})
-            return False
-        if not hmac.compare_digest(token.strip().encode(), self.server.token):
-            self._json(403, {"error": "wrong token: this peer serves another job or the secret differs"})
+        refusal = check_authorization(self.headers.get("Authorization"), self.server.token)
+        if refusal is not None:
+            self._json(refusal.status, {"error": refusal.error})
             return False
         return True
-
-    def _int(self, name: str, text: str) -> int | None:
-        try:
-            v = int(text)
-        except ValueError:
-            self._json(400, {"error": f"{name} must be a non-negative integer, got {text!r}"})
-            return None
-        if v < 0:
-            self._json(400, {"error": f"{name} must be a non-negative integer, got {v}"})
-            return None
-        return v
 
     # -- routes -------------------------------------------------------------
 
@@ -125,22 +174,12 @@ class _Handler(BaseHTTPRequestHandler):
         self.server.requests += 1
         if not self._authorised():
             return
-        path = self.path.split("?", 1)[0]
-        if path == "/v1/manifest":
-            return self._manifest(None)
-        m = _STEP_MANIFEST.match(path)
-        if m:
-            step = self._int("step", m["step"])
-            return None if step is None else self._manifest(step)
-        m = _PIECE.match(path)
-        if m:
-            step = self._int("step", m["step"])
-            leaf = None if step is None else self._int("leaf", m["leaf"])
-            piece = None if leaf is None else self._int("piece", m["piece"])
-            if piece is None:
-                return None
-            return self._piece(step, leaf, piece)
-        self._json(404, {"error": f"no route {path!r}; see /v1/manifest and /v1/snapshot/STEP/leaf/I/piece/K"})
+        route = parse_route(self.path)
+        if isinstance(route, Refusal):
+            return self._json(route.status, {"error": route.error})
+        if route.kind == "manifest":
+            return self._manifest(route.step)
+        return self._piece(route.step, route.leaf, route.piece)
 
     def do_POST(self):  # noqa: N802
         self._json(405, {"error": "the peer server is read-only: use GET"})
