@@ -13,7 +13,6 @@ import urllib.error
 import urllib.request
 
 import pytest
-from prometheus_client import CollectorRegistry
 
 from fthsdp.manager import StepRecord
 from fthsdp.observe import dashboard as dash_mod

@@ -109,9 +109,13 @@ class ObservedJob:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "fthsdp.cli", "run", "--config", "base", "--replicas", "2",
              "--devices-per-replica", "1", "--kill", f"1@{KILL_STEP}", "--out-dir", str(out), "--no-progress", *TINY],
-            cwd=REPO, stdout=open(out.parent / "launcher.out", "w"), stderr=subprocess.STDOUT)
+            cwd=REPO, stdout=(launcher_out := open(out.parent / "launcher.out", "w")), stderr=subprocess.STDOUT)
+        self.started.append(launcher_out.close)
         self._stop = threading.Event()
         threading.Thread(target=self._watch_children, daemon=True).start()
+
+    def setup(self) -> None:
+        out = self.out
         port_file = out / "lighthouse.port"
         wait_until(lambda: port_file.exists() or self.proc.poll() is not None, START_S, "the job's lighthouse")
         assert self.proc.poll() is None, (out.parent / "launcher.out").read_text()[-3000:]
@@ -119,7 +123,9 @@ class ObservedJob:
 
         from fthsdp.observe.lighthouse_view import StatusPoller
 
-        self.lh_metrics = LighthouseMetrics().start(StatusPoller(self.lighthouse), interval_s=0.25)
+        poller = StatusPoller(self.lighthouse)
+        self.started.append(poller.close)
+        self.lh_metrics = LighthouseMetrics().start(poller, interval_s=0.25)
         self.started.append(self.lh_metrics.stop)
         self.lh_server = serve(self.lh_metrics.registry)
         self.started.append(self.lh_server.close)
@@ -208,6 +214,7 @@ class ObservedJob:
                 pass
 
     def close(self) -> None:
+        self.kids |= children(self.proc.pid)
         self.stop_job()
         self._stop.set()
         for close in reversed(self.started):
@@ -221,6 +228,7 @@ def observed(tmp_path_factory):
     base = tmp_path_factory.mktemp("observe")
     job = ObservedJob(base / "run")
     try:
+        job.setup()
         yield job
     finally:
         job.close()
