@@ -1,6 +1,7 @@
 """Fault plans (pure) and the run report over synthetic run files."""
 
 import json
+import pathlib
 
 import pytest
 
@@ -75,3 +76,102 @@ def test_report_flags_divergent_replicas(tmp_path):
     s = report.summarize(tmp_path)
     assert s["identical_final_state"] is False
     assert "NO" in report.describe(s)[-1]
+
+
+# -- the launcher's pure decisions (issue 10) ---------------------------------------
+
+from fthsdp.launch import rundir, supervise  # noqa: E402
+from fthsdp.launch.faults import JOB, choose_sources, due  # noqa: E402
+
+
+def test_command_line_fault_flags_replace_the_configs_plan():
+    # --random-kills N means N: the config's kill 1@40 is not added on top
+    s = choose_sources(None, None, 3, None, None, cfg_kills=("1@40",), cfg_stops=(), cfg_random=0)
+    assert s.origin == "command line" and s.kills == () and s.random_count == 3
+    assert len(plan(s.kills, s.stops, 3, random_count=s.random_count, steps=100, seed=1)) == 3
+    s = choose_sources(None, None, None, None, None, cfg_kills=("1@40",), cfg_stops=("0@9",), cfg_random=2)
+    assert s.origin == "config" and s.kills == ("1@40",) and s.random_count == 2
+    s = choose_sources(None, None, None, (12,), None, cfg_kills=("1@40",), cfg_stops=(), cfg_random=0)
+    assert s.kills == () and s.lighthouse == (12,)
+
+
+def test_faults_fire_on_the_live_process_progress_only():
+    kill = Fault(step=6, replica=1, kind="kill")
+    # a restarted replica whose new process has not committed: no progress, even if
+    # its killed predecessor's status said step 9
+    assert due(kill, {0: 9, 1: None}, healthy={0}) == "wait"
+    assert due(kill, {0: 9, 1: 5}, healthy={0, 1}) == "wait"
+    assert due(kill, {0: 9, 1: 6}, healthy={0, 1}) == "fire"
+    lh = Fault(step=4, replica=JOB, kind="lighthouse")
+    assert due(lh, {0: None, 1: None}, set()) == "wait" and due(lh, {0: 4, 1: None}, {0}) == "fire"
+
+
+def test_random_kill_never_takes_the_last_healthy_replica_but_a_named_kill_may():
+    rnd = Fault(step=5, replica=0, kind="kill", explicit=False)
+    named = Fault(step=5, replica=0, kind="kill")
+    # replica 1 is restarting (running, no progress yet): it is not healthy
+    assert due(rnd, {0: 7, 1: None}, healthy={0}) == "wait"
+    assert due(rnd, {0: 7, 1: 7}, healthy={0, 1}) == "fire"
+    assert due(named, {0: 7, 1: None}, healthy={0}) == "fire"
+    assert all(not f.explicit for f in random_kills(3, replicas=3, steps=50, seed=1))
+
+
+def V(rid, state, step=None, mode="start", progressed=None):
+    return supervise.ReplicaView(rid, state, step, mode, step is not None if progressed is None else progressed)
+
+
+def test_fallback_only_when_nobody_holds_or_can_regain_the_state():
+    starting = [V(0, "running"), V(1, "running")]  # a job's start: nobody committed yet, but they will
+    assert not supervise.needs_fallback(starting)
+    all_dead = [V(0, "killed"), V(1, "failed")]
+    assert supervise.needs_fallback(all_dead)
+    rejoining_alone = [V(0, "running", mode="rejoin"), V(1, "killed")]
+    assert supervise.needs_fallback(rejoining_alone)
+    assert not supervise.needs_fallback([V(0, "running", 12), V(1, "killed")])
+    assert not supervise.needs_fallback([V(0, "stopped", progressed=True), V(1, "killed")])
+    assert supervise.needs_fallback([V(0, "stopped", progressed=False, mode="rejoin"), V(1, "killed")])
+    finished = [V(0, "done"), V(1, "killed")]
+    assert not supervise.needs_fallback(finished) and not supervise.restart_allowed(finished, 1)
+    assert supervise.healthy([V(0, "running", 3), V(1, "running", mode="rejoin"), V(2, "stopped", 3)]) == {0}
+
+
+def test_resume_shape_check_names_the_difference_and_keeps_overrides():
+    from fthsdp import config as config_lib
+
+    saved = rundir.effective(config_lib.load("base", ["train.steps=200", "launch.devices_per_replica=1"]))
+    now = rundir.effective(config_lib.load("base", ["train.steps=120", "launch.devices_per_replica=2",
+                                                    "ft.detect_s=0.9", "train.min_step_s=0.1"]))
+    diffs = rundir.shape_differences(saved, now)
+    assert diffs == ["launch.devices_per_replica: 1 in the run, 2 now", "train.steps: 200 in the run, 120 now"]
+    merged = rundir.merge_overrides(["train.steps=200", "optim.lr=0.001"], ["train.steps=300"])
+    assert merged == ["optim.lr=0.001", "train.steps=300"]
+    hint = rundir.resume_hint(pathlib.Path("runs/x y"), "ft_local", ["optim.lr=0.001"])
+    assert hint == "fthsdp run --resume --out-dir 'runs/x y' --config ft_local optim.lr=0.001"
+
+
+def test_run_dir_keeps_one_launch_log_per_attempt(tmp_path):
+    rd = rundir.RunDir(tmp_path)
+    rd.save({"config": "base", "overrides": []})
+    n0, log0 = rd.begin_attempt("fresh")
+    log0.write_text("attempt 0\n")
+    (tmp_path / "metrics-0.jsonl").write_text("{}\n")
+    n1, log1 = rd.begin_attempt("fallback", "fallback-1")
+    assert (n0, n1) == (0, 1)
+    assert (tmp_path / "attempts/0/metrics-0.jsonl").exists() and not (tmp_path / "metrics-0.jsonl").exists()
+    assert (tmp_path / "launch.log").resolve() == log1.resolve() and log0.read_text() == "attempt 0\n"
+    assert [a["kind"] for a in rd.load()["attempts"]] == ["fresh", "fallback"]
+
+
+def test_report_counts_only_replicas_healthy_at_the_fault_as_survivors(tmp_path):
+    # replica 1 was restarting when replica 2 was killed: its first (catch-up) step is no "stall"
+    rows = {"0": [], "1": []}
+    for s in range(6):
+        rows["0"].append({"kind": "step", "replica": "0", "step": s, "quorum_id": 1, "members": ["0"],
+                          "healthy": True, "attempts": 1, "loss": 1.0, "start": 100.0 + s, "end": 100.9 + s})
+    rows["1"].append({"kind": "step", "replica": "1", "step": 4, "quorum_id": 2, "members": ["0", "1"],
+                      "healthy": False, "attempts": 1, "loss": None, "start": 104.0, "end": 104.9})
+    for rid, rs in rows.items():
+        _write(tmp_path / f"metrics-{rid}.jsonl", rs)
+    _write(tmp_path / "events.jsonl", [{"time": 103.5, "kind": "kill", "replica": 2, "step": 3, "healthy": [0]}])
+    (f,) = report.summarize(tmp_path)["failures"]
+    assert set(f["stall_s"]) == {"0"}

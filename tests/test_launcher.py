@@ -1,0 +1,176 @@
+"""`fthsdp run` as a user runs it (a subprocess, real signals), one test per
+launcher defect of issue 10: faults keyed to the live process, random kills
+that mean N and spare the last healthy replica, the report's survivors, a
+resume that keeps the run's overrides and shape and replays nothing, one
+launch log per attempt, the whole-job fallback to the checkpoint, and a
+lighthouse SIGKILLed mid-run."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from fthsdp.data.ledger import check_exactly_once
+from fthsdp.launch import report
+from fthsdp.logs import read_metrics
+
+from test_fault_tolerance import TINY, assert_compiled_once, assert_identical_after_every_commit
+
+pytestmark = pytest.mark.multiprocess
+
+PACED = TINY + ["ft.checkpoint_every=10", "train.min_step_s=0.1"]
+
+
+def fthsdp_run(out: pathlib.Path, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    """`fthsdp run --out-dir OUT ARGS` in a subprocess; its output kept next to the run."""
+    cmd = [sys.executable, "-m", "fthsdp.cli", "run", "--no-progress", "--out-dir", str(out), *args]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=dict(os.environ))
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out.parent / f"{out.name}.stderr", "a") as f:
+        f.write(p.stderr)
+    return p
+
+
+def job_args(replicas: int, steps: int, *extra: str) -> list[str]:
+    """Flags first, then the tiny paced job, then `extra`'s overrides (x=y), which win."""
+    flags = [a for a in extra if "=" not in a]
+    return ["--config", "base", "--replicas", str(replicas), "--devices-per-replica", "1", *flags, *PACED,
+            f"train.steps={steps}", *[a for a in extra if "=" in a]]
+
+
+def events(out: pathlib.Path, attempt: str | None = None) -> list[dict]:
+    path = out / "events.jsonl" if attempt is None else out / "attempts" / attempt / "events.jsonl"
+    return read_metrics(path)
+
+
+def summary(out: pathlib.Path) -> dict:
+    return json.loads((out / "summary.json").read_text())
+
+
+def exactly_once(out: pathlib.Path, run: report.RunFiles) -> tuple[int, ...]:
+    (positions,) = {tuple(d["positions"]) for d in run.done.values()}
+    rep = check_exactly_once(sorted((out / "ledger").glob("*.jsonl")), dict(enumerate(positions)))
+    assert rep.ok, rep.summary()
+    return positions
+
+
+def test_faults_follow_the_live_process_and_survivors_are_the_healthy(tmp_path):
+    out = tmp_path / "run"
+    # replica 1 is killed at step 6, restarted, and killed again once its *new*
+    # process is past step 6 (not on the dead one's stale status); replica 2 is
+    # killed while replica 1 is still restarting: only replica 0 survives that one.
+    p = fthsdp_run(out, *job_args(3, 100, "--kill", "1@6", "--kill", "1@6", "--kill", "2@8",
+                                  "launch.restart_delay_s=1.5"))
+    assert p.returncode == 0, p.stderr[-3000:]
+    ev = events(out)
+    kills = [e for e in ev if e["kind"] == "kill"]
+    assert [(e["replica"]) for e in kills] == [1, 2, 1]
+    run = report.load_run(out)
+    first_pid = run.steps["1"][0]["pid"]
+    second_kill = kills[2]
+    restarted = [r for r in run.steps["1"] if r["pid"] != first_pid and r["end"] <= second_kill["time"]]
+    assert restarted, "the second kill fired before the restarted process committed a step"
+    assert second_kill["step"] >= 6
+    # the kill of replica 2 happened while replica 1 was restarting: one survivor
+    assert kills[1]["healthy"] == [0]
+    s = summary(out)
+    f2 = next(f for f in s["failures"] if f["replica"] == "2")
+    assert set(f2["stall_s"]) == {"0"}
+    assert all(f["detection_s"] is None or f["detection_s"] > 0 for f in s["failures"])
+    assert s["identical_final_state"] and s["job_restarts"] == []
+    exactly_once(out, run)
+
+
+def test_random_kills_mean_n_and_spare_the_last_healthy_replica(tmp_path):
+    out = tmp_path / "run"
+    # seed 2 puts the two kills of a 2-replica job 2 steps apart (r0@8, r1@10): the
+    # second must wait until the first victim has rejoined (it is "running" from its
+    # spawn, but not healthy); the config's own kill (0@20) is not added on top.
+    p = fthsdp_run(out, *job_args(2, 60, "--random-kills", "2", "--seed", "2", "launch.kill=0@20",
+                                  "launch.restart_delay_s=0.2", "train.min_step_s=0.25"))
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "faults (from command line) ['kill r0@8', 'kill r1@10']" in p.stderr
+    kills = [e for e in events(out) if e["kind"] == "kill"]
+    s = summary(out)
+    # exactly the two planned; under heavy load the second may not be due before the end
+    assert len(kills) + len(s["faults_not_fired"]) == 2 and kills[0]["replica"] == 0, (kills, s["faults_not_fired"])
+    assert all(k["healthy"] for k in kills), kills  # someone healthy was always left
+    assert s["job_restarts"] == [] and s["identical_final_state"] and s["failed_replicas"] == []
+    exactly_once(out, report.load_run(out))
+
+
+def test_resume_keeps_overrides_refuses_other_shapes_and_replays_no_fault(tmp_path):
+    out = tmp_path / "run"
+    p = fthsdp_run(out, *job_args(2, 30, "--kill", "1@4", "--kill-all", "14", "optim.lr=0.002"))
+    assert p.returncode == 0, p.stderr[-3000:]
+    hint = next(line for line in p.stderr.splitlines() if "resume with:" in line).split("resume with: ")[1]
+    assert "optim.lr=0.002" in hint and "train.steps=30" in hint
+    # a different shape is refused, naming the difference
+    for extra, field in ((["train.steps=20"], "train.steps: 30 in the run, 20 now"),
+                         (["--devices-per-replica", "2"], "launch.devices_per_replica: 1 in the run, 2 now")):
+        bad = fthsdp_run(out, "--resume", *extra, timeout=60)
+        assert bad.returncode == 2 and field in bad.stderr, bad.stderr[-2000:]
+    p = fthsdp_run(out, "--resume")
+    assert p.returncode == 0, p.stderr[-3000:]
+    doc = json.loads((out / "run.json").read_text())
+    assert "optim.lr=0.002" in doc["overrides"] and "train.steps=30" in doc["overrides"]
+    assert [a["kind"] for a in doc["attempts"]] == ["fresh", "resume"]
+    # the faults of the first attempt fired once and are not replayed
+    assert not [e for e in events(out) if e["kind"] in ("kill", "kill_all")]
+    assert sorted(f["kind"] for f in doc["fired"]) == ["kill", "kill_all"]
+    # one launch log per attempt, and launch.log points at the latest
+    log0 = (out / "attempts/0/launch.log").read_text()
+    assert "kill_all" in log0 and "attempt 0" in log0
+    assert (out / "launch.log").resolve() == (out / "attempts/1/launch.log").resolve()
+    assert "attempt 1 (resume)" in (out / "launch.log").read_text()
+    run = report.load_run(out)
+    assert all(d["step"] == 30 for d in run.done.values()) and len(run.done) == 2
+    positions = exactly_once(out, run)
+    assert positions[0] == 30 and positions[1] < 30  # replica 1 missed the steps it was down
+
+
+def test_no_healthy_replica_left_falls_back_to_the_checkpoint(tmp_path):
+    out = tmp_path / "run"
+    # both replicas die at step 15 (the restart of the first is delayed past the
+    # second's death): nobody holds the live state, the launcher restarts the job
+    # from the checkpoint of step 10 by itself and it finishes.
+    p = fthsdp_run(out, *job_args(2, 40, "--kill", "0@15", "--kill", "1@15", "launch.restart_delay_s=5"))
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "no healthy replica is left" in p.stderr and "restarting the whole job from the checkpoint of step 10" \
+        in p.stderr
+    s = summary(out)
+    assert [j["checkpoint"] for j in s["job_restarts"]] == [10]
+    assert s["identical_final_state"] and s["failed_replicas"] == []
+    run = report.load_run(out)
+    assert sorted(run.done) == ["0", "1"] and all(d["step"] == 40 for d in run.done.values())
+    assert min(r["step"] for recs in run.steps.values() for r in recs) == 10
+    assert exactly_once(out, run) == (40, 40)
+    assert_identical_after_every_commit(run)
+    assert_compiled_once(run)
+
+
+def test_fallback_is_bounded(tmp_path):
+    out = tmp_path / "run"
+    p = fthsdp_run(out, *job_args(2, 40, "--kill", "0@12", "--kill", "1@12", "launch.restart_delay_s=5",
+                                  "launch.max_job_restarts=0"))
+    assert p.returncode == 4, p.stderr[-3000:]
+    assert "launch.max_job_restarts=0" in p.stderr and "fthsdp run --resume --out-dir" in p.stderr
+
+
+def test_lighthouse_killed_mid_run_is_restarted_and_the_job_finishes(tmp_path):
+    out = tmp_path / "run"
+    p = fthsdp_run(out, *job_args(2, 40, "--kill-lighthouse", "12", "ft.lighthouse_outage_s=30"))
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "lighthouse died (signal 9); restarted in" in p.stderr
+    s = summary(out)
+    assert len(s["lighthouse_restarts"]) == 1
+    # the replicas rode out the outage: no fallback to the checkpoint was needed
+    assert s["job_restarts"] == [], "the replicas did not survive the lighthouse outage"
+    run = report.load_run(out)
+    assert s["identical_final_state"] and all(d["step"] == 40 for d in run.done.values())
+    assert exactly_once(out, run) == (40, 40)
