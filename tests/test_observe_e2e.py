@@ -326,6 +326,9 @@ def test_prometheus_scrapes_the_job_and_sees_the_kill(observed):
     detect = scalar(url, f'fthsdp_lighthouse_detection_seconds_sum{{job="{JOB}"}} / '
                          f'fthsdp_lighthouse_detection_seconds_count{{job="{JOB}"}}')
     assert 0.8 <= detect < 10, detect  # heartbeat silence at detection: at least ft.detect_s
+    stall = scalar(url, f'fthsdp_lighthouse_stall_seconds_sum{{job="{JOB}"}} / '
+                        f'fthsdp_lighthouse_stall_seconds_count{{job="{JOB}"}}')
+    assert 0.5 <= stall < 60, stall  # the survivor waits for the detection (0.8 s) before it steps again
 
     # the lighthouse's quorum size over the run: 2, then 1 after the kill, then 2 again
     series = prom_query(url, f'fthsdp_lighthouse_quorum_size{{job="{JOB}"}}', start=t_start, end=time.time(),

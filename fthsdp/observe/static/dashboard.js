@@ -133,12 +133,15 @@ function renderFailures(job) {
   if (!job.failures.length) return el("p", { class: "empty failures-none" }, "no failures seen");
   const t = el("table", { class: "failures" },
     el("thead", {}, el("tr", {}, el("th", {}, "when"), el("th", {}, "replica"), el("th", {}, "what"),
-      el("th", {}, "detected after (silence)"), el("th", {}, "lost from quorum"), el("th", {}, "back in a quorum after"))));
+      el("th", {}, "detected after (silence)"), el("th", {}, "job stalled"), el("th", {}, "lost from quorum"),
+      el("th", {}, "back in a quorum after"))));
   const body = el("tbody");
   for (const f of job.failures) {
     body.append(el("tr", { class: "failure", dataset: { replica: f.replica, kind: f.kind, back: f.back_time ? "1" : "0" } },
       el("td", {}, clock(f.time)), el("td", {}, f.replica), el("td", {}, f.kind),
-      el("td", { class: "num" }, seconds(f.silence_s)), el("td", { class: "num" }, String(f.quorum_id)),
+      el("td", { class: "num" }, seconds(f.silence_s)),
+      el("td", { class: "num stall" }, f.stall_s === null ? "still stalled" : seconds(f.stall_s)),
+      el("td", { class: "num" }, String(f.quorum_id)),
       el("td", { class: "num back" }, f.back_after_s === null ? "not yet" : seconds(f.back_after_s))));
   }
   t.append(body);
