@@ -305,10 +305,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     from fthsdp import config as config_lib
     from fthsdp import logs
-    from fthsdp.devices import enable_compilation_cache, force_host_devices
+    from fthsdp.devices import enable_compilation_cache, force_host_devices, place_replica_on_gpus
 
     cfg = config_lib.load(args.config, args.overrides)
     force_host_devices(cfg.launch.devices_per_replica)  # before jax starts
+    place_replica_on_gpus(args.replica_id, cfg.launch.replicas, cfg.launch.devices_per_replica)
     out = pathlib.Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     logs.setup(f"fthsdp.replica{args.replica_id}", file=str(out / f"replica-{args.replica_id}.log"))
