@@ -330,6 +330,14 @@ class LocalJob:
         for rp in self.procs.values():
             if rp.state in ("running", "starting") and rp.proc is not None and rp.proc.poll() is not None:
                 rc = rp.proc.returncode
+                if rc < 0 and rc != -signal.SIGTERM:
+                    # killed by a signal we did not send (a dead machine, the OOM killer,
+                    # an operator): like a --kill, it is restarted and rejoins
+                    rp.state = "killed"
+                    self.event("died", rp.rid, signal=-rc)
+                    if self.restart:
+                        rp.restart_at = time.time() + self.restart_delay_s
+                    continue
                 rp.state = "done" if rc == 0 else "failed"
                 self.event("exit", rp.rid, returncode=rc)
                 if rc != 0:
