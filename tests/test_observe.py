@@ -82,7 +82,7 @@ def test_history_records_a_death_its_detection_time_and_the_rejoin():
     (f,) = h.jobs["j"].failures
     assert (f.job, f.replica, f.kind, f.quorum_id, f.silence_s) == ("j", "1", "dead", 1, 0.9)
     assert f.back_time == 5.0 and f.back_after_s == 4.0  # back when a quorum (3) includes it again
-    assert f.stall_s == 1.0  # the job last stepped at the poll that found the loss (1.0), next at 2.0
+    assert f.stall_s == 1.0  # last step before the loss (lost at 0.1) seen at 0.0; a step seen with the loss at 1.0
     assert h.jobs["j"].decisions == 3  # quorums 1, 2, 3
     states = [s.states["1"] for s in h.jobs["j"].samples]
     assert states == [HEALTHY, DEAD, DEAD, OUTSIDE, WAITING, BEHIND, HEALTHY]
@@ -101,14 +101,15 @@ def test_history_a_live_replica_dropped_from_the_quorum_is_a_failure_once():
 
 def test_history_measures_the_survivors_stall_from_the_job_steps():
     h = History()
-    steps = [(0.0, 10, False), (1.0, 11, True), (2.0, 11, True), (3.0, 11, True), (4.0, 12, True)]
+    steps = [(0.0, 9, False), (0.5, 10, False), (1.0, 10, True), (2.0, 10, True), (3.0, 10, True), (4.0, 11, True)]
     for t, step, dead in steps:
-        h.update(view(t, [rv(0, step), rv(1, step, age=1.0 if dead else 0.05, dead=dead)],
+        h.update(view(t, [rv(0, step), rv(1, step, age=0.9 if dead else 0.05, dead=dead)],
                       qv(1 if t < 3 else 2, [0, 1] if t < 3 else [0], step=step)))
         if t < 4.0:
             assert all(f.stall_s is None for f in h.jobs["j"].failures)  # still stalled
     (f,) = h.jobs["j"].failures
-    assert f.progress_before == 1.0 and f.stall_s == 3.0
+    # lost when last heard (1.0 - 0.9); the job last stepped before that at 0.0, next at 4.0
+    assert f.lost_at == pytest.approx(0.1) and f.progress_before == 0.0 and f.stall_s == 4.0
 
 
 def test_history_keeps_jobs_apart_and_estimates_step_time():

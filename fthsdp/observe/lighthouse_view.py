@@ -170,10 +170,11 @@ class Failure:
     back_time: float | None = None  # when it was a quorum member again
     back_after_s: float | None = None
     # The survivors' stall: from the job's last step before the loss to its
-    # next step after it (to within one poll; the replicas' fthsdp_stall_seconds
-    # has it exactly). None until the job stepped again.
+    # first step seen once the loss was (to within a poll; the replicas'
+    # fthsdp_stall_seconds has it exactly). None until the job stepped again.
     stall_s: float | None = None
-    progress_before: float | None = None  # when the job last stepped before the loss
+    lost_at: float | None = None  # estimated time of the loss: last heard (dead), else when seen
+    progress_before: float | None = None  # the last poll that saw the job step before lost_at
 
 
 @dataclass
@@ -183,8 +184,8 @@ class JobHistory:
     decisions: int = 0  # quorum changes seen
     steps: dict[str, collections.deque] = field(default_factory=dict)  # replica -> (time, step, state) of recent polls
     last_reason: str = ""
-    max_step: int = -1  # the job's highest replica step seen
-    stepped_at: float | None = None  # when it last grew
+    max_step: int = -1  # the job's highest live replica step seen
+    advances: collections.deque = field(default_factory=lambda: collections.deque(maxlen=512))  # polls it grew
 
 
 class History:
@@ -241,14 +242,17 @@ class History:
                     dq.clear()  # restarted from an earlier step
                 dq.append((view.time, r.step, s.states[r.replica_id]))
             top = max((r.step for r in job.replicas if not r.dead), default=-1)
-            if top > h.max_step:
-                if h.max_step >= 0:  # the job stepped: that ends the stall of every earlier loss
-                    for f in h.failures:
-                        if f.stall_s is None and f.progress_before is not None:
-                            f.stall_s = view.time - f.progress_before
-                h.max_step, h.stepped_at = top, view.time
-            for f in new:  # a step seen in the same poll as the loss happened before it was seen
-                f.progress_before = h.stepped_at
+            stepped = top > h.max_step
+            if stepped:
+                h.max_step = top
+                h.advances.append(view.time)
+            for f in new:
+                f.lost_at = view.time - f.silence_s if f.silence_s is not None else view.time
+                f.progress_before = max((t for t in h.advances if t <= f.lost_at), default=None)
+            if stepped:  # the job stepped: that ends the stall of every loss seen so far
+                for f in (*h.failures, *new):
+                    if f.stall_s is None and f.progress_before is not None:
+                        f.stall_s = view.time - f.progress_before
             h.failures.extend(new)
             found.extend(new)
             h.samples.append(s)
