@@ -109,10 +109,13 @@ def _message(method: str, fdp: atheris.FuzzedDataProvider):
         return pb2.HeartbeatRequest(**common, last_quorum_id=_int(fdp, 8))
     if method == "Leave":
         return pb2.LeaveRequest(**common, finished=fdp.ConsumeBool())
-    addresses = [_text(fdp, ("127.0.0.1:1", "127.0.0.1:2")) for _ in range(fdp.ConsumeIntInRange(0, 4))]
+    lws = fdp.ConsumeIntInRange(1, 4) if fdp.ConsumeIntInRange(0, 3) else fdp.ConsumeInt(4)
+    # Mostly one address per shard (what a replica sends), so requests get past validation.
+    count = lws if 0 <= lws <= 8 and fdp.ConsumeIntInRange(0, 3) else fdp.ConsumeIntInRange(0, 4)
+    addresses = [_text(fdp, ("127.0.0.1:1", "127.0.0.1:2")) for _ in range(count)]
     return pb2.QuorumRequest(
         **common, ftar_addresses=addresses, state_server_address=_text(fdp, ("127.0.0.1:3",)),
-        local_world_size=_int(fdp, 4, 4), commit_failed=fdp.ConsumeBool(), num_replicas=_int(fdp, 4, 4),
+        local_world_size=lws, commit_failed=fdp.ConsumeBool(), num_replicas=_int(fdp, 4, 4),
         last_quorum_id=_int(fdp, 8), last_members=[_text(fdp, _REPLICAS) for _ in range(fdp.ConsumeIntInRange(0, 3))],
         rejoin=fdp.ConsumeBool(), fresh_start=fdp.ConsumeBool())
 
@@ -128,8 +131,9 @@ def _call(state: _State, method: str, body: bytes) -> grpc.StatusCode:
         code, detail = grpc.StatusCode.OK, ""
     state.codes[code.name] += 1
     state.by_method[method][code.name] += 1
-    if detail and len(state.examples[code.name]) < 4 and detail not in state.examples[code.name]:
-        state.examples[code.name].append(detail)
+    key = f"{method} {code.name}"
+    if detail and len(state.examples[key]) < 3 and detail not in state.examples[key]:
+        state.examples[key].append(detail)
     if code not in ANSWERS:
         raise AssertionError(f"{method} ended with {code.name}: {detail} (is the lighthouse down?)")
     return code
