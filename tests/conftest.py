@@ -12,6 +12,11 @@ CACHE = os.environ.setdefault("FTHSDP_COMPILATION_CACHE", str(REPO / ".cache" / 
 from fthsdp.devices import force_host_devices  # noqa: E402
 
 force_host_devices(4)
+# The suite is a CPU suite (forced host devices, CPU replicas): pin it and every
+# process it starts to the CPU platform, so it means the same on a host whose
+# default jax backend is a GPU. GPU tests (marked `gpu`) run their GPU work in
+# subprocesses that set JAX_PLATFORMS themselves (tests/test_gpu_ftar.py).
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import pytest  # noqa: E402
 

@@ -1,6 +1,8 @@
-"""The native reduce kernels against numpy: the CPU one always, the CUDA one
-(marked `gpu`) where jax has a GPU. Every computation names its device, so
-the CPU cases stay CPU cases on a host whose default backend is a GPU."""
+"""The native CPU reduce kernel (FTAR's CPU data plane) against numpy.
+
+Every computation names the CPU device, so these stay CPU tests on a host
+whose default backend is a GPU (the CUDA kernel is checked bitwise in
+tests/test_gpu_ftar.py)."""
 
 import jax
 import jax.numpy as jnp
@@ -8,19 +10,14 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from fthsdp import native, ops
+from fthsdp import ops
 
 DTYPES = [np.float32, ml_dtypes.bfloat16, np.float16]
 # Not multiples of any vector width (4/8/16 lanes), plus the block size edge of the aliasing path.
 SIZES = [1, 3, 7, 17, 31, 33, 255, 4095, 4097, 100_003]
 
 
-def _platforms():
-    gpu = pytest.mark.skipif(not native.has_gpu(), reason="no CUDA device")
-    return [pytest.param("cpu"), pytest.param("gpu", marks=[pytest.mark.gpu, gpu])]
-
-
-def _device(platform):
+def _device(platform="cpu"):
     return jax.devices(platform)[0]
 
 
@@ -31,26 +28,24 @@ def _inputs(n, dtype, seed=0):
     return a.astype(dtype), b.astype(dtype)
 
 
-@pytest.mark.parametrize("platform", _platforms())
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
 @pytest.mark.parametrize("n", SIZES)
-def test_reduce_matches_numpy_bitwise(dtype, n, platform):
+def test_reduce_matches_numpy_bitwise(dtype, n):
     a, b = _inputs(n, dtype, seed=n)
     expected = (a.astype(np.float32) + b.astype(np.float32)).astype(dtype)
-    dev = _device(platform)
+    dev = _device()
     got = np.asarray(jax.jit(ops.reduce_sum)(jax.device_put(a, dev), jax.device_put(b, dev)))
     assert got.dtype == np.dtype(dtype)
     np.testing.assert_array_equal(got.view(np.uint8), expected.view(np.uint8))
 
 
-@pytest.mark.parametrize("platform", _platforms())
 @pytest.mark.parametrize("dtype", [ml_dtypes.bfloat16, np.float16], ids=["bfloat16", "float16"])
-def test_half_precision_rounds_to_nearest_even_and_keeps_specials(dtype, platform):
+def test_half_precision_rounds_to_nearest_even_and_keeps_specials(dtype):
     specials = np.array([np.inf, -np.inf, np.nan, 0.0, -0.0, 65504.0, 1e-7, 3.0e38], np.float32)
     a = specials.astype(dtype)
     b = np.array([1.0, -1.0, 1.0, -0.0, -0.0, 65504.0, 1e-7, 3.0e38], np.float32).astype(dtype)
     expected = (a.astype(np.float32) + b.astype(np.float32)).astype(dtype)
-    dev = _device(platform)
+    dev = _device()
     got = np.asarray(ops.reduce_sum(jax.device_put(a, dev), jax.device_put(b, dev)))
     np.testing.assert_array_equal(np.isnan(got.astype(np.float32)), np.isnan(expected.astype(np.float32)))
     finite = ~np.isnan(expected.astype(np.float32))

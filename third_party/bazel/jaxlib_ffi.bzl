@@ -1,8 +1,13 @@
-"""Repository rule exposing the XLA FFI headers that ship with the installed jaxlib.
+"""Repository rule exposing XLA FFI headers to compile fthsdp's handlers against.
 
-fthsdp's handlers must be compiled against the exact FFI ABI of the jaxlib that
-will load them, so the headers come from the Python environment (the same
-`jax.ffi.include_dir()` CMake uses) instead of a pinned download.
+A handler declares the FFI API of the headers it was compiled with, and an
+older jaxlib refuses a newer one, so the headers of the OLDEST supported
+jaxlib (0.11.2, FFI API 0.4) are preferred, exactly as CMake does:
+$FTHSDP_FFI_INCLUDE when set; else the copy CMake's scripts/ffi_headers.py
+extracted into the workspace's .cache/jaxlib-ffi/0.11.2/include (the build
+itself downloads nothing); else the installed jaxlib's headers (then the
+library only loads on that jaxlib or newer, and tests/test_ffi_api_version.py
+says so for the CMake build).
 
 Python: $FTHSDP_PYTHON when set (then it is the only one tried, so a wrong
 choice is reported rather than silently replaced); otherwise the first of
@@ -10,7 +15,8 @@ $PYTHON_BIN_PATH, the repository's own .venv/bin/python, python3 on PATH that
 can import jax.
 """
 
-_ENV_VARS = ["FTHSDP_PYTHON", "PYTHON_BIN_PATH"]
+_ENV_VARS = ["FTHSDP_PYTHON", "PYTHON_BIN_PATH", "FTHSDP_FFI_INCLUDE"]
+_OLDEST_JAXLIB = "0.11.2"
 
 _PROBE = "import jax.ffi, sys; sys.stdout.write(jax.ffi.include_dir())"
 
@@ -32,6 +38,18 @@ def _candidate_pythons(rctx):
         found.append(str(system))
     return found
 
+def _oldest_headers(rctx):
+    explicit = rctx.os.environ.get("FTHSDP_FFI_INCLUDE", "")
+    if explicit:
+        if not rctx.path(explicit + "/xla/ffi/api/ffi.h").exists:
+            fail("fthsdp: FTHSDP_FFI_INCLUDE=%s has no xla/ffi/api/ffi.h" % explicit)
+        return explicit
+    root = rctx.path(Label("//:BUILD.bazel")).dirname
+    cached = root.get_child(".cache").get_child("jaxlib-ffi").get_child(_OLDEST_JAXLIB).get_child("include")
+    if cached.get_child("xla").get_child("ffi").get_child("api").get_child("ffi.h").exists:
+        return str(cached)
+    return None
+
 def _jaxlib_ffi_headers_impl(rctx):
     tried = []
     include_dir = None
@@ -50,8 +68,16 @@ def _jaxlib_ffi_headers_impl(rctx):
     if not header.exists:
         fail("fthsdp: jax.ffi.include_dir() = %s has no xla/ffi/api/ffi.h; reinstall jaxlib" % include_dir)
 
+    # The Python above must have jax (a clear error otherwise); the headers
+    # compiled against are the oldest supported jaxlib's when available.
+    oldest = _oldest_headers(rctx)
+    if oldest != None:
+        include_dir = oldest
+
     rctx.symlink(include_dir, "include")
-    rctx.file("BUILD.bazel", """\
+    rctx.file("BUILD.bazel", _BUILD.format(path = include_dir))
+
+_BUILD = """\
 load("@rules_cc//cc:defs.bzl", "cc_library")
 
 # XLA FFI headers from jaxlib at {path}
@@ -61,7 +87,7 @@ cc_library(
     includes = ["include"],
     visibility = ["//visibility:public"],
 )
-""".format(path = include_dir))
+"""
 
 jaxlib_ffi_headers = repository_rule(
     implementation = _jaxlib_ffi_headers_impl,
