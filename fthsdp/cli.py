@@ -53,6 +53,7 @@ def main(argv: list[str] | None = None) -> int:
         print("usage: fthsdp <command> [args]\n\ncommands:")
         for name, (_, _, help_text) in SUBCOMMANDS.items():
             print(f"  {name:<12} {help_text}")
+        print("\nevery command takes --log-format text|json (JSON lines, also for the processes it starts)")
         return 0 if argv else 2
     name, rest = argv[0], argv[1:]
     if name not in SUBCOMMANDS:

@@ -256,7 +256,7 @@ class LighthouseMetrics:
         self.stall = Histogram("fthsdp_lighthouse_stall_seconds",
                                "The job's progress gap around a loss: from its last step before to its first step "
                                "after (to within one poll)", ["job"], buckets=STALL_BUCKETS, registry=r)
-        self._stalls_seen: set[int] = set()
+        self._stall_pending: list = []  # failures whose stall has not ended yet
         self._decisions_seen: dict[str, int] = {}
         self._labels: dict[Any, set[tuple[str, ...]]] = {}
         self._stop = threading.Event()
@@ -298,11 +298,11 @@ class LighthouseMetrics:
                 self.detection.labels(job).observe(f.silence_s)
             log.warning("job %r: replica %s %s (quorum %d)%s", job, f.replica, f.kind, f.quorum_id,
                         f", silent {f.silence_s:.2f}s" if f.silence_s is not None else "")
-        for j, h in self.history.jobs.items():
-            for f in h.failures:
-                if f.stall_s is not None and id(f) not in self._stalls_seen:
-                    self._stalls_seen.add(id(f))
-                    self.stall.labels(j).observe(f.stall_s)
+        self._stall_pending.extend(failures)
+        for f in [f for f in self._stall_pending if f.stall_s is not None]:
+            self.stall.labels(f.job).observe(f.stall_s)
+            self._stall_pending.remove(f)
+        del self._stall_pending[:-100]  # a loss the job never stepped past stays at most this long
         for gauge, old in self._labels.items():
             for labels in old - seen.get(gauge, set()):
                 gauge.remove(*labels)
