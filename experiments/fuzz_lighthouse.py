@@ -83,10 +83,10 @@ STATE: _State | None = None
 
 
 def _text(fdp: atheris.FuzzedDataProvider, known: tuple[str, ...]) -> str:
-    choice = fdp.ConsumeIntInRange(0, 3)
-    if choice < 2:
+    choice = fdp.ConsumeIntInRange(0, 7)  # mostly a known id, so requests reach the quorum logic
+    if choice < 5:
         return known[fdp.ConsumeIntInRange(0, len(known) - 1)]
-    if choice == 2:
+    if choice == 5:
         return ""
     return fdp.ConsumeUnicodeNoSurrogates(fdp.ConsumeIntInRange(0, 300))
 
