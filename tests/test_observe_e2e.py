@@ -41,7 +41,7 @@ pytestmark = pytest.mark.multiprocess
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 JOB = "fthsdp"  # the launcher's job id
-KILL_STEP = 12
+KILL_STEP = 40  # 4 s of a full quorum first (0.1 s steps): several scrapes see it
 TINY = ["model.d_model=32", "model.num_layers=1", "model.num_heads=2", "model.max_seq_len=16",
         "data.seq_len=16", "data.batch_size=8", "data.corpus_bytes=65536", "train.eval_every=0",
         "ft.allreduce_timeout_s=6", "ft.max_retries=4", "ft.checkpoint_every=1000",
