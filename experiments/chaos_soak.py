@@ -71,6 +71,11 @@ class Chaos:
         self.halt = threading.Event()
         self.thread = threading.Thread(target=self.loop, daemon=True)
         self._log_offsets: dict[int, int] = {}  # pid -> offset of its replica log at first sight
+        # a replica whose restart was just killed is spared next time, so it does rejoin
+        self.spared: set[int] = set()  # pids
+        self.spared_next: set[int] = set()  # replicas whose next process is spared
+        self.killed_pids: set[int] = set()
+        self.whole_at = int(steps * 0.45)
 
     # -- what the chaos can see ------------------------------------------------------
 
@@ -98,7 +103,7 @@ class Chaos:
         compiling / waiting (compiled, not behind yet) / fetching (its quorum says behind)."""
         out = []
         for rp in self.procs():
-            if rp.mode != "rejoin" or rp.progressed or rp.proc.pid in self.stopped:
+            if rp.mode != "rejoin" or rp.progressed or rp.proc.pid in self.stopped or rp.proc.pid in self.spared:
                 continue
             text = self.new_log(rp)
             if "caught up" in text:
@@ -122,7 +127,19 @@ class Chaos:
         self.log.write(json.dumps(rec) + "\n")
         print(f"chaos: {kind} {'r%d' % rp.rid if rp else ''} at step {rec['step']}", file=sys.stderr, flush=True)
 
+    def checkpoint_window(self, healthy) -> bool:
+        """The writer (lowest healthy id) has just committed a checkpoint step: its
+        async save is in flight."""
+        if not healthy:
+            return False
+        writer = min(healthy, key=lambda rp: rp.rid)
+        st = self.job.live_status(writer.rid)
+        return bool(st) and st.get("step", 0) > 0 and st["step"] % self.ckpt_every == 0
+
     def kill(self, kind: str, rp) -> None:
+        if kind in ("kill_catching_up", "kill_fetch_dest"):
+            self.spared_next.add(rp.rid)
+        self.killed_pids.add(rp.proc.pid)
         try:
             os.kill(rp.proc.pid, signal.SIGKILL)
         except ProcessLookupError:
@@ -159,8 +176,7 @@ class Chaos:
         spare = len(healthy) >= 2  # never take the last healthy replica (except a whole-job kill)
         if spare:
             options += [("kill_healthy", 3), ("stop_healthy", 2)]
-            ckpt_dir = self.job.out_dir / "checkpoints"
-            if ckpt_dir.is_dir() and any("tmp" in p.name for p in ckpt_dir.iterdir()):
+            if self.checkpoint_window(healthy):
                 options.append(("kill_mid_checkpoint", 6))
         fetching = [rp for rp, ph in rejoin if ph == "fetching"]
         if fetching:
@@ -170,14 +186,18 @@ class Chaos:
         if any(ph in ("waiting", "compiling") for _, ph in rejoin):
             options += [("kill_catching_up", 3), ("stop_catching_up", 2)]
         if self.job.lighthouse is not None and self.job.lighthouse.poll() is None:
-            options.append(("kill_lighthouse", 1.5))
-        if self.whole_left and len(healthy) == len(self.job.procs) and self.step() > self.ckpt_every:
-            options.append(("whole_job_kill", 1))
+            options.append(("kill_lighthouse", 1))
+        if not self.counts["kill_lighthouse"] and self.step() >= self.steps // 4 and options:
+            options = [("kill_lighthouse", 1)]  # at least one in every run
+        if self.whole_left and healthy and self.step() >= self.whole_at:
+            options = [("whole_job_kill", 1)]  # due: every replica at once, whatever its phase
         if not self.hogs:
-            options.append(("cpu_hog", 1.5))
+            options.append(("cpu_hog", 1))
         if not options:
             return False
-        kind = rng.choices([k for k, _ in options], weights=[w for _, w in options])[0]
+        # kinds not seen yet first, so that even a short run covers each kind it can
+        weights = [w * (4 if self.counts[k] == 0 else 1) for k, w in options]
+        kind = rng.choices([k for k, _ in options], weights=weights)[0]
         if kind == "kill_healthy":
             self.kill(kind, rng.choice(healthy))
         elif kind == "stop_healthy":
@@ -197,8 +217,12 @@ class Chaos:
             self.record(kind)
         elif kind == "whole_job_kill":
             for rp in self.procs():
-                os.kill(rp.proc.pid, signal.SIGKILL)
+                try:
+                    os.kill(rp.proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
             self.whole_left -= 1
+            self.whole_at = self.step() + (self.steps - self.step()) // 2
             self.record(kind)
         elif kind == "cpu_hog":
             secs = rng.uniform(1.5, 3.0)
@@ -212,7 +236,14 @@ class Chaos:
         while not self.halt.is_set():
             self.wake()
             s = self.step()
-            fetch_window = any(ph == "fetching" for _, ph in self.rejoining())
+            for rp in self.procs():  # the process after a killed rejoin is let through
+                if rp.rid in self.spared_next and rp.mode == "rejoin" and not rp.progressed \
+                        and rp.proc.pid not in self.killed_pids:
+                    self.spared.add(rp.proc.pid)
+                    self.spared_next.discard(rp.rid)
+            fetch_window = any(ph == "fetching" for _, ph in self.rejoining()) or (
+                self.counts["kill_mid_checkpoint"] < 2 and len(self.healthy()) >= 2
+                and self.checkpoint_window(self.healthy()))
             if s >= self.steps - 15:
                 break  # let the job finish: faults at its very end only test the finish line
             if (time.time() >= next_at or (fetch_window and self.rng.random() < 0.5)) and s > 3:
@@ -311,7 +342,7 @@ def check(out: pathlib.Path, steps: int, summary: dict) -> tuple[list[dict], dic
     if final_positions is not None:
         rep = check_exactly_once(sorted((out / "ledger").glob("*.jsonl")), dict(enumerate(final_positions)))
         for (rid, pos), at in rep.duplicates.items():
-            bad(2, rid, at, f"batch {pos} trained at steps {at}")
+            bad(2, rid, max(at), f"batch {pos} trained at steps {at}")
         for rid, gaps in rep.gaps.items():
             bad(2, rid, None, f"batches never trained: {gaps[:10]}")
         for (rid, step), pos in rep.step_conflicts.items():
