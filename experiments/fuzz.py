@@ -250,6 +250,16 @@ def run_fuzzer(cmd: list[str], result: Result, runs: int, seed: int, max_len: in
     return result
 
 
+REGRESSIONS = REPO / "ffi" / "fuzz" / "regressions"
+
+
+def starting_corpus(h: Harness) -> tuple[bytes, ...]:
+    """The harness's seeds plus every input that once crashed it (replayed first on every run)."""
+    d = REGRESSIONS / h.name
+    saved = tuple(f.read_bytes() for f in sorted(d.iterdir()) if f.is_file()) if d.is_dir() else ()
+    return h.seeds + saved
+
+
 def run_harness(h: Harness, quick: bool, seed: int, keep: pathlib.Path | None, clangxx: str | None,
                 cxx_problem: str | None, py_problem: str | None) -> Result:
     result = Result(h.name, h.kind, h.what)
@@ -259,7 +269,7 @@ def run_harness(h: Harness, quick: bool, seed: int, keep: pathlib.Path | None, c
             result.skipped = cxx_problem
             return result
         binary = build(h, clangxx)
-        return run_fuzzer([str(binary)], result, runs, seed, h.max_len, h.seeds, h.dictionary, keep=keep,
+        return run_fuzzer([str(binary)], result, runs, seed, h.max_len, starting_corpus(h), h.dictionary, keep=keep,
                           extra_args=h.extra_args)
     if py_problem:
         result.skipped = py_problem
@@ -267,7 +277,7 @@ def run_harness(h: Harness, quick: bool, seed: int, keep: pathlib.Path | None, c
     with tempfile.TemporaryDirectory(prefix="fthsdp-fuzz-stats-") as d:
         stats = pathlib.Path(d) / "stats.json"
         env = {"FTHSDP_FUZZ_RUNS": str(runs), "FTHSDP_FUZZ_STATS": str(stats)}
-        run_fuzzer([sys.executable, str(REPO / h.source)], result, runs, seed, h.max_len, h.seeds, h.dictionary,
+        run_fuzzer([sys.executable, str(REPO / h.source)], result, runs, seed, h.max_len, starting_corpus(h), h.dictionary,
                    env=env, keep=keep, extra_args=h.extra_args)
         if stats.exists():
             result.recorded = json.loads(stats.read_text())

@@ -179,3 +179,10 @@ def test_authorization_accepts_exactly_the_bearer_token(header, token):
     assert (r is None) == expected_ok
     assert r is None or (r.status in (401, 403) and r.error)
     assert check_authorization("Bearer " + token.decode(), token) is None
+
+
+def test_inputs_that_once_crashed_are_replayed_on_every_run():
+    chunk = next(h for h in CXX if h.name == "ftar_chunk_header")
+    corpus = fuzz.starting_corpus(chunk)
+    assert len(corpus) > len(chunk.seeds)  # the finished-lane regression is part of every run
+    assert all(d.name in {h.name for h in fuzz.HARNESSES} for d in fuzz.REGRESSIONS.iterdir() if d.is_dir())
