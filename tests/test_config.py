@@ -58,6 +58,7 @@ def test_user_config_file_outside_the_repo(tmp_path):
 
 # --- every field checked before anything starts (issue 13, item 4) -----------------------------
 
+import re  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
 
@@ -179,3 +180,38 @@ def test_every_cli_that_loads_a_config_prints_the_error_without_a_traceback(tmp_
         assert r.returncode == 2, r.stderr
         assert msg in r.stderr
         assert "Traceback" not in r.stderr
+
+
+def _with(cfg, name, value):
+    section, _, field_name = name.rpartition(".")
+    if not section:
+        return dataclasses.replace(cfg, **{field_name: value})
+    return dataclasses.replace(cfg, **{section: dataclasses.replace(getattr(cfg, section), **{field_name: value})})
+
+
+def _numeric_fields():
+    return [(name, typ) for name, _, typ in config_checks.leaf_fields(Config()) if typ in (int, float)]
+
+
+@pytest.mark.parametrize("name,typ", _numeric_fields())
+def test_every_numeric_field_refuses_non_finite_and_out_of_range_values(name, typ):
+    """Finiteness and range, field by field: a value outside each rule is refused naming the field."""
+    cfg = config_lib.load("ft_local")
+    bad_values = [float("nan"), float("inf"), -float("inf")] if typ is float else [1.5, True]
+    rule = config_checks.RULES[name]
+    if isinstance(rule, config_checks.Number) and rule.lo is not None:
+        bad_values.append(type(getattr_path(cfg, name))(rule.lo) - 1)
+    if isinstance(rule, config_checks.Number) and rule.hi is not None:
+        bad_values.append(type(getattr_path(cfg, name))(rule.hi) + 1)
+    if isinstance(rule, config_checks.Timeout):
+        bad_values += [0.0, -1.0, Timeouts.MAX_S * 2]
+    for value in bad_values:
+        with pytest.raises(ConfigError, match=rf"^{re.escape(name)}=.*must be"):
+            _with(cfg, name, value).validate()
+
+
+def getattr_path(cfg, name):
+    for part in name.split("."):
+        cfg = getattr(cfg, part)
+    return cfg
+
