@@ -100,6 +100,26 @@ class Plan:
     reason: str = ""
 
 
+# Ring positions and the healthy set of recent quorums, so that replaying plan()
+# on every rank of a replica costs O(1) per rank instead of a scan of the
+# members (a 512-member quorum replayed on 100,000 ranks). Holding the quorum
+# keeps its id from being reused while cached; results never depend on the cache.
+_INDEX: dict[int, tuple[qm.Quorum, dict[str, int], frozenset[str]]] = {}
+_INDEX_SIZE = 16
+
+
+def _index(quorum: qm.Quorum) -> tuple[dict[str, int], frozenset[str]]:
+    hit = _INDEX.get(id(quorum))
+    if hit is not None and hit[0] is quorum:
+        return hit[1], hit[2]
+    ranks = {r: i for i, r in enumerate(quorum.member_ids)}
+    healthy = frozenset(quorum.healthy)
+    if len(_INDEX) >= _INDEX_SIZE:
+        _INDEX.pop(next(iter(_INDEX)))
+    _INDEX[id(quorum)] = (quorum, ranks, healthy)
+    return ranks, healthy
+
+
 def initial(step: int, max_retries: int) -> StepState:
     """A replica process that starts (or restarts) at ``step`` committed steps."""
     return StepState(step=step, max_retries=max_retries)
@@ -109,15 +129,15 @@ def plan(state: StepState, quorum: qm.Quorum, replica_id: str) -> Plan:
     """Decide what one attempt does with ``quorum`` (state.action must be ASK)."""
     if state.action is not Action.ASK:
         raise ValueError(f"plan() needs a replica waiting for a quorum (action ASK), not {state.action.value}")
-    member_ids = quorum.member_ids
-    if replica_id not in member_ids:
+    ranks, healthy = _index(quorum)
+    rank = ranks.get(replica_id)
+    if rank is None:
         return Plan(Action.GIVE_UP, quorum.quorum_id, state.step,
                     reason=f"quorum {quorum.quorum_id} does not include replica {replica_id}: {quorum.reason}")
-    rank = member_ids.index(replica_id)
     reconfigure = quorum.quorum_id != state.configured_qid
     common = dict(quorum_id=quorum.quorum_id, rank=rank, reconfigure=reconfigure,
-                  contributors=quorum.num_healthy, members=len(member_ids))
-    if replica_id not in quorum.healthy:
+                  contributors=quorum.num_healthy, members=len(ranks))
+    if replica_id not in healthy:
         sources = quorum.sources_for(replica_id)
         if not sources:
             return Plan(Action.GIVE_UP, step=state.step, **common,

@@ -1,0 +1,191 @@
+"""An asyncio lighthouse client for many replica leaders sharing one process.
+
+The real protocol and the real server, with an asyncio face: the synchronous
+:class:`fthsdp.lighthouse_client.LighthouseClient` runs a heartbeat thread per
+replica, which is right for one replica per process and wrong for 512
+emulated leaders in one. Semantics match it: every request reports the last
+quorum this replica was a member of (a restarted lighthouse rebuilds the job
+from these), an unreachable lighthouse is retried with the same capped
+backoff for up to ``outage_s``, a finished job raises ``JobFinished``.
+
+Each client owns its own channel on a local subchannel pool, so each leader
+has its own TCP connection to the lighthouse, as separate hosts would.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import grpc
+
+from fthsdp import quorum as qm
+from fthsdp.lighthouse_client import (
+    HeartbeatReply,
+    JobFinished,
+    LighthouseError,
+    LighthouseUnavailable,
+    QuorumTimeout,
+    backoff_delays,
+    quorum_from_proto,
+)
+from fthsdp.proto import LIGHTHOUSE_PROTOCOL_VERSION, lighthouse as _load_stubs
+
+pb2, pb2_grpc = _load_stubs()
+
+__all__ = ["AioLighthouseClient", "QuorumReply", "DecodeCache"]
+
+_OPTIONS = [
+    ("grpc.use_local_subchannel_pool", 1),
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 500),
+]
+
+
+class DecodeCache:
+    """Quorum answers decoded once per distinct bytes, for the leaders of one process.
+
+    A quorum of 512 members decoded by each of 512 leaders is 262,144 member
+    decodes per round, an O(N^2) cost that 512 real hosts pay in parallel (each
+    its own N) but one emulation process would pay serially. Leaders of one
+    process therefore share decoded answers, keyed by the exact bytes the
+    lighthouse sent (equal bytes, equal answer), and hold the same immutable
+    object. Bounded: only the last few answers are kept.
+    """
+
+    def __init__(self, size: int = 8) -> None:
+        self._size = size
+        self._cache: dict[bytes, qm.Quorum | int] = {}
+        self.decoded = 0
+        self.hits = 0
+
+    @staticmethod
+    def parse(raw: bytes) -> qm.Quorum | int:
+        """The answer: a Quorum, or the finished step (an int) when the job finished."""
+        resp = pb2.QuorumResponse.FromString(raw)
+        if resp.job_finished:
+            return int(resp.finished_step)
+        return quorum_from_proto(resp.quorum)
+
+    def decode(self, raw: bytes) -> qm.Quorum | int:
+        q = self._cache.get(raw)
+        if q is not None:
+            self.hits += 1
+            return q
+        q = self.parse(raw)
+        self.decoded += 1
+        if len(self._cache) >= self._size:
+            self._cache.pop(next(iter(self._cache)))
+        self._cache[raw] = q
+        return q
+
+
+@dataclass(frozen=True)
+class QuorumReply:
+    quorum: qm.Quorum
+    sent_at: float  # perf_counter when the (last, successful) request was sent
+    received_at: float
+    outage_s: float  # time spent riding out an unreachable lighthouse
+
+
+class AioLighthouseClient:
+    """One emulated replica leader's connection to the lighthouse."""
+
+    def __init__(self, address: str, job_id: str, replica_id: str, *, outage_s: float,
+                 heartbeat_timeout_s: float, rejoin: bool = False) -> None:
+        self.address = address
+        self.job_id = job_id
+        self.replica_id = replica_id
+        self.outage_s = outage_s
+        self.heartbeat_timeout_s = heartbeat_timeout_s
+        self.rejoin = rejoin
+        self._channel = grpc.aio.insecure_channel(address, options=_OPTIONS)
+        self._stub = pb2_grpc.LighthouseStub(self._channel)
+        # GetQuorum with the answer left as bytes: decoded through decode_cache.
+        self._get_quorum_raw = self._channel.unary_unary(
+            "/fthsdp.v1.Lighthouse/GetQuorum", request_serializer=pb2.QuorumRequest.SerializeToString,
+            response_deserializer=None)
+        self.last_quorum: qm.Quorum | None = None
+        self.step = 0
+        self.outages: list[float] = []
+        # Answers decoded once per distinct answer bytes, shared by the leaders of
+        # one process (see DecodeCache).
+        self.decode_cache: DecodeCache | None = None
+
+    def _request(self, step: int, ftar: Sequence[str], state_server: str, commit_failed: bool,
+                 num_replicas: int) -> pb2.QuorumRequest:
+        last = self.last_quorum
+        return pb2.QuorumRequest(
+            protocol_version=LIGHTHOUSE_PROTOCOL_VERSION, job_id=self.job_id, replica_id=self.replica_id,
+            step=step, ftar_addresses=list(ftar), state_server_address=state_server,
+            local_world_size=len(ftar), commit_failed=commit_failed, num_replicas=num_replicas,
+            last_quorum_id=last.quorum_id if last is not None else 0,
+            last_members=list(last.member_ids) if last is not None else [],
+            rejoin=self.rejoin, fresh_start=last is None and not self.rejoin,
+        )
+
+    def _decode(self, raw: bytes) -> pb2.QuorumResponse | qm.Quorum:
+        if self.decode_cache is not None:
+            return self.decode_cache.decode(raw)
+        return DecodeCache.parse(raw)
+
+    async def get_quorum(self, step: int, *, ftar_addresses: Sequence[str], state_server_address: str,
+                         commit_failed: bool, num_replicas: int, timeout_s: float) -> QuorumReply:
+        self.step = step
+        req = self._request(step, ftar_addresses, state_server_address, commit_failed, num_replicas)
+        down_since: float | None = None
+        delays = backoff_delays()
+        while True:
+            sent = time.perf_counter()
+            try:
+                raw = await self._get_quorum_raw(req, timeout=timeout_s)
+                break
+            except grpc.aio.AioRpcError as e:
+                code = e.code()
+                where = f"lighthouse {self.address} (replica {self.replica_id})"
+                if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+                    raise QuorumTimeout(f"get_quorum(step={step}) at {where}: {e.details()}", code) from None
+                if code != grpc.StatusCode.UNAVAILABLE:
+                    raise LighthouseError(f"get_quorum(step={step}) at {where}: {code}: {e.details()}", code) from None
+            now = time.monotonic()
+            down_since = now if down_since is None else down_since
+            if now - down_since >= self.outage_s:
+                raise LighthouseUnavailable(f"lighthouse {self.address} unreachable for {now - down_since:.1f}s",
+                                            grpc.StatusCode.UNAVAILABLE, outage_s=now - down_since)
+            await asyncio.sleep(min(next(delays), max(0.0, down_since + self.outage_s - now)))
+        received = time.perf_counter()
+        outage = 0.0 if down_since is None else time.monotonic() - down_since
+        if outage:
+            self.outages.append(outage)
+        q = self._decode(raw)
+        if isinstance(q, int):
+            raise JobFinished(f"job {self.job_id!r} finished at step {q}", q)
+        if self.replica_id in q.member_ids:
+            self.last_quorum = q
+        return QuorumReply(q, sent, received, outage)
+
+    async def heartbeat(self, step: int) -> HeartbeatReply:
+        last = self.last_quorum
+        req = pb2.HeartbeatRequest(protocol_version=LIGHTHOUSE_PROTOCOL_VERSION, job_id=self.job_id,
+                                   replica_id=self.replica_id, step=step,
+                                   last_quorum_id=last.quorum_id if last is not None else 0)
+        try:
+            resp = await self._stub.Heartbeat(req, timeout=self.heartbeat_timeout_s)
+        except grpc.aio.AioRpcError as e:
+            raise LighthouseError(f"heartbeat: {e.code()}: {e.details()}", e.code()) from None
+        return HeartbeatReply(tuple(resp.dead_replica_ids), resp.quorum_id, tuple(resp.dead_members))
+
+    async def leave(self, step: int, *, finished: bool, timeout_s: float = 5.0) -> bool:
+        req = pb2.LeaveRequest(protocol_version=LIGHTHOUSE_PROTOCOL_VERSION, job_id=self.job_id,
+                               replica_id=self.replica_id, step=step, finished=finished)
+        try:
+            await self._stub.Leave(req, timeout=timeout_s)
+            return True
+        except grpc.aio.AioRpcError:
+            return False
+
+    async def close(self) -> None:
+        await self._channel.close()

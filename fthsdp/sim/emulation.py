@@ -1,0 +1,642 @@
+"""EMULATION — THE ONLY PLACE IN FTHSDP WHERE MOCKS ARE ALLOWED.
+
+*This module, with its mocks in* :mod:`fthsdp.sim.mock_plane`, *stands in for a
+cluster. Nothing outside* ``fthsdp/sim/`` *imports it, and nothing outside it
+knows that it is emulated.*
+
+It runs fthsdp's real control plane for R replicas x G ranks (up to 100,000
+ranks) on one machine, the way the FT-HSDP paper's section 5 "shadow
+modules" did: the model's compute is replaced by its shapes and timings and
+the all-reduce's data plane by a mock with configurable latency and
+bandwidth, while everything that decides is real:
+
+* **the lighthouse** is the real gRPC server (``python -m fthsdp.lighthouse``)
+  in its own process, with the real quorum decision; a test can SIGKILL it
+  and restart it on the same port (the replicas ride the outage out and the
+  restarted lighthouse rebuilds the job from what they report);
+* **the hierarchy**: the lighthouse sees one *leader* per replica (its own
+  gRPC channel, heartbeats, ``Leave``); the leader gathers the requests of
+  its G ranks, asks once, and hands the same quorum object to every rank
+  over an in-process channel; the ranks of all replicas share this OS
+  process (one asyncio task per replica, ranks as plain objects it drives);
+* **the decisions** are the pure step machine :mod:`fthsdp.replica_fsm` that
+  the leader runs and every rank *replays* on the same inputs (train or catch
+  up, ring rebuild, the intra-replica commit vote, retry on a new quorum,
+  give up); a rank whose replay disagrees with its leader is a violation;
+* **faults** are injected as in the real tests: a replica killed (its
+  sockets close, its in-flight all-reduces fail, its heartbeats stop; it is
+  restarted and rejoins by catching up from peers), a replica hung (silent
+  past the detection window: the lighthouse declares it dead, the survivors'
+  heartbeats abort their all-reduce), a ring or a single rank failing, the
+  lighthouse killed and restarted.
+
+:class:`Emulation` records what every replica and rank did and
+:meth:`EmulationReport.violations` checks the invariants the real tests
+check: every decision identical on all ranks of a replica and on all replicas
+of a quorum, no wait past its deadline, every emulated batch trained exactly
+once, quorum ids never going backwards.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+
+from fthsdp import quorum as qm
+from fthsdp import replica_fsm as fsm
+from fthsdp.lighthouse_client import JobFinished, LighthouseError, LighthouseUnavailable
+from fthsdp.sim.aio_client import AioLighthouseClient, DecodeCache
+from fthsdp.sim.mock_plane import FabricConfig, MockFabric, ModelShape
+from fthsdp.timeouts import Timeouts
+
+log = logging.getLogger("fthsdp.sim.emulation")
+
+__all__ = ["Fault", "EmulationConfig", "Emulation", "EmulationReport", "LighthouseProcess", "run_emulation"]
+
+FAULT_KINDS = ("kill", "hang", "ring", "rank", "lighthouse")
+
+
+@dataclass(frozen=True)
+class Fault:
+    """One injected fault.
+
+    ``kill``: replica ``replica`` dies when it reaches ``step`` (restarted after
+    ``seconds``, rejoins). ``hang``: it stops (no heartbeats, no progress) for
+    ``seconds`` in the compute of ``step``. ``ring``: ring ``rank`` of the
+    all-reduce at ``step`` fails for every member. ``rank``: rank ``rank`` of
+    ``replica`` fails locally at ``step`` (its replica does not commit, the
+    others do: it catches up next step). ``lighthouse``: the lighthouse
+    process is SIGKILLed when replica 0 reaches ``step`` and restarted on the
+    same port ``seconds`` later.
+    """
+
+    kind: str
+    step: int
+    replica: int = 0
+    rank: int = 0
+    seconds: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.kind not in FAULT_KINDS:
+            raise ValueError(f"fault kind {self.kind!r} unknown; one of {FAULT_KINDS}")
+        if self.step < 0 or self.replica < 0 or self.rank < 0 or not self.seconds >= 0:
+            raise ValueError(f"fault {self}: step, replica, rank and seconds must be >= 0")
+
+
+@dataclass(frozen=True)
+class EmulationConfig:
+    replicas: int
+    ranks_per_replica: int
+    steps: int
+    model: ModelShape = ModelShape()
+    fabric: FabricConfig = FabricConfig()
+    timeouts: Timeouts = Timeouts(detect_s=0.8, join_timeout_s=0.5, allreduce_timeout_s=10.0,
+                                  quorum_timeout_s=60.0, lighthouse_outage_s=30.0)
+    max_retries: int = 3
+    catch_up_s: float = 0.05  # emulated state fetch of a behind replica
+    rebuild_s: float = 0.002  # emulated ring reconnection on a new quorum id
+    heartbeats: bool = True  # leaders heartbeat (False: an open quorum call is the only sign of life)
+    faults: tuple[Fault, ...] = ()
+    job_id: str = "emulation"
+    lighthouse_tick_s: float = 0.02
+    run_timeout_s: float = 600.0  # the whole run; past it the report says what was still running
+
+    def __post_init__(self) -> None:
+        if self.replicas < 1 or self.ranks_per_replica < 1 or self.steps < 1:
+            raise ValueError(f"replicas, ranks_per_replica and steps must be >= 1, got {self.replicas}, "
+                             f"{self.ranks_per_replica}, {self.steps}")
+        self.timeouts.check()
+        for f in self.faults:
+            if f.replica >= self.replicas:
+                raise ValueError(f"fault {f} names replica {f.replica} but there are {self.replicas}")
+            if f.kind in ("ring", "rank") and f.rank >= self.ranks_per_replica:
+                raise ValueError(f"fault {f} names rank {f.rank} but replicas have {self.ranks_per_replica}")
+
+    @property
+    def ranks(self) -> int:
+        return self.replicas * self.ranks_per_replica
+
+
+class LighthouseProcess:
+    """The real lighthouse in its own process, killable and restartable on the same port."""
+
+    def __init__(self, config: EmulationConfig, log_path: str) -> None:
+        self.config = config
+        self.log_path = log_path
+        self.port = 0
+        self.proc: subprocess.Popen | None = None
+        self.starts = 0
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def start(self, timeout_s: float = 60.0) -> str:
+        t = self.config.timeouts
+        cmd = [sys.executable, "-m", "fthsdp.lighthouse", "--bind", f"127.0.0.1:{self.port}",
+               "--detect", str(t.detect_s), "--join-timeout", str(t.join_timeout_s),
+               "--replicas", str(self.config.replicas), "--tick", str(self.config.lighthouse_tick_s),
+               "--log-level", "WARNING"]
+        err = open(self.log_path, "a")
+        try:
+            self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True)
+        finally:
+            err.close()
+        deadline = time.monotonic() + timeout_s
+        line = ""
+        while time.monotonic() < deadline:  # readline blocks; the process prints one line when ready
+            line = self.proc.stdout.readline()
+            if line or self.proc.poll() is not None:
+                break
+        if not line.startswith("lighthouse listening on "):
+            self.kill()
+            raise RuntimeError(f"lighthouse did not start ({cmd}): {line!r}; see {self.log_path}")
+        self.port = int(line.split()[-1].rpartition(":")[2])
+        self.starts += 1
+        return self.address
+
+    def kill(self) -> None:
+        """SIGKILL (no goodbye: a crash)."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(30)
+        if self.proc is not None and self.proc.stdout is not None:
+            self.proc.stdout.close()
+        self.proc = None
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        if self.proc is not None and self.proc.stdout is not None:
+            self.proc.stdout.close()
+        self.proc = None
+
+
+class Rank:
+    """One emulated rank: its own copy of the control state, replayed from its leader's inputs."""
+
+    __slots__ = ("index", "state", "quorum", "plan", "commits")
+
+    def __init__(self, index: int, state: fsm.StepState) -> None:
+        self.index = index
+        self.state = state
+        self.quorum: qm.Quorum | None = None
+        self.plan: fsm.Plan | None = None
+        self.commits = 0
+
+
+@dataclass
+class QuorumRecord:
+    """One get_quorum round trip of one replica: from its last rank's request to every rank holding the answer."""
+
+    replica_id: str
+    step: int
+    attempt: int
+    quorum_id: int
+    last_rank_request: float  # perf_counter: the last of its ranks handed its request to the leader
+    sent: float
+    received: float
+    all_ranks_hold: float  # the last of its ranks holds the quorum
+    outage_s: float
+
+
+@dataclass
+class CommitRecord:
+    step: int
+    quorum_id: int
+    members: tuple[str, ...]
+    healthy: tuple[str, ...]
+    batches: tuple[tuple[str, int], ...]  # (replica, stream position) trained into this step
+
+
+@dataclass
+class EmulationReport:
+    config: EmulationConfig
+    wall_s: float
+    quorum_records: list[QuorumRecord]
+    commits: dict[int, CommitRecord]  # step -> what its committers agreed on
+    committers: dict[int, set[str]]  # step -> replicas that committed it
+    final_steps: dict[str, int]  # replica -> committed steps of its last incarnation
+    qids_seen: dict[str, list[int]]
+    waits: list[tuple[str, float, float]]  # (what, waited, deadline)
+    events: list[str]
+    problems: list[str]  # violations found while running
+    lighthouse_starts: int
+    rank_replays: int
+    fabric_completed: int
+    fabric_failed: int
+    decode: tuple[int, int]  # answers decoded, cache hits
+    unfinished: list[str]
+
+    def violations(self, deadline_slack_s: float = 2.0) -> list[str]:
+        """Every broken invariant, in words (empty = all hold)."""
+        out = list(self.problems)
+        # Exactly once: each replica's stream positions trained 0, 1, 2, ... with no gap or repeat.
+        trained: dict[str, list[int]] = collections.defaultdict(list)
+        for step in sorted(self.commits):
+            for rid, pos in self.commits[step].batches:
+                trained[rid].append(pos)
+        for rid, positions in trained.items():
+            if positions != list(range(len(positions))):
+                dup = [p for p, c in collections.Counter(positions).items() if c > 1]
+                out.append(f"replica {rid}: batches not exactly once (duplicates {dup[:5]}, "
+                           f"sequence head {positions[:10]})")
+        steps = sorted(self.commits)
+        if steps and steps != list(range(steps[-1] + 1)):
+            out.append(f"committed steps have gaps: {steps[:20]}")
+        for step, who in self.committers.items():
+            members = set(self.commits[step].members)
+            if not who <= members:
+                out.append(f"step {step} committed by non-members {sorted(who - members)}")
+        for rid, qids in self.qids_seen.items():
+            if any(b < a for a, b in zip(qids, qids[1:])):
+                out.append(f"replica {rid}: quorum ids went backwards: {qids[:30]}")
+        for what, waited, deadline in self.waits:
+            if waited > deadline + deadline_slack_s:
+                out.append(f"{what} waited {waited:.2f}s past its deadline {deadline:g}s")
+        if self.unfinished:
+            out.append(f"still running at the run's deadline: {self.unfinished[:10]}")
+        return out
+
+    def rounds(self) -> list[dict]:
+        """Per (step, attempt) with every replica: latency from the last request to every rank holding it."""
+        by: dict[tuple[int, int], list[QuorumRecord]] = collections.defaultdict(list)
+        for r in self.quorum_records:
+            by[(r.step, r.attempt)].append(r)
+        out = []
+        for (step, attempt), rs in sorted(by.items()):
+            out.append({
+                "step": step, "attempt": attempt, "replicas": len(rs),
+                "quorum_ids": sorted({r.quorum_id for r in rs}),
+                "latency_s": max(r.all_ranks_hold for r in rs) - max(r.last_rank_request for r in rs),
+                "lighthouse_s": max(r.received for r in rs) - max(r.sent for r in rs),
+                "fanout_s": max(r.all_ranks_hold - r.received for r in rs),
+                "outage_s": max(r.outage_s for r in rs),
+            })
+        return out
+
+    def summary(self) -> dict:
+        full = [r for r in self.rounds() if r["replicas"] == self.config.replicas and r["outage_s"] == 0]
+        lat = sorted(r["latency_s"] for r in full[1:])  # round 0 connects and forms the first quorum
+        return {
+            "replicas": self.config.replicas, "ranks": self.config.ranks, "wall_s": self.wall_s,
+            "complete_rounds": len(full), "rounds": len({(r.step, r.attempt) for r in self.quorum_records}),
+            "p50_s": statistics.median(lat) if lat else None,
+            "p99_s": lat[min(len(lat) - 1, int(round(0.99 * (len(lat) - 1))))] if lat else None,
+            "final_steps": sorted(set(self.final_steps.values())),
+            "events": len(self.events), "violations": len(self.violations()),
+        }
+
+
+class EmulatedReplica:
+    """One replica: a leader (lighthouse client, heartbeats) driving G ranks."""
+
+    def __init__(self, emu: "Emulation", index: int, incarnation: int, rejoin: bool) -> None:
+        c = emu.config
+        self.emu = emu
+        self.index = index
+        self.rid = str(index)
+        self.incarnation = incarnation
+        self.rejoin = rejoin
+        self.ftar = tuple(f"emu-{index}.{incarnation}:{k}" for k in range(c.ranks_per_replica))
+        self.state_server = f"emu-{index}.{incarnation}:state"
+        self.state = fsm.initial(0, c.max_retries)
+        self.ranks = [Rank(k, self.state) for k in range(c.ranks_per_replica)]
+        self.positions: dict[str, int] = {}  # the replicated data state: next stream position per replica
+        self.client = AioLighthouseClient(emu.lighthouse.address, c.job_id, self.rid,
+                                          outage_s=c.timeouts.lighthouse_outage_s,
+                                          heartbeat_timeout_s=c.timeouts.heartbeat_rpc_s, rejoin=rejoin)
+        self.client.decode_cache = emu.decode_cache
+        self.inflight: qm.Quorum | None = None
+        self.hung = False
+        self.finished = False
+        self.task: asyncio.Task | None = None
+        self.hb_task: asyncio.Task | None = None
+
+    # -- helpers ---------------------------------------------------------------
+
+    def _violation(self, what: str) -> None:
+        self.emu.problems.append(f"replica {self.rid}.{self.incarnation}: {what}")
+
+    def _replay_after(self, p: fsm.Plan | None, outcome: fsm.Outcome, new: fsm.StepState) -> None:
+        bad = 0
+        after = fsm.after_attempt
+        for r in self.ranks:
+            r.state = after(r.state, r.plan if p is not None else None, outcome)
+            if r.state != new:
+                bad += 1
+        self.emu.rank_replays += len(self.ranks)
+        if bad:
+            self._violation(f"{bad} rank(s) disagree with the leader after {outcome.value}")
+
+    # -- the loop --------------------------------------------------------------
+
+    async def run(self) -> None:
+        emu, c = self.emu, self.emu.config
+        if c.heartbeats:
+            self.hb_task = asyncio.get_running_loop().create_task(self._heartbeats())
+        nbytes = c.model.shard_bytes(c.ranks_per_replica)
+        try:
+            while self.state.step < c.steps and self.state.action is not fsm.Action.GIVE_UP:
+                state = self.state
+                if state.attempt == 1 and self.incarnation == 0:
+                    await emu.fire_faults(self, state.step)
+                # Gather: every rank asks its leader for the quorum of its step.
+                bad = sum(1 for r in self.ranks if r.state != state)
+                if bad:
+                    self._violation(f"{bad} rank(s) ask for a different step state than the leader")
+                last_req = time.perf_counter()
+                try:
+                    reply = await self.client.get_quorum(
+                        state.step, ftar_addresses=self.ftar, state_server_address=self.state_server,
+                        commit_failed=state.commit_failed, num_replicas=c.replicas,
+                        timeout_s=c.timeouts.quorum_timeout_s)
+                except JobFinished as e:
+                    emu.events.append(f"replica {self.rid}: job finished at step {e.step} (at step {state.step})")
+                    self.finished = True
+                    return
+                except LighthouseUnavailable as e:
+                    self._violation(f"lighthouse unreachable past ft.lighthouse_outage_s: {e}")
+                    return
+                except LighthouseError as e:
+                    emu.events.append(f"replica {self.rid} step {state.step}: quorum request failed: {e}")
+                    emu.waits.append((f"replica {self.rid} get_quorum", time.perf_counter() - last_req,
+                                      c.timeouts.quorum_timeout_s))
+                    self.state = fsm.after_attempt(state, None, fsm.Outcome.QUORUM_ERROR)
+                    self._replay_after(None, fsm.Outcome.QUORUM_ERROR, self.state)
+                    continue
+                q = reply.quorum
+                for r in self.ranks:  # the in-process channel: every rank holds the same object
+                    r.quorum = q
+                held = time.perf_counter()
+                emu.quorum_records.append(QuorumRecord(self.rid, state.step, state.attempt, q.quorum_id, last_req,
+                                                       reply.sent_at, reply.received_at, held, reply.outage_s))
+                emu.waits.append((f"replica {self.rid} get_quorum", reply.received_at - reply.sent_at - reply.outage_s,
+                                  c.timeouts.quorum_timeout_s))
+                emu.qids_seen[self.rid].append(q.quorum_id)
+                await asyncio.sleep(0)  # let every leader hand out its answer before anyone replays
+                outcome = await self._attempt(state, q, nbytes)
+                if outcome is None:
+                    return
+        finally:
+            if self.hb_task is not None:
+                self.hb_task.cancel()
+            emu.final_steps[self.rid] = self.state.step
+            if self.state.step >= c.steps:
+                self.finished = True
+                await self.client.leave(self.state.step, finished=True)
+            await self.client.close()
+
+    async def _attempt(self, state: fsm.StepState, q: qm.Quorum, nbytes: int) -> fsm.Outcome | None:
+        emu, c = self.emu, self.emu.config
+        p = fsm.plan(state, q, self.rid)
+        bad = 0
+        plan = fsm.plan
+        for r in self.ranks:  # followers replay the leader's decision on the same inputs
+            r.plan = plan(r.state, r.quorum, self.rid)
+            if r.plan != p:
+                bad += 1
+        emu.rank_replays += len(self.ranks)
+        if bad:
+            self._violation(f"{bad} rank(s) planned differently from the leader on quorum {q.quorum_id}")
+        if p.action is fsm.Action.GIVE_UP:
+            emu.events.append(f"replica {self.rid}: gives up: {p.reason}")
+            self.state = fsm.after_attempt(state, p, fsm.Outcome.FAILED)
+            emu.replica_fatal(self)
+            return None
+        if p.reconfigure:
+            await asyncio.sleep(c.rebuild_s)
+        outcome: fsm.Outcome | None = None
+        if p.action is fsm.Action.CATCH_UP:
+            await asyncio.sleep(c.catch_up_s)
+            src = p.sources[0]
+            snap = emu.snapshots.get(src)
+            if snap is None or snap[0] != p.step:
+                emu.events.append(f"replica {self.rid}: catch-up source {src} holds step "
+                                  f"{None if snap is None else snap[0]}, not {p.step}")
+                outcome = fsm.Outcome.ERROR
+            else:
+                self.positions = dict(snap[1])
+                emu.events.append(f"replica {self.rid}: caught up to step {p.step} from {src}")
+        elif p.compute:
+            if emu.take_hang(self, p.step):
+                await self._hang(p.step)
+            await asyncio.sleep(c.model.step_s)
+        if outcome is None:
+            self.inflight = q
+            res = await emu.fabric.allreduce(q.quorum_id, p.step, self.rid, q.member_ids, nbytes,
+                                             c.ranks_per_replica, c.timeouts.allreduce_timeout_s)
+            self.inflight = None
+            emu.waits.append((f"replica {self.rid} all-reduce", res.waited_s, c.timeouts.allreduce_timeout_s))
+            local = emu.fabric.rank_faults_of(p.step, self.rid)
+            failed_rings = res.failed_rings
+            ok = res.ok
+            votes = [ok and r.index not in failed_rings and r.index not in local for r in self.ranks]
+            outcome = fsm.vote(votes)
+            if outcome is not fsm.Outcome.COMMITTED:
+                why = res.reason or f"rings {sorted(failed_rings)[:4]} / ranks {sorted(local)[:4]} failed"
+                emu.events.append(f"replica {self.rid} step {p.step} quorum {q.quorum_id}: all-reduce failed: {why}")
+        if outcome is fsm.Outcome.COMMITTED:
+            batches = tuple((h, self.positions.get(h, 0)) for h in q.healthy)
+            for h in q.healthy:
+                self.positions[h] = self.positions.get(h, 0) + 1
+            for r in self.ranks:
+                r.commits += 1
+            emu.record_commit(self, p.step, q, batches)
+            emu.snapshots[self.rid] = (p.step + 1, dict(self.positions))
+        new = fsm.after_attempt(state, p, outcome)
+        self._replay_after(p, outcome, new)
+        self.state = new
+        if new.action is fsm.Action.GIVE_UP:
+            emu.events.append(f"replica {self.rid}: gives up: {new.reason}")
+            emu.replica_fatal(self)
+            return None
+        return outcome
+
+    async def _hang(self, step: int) -> None:
+        secs = self.emu.hang_seconds(self, step)
+        self.emu.events.append(f"replica {self.rid}: hangs {secs:g}s at step {step}")
+        self.hung = True
+        await asyncio.sleep(secs)
+        self.hung = False
+
+    async def _heartbeats(self) -> None:
+        c = self.emu.config
+        interval = c.timeouts.heartbeat_interval_s
+        while True:
+            await asyncio.sleep(interval)
+            if self.hung:
+                continue
+            try:
+                reply = await self.client.heartbeat(self.state.step)
+            except LighthouseError:
+                continue  # the lighthouse is down or slow: keep trying every interval
+            q = self.inflight
+            if q is not None and reply.dead_members and reply.quorum_id == q.quorum_id:
+                ours = [d for d in reply.dead_members if d != self.rid and d in q.member_ids]
+                if ours and self.emu.fabric.abort(q.quorum_id, f"lighthouse declared {ours} dead"):
+                    self.emu.events.append(f"replica {self.rid}: aborted quorum {q.quorum_id} ({ours} dead)")
+
+
+class Emulation:
+    """Runs one emulated job (see the module docstring); :meth:`run` returns the report."""
+
+    def __init__(self, config: EmulationConfig, workdir: str | None = None) -> None:
+        self.config = config
+        self._tmp = None
+        if workdir is None:
+            self._tmp = tempfile.TemporaryDirectory(prefix="fthsdp-emulation-")
+            workdir = self._tmp.name
+        self.workdir = workdir
+        self.lighthouse = LighthouseProcess(config, os.path.join(workdir, "lighthouse.log"))
+        self.fabric = MockFabric(config.fabric)
+        self.decode_cache = DecodeCache()
+        self.replicas: dict[int, EmulatedReplica] = {}
+        self.quorum_records: list[QuorumRecord] = []
+        self.commits: dict[int, CommitRecord] = {}
+        self.committers: dict[int, set[str]] = collections.defaultdict(set)
+        self.snapshots: dict[str, tuple[int, dict[str, int]]] = {}
+        self.final_steps: dict[str, int] = {}
+        self.qids_seen: dict[str, list[int]] = collections.defaultdict(list)
+        self.waits: list[tuple[str, float, float]] = []
+        self.events: list[str] = []
+        self.problems: list[str] = []
+        self.rank_replays = 0
+        self._fired: set[Fault] = set()
+        self._hangs: dict[tuple[int, int], float] = {}
+        self._side_tasks: list[asyncio.Task] = []
+        for f in config.faults:
+            if f.kind == "ring":
+                self.fabric.inject_ring_fault(f.step, f.rank)
+            elif f.kind == "rank":
+                self.fabric.inject_rank_fault(f.step, str(f.replica), f.rank)
+
+    # -- called by replicas ----------------------------------------------------
+
+    async def fire_faults(self, rep: EmulatedReplica, step: int) -> None:
+        for f in self.config.faults:
+            if f in self._fired or f.step != step:
+                continue
+            if f.kind == "kill" and f.replica == rep.index:
+                self._fired.add(f)
+                self.events.append(f"fault: kill replica {rep.rid} in step {step}, restart in {f.seconds:g}s")
+                # Mid-step (during its compute or all-reduce), as a real SIGKILL lands.
+                delay = self.config.model.step_s / 2
+                self._side_tasks.append(asyncio.get_running_loop().create_task(self._kill(rep, f.seconds, delay)))
+            elif f.kind == "hang" and f.replica == rep.index:
+                self._fired.add(f)
+                self._hangs[(rep.index, step)] = f.seconds
+            elif f.kind == "lighthouse" and rep.index == 0:
+                self._fired.add(f)
+                self.events.append(f"fault: lighthouse SIGKILLed at step {step}, restarted after {f.seconds:g}s")
+                self._side_tasks.append(asyncio.get_running_loop().create_task(self._lighthouse_hiccup(f.seconds)))
+
+    def take_hang(self, rep: EmulatedReplica, step: int) -> bool:
+        return rep.incarnation == 0 and (rep.index, step) in self._hangs
+
+    def hang_seconds(self, rep: EmulatedReplica, step: int) -> float:
+        return self._hangs.pop((rep.index, step))
+
+    def record_commit(self, rep: EmulatedReplica, step: int, q: qm.Quorum, batches: tuple) -> None:
+        rec = CommitRecord(step, q.quorum_id, q.member_ids, q.healthy, batches)
+        first = self.commits.setdefault(step, rec)
+        if first != rec:
+            self.problems.append(f"step {step}: replica {rep.rid} committed {rec.quorum_id}/{list(rec.healthy)[:8]} "
+                                 f"but another replica committed {first.quorum_id}/{list(first.healthy)[:8]}")
+        if rep.rid in self.committers[step]:
+            self.problems.append(f"step {step}: replica {rep.rid} committed it twice")
+        self.committers[step].add(rep.rid)
+
+    def replica_fatal(self, rep: EmulatedReplica) -> None:
+        """The replica process exits (replica-fatal): its supervisor restarts it, as after a kill."""
+        self._side_tasks.append(asyncio.get_running_loop().create_task(self._restart(rep, 0.5)))
+
+    # -- fault machinery -------------------------------------------------------
+
+    async def _kill(self, rep: EmulatedReplica, restart_after_s: float, delay_s: float) -> None:
+        await asyncio.sleep(delay_s)
+        self.fabric.kill(rep.rid)
+        if rep.task is not None:
+            rep.task.cancel()
+            try:
+                await rep.task
+            except asyncio.CancelledError:
+                pass
+        await self._restart(rep, restart_after_s)
+
+    async def _restart(self, rep: EmulatedReplica, after_s: float) -> None:
+        await asyncio.sleep(after_s)
+        self.fabric.revive(rep.rid)
+        new = EmulatedReplica(self, rep.index, rep.incarnation + 1, rejoin=True)
+        self.replicas[rep.index] = new
+        self.events.append(f"replica {rep.rid}: restarted (incarnation {new.incarnation}), rejoins")
+        new.task = asyncio.get_running_loop().create_task(new.run())
+
+    async def _lighthouse_hiccup(self, down_s: float) -> None:
+        await asyncio.to_thread(self.lighthouse.kill)
+        await asyncio.sleep(down_s)
+        await asyncio.to_thread(self.lighthouse.start)
+
+    # -- the run ---------------------------------------------------------------
+
+    async def run_async(self) -> EmulationReport:
+        c = self.config
+        t0 = time.perf_counter()
+        await asyncio.to_thread(self.lighthouse.start)
+        unfinished: list[str] = []
+        try:
+            for i in range(c.replicas):
+                rep = self.replicas[i] = EmulatedReplica(self, i, 0, rejoin=False)
+                rep.task = asyncio.get_running_loop().create_task(rep.run())
+            deadline = time.monotonic() + c.run_timeout_s
+            while time.monotonic() < deadline:
+                pending = [r for r in self.replicas.values() if r.task is not None and not r.task.done()]
+                side = [t for t in self._side_tasks if not t.done()]
+                if not pending and not side:
+                    break
+                await asyncio.sleep(0.05)
+            for r in self.replicas.values():
+                if r.task is not None and not r.task.done():
+                    unfinished.append(f"replica {r.rid} at step {r.state.step}")
+                    r.task.cancel()
+                if r.task is not None and r.task.done() and not r.task.cancelled() and r.task.exception():
+                    e = r.task.exception()
+                    self.problems.append(f"replica {r.rid}: crashed: {type(e).__name__}: {e}")
+            for t in self._side_tasks:
+                t.cancel()
+            await asyncio.sleep(0)
+        finally:
+            await asyncio.to_thread(self.lighthouse.stop)
+        return EmulationReport(
+            config=c, wall_s=time.perf_counter() - t0, quorum_records=self.quorum_records, commits=self.commits,
+            committers=dict(self.committers), final_steps=dict(self.final_steps), qids_seen=dict(self.qids_seen),
+            waits=self.waits, events=self.events, problems=self.problems, lighthouse_starts=self.lighthouse.starts,
+            rank_replays=self.rank_replays, fabric_completed=self.fabric.completed,
+            fabric_failed=self.fabric.failed, decode=(self.decode_cache.decoded, self.decode_cache.hits),
+            unfinished=unfinished)
+
+    def run(self) -> EmulationReport:
+        try:
+            return asyncio.run(self.run_async())
+        finally:
+            if self._tmp is not None:
+                self._tmp.cleanup()
+
+
+def run_emulation(config: EmulationConfig, workdir: str | None = None) -> EmulationReport:
+    """Run one emulated job to its end (or ``config.run_timeout_s``) and return what happened."""
+    return Emulation(config, workdir).run()
