@@ -174,3 +174,30 @@ def test_lighthouse_killed_mid_run_is_restarted_and_the_job_finishes(tmp_path):
     run = report.load_run(out)
     assert s["identical_final_state"] and all(d["step"] == 40 for d in run.done.values())
     assert exactly_once(out, run) == (40, 40)
+
+
+def test_lighthouse_that_cannot_be_restarted_stops_the_job_with_a_resume_hint(tmp_path):
+    import socket
+
+    from fthsdp.launch.local import LocalJob
+
+    job = LocalJob(config="base", overrides=["optim.lr=0.001"], out_dir=tmp_path, replicas=2, steps=10, faults=[],
+                   progress=False)
+    try:
+        job.start_lighthouse()
+        port = job.lighthouse_port
+        job.lighthouse.kill()
+        job.lighthouse.wait(10)
+        # its address is taken by someone else now: a restart on it cannot bind
+        squatter = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        squatter.bind(("127.0.0.1", port))
+        squatter.listen()
+        try:
+            assert job.supervise_lighthouse() is False
+        finally:
+            squatter.close()
+        assert "died (signal 9) and could not be restarted" in job.gave_up
+        assert f"fthsdp run --resume --out-dir {tmp_path} --config base optim.lr=0.001" in job.gave_up
+        assert job.finished()
+    finally:
+        job.shutdown()
