@@ -109,6 +109,13 @@ class EmulationConfig:
     job_id: str = "emulation"
     lighthouse_tick_s: float = 0.02
     run_timeout_s: float = 600.0  # the whole run; past it the report says what was still running
+    # Measurement mode (experiments/scale.py): a leader that holds its answer
+    # waits until every running replica of this process holds the same round's
+    # answer (at most 1 s) before its ranks replay it. On real hosts each
+    # replica's ranks work in parallel; here they share one event loop, and
+    # without the barrier one replica's replay would delay the next one's
+    # answer and be counted as quorum latency.
+    round_barrier: bool = False
 
     def __post_init__(self) -> None:
         if self.replicas < 1 or self.ranks_per_replica < 1 or self.steps < 1:
@@ -388,7 +395,10 @@ class EmulatedReplica:
                 emu.waits.append((f"replica {self.rid} get_quorum", reply.received_at - reply.sent_at - reply.outage_s,
                                   c.timeouts.quorum_timeout_s))
                 emu.qids_seen[self.rid].append(q.quorum_id)
-                await asyncio.sleep(0)  # let every leader hand out its answer before anyone replays
+                if c.round_barrier:
+                    await emu.round_barrier((state.step, state.attempt))
+                else:
+                    await asyncio.sleep(0)  # let the leaders whose answer arrived hand it out first
                 outcome = await self._attempt(state, q, nbytes)
                 if outcome is None:
                     return
@@ -519,6 +529,7 @@ class Emulation:
         self._fired: set[Fault] = set()
         self._hangs: dict[tuple[int, int], float] = {}
         self._side_tasks: list[asyncio.Task] = []
+        self._barriers: dict[tuple[int, int], list] = {}
         for f in config.faults:
             if f.kind == "ring":
                 self.fabric.inject_ring_fault(f.step, f.rank)
@@ -544,6 +555,21 @@ class Emulation:
                 self._fired.add(f)
                 self.events.append(f"fault: lighthouse SIGKILLed at step {step}, restarted after {f.seconds:g}s")
                 self._side_tasks.append(asyncio.get_running_loop().create_task(self._lighthouse_hiccup(f.seconds)))
+
+    async def round_barrier(self, key: tuple[int, int]) -> None:
+        ev = self._barriers.get(key)
+        if ev is None:
+            ev = self._barriers[key] = [0, asyncio.Event()]
+        ev[0] += 1
+        running = sum(1 for r in self.replicas.values() if r.task is not None and not r.task.done())
+        if ev[0] >= running:
+            ev[1].set()
+            self._barriers.pop(key, None)
+            return
+        try:
+            await asyncio.wait_for(ev[1].wait(), 1.0)
+        except TimeoutError:
+            pass
 
     def take_hang(self, rep: EmulatedReplica, step: int) -> bool:
         return rep.incarnation == 0 and (rep.index, step) in self._hangs

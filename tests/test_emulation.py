@@ -1,0 +1,131 @@
+"""The emulation (fthsdp.sim): the real lighthouse process and the replica step
+machine driven for 10,000 emulated ranks with injected faults, and the
+invariants it checks; plus its mocks' own rules, and proof that the checks can fail.
+
+Speed is not asserted here (experiments/scale.py measures it)."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+
+import pytest
+
+from fthsdp.sim.emulation import CommitRecord, EmulationConfig, EmulationReport, Fault, run_emulation
+from fthsdp.sim.mock_plane import FabricConfig, MockFabric, ModelShape
+
+
+def test_10k_ranks_with_kills_hang_ring_rank_faults_and_a_lighthouse_restart():
+    faults = (
+        Fault("ring", step=3, rank=1),  # one ring fails for every member: nobody commits, all retry
+        Fault("kill", step=5, replica=2, seconds=1.0),  # SIGKILL mid-step; restarted, rejoins by catching up
+        Fault("rank", step=8, replica=1, rank=4),  # one rank's vote says no: the others commit, 1 catches up
+        Fault("hang", step=12, replica=3, seconds=1.6),  # silent past detection: survivors abort and go on
+        Fault("lighthouse", step=18, seconds=0.5),  # lighthouse SIGKILLed and restarted on its port
+        Fault("kill", step=21, replica=7, seconds=0.5),
+    )
+    cfg = EmulationConfig(replicas=32, ranks_per_replica=320, steps=30,
+                          model=ModelShape(params=10**9, step_s=0.05), faults=faults, run_timeout_s=100.0)
+    assert cfg.ranks == 10_240
+    rep = run_emulation(cfg)
+    assert rep.violations() == []
+    # Every replica (the restarted ones too) ends having committed every step.
+    assert rep.final_steps == {str(i): 30 for i in range(32)}
+    assert sorted(rep.commits) == list(range(30))
+    # Every rank of every replica replayed every decision (and agreed: no violation).
+    assert rep.rank_replays >= 2 * 30 * cfg.ranks
+    # The faults really happened and were handled the way the real system handles them.
+    ev = "\n".join(rep.events)
+    assert "replica 2: restarted" in ev and "replica 2: caught up" in ev
+    assert "replica 7: restarted" in ev and "replica 7: caught up" in ev
+    assert "replica 1: caught up" in ev  # its local vote failed while the others committed step 8
+    assert "lighthouse declared ['3'] dead" in ev and "replica 3: caught up" in ev
+    assert rep.lighthouse_starts == 2
+    assert any(r.outage_s > 0 for r in rep.quorum_records), "no replica rode out the lighthouse outage"
+    assert rep.fabric_failed > 0
+    # Quorum ids kept rising across the lighthouse restart (it rebuilt them from the replicas' reports).
+    qids = rep.qids_seen["0"]
+    assert qids == sorted(qids) and qids[-1] > qids[0]
+    # A replica out of the quorum trained no batch; the others' batches are each trained once.
+    assert all(len(c.batches) == len(c.healthy) for c in rep.commits.values())
+    assert min(len(c.healthy) for c in rep.commits.values()) < 32
+
+
+def _report(commits: dict[int, CommitRecord], **kw) -> EmulationReport:
+    cfg = EmulationConfig(replicas=2, ranks_per_replica=1, steps=len(commits))
+    base = dict(config=cfg, wall_s=0.0, quorum_records=[], commits=commits,
+                committers={s: set(c.healthy) for s, c in commits.items()}, final_steps={}, qids_seen={},
+                waits=[], events=[], problems=[], lighthouse_starts=1, rank_replays=0, fabric_completed=0,
+                fabric_failed=0, decode=(0, 0), unfinished=[])
+    base.update(kw)
+    return EmulationReport(**base)
+
+
+def test_the_invariant_checks_can_fail():
+    ok = {0: CommitRecord(0, 1, ("0", "1"), ("0", "1"), (("0", 0), ("1", 0))),
+          1: CommitRecord(1, 1, ("0", "1"), ("0", "1"), (("0", 1), ("1", 1)))}
+    assert _report(ok).violations() == []
+    dup = dict(ok)
+    dup[1] = CommitRecord(1, 1, ("0", "1"), ("0", "1"), (("0", 0), ("1", 1)))
+    assert any("exactly once" in v for v in _report(dup).violations())
+    gap = dict(ok)
+    gap[1] = CommitRecord(1, 1, ("0", "1"), ("0", "1"), (("0", 2), ("1", 1)))
+    assert any("exactly once" in v for v in _report(gap).violations())
+    assert any("backwards" in v for v in _report(ok, qids_seen={"0": [1, 3, 2]}).violations())
+    assert any("past its deadline" in v for v in _report(ok, waits=[("x", 20.0, 10.0)]).violations())
+    assert any("non-members" in v for v in _report(ok, committers={0: {"0", "5"}, 1: {"0"}}).violations())
+    assert _report(ok, problems=["rank 3 disagrees"]).violations() == ["rank 3 disagrees"]
+
+
+def test_fabric_rendezvous_completes_fails_on_kill_and_on_deadline():
+    async def main():
+        fab = MockFabric(FabricConfig(latency_s=1e-3, bandwidth_Bps=1e9))
+        a = asyncio.create_task(fab.allreduce(1, 0, "0", ("0", "1"), 1000, 2, 5.0))
+        b = asyncio.create_task(fab.allreduce(1, 0, "1", ("0", "1"), 1000, 2, 5.0))
+        ra, rb = await a, await b
+        assert ra.ok and rb.ok and ra.waited_s >= fab.config.allreduce_s(1000, 2) * 0.9
+        # A member killed mid-wait fails the others at once, not at their deadline.
+        c = asyncio.create_task(fab.allreduce(2, 1, "0", ("0", "1"), 1000, 2, 30.0))
+        await asyncio.sleep(0.01)
+        fab.kill("1")
+        rc = await c
+        assert not rc.ok and "killed" in rc.reason and rc.waited_s < 5
+        # A member that never comes: the deadline.
+        fab.revive("1")
+        rd = await fab.allreduce(3, 2, "0", ("0", "1"), 1000, 2, 0.2)
+        assert not rd.ok and "deadline" in rd.reason
+        # An injected ring fault fires once, for every member.
+        fab.inject_ring_fault(3, 1)
+        e0 = asyncio.create_task(fab.allreduce(4, 3, "0", ("0", "1"), 10, 2, 5.0))
+        e1 = asyncio.create_task(fab.allreduce(4, 3, "1", ("0", "1"), 10, 2, 5.0))
+        assert (await e0).failed_rings == (await e1).failed_rings == frozenset({1})
+        f0 = asyncio.create_task(fab.allreduce(5, 3, "0", ("0", "1"), 10, 2, 5.0))
+        f1 = asyncio.create_task(fab.allreduce(5, 3, "1", ("0", "1"), 10, 2, 5.0))
+        assert not (await f0).failed_rings and not (await f1).failed_rings
+        # Handshake with different members is refused.
+        g = asyncio.create_task(fab.allreduce(6, 4, "0", ("0", "1"), 10, 2, 1.0))
+        await asyncio.sleep(0)
+        assert "differ" in (await fab.allreduce(6, 4, "1", ("1", "2"), 10, 2, 1.0)).reason
+        fab.abort(6, "test over")
+        assert not (await g).ok
+
+    asyncio.run(main())
+
+
+def test_mock_timings_and_config_errors():
+    f = FabricConfig(latency_s=0.0, bandwidth_Bps=1e9)
+    assert f.allreduce_s(10**9, 1) == 0.0
+    assert f.allreduce_s(10**9, 2) == pytest.approx(1.0)
+    assert f.allreduce_s(10**9, 4) == pytest.approx(1.5)
+    assert ModelShape(params=100, grad_bytes_per_param=2).shard_bytes(4) == 50
+    with pytest.raises(ValueError, match="kind"):
+        Fault("explode", 1)
+    with pytest.raises(ValueError, match="replica 5"):
+        EmulationConfig(replicas=2, ranks_per_replica=1, steps=3, faults=(Fault("kill", 1, replica=5),))
+    with pytest.raises(ValueError, match=">= 1"):
+        EmulationConfig(replicas=0, ranks_per_replica=1, steps=3)
+    with pytest.raises(ValueError, match="bandwidth"):
+        FabricConfig(bandwidth_Bps=0)
+    with pytest.raises(ValueError):
+        dataclasses.replace(EmulationConfig(replicas=1, ranks_per_replica=1, steps=1),
+                            timeouts=dataclasses.replace(EmulationConfig.timeouts, detect_s=0.01))
