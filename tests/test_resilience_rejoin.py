@@ -48,3 +48,21 @@ def test_rejoin_never_makes_a_healthy_replica_catch_up(tmp_path):
         at = next(r for r in recs if r["step"] == rejoin_step)
         assert at["members"] == ["0", "1", "2"]
     assert len({d["hash"] for d in run.done.values()}) == 1 and len(run.done) == 3
+
+
+def test_replica_restarted_after_the_job_finished_exits_0(tmp_path):
+    # Killed 3 steps before the end: the survivors finish while it restarts (compiles).
+    steps = 30
+    cmd = [sys.executable, "-m", "fthsdp.cli", "run", "--config", "base", "--replicas", "3",
+           "--devices-per-replica", "1", "--kill", f"1@{steps - 3}", "--out-dir", str(tmp_path), "--no-progress",
+           *TINY, f"train.steps={steps}", "ft.checkpoint_every=1000", "launch.restart_delay_s=0.2"]
+    p = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]
+    out1 = (tmp_path / "replica-1.out").read_text()
+    assert f"already finished at step {steps}" in out1 and "exiting normally" in out1, out1[-3000:]
+    run = report.load_run(tmp_path)
+    assert sorted(run.done) == ["0", "2"] and len({d["hash"] for d in run.done.values()}) == 1
+    lh = (tmp_path / "lighthouse.log").read_text()
+    # the survivors' normal exits were goodbyes, not deaths; only the SIGKILLed replica was declared dead
+    assert "replica 0 left at step 30 (finished the job)" in lh and "replica 2 left at step 30" in lh
+    assert "replica 0 declared dead" not in lh and "replica 2 declared dead" not in lh
