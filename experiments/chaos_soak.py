@@ -83,7 +83,11 @@ class Chaos:
         return [rp for rp in list(self.job.procs.values()) if rp.proc is not None and rp.proc.poll() is None]
 
     def healthy(self):
-        return [rp for rp in self.procs() if rp.progressed and rp.proc.pid not in self.stopped]
+        """The launcher's own rule (live, committed, at the latest step), less what we stopped."""
+        from fthsdp.launch import supervise
+
+        ok = supervise.healthy(self.job.views())
+        return [rp for rp in self.procs() if rp.rid in ok and rp.proc.pid not in self.stopped]
 
     def new_log(self, rp) -> str:
         """What this process wrote to its replica log (the file is shared by its predecessors)."""

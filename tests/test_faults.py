@@ -116,8 +116,9 @@ def test_random_kill_never_takes_the_last_healthy_replica_but_a_named_kill_may()
     assert all(not f.explicit for f in random_kills(3, replicas=3, steps=50, seed=1))
 
 
-def V(rid, state, step=None, mode="start", progressed=None):
-    return supervise.ReplicaView(rid, state, step, mode, step is not None if progressed is None else progressed)
+def V(rid, state, step=None, mode="start", progressed=None, last=None):
+    return supervise.ReplicaView(rid, state, step, mode, step is not None if progressed is None else progressed,
+                                 step if last is None else last)
 
 
 def test_fallback_only_when_nobody_holds_or_can_regain_the_state():
@@ -128,7 +129,7 @@ def test_fallback_only_when_nobody_holds_or_can_regain_the_state():
     rejoining_alone = [V(0, "running", mode="rejoin"), V(1, "killed")]
     assert supervise.needs_fallback(rejoining_alone)
     assert not supervise.needs_fallback([V(0, "running", 12), V(1, "killed")])
-    assert not supervise.needs_fallback([V(0, "stopped", progressed=True), V(1, "killed")])
+    assert not supervise.needs_fallback([V(0, "stopped", progressed=True, last=12), V(1, "killed", last=12)])
     assert supervise.needs_fallback([V(0, "stopped", progressed=False, mode="rejoin"), V(1, "killed")])
     finished = [V(0, "done"), V(1, "killed")]
     assert not supervise.needs_fallback(finished) and not supervise.restart_allowed(finished, 1)
@@ -175,3 +176,20 @@ def test_report_counts_only_replicas_healthy_at_the_fault_as_survivors(tmp_path)
     _write(tmp_path / "events.jsonl", [{"time": 103.5, "kind": "kill", "replica": 2, "step": 3, "healthy": [0]}])
     (f,) = report.summarize(tmp_path)["failures"]
     assert set(f["stall_s"]) == {"0"}
+
+
+def test_a_replica_behind_the_frontier_does_not_hold_the_live_state():
+    # replica 0 was stopped at step 25 and woke up behind; replica 2, the last one
+    # at step 33, died: training on from 25 would train steps 26..33's batches twice
+    woke_behind = [V(0, "running", 25), V(1, "killed", last=33), V(2, "killed", last=33)]
+    assert supervise.frontier(woke_behind) == 33
+    assert supervise.healthy(woke_behind) == set() and supervise.needs_fallback(woke_behind)
+    assert not supervise.restart_allowed(woke_behind, 1)
+    # while someone is at the frontier, the one behind catches up from it: no fallback
+    catching_up = [V(0, "running", 25), V(1, "running", 33), V(2, "killed", last=33)]
+    assert supervise.healthy(catching_up) == {1} and not supervise.needs_fallback(catching_up)
+    # one step apart is the same step being committed, not "behind"
+    assert supervise.healthy([V(0, "running", 32), V(1, "running", 33)]) == {0, 1}
+    # a random kill of the only replica at the frontier waits
+    assert due(Fault(step=30, replica=1, kind="kill", explicit=False), {0: 25, 1: 33},
+               supervise.healthy(catching_up)) == "wait"

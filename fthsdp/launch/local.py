@@ -53,6 +53,7 @@ class ReplicaProc:
     log_path: pathlib.Path | None = None
     mode: str = "start"  # start: with the others (initial, resumed) / rejoin: alone, from its peers
     progressed: bool = False  # its live process has committed a step
+    last_step: int | None = None  # the last step a process of it reported in this attempt (kept after death)
 
 
 @dataclass
@@ -148,11 +149,12 @@ class LocalJob:
             out[rid] = st.get("step") if st else None
             if st:
                 rp.progressed = True
+                rp.last_step = st.get("step")
         return out
 
     def views(self) -> list[supervise.ReplicaView]:
         prog = self.progress_by_replica()
-        return [supervise.ReplicaView(rid, rp.state, prog[rid], rp.mode, rp.progressed)
+        return [supervise.ReplicaView(rid, rp.state, prog[rid], rp.mode, rp.progressed, rp.last_step)
                 for rid, rp in sorted(self.procs.items())]
 
     def _env(self) -> dict:
@@ -354,8 +356,11 @@ class LocalJob:
     def maybe_fall_back(self) -> None:
         if self.killed_all or self.gave_up or not supervise.needs_fallback(self.views()):
             return
-        dead = {rp.rid: rp.state if rp.state != "running" else "restarting, not rejoined"
-                for rp in self.procs.values()}
+        front = supervise.frontier(self.views())
+        dead = {rp.rid: (rp.state if rp.state != "running" else
+                         "restarting, not rejoined" if rp.last_step is None or not rp.progressed else
+                         f"behind at step {rp.last_step}") for rp in self.procs.values()}
+        dead["latest step"] = front
         ckpt = self.latest_checkpoint()
         where = f"the checkpoint of step {ckpt}" if ckpt is not None else "step 0 (no finished checkpoint yet)"
         if len(self.job_restarts) >= self.max_job_restarts:
@@ -376,6 +381,7 @@ class LocalJob:
         self.event("job_restart", replicas=dead, checkpoint=ckpt, n=n)
         for rp in self.procs.values():
             self.kill_replica(rp.rid)
+            rp.last_step = None  # a new attempt: its frontier starts at the checkpoint
         self.stop_lighthouse()
         self.rundir.end_attempt(result="no healthy replica left")
         self.resume = f"fallback-{self.attempt + 1}"

@@ -1,8 +1,15 @@
 """The launcher's decisions about its replicas, as plain functions over plain data.
 
-Which replicas are healthy (their live process has committed a step and is
-neither stopped nor dead), which could still make progress, and when the job
-has lost its live state and must fall back to the persistent checkpoint.
+Which replicas are healthy (their live process has committed the job's latest
+step, give or take the one being committed, and is neither stopped nor dead),
+which could still make progress, and when the job has lost its live state and
+must fall back to the persistent checkpoint.
+
+The job's *frontier* is the latest step any process of this attempt committed.
+A replica whose last commit is older (it was stopped and woke up behind, say)
+holds an old state: it can catch up from a replica at the frontier, but if
+none is left, training on from its state would train the lost steps' batches
+a second time. Only the checkpoint can save the job then.
 Kept apart from the process loop so each rule is unit-tested without processes.
 """
 
@@ -18,22 +25,38 @@ class ReplicaView:
     live_step: int | None  # the step its live process reported; None before its first commit
     mode: str = "start"  # start (a job's start or resume: begins with the others) / rejoin (alone, from peers)
     progressed: bool = False  # its live process committed at least once (also true while it is stopped)
+    last_step: int | None = None  # the last step its live process reported (kept while it is stopped)
 
 
-def healthy(views: list[ReplicaView]) -> set[int]:
-    """Replicas holding the live state right now: running and committed in this process."""
-    return {v.rid for v in views if v.state == "running" and v.live_step is not None}
+def at_frontier(v: ReplicaView, frontier: int | None) -> bool:
+    """Its last commit is the job's latest step (or the one before, being committed now)."""
+    return v.last_step is not None and (frontier is None or v.last_step >= frontier - 1)
 
 
-def can_progress(v: ReplicaView) -> bool:
-    """Whether this replica could still carry the job: it holds the state (even
-    while stopped: it resumes behind and catches up), or it is a job start
-    (initial, resumed) that will train from the checkpoint with the others.
-    A replica restarted to rejoin cannot: it needs a healthy peer to fetch from."""
+def frontier(views: list[ReplicaView]) -> int | None:
+    steps = [v.last_step for v in views if v.last_step is not None]
+    return max(steps) if steps else None
+
+
+def healthy(views: list[ReplicaView], front: int | None = None) -> set[int]:
+    """Replicas holding the live state right now: running, committed in this
+    process, at the frontier (default: the views' own frontier)."""
+    front = frontier(views) if front is None else front
+    return {v.rid for v in views if v.state == "running" and v.live_step is not None and at_frontier(v, front)}
+
+
+def can_progress(v: ReplicaView, front: int | None = None) -> bool:
+    """Whether this replica could still carry the job: it holds the latest state
+    (even while stopped: it wakes up and goes on), or it is a job start (initial,
+    resumed) that has not committed yet and will train from the checkpoint with
+    the others. A replica restarted to rejoin cannot: it needs a healthy peer to
+    fetch from; nor can one whose state is older than the frontier."""
     if v.state == "running":
-        return v.live_step is not None or v.mode == "start"
+        if v.live_step is None:
+            return v.mode == "start" and front is None
+        return at_frontier(v, front)
     if v.state == "stopped":
-        return v.progressed
+        return v.progressed and at_frontier(v, front)
     return False
 
 
@@ -45,10 +68,12 @@ def needs_fallback(views: list[ReplicaView]) -> bool:
     """True when nobody holds the live state any more and nobody can regain it
     from a peer: every replica is dead, failed, or restarting to rejoin without
     having rejoined. Then only the persistent checkpoint can save the job."""
-    return bool(views) and not job_done(views) and not any(can_progress(v) for v in views)
+    front = frontier(views)
+    return bool(views) and not job_done(views) and not any(can_progress(v, front) for v in views)
 
 
 def restart_allowed(views: list[ReplicaView], rid: int) -> bool:
     """A killed replica is restarted to rejoin only while someone else can carry
     the job; never into a finished job (it would find no peers)."""
-    return not job_done(views) and any(can_progress(v) for v in views if v.rid != rid)
+    front = frontier(views)
+    return not job_done(views) and any(can_progress(v, front) for v in views if v.rid != rid)
