@@ -234,7 +234,10 @@ def run_fuzzer(cmd: list[str], result: Result, runs: int, seed: int, max_len: in
                                errors="replace", env={**os.environ, **(env or {})}, timeout=timeout_s)
             output, code = p.stdout + p.stderr, p.returncode
         except subprocess.TimeoutExpired as e:
-            output = (e.stdout or "") + (e.stderr or "") if isinstance(e.stdout, str) else ""
+            def text(x) -> str:  # TimeoutExpired carries bytes even with text=True
+                return x.decode(errors="replace") if isinstance(x, bytes) else (x or "")
+
+            output = text(e.stdout) + text(e.stderr)
             output += f"\nfuzz.py: the harness ran past {timeout_s:.0f} s and was killed"
             code = -9
         result.seconds = time.monotonic() - t0
@@ -261,9 +264,11 @@ def starting_corpus(h: Harness) -> tuple[bytes, ...]:
 
 
 def run_harness(h: Harness, quick: bool, seed: int, keep: pathlib.Path | None, clangxx: str | None,
-                cxx_problem: str | None, py_problem: str | None) -> Result:
+                cxx_problem: str | None, py_problem: str | None, cxx_runs: int | None = None) -> Result:
     result = Result(h.name, h.kind, h.what)
     runs = h.quick_runs if quick else h.runs
+    if cxx_runs is not None and h.kind == "libfuzzer":
+        runs = cxx_runs
     if h.kind == "libfuzzer":
         if cxx_problem:
             result.skipped = cxx_problem
@@ -291,6 +296,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--only", nargs="+", default=None, metavar="NAME",
                    help=f"run only these harnesses: {', '.join(h.name for h in HARNESSES)}")
     p.add_argument("--seed", type=int, default=1, help="libFuzzer's -seed (default 1)")
+    p.add_argument("--cxx-runs", type=int, default=None, metavar="N",
+                   help="executions per C++ harness instead of the form's default (1M full, 20k quick)")
     args = p.parse_args(argv)
     names = {h.name for h in HARNESSES}
     unknown = sorted(set(args.only or ()) - names)
@@ -305,7 +312,7 @@ def main(argv: list[str] | None = None) -> int:
     py_problem = atheris_problem() if any(h.kind == "atheris" for h in chosen) else None
     results = []
     for h in chosen:
-        r = run_harness(h, args.quick, args.seed, keep, clangxx, cxx_problem, py_problem)
+        r = run_harness(h, args.quick, args.seed, keep, clangxx, cxx_problem, py_problem, args.cxx_runs)
         results.append(r)
         state = f"skipped: {r.skipped}" if r.skipped else (
             f"{r.executions} executions, cov {r.coverage}, {r.crashes} crashes, {r.sanitizer_reports} sanitizer "
