@@ -116,6 +116,8 @@ class EmulationConfig:
     # without the barrier one replica's replay would delay the next one's
     # answer and be counted as quorum latency.
     round_barrier: bool = False
+    # Run the lighthouse under cProfile and write its stats here (where its time goes).
+    lighthouse_profile: str = ""
 
     def __post_init__(self) -> None:
         if self.replicas < 1 or self.ranks_per_replica < 1 or self.steps < 1:
@@ -149,7 +151,8 @@ class LighthouseProcess:
 
     def start(self, timeout_s: float = 60.0) -> str:
         t = self.config.timeouts
-        cmd = [sys.executable, "-m", "fthsdp.lighthouse", "--bind", f"127.0.0.1:{self.port}",
+        prof = ["-m", "cProfile", "-o", self.config.lighthouse_profile] if self.config.lighthouse_profile else []
+        cmd = [sys.executable, *prof, "-m", "fthsdp.lighthouse", "--bind", f"127.0.0.1:{self.port}",
                "--detect", str(t.detect_s), "--join-timeout", str(t.join_timeout_s),
                "--replicas", str(self.config.replicas), "--tick", str(self.config.lighthouse_tick_s),
                "--log-level", "WARNING"]
@@ -487,6 +490,8 @@ class EmulatedReplica:
     async def _heartbeats(self) -> None:
         c = self.emu.config
         interval = c.timeouts.heartbeat_interval_s
+        # Independent processes heartbeat at unrelated phases, not in one burst.
+        await asyncio.sleep(interval * ((self.index * 0.618034) % 1.0))
         while True:
             await asyncio.sleep(interval)
             if self.hung:

@@ -1,0 +1,373 @@
+"""get_quorum latency at 1K-100K ranks: fthsdp's hierarchy, its flat lighthouse, torchft's lighthouse.
+
+    python experiments/scale.py [--quick] --out results/scale.json      (plot: results/scale.png)
+
+Three systems, one definition of latency: per round, from the *last* request
+(the last rank handing its request to its replica's leader; for flat systems
+the last replica's request) to *every rank holding the answer*. p50 and p99
+are over the measured rounds (round 0, which connects and forms the first
+quorum, is a warm-up); a round is *complete* when every replica got a
+quorum with every replica in it.
+
+* ``fthsdp-hierarchical`` — the emulation (:mod:`fthsdp.sim.emulation`): the
+  real lighthouse process sees R replica leaders (heartbeating every 100 ms);
+  each leader gathers its G ranks' requests, asks once, and hands the answer
+  to its G ranks; the ranks then replay the step machine, run the mock
+  all-reduce and vote. Shapes 16 x G and 512 x G at 1K, 10K and 100K ranks.
+* ``fthsdp-flat`` — the same lighthouse with N directly connected replicas
+  of one rank each (the emulation with G = 1), N = 16 ... 8,192. These do not
+  heartbeat (N x 10 heartbeats/s would saturate this machine before the
+  quorum path is measured); an open quorum call is their sign of life.
+* ``torchft`` — torchft's lighthouse (PyPI ``torchft``, Rust) from the Python
+  3.11 side environment of experiments/setup_peers.sh, in its own process,
+  driven by N asyncio clients of this process (one gRPC connection each), all
+  asking for the same step, with ``min_replicas = N`` so each quorum holds
+  everyone.
+
+Everything shares this machine's cores with the lighthouse under test (and,
+on a shared machine, with other people's jobs: the load average is recorded
+with every row), so the figures are upper bounds for the lighthouse alone.
+This supersedes experiments/quorum_scale.py's flat measurement, which stays
+as the older per-request view.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import platform
+import re
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+sys.path.insert(0, str(REPO))
+
+from fthsdp.sim.emulation import EmulationConfig, run_emulation  # noqa: E402
+from fthsdp.sim.mock_plane import ModelShape  # noqa: E402
+from fthsdp.timeouts import Timeouts  # noqa: E402
+
+PAPER = {"get_quorum_s_100k_before": 9.0, "get_quorum_s_100k_after": 0.7, "target_p99_s_100k": 0.07}
+
+
+def percentile(xs: list[float], q: float) -> float | None:
+    if not xs:
+        return None
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
+
+
+# -- fthsdp (emulation) ------------------------------------------------------
+
+
+def fthsdp_row(system: str, replicas: int, ranks_per_replica: int, rounds: int, heartbeats: bool) -> dict:
+    load = os.getloadavg()
+    t = Timeouts(detect_s=5.0, join_timeout_s=30.0, allreduce_timeout_s=60.0, quorum_timeout_s=120.0,
+                 lighthouse_outage_s=60.0)
+    cfg = EmulationConfig(
+        replicas=replicas, ranks_per_replica=ranks_per_replica, steps=rounds + 1,
+        model=ModelShape(params=8_000_000_000, step_s=0.02), timeouts=t, heartbeats=heartbeats,
+        round_barrier=True, run_timeout_s=max(120.0, rounds * 30.0), job_id=f"scale-{replicas}x{ranks_per_replica}")
+    rep = run_emulation(cfg)
+    rounds_ = [r for r in rep.rounds() if r["attempt"] == 1]
+    measured = rounds_[1:]
+    complete = [r for r in measured if r["replicas"] == replicas and len(r["quorum_ids"]) == 1]
+    lat = [r["latency_s"] for r in complete]
+    return {
+        "system": system, "replicas": replicas, "ranks": replicas * ranks_per_replica,
+        "ranks_per_replica": ranks_per_replica, "heartbeats": heartbeats,
+        "p50_s": percentile(lat, 0.5), "p99_s": percentile(lat, 0.99), "max_s": max(lat) if lat else None,
+        "complete_rounds": len(complete), "rounds": rounds,
+        "lighthouse_p50_s": percentile([r["lighthouse_s"] for r in complete], 0.5),
+        "fanout_p50_s": percentile([r["fanout_s"] for r in complete], 0.5),
+        "round_latencies_s": [round(x, 6) for x in lat],
+        "violations": rep.violations()[:5], "wall_s": rep.wall_s, "loadavg": load,
+    }
+
+
+# -- torchft -------------------------------------------------------------------
+
+
+def _torchft_messages():
+    """torchft's lighthouse messages, described here from its published wire format
+    (package torchft; only the fields a quorum round uses)."""
+    from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
+
+    f = descriptor_pb2.FileDescriptorProto(name="fthsdp_scale_torchft.proto", package="torchft", syntax="proto3")
+    T = descriptor_pb2.FieldDescriptorProto
+
+    def msg(name, *fields):
+        m = f.message_type.add(name=name)
+        for fname, num, typ, label, tname in fields:
+            fd = m.field.add(name=fname, number=num, type=typ, label=label)
+            if tname:
+                fd.type_name = tname
+
+    opt, rep = T.LABEL_OPTIONAL, T.LABEL_REPEATED
+    msg("QuorumMember", ("replica_id", 1, T.TYPE_STRING, opt, None), ("address", 2, T.TYPE_STRING, opt, None),
+        ("store_address", 3, T.TYPE_STRING, opt, None), ("step", 4, T.TYPE_INT64, opt, None),
+        ("world_size", 5, T.TYPE_UINT64, opt, None), ("shrink_only", 6, T.TYPE_BOOL, opt, None),
+        ("data", 7, T.TYPE_STRING, opt, None), ("commit_failures", 8, T.TYPE_INT64, opt, None))
+    msg("Quorum", ("quorum_id", 1, T.TYPE_INT64, opt, None),
+        ("participants", 2, T.TYPE_MESSAGE, rep, ".torchft.QuorumMember"))
+    msg("LighthouseQuorumRequest", ("requester", 1, T.TYPE_MESSAGE, opt, ".torchft.QuorumMember"))
+    msg("LighthouseQuorumResponse", ("quorum", 1, T.TYPE_MESSAGE, opt, ".torchft.Quorum"))
+    pool = descriptor_pool.DescriptorPool()
+    pool.Add(f)
+    get = message_factory.GetMessageClass
+    return (get(pool.FindMessageTypeByName("torchft.QuorumMember")),
+            get(pool.FindMessageTypeByName("torchft.LighthouseQuorumRequest")),
+            get(pool.FindMessageTypeByName("torchft.LighthouseQuorumResponse")))
+
+
+def default_peer_python() -> str:
+    """The side environment's python: $FTHSDP_PEER_PYTHON, else setup_peers.sh's environment."""
+    if os.environ.get("FTHSDP_PEER_PYTHON"):
+        return os.environ["FTHSDP_PEER_PYTHON"]
+    env = os.environ.get("FTHSDP_PEERS_ENV")
+    if not env:
+        m = re.search(r"PEERS=\$\{FTHSDP_PEERS_ENV:-([^}]+)\}", (HERE / "setup_peers.sh").read_text())
+        env = m.group(1) if m else ""
+    return os.path.join(env, "bin", "python")
+
+
+def torchft_available(peer_python: str) -> tuple[bool, str]:
+    if not os.path.exists(peer_python):
+        return False, (f"side environment python {peer_python} missing: run `bash experiments/setup_peers.sh` "
+                       "then `<env>/bin/pip install torchft`")
+    r = subprocess.run([peer_python, "-c", "import importlib.util as u, importlib.metadata as m; "
+                        "assert u.find_spec('torchft'), 'torchft not installed'; print(m.version('torchft'))"],
+                       capture_output=True, text=True, timeout=60)
+    if r.returncode != 0:
+        return False, f"torchft not importable in {peer_python}: {r.stderr.strip()[-300:]}"
+    return True, r.stdout.strip()
+
+
+async def _torchft_rounds(port: int, n: int, rounds: int, timeout_s: float) -> list[dict]:
+    Member, Req, Resp = _torchft_messages()
+    opts = [("grpc.use_local_subchannel_pool", 1)]
+    channels = [grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=opts) for _ in range(n)]
+    calls = [ch.unary_unary("/torchft.LighthouseService/Quorum", request_serializer=Req.SerializeToString,
+                            response_deserializer=Resp.FromString) for ch in channels]
+    out = []
+    try:
+        for rnd in range(rounds + 1):
+            sent = [0.0] * n
+            got = [0.0] * n
+
+            async def one(i: int) -> int:
+                req = Req(requester=Member(replica_id=f"replica-{i}", address=f"127.0.0.1:{20000 + i}",
+                                           store_address=f"127.0.0.1:{40000 + i}", step=rnd, world_size=1))
+                sent[i] = time.perf_counter()
+                resp = await calls[i](req, timeout=timeout_s)
+                got[i] = time.perf_counter()
+                return len(resp.quorum.participants)
+
+            res = await asyncio.gather(*(one(i) for i in range(n)), return_exceptions=True)
+            errors = sorted({f"{type(r).__name__}: {getattr(r, 'code', lambda: '')()}" for r in res
+                             if isinstance(r, BaseException)})
+            ok = not errors and all(r == n for r in res)
+            out.append({"round": rnd, "complete": ok, "errors": errors[:3],
+                        "latency_s": max(got) - max(sent) if ok else None})
+            if not ok:
+                break
+    finally:
+        await asyncio.gather(*(c.close() for c in channels))
+    return out
+
+
+def torchft_row(peer_python: str, n: int, rounds: int, timeout_s: float) -> dict:
+    load = os.getloadavg()
+    # Its log (every quorum in full at INFO, its default) goes nowhere, as on a quiet production host.
+    proc = subprocess.Popen([peer_python, str(HERE / "peers" / "torchft_lighthouse.py"), str(n), "60000", "100",
+                             "60000"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                            text=True)
+    try:
+        line = proc.stdout.readline()
+        if not line.startswith("listening "):
+            raise RuntimeError(f"torchft lighthouse did not start: {line!r}")
+        t0 = time.perf_counter()
+        rs = asyncio.run(_torchft_rounds(int(line.split()[1]), n, rounds, timeout_s))
+        wall = time.perf_counter() - t0
+    finally:
+        proc.stdin.close()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+    complete = [r for r in rs[1:] if r["complete"]]
+    lat = [r["latency_s"] for r in complete]
+    return {"system": "torchft", "replicas": n, "ranks": n, "p50_s": percentile(lat, 0.5),
+            "p99_s": percentile(lat, 0.99), "max_s": max(lat) if lat else None,
+            "complete_rounds": len(complete), "rounds": rounds, "round_latencies_s": [round(x, 6) for x in lat],
+            "errors": sorted({e for r in rs for e in r["errors"]}), "wall_s": wall, "loadavg": load}
+
+
+# -- report ----------------------------------------------------------------------
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    styles = {"fthsdp-flat": ("tab:blue", "o"), "torchft": ("tab:red", "s")}
+    for system in ("fthsdp-flat", "torchft"):
+        rs = sorted((r for r in rows if r["system"] == system and r["p50_s"]), key=lambda r: r["ranks"])
+        if rs:
+            c, m = styles[system]
+            ax.plot([r["ranks"] for r in rs], [r["p50_s"] for r in rs], f"{m}-", color=c, label=f"{system} p50")
+            ax.plot([r["ranks"] for r in rs], [r["p99_s"] for r in rs], f"{m}:", color=c, alpha=0.6,
+                    label=f"{system} p99")
+    for rpr, color in ((16, "tab:green"), (512, "tab:purple")):
+        rs = sorted((r for r in rows if r["system"] == "fthsdp-hierarchical" and r["replicas"] == rpr
+                     and r["p50_s"]), key=lambda r: r["ranks"])
+        if rs:
+            ax.plot([r["ranks"] for r in rs], [r["p50_s"] for r in rs], "^-", color=color,
+                    label=f"fthsdp-hierarchical {rpr} replicas p50")
+            ax.plot([r["ranks"] for r in rs], [r["p99_s"] for r in rs], "^:", color=color, alpha=0.6,
+                    label=f"fthsdp-hierarchical {rpr} replicas p99")
+    flat = sorted((r for r in rows if r["system"] == "fthsdp-flat" and r["p50_s"]), key=lambda r: r["ranks"])
+    if flat:
+        n0, t0 = flat[0]["ranks"], flat[0]["p50_s"]
+        xs = [r["ranks"] for r in flat]
+        ax.plot(xs, [t0 * (x * math.log2(x)) / (n0 * math.log2(n0)) for x in xs], "--", color="gray",
+                label="N log N from the smallest flat point")
+    ax.axhline(PAPER["target_p99_s_100k"], color="black", lw=0.8, ls="-.", label="target: 70 ms p99 at 100K ranks")
+    ax.axhline(PAPER["get_quorum_s_100k_after"], color="black", lw=0.8, ls=":", label="paper: 700 ms at 100K GPUs")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("ranks (flat and torchft: replicas, one rank each)")
+    ax.set_ylabel("get_quorum latency, last request -> every rank holds it (s)")
+    ax.set_title("Quorum latency on one shared machine")
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def verdict(rows: list[dict]) -> dict:
+    out: dict = {}
+    big = [r for r in rows if r["system"] == "fthsdp-hierarchical" and r["ranks"] >= 100_000]
+    if big:
+        out["p99_s_at_100k_ranks"] = {f"{r['replicas']}x{r['ranks_per_replica']}": r["p99_s"] for r in big}
+        out["meets_70ms_p99_at_100k"] = all(r["p99_s"] is not None and r["p99_s"] <= 0.07 for r in big)
+    flat = sorted((r for r in rows if r["system"] == "fthsdp-flat"), key=lambda r: r["replicas"])
+    if flat:
+        out["flat_every_round_complete"] = {r["replicas"]: r["complete_rounds"] == r["rounds"] for r in flat}
+        ok = [r for r in flat if r["p50_s"]]
+        if len(ok) >= 2:
+            a, b = ok[0], ok[-1]
+            growth = b["p50_s"] / a["p50_s"]
+            nlogn = (b["replicas"] * math.log2(b["replicas"])) / (a["replicas"] * math.log2(a["replicas"]))
+            out["flat_growth"] = {"from": a["replicas"], "to": b["replicas"], "p50_ratio": growth,
+                                  "n_log_n_ratio": nlogn, "no_worse_than_n_log_n": growth <= nlogn}
+            xs = [math.log(r["replicas"]) for r in ok]
+            ys = [math.log(r["p50_s"]) for r in ok]
+            mx, my = statistics.fmean(xs), statistics.fmean(ys)
+            out["flat_loglog_slope"] = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="small sizes, few rounds (CI)")
+    ap.add_argument("--out", required=True, help="JSON file to write (the plot goes beside it, .png)")
+    ap.add_argument("--rounds", type=int, default=None, help="measured rounds per row (default 20; quick 4)")
+    ap.add_argument("--peer-python", default=None, help="python of the side environment with torchft")
+    ap.add_argument("--skip", nargs="*", default=[], choices=["hierarchical", "flat", "torchft"])
+    ap.add_argument("--flat", type=int, nargs="*", default=None, help="flat replica counts")
+    ap.add_argument("--torchft", type=int, nargs="*", default=None, help="torchft replica counts")
+    ap.add_argument("--shapes", nargs="*", default=None, help="hierarchical shapes RxG (e.g. 16x6250 512x196)")
+    ap.add_argument("--torchft-timeout", type=float, default=120.0, help="per-call deadline for torchft (s)")
+    args = ap.parse_args(argv)
+    rounds = args.rounds or (4 if args.quick else 20)
+    if args.shapes is not None:
+        shapes = []
+        for s in args.shapes:
+            parts = s.lower().split("x")
+            if len(parts) != 2 or not all(p.isdigit() and int(p) > 0 for p in parts):
+                ap.error(f"--shapes takes RxG (replicas x ranks per replica, e.g. 16x6250), got {s!r}")
+            shapes.append((int(parts[0]), int(parts[1])))
+    elif args.quick:
+        shapes = [(16, 63), (512, 2), (16, 625), (512, 20)]
+    else:
+        shapes = [(16, 63), (512, 2), (16, 625), (512, 20), (16, 6250), (512, 196)]
+    flat_ns = args.flat if args.flat is not None else ([16, 64, 256] if args.quick else
+                                                      [16, 64, 256, 1024, 2048, 4096, 8192])
+    tft_ns = args.torchft if args.torchft is not None else ([16, 64, 256] if args.quick else
+                                                            [16, 64, 256, 1024, 2048, 4096, 8192])
+    peer_python = args.peer_python or default_peer_python()
+    out_path = Path(args.out)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    result: dict = {
+        "experiment": "scale", "quick": args.quick,
+        "definition": ("latency per round = from the last request (last rank to its leader; flat: last replica) "
+                       "to every rank holding the answer; p50/p99 over the measured rounds (round 0 excluded)"),
+        "host": {"cpus": os.cpu_count(), "python": platform.python_version(), "grpc": grpc.__version__,
+                 "loadavg_at_start": os.getloadavg()},
+        "paper": PAPER, "rows": [], "torchft": {},
+    }
+
+    def save() -> None:
+        result["host"]["loadavg_now"] = os.getloadavg()
+        result["verdict"] = verdict(result["rows"])
+        out_path.write_text(json.dumps(result, indent=2))
+
+    def show(r: dict) -> None:
+        p50 = "-" if r["p50_s"] is None else f"{r['p50_s'] * 1e3:8.1f} ms"
+        p99 = "-" if r["p99_s"] is None else f"{r['p99_s'] * 1e3:8.1f} ms"
+        print(f"{r['system']:20s} {r['replicas']:5d} replicas {r['ranks']:7d} ranks: p50 {p50} p99 {p99} "
+              f"({r['complete_rounds']}/{r['rounds']} rounds; load {r['loadavg'][0]:.1f})", flush=True)
+
+    if "hierarchical" not in args.skip:
+        for rpr, g in shapes:
+            r = fthsdp_row("fthsdp-hierarchical", rpr, g, rounds, heartbeats=True)
+            result["rows"].append(r)
+            show(r)
+            save()
+    if "flat" not in args.skip:
+        for n in flat_ns:
+            r = fthsdp_row("fthsdp-flat", n, 1, max(3, rounds // 2) if n > 1024 else rounds, heartbeats=False)
+            result["rows"].append(r)
+            show(r)
+            save()
+    if "torchft" not in args.skip:
+        ok, why = torchft_available(peer_python)
+        result["torchft"] = {"available": ok, "version" if ok else "why_not": why, "python": peer_python}
+        if ok:
+            for n in tft_ns:
+                r = torchft_row(peer_python, n, max(3, rounds // 4) if n > 1024 else max(3, rounds // 2),
+                                args.torchft_timeout)
+                result["rows"].append(r)
+                show(r)
+                save()
+                if r["complete_rounds"] == 0 or (r["p50_s"] or 0) > 20:
+                    result["torchft"]["stopped_at"] = (f"{n} replicas: "
+                                                       f"{'no complete round' if not r['complete_rounds'] else 'p50 > 20 s'}"
+                                                       "; larger counts not tried")
+                    break
+        else:
+            print(f"torchft: not measured: {why}", flush=True)
+    save()
+    plot(result["rows"], out_path.with_suffix(".png"))
+    print(json.dumps(result["verdict"], indent=1))
+    print(f"wrote {out_path} and {out_path.with_suffix('.png')}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
