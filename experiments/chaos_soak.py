@@ -75,6 +75,7 @@ class Chaos:
         self.spared: set[int] = set()  # pids
         self.spared_next: set[int] = set()  # replicas whose next process is spared
         self.killed_pids: set[int] = set()
+        self.last_lighthouse_kill = -100
         self.whole_at = int(steps * 0.45)
 
     # -- what the chaos can see ------------------------------------------------------
@@ -189,7 +190,8 @@ class Chaos:
                 options.append(("kill_fetch_source", 8))
         if any(ph in ("waiting", "compiling") for _, ph in rejoin):
             options += [("kill_catching_up", 3), ("stop_catching_up", 2)]
-        if self.job.lighthouse is not None and self.job.lighthouse.poll() is None:
+        if self.job.lighthouse is not None and self.job.lighthouse.poll() is None \
+                and self.step() >= self.last_lighthouse_kill + 20:  # an outage at a time, not a storm
             options.append(("kill_lighthouse", 1))
         if not self.counts["kill_lighthouse"] and self.step() >= self.steps // 4 and options:
             options = [("kill_lighthouse", 1)]  # at least one in every run
@@ -217,6 +219,7 @@ class Chaos:
         elif kind == "stop_catching_up":
             self.stop(kind, rng.choice([rp for rp, ph in rejoin if ph != "fetching"]), rng.uniform(1.0, 2.0))
         elif kind == "kill_lighthouse":
+            self.last_lighthouse_kill = self.step()
             self.job.lighthouse.kill()
             self.record(kind)
         elif kind == "whole_job_kill":
