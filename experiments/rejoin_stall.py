@@ -4,7 +4,9 @@
 
 Runs the README's main job as a user does (`fthsdp run --config ft_local`:
 3 replicas x 2 devices, replica 1 SIGKILLed at step 40 and restarted by the
-launcher; no pacing: train.min_step_s = 0) and reads back, from the run's
+launcher; no pacing: train.min_step_s = 0; only train.steps is raised, to
+300, so the restarted replica, which compiles for up to ~20 s on a loaded
+machine, rejoins before the end) and reads back, from the run's
 own records, what the rejoin cost the replicas that never failed:
 
 * ``stall_s``: per survivor, the duration of the step on which the restarted
@@ -104,14 +106,14 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="one run")
     p.add_argument("--repeats", type=int, default=None)
-    p.add_argument("--steps", type=int, default=None, help="train.steps (default: the config's 120; quick 100)")
+    p.add_argument("--steps", type=int, default=None, help="train.steps (default 300: a restart under load compiles for ~20 s, ~200 unpaced steps)")
     p.add_argument("--kill-step", type=int, default=40)
     p.add_argument("--out", default="results/rejoin_stall.json")
     args = p.parse_args(argv)
     out = pathlib.Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     repeats = args.repeats or (1 if args.quick else 3)
-    steps = args.steps or (100 if args.quick else 120)
+    steps = args.steps or 300
     work = pathlib.Path(tempfile.mkdtemp(prefix="rejoin-stall-"))
     runs = []
     for i in range(repeats):
