@@ -107,7 +107,13 @@ class ReplicaProcess:
         self.ckpt = PersistentCheckpointer(out / "checkpoints", every=cfg.ft.checkpoint_every)
         self.ledger = Ledger(out / "ledger" / f"replica_{self.rid}.jsonl", args.replica_id)
         self.loader_store = LoaderStateStore(out / "loader_state")
-        self.loader_store.clean_temporaries()
+        # Only this replica's torn temporaries: another live replica may be mid-write
+        # of its own (a restarted replica that cleaned them all made a survivor's
+        # os.replace fail).
+        from fthsdp.data.loader_state import _TMP_MARK
+
+        for torn in (out / "loader_state").glob(f"replica_{self.rid}.json{_TMP_MARK}*"):
+            torn.unlink(missing_ok=True)
         self.metrics = logs.MetricsWriter(out / f"metrics-{self.rid}.jsonl")
         self.status_path = out / f"status-{self.rid}.json"
         self.started = time.time()
