@@ -38,8 +38,6 @@ namespace fthsdp {
 // RECOVERABLE; it is a bug guard, not a network deadline (that is timeout_s,
 // counted from the moment the args arrive).
 constexpr double kStagingStartWaitS = 3600.0;
-// Copy blocks are at least this large (fewer flags and kernel launches).
-constexpr int64_t kStagingMinBlockBytes = 4 << 20;
 
 // Pure: cut [0, count) into ring ops of multiples of `partition_elems`, each
 // about `target_elems` long (at least one partition). The last op takes the

@@ -32,6 +32,8 @@ extern "C" {
 
 #define FTHSDP_STAGING_ABI 1
 #define FTHSDP_MAX_BLOCKS 64
+// Copy blocks are at least this large (fewer flags and kernel launches).
+#define FTHSDP_MIN_BLOCK_BYTES (4 << 20)
 
 // Status values written to the device (FTAR's status output).
 #define FTHSDP_STATUS_OK 0

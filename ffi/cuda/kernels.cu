@@ -221,7 +221,7 @@ ffi::Error FtarCudaImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> comm, ffi::Bu
   FthsdpStagedOp op;
   std::memset(&op, 0, sizeof(op));
   op.num_buckets = nb;
-  op.num_blocks = api->plan(nb, counts.data(), dtypes.data(), 4 << 20, op.blocks);
+  op.num_blocks = api->plan(nb, counts.data(), dtypes.data(), FTHSDP_MIN_BLOCK_BYTES, op.blocks);
   if (op.num_blocks < 0) return ffi::Error::InvalidArgument("fthsdp ftar (cuda): too many buckets");
   if (op.num_blocks == 0) {  // nothing to sum: status OK
     const cudaError_t e = cudaMemsetAsync(status_dev, 0, sizeof(int32_t), stream);

@@ -95,20 +95,30 @@ struct FakeStream {
     check(q != nullptr, std::string("queue: ") + err);
   }
 
-  // "device" buffers in and out; args as the five int32 scalars.
-  void run(const std::vector<char>& in, std::vector<char>* out, DType dtype, int32_t comm,
-           int32_t quorum_id, int32_t rank, int32_t n) {
-    const int64_t count = static_cast<int64_t>(in.size() / fthsdp::dtype_size(dtype));
+  // "device" buffers in and out (one per bucket); args as the five int32 scalars.
+  void run_buckets(const std::vector<std::vector<char>>& in, std::vector<std::vector<char>>* out,
+                   const std::vector<DType>& dtypes, int32_t comm, int32_t quorum_id, int32_t rank,
+                   int32_t n) {
+    const int32_t nb = static_cast<int32_t>(in.size());
     FthsdpStagedOp op{};
     op.seq = api->next_seq(q);
-    op.num_buckets = 1;
+    op.num_buckets = nb;
+    std::vector<int64_t> counts(nb);
+    std::vector<int32_t> dts(nb);
+    std::vector<size_t> offs(nb);
+    size_t total = 0;
+    for (int32_t i = 0; i < nb; ++i) {
+      counts[i] = static_cast<int64_t>(in[i].size() / fthsdp::dtype_size(dtypes[i]));
+      dts[i] = static_cast<int32_t>(dtypes[i]);
+      offs[i] = total;
+      total += (in[i].size() + 255) & ~size_t{255};
+    }
     char err[256] = {0};
-    op.bucket_host[0] = api->reserve(q, in.size(), err, sizeof(err));
-    check(op.bucket_host[0] != nullptr, std::string("reserve: ") + err);
-    const int32_t dt = static_cast<int32_t>(dtype);
+    char* host = static_cast<char*>(api->reserve(q, total, err, sizeof(err)));
+    check(host != nullptr, std::string("reserve: ") + err);
+    for (int32_t i = 0; i < nb; ++i) op.bucket_host[i] = host + offs[i];
     // Small blocks so that the test exercises many flags.
-    op.num_blocks = api->plan(1, &count, &dt, 4096, op.blocks);
-    check(op.num_blocks >= 1 || count == 0, "plan: at least one block");
+    op.num_blocks = api->plan(nb, counts.data(), dts.data(), 4096, op.blocks);
     if (api->submit(q, &op, err, sizeof(err)) != 0) submit_error = err;
     // --- the stream ---
     FthsdpStagingControl* c = api->control(q);
@@ -116,17 +126,19 @@ struct FakeStream {
     const int32_t args[kFthsdpNumArgs] = {comm, 0, quorum_id, rank, n};
     for (int i = 0; i < kFthsdpNumArgs; ++i) c->args[i] = args[i];
     __atomic_store_n(&c->args_ready, op.seq, __ATOMIC_RELEASE);
-    const size_t es = fthsdp::dtype_size(dtype);
-    char* host = static_cast<char*>(op.bucket_host[0]);
     for (int32_t b = 0; b < op.num_blocks; ++b) {
       if (stall_after_first_block && b == 1) break;  // a wedged stream: never stages the rest
       const auto& blk = op.blocks[b];
-      std::memcpy(host + blk.offset * es, in.data() + blk.offset * es, blk.count * es);
+      const size_t es = fthsdp::dtype_size(static_cast<DType>(blk.dtype));
+      std::memcpy(static_cast<char*>(op.bucket_host[blk.bucket]) + blk.offset * es,
+                  in[blk.bucket].data() + blk.offset * es, blk.count * es);
       __atomic_store_n(&c->ready[b], op.seq, __ATOMIC_RELEASE);
     }
-    out->assign(in.size(), 0);
+    out->assign(nb, {});
+    for (int32_t i = 0; i < nb; ++i) (*out)[i].assign(in[i].size(), 0);
     for (int32_t b = 0; b < op.num_blocks; ++b) {
       const auto& blk = op.blocks[b];
+      const size_t es = fthsdp::dtype_size(static_cast<DType>(blk.dtype));
       const auto guard = Clock::now() + std::chrono::seconds(60);  // the test's watchdog only
       while (static_cast<int32_t>(__atomic_load_n(&c->done[b], __ATOMIC_ACQUIRE) - op.seq) < 0) {
         if (Clock::now() > guard) {
@@ -135,10 +147,18 @@ struct FakeStream {
         }
         std::this_thread::sleep_for(std::chrono::microseconds(50));
       }
-      std::memcpy(out->data() + blk.offset * es, host + blk.offset * es, blk.count * es);
+      std::memcpy((*out)[blk.bucket].data() + blk.offset * es,
+                  static_cast<char*>(op.bucket_host[blk.bucket]) + blk.offset * es, blk.count * es);
     }
     status = op.num_blocks ? __atomic_load_n(&c->status[op.seq & 1], __ATOMIC_ACQUIRE) : 0;
     seconds = since(t0);
+  }
+
+  void run(const std::vector<char>& in, std::vector<char>* out, DType dtype, int32_t comm,
+           int32_t quorum_id, int32_t rank, int32_t n) {
+    std::vector<std::vector<char>> outs;
+    run_buckets({in}, &outs, {dtype}, comm, quorum_id, rank, n);
+    *out = outs.empty() ? std::vector<char>() : outs[0];
   }
 };
 
@@ -195,6 +215,44 @@ void test_bitwise_equal_to_cpu_ftar(int n, DType dtype, int64_t count) {
     check(streams[r].status == FTHSDP_STATUS_OK, tag + ": staged status " + std::to_string(streams[r].status));
     check(staged[r] == cpu[r], tag + ": rank " + std::to_string(r) + " staged result differs from CPU FTAR");
     check(staged[r] == staged[0], tag + ": ranks differ");
+  }
+}
+
+// One op of two buckets (f32 and bf16, as a step's gradients): the blocks of
+// both are released in order and each bucket matches a CPU FTAR of it.
+void test_two_buckets_in_one_op() {
+  const int n = 3;
+  Ring ring(n, 20.0);
+  check(ring.configure(1), "buckets: configure");
+  std::vector<std::vector<std::vector<char>>> in(n), staged(n);
+  std::vector<FakeStream> streams(n);
+  for (int r = 0; r < n; ++r) in[r] = {random_input(DType::kF32, 70001, 100 + r), random_input(DType::kBF16, 50003, 200 + r)};
+  std::vector<std::thread> ts;
+  for (int r = 0; r < n; ++r) {
+    ts.emplace_back([&, r] {
+      streams[r].run_buckets(in[r], &staged[r], {DType::kF32, DType::kBF16}, ring.handles[r], 1, r, n);
+    });
+  }
+  for (auto& t : ts) t.join();
+  ts.clear();
+  std::vector<std::vector<std::vector<char>>> cpu = in;
+  for (int r = 0; r < n; ++r) {
+    ts.emplace_back([&, r] {
+      std::vector<fthsdp::FtarBuffer> bufs(2);
+      const DType dts[2] = {DType::kF32, DType::kBF16};
+      for (int i = 0; i < 2; ++i) {
+        bufs[i].in = bufs[i].out = cpu[r][i].data();
+        bufs[i].dtype = dts[i];
+        bufs[i].count = static_cast<int64_t>(cpu[r][i].size() / fthsdp::dtype_size(dts[i]));
+      }
+      const auto res = fthsdp::ftar_allreduce(ring.handles[r], 0, 1, r, n, bufs);
+      check(!res.fatal && res.status == fthsdp::OpStatus::kOk, "buckets: cpu ftar " + res.reason);
+    });
+  }
+  for (auto& t : ts) t.join();
+  for (int r = 0; r < n; ++r) {
+    check(streams[r].status == FTHSDP_STATUS_OK, "buckets: status OK");
+    check(staged[r] == cpu[r], "buckets: rank " + std::to_string(r) + " differs from CPU FTAR");
   }
 }
 
@@ -322,6 +380,7 @@ int main() {
       test_bitwise_equal_to_cpu_ftar(n, DType::kBF16, count);
     }
   }
+  test_two_buckets_in_one_op();
   test_stale_quorum_is_recoverable();
   test_unknown_communicator_is_fatal_once();
   test_abort_releases_a_waiting_stream();
