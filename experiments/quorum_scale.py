@@ -1,5 +1,10 @@
 """get_quorum latency against a real lighthouse with many emulated replicas.
 
+Kept as the per-request view over several client processes; the measurement
+the scale targets are judged by (the hierarchy at 1K-100K ranks, the flat
+lighthouse to 8,192 replicas, torchft's lighthouse beside it) is
+experiments/scale.py.
+
 The lighthouse runs as its own process (``python -m fthsdp.lighthouse``). N
 replicas are emulated as asyncio tasks spread over a few client processes,
 each replica with its own gRPC channel (own TCP connection), all asking for the

@@ -8,7 +8,15 @@ Pure models over plain data, no processes and no sockets:
   as a closed form and as a seeded discrete-event simulation of weeks of
   failures.
 
-Later: the twin of the control plane (an emulation of many ranks in one
-process) belongs here too, so that everything that stands in for a real
-cluster lives in one labelled package.
+* `emulation` (with `mock_plane` and `aio_client`) — **the only place in
+  fthsdp where mocks are allowed**: the real lighthouse process, the real
+  quorum decision and the replica step machine (`fthsdp.replica_fsm`) run for
+  R replicas x G ranks (up to 100,000 ranks on one machine), with the model's
+  compute replaced by its shapes and timings and FTAR's data plane by a mock
+  with configurable latency and bandwidth; faults are injected and the
+  invariants of the real tests checked on every rank
+  (experiments/scale.py, tests/test_emulation.py).
+
+Everything that stands in for a real cluster lives in this one labelled
+package; nothing outside it imports it.
 """
