@@ -69,14 +69,18 @@ def percentile(xs: list[float], q: float) -> float | None:
 # -- fthsdp (emulation) ------------------------------------------------------
 
 
-def fthsdp_row(system: str, replicas: int, ranks_per_replica: int, rounds: int, heartbeats: bool) -> dict:
+def fthsdp_row(system: str, replicas: int, ranks_per_replica: int, rounds: int, heartbeat_s: float,
+               profile: str = "", addressing: str = "per_rank") -> dict:
+    """``heartbeat_s``: the leaders' heartbeat interval (0: no heartbeats)."""
     load = os.getloadavg()
-    t = Timeouts(detect_s=5.0, join_timeout_s=30.0, allreduce_timeout_s=60.0, quorum_timeout_s=120.0,
-                 lighthouse_outage_s=60.0)
+    heartbeats = heartbeat_s > 0
+    t = Timeouts(heartbeat_interval_s=heartbeat_s if heartbeats else 0.1, detect_s=5.0, join_timeout_s=30.0,
+                 allreduce_timeout_s=60.0, quorum_timeout_s=120.0, lighthouse_outage_s=60.0)
     cfg = EmulationConfig(
         replicas=replicas, ranks_per_replica=ranks_per_replica, steps=rounds + 1,
         model=ModelShape(params=8_000_000_000, step_s=0.02), timeouts=t, heartbeats=heartbeats,
-        round_barrier=True, run_timeout_s=max(120.0, rounds * 30.0), job_id=f"scale-{replicas}x{ranks_per_replica}")
+        round_barrier=True, run_timeout_s=max(120.0, rounds * 30.0), job_id=f"scale-{replicas}x{ranks_per_replica}",
+        lighthouse_profile=profile, addressing=addressing)
     rep = run_emulation(cfg)
     rounds_ = [r for r in rep.rounds() if r["attempt"] == 1]
     measured = rounds_[1:]
@@ -84,7 +88,7 @@ def fthsdp_row(system: str, replicas: int, ranks_per_replica: int, rounds: int, 
     lat = [r["latency_s"] for r in complete]
     return {
         "system": system, "replicas": replicas, "ranks": replicas * ranks_per_replica,
-        "ranks_per_replica": ranks_per_replica, "heartbeats": heartbeats,
+        "ranks_per_replica": ranks_per_replica, "heartbeat_interval_s": heartbeat_s, "addressing": addressing,
         "p50_s": percentile(lat, 0.5), "p99_s": percentile(lat, 0.99), "max_s": max(lat) if lat else None,
         "complete_rounds": len(complete), "rounds": rounds,
         "lighthouse_p50_s": percentile([r["lighthouse_s"] for r in complete], 0.5),
@@ -292,6 +296,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--flat", type=int, nargs="*", default=None, help="flat replica counts")
     ap.add_argument("--torchft", type=int, nargs="*", default=None, help="torchft replica counts")
     ap.add_argument("--shapes", nargs="*", default=None, help="hierarchical shapes RxG (e.g. 16x6250 512x196)")
+    ap.add_argument("--heartbeat", type=float, default=0.1,
+                    help="hierarchical leaders' heartbeat interval in s (default 0.1, ft's default; 0 = none)")
+    ap.add_argument("--addressing", nargs="*", default=["per_rank", "per_replica"],
+                    choices=["per_rank", "per_replica"],
+                    help="hierarchical rows: FTAR endpoints per rank (today's protocol) and/or per replica")
     ap.add_argument("--torchft-timeout", type=float, default=120.0, help="per-call deadline for torchft (s)")
     args = ap.parse_args(argv)
     rounds = args.rounds or (4 if args.quick else 20)
@@ -330,18 +339,20 @@ def main(argv: list[str] | None = None) -> int:
     def show(r: dict) -> None:
         p50 = "-" if r["p50_s"] is None else f"{r['p50_s'] * 1e3:8.1f} ms"
         p99 = "-" if r["p99_s"] is None else f"{r['p99_s'] * 1e3:8.1f} ms"
-        print(f"{r['system']:20s} {r['replicas']:5d} replicas {r['ranks']:7d} ranks: p50 {p50} p99 {p99} "
+        print(f"{r['system']:20s} {r.get('addressing', ''):11s} {r['replicas']:5d} replicas {r['ranks']:7d} ranks: p50 {p50} p99 {p99} "
               f"({r['complete_rounds']}/{r['rounds']} rounds; load {r['loadavg'][0]:.1f})", flush=True)
 
     if "hierarchical" not in args.skip:
         for rpr, g in shapes:
-            r = fthsdp_row("fthsdp-hierarchical", rpr, g, rounds, heartbeats=True)
-            result["rows"].append(r)
-            show(r)
-            save()
+            for addressing in args.addressing:
+                r = fthsdp_row("fthsdp-hierarchical", rpr, g, rounds, heartbeat_s=args.heartbeat,
+                               addressing=addressing)
+                result["rows"].append(r)
+                show(r)
+                save()
     if "flat" not in args.skip:
         for n in flat_ns:
-            r = fthsdp_row("fthsdp-flat", n, 1, max(3, rounds // 2) if n > 1024 else rounds, heartbeats=False)
+            r = fthsdp_row("fthsdp-flat", n, 1, max(3, rounds // 2) if n > 1024 else rounds, heartbeat_s=0.0)
             result["rows"].append(r)
             show(r)
             save()

@@ -41,7 +41,7 @@ from dataclasses import dataclass, replace
 
 from fthsdp import quorum as qm
 
-__all__ = ["Action", "Outcome", "StepState", "Plan", "initial", "plan", "after_attempt", "vote"]
+__all__ = ["Action", "Outcome", "StepState", "Plan", "initial", "plan", "after_attempt", "vote", "membership"]
 
 
 class Action(enum.Enum):
@@ -108,7 +108,8 @@ _INDEX: dict[int, tuple[qm.Quorum, dict[str, int], frozenset[str]]] = {}
 _INDEX_SIZE = 16
 
 
-def _index(quorum: qm.Quorum) -> tuple[dict[str, int], frozenset[str]]:
+def membership(quorum: qm.Quorum) -> tuple[dict[str, int], frozenset[str]]:
+    """``(ring position by replica id, healthy ids)`` of ``quorum``, computed once per quorum object."""
     hit = _INDEX.get(id(quorum))
     if hit is not None and hit[0] is quorum:
         return hit[1], hit[2]
@@ -118,6 +119,9 @@ def _index(quorum: qm.Quorum) -> tuple[dict[str, int], frozenset[str]]:
         _INDEX.pop(next(iter(_INDEX)))
     _INDEX[id(quorum)] = (quorum, ranks, healthy)
     return ranks, healthy
+
+
+_index = membership
 
 
 def initial(step: int, max_retries: int) -> StepState:

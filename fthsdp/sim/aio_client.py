@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import grpc
 
 from fthsdp import quorum as qm
+from fthsdp.replica_fsm import membership
 from fthsdp.lighthouse_client import (
     HeartbeatReply,
     JobFinished,
@@ -123,7 +124,7 @@ class AioLighthouseClient:
             step=step, ftar_addresses=list(ftar), state_server_address=state_server,
             local_world_size=len(ftar), commit_failed=commit_failed, num_replicas=num_replicas,
             last_quorum_id=last.quorum_id if last is not None else 0,
-            last_members=list(last.member_ids) if last is not None else [],
+            last_members=list(membership(last)[0]) if last is not None else [],
             rejoin=self.rejoin, fresh_start=last is None and not self.rejoin,
         )
 
@@ -163,7 +164,7 @@ class AioLighthouseClient:
         q = self._decode(raw)
         if isinstance(q, int):
             raise JobFinished(f"job {self.job_id!r} finished at step {q}", q)
-        if self.replica_id in q.member_ids:
+        if self.replica_id in membership(q)[0]:
             self.last_quorum = q
         return QuorumReply(q, sent, received, outage)
 

@@ -118,12 +118,23 @@ class EmulationConfig:
     round_barrier: bool = False
     # Run the lighthouse under cProfile and write its stats here (where its time goes).
     lighthouse_profile: str = ""
+    # What a leader tells the lighthouse about its ranks' FTAR endpoints.
+    #   per_rank    - today's protocol: one endpoint per rank (local_world_size = G),
+    #                 so every answer lists all R x G endpoints: O(R^2 G) bytes a round;
+    #   per_replica - one rendezvous endpoint per replica (local_world_size = 1 as
+    #                 the lighthouse sees it), through which its ranks find their ring
+    #                 peers, as the paper's and torchft's lighthouses do (members are
+    #                 replica groups): answers are O(R). Emulation only: the real
+    #                 Manager speaks per_rank until the protocol changes.
+    addressing: str = "per_rank"
 
     def __post_init__(self) -> None:
         if self.replicas < 1 or self.ranks_per_replica < 1 or self.steps < 1:
             raise ValueError(f"replicas, ranks_per_replica and steps must be >= 1, got {self.replicas}, "
                              f"{self.ranks_per_replica}, {self.steps}")
         self.timeouts.check()
+        if self.addressing not in ("per_rank", "per_replica"):
+            raise ValueError(f"addressing must be per_rank or per_replica, got {self.addressing!r}")
         for f in self.faults:
             if f.replica >= self.replicas:
                 raise ValueError(f"fault {f} names replica {f.replica} but there are {self.replicas}")
@@ -322,7 +333,8 @@ class EmulatedReplica:
         self.rid = str(index)
         self.incarnation = incarnation
         self.rejoin = rejoin
-        self.ftar = tuple(f"emu-{index}.{incarnation}:{k}" for k in range(c.ranks_per_replica))
+        shards = c.ranks_per_replica if c.addressing == "per_rank" else 1
+        self.ftar = tuple(f"emu-{index}.{incarnation}:{k}" for k in range(shards))
         self.state_server = f"emu-{index}.{incarnation}:state"
         self.state = fsm.initial(0, c.max_retries)
         self.ranks = [Rank(k, self.state) for k in range(c.ranks_per_replica)]
@@ -451,7 +463,7 @@ class EmulatedReplica:
             await asyncio.sleep(c.model.step_s)
         if outcome is None:
             self.inflight = q
-            res = await emu.fabric.allreduce(q.quorum_id, p.step, self.rid, q.member_ids, nbytes,
+            res = await emu.fabric.allreduce(q.quorum_id, p.step, self.rid, emu.member_set(q), nbytes,
                                              c.ranks_per_replica, c.timeouts.allreduce_timeout_s)
             self.inflight = None
             emu.waits.append((f"replica {self.rid} all-reduce", res.waited_s, c.timeouts.allreduce_timeout_s))
@@ -502,7 +514,8 @@ class EmulatedReplica:
                 continue  # the lighthouse is down or slow: keep trying every interval
             q = self.inflight
             if q is not None and reply.dead_members and reply.quorum_id == q.quorum_id:
-                ours = [d for d in reply.dead_members if d != self.rid and d in q.member_ids]
+                ranks_of = fsm.membership(q)[0]
+                ours = [d for d in reply.dead_members if d != self.rid and d in ranks_of]
                 if ours and self.emu.fabric.abort(q.quorum_id, f"lighthouse declared {ours} dead"):
                     self.emu.events.append(f"replica {self.rid}: aborted quorum {q.quorum_id} ({ours} dead)")
 
@@ -535,6 +548,7 @@ class Emulation:
         self._hangs: dict[tuple[int, int], float] = {}
         self._side_tasks: list[asyncio.Task] = []
         self._barriers: dict[tuple[int, int], list] = {}
+        self._member_sets: dict[int, tuple[qm.Quorum, frozenset[str]]] = {}
         for f in config.faults:
             if f.kind == "ring":
                 self.fabric.inject_ring_fault(f.step, f.rank)
@@ -563,11 +577,11 @@ class Emulation:
 
     async def round_barrier(self, key: tuple[int, int]) -> None:
         ev = self._barriers.get(key)
-        if ev is None:
-            ev = self._barriers[key] = [0, asyncio.Event()]
+        if ev is None:  # the first arrival counts the running replicas, once per round
+            running = sum(1 for r in self.replicas.values() if r.task is not None and not r.task.done())
+            ev = self._barriers[key] = [0, asyncio.Event(), running]
         ev[0] += 1
-        running = sum(1 for r in self.replicas.values() if r.task is not None and not r.task.done())
-        if ev[0] >= running:
+        if ev[0] >= ev[2]:
             ev[1].set()
             self._barriers.pop(key, None)
             return
@@ -576,6 +590,15 @@ class Emulation:
         except TimeoutError:
             pass
 
+    def member_set(self, q: qm.Quorum) -> frozenset[str]:
+        """The members of ``q`` as a set, built once per quorum (not once per replica)."""
+        hit = self._member_sets.get(q.quorum_id)
+        if hit is None or hit[0] is not q:
+            if len(self._member_sets) > 8:
+                self._member_sets.clear()
+            hit = self._member_sets[q.quorum_id] = (q, frozenset(fsm.membership(q)[0]))
+        return hit[1]
+
     def take_hang(self, rep: EmulatedReplica, step: int) -> bool:
         return rep.incarnation == 0 and (rep.index, step) in self._hangs
 
@@ -583,7 +606,7 @@ class Emulation:
         return self._hangs.pop((rep.index, step))
 
     def record_commit(self, rep: EmulatedReplica, step: int, q: qm.Quorum, batches: tuple) -> None:
-        rec = CommitRecord(step, q.quorum_id, q.member_ids, q.healthy, batches)
+        rec = CommitRecord(step, q.quorum_id, tuple(fsm.membership(q)[0]), q.healthy, batches)
         first = self.commits.setdefault(step, rec)
         if first != rec:
             self.problems.append(f"step {step}: replica {rep.rid} committed {rec.quorum_id}/{list(rec.healthy)[:8]} "

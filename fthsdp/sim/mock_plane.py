@@ -155,16 +155,17 @@ class MockFabric:
 
     # -- the all-reduce --------------------------------------------------------
 
-    async def allreduce(self, quorum_id: int, step: int, replica_id: str, members: tuple[str, ...],
+    async def allreduce(self, quorum_id: int, step: int, replica_id: str, members: "tuple[str, ...] | frozenset[str]",
                         nbytes: int, rings: int, timeout_s: float) -> AllreduceResult:
         """Enter the all-reduce of (quorum_id, step) for ``replica_id``'s ``rings`` shards; wait for its end."""
         loop = asyncio.get_running_loop()
         t0 = loop.time()
         key = (quorum_id, step)
         rv = self._open.get(key)
+        members = members if isinstance(members, frozenset) else frozenset(members)
         if rv is None:
-            rv = self._open[key] = _Rendezvous(key, frozenset(members), nbytes)
-        elif rv.members != frozenset(members):
+            rv = self._open[key] = _Rendezvous(key, members, nbytes)
+        elif rv.members is not members and rv.members != members:
             return AllreduceResult(False, f"ring handshake refused: members of quorum {quorum_id} differ "
                                           f"({sorted(rv.members)} vs {sorted(members)})")
         dead = rv.members & self._killed
