@@ -162,6 +162,7 @@ class _Job:
     job_id: str
     last_seen: dict[str, float] = field(default_factory=dict)  # heartbeat or request
     heartbeating: set[str] = field(default_factory=set)  # ever sent a Heartbeat
+    last_heartbeat: dict[str, float] = field(default_factory=dict)  # time of its last Heartbeat
     steps: dict[str, int] = field(default_factory=dict)
     local_world_size: _Setting = field(default_factory=_Setting)
     stated_replicas: _Setting = field(default_factory=_Setting)  # num_replicas when stated
@@ -274,13 +275,20 @@ class Lighthouse(pb2_grpc.LighthouseServicer):
         return job
 
     def _liveness(self, job: _Job, now: float) -> dict[str, float]:
-        """Last-heard times; a waiting requester that never heartbeats counts as heard now.
+        """Last-heard times; a waiting requester that does not heartbeat counts as heard now.
 
         Its open call is its sign of life (a killed process's call is cancelled
-        by the kernel closing its socket); replicas that do heartbeat are judged
-        by their heartbeats alone, so a stopped process is detected.
+        by the kernel closing its socket). That covers a restarted replica too:
+        it asks before it starts heartbeating (so it is never a "live newcomer
+        not asking" that the others wait for), and its id's last heartbeat, from
+        the killed process, predates its request by more than the detection
+        window. Replicas that heartbeat while they ask are judged by their
+        heartbeats alone, so a stopped process is detected.
         """
-        silent_waiters = [r for r in job.pending if r not in job.heartbeating]
+        window = self.config.detect_s
+        silent_waiters = [r for r, p in job.pending.items()
+                          if r not in job.heartbeating
+                          or job.last_heartbeat.get(r, -math.inf) < p.request.arrived_at - window]
         if not silent_waiters:
             return job.last_seen
         view = dict(job.last_seen)
@@ -485,6 +493,7 @@ class Lighthouse(pb2_grpc.LighthouseServicer):
         rid = request.replica_id
         self._heard(job, rid, now)
         job.heartbeating.add(rid)
+        job.last_heartbeat[rid] = now
         job.steps[rid] = request.step
         if request.last_quorum_id > job.qid_floor:
             job.qid_floor = request.last_quorum_id
@@ -509,6 +518,7 @@ class Lighthouse(pb2_grpc.LighthouseServicer):
         for d in (job.last_seen, job.steps):
             d.pop(rid, None)
         job.heartbeating.discard(rid)
+        job.last_heartbeat.pop(rid, None)
         job.dead.discard(rid)
         job.local_world_size.set(rid, None)
         job.stated_replicas.set(rid, None)

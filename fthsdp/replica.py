@@ -187,6 +187,8 @@ class ReplicaProcess:
             self._snapshot_step = step
 
     def on_quorum(self, mgr, q) -> None:
+        if not self.client.heartbeating:  # a rejoiner starts heartbeating once it is a member
+            self.client.start_heartbeats(on_dead=mgr.on_dead)
         if self.cfg.ft.snapshot == "on_demand" and q.behind and self.rid in q.healthy:
             self.snapshot()
 
@@ -253,7 +255,11 @@ class ReplicaProcess:
         log.info("replica %s: compiled the step in %.1fs (before checking in)", self.rid, mgr.warm_up())
         if cfg.ft.snapshot == "every_commit":
             self.snapshot()
-        self.client.start_heartbeats(on_dead=mgr.on_dead)
+        if not self.args.rejoin:
+            # A rejoiner starts heartbeating at its first quorum (on_quorum): its open
+            # request is its sign of life until then, so the lighthouse never sees it
+            # "live but not asking" and the others never wait a join limit for it.
+            self.client.start_heartbeats(on_dead=mgr.on_dead)
         if cfg.launch.replicas > 1 and not self.args.rejoin:  # a job's (re)start: begin together
             live = mgr.wait_for_peers(self.client.status, cfg.launch.replicas, cfg.ft.startup_timeout_s)
             log.info("replica %s: %d replica(s) live, starting", self.rid, live)
