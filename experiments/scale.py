@@ -217,6 +217,138 @@ def torchft_row(peer_python: str, n: int, rounds: int, timeout_s: float) -> dict
             "errors": sorted({e for r in rs for e in r["errors"]}), "wall_s": wall, "loadavg": load}
 
 
+# -- where the time goes ---------------------------------------------------------
+
+
+def breakdown(n: int, calls: int) -> dict:
+    """The parts of one flat round at ``n`` replicas, each measured alone on this machine:
+    the pure decision, building the reply (once, and the old way: once per call),
+    asyncio waking ``n`` waiting calls, and gRPC's per-call cost (``calls`` concurrent
+    Heartbeat RPCs against a real lighthouse process, client and server)."""
+    from fthsdp import quorum as qm
+    from fthsdp.lighthouse import pb2, quorum_to_proto
+    from fthsdp.sim.aio_client import AioLighthouseClient
+    from fthsdp.sim.emulation import LighthouseProcess
+
+    reqs = {str(i): qm.QuorumRequest(str(i), 7, 0.0, (f"127.0.0.1:{20000 + i}",), f"127.0.0.1:{40000 + i}", 1)
+            for i in range(n)}
+    beats = {r: 0.0 for r in reqs}
+    t = time.perf_counter()
+    q, _ = qm.decide_quorum(reqs, beats, None, qm.QuorumConfig(num_configured=n), 0.1)
+    decide = time.perf_counter() - t
+    t = time.perf_counter()
+    proto = quorum_to_proto(q)
+    to_proto = time.perf_counter() - t
+    t = time.perf_counter()
+    raw = pb2.QuorumResponse(protocol_version=1, quorum=proto).SerializeToString()
+    once = time.perf_counter() - t
+    k = max(1, min(n, 200))
+    t = time.perf_counter()
+    for _ in range(k):
+        pb2.QuorumResponse(protocol_version=1, quorum=proto).SerializeToString()
+    per_call_build = (time.perf_counter() - t) / k
+
+    async def wake() -> float:
+        loop = asyncio.get_running_loop()
+        futs = [loop.create_future() for _ in range(n)]
+        done = 0
+
+        async def waiter(f):
+            nonlocal done
+            await f
+            done += 1
+
+        tasks = [loop.create_task(waiter(f)) for f in futs]
+        await asyncio.sleep(0)
+        t0 = time.perf_counter()
+        for f in futs:
+            f.set_result(q)
+        await asyncio.gather(*tasks)
+        return time.perf_counter() - t0
+
+    asyncio_wake = asyncio.run(wake())
+
+    cfg = EmulationConfig(replicas=calls, ranks_per_replica=1, steps=1)
+    with tempfile_dir() as d:
+        lh = LighthouseProcess(cfg, os.path.join(d, "lh.log"))
+        lh.start()
+        try:
+            async def beat() -> float:
+                clients = [AioLighthouseClient(lh.address, "breakdown", str(i), outage_s=5.0, heartbeat_timeout_s=30.0)
+                           for i in range(calls)]
+                await asyncio.gather(*(c.heartbeat(0) for c in clients))  # connect
+                best = math.inf
+                for _ in range(3):
+                    t0 = time.perf_counter()
+                    await asyncio.gather(*(c.heartbeat(0) for c in clients))
+                    best = min(best, time.perf_counter() - t0)
+                await asyncio.gather(*(c.close() for c in clients))
+                return best
+
+            grpc_round = asyncio.run(beat())
+        finally:
+            lh.stop()
+    return {
+        "replicas": n, "reply_bytes": len(raw),
+        "decide_s": decide, "quorum_to_proto_s": to_proto, "serialize_once_s": once,
+        "old_per_call_build_s": per_call_build, "old_round_build_s": per_call_build * n,
+        "asyncio_wake_n_calls_s": asyncio_wake,
+        "grpc_concurrent_heartbeats": calls, "grpc_round_s": grpc_round, "grpc_per_call_s": grpc_round / calls,
+        "grpc_round_at_n_s_est": grpc_round / calls * n,
+    }
+
+
+def tempfile_dir():
+    import tempfile
+
+    return tempfile.TemporaryDirectory(prefix="fthsdp-scale-")
+
+
+def lighthouse_profile(n: int, rounds: int) -> dict:
+    """cProfile of the lighthouse process over a flat run of ``n`` replicas: its busy
+    time split into the decision, reply building, the RPC handlers, gRPC's own
+    machinery (time inside its Cython callbacks) and asyncio, plus the top functions."""
+    import pstats
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="fthsdp-scale-prof-") as d:
+        path = os.path.join(d, "lighthouse.prof")
+        row = fthsdp_row("fthsdp-flat", n, 1, rounds, heartbeat_s=0.0, profile=path)
+        st = pstats.Stats(path)
+    total = idle = 0.0
+    buckets = {"decision (fthsdp/quorum.py)": 0.0, "reply building (quorum_to_proto, replies)": 0.0,
+               "RPC handlers and bookkeeping (fthsdp/lighthouse.py)": 0.0,
+               "gRPC machinery (Cython callbacks, C-core)": 0.0, "asyncio event loop": 0.0,
+               "start-up (imports)": 0.0, "other": 0.0}
+    top = []
+    for (fname, line, func), (cc, nc, tt, ct, callers) in st.stats.items():
+        total += tt
+        where = f"{os.path.basename(fname)}:{line}({func})"
+        if "poll" in func and "epoll" in func:
+            idle += tt
+            continue
+        if fname.startswith("<frozen") or func in ("<built-in method marshal.loads>", "<built-in method builtins.exec>",
+                                                    "<built-in method _imp.create_dynamic>") or "enum.py" in fname:
+            b = "start-up (imports)"
+        elif fname.endswith(os.path.join("fthsdp", "quorum.py")):
+            b = "decision (fthsdp/quorum.py)"
+        elif func in ("quorum_to_proto", "quorum_reply", "quorum_proto", "heartbeat_reply"):
+            b = "reply building (quorum_to_proto, replies)"
+        elif fname.endswith(os.path.join("fthsdp", "lighthouse.py")):
+            b = "RPC handlers and bookkeeping (fthsdp/lighthouse.py)"
+        elif "_contextvars.Context" in func or "grpc" in fname:
+            b = "gRPC machinery (Cython callbacks, C-core)"
+        elif "asyncio" in fname or "selectors" in fname:
+            b = "asyncio event loop"
+        else:
+            b = "other"
+        buckets[b] += tt
+        top.append((tt, where, nc))
+    top.sort(reverse=True)
+    return {"replicas": n, "rounds": rounds, "p50_s": row["p50_s"], "profiled_s": total, "idle_in_epoll_s": idle,
+            "busy_s_by_part": buckets, "top": [{"where": w, "tottime_s": t, "calls": c} for t, w, c in top[:15]]}
+
+
 # -- report ----------------------------------------------------------------------
 
 
@@ -292,7 +424,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", required=True, help="JSON file to write (the plot goes beside it, .png)")
     ap.add_argument("--rounds", type=int, default=None, help="measured rounds per row (default 20; quick 4)")
     ap.add_argument("--peer-python", default=None, help="python of the side environment with torchft")
-    ap.add_argument("--skip", nargs="*", default=[], choices=["hierarchical", "flat", "torchft"])
+    ap.add_argument("--skip", nargs="*", default=[], choices=["hierarchical", "flat", "torchft", "profile"])
     ap.add_argument("--flat", type=int, nargs="*", default=None, help="flat replica counts")
     ap.add_argument("--torchft", type=int, nargs="*", default=None, help="torchft replica counts")
     ap.add_argument("--shapes", nargs="*", default=None, help="hierarchical shapes RxG (e.g. 16x6250 512x196)")
@@ -301,6 +433,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--addressing", nargs="*", default=["per_rank", "per_replica"],
                     choices=["per_rank", "per_replica"],
                     help="hierarchical rows: FTAR endpoints per rank (today's protocol) and/or per replica")
+    ap.add_argument("--profile", type=int, nargs="*", default=None,
+                    help="replica counts for the time breakdown and the lighthouse cProfile (default 1024 8192; quick 256)")
     ap.add_argument("--torchft-timeout", type=float, default=120.0, help="per-call deadline for torchft (s)")
     args = ap.parse_args(argv)
     rounds = args.rounds or (4 if args.quick else 20)
@@ -355,6 +489,25 @@ def main(argv: list[str] | None = None) -> int:
             r = fthsdp_row("fthsdp-flat", n, 1, max(3, rounds // 2) if n > 1024 else rounds, heartbeat_s=0.0)
             result["rows"].append(r)
             show(r)
+            save()
+    if "profile" not in args.skip:
+        prof_ns = args.profile if args.profile is not None else ([256] if args.quick else [1024, 8192])
+        result["where_time_goes"] = {"breakdown": [], "lighthouse_profile": None}
+        for n in prof_ns:
+            b = breakdown(n, calls=min(n, 1024))
+            result["where_time_goes"]["breakdown"].append(b)
+            print(f"breakdown {n}: decide {b['decide_s'] * 1e3:.1f} ms, to_proto {b['quorum_to_proto_s'] * 1e3:.1f} ms, "
+                  f"serialize once {b['serialize_once_s'] * 1e3:.2f} ms (old way per round "
+                  f"{b['old_round_build_s'] * 1e3:.0f} ms), asyncio wake {b['asyncio_wake_n_calls_s'] * 1e3:.1f} ms, "
+                  f"gRPC {b['grpc_per_call_s'] * 1e6:.0f} us/call", flush=True)
+            save()
+        if prof_ns:
+            n = min(prof_ns)
+            result["where_time_goes"]["lighthouse_profile"] = lighthouse_profile(n, max(3, rounds // 2))
+            lp = result["where_time_goes"]["lighthouse_profile"]
+            print(f"lighthouse profile at {n}: busy {lp['profiled_s'] - lp['idle_in_epoll_s']:.2f}s of "
+                  f"{lp['profiled_s']:.2f}s: " + ", ".join(f"{k} {v:.2f}s" for k, v in lp["busy_s_by_part"].items()),
+                  flush=True)
             save()
     if "torchft" not in args.skip:
         ok, why = torchft_available(peer_python)
