@@ -1,0 +1,77 @@
+"""The lighthouse's scaling rules against a real server: one reply per decision,
+handed as the same bytes to every member; a lighthouse that stalls (its own event
+loop frozen past the detection window) declares nobody dead for its own silence."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import grpc
+
+from fthsdp.lighthouse import LighthouseConfig, LighthouseThread, pb2
+from fthsdp.lighthouse_client import LighthouseClient
+from fthsdp.proto import LIGHTHOUSE_PROTOCOL_VERSION
+
+
+def _request(i: int, step: int, n: int) -> pb2.QuorumRequest:
+    return pb2.QuorumRequest(protocol_version=LIGHTHOUSE_PROTOCOL_VERSION, job_id="once", replica_id=str(i),
+                             step=step, ftar_addresses=[f"127.0.0.1:{20000 + i}"],
+                             state_server_address=f"127.0.0.1:{30000 + i}", local_world_size=1, num_replicas=n)
+
+
+def test_one_reply_per_decision_the_same_bytes_for_every_member():
+    n, rounds = 48, 3
+    with LighthouseThread(LighthouseConfig(join_timeout_s=20.0, detect_s=20.0)) as lh:
+        async def main() -> list[set[bytes]]:
+            opts = [("grpc.use_local_subchannel_pool", 1)]
+            channels = [grpc.aio.insecure_channel(lh.address, options=opts) for _ in range(n)]
+            calls = [c.unary_unary("/fthsdp.v1.Lighthouse/GetQuorum",
+                                   request_serializer=pb2.QuorumRequest.SerializeToString,
+                                   response_deserializer=None) for c in channels]
+            seen = []
+            try:
+                for step in range(rounds):
+                    raws = await asyncio.gather(*(calls[i](_request(i, step, n), timeout=60) for i in range(n)))
+                    seen.append(set(raws))
+            finally:
+                await asyncio.gather(*(c.close() for c in channels))
+            return seen
+
+        seen = asyncio.run(main())
+        stats = dict(lh.server.stats)
+    assert all(len(s) == 1 for s in seen)  # every member got byte-identical answers
+    for s in seen:
+        resp = pb2.QuorumResponse.FromString(next(iter(s)))
+        assert len(resp.quorum.members) == n and resp.quorum.quorum_id == 1
+    assert stats["decisions"] == rounds
+    assert stats["replies_serialized"] == rounds  # once per decision, not once per waiting call
+    assert stats["replies_sent"] == rounds * n
+
+
+def test_a_stalled_lighthouse_declares_nobody_dead_for_its_own_silence():
+    cfg = LighthouseConfig(join_timeout_s=0.2, detect_s=0.5)
+    with LighthouseThread(cfg) as lh:
+        clients = [LighthouseClient(lh.address, "stall", str(i), heartbeat_interval_s=0.1,
+                                    heartbeat_timeout_s=0.3) for i in range(3)]
+        try:
+            for c in clients:
+                c.start_heartbeats()
+            time.sleep(0.5)
+            frozen = 4 * cfg.detect_s
+            lh._loop.call_soon_threadsafe(time.sleep, frozen)  # the lighthouse's own loop stops
+            time.sleep(frozen + 0.1)
+            dead: set[str] = set()
+            deadline = time.monotonic() + 1.0
+            while time.monotonic() < deadline:
+                (job,) = clients[0].status()
+                dead |= {r.replica_id for r in job.replicas if r.dead}
+                for c in clients:
+                    if c.last_heartbeat is not None:
+                        dead |= set(c.last_heartbeat.dead_replica_ids)
+                time.sleep(0.05)
+            assert dead == set(), f"declared dead after the lighthouse's own stall: {sorted(dead)}"
+            assert lh.server.stats["stalls"] >= 1
+        finally:
+            for c in clients:
+                c.close()
