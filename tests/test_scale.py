@@ -15,7 +15,7 @@ REPO = Path(__file__).resolve().parent.parent
 def test_scale_quick_rows(tmp_path):
     out = tmp_path / "scale.json"
     cmd = [sys.executable, str(REPO / "experiments" / "scale.py"), "--quick", "--rounds", "3",
-           "--shapes", "4x25", "2x3", "--flat", "4", "16", "--torchft", "4", "--out", str(out)]
+           "--shapes", "4x25", "2x3", "--flat", "4", "16", "--torchft", "4", "--profile", "16", "--out", str(out)]
     r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     d = json.loads(out.read_text())
@@ -24,7 +24,8 @@ def test_scale_quick_rows(tmp_path):
     keys = {"system", "replicas", "ranks", "p50_s", "p99_s", "complete_rounds", "rounds"}
     assert all(keys <= set(row) for row in rows)
     hier = [row for row in rows if row["system"] == "fthsdp-hierarchical"]
-    assert [(h["replicas"], h["ranks"]) for h in hier] == [(4, 100), (2, 6)]
+    assert [(h["replicas"], h["ranks"], h["addressing"]) for h in hier] == [
+        (4, 100, "per_rank"), (4, 100, "per_replica"), (2, 6, "per_rank"), (2, 6, "per_replica")]
     flat = [row for row in rows if row["system"] == "fthsdp-flat"]
     assert [(f["replicas"], f["ranks"]) for f in flat] == [(4, 4), (16, 16)]
     for row in hier + flat:
@@ -39,6 +40,13 @@ def test_scale_quick_rows(tmp_path):
         assert "setup_peers.sh" in tft["why_not"] or "torchft" in tft["why_not"]
     assert d["verdict"]["flat_every_round_complete"] == {"4": True, "16": True}
     assert (tmp_path / "scale.png").stat().st_size > 10_000
+    assert all(row["quorum_request_errors"] == 0 and row["requests_resent_after_unavailable"] == 0
+               for row in hier + flat)  # no request lost
+    w = d["where_time_goes"]
+    (b,) = w["breakdown"]
+    assert b["replicas"] == 16 and b["grpc_per_call_s"] > 0 and b["decide_s"] > 0
+    lp = w["lighthouse_profile"]
+    assert lp["replicas"] == 16 and lp["profiled_s"] > 0 and lp["top"]
 
 
 def test_scale_refuses_bad_shapes(tmp_path):
