@@ -398,8 +398,14 @@ def plot(rows: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
-def verdict(rows: list[dict]) -> dict:
+def verdict(rows: list[dict], breakdowns: list[dict] | None = None) -> dict:
     out: dict = {}
+    bs = sorted(breakdowns or [], key=lambda b: b["replicas"])
+    if len(bs) >= 2:
+        a, b = bs[0], bs[-1]
+        nlogn = (b["replicas"] * math.log2(b["replicas"])) / (a["replicas"] * math.log2(a["replicas"]))
+        out["decision_growth"] = {"from": a["replicas"], "to": b["replicas"], "decide_ratio": b["decide_s"] / a["decide_s"],
+                                  "n_log_n_ratio": nlogn}
     big = [r for r in rows if r["system"] == "fthsdp-hierarchical" and r["ranks"] >= 100_000]
     if big:
         out["p99_s_at_100k_ranks"] = {f"{r['replicas']}x{r['ranks_per_replica']}": r["p99_s"] for r in big}
@@ -470,7 +476,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def save() -> None:
         result["host"]["loadavg_now"] = os.getloadavg()
-        result["verdict"] = verdict(result["rows"])
+        result["verdict"] = verdict(result["rows"], result.get("where_time_goes", {}).get("breakdown"))
         out_path.write_text(json.dumps(result, indent=2))
 
     def show(r: dict) -> None:
