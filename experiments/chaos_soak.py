@@ -61,9 +61,9 @@ class Chaos:
     """The seeded fault injector: a thread that watches the job and signals its processes."""
 
     def __init__(self, job, rng: random.Random, target: int, steps: int, ckpt_every: int, log_path: pathlib.Path,
-                 gap_s: tuple[float, float], whole_job_kills: int):
+                 gap_s: tuple[float, float], whole_job_kills: int, lighthouse_gap: int = 20):
         self.job, self.rng, self.target, self.steps, self.ckpt_every = job, rng, target, steps, ckpt_every
-        self.gap_s, self.whole_left = gap_s, whole_job_kills
+        self.gap_s, self.whole_left, self.lighthouse_gap = gap_s, whole_job_kills, lighthouse_gap
         self.log = open(log_path, "a", buffering=1)
         self.counts: collections.Counter = collections.Counter()
         self.stopped: dict[int, float] = {}  # pid -> SIGCONT time
@@ -191,7 +191,7 @@ class Chaos:
         if any(ph in ("waiting", "compiling") for _, ph in rejoin):
             options += [("kill_catching_up", 3), ("stop_catching_up", 2)]
         if self.job.lighthouse is not None and self.job.lighthouse.poll() is None \
-                and self.step() >= self.last_lighthouse_kill + 20:  # an outage at a time, not a storm
+                and self.step() >= self.last_lighthouse_kill + self.lighthouse_gap:  # one outage at a time
             options.append(("kill_lighthouse", 1))
         if not self.counts["kill_lighthouse"] and self.step() >= self.steps // 4 and options:
             options = [("kill_lighthouse", 1)]  # at least one in every run
@@ -365,6 +365,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="the CI form: >= 10 faults over ~150 steps")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="run directory (default runs/chaos_soak[_quick])")
+    p.add_argument("--lighthouse-gap", type=int, default=20,
+                   help="fewest steps between two lighthouse kills (0: storms, which once let two rejoiners "
+                        "train from step 0 on a freshly restarted lighthouse)")
     p.add_argument("--json", default=None, help="result file (default results/chaos_soak[_quick].json)")
     args = p.parse_args(argv)
 
@@ -389,7 +392,8 @@ def main(argv: list[str] | None = None) -> int:
                    restart=True, restart_delay_s=0.3, detect_s=DETECT_S, join_timeout_s=0.5,
                    deadline_s=240 if quick else 1500, progress=False, max_job_restarts=3 if quick else 6)
     chaos = Chaos(job, random.Random(args.seed), target, steps, ckpt_every, out / "faults.jsonl",
-                  gap_s=(0.8, 1.8) if quick else (1.0, 2.5), whole_job_kills=1 if quick else 2)
+                  gap_s=(0.8, 1.8) if quick else (1.0, 2.5), whole_job_kills=1 if quick else 2,
+                  lighthouse_gap=args.lighthouse_gap)
     t0 = time.time()
     chaos.thread.start()
     error = None
