@@ -95,6 +95,9 @@ def fthsdp_row(system: str, replicas: int, ranks_per_replica: int, rounds: int, 
         "fanout_p50_s": percentile([r["fanout_s"] for r in complete], 0.5),
         "round_latencies_s": [round(x, 6) for x in lat],
         "violations": rep.violations()[:5], "wall_s": rep.wall_s, "loadavg": load,
+        "incomplete_rounds": [{k: r[k] for k in ("step", "replicas", "quorum_ids", "latency_s")}
+                              for r in measured if r not in complete][:5],
+        "final_steps": sorted(set(rep.final_steps.values())), "events_head": rep.events[:5],
         # A lost request shows here (a failed call, or one re-sent after UNAVAILABLE), never hidden by a retry.
         "quorum_request_errors": sum(1 for e in rep.events if "quorum request failed" in e),
         "requests_resent_after_unavailable": sum(1 for r in rep.quorum_records if r.outage_s > 0),
