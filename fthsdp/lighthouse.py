@@ -182,6 +182,7 @@ class _Job:
     # The highest quorum id any replica reported having seen (requests and
     # heartbeats): what a restarted lighthouse continues the ids above.
     qid_floor: int = 0
+    reported_qids: dict[str, int] = field(default_factory=dict)  # replica -> last quorum id its heartbeats report
     # The job's last step once a replica left having finished it (None: running).
     finished_step: int | None = None
     last_activity: float = 0.0  # any RPC of this job (a job whose replicas all left is kept a while)
@@ -315,7 +316,7 @@ class Lighthouse(pb2_grpc.LighthouseServicer):
         requests = {r: p.request for r, p in job.pending.items()}
         quorum, reason = qm.decide_quorum(
             requests, self._liveness(job, now), job.quorum, self._decision_config(job), now,
-            quorum_id_floor=job.qid_floor,
+            quorum_id_floor=job.qid_floor, reported_quorum_ids=job.reported_qids,
         )
         job.last_reason = reason
         if quorum is None:
@@ -494,6 +495,7 @@ class Lighthouse(pb2_grpc.LighthouseServicer):
         self._heard(job, rid, now)
         job.heartbeating.add(rid)
         job.last_heartbeat[rid] = now
+        job.reported_qids[rid] = request.last_quorum_id
         job.steps[rid] = request.step
         if request.last_quorum_id > job.qid_floor:
             job.qid_floor = request.last_quorum_id
@@ -519,6 +521,7 @@ class Lighthouse(pb2_grpc.LighthouseServicer):
             d.pop(rid, None)
         job.heartbeating.discard(rid)
         job.last_heartbeat.pop(rid, None)
+        job.reported_qids.pop(rid, None)
         job.dead.discard(rid)
         job.local_world_size.set(rid, None)
         job.stated_replicas.set(rid, None)

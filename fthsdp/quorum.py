@@ -202,15 +202,32 @@ def _fmt(ids: Iterable[str], limit: int = 8) -> str:
     return f"[{shown}{', ...' if len(ids) > limit else ''}]"
 
 
-def incumbents_of(previous: Quorum | None, requests: Iterable[QuorumRequest]) -> tuple[set[str], int]:
+def incumbents_of(
+    previous: Quorum | None,
+    requests: Iterable[QuorumRequest],
+    reported: Mapping[str, int] | None = None,
+) -> tuple[set[str], int]:
     """The previous quorum's members and id, from memory or, after a lighthouse
-    restart, from the requesters' reports (the highest ``last_quorum_id`` wins)."""
+    restart, from what the replicas report: the highest quorum id reported by a
+    requester (``last_quorum_id``, with its ``last_members``) or by a heartbeat
+    (``reported``: replica id -> its last quorum id). Every replica that reports
+    that id is a member of it, so one that only heartbeats (it is mid-step) is
+    an incumbent too, and restarted replicas at step 0 cannot form a quorum
+    without it."""
     if previous is not None:
         return set(previous.member_ids), previous.quorum_id
-    best = max(requests, key=lambda r: r.last_quorum_id, default=None)
-    if best is None or best.last_quorum_id <= 0:
+    requests = list(requests)
+    reported = dict(reported or {})
+    for r in requests:
+        reported[r.replica_id] = max(reported.get(r.replica_id, 0), r.last_quorum_id)
+    best = max(reported.values(), default=0)
+    if best <= 0:
         return set(), 0
-    return set(best.last_members), best.last_quorum_id
+    members = {rid for rid, q in reported.items() if q == best}
+    for r in requests:
+        if r.last_quorum_id == best:
+            members.update(r.last_members)
+    return members, best
 
 
 def decide_quorum(
@@ -220,6 +237,7 @@ def decide_quorum(
     config: QuorumConfig,
     now: float,
     quorum_id_floor: int = 0,
+    reported_quorum_ids: Mapping[str, int] | None = None,
 ) -> tuple[Quorum | None, str]:
     """Decide the quorum of one job, or explain why there is none yet.
 
@@ -227,7 +245,9 @@ def decide_quorum(
     each replica was last heard from (same clock as ``now`` and ``arrived_at``).
     ``previous``: the job's last quorum (None on a fresh or restarted
     lighthouse). ``quorum_id_floor``: the highest quorum id any replica of the
-    job reported (heartbeats included). Returns ``(quorum, reason)`` with
+    job reported (heartbeats included). ``reported_quorum_ids``: each
+    replica's last quorum id as its heartbeats report it (what a restarted
+    lighthouse knows of replicas that are mid-step). Returns ``(quorum, reason)`` with
     ``quorum`` None while the rules in the module docstring say wait.
     """
     if not requests:
@@ -256,7 +276,8 @@ def decide_quorum(
         )
 
     # Rule 3a: live incumbents are waited for until they ask or are declared dead.
-    incumbents, prev_qid = incumbents_of(previous, candidates)
+    incumbents, prev_qid = incumbents_of(
+        previous, candidates, {r: q for r, q in (reported_quorum_ids or {}).items() if r in live})
     rebuilt = previous is None and prev_qid > 0
     busy = not_asking & incumbents
     if busy:

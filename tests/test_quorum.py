@@ -335,3 +335,16 @@ def test_quorum_id_never_at_or_below_a_reported_one():
     q1, _ = decide(reqs(req("0", 0), req("1", 0)), now=0.0)
     q2, reason = decide(reqs(req("0", 1, last_qid=1), req("1", 1, last_qid=1)), {}, q1, now=1.0)
     assert q2.quorum_id == 1 and "same membership" in reason
+
+
+def test_restarted_lighthouse_never_lets_restarted_replicas_train_from_step_0_alone():
+    # Lighthouse storm: a fresh lighthouse hears two restarted replicas (step 0, no quorum yet)
+    # asking, while survivor 0 (member of quorum 7, at step 50) is mid-step: it only heartbeats.
+    r = reqs(req("1", 0, at=0.0), req("2", 0, at=0.0))
+    hb = {"0": 3.0, "1": 3.0, "2": 3.0}
+    q, reason = decide_quorum(r, hb, None, CFG, 3.0, reported_quorum_ids={"0": 7, "1": 0, "2": 0})
+    assert q is None and "member(s) of quorum 7 not asking yet [0]" in reason, reason
+    r["0"] = req("0", 50, at=3.1, last_qid=7, last_members=("0",))
+    q, reason = decide_quorum(r, {k: 3.1 for k in hb}, None, CFG, 3.1, reported_quorum_ids={"0": 7})
+    assert q is not None and q.quorum_id == 8, reason
+    assert q.healthy == ("0",) and q.behind == ("1", "2") and q.max_step == 50
