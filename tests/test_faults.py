@@ -193,3 +193,14 @@ def test_a_replica_behind_the_frontier_does_not_hold_the_live_state():
     # a random kill of the only replica at the frontier waits
     assert due(Fault(step=30, replica=1, kind="kill", explicit=False), {0: 25, 1: 33},
                supervise.healthy(catching_up)) == "wait"
+
+
+def test_what_a_replica_exit_means():
+    import signal
+
+    from fthsdp.errors import EXIT_JOB_FATAL, EXIT_REPLICA_FATAL
+
+    assert supervise.after_exit(0) == "done"
+    assert supervise.after_exit(-signal.SIGKILL) == "restart"  # a dead machine, the OOM killer
+    assert supervise.after_exit(EXIT_REPLICA_FATAL) == "restart"  # the replica asks for it
+    assert supervise.after_exit(EXIT_JOB_FATAL) == "failed" and supervise.after_exit(1) == "failed"

@@ -332,11 +332,18 @@ class LocalJob:
         for rp in self.procs.values():
             if rp.state in ("running", "starting") and rp.proc is not None and rp.proc.poll() is not None:
                 rc = rp.proc.returncode
-                if rc < 0 and rc != -signal.SIGTERM:
+                if supervise.after_exit(rc) == "restart":
                     # killed by a signal we did not send (a dead machine, the OOM killer,
-                    # an operator): like a --kill, it is restarted and rejoins
+                    # an operator), or a replica-fatal fault (the replica's own verdict:
+                    # restart me): like a --kill, it is restarted and rejoins
                     rp.state = "killed"
-                    self.event("died", rp.rid, signal=-rc)
+                    if rc < 0:
+                        self.event("died", rp.rid, signal=-rc)
+                    else:
+                        self.event("replica_fatal", rp.rid, returncode=rc)
+                        tail = rp.log_path.read_text().splitlines()[-3:] if rp.log_path else []
+                        log.warning("replica %d exited replica-fatal (%d); restarting it:\n%s", rp.rid, rc,
+                                    "\n".join(tail))
                     if self.restart:
                         rp.restart_at = time.time() + self.restart_delay_s
                     continue

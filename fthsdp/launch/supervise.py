@@ -15,7 +15,10 @@ Kept apart from the process loop so each rule is unit-tested without processes.
 
 from __future__ import annotations
 
+import signal
 from dataclasses import dataclass
+
+from fthsdp.errors import EXIT_REPLICA_FATAL
 
 
 @dataclass(frozen=True)
@@ -77,3 +80,15 @@ def restart_allowed(views: list[ReplicaView], rid: int) -> bool:
     the job; never into a finished job (it would find no peers)."""
     front = frontier(views)
     return not job_done(views) and any(can_progress(v, front) for v in views if v.rid != rid)
+
+
+def after_exit(returncode: int) -> str:
+    """What a replica's exit means: "done" (0), "restart" (a signal we did not
+    send, e.g. a dead machine or the OOM killer, or the replica's own verdict
+    EXIT_REPLICA_FATAL: restart me), or "failed" (job-fatal or an unclassified
+    error: a restart would fail the same way)."""
+    if returncode == 0:
+        return "done"
+    if (returncode < 0 and returncode != -signal.SIGTERM) or returncode == EXIT_REPLICA_FATAL:
+        return "restart"
+    return "failed"
