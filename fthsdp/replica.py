@@ -115,6 +115,13 @@ class ReplicaProcess:
         for torn in (out / "loader_state").glob(f"replica_{self.rid}.json{_TMP_MARK}*"):
             torn.unlink(missing_ok=True)
         self.metrics = logs.MetricsWriter(out / f"metrics-{self.rid}.jsonl")
+        # Prometheus: this process's metrics over HTTP (loopback by default; the
+        # address is in status-R.json for scrape target lists).
+        from fthsdp.observe.metrics import ReplicaMetrics, pytree_bytes, serve
+
+        self.prom = ReplicaMetrics(args.job, self.rid, process=str(jax.process_index()),
+                                   grad_bytes=pytree_bytes(state.params))
+        self.prom_server = serve(self.prom.registry, os.environ.get("FTHSDP_METRICS_BIND", "127.0.0.1:0"))
         self.status_path = out / f"status-{self.rid}.json"
         self.started = time.time()
 
@@ -153,6 +160,7 @@ class ReplicaProcess:
                     last = e
                     continue
                 log.info("fetched state of step %d from %s: %s", step, sources, info.detail)
+                self.prom.observe_fetch(info.detail)
                 self.backfill_ledger(tree["data"])
                 return tree["train"], tree["data"]
             # With on-demand snapshots the peers start copying when they see the
@@ -196,6 +204,7 @@ class ReplicaProcess:
         from fthsdp.step import state_hash
 
         committed = rec.step + 1
+        self.prom.observe_step(rec)
         if self.cfg.ft.snapshot == "every_commit":
             self.snapshot()
         if rec.healthy:
@@ -220,7 +229,8 @@ class ReplicaProcess:
 
     def write_status(self, **fields) -> None:
         write_json_atomic(self.status_path, {"replica": self.rid, "pid": os.getpid(), "time": time.time(),
-                                             "started": self.started, **fields})
+                                             "started": self.started, "metrics_address": self.prom_server.address,
+                                             **fields})
 
     # -- lifetime ---------------------------------------------------------------------
 
@@ -309,6 +319,7 @@ class ReplicaProcess:
         if close is not None:
             close()
         self.server.close()
+        self.prom_server.close()
         self.ckpt.close()
         self.ledger.close()
 
