@@ -724,10 +724,9 @@ def cli(argv: list[str]) -> int:
         )
     except ValueError as e:
         parser.error(str(e))
-    logging.basicConfig(
-        level=getattr(logging, args.log_level), stream=sys.stderr,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    from fthsdp import logs
+
+    logs.setup("fthsdp.lighthouse", level=getattr(logging, args.log_level))  # text or JSON ($FTHSDP_LOG_FORMAT)
     try:
         asyncio.run(_serve(config, args.port_file))
     except OSError as e:
