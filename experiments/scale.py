@@ -282,7 +282,16 @@ def breakdown(n: int, calls: int) -> dict:
             async def beat() -> float:
                 clients = [AioLighthouseClient(lh.address, "breakdown", str(i), outage_s=5.0, heartbeat_timeout_s=30.0)
                            for i in range(calls)]
-                await asyncio.gather(*(c.heartbeat(0) for c in clients))  # connect
+                async def connect(c) -> None:  # a storm of connects may be refused (listen backlog): retry
+                    for attempt in range(100):
+                        try:
+                            await c.heartbeat(0)
+                            return
+                        except Exception:  # noqa: BLE001 - UNAVAILABLE while connecting
+                            await asyncio.sleep(0.05 * (1 + attempt % 10))
+                    await c.heartbeat(0)
+
+                await asyncio.gather(*(connect(c) for c in clients))
                 best = math.inf
                 for _ in range(3):
                     t0 = time.perf_counter()

@@ -150,7 +150,8 @@ class AioLighthouseClient:
                 if code == grpc.StatusCode.DEADLINE_EXCEEDED:
                     raise QuorumTimeout(f"get_quorum(step={step}) at {where}: {e.details()}", code) from None
                 if code != grpc.StatusCode.UNAVAILABLE:
-                    raise LighthouseError(f"get_quorum(step={step}) at {where}: {code}: {e.details()}", code) from None
+                    raise LighthouseError(f"get_quorum(step={step}) at {where}: {code}: {e.details()} "
+                                          f"({e.debug_error_string()})", code) from None
             now = time.monotonic()
             down_since = now if down_since is None else down_since
             if now - down_since >= self.outage_s:
@@ -167,6 +168,14 @@ class AioLighthouseClient:
         if self.replica_id in membership(q)[0]:
             self.last_quorum = q
         return QuorumReply(q, sent, received, outage)
+
+    async def connect(self, timeout_s: float) -> bool:
+        """Wait until the channel is connected (a replica's start-up); False if it is not within ``timeout_s``."""
+        try:
+            await asyncio.wait_for(self._channel.channel_ready(), timeout_s)
+            return True
+        except TimeoutError:
+            return False
 
     async def heartbeat(self, step: int) -> HeartbeatReply:
         last = self.last_quorum

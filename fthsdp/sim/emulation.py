@@ -373,6 +373,7 @@ class EmulatedReplica:
             self.hb_task = asyncio.get_running_loop().create_task(self._heartbeats())
         nbytes = c.model.shard_bytes(c.ranks_per_replica)
         try:
+            await self.client.connect(c.timeouts.lighthouse_outage_s)
             while self.state.step < c.steps and self.state.action is not fsm.Action.GIVE_UP:
                 state = self.state
                 if state.attempt == 1 and self.incarnation == 0:
