@@ -14,7 +14,7 @@ passes), busbw_gbps_best, times_s. `targets` evaluates the issue's targets at
 >= 64 MiB (FTAR = the better of its two stream settings). A PNG plot is
 written beside the JSON.
 
-Side environment (see experiments/setup_peers.sh): /work/peers311 with torch
+Side environment (see experiments/setup_peers.sh; ~/.cache/fthsdp/peers311 by default) with torch
 2.13 (CPU) and mpi4py; override with --peer-python.
 """
 
@@ -33,6 +33,8 @@ import tempfile
 import time
 
 HERE = pathlib.Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from peer_env import default_peer_python  # noqa: E402
 PEERS = HERE / "peers"
 MIB = 1 << 20
 
@@ -191,7 +193,7 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=None)
     p.add_argument("--chunk-bytes", type=int, default=1 << 20)
     p.add_argument("--chunks", type=int, default=4)
-    p.add_argument("--peer-python", default=os.environ.get("FTHSDP_PEER_PYTHON", "/work/peers311/bin/python"))
+    p.add_argument("--peer-python", default=os.environ.get("FTHSDP_PEER_PYTHON", str(default_peer_python())))
     p.add_argument("--group-timeout", type=float, default=600.0)
     p.add_argument("--loopback-runs", type=int, default=2, help="loopback runs per round")
     p.add_argument("--rounds", type=int, default=None, help="interleaved passes over the systems (default 2, quick 1)")

@@ -287,8 +287,8 @@ def find_torchft_python(arg: str | None) -> tuple[str | None, str]:
         return None, f"{c} cannot import torchft: {last}"
     return None, (
         "no python with torchft given. torchft needs torch, which must not go into the 3.12 venv; make a side "
-        "environment: python3.11 -m venv /tmp/tftenv && /tmp/tftenv/bin/pip install torch==2.13.0 torchft, "
-        "then pass --torchft-python /tmp/tftenv/bin/python (or set FTHSDP_TORCHFT_PYTHON)"
+        "environment: python3.11 -m venv ENV && ENV/bin/pip install torch==2.13.0 torchft, "
+        "then pass --torchft-python ENV/bin/python (or set FTHSDP_TORCHFT_PYTHON)"
     )
 
 

@@ -39,7 +39,6 @@ import json
 import math
 import os
 import platform
-import re
 import statistics
 import subprocess
 import sys
@@ -141,13 +140,11 @@ def _torchft_messages():
 
 def default_peer_python() -> str:
     """The side environment's python: $FTHSDP_PEER_PYTHON, else setup_peers.sh's environment."""
-    if os.environ.get("FTHSDP_PEER_PYTHON"):
-        return os.environ["FTHSDP_PEER_PYTHON"]
-    env = os.environ.get("FTHSDP_PEERS_ENV")
-    if not env:
-        m = re.search(r"PEERS=\$\{FTHSDP_PEERS_ENV:-([^}]+)\}", (HERE / "setup_peers.sh").read_text())
-        env = m.group(1) if m else ""
-    return os.path.join(env, "bin", "python")
+    if str(HERE) not in sys.path:
+        sys.path.insert(0, str(HERE))
+    from peer_env import default_peer_python as peer_python
+
+    return peer_python()
 
 
 def torchft_available(peer_python: str) -> tuple[bool, str]:

@@ -4,8 +4,26 @@
 # and OpenMPI from Debian. torch stays out of the project's 3.12 venv (the
 # registry's torch would pull GBs of CUDA). Safe to re-run.
 set -euo pipefail
-PEERS=${FTHSDP_PEERS_ENV:-/work/peers311}
-PY311=${PY311:-/root/.pyenv/versions/3.11.7/bin/python}
+# Default location: the user's cache directory (override with FTHSDP_PEERS_ENV).
+PEERS=${FTHSDP_PEERS_ENV:-${XDG_CACHE_HOME:-$HOME/.cache}/fthsdp/peers311}
+# A Python 3.11 (the CPU torch wheel is for 3.11): $PY311, else python3.11 on
+# PATH, else pyenv's newest 3.11.
+if [ -z "${PY311:-}" ]; then
+  PY311=$(command -v python3.11 || true)
+  if [ -z "$PY311" ] && command -v pyenv >/dev/null 2>&1; then
+    v=$(pyenv versions --bare | grep -E '^3\.11(\.|$)' | sort -V | tail -1 || true)
+    [ -n "$v" ] && PY311="$(pyenv root)/versions/$v/bin/python"
+  fi
+  if [ -z "$PY311" ] && [ -x /usr/bin/python3 ] && /usr/bin/python3 -c 'import sys; sys.exit(sys.version_info[:2] != (3, 11))'; then
+    PY311=/usr/bin/python3
+  fi
+fi
+if [ -z "${PY311:-}" ]; then
+  echo "setup_peers: needs a Python 3.11 (set PY311=/path/to/python3.11)" >&2
+  exit 1
+fi
+mkdir -p "$(dirname "$PEERS")"
+echo "setup_peers: side environment $PEERS (python $PY311)"
 if ! command -v mpirun >/dev/null; then
   apt-get update
   DEBIAN_FRONTEND=noninteractive apt-get install -y openmpi-bin libopenmpi-dev

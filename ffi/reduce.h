@@ -2,7 +2,7 @@
 //
 // Every rank of a ring runs exactly these kernels on exactly the same inputs
 // in exactly the same order, so results are bitwise identical across ranks
-// (DESIGN.md invariant 1). Half-precision sums are computed in f32 and rounded
+// (invariant 1 in the README: identical replicas). Half-precision sums are computed in f32 and rounded
 // to nearest-even once, matching numpy/ml_dtypes `(a.astype(f32) + b).astype(h)`.
 #pragma once
 

@@ -15,7 +15,7 @@
 // combined store). Steps n-1..2n-3 are the all-gather: at u = t-(n-1) rank r
 // forwards segment (r + 1 - u) and receives segment (r - u) as final bytes.
 // Every segment's final value is computed by exactly one rank and then copied
-// verbatim, so all ranks end with the same bytes (DESIGN.md invariant 1).
+// verbatim, so all ranks end with the same bytes (invariant 1 in the README: identical replicas).
 //
 // The data dependency that makes the pipeline correct: the segment a rank
 // sends at step t > 0 is exactly the segment it received at step t-1, in the

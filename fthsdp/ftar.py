@@ -7,7 +7,7 @@ gradient pytree into one flat buffer per dtype for every local shard, calls
 the `fthsdp_ftar` custom call once per shard under `shard_map` (shard i of
 this replica forms a ring with shard i of every other replica), and
 unbuckets. Membership and the communicator handle enter as int32 arrays, so
-reconfiguring never recompiles (DESIGN.md invariant 4).
+reconfiguring never recompiles (invariant 4 in the README: no recompilation).
 
 Outcomes: status 0 (OK) or 1 (RECOVERABLE: a peer died, a timeout, a stale
 quorum, an abort) per local shard; fatal errors raise JaxRuntimeError.
@@ -33,6 +33,7 @@ import numpy as np
 from jax.sharding import Mesh, PartitionSpec as P
 
 from fthsdp import native
+from fthsdp.addresses import LOOPBACK, advertised, check_host, is_wildcard
 from fthsdp.quorum_inputs import STATUS_FATAL, STATUS_OK, STATUS_RECOVERABLE, QuorumInputs
 
 __all__ = ["FtarOptions", "ConfigureResult", "Communicator", "allreduce", "STATUS_OK",
@@ -50,15 +51,20 @@ class FtarOptions:
     chunk_bytes / chunks: chunk size S and chunks in flight C of the pipeline;
         S*C bytes of receive staging are allocated (and touched) up front.
     timeout_s: deadline of one all-reduce call; past it the call returns
-        RECOVERABLE instead of hanging (DESIGN.md invariant 3).
+        RECOVERABLE instead of hanging (invariant 3 in the README: no hang).
+    listen_host: the interface the ring endpoints bind (an IPv4 or IPv6
+        literal or a name; 0.0.0.0 / :: = every interface).
+    advertise_host: the host peers connect to, published in `addresses`
+        (empty: the bound host; required when binding every interface).
     """
 
     streams: int = 2
     chunk_bytes: int = 1 << 20
     chunks: int = 4
     timeout_s: float = 60.0
-    listen_host: str = "127.0.0.1"
+    listen_host: str = LOOPBACK
     socket_buffer_bytes: int = 0
+    advertise_host: str = ""
 
     def __post_init__(self):
         if not 1 <= self.streams <= 64:
@@ -69,6 +75,12 @@ class FtarOptions:
             raise ValueError(f"chunk_bytes must be in [64, 2**30], got {self.chunk_bytes}")
         if not self.timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0, got {self.timeout_s}")
+        check_host(self.listen_host)
+        if self.advertise_host:
+            check_host(self.advertise_host)
+        elif is_wildcard(self.listen_host):
+            raise ValueError(f"listen_host {self.listen_host!r} binds every interface: set advertise_host to "
+                             "the address peers reach this host on")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,8 +116,8 @@ class Communicator:
 
     @property
     def addresses(self) -> list[str]:
-        """This replica's listen address per local shard."""
-        return list(self._mod.ftar_addresses(self.handle))
+        """This replica's advertised address per local shard (what peers connect to)."""
+        return [advertised(a, self.options.advertise_host) for a in self._mod.ftar_addresses(self.handle)]
 
     @property
     def address(self) -> str:

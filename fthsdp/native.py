@@ -1,6 +1,6 @@
 """Loads the native libraries and registers their XLA FFI targets with jax, once.
 
-Registration must happen after jax's backends exist (DESIGN.md), so it is
+Registration must happen after jax's backends exist, so it is
 done lazily by `ensure_registered()` rather than at import time.
 
 Two libraries: `fthsdp._ffi` (CPU handlers and the FTAR control plane; always

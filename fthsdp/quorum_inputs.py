@@ -2,7 +2,7 @@
 
 Membership enters the step only through these arrays, never as static
 arguments or Python constants, so a membership change never recompiles the
-step (DESIGN.md invariant 4).
+step (invariant 4 in the README: no recompilation).
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ for cand in "${PYTHON:-}" python3.12 python3.13 python3; do
   # pyenv shims exist for versions that are not active; ask the shim to run.
   if ok "$p"; then echo "$p"; exit 0; fi
 done
-for p in "$HOME"/.pyenv/versions/3.1[2-9]*/bin/python3 /root/.pyenv/versions/3.1[2-9]*/bin/python3; do
+for p in "${PYENV_ROOT:-$HOME/.pyenv}"/versions/3.1[2-9]*/bin/python3; do
   if [ -x "$p" ] && ok "$p"; then echo "$p"; exit 0; fi
 done
 if command -v pyenv >/dev/null 2>&1; then
