@@ -1,0 +1,628 @@
+"""`fthsdp ray`: the fault-tolerant job on a Ray cluster, with faults injected through Ray.
+
+The same job as `fthsdp run` (fthsdp/launch/local.py), with Ray managing the
+processes: the supervision rules, the fault plan, the run directory, the live
+status lines, the report, summary.json and timeline.png are the local
+launcher's own (RayJob subclasses LocalJob and replaces only what touches a
+process). What differs:
+
+* the lighthouse is a Ray actor (fthsdp/launch/ray_actors.py, not detached:
+  it lives and dies with the job's driver), pinned to the driver's node and
+  restarted there on the same address when it dies;
+* each replica is a placement group with one bundle per process (sized by the
+  replica's devices; GPUs when the cluster has them) holding one actor per
+  process. Until replicas span several processes that is one bundle and one
+  actor; the actor runs the replica entry point (fthsdp.replica.main);
+* the launcher hands each actor its replica id, the lighthouse's address, the
+  job's peer secret, a config file's text and its ledger so far, as call
+  arguments. The actor writes into a node-local work directory and the driver
+  collects the records through Ray (`poll`) into the run directory, where the
+  report reads them as it reads a local run's;
+* a replica whose actor died (killed, its process SIGKILLed, its node lost)
+  has its placement group removed and placed again: Ray puts it on a node that
+  has room (another one if the old node is gone); it rejoins from its peers.
+  When it cannot be placed within `ft.startup_timeout_s`, the job goes on with
+  fewer replicas and says so;
+* faults: `--kill R@STEP` is `ray.kill` of the actor (`--kill-with ray-kill`)
+  or a SIGKILL of the actor's worker process (`--kill-with sigkill`);
+  `--kill-node R@STEP` removes the node that runs replica R (SIGKILL of its
+  raylet); `--stop` needs the actor on the driver's machine.
+
+Persistent checkpoints go to `--checkpoint-dir` (default OUT/checkpoints):
+storage every node can reach, as a Ray job's storage path must be.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import pathlib
+import signal
+import sys
+import time
+from dataclasses import dataclass, field
+
+from fthsdp.launch import faults as faults_lib
+from fthsdp.launch import rundir as rundir_lib
+from fthsdp.launch import supervise
+from fthsdp.launch.local import LocalJob, ReplicaProc
+
+log = logging.getLogger("fthsdp.launch")
+
+KILL_WITH = ("ray-kill", "sigkill")
+POLL_TIMEOUT_S = 10.0  # one collection round trip to a live actor
+ENV_PASSED = ("JAX_PLATFORMS", "PYTHONUNBUFFERED")  # besides every FTHSDP_* variable
+
+
+@dataclass(frozen=True)
+class Placement:
+    """What one replica asks of the cluster: one bundle per process."""
+
+    bundles: list[dict[str, float]]
+    strategy: str = "PACK"  # a replica's processes together (they share a mesh), but may spread if they must
+
+
+def placement_for(devices: int, processes: int, cluster_gpus: float) -> Placement:
+    """One bundle per process, sized by its devices: GPUs when the cluster has them,
+    else host CPUs (a CPU replica's devices are host devices, one core each)."""
+    if devices < 1 or processes < 1 or devices % processes:
+        raise ValueError(f"a replica of {devices} device(s) cannot be split over {processes} process(es)")
+    per = devices // processes
+    bundle = {"CPU": 1.0, "GPU": float(per)} if cluster_gpus >= per else {"CPU": float(per)}
+    return Placement([dict(bundle) for _ in range(processes)])
+
+
+def cluster_cpus_needed(replicas: int, devices: int) -> int:
+    """Logical CPUs a fresh local cluster declares: every replica's bundles, the
+    lighthouse's share and one spare for a replacement placed before its
+    predecessor's bundle is returned. Logical only: Ray does not pin cores."""
+    return replicas * devices + 2
+
+
+class ActorProcess:
+    """A replica's placement group and actor, seen through the calls the local
+    launcher makes on a subprocess.Popen (pid, poll, kill, wait, returncode).
+
+    poll() is None while the group is being placed and while the actor runs;
+    it becomes the replica's exit code when `run` returns, or -SIGKILL when the
+    actor died (killed, its process or its node lost), which the supervision
+    rules read as "restart it" like any death by a signal.
+    """
+
+    def __init__(self, job: "RayJob", rid: int, argv: list[str]) -> None:
+        import ray
+        from ray.util.placement_group import placement_group
+
+        self.job, self.rid, self.argv = job, rid, argv
+        self.pg = placement_group(job.placement.bundles, strategy=job.placement.strategy,
+                                  name=f"{job.job_id}-replica-{rid}-{time.time_ns()}")
+        self.ready_ref = self.pg.ready()
+        self.deadline = time.monotonic() + job.place_timeout_s
+        self.actor = None
+        self.run_ref = None
+        self.where: dict = {}
+        self.returncode: int | None = None
+        self.pid = -1
+        self.unplaced = ""
+        self._ray = ray
+
+    # -- placement and start ------------------------------------------------------------
+
+    def advance(self) -> None:
+        """Starts the actor once the group is placed; gives up after the placement deadline."""
+        if self.actor is not None or self.returncode is not None:
+            return
+        ray = self._ray
+        ready, _ = ray.wait([self.ready_ref], timeout=0)
+        if not ready:
+            if time.monotonic() > self.deadline:
+                self.unplaced = (f"no node has room for {self.job.placement.bundles} within "
+                                 f"{self.job.place_timeout_s:.0f} s (cluster resources now: "
+                                 f"{ray.available_resources()})")
+                self.teardown()
+                self.returncode = -int(signal.SIGKILL)
+            return
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        from fthsdp.launch.ray_actors import ReplicaActor
+
+        bundle = self.job.placement.bundles[0]
+        cls = ray.remote(ReplicaActor).options(
+            num_cpus=bundle.get("CPU", 0), num_gpus=bundle.get("GPU", 0), max_restarts=0, max_concurrency=4,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=0))
+        self.actor = cls.remote(self.rid, self.job.actor_env(), self.job.seed_files(self.rid), self.job.config_text)
+        try:
+            self.where = ray.get(self.actor.where.remote(), timeout=self.job.place_timeout_s)
+            ray.get(self.actor.link_checkpoints.remote(str(self.job.checkpoint_dir)), timeout=POLL_TIMEOUT_S)
+        except Exception as e:  # noqa: BLE001 - a start that fails is a death: restarted by the rules
+            log.warning("replica %d: its actor did not start: %s", self.rid, e)
+            self.teardown()
+            self.returncode = -int(signal.SIGKILL)
+            return
+        self.pid = int(self.where["pid"])
+        self.run_ref = self.actor.run.remote(self.argv)
+        self.job.event("placed", self.rid, node=self.where["node_id"][:12], pid=self.pid, ip=self.where["ip"])
+
+    @property
+    def placed(self) -> bool:
+        return self.actor is not None
+
+    # -- the Popen calls ----------------------------------------------------------------------
+
+    def poll(self) -> int | None:
+        if self.returncode is not None:
+            return self.returncode
+        if self.run_ref is None:
+            return None
+        ready, _ = self._ray.wait([self.run_ref], timeout=0)
+        if ready:
+            self._finish()
+        return self.returncode
+
+    def _finish(self) -> None:
+        try:
+            rc = int(self._ray.get(self.run_ref, timeout=POLL_TIMEOUT_S))
+        except Exception:  # noqa: BLE001 - RayActorError and kin: the process is gone
+            rc = -int(signal.SIGKILL)
+        else:
+            self.job.collect_one(self.rid, self)  # its last records, before the actor goes
+        self.returncode = rc
+        self.teardown()
+
+    def wait(self, timeout: float | None = None) -> int:
+        if self.run_ref is not None and self.returncode is None:
+            if self._ray.wait([self.run_ref], timeout=timeout)[0]:
+                self._finish()
+        if self.returncode is None:
+            self.kill()
+        return self.returncode
+
+    def kill(self) -> None:
+        """The launcher's own kill (shutdown, fallback): ray.kill, then the group is removed."""
+        if self.returncode is None:
+            self.returncode = -int(signal.SIGKILL)
+        self.teardown()
+
+    terminate = kill
+
+    def teardown(self) -> None:
+        ray = self._ray
+        if self.actor is not None:
+            try:
+                ray.kill(self.actor, no_restart=True)
+            except Exception:  # noqa: BLE001 - already dead
+                pass
+        try:
+            from ray.util.placement_group import remove_placement_group
+
+            remove_placement_group(self.pg)
+        except Exception:  # noqa: BLE001 - already removed, or its node is gone
+            pass
+
+
+class LighthouseProcess:
+    """The lighthouse actor through the Popen calls the local launcher makes."""
+
+    def __init__(self, port: int, detect_s: float, join_timeout_s: float, replicas: int, node_id: str) -> None:
+        import ray
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        from fthsdp.launch.ray_actors import LighthouseActor
+
+        self._ray = ray
+        cls = ray.remote(LighthouseActor).options(
+            num_cpus=0, max_restarts=0, max_concurrency=4,
+            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False))
+        self.actor = cls.remote(port, detect_s, join_timeout_s, replicas)
+        self.address = ray.get(self.actor.address.remote(), timeout=60)
+        self.pid = ray.get(self.actor.pid.remote(), timeout=POLL_TIMEOUT_S)
+        self.serve_ref = self.actor.serve.remote()
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None and self._ray.wait([self.serve_ref], timeout=0)[0]:
+            try:
+                self.returncode = int(self._ray.get(self.serve_ref))
+            except Exception:  # noqa: BLE001 - the actor died
+                self.returncode = -int(signal.SIGKILL)
+        return self.returncode
+
+    def kill(self) -> None:
+        try:
+            self._ray.kill(self.actor, no_restart=True)
+        except Exception:  # noqa: BLE001
+            pass
+        self._ray.wait([self.serve_ref], timeout=30)
+        self.poll()
+
+    def terminate(self) -> None:
+        try:
+            self._ray.get(self.actor.stop.remote(), timeout=POLL_TIMEOUT_S)
+        except Exception:  # noqa: BLE001
+            pass
+        self.kill()
+        self.returncode = 0 if self.returncode is None else self.returncode
+
+    def wait(self, timeout: float | None = None) -> int | None:
+        self._ray.wait([self.serve_ref], timeout=timeout)
+        return self.poll()
+
+
+@dataclass
+class RayJob(LocalJob):
+    """A LocalJob whose processes are Ray actors; see the module's docstring."""
+
+    kill_with: str = "ray-kill"
+    devices: int = 1
+    processes_per_replica: int = 1
+    checkpoint_dir: pathlib.Path | None = None
+    config_text: str | None = None  # a config given as a file: its text travels to the actors
+    place_timeout_s: float = 120.0
+    unplaced: dict[int, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        import ray
+
+        super().__post_init__()
+        if self.kill_with not in KILL_WITH:
+            raise ValueError(f"kill_with={self.kill_with!r}: expected one of {KILL_WITH}")
+        self.checkpoint_dir = pathlib.Path(self.checkpoint_dir or self.out_dir / "checkpoints").resolve()
+        self.placement = placement_for(self.devices, self.processes_per_replica,
+                                       ray.cluster_resources().get("GPU", 0.0))
+        self.driver_node = ray.get_runtime_context().get_node_id()
+
+    # -- what the actors get -----------------------------------------------------------
+
+    def actor_env(self) -> dict[str, str]:
+        env = {k: v for k, v in os.environ.items() if k.startswith("FTHSDP_") or k in ENV_PASSED}
+        env["FTHSDP_PEER_TOKEN"] = self.token
+        env["PYTHONUNBUFFERED"] = "1"
+        return env
+
+    def seed_files(self, rid: int) -> dict[str, str]:
+        """What a replacement continues: the ledger and loader position collected so far."""
+        from fthsdp.launch.ray_actors import REWRITTEN
+
+        out = {}
+        for rel in (f"ledger/replica_{rid}.jsonl", REWRITTEN[1].format(rid=rid)):
+            p = self.out_dir / rel
+            if p.exists():
+                out[rel] = p.read_text()
+        return out
+
+    def replica_argv(self, rid: int, mode: str) -> list[str]:
+        return ["--replica-id", str(rid), "--lighthouse", self.lighthouse_addr, "--job", self.job_id,
+                "--allreduce", self.allreduce, "--hash-every", str(self.hash_every),
+                *([] if self.config_text is not None else ["--config", self.config]),
+                *(["--resume", self.resume] if self.resume and mode == "start" else []),
+                *(["--rejoin"] if mode == "rejoin" else []), *self.overrides]
+
+    # -- the records, through Ray ---------------------------------------------------------
+
+    def collect_one(self, rid: int, ap: ActorProcess) -> None:
+        import ray
+
+        try:
+            got = ray.get(ap.actor.poll.remote(), timeout=POLL_TIMEOUT_S)
+        except Exception:  # noqa: BLE001 - dead: what it did not send is lost with its node
+            return
+        self._store(got)
+
+    def _store(self, got: dict) -> None:
+        for rel, text in got["append"].items():
+            p = self.out_dir / rel
+            p.parent.mkdir(parents=True, exist_ok=True)
+            with open(p, "a") as f:
+                f.write(text)
+        for rel, text in got["latest"].items():
+            p = self.out_dir / rel
+            p.parent.mkdir(parents=True, exist_ok=True)
+            tmp = p.with_name(f".{p.name}.driver.tmp")
+            tmp.write_text(text)
+            os.replace(tmp, p)
+
+    def collect(self) -> None:
+        """One round: every live actor's new records, asked for at once."""
+        import ray
+
+        asks = {}
+        for rid, rp in self.procs.items():
+            ap = rp.proc
+            if isinstance(ap, ActorProcess):
+                ap.advance()
+                if ap.placed and ap.returncode is None:
+                    asks[rid] = ap.actor.poll.remote()
+        for rid, ref in asks.items():
+            try:
+                self._store(ray.get(ref, timeout=POLL_TIMEOUT_S))
+            except Exception:  # noqa: BLE001 - died meanwhile: reap() handles it
+                pass
+
+    # -- processes ------------------------------------------------------------------------
+
+    def start_lighthouse(self) -> None:
+        t0 = time.monotonic()
+        self.lighthouse = LighthouseProcess(self.lighthouse_port, self.detect_s, self.join_timeout_s,
+                                            self.replicas, self.driver_node)
+        self.lighthouse_addr = self.lighthouse.address
+        self.lighthouse_port = int(self.lighthouse_addr.rsplit(":", 1)[1])
+        self._lighthouse_down_ok = False
+        self.event("lighthouse", address=self.lighthouse_addr, actor_pid=self.lighthouse.pid,
+                   start_s=round(time.monotonic() - t0, 3))
+
+    def supervise_lighthouse(self) -> bool:
+        # Called once per iteration of LocalJob.run's loop, first: the records come in here.
+        self.collect()
+        self._note_unplaced()
+        return super().supervise_lighthouse()
+
+    def start_replica(self, rid: int, mode: str = "start") -> None:
+        rp = self.procs.setdefault(rid, ReplicaProc(rid))
+        rp.log_path = self.out_dir / f"replica-{rid}.log"
+        rp.log_path.touch()
+        rp.proc = ActorProcess(self, rid, self.replica_argv(rid, mode))
+        rp.state, rp.mode, rp.progressed = "running", mode, False
+        rp.restart_at = rp.cont_at = None
+
+    def _note_unplaced(self) -> None:
+        for rid, rp in self.procs.items():
+            ap = rp.proc
+            if isinstance(ap, ActorProcess) and ap.unplaced and rid not in self.unplaced:
+                self.unplaced[rid] = ap.unplaced
+                rp.state, rp.restart_at = "unplaced", None
+                left = sorted(r for r, p in self.procs.items() if p.state in ("running", "starting", "stopped"))
+                log.warning("replica %d cannot be placed: %s; the job goes on with %d replica(s) %s", rid,
+                            ap.unplaced, len(left), left)
+                self.event("unplaced", rid, reason=ap.unplaced, replicas_left=left)
+
+    def live_status(self, rid: int) -> dict:
+        import json
+
+        rp = self.procs.get(rid)
+        if rp is None or not isinstance(rp.proc, ActorProcess) or rp.proc.poll() is not None or not rp.proc.placed:
+            return {}
+        try:
+            st = json.loads((self.out_dir / f"status-{rid}.json").read_text())
+        except (FileNotFoundError, json.JSONDecodeError):
+            return {}
+        return st if st.get("pid") == rp.proc.pid else {}
+
+    def signal_replica(self, rid: int, sig: int) -> None:
+        ap = self.procs[rid].proc
+        if not isinstance(ap, ActorProcess) or ap.poll() is not None or not ap.placed:
+            return
+        if ap.where.get("node_id") != self.driver_node:
+            log.warning("replica %d runs on another node: signal %s not sent (only SIGKILL and node faults "
+                        "reach other nodes)", rid, signal.Signals(sig).name)
+            return
+        os.kill(ap.pid, sig)
+
+    def kill_replica(self, rid: int) -> None:
+        rp = self.procs[rid]
+        if rp.proc is not None and rp.proc.poll() is None:
+            if isinstance(rp.proc, ActorProcess) and rp.proc.placed:
+                self.signal_replica(rid, signal.SIGCONT)  # a stopped actor must not hold its group
+            rp.proc.kill()
+
+    def ray_kill(self, rid: int, how: str) -> dict:
+        """The fault: `ray-kill` (ray.kill of the actor), `sigkill` (SIGKILL of its worker
+        process), or `node` (its whole node). The records sent so far are collected first."""
+        import ray
+
+        rp = self.procs[rid]
+        ap = rp.proc
+        info: dict = {"how": how}
+        if not isinstance(ap, ActorProcess) or not ap.placed or ap.poll() is not None:
+            return {**info, "note": "not running"}
+        info.update(node=ap.where.get("node_id", "")[:12], pid=ap.pid)
+        self.collect_one(rid, ap)
+        if how == "ray-kill":
+            ray.kill(ap.actor, no_restart=True)
+        elif how == "sigkill":
+            try:
+                ray.get(ap.actor.sigkill_self.remote(), timeout=POLL_TIMEOUT_S)
+            except Exception:  # noqa: BLE001 - the expected answer: the actor died
+                pass
+        elif how == "node":
+            if ap.where.get("node_id") == self.driver_node:
+                raise RuntimeError(f"--kill-node of replica {rid}: it runs on the driver's own node "
+                                   f"({self.driver_node[:12]}); removing it would end the job. Give it a node "
+                                   "of its own (more nodes, or fewer CPUs on the head node)")
+            info["raylet"] = ray.get(ap.actor.kill_node.remote(), timeout=POLL_TIMEOUT_S)
+        # Ray learns of a lost node only after its health checks; the replica itself is
+        # found dead by the lighthouse meanwhile, and the launcher waits for Ray here.
+        deadline = time.monotonic() + self.place_timeout_s
+        while ap.poll() is None and time.monotonic() < deadline:
+            ray.wait([ap.run_ref], timeout=0.5)
+        ap.teardown()
+        return info
+
+    def _fire(self, f, progress: dict, healthy: set[int]) -> None:
+        if f.kind not in ("kill", "kill_node", "kill_worker"):
+            return super()._fire(f, progress, healthy)
+        step = progress.get(f.replica)
+        self.fired.append({**f.to_json(), "attempt": self.attempt, "at_step": step, "time": time.time()})
+        self.rundir.record_fired(self.fired[-1])
+        rp = self.procs[f.replica]
+        t = time.time()
+        how = {"kill_node": "node", "kill_worker": "sigkill"}.get(f.kind, self.kill_with)
+        info = self.ray_kill(f.replica, how)
+        rp.state = "killed"
+        # The event's time is the fault's (before the wait for Ray), as the report measures from it.
+        self.event("kill", f.replica, step=step, healthy=sorted(healthy - {f.replica}), fault_time=t, **info)
+        if self.restart:
+            rp.restart_at = time.time() + self.restart_delay_s
+
+    def event(self, kind: str, replica: int | None = None, **extra) -> None:
+        import json
+
+        t = extra.pop("fault_time", None)
+        if t is None:
+            return super().event(kind, replica, **extra)
+        rec = {"time": t, "kind": kind, "replica": replica, "attempt": self.attempt, **extra}
+        self._events.write(json.dumps(rec) + "\n")
+        log.info("%s replica %s %s", kind, replica, " ".join(f"{k}={v}" for k, v in extra.items()))
+
+    def status_line(self) -> str:
+        line = super().status_line()
+        for rid in self.unplaced:
+            line = line.replace(f"r{rid}: starting", f"r{rid}: UNPLACED")
+        return line
+
+    def run(self) -> dict:
+        summary = super().run()
+        if self.unplaced:
+            summary["unplaced_replicas"] = {str(k): v for k, v in self.unplaced.items()}
+            import json
+
+            (self.out_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
+            for rid, why in self.unplaced.items():
+                log.info("replica %d was never placed again (%s): the job ran on with fewer replicas", rid, why)
+        return summary
+
+    def shutdown(self) -> None:
+        for rp in self.procs.values():
+            if isinstance(rp.proc, ActorProcess):
+                if rp.proc.placed and rp.proc.returncode is None:
+                    self.collect_one(rp.rid, rp.proc)
+                rp.proc.kill()
+        super().shutdown()
+
+
+# -- the cluster ----------------------------------------------------------------------------
+
+
+def connect(address: str | None, num_cpus: int, temp_dir: str | None = None) -> bool:
+    """Joins `address` (auto, HOST:PORT) or starts a fresh local cluster sized for the
+    job (explicit CPUs, no dashboard, a small object store: the job needs none of
+    them). Returns whether this call started the cluster (then ray.shutdown ends it)."""
+    import ray
+
+    if ray.is_initialized():
+        return False
+    kw = dict(include_dashboard=False, log_to_driver=False, logging_level=logging.WARNING)
+    if address:
+        ray.init(address=address, **kw)
+        return False
+    ray.init(num_cpus=num_cpus, num_gpus=None, object_store_memory=80 * 1024 * 1024,
+             _node_ip_address="127.0.0.1", **({"_temp_dir": temp_dir} if temp_dir else {}), **kw)
+    return True
+
+
+def parse_ray_kills(specs: list[str] | None, kind: str, replicas: int) -> list[faults_lib.Fault]:
+    """--kill-node / --kill-worker REPLICA@STEP -> faults of `kind` (kill_node, kill_worker)."""
+    flag = "--" + kind.replace("_", "-")
+    out = []
+    for s in specs or ():
+        try:
+            f = faults_lib.parse_fault(s, "kill")  # same REPLICA@STEP grammar and checks
+        except ValueError:
+            raise ValueError(f"bad {flag} {s!r}: expected REPLICA@STEP, e.g. 1@40") from None
+        if f.replica >= replicas:
+            raise ValueError(f"{flag} {s}: the job has replicas 0..{replicas - 1}")
+        out.append(faults_lib.Fault(step=f.step, replica=f.replica, kind=kind))
+    return out
+
+
+def cli(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="fthsdp ray", description="Run a fault-tolerant job on a Ray cluster: the "
+                                "lighthouse and every replica as Ray actors (one placement group per replica), "
+                                "faults through Ray. The report and files are `fthsdp run`'s.")
+    p.add_argument("--config", default="ft_local", help="config name or file (default: ft_local)")
+    p.add_argument("--address", default=None, help="auto or HOST:PORT of a running cluster (default: start a "
+                   "fresh local one for this job and end it at the end)")
+    p.add_argument("--num-cpus", type=int, default=None, help="logical CPUs of a fresh local cluster "
+                   "(default: what the job's placement groups need)")
+    p.add_argument("--temp-dir", default=None, help="Ray's temp dir for a fresh local cluster")
+    p.add_argument("--replicas", type=int, default=None, help="overrides launch.replicas")
+    p.add_argument("--devices-per-replica", type=int, default=None, help="overrides launch.devices_per_replica")
+    p.add_argument("--kill", action="append", default=None, metavar="REPLICA@STEP",
+                   help="kill a replica's actor at a step (how: --kill-with)")
+    p.add_argument("--kill-with", choices=KILL_WITH, default="ray-kill",
+                   help="ray-kill: ray.kill of the actor; sigkill: SIGKILL of the actor's worker process")
+    p.add_argument("--kill-worker", action="append", default=None, metavar="REPLICA@STEP",
+                   help="SIGKILL a replica's actor worker process at a step (whatever --kill-with says)")
+    p.add_argument("--kill-node", action="append", default=None, metavar="REPLICA@STEP",
+                   help="remove the node that runs REPLICA at STEP (SIGKILL of its raylet)")
+    p.add_argument("--stop", action="append", default=None, metavar="REPLICA@STEP",
+                   help="SIGSTOP a replica's actor process at a step (actors on the driver's node)")
+    p.add_argument("--stop-seconds", type=float, default=3.0)
+    p.add_argument("--random-kills", type=int, default=None)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--kill-lighthouse", action="append", default=None, metavar="STEP",
+                   help="ray.kill the lighthouse actor at STEP (restarted on the same address)")
+    p.add_argument("--restart", action=argparse.BooleanOptionalAction, default=None,
+                   help="place and start killed replicas again (default: launch.restart)")
+    p.add_argument("--checkpoint-dir", default=None,
+                   help="persistent checkpoints: storage every node reaches (default: OUT/checkpoints)")
+    p.add_argument("--out-dir", default=None)
+    p.add_argument("--allreduce", choices=("ftar", "local"), default="ftar")
+    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("overrides", nargs="*", help="section.field=value")
+    args = p.parse_args(argv)
+
+    from fthsdp import config as config_lib
+    from fthsdp import logs
+
+    overrides = list(args.overrides)
+    if args.replicas is not None:
+        overrides.append(f"launch.replicas={args.replicas}")
+    if args.devices_per_replica is not None:
+        overrides.append(f"launch.devices_per_replica={args.devices_per_replica}")
+    try:
+        cfg = config_lib.load(args.config, overrides)
+    except ValueError as e:
+        p.error(str(e))
+    from fthsdp.launch.local import _steps
+
+    sources = faults_lib.choose_sources(args.kill, args.stop, args.random_kills,
+                                        _steps(args.kill_lighthouse, "--kill-lighthouse", p), None,
+                                        cfg.launch.kill, cfg.launch.stop, cfg.launch.random_kills)
+    if (args.kill_node or args.kill_worker) and sources.origin == "config":
+        sources = faults_lib.FaultSources((), (), 0, origin="command line")
+    try:
+        plan = faults_lib.plan(sources.kills, sources.stops, cfg.launch.replicas, random_count=sources.random_count,
+                               steps=cfg.train.steps,
+                               seed=args.seed if args.seed is not None else cfg.launch.fault_seed,
+                               stop_s=args.stop_seconds, lighthouse=sources.lighthouse)
+        plan = sorted(plan + parse_ray_kills(args.kill_node, "kill_node", cfg.launch.replicas)
+                      + parse_ray_kills(args.kill_worker, "kill_worker", cfg.launch.replicas))
+    except ValueError as e:
+        p.error(str(e))
+    config_path = pathlib.Path(args.config)
+    config_text = config_path.read_text() if config_path.suffix == ".py" and config_path.is_file() else None
+    out = pathlib.Path(args.out_dir or cfg.train.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    rundir_lib.clean_for_fresh_run(out)
+    rundir_lib.RunDir(out).save({"config": args.config, "overrides": overrides, "launcher": "ray",
+                                 "effective": rundir_lib.effective(cfg), "faults": [f.to_json() for f in plan],
+                                 "fired": [], "attempts": []})
+    logs.setup("fthsdp.launch")
+    started = connect(args.address, args.num_cpus or cluster_cpus_needed(cfg.launch.replicas,
+                                                                        cfg.launch.devices_per_replica),
+                      args.temp_dir)
+    try:
+        job = RayJob(config=args.config, overrides=overrides, out_dir=out, replicas=cfg.launch.replicas,
+                     steps=cfg.train.steps, faults=plan,
+                     restart=cfg.launch.restart if args.restart is None else args.restart,
+                     restart_delay_s=cfg.launch.restart_delay_s, allreduce=args.allreduce,
+                     max_job_restarts=cfg.launch.max_job_restarts, detect_s=cfg.ft.detect_s,
+                     join_timeout_s=cfg.ft.join_timeout_s, progress=not args.no_progress and sys.stderr.isatty(),
+                     kill_with=args.kill_with, devices=cfg.launch.devices_per_replica,
+                     checkpoint_dir=args.checkpoint_dir, config_text=config_text,
+                     place_timeout_s=cfg.ft.startup_timeout_s)
+        log.info("ray job: %d replicas x %d devices (placement %s), %d steps, faults (from %s) %s; logs in %s",
+                 cfg.launch.replicas, cfg.launch.devices_per_replica, job.placement.bundles, cfg.train.steps,
+                 sources.origin, [f.label() for f in plan] or "none", out)
+        summary = job.run()
+    finally:
+        if started:
+            import ray
+
+            ray.shutdown()
+    if job.gave_up:
+        return 4
+    if summary["failed_replicas"]:
+        return 1
+    return 0 if summary["identical_final_state"] else 3

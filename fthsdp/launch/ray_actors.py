@@ -1,0 +1,182 @@
+"""The processes of a Ray launch: the lighthouse and one replica process, as Ray actors.
+
+These classes run inside Ray worker processes, so this module imports
+nothing heavy at the top: jax must not be imported before the replica's
+entry point has set the host-device count (fthsdp.replica.main does that).
+
+A replica actor *is* the replica process: its `run` method calls the same
+entry point as `python -m fthsdp.replica` (fthsdp.replica.main) with the same
+flags, in the actor's own worker process. Only the process management
+differs from the local launcher. Everything the launcher hands it (replica
+id, lighthouse address, the job's peer secret, the config file's text, the
+replica's ledger and loader position so far) comes as call arguments through
+Ray; nothing is read from a file system that the driver and the actor share.
+The replica writes its records into a node-local work directory, and the
+driver collects them through `poll` (new complete lines, the latest status).
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import signal
+import socket
+import subprocess
+import tempfile
+import threading
+import time
+
+# Files a replica appends to, relative to its work directory ({rid} filled in):
+# streamed to the driver line by line, in order.
+APPENDED = ("metrics-{rid}.jsonl", "replica-{rid}.log", "ledger/replica_{rid}.jsonl")
+# Files a replica rewrites whole: the driver gets their latest content.
+REWRITTEN = ("status-{rid}.json", "loader_state/replica_{rid}.json")
+
+
+def node_ip() -> str:
+    import ray
+
+    return ray.util.get_node_ip_address()
+
+
+class LighthouseActor:
+    """`fthsdp lighthouse` in a Ray actor: the in-process LighthouseThread.
+
+    Not detached: its lifetime is the job's (the driver owns it), so a driver
+    that exits, cleanly or not, leaves no lighthouse behind on the cluster;
+    the replicas ride out the driver's own restarts of it (same address) like
+    any lighthouse outage.
+    """
+
+    def __init__(self, port: int, detect_s: float, join_timeout_s: float, replicas: int) -> None:
+        from fthsdp.lighthouse import LighthouseConfig, LighthouseThread
+
+        self.host = node_ip()
+        self.lh = LighthouseThread(LighthouseConfig(bind=f"{self.host}:{port}", detect_s=detect_s,
+                                                    join_timeout_s=join_timeout_s, num_replicas=replicas))
+        self.lh.start()
+        self._stop = threading.Event()
+
+    def address(self) -> str:
+        return self.lh.address
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def serve(self) -> int:
+        """Returns when stopped; its result tells the driver the actor is alive (pending) or dead (error)."""
+        self._stop.wait()
+        return 0
+
+    def stop(self) -> None:
+        self.lh.stop()
+        self._stop.set()
+
+
+class ReplicaActor:
+    """One replica process (one per replica until replicas span several processes).
+
+    `seed` holds the files a replacement continues (its ledger, its loader
+    position): the driver's copies, handed over through Ray.
+    """
+
+    def __init__(self, rid: int, env: dict[str, str], seed: dict[str, str], config_text: str | None) -> None:
+        os.environ.update(env)
+        os.environ.setdefault("FTHSDP_COMPILATION_CACHE", str(pathlib.Path.home() / ".cache" / "fthsdp" / "xla"))
+        self.rid = rid
+        self.dir = pathlib.Path(tempfile.mkdtemp(prefix=f"fthsdp-ray-r{rid}-"))
+        self.offsets: dict[str, int] = {}
+        for rel, text in seed.items():
+            p = self.dir / rel
+            p.parent.mkdir(parents=True, exist_ok=True)
+            p.write_text(text)
+            self.offsets[rel] = len(text.encode())  # the driver has these bytes already
+        self.config_path = None
+        if config_text is not None:
+            self.config_path = self.dir / "config.py"
+            self.config_path.write_text(config_text)
+        self.returncode: int | None = None
+
+    def where(self) -> dict:
+        """Node, host and pids: the driver's handle for signals and node faults."""
+        import ray
+
+        return {"node_id": ray.get_runtime_context().get_node_id(), "pid": os.getpid(),
+                "parent_pid": os.getppid(), "host": socket.gethostname(), "ip": node_ip(),
+                "work_dir": str(self.dir)}
+
+    def link_checkpoints(self, path: str) -> None:
+        """The persistent checkpoints' home: storage every node reaches (a Ray job's storage path)."""
+        link = self.dir / "checkpoints"
+        if not link.exists():
+            pathlib.Path(path).mkdir(parents=True, exist_ok=True)
+            link.symlink_to(path)
+
+    def run(self, argv: list[str]) -> int:
+        """The replica's entry point, as `python -m fthsdp.replica ARGV --out-dir WORKDIR` runs it."""
+        from fthsdp import replica
+
+        if self.config_path is not None:
+            argv = [*argv, "--config", str(self.config_path)]
+        try:
+            code = replica.main([*argv, "--out-dir", str(self.dir)])
+        except SystemExit as e:  # the entry point's refusals (bad flags, missing secret)
+            code = e.code if isinstance(e.code, int) else 2
+        except BaseException:  # noqa: BLE001 - an unclassified crash, as a process would exit with 1
+            import traceback
+
+            with open(self.dir / f"replica-{self.rid}.log", "a") as f:
+                f.write(traceback.format_exc())
+            code = 1
+        self.returncode = int(code)
+        return self.returncode
+
+    def poll(self) -> dict:
+        """New complete lines of the appended files, the rewritten files' latest text."""
+        out: dict[str, object] = {"append": {}, "latest": {}}
+        for pattern in APPENDED:
+            rel = pattern.format(rid=self.rid)
+            p = self.dir / rel
+            try:
+                with open(p, "rb") as f:
+                    f.seek(self.offsets.get(rel, 0))
+                    data = f.read()
+            except FileNotFoundError:
+                continue
+            end = data.rfind(b"\n") + 1  # only whole lines: a record is never torn in two
+            if end:
+                out["append"][rel] = data[:end].decode(errors="replace")
+                self.offsets[rel] = self.offsets.get(rel, 0) + end
+        for pattern in REWRITTEN:
+            rel = pattern.format(rid=self.rid)
+            try:
+                out["latest"][rel] = (self.dir / rel).read_text()
+            except FileNotFoundError:
+                pass
+        return out
+
+    def sigkill_self(self) -> None:
+        """A SIGKILL of this actor's worker process, from inside it (works on any node)."""
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    def kill_node(self) -> str:
+        """Removes this actor's whole node: SIGKILL of its raylet (the parent of Ray's
+        worker processes); every worker of the node dies with it, and the cluster
+        marks the node dead."""
+        ppid = os.getppid()
+        try:
+            cmd = pathlib.Path(f"/proc/{ppid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            cmd = ""
+        if "raylet" not in cmd:
+            raise RuntimeError(f"the parent of this Ray worker (pid {ppid}) is not a raylet ({cmd[:80]!r}); "
+                               "cannot remove the node")
+        # A helper outside this worker sends the signal, so the reply can leave first.
+        subprocess.Popen(["sh", "-c", f"sleep 0.2; kill -9 {ppid}"], start_new_session=True)
+        time.sleep(0.05)
+        return cmd.split()[0]
+
+    def cleanup(self) -> None:
+        import shutil
+
+        shutil.rmtree(self.dir, ignore_errors=True)
