@@ -75,3 +75,37 @@ def test_a_stalled_lighthouse_declares_nobody_dead_for_its_own_silence():
         finally:
             for c in clients:
                 c.close()
+
+
+def test_members_answered_late_are_not_declared_dead():
+    """Found by the emulation at 4,096 flat replicas: answering a large quorum took longer
+    than the detection window, members that do not heartbeat were judged by their
+    requests' arrival, all declared dead at once, and a lone late requester then formed
+    a quorum of one (split brain). An answered member is heard at its answer."""
+    import math
+
+    from fthsdp import lighthouse as lhm
+    from fthsdp import quorum as qm
+
+    async def main() -> tuple[list[str], int]:
+        server = lhm.Lighthouse(LighthouseConfig(detect_s=0.5, join_timeout_s=0.1))
+        job = server._job("late")
+        now = time.monotonic()
+        arrived = now - 4 * server.config.detect_s  # the requests came in long ago
+        loop = asyncio.get_running_loop()
+        for i in range(5):
+            rid = str(i)
+            req = qm.QuorumRequest(rid, 3, arrived, (f"h:{i}",), f"s:{i}", 1)
+            job.pending[rid] = lhm._Pending(req, loop.create_future())
+            job.last_seen[rid] = arrived
+            job.steps[rid] = 3
+        job.live_hint = 5
+        server._evaluate(job)
+        answered = sum(1 for i in range(5) if str(i) not in job.pending)
+        dead = server._update_dead(job, time.monotonic() + 0.01)
+        assert math.isfinite(job.last_seen["0"])
+        return dead, answered
+
+    dead, answered = asyncio.run(main())
+    assert answered == 5
+    assert dead == []
