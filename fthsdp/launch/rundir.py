@@ -26,11 +26,20 @@ PER_ATTEMPT = ("metrics-*.jsonl", "status-*.json", "events.jsonl", "replica-*.ou
                "summary.json", "timeline.png", "lighthouse.log", "lighthouse.port")
 
 # Fields a resume may change: they do not alter what is trained, only how the
-# run is driven and observed. Every other field of the effective config is the
-# run's shape (state shapes, data order, the step count, the ring).
-MAY_CHANGE = ("launch.kill", "launch.stop", "launch.random_kills", "launch.fault_seed", "launch.restart",
-              "launch.restart_delay_s", "launch.max_job_restarts", "launch.lighthouse", "train.out_dir",
-              "train.log_every", "train.eval_every", "train.min_step_s", "name")
+# run is driven, placed and observed (every ft.* timeout and policy, every
+# launch.* field but the ring's shape, logging). Every other field of the
+# effective config is the run's shape (state shapes, data order, the step
+# count, the ring).
+LAUNCH_SHAPE = ("launch.replicas", "launch.devices_per_replica")
+MAY_CHANGE = ("train.out_dir", "train.log_every", "train.eval_every", "train.min_step_s", "name")
+
+
+def may_change(key: str) -> bool:
+    if key.startswith("ft."):
+        return True
+    if key.startswith("launch."):
+        return key not in LAUNCH_SHAPE
+    return key in MAY_CHANGE
 
 
 def flatten(d: dict, prefix: str = "") -> dict[str, object]:
@@ -53,8 +62,8 @@ def shape_differences(saved: dict[str, object], now: dict[str, object]) -> list[
     """'field: V in the run, W now' for every shape field that differs."""
     diffs = []
     for key in sorted(set(saved) | set(now)):
-        if key in MAY_CHANGE or key.startswith("ft."):
-            continue  # ft.* are timeouts and policies: a resume may retune them
+        if may_change(key):
+            continue
         if saved.get(key) != now.get(key):
             diffs.append(f"{key}: {saved.get(key)!r} in the run, {now.get(key)!r} now")
     return diffs
