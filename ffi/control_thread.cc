@@ -69,7 +69,7 @@ void RingEndpoint::configure(const RingConfig& config) {
     throw std::invalid_argument("ftar configure: connect_timeout_s must be > 0");
   }
   for (const auto& m : config.members) {
-    sockaddr_in addr;
+    tcp::Address addr;
     std::string error;
     if (!tcp::parse_address(m, &addr, &error)) throw std::invalid_argument("ftar configure: " + error);
   }
@@ -632,7 +632,7 @@ void RingEndpoint::poll_prepare(Clock::time_point now, std::vector<pollfd>* fds,
          " streams from left neighbour " + cfg_->members[left()] + " established");
   }
   if (local_state_ == State::kConnecting) {
-    sockaddr_in addr;
+    tcp::Address addr;
     std::string error;
     const bool ok = tcp::parse_address(cfg_->members[right()], &addr, &error);
     for (auto& s : out_) {

@@ -86,13 +86,26 @@ class FTConfig:
     snapshot: str = "on_demand"
     peer_streams: int = 2  # parallel HTTP streams per source when fetching a peer's state
     peer_serve_cap_gbps: float = 0.0  # cap on what a replica spends serving its state (0 = none)
+    # Where a replica's listeners (FTAR ring endpoints, peer state server,
+    # metrics) bind, and the host its peers are told to connect to (empty: the
+    # bind host; required when binding every interface, 0.0.0.0 or ::). IPv4
+    # or IPv6 literals or names; loopback by default, so nothing is reachable
+    # from outside the machine unless asked for (fthsdp.addresses).
+    bind_host: str = "127.0.0.1"
+    advertise_host: str = ""
 
 
 @dataclass(frozen=True)
 class LaunchConfig:
     replicas: int = 1
     devices_per_replica: int = 2
-    lighthouse: str = ""  # host:port; empty = start one locally
+    lighthouse: str = ""  # host:port ([v6]:port) of a running lighthouse; empty = start one locally
+    lighthouse_bind: str = "127.0.0.1:0"  # where the launcher's own lighthouse listens (port 0: any free one)
+    lighthouse_advertise: str = ""  # the host replicas reach it on (empty: the bind host)
+    # Emulated hosts: replica r's listeners bind (and advertise) hosts[r % len(hosts)],
+    # e.g. 127.0.0.2,127.0.0.3 so that each replica acts as its own machine on
+    # loopback; empty: every replica uses ft.bind_host / ft.advertise_host.
+    hosts: tuple[str, ...] = ()
     kill: tuple[str, ...] = ()  # "REPLICA@STEP"
     restart: bool = True  # the launcher restarts a killed replica, which rejoins from its peers
     restart_delay_s: float = 1.0

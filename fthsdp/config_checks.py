@@ -154,14 +154,42 @@ def _nonempty_text(value: Any) -> None:
 
 
 def _host_port_or_empty(value: Any) -> None:
-    """'' (start a lighthouse locally) or host:port with a port in 1..65535."""
+    """'' (start a lighthouse locally) or host:port ([v6]:port) with a port in 1..65535."""
     if value == "":
         return
-    host, sep, port = str(value).rpartition(":")
-    if not sep or not host or not port.isdigit() or not 1 <= int(port) <= 65535:
-        raise ValueError("not host:port with a port in 1..65535 (e.g. 127.0.0.1:29510)")
-    if any(c.isspace() or ord(c) < 32 for c in host):
-        raise ValueError("the host contains spaces or control characters")
+    from fthsdp.addresses import split_host_port
+
+    try:
+        split_host_port(str(value), allow_zero_port=False)
+    except ValueError as e:
+        raise ValueError(f"not host:port with a port in 1..65535 (e.g. 127.0.0.1:29510 or [::1]:29510): {e}") from None
+
+
+def _bind_address(value: Any) -> None:
+    """host:port ([v6]:port) to listen on; port 0 = any free port."""
+    from fthsdp.addresses import split_host_port
+
+    split_host_port(str(value))
+
+
+def _host(value: Any) -> None:
+    from fthsdp.addresses import check_host
+
+    check_host(value)
+
+
+def _host_or_empty(value: Any) -> None:
+    if value != "":
+        _host(value)
+
+
+def _advertisable_hosts(value: Any) -> None:
+    from fthsdp.addresses import check_host, is_wildcard
+
+    for h in value:
+        check_host(h)
+        if is_wildcard(h):
+            raise ValueError(f"host {h!r} binds every interface and cannot be advertised; name each host's address")
 
 
 def _fault_specs(kind: str) -> Callable[[Any], None]:
@@ -221,10 +249,15 @@ RULES: dict[str, Rule] = {
     "ft.snapshot": OneOf(("on_demand", "every_commit")),
     "ft.peer_streams": _int(1, FTAR_MAX_STREAMS, "parallel HTTP streams per source"),
     "ft.peer_serve_cap_gbps": _real(0, why="0 = no cap"),
+    "ft.bind_host": Parsed(_host, "an IPv4/IPv6 literal or a host name (0.0.0.0 or :: = every interface)"),
+    "ft.advertise_host": Parsed(_host_or_empty, "empty (the bind host) or the host peers connect to"),
     # launch
     "launch.replicas": _int(1),
     "launch.devices_per_replica": _int(1),
-    "launch.lighthouse": Parsed(_host_port_or_empty, "empty (start one locally) or host:port"),
+    "launch.lighthouse": Parsed(_host_port_or_empty, "empty (start one locally) or host:port ([v6]:port)"),
+    "launch.lighthouse_bind": Parsed(_bind_address, "host:port ([v6]:port) to listen on, port 0 = any free port"),
+    "launch.lighthouse_advertise": Parsed(_host_or_empty, "empty (the bind host) or the host replicas connect to"),
+    "launch.hosts": Parsed(_advertisable_hosts, "comma-separated hosts, one per emulated machine (empty: ft.bind_host)"),
     "launch.kill": Parsed(_fault_specs("kill"), "comma-separated REPLICA@STEP"),
     "launch.restart": Anything("true or false"),
     "launch.restart_delay_s": _real(0, why="seconds"),
@@ -317,6 +350,15 @@ def check(cfg: Any) -> None:
         raise ConfigError(
             f"data.batch_size={d.batch_size} must be divisible by launch.devices_per_replica="
             f"{launch.devices_per_replica} (the batch is sharded over the replica's devices)")
+    from fthsdp.addresses import is_wildcard, split_host_port
+
+    if is_wildcard(cfg.ft.bind_host) and not cfg.ft.advertise_host:
+        raise ConfigError(f"ft.bind_host={cfg.ft.bind_host!r} listens on every interface: set ft.advertise_host "
+                          "to the address other replicas reach this host on")
+    if (not launch.lighthouse and is_wildcard(split_host_port(launch.lighthouse_bind)[0])
+            and not launch.lighthouse_advertise):
+        raise ConfigError(f"launch.lighthouse_bind={launch.lighthouse_bind!r} listens on every interface: set "
+                          "launch.lighthouse_advertise to the address replicas reach the lighthouse on")
     if cfg.ft.min_replicas > launch.replicas:
         raise ConfigError(f"ft.min_replicas={cfg.ft.min_replicas} must be <= launch.replicas={launch.replicas}: "
                           "otherwise no quorum can ever form")

@@ -86,7 +86,8 @@ class Classified:
         return self.kind is FaultClass.RECOVERABLE
 
 
-_NEIGHBOUR = re.compile(r"(?:left|right) neighbour (\S+?:\d+)")
+# host:port, or [v6]:port (an IPv6 literal's own colons are inside the brackets)
+_NEIGHBOUR = re.compile(r"(?:left|right) neighbour (\[[0-9A-Fa-f:.%]+\]:\d+|[^\s:\[\]]+:\d+)")
 # XLA runtime errors that FTAR's custom call raises (handlers.cc prefixes them).
 _FTAR_MARK = "fthsdp ftar:"
 _XLA_RUNTIME = ("JaxRuntimeError", "XlaRuntimeError")

@@ -48,8 +48,19 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--resume", default="", metavar="RESTART_ID",
                    help="full restart: resume from the latest persistent checkpoint and its loader positions; "
                         "RESTART_ID names this restart in the exactly-once ledgers")
+    p.add_argument("--bind-host", default=None,
+                   help="interface this process's listeners (FTAR, state server, metrics) bind; overrides "
+                        "ft.bind_host (default loopback; 0.0.0.0 or :: = every interface)")
+    p.add_argument("--advertise-host", default=None,
+                   help="host the other replicas are told to connect to; overrides ft.advertise_host "
+                        "(default: the bind host)")
     p.add_argument("overrides", nargs="*")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    # The flags are config overrides, so that the config's rules check them.
+    args.overrides = [*args.overrides,
+                      *([f"ft.bind_host={args.bind_host}"] if args.bind_host is not None else []),
+                      *([f"ft.advertise_host={args.advertise_host}"] if args.advertise_host is not None else [])]
+    return args
 
 
 class ReplicaProcess:
@@ -85,7 +96,8 @@ class ReplicaProcess:
             from fthsdp import ftar
 
             self.comm = ftar.Communicator(num_shards=self.mesh.devices.size, streams=cfg.ft.streams_per_peer,
-                                          timeout_s=cfg.ft.allreduce_timeout_s)
+                                          timeout_s=cfg.ft.allreduce_timeout_s, listen_host=cfg.ft.bind_host,
+                                          advertise_host=cfg.ft.advertise_host)
             allreduce = ftar.allreduce
         else:
             self.comm, allreduce = SoloCommunicator(), local_allreduce
@@ -103,7 +115,8 @@ class ReplicaProcess:
         self.snapshots = Snapshotter()
         self._snapshot_step = -1
         cap = cfg.ft.peer_serve_cap_gbps * 1e9 if cfg.ft.peer_serve_cap_gbps > 0 else None
-        self.server = PeerServer(self.snapshots, self.token, max_bytes_per_s=cap).start()
+        self.server = PeerServer(self.snapshots, self.token, host=cfg.ft.bind_host, max_bytes_per_s=cap,
+                                 advertise_host=cfg.ft.advertise_host).start()
         self.ckpt = PersistentCheckpointer(out / "checkpoints", every=cfg.ft.checkpoint_every)
         self.ledger = Ledger(out / "ledger" / f"replica_{self.rid}.jsonl", args.replica_id)
         self.loader_store = LoaderStateStore(out / "loader_state")
@@ -117,11 +130,13 @@ class ReplicaProcess:
         self.metrics = logs.MetricsWriter(out / f"metrics-{self.rid}.jsonl")
         # Prometheus: this process's metrics over HTTP (loopback by default; the
         # address is in status-R.json for scrape target lists).
+        from fthsdp.addresses import join_host_port
         from fthsdp.observe.metrics import ReplicaMetrics, pytree_bytes, serve
 
         self.prom = ReplicaMetrics(args.job, self.rid, process=str(jax.process_index()),
                                    grad_bytes=pytree_bytes(state.params))
-        self.prom_server = serve(self.prom.registry, os.environ.get("FTHSDP_METRICS_BIND", "127.0.0.1:0"))
+        self.prom_server = serve(self.prom.registry, os.environ.get("FTHSDP_METRICS_BIND") or
+                                 join_host_port(cfg.ft.bind_host, 0))
         self.status_path = out / f"status-{self.rid}.json"
         self.started = time.time()
 

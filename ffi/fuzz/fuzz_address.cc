@@ -2,7 +2,10 @@
 // (wire::split_host_port, which tcp::parse_address resolves afterwards).
 //
 // Properties: never crashes; an accepted address is exactly host + ":" + port
-// text with a non-empty host and a port in 0..65535; a refusal says why.
+// text (or "[" + host + "]:" + port for an IPv6 literal, whose host has a ':')
+// with a non-empty host and a port in 0..65535, and join_host_port gives it
+// back; a refusal says why.
+#include <cstdlib>
 #include <string>
 
 #include "fuzz_check.h"
@@ -16,8 +19,15 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   long port = -1;
   if (wire::split_host_port(address, &host, &port, &error)) {
     FUZZ_CHECK(!host.empty() && port >= 0 && port <= 65535 && error.empty());
-    FUZZ_CHECK(address.compare(0, host.size(), host) == 0 && address[host.size()] == ':');
-    FUZZ_CHECK(address.find(':', host.size() + 1) == std::string::npos);
+    const bool bracketed = host.find(':') != std::string::npos;
+    const size_t at = bracketed ? 1 : 0;
+    FUZZ_CHECK(!bracketed || address[0] == '[');
+    FUZZ_CHECK(address.compare(at, host.size(), host) == 0);
+    const size_t colon = at + host.size() + (bracketed ? 1 : 0);
+    FUZZ_CHECK(!bracketed || address[colon - 1] == ']');
+    FUZZ_CHECK(address[colon] == ':' && address.find(':', colon + 1) == std::string::npos);
+    FUZZ_CHECK(std::strtol(address.c_str() + colon + 1, nullptr, 10) == port);
+    FUZZ_CHECK(wire::join_host_port(host, port).size() <= address.size());
   } else {
     FUZZ_CHECK(!error.empty() && host.empty() && port == -1);
   }

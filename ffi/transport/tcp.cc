@@ -22,31 +22,62 @@ void Fd::reset() {
   }
 }
 
-bool parse_address(const std::string& address, sockaddr_in* out, std::string* error) {
+bool parse_address(const std::string& address, Address* out, std::string* error) {
   std::string host;
   long port = 0;
   if (!wire::split_host_port(address, &host, &port, error)) return false;
-  std::memset(out, 0, sizeof(*out));
-  out->sin_family = AF_INET;
-  out->sin_port = htons(static_cast<uint16_t>(port));
-  if (inet_pton(AF_INET, host.c_str(), &out->sin_addr) == 1) return true;
+  *out = Address{};
+  const uint16_t nport = htons(static_cast<uint16_t>(port));
+  sockaddr_in v4{};
+  if (inet_pton(AF_INET, host.c_str(), &v4.sin_addr) == 1) {
+    v4.sin_family = AF_INET;
+    v4.sin_port = nport;
+    std::memcpy(&out->storage, &v4, sizeof(v4));
+    out->len = sizeof(v4);
+    return true;
+  }
+  sockaddr_in6 v6{};
+  if (inet_pton(AF_INET6, host.c_str(), &v6.sin6_addr) == 1) {
+    v6.sin6_family = AF_INET6;
+    v6.sin6_port = nport;
+    std::memcpy(&out->storage, &v6, sizeof(v6));
+    out->len = sizeof(v6);
+    return true;
+  }
   addrinfo hints{};
-  hints.ai_family = AF_INET;
+  hints.ai_family = AF_UNSPEC;
   hints.ai_socktype = SOCK_STREAM;
   addrinfo* res = nullptr;
-  if (getaddrinfo(host.c_str(), nullptr, &hints, &res) != 0 || res == nullptr) {
-    *error = "cannot resolve host '" + host + "' (IPv4)";
+  if (getaddrinfo(host.c_str(), nullptr, &hints, &res) != 0 || res == nullptr ||
+      res->ai_addrlen > sizeof(out->storage)) {
+    if (res != nullptr) freeaddrinfo(res);
+    *error = "cannot resolve host '" + host + "'";
     return false;
   }
-  out->sin_addr = reinterpret_cast<sockaddr_in*>(res->ai_addr)->sin_addr;
+  std::memcpy(&out->storage, res->ai_addr, res->ai_addrlen);
+  out->len = res->ai_addrlen;
   freeaddrinfo(res);
+  if (out->family() == AF_INET) {
+    reinterpret_cast<sockaddr_in*>(&out->storage)->sin_port = nport;
+  } else if (out->family() == AF_INET6) {
+    reinterpret_cast<sockaddr_in6*>(&out->storage)->sin6_port = nport;
+  } else {
+    *error = "host '" + host + "' resolves to neither IPv4 nor IPv6";
+    return false;
+  }
   return true;
 }
 
-std::string format_address(const sockaddr_in& addr) {
-  char buf[INET_ADDRSTRLEN] = {0};
-  inet_ntop(AF_INET, &addr.sin_addr, buf, sizeof(buf));
-  return std::string(buf) + ":" + std::to_string(ntohs(addr.sin_port));
+std::string format_address(const sockaddr* addr) {
+  char buf[INET6_ADDRSTRLEN] = {0};
+  if (addr->sa_family == AF_INET6) {
+    const auto* v6 = reinterpret_cast<const sockaddr_in6*>(addr);
+    inet_ntop(AF_INET6, &v6->sin6_addr, buf, sizeof(buf));
+    return wire::join_host_port(buf, ntohs(v6->sin6_port));
+  }
+  const auto* v4 = reinterpret_cast<const sockaddr_in*>(addr);
+  inet_ntop(AF_INET, &v4->sin_addr, buf, sizeof(buf));
+  return wire::join_host_port(buf, ntohs(v4->sin_port));
 }
 
 static void set_nonblocking(int fd) {
@@ -55,36 +86,37 @@ static void set_nonblocking(int fd) {
 }
 
 Fd listen_on(const std::string& host, int port, std::string* bound) {
-  sockaddr_in addr;
+  Address addr;
   std::string error;
-  if (!parse_address(host + ":" + std::to_string(port), &addr, &error)) {
+  if (!parse_address(wire::join_host_port(host, port), &addr, &error)) {
     throw std::runtime_error("ftar listen: " + error);
   }
-  Fd fd(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
+  Fd fd(::socket(addr.family(), SOCK_STREAM | SOCK_CLOEXEC, 0));
   if (!fd.valid()) throw std::runtime_error(std::string("ftar listen: socket: ") + strerror(errno));
   int one = 1;
   setsockopt(fd.get(), SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
-  if (::bind(fd.get(), reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
-    throw std::runtime_error("ftar listen: bind " + host + ":" + std::to_string(port) + ": " +
+  if (::bind(fd.get(), addr.get(), addr.len) != 0) {
+    throw std::runtime_error("ftar listen: bind " + wire::join_host_port(host, port) + ": " +
                              strerror(errno));
   }
   if (::listen(fd.get(), 128) != 0) {
     throw std::runtime_error(std::string("ftar listen: listen: ") + strerror(errno));
   }
-  socklen_t len = sizeof(addr);
-  getsockname(fd.get(), reinterpret_cast<sockaddr*>(&addr), &len);
+  sockaddr_storage got{};
+  socklen_t len = sizeof(got);
+  getsockname(fd.get(), reinterpret_cast<sockaddr*>(&got), &len);
   set_nonblocking(fd.get());
-  *bound = format_address(addr);
+  *bound = format_address(reinterpret_cast<const sockaddr*>(&got));
   return fd;
 }
 
-Fd connect_start(const sockaddr_in& addr, int* error) {
-  Fd fd(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
+Fd connect_start(const Address& addr, int* error) {
+  Fd fd(::socket(addr.family(), SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
   if (!fd.valid()) {
     *error = errno;
     return Fd();
   }
-  if (::connect(fd.get(), reinterpret_cast<const sockaddr*>(&addr), sizeof(addr)) != 0 &&
+  if (::connect(fd.get(), addr.get(), addr.len) != 0 &&
       errno != EINPROGRESS) {
     *error = errno;
     return Fd();

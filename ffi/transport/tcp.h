@@ -10,6 +10,7 @@
 #pragma once
 
 #include <netinet/in.h>
+#include <sys/socket.h>
 #include <sys/types.h>
 
 #include <cstddef>
@@ -77,9 +78,19 @@ class Fd {
   int fd_ = -1;
 };
 
-// "host:port" -> IPv4 socket address. Returns false with `error` set.
-bool parse_address(const std::string& address, sockaddr_in* out, std::string* error);
-std::string format_address(const sockaddr_in& addr);
+// A resolved IPv4 or IPv6 socket address.
+struct Address {
+  sockaddr_storage storage{};
+  socklen_t len = 0;
+  int family() const { return storage.ss_family; }
+  const sockaddr* get() const { return reinterpret_cast<const sockaddr*>(&storage); }
+};
+
+// "host:port" or "[ipv6]:port" -> socket address (a name resolves to its first
+// address of either family). Returns false with `error` set.
+bool parse_address(const std::string& address, Address* out, std::string* error);
+// host:port, with brackets around an IPv6 host.
+std::string format_address(const sockaddr* addr);
 
 // Listening socket on host:port (port 0: the OS picks one). `bound` gets the
 // address peers should connect to. Throws std::runtime_error on failure.
@@ -87,7 +98,7 @@ Fd listen_on(const std::string& host, int port, std::string* bound);
 
 // Starts a non-blocking connect. Returns an invalid Fd and sets `error` when
 // the attempt failed at once (for example: connection refused).
-Fd connect_start(const sockaddr_in& addr, int* error);
+Fd connect_start(const Address& addr, int* error);
 // After POLLOUT on a connecting socket: 0 if connected, else the errno.
 int connect_result(int fd);
 

@@ -119,21 +119,62 @@ ChunkDecision check_chunk_header(const tcp::ChunkHeader& h, const ChunkExpect& e
 }
 
 bool split_host_port(const std::string& address, std::string* host, long* port, std::string* error) {
-  const auto colon = address.rfind(':');
-  if (colon == std::string::npos || colon == 0 || colon + 1 == address.size()) {
-    *error = "address '" + address + "' is not host:port";
+  // "host:port", or "[v6]:port" for IPv6 literals (the brackets keep the
+  // address's own colons apart from the port's, as in URLs, RFC 3986).
+  std::string h;
+  size_t colon = std::string::npos;
+  if (!address.empty() && address[0] == '[') {
+    const auto close = address.find(']');
+    if (close == std::string::npos || close == 1 || close + 1 >= address.size() || address[close + 1] != ':') {
+      *error = "address '" + address + "' is not [ipv6]:port";
+      return false;
+    }
+    h = address.substr(1, close - 1);
+    if (h.find_first_of("[]") != std::string::npos || h.find(':') == std::string::npos) {
+      *error = "address '" + address + "': only IPv6 literals go in brackets";
+      return false;
+    }
+    colon = close + 1;
+  } else {
+    colon = address.rfind(':');
+    if (colon == std::string::npos || colon == 0) {
+      *error = "address '" + address + "' is not host:port";
+      return false;
+    }
+    h = address.substr(0, colon);
+    if (h.find(':') != std::string::npos || h.find_first_of("[]") != std::string::npos) {
+      *error = "address '" + address + "' is not host:port (write IPv6 literals as [addr]:port)";
+      return false;
+    }
+  }
+  if (colon + 1 == address.size()) {
+    *error = "address '" + address + "' has no port";
     return false;
   }
   const std::string port_s = address.substr(colon + 1);
-  char* end = nullptr;
-  const long p = std::strtol(port_s.c_str(), &end, 10);
-  if (*end != '\0' || p < 0 || p > 65535) {
+  for (const char c : port_s) {
+    if (c < '0' || c > '9') {
+      *error = "address '" + address + "' has a bad port";
+      return false;
+    }
+  }
+  if (port_s.size() > 5) {
     *error = "address '" + address + "' has a bad port";
     return false;
   }
-  *host = address.substr(0, colon);
+  const long p = std::strtol(port_s.c_str(), nullptr, 10);
+  if (p < 0 || p > 65535) {
+    *error = "address '" + address + "' has a bad port";
+    return false;
+  }
+  *host = h;
   *port = p;
   return true;
+}
+
+std::string join_host_port(const std::string& host, long port) {
+  const bool v6 = host.find(':') != std::string::npos;
+  return (v6 ? "[" + host + "]" : host) + ":" + std::to_string(port);
 }
 
 }  // namespace fthsdp::wire

@@ -102,8 +102,11 @@ struct ChunkDecision {
 
 ChunkDecision check_chunk_header(const tcp::ChunkHeader& header, const ChunkExpect& expect);
 
-// "host:port" -> host and port (0..65535; the host is not resolved). False with
-// `error` set when the text is not of that form.
+// "host:port" or "[ipv6]:port" -> host (without brackets) and port (0..65535;
+// the host is not resolved). False with `error` set when the text is not of
+// that form (an unbracketed IPv6 literal is refused: its last colon is ambiguous).
 bool split_host_port(const std::string& address, std::string* host, long* port, std::string* error);
+// The inverse: brackets around a host that contains ':' (an IPv6 literal).
+std::string join_host_port(const std::string& host, long port);
 
 }  // namespace fthsdp::wire

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Protocol
 
+from fthsdp.addresses import LOOPBACK, check_host, family, is_wildcard, url as make_url
 from fthsdp.checkpoint.snapshot import Snapshot, StaleStepError
 
 _PIECE = re.compile(r"^/v1/snapshot/(?P<step>[^/]+)/leaf/(?P<leaf>[^/]+)/piece/(?P<piece>[^/]+)$")
@@ -283,6 +284,7 @@ class _Server(ThreadingHTTPServer):
     request_queue_size = 64
 
     def __init__(self, addr, source: SnapshotSource, token: bytes, fault: Fault | None, max_bytes_per_s: float | None):
+        self.address_family = family(addr[0])  # an IPv6 host needs an AF_INET6 socket
         super().__init__(addr, _Handler)
         self.pacer = None if not max_bytes_per_s else _Pacer(max_bytes_per_s)
         self.source = source
@@ -315,7 +317,11 @@ class _Server(ThreadingHTTPServer):
 
 
 class PeerServer:
-    """Serves `source`'s latest snapshot on host:port (127.0.0.1, any free port by default).
+    """Serves `source`'s latest snapshot on host:port (loopback, any free port by default).
+
+    `host` is the bind address (an IPv4/IPv6 literal or a name; 0.0.0.0 or ::
+    for every interface); `advertise_host` is the host put in :attr:`url`,
+    the address peers fetch from (empty: the bound host).
 
     `max_bytes_per_s` caps what this replica spends on serving (all fetchers
     together), so that feeding a rejoining peer cannot slow its own training
@@ -326,22 +332,31 @@ class PeerServer:
         self,
         source: SnapshotSource,
         token: str,
-        host: str = "127.0.0.1",
+        host: str = LOOPBACK,
         port: int = 0,
         fault: Fault | None = None,
         max_bytes_per_s: float | None = None,
+        advertise_host: str = "",
     ):
         if not token:
             raise ValueError("the peer server needs a non-empty shared-secret token")
         if max_bytes_per_s is not None and max_bytes_per_s <= 0:
             raise ValueError(f"max_bytes_per_s must be > 0 (or None for no cap), got {max_bytes_per_s}")
+        # Checked before binding: a wildcard with nothing to advertise is refused up front.
+        if advertise_host:
+            check_host(advertise_host)
+        elif is_wildcard(host):
+            raise ValueError(f"peer server bound to {host!r} (every interface) needs an advertise_host "
+                             "that peers can reach")
+        self.advertise_host = advertise_host
         self._server = _Server((host, port), source, token.encode(), fault, max_bytes_per_s)
         self._thread: threading.Thread | None = None
 
     @property
     def url(self) -> str:
+        """The advertised address peers fetch from: http://HOST:PORT (http://[V6]:PORT)."""
         host, port = self._server.server_address[:2]
-        return f"http://{host}:{port}"
+        return make_url(self.advertise_host or host, port)
 
     @property
     def stats(self) -> dict:

@@ -32,6 +32,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 
+from fthsdp.addresses import join_host_port, split_host_port
 from fthsdp.launch import rundir as rundir_lib
 from fthsdp.launch import supervise
 from fthsdp.launch.faults import Fault, choose_sources, due, plan
@@ -77,6 +78,13 @@ class LocalJob:
     kill_all_at: int | None = None  # SIGKILL every process once a replica reaches this step
     late: dict[int, float] = field(default_factory=dict)  # replica -> start it this many seconds after the others
     max_job_restarts: int = 2  # automatic whole-job fallbacks to the checkpoint
+    # Addresses (fthsdp.addresses): a running lighthouse to use instead of starting
+    # one; else where ours binds and the host the replicas are told. `hosts`
+    # emulates machines: replica r's listeners bind and advertise hosts[r % len].
+    external_lighthouse: str = ""
+    lighthouse_bind: str = "127.0.0.1:0"
+    lighthouse_advertise: str = ""
+    hosts: tuple[str, ...] = ()
     procs: dict[int, ReplicaProc] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -170,14 +178,22 @@ class LocalJob:
     # -- processes -----------------------------------------------------------
 
     def start_lighthouse(self) -> None:
-        """Starts the lighthouse; on a restart, on the same port (the replicas know that address)."""
+        """Starts the lighthouse; on a restart, on the same port (the replicas know that address).
+        With an external lighthouse (launch.lighthouse), only records its address: it is not ours to
+        start, restart or kill."""
+        if self.external_lighthouse:
+            self.lighthouse_addr = self.external_lighthouse
+            self.event("lighthouse", address=self.lighthouse_addr, external=True)
+            return
+        bind_host, bind_port = split_host_port(self.lighthouse_bind)
         port_file = self.out_dir / "lighthouse.port"
         port_file.unlink(missing_ok=True)
         logf = open(self.out_dir / "lighthouse.log", "a")
         logf.write(f"--- lighthouse start {time.strftime('%H:%M:%S')} (attempt {self.attempt}) ---\n")
         logf.flush()
         self.lighthouse = subprocess.Popen(
-            [sys.executable, "-m", "fthsdp.lighthouse", "--bind", f"127.0.0.1:{self.lighthouse_port}",
+            [sys.executable, "-m", "fthsdp.lighthouse", "--bind",
+             join_host_port(bind_host, self.lighthouse_port or bind_port),
              "--port-file", str(port_file), "--detect", str(self.detect_s),
              "--join-timeout", str(self.join_timeout_s), "--replicas", str(self.replicas)],
             stdout=logf, stderr=subprocess.STDOUT, env=self._env(), start_new_session=True)
@@ -192,7 +208,7 @@ class LocalJob:
                 raise RuntimeError(f"the lighthouse did not start listening within {LIGHTHOUSE_START_S:.0f} s")
             time.sleep(0.05)
         self.lighthouse_port = int(port_file.read_text().strip())
-        self.lighthouse_addr = f"127.0.0.1:{self.lighthouse_port}"
+        self.lighthouse_addr = join_host_port(self.lighthouse_advertise or bind_host, self.lighthouse_port)
         self._lighthouse_down_ok = False
         self.event("lighthouse", address=self.lighthouse_addr)
 
@@ -238,11 +254,18 @@ class LocalJob:
              "--lighthouse", self.lighthouse_addr, "--job", self.job_id, "--out-dir", str(self.out_dir),
              "--allreduce", self.allreduce, "--hash-every", str(self.hash_every),
              *(["--resume", self.resume] if self.resume and mode == "start" else []),
-             *(["--rejoin"] if mode == "rejoin" else []), *self.overrides],
+             *(["--rejoin"] if mode == "rejoin" else []), *self.host_flags(rid), *self.overrides],
             stdout=logf, stderr=subprocess.STDOUT, env=self._env(), start_new_session=True)
         logf.close()
         rp.state, rp.mode, rp.progressed = "running", mode, False
         rp.restart_at = rp.cont_at = None
+
+    def host_flags(self, rid: int) -> list[str]:
+        """Replica `rid`'s emulated host: every listener of it binds and advertises that address."""
+        if not self.hosts:
+            return []
+        host = self.hosts[rid % len(self.hosts)]
+        return ["--bind-host", host, "--advertise-host", host]
 
     def signal_replica(self, rid: int, sig: int) -> None:
         rp = self.procs[rid]
@@ -529,6 +552,19 @@ def cli(argv: list[str]) -> int:
                         "kept, a different shape is refused, faults that fired are not replayed")
     p.add_argument("--out-dir", default=None)
     p.add_argument("--allreduce", choices=("ftar", "local"), default="ftar")
+    p.add_argument("--lighthouse", default=None, metavar="HOST:PORT",
+                   help="use this running lighthouse instead of starting one (launch.lighthouse)")
+    p.add_argument("--lighthouse-bind", default=None, metavar="HOST:PORT",
+                   help="where the launcher's lighthouse listens, port 0 = any (launch.lighthouse_bind)")
+    p.add_argument("--lighthouse-advertise", default=None, metavar="HOST",
+                   help="host the replicas reach that lighthouse on (launch.lighthouse_advertise)")
+    p.add_argument("--bind-host", default=None, metavar="HOST",
+                   help="interface the replicas' listeners bind (ft.bind_host; 0.0.0.0 or :: = all)")
+    p.add_argument("--advertise-host", default=None, metavar="HOST",
+                   help="host the replicas tell each other to connect to (ft.advertise_host)")
+    p.add_argument("--hosts", default=None, metavar="H1,H2,...",
+                   help="emulated machines: replica r binds and advertises host r mod N (launch.hosts), e.g. "
+                        "127.0.0.2,127.0.0.3")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("overrides", nargs="*", help="section.field=value")
     args = p.parse_args(argv)
@@ -541,6 +577,11 @@ def cli(argv: list[str]) -> int:
         new_overrides.append(f"launch.replicas={args.replicas}")
     if args.devices_per_replica is not None:
         new_overrides.append(f"launch.devices_per_replica={args.devices_per_replica}")
+    for flag, key in (("lighthouse", "launch.lighthouse"), ("lighthouse_bind", "launch.lighthouse_bind"),
+                      ("lighthouse_advertise", "launch.lighthouse_advertise"), ("bind_host", "ft.bind_host"),
+                      ("advertise_host", "ft.advertise_host"), ("hosts", "launch.hosts")):
+        if getattr(args, flag) is not None:
+            new_overrides.append(f"{key}={getattr(args, flag)}")
     config_name, overrides = args.config or "ft_local", new_overrides
     saved: dict = {}
     out: pathlib.Path | None = None
@@ -580,6 +621,9 @@ def cli(argv: list[str]) -> int:
                       stop_s=args.stop_seconds, lighthouse=sources.lighthouse, kill_all=sources.kill_all)
     except ValueError as e:
         p.error(str(e))
+    if cfg.launch.lighthouse and any(f.kind == "lighthouse" for f in faults):
+        p.error(f"--kill-lighthouse: the job uses the external lighthouse {cfg.launch.lighthouse} "
+                "(launch.lighthouse), which the launcher does not own; drop one of the two")
     resume = ""
     if args.resume:
         resume = f"restart-{int(time.time())}"
@@ -608,6 +652,8 @@ def cli(argv: list[str]) -> int:
                    restart_delay_s=cfg.launch.restart_delay_s, resume=resume, allreduce=args.allreduce,
                    max_job_restarts=cfg.launch.max_job_restarts,
                    detect_s=cfg.ft.detect_s, join_timeout_s=cfg.ft.join_timeout_s,
+                   external_lighthouse=cfg.launch.lighthouse, lighthouse_bind=cfg.launch.lighthouse_bind,
+                   lighthouse_advertise=cfg.launch.lighthouse_advertise, hosts=tuple(cfg.launch.hosts),
                    progress=not args.no_progress and sys.stderr.isatty())
     log.info("job: %d replicas x %d devices, %d steps, faults (from %s) %s; logs in %s", cfg.launch.replicas,
              cfg.launch.devices_per_replica, cfg.train.steps, sources.origin,
