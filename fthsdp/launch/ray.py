@@ -38,6 +38,7 @@ import argparse
 import logging
 import os
 import pathlib
+import secrets
 import signal
 import sys
 import time
@@ -131,7 +132,8 @@ class ActorProcess:
         cls = ray.remote(ReplicaActor).options(
             num_cpus=bundle.get("CPU", 0), num_gpus=bundle.get("GPU", 0), max_restarts=0, max_concurrency=4,
             scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=0))
-        self.actor = cls.remote(self.rid, self.job.actor_env(), self.job.seed_files(self.rid), self.job.config_text)
+        self.actor = cls.remote(self.rid, self.job.actor_env(), self.job.seed_files(self.rid), self.job.config_text,
+                                self.job.work_prefix)
         try:
             self.where = ray.get(self.actor.where.remote(), timeout=self.job.place_timeout_s)
             ray.get(self.actor.link_checkpoints.remote(str(self.job.checkpoint_dir)), timeout=POLL_TIMEOUT_S)
@@ -204,7 +206,8 @@ class ActorProcess:
 class LighthouseProcess:
     """The lighthouse actor through the Popen calls the local launcher makes."""
 
-    def __init__(self, port: int, detect_s: float, join_timeout_s: float, replicas: int, node_id: str) -> None:
+    def __init__(self, host: str, port: int, detect_s: float, join_timeout_s: float, replicas: int,
+                 node_id: str) -> None:
         import ray
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
@@ -214,7 +217,7 @@ class LighthouseProcess:
         cls = ray.remote(LighthouseActor).options(
             num_cpus=0, max_restarts=0, max_concurrency=4,
             scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False))
-        self.actor = cls.remote(port, detect_s, join_timeout_s, replicas)
+        self.actor = cls.remote(host, port, detect_s, join_timeout_s, replicas)
         self.address = ray.get(self.actor.address.remote(), timeout=60)
         self.pid = ray.get(self.actor.pid.remote(), timeout=POLL_TIMEOUT_S)
         self.serve_ref = self.actor.serve.remote()
@@ -271,6 +274,7 @@ class RayJob(LocalJob):
         self.placement = placement_for(self.devices, self.processes_per_replica,
                                        ray.cluster_resources().get("GPU", 0.0))
         self.driver_node = ray.get_runtime_context().get_node_id()
+        self.work_prefix = f"fthsdp-ray-{secrets.token_hex(4)}-"  # this job's node-local work dirs
 
     # -- what the actors get -----------------------------------------------------------
 
@@ -343,7 +347,10 @@ class RayJob(LocalJob):
 
     def start_lighthouse(self) -> None:
         t0 = time.monotonic()
-        self.lighthouse = LighthouseProcess(self.lighthouse_port, self.detect_s, self.join_timeout_s,
+        from fthsdp.launch.ray_actors import lighthouse_host
+
+        host = lighthouse_host(ray_nodes(), self.driver_node)
+        self.lighthouse = LighthouseProcess(host, self.lighthouse_port, self.detect_s, self.join_timeout_s,
                                             self.replicas, self.driver_node)
         self.lighthouse_addr = self.lighthouse.address
         self.lighthouse_port = int(self.lighthouse_addr.rsplit(":", 1)[1])
@@ -488,6 +495,28 @@ class RayJob(LocalJob):
                     self.collect_one(rp.rid, rp.proc)
                 rp.proc.kill()
         super().shutdown()
+        self.remove_work_dirs()
+
+    def remove_work_dirs(self) -> None:
+        """Every live node's work directories of this job, the dead actors' included."""
+        import ray
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        from fthsdp.launch.ray_actors import remove_work_dirs
+
+        task = ray.remote(remove_work_dirs)
+        refs = [task.options(num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False))
+                .remote(self.work_prefix) for n in ray_nodes() if n.get("Alive")]
+        try:
+            ray.get(refs, timeout=60)
+        except Exception as e:  # noqa: BLE001 - a node left meanwhile: its temp dir went with it
+            log.warning("could not remove every node's work directories (%s): %s", self.work_prefix, e)
+
+
+def ray_nodes() -> list[dict]:
+    import ray
+
+    return ray.nodes()
 
 
 # -- the cluster ----------------------------------------------------------------------------

@@ -48,10 +48,10 @@ class LighthouseActor:
     any lighthouse outage.
     """
 
-    def __init__(self, port: int, detect_s: float, join_timeout_s: float, replicas: int) -> None:
+    def __init__(self, host: str, port: int, detect_s: float, join_timeout_s: float, replicas: int) -> None:
         from fthsdp.lighthouse import LighthouseConfig, LighthouseThread
 
-        self.host = node_ip()
+        self.host = host
         self.lh = LighthouseThread(LighthouseConfig(bind=f"{self.host}:{port}", detect_s=detect_s,
                                                     join_timeout_s=join_timeout_s, num_replicas=replicas))
         self.lh.start()
@@ -80,11 +80,12 @@ class ReplicaActor:
     position): the driver's copies, handed over through Ray.
     """
 
-    def __init__(self, rid: int, env: dict[str, str], seed: dict[str, str], config_text: str | None) -> None:
+    def __init__(self, rid: int, env: dict[str, str], seed: dict[str, str], config_text: str | None,
+                 work_prefix: str) -> None:
         os.environ.update(env)
         os.environ.setdefault("FTHSDP_COMPILATION_CACHE", str(pathlib.Path.home() / ".cache" / "fthsdp" / "xla"))
         self.rid = rid
-        self.dir = pathlib.Path(tempfile.mkdtemp(prefix=f"fthsdp-ray-r{rid}-"))
+        self.dir = pathlib.Path(tempfile.mkdtemp(prefix=f"{work_prefix}r{rid}-"))
         self.offsets: dict[str, int] = {}
         for rel, text in seed.items():
             p = self.dir / rel
@@ -176,7 +177,26 @@ class ReplicaActor:
         time.sleep(0.05)
         return cmd.split()[0]
 
-    def cleanup(self) -> None:
-        import shutil
 
-        shutil.rmtree(self.dir, ignore_errors=True)
+
+def remove_work_dirs(work_prefix: str) -> int:
+    """Removes this node's work directories of one job (the dead actors' too); returns how many."""
+    import shutil
+
+    n = 0
+    for d in pathlib.Path(tempfile.gettempdir()).glob(f"{work_prefix}*"):
+        shutil.rmtree(d, ignore_errors=True)
+        n += 1
+    return n
+
+
+def lighthouse_host(nodes: list[dict], driver_node: str) -> str:
+    """Where the lighthouse listens: loopback when every live node is this machine
+    (a local cluster), else the driver node's address, which the others can reach."""
+    live = [n for n in nodes if n.get("Alive")]
+    me = next((n for n in live if n.get("NodeID") == driver_node), None)
+    if me is None:
+        return "127.0.0.1"
+    if all(n.get("NodeManagerHostname") == me.get("NodeManagerHostname") for n in live):
+        return "127.0.0.1"
+    return str(me.get("NodeManagerAddress") or "127.0.0.1")

@@ -1,0 +1,157 @@
+"""`fthsdp ray`: the fault-tolerant job on a real local Ray cluster, faults through Ray.
+
+The end-to-end test runs `fthsdp ray` as a user does (a subprocess that
+starts a fresh local cluster with `ray.init()`): three replicas of one device,
+one replica's actor `ray.kill`ed mid-run and another's worker process
+SIGKILLed. The pure parts (placement, the lighthouse's address, the fault
+flags) are tested without a cluster.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+import pytest
+
+from fthsdp.data.ledger import check_exactly_once
+from fthsdp.launch import report
+from fthsdp.launch.ray import cluster_cpus_needed, parse_ray_kills, placement_for
+from fthsdp.launch.ray_actors import lighthouse_host
+from fthsdp.logs import read_metrics
+
+from test_fault_tolerance import TINY
+
+ray = pytest.importorskip("ray")
+
+PACED = TINY + ["ft.checkpoint_every=10", "train.min_step_s=0.1"]
+STEPS = 200  # long enough (>= 17 s paced) for a replacement to start and rejoin on a loaded machine
+
+
+# -- pure parts -----------------------------------------------------------------------------
+
+
+def test_placement_is_one_bundle_per_process_sized_by_devices():
+    assert placement_for(1, 1, cluster_gpus=0).bundles == [{"CPU": 1.0}]
+    assert placement_for(4, 2, cluster_gpus=0).bundles == [{"CPU": 2.0}, {"CPU": 2.0}]
+    assert placement_for(8, 2, cluster_gpus=8).bundles == [{"CPU": 1.0, "GPU": 4.0}] * 2
+    assert placement_for(2, 1, cluster_gpus=1).bundles == [{"CPU": 2.0}]  # too few GPUs for one process
+    with pytest.raises(ValueError, match="cannot be split"):
+        placement_for(3, 2, cluster_gpus=0)
+    assert cluster_cpus_needed(3, 1) == 5
+
+
+def test_lighthouse_listens_on_loopback_on_one_machine_else_on_the_driver_node():
+    one = [{"NodeID": "a", "Alive": True, "NodeManagerHostname": "h", "NodeManagerAddress": "10.0.0.1"},
+           {"NodeID": "b", "Alive": True, "NodeManagerHostname": "h", "NodeManagerAddress": "10.0.0.1"}]
+    assert lighthouse_host(one, "a") == "127.0.0.1"
+    two = [one[0], {"NodeID": "b", "Alive": True, "NodeManagerHostname": "g", "NodeManagerAddress": "10.0.0.2"}]
+    assert lighthouse_host(two, "a") == "10.0.0.1"
+    dead = [one[0], {**two[1], "Alive": False}]
+    assert lighthouse_host(dead, "a") == "127.0.0.1"
+
+
+def test_ray_fault_flags_parse_and_refuse_bad_input():
+    (f,) = parse_ray_kills(["1@40"], "kill_node", 3)
+    assert (f.replica, f.step, f.kind) == (1, 40, "kill_node")
+    with pytest.raises(ValueError, match="--kill-worker 'x': expected REPLICA@STEP"):
+        parse_ray_kills(["x"], "kill_worker", 3)
+    with pytest.raises(ValueError, match="replicas 0..2"):
+        parse_ray_kills(["3@5"], "kill_node", 3)
+
+
+def test_cli_refuses_a_bad_fault_flag_before_starting_ray():
+    p = subprocess.run([sys.executable, "-m", "fthsdp.cli", "ray", "--config", "base", "--replicas", "3",
+                        "--kill-node", "9@5"],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and "replicas 0..2" in p.stderr, p.stderr
+
+
+# -- a real local cluster ---------------------------------------------------------------------
+
+
+def ray_processes(marker: str) -> list[str]:
+    """Processes of this machine whose command line names `marker` (our cluster's temp dir)."""
+    ps = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout.splitlines()
+    return [line for line in ps if marker in line and "ps -eo" not in line]
+
+
+def worker_count() -> int:
+    ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout.splitlines()
+    return sum(1 for line in ps if line.startswith("ray::"))
+
+
+def fthsdp_ray(out: pathlib.Path, temp_dir: str, *args: str, timeout: float = 480) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "fthsdp.cli", "ray", "--no-progress", "--out-dir", str(out), *args]
+    if "--address" not in args:
+        cmd[4:4] = ["--temp-dir", temp_dir]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=dict(os.environ))
+    (out.parent / f"{out.name}.stderr").write_text(p.stderr)
+    return p
+
+
+@pytest.fixture
+def short_tmp():
+    """Ray's sockets live under its temp dir: the path must stay short (AF_UNIX limit)."""
+    d = tempfile.mkdtemp(prefix="fr-")
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.mark.multiprocess
+def test_ray_kill_and_worker_sigkill_replicas_are_replaced_and_rejoin(tmp_path, short_tmp):
+    workers_before = worker_count()
+    out = tmp_path / "run"
+    p = fthsdp_ray(out, short_tmp, "--config", "base", "--replicas", "3", "--devices-per-replica", "1",
+                   "--kill", "1@15", "--kill-worker", "2@30", *PACED, f"train.steps={STEPS}")
+    assert p.returncode == 0, p.stderr[-4000:]
+
+    # The driver left nothing behind: no process of its cluster, no work directory.
+    deadline = time.monotonic() + 30
+    while (ray_processes(short_tmp) or worker_count() > workers_before) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert ray_processes(short_tmp) == [], ray_processes(short_tmp)
+    assert worker_count() <= workers_before
+    assert not list(pathlib.Path(tempfile.gettempdir()).glob("fthsdp-ray-*-r*"))
+
+    events = read_metrics(out / "events.jsonl")
+    kills = {e["replica"]: e for e in events if e["kind"] == "kill"}
+    assert kills[1]["how"] == "ray-kill" and kills[2]["how"] == "sigkill"
+    placed = {}
+    for e in events:
+        if e["kind"] == "placed":
+            placed.setdefault(e["replica"], []).append(e["pid"])
+    # each killed replica's group was placed again: a new actor process
+    assert len(placed[1]) == 2 and len(placed[2]) == 2 and len(placed[0]) == 1, placed
+    assert placed[1][0] != placed[1][1] and placed[2][0] != placed[2][1]
+    assert kills[1]["pid"] == placed[1][0] and kills[2]["pid"] == placed[2][0]
+    assert {e["replica"] for e in events if e["kind"] == "restart"} == {1, 2}
+
+    # The report is fthsdp run's, from the records collected through Ray.
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["identical_final_state"], summary["final_hashes"]
+    assert set(summary["final_hashes"]) == {"0", "1", "2"}
+    assert set(summary["final_steps"].values()) == {STEPS}
+    assert [f["replica"] for f in summary["failures"]] == ["1", "2"]
+    assert (out / "timeline.png").stat().st_size > 10_000
+
+    run = report.load_run(out)
+    for rid in ("1", "2"):
+        recs = run.steps[rid]
+        after = [r for r in recs if r["start"] > kills[int(rid)]["time"]]
+        # the replacement rejoined through peer fetch: its first record catches up, then it trains
+        assert after and not after[0]["healthy"], after[:1]
+        assert after[-1]["healthy"] and after[-1]["step"] == STEPS - 1
+        assert {r["pid"] for r in after} == {placed[int(rid)][1]}
+    (positions,) = {tuple(d["positions"]) for d in run.done.values()}
+    rep = check_exactly_once(sorted((out / "ledger").glob("*.jsonl")), dict(enumerate(positions)))
+    assert rep.ok, rep.summary()
+    assert sum(positions) == rep.counted
+    log = (out / "launch.log").read_text()
+    assert "final state identical on every finishing replica (3): yes" in log
