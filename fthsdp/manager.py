@@ -402,11 +402,25 @@ class Manager:
         """
         deadline = time.monotonic() + timeout_s
         live = 0
+        unreachable_since: float | None = None
+        outage_s = self.cfg.timeouts.lighthouse_outage_s
         while time.monotonic() < deadline:
             try:
                 jobs = status()
+                unreachable_since = None
             except LookupError:
                 jobs = []  # the job does not exist on the lighthouse until a replica heartbeats
+            except ConnectionError as e:
+                # The lighthouse is down (its supervisor restarts it): ride it out
+                # like get_quorum does, for at most the outage limit.
+                now = time.monotonic()
+                unreachable_since = unreachable_since if unreachable_since is not None else now
+                if now - unreachable_since > outage_s:
+                    raise
+                log.warning("start-up: lighthouse unreachable for %.1fs (%s); waiting up to ft.lighthouse_outage_s="
+                            "%gs", now - unreachable_since, e, outage_s)
+                time.sleep(0.2)
+                continue
             live = sum(1 for j in jobs for r in j.replicas if not r.dead)
             if live >= want:
                 break

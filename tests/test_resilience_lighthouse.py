@@ -221,3 +221,52 @@ def test_job_survives_a_lighthouse_sigkill_and_restart(tmp_path):
     assert "lighthouse restarted: replicas last saw quorum" in text
     assert "declared dead" not in text  # the normal exits at the end were goodbyes
     assert text.count("(finished the job)") == replicas
+
+
+def test_startup_barrier_rides_out_a_lighthouse_that_is_down_then_comes_back():
+    """The start-up barrier of a job's (re)start waits through a lighthouse outage
+    (found by the chaos soak: a lighthouse killed during a fallback's start-up wait
+    killed the replicas with LighthouseUnavailable)."""
+    import types
+
+    from fthsdp.config import Config
+    from fthsdp.manager import Manager
+
+    port = free_port()
+    address = f"127.0.0.1:{port}"
+    cfg = LighthouseConfig(bind=address, join_timeout_s=0.2, detect_s=0.6)
+    waiter = LighthouseClient(address, "job", 0, outage_s=30.0)
+    peer = LighthouseClient(address, "job", 1, heartbeat_interval_s=0.05, outage_s=30.0)
+    lh = LighthouseThread(cfg)
+    try:
+        with ThreadPoolExecutor(1) as ex:
+            # nothing listens yet: the barrier must keep waiting, not raise
+            fut = ex.submit(Manager.wait_for_peers, types.SimpleNamespace(cfg=Config()), waiter.status, 1, 60.0)
+            time.sleep(1.5)
+            assert not fut.done(), f"the barrier gave up while the lighthouse was down: {fut.exception()}"
+            lh.start()
+            peer.start_heartbeats()
+            assert fut.result(timeout=30) >= 1
+    finally:
+        peer.close()
+        waiter.close()
+        lh.stop()
+
+
+def test_startup_barrier_gives_up_after_the_outage_limit():
+    import dataclasses
+    import types
+
+    from fthsdp.config import Config
+    from fthsdp.manager import Manager
+
+    base = Config()
+    cfg = dataclasses.replace(base, ft=dataclasses.replace(base.ft, lighthouse_outage_s=1.0))
+    waiter = LighthouseClient(f"127.0.0.1:{free_port()}", "job", 0, outage_s=1.0)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(LighthouseUnavailable):
+            Manager.wait_for_peers(types.SimpleNamespace(cfg=cfg), waiter.status, 1, 60.0)
+        assert time.monotonic() - t0 < 30
+    finally:
+        waiter.close()
