@@ -78,13 +78,13 @@ def test_cli_refuses_a_bad_fault_flag_before_starting_ray():
 
 def ray_processes(marker: str) -> list[str]:
     """Processes of this machine whose command line names `marker` (our cluster's temp dir)."""
-    ps = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout.splitlines()
-    return [line for line in ps if marker in line and "ps -eo" not in line]
+    ps = subprocess.run(["ps", "-eo", "pid,stat,args"], capture_output=True, text=True).stdout.splitlines()
+    return [line for line in ps if marker in line and "ps -eo" not in line and line.split()[1][:1] != "Z"]
 
 
 def worker_count() -> int:
-    ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout.splitlines()
-    return sum(1 for line in ps if line.startswith("ray::"))
+    ps = subprocess.run(["ps", "-eo", "stat,args"], capture_output=True, text=True).stdout.splitlines()
+    return sum(1 for line in ps if line.split(None, 1)[-1].startswith("ray::") and line[:1] != "Z")
 
 
 def fthsdp_ray(out: pathlib.Path, temp_dir: str, *args: str, timeout: float = 480) -> subprocess.CompletedProcess:

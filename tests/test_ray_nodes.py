@@ -1,0 +1,135 @@
+"""`fthsdp ray --address` on an existing multi-node local cluster, and `--kill-node`.
+
+The cluster is built as a user builds one on this machine: `ray start --head`
+(no CPUs: the driver and the lighthouse only) and `ray start --address` for two
+worker nodes of two CPUs each, so the three replicas are spread 2 + 1 over them.
+`--kill-node 1@STEP` SIGKILLs the raylet of replica 1's node: every replica on
+it dies with it. A third worker node joins once the node is gone, so the
+replacements have somewhere to go: they are placed on a node other than the
+dead one, rejoin from the survivor(s), and the job finishes with identical
+states. The cluster's processes (found by its temp dir, and their children)
+are SIGKILLed at the end.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+import pytest
+
+from fthsdp.logs import read_metrics
+
+from test_ray import PACED, ray_processes
+
+pytest.importorskip("ray")
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
+
+RAY = str(pathlib.Path(sys.executable).with_name("ray"))
+STEPS = 240
+
+
+def _env(token: str) -> dict:
+    return {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token,
+            # the cluster notices a lost node within ~3 s instead of ~15 s
+            "RAY_health_check_period_ms": "1000", "RAY_health_check_failure_threshold": "3",
+            "RAY_health_check_timeout_ms": "1000"}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _kill_cluster(temp_dir: str) -> None:
+    """SIGKILL of every process of this cluster (its command line names our temp dir) and their children."""
+    pids = {int(line.split()[0]) for line in ray_processes(temp_dir)}
+    kids = set()
+    for pid in pids:
+        r = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True)
+        kids |= {int(x) for x in r.stdout.split()}
+    for pid in pids | kids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+@pytest.fixture
+def cluster():
+    temp_dir = tempfile.mkdtemp(prefix="fr-")
+    env = _env(secrets.token_hex(16))
+    common = ["--object-store-memory", str(80 * 1024 * 1024), "--disable-usage-stats"]
+    try:
+        subprocess.run([RAY, "start", "--head", "--port", str(_free_port()), "--num-cpus", "0", "--temp-dir",
+                        temp_dir, "--include-dashboard", "false", *common], env=env, check=True,
+                       capture_output=True, timeout=120)
+        address = pathlib.Path(temp_dir, "ray_current_cluster").read_text().strip()
+
+        def add_node(cpus: int) -> None:
+            subprocess.run([RAY, "start", "--address", address, "--num-cpus", str(cpus), *common], env=env,
+                           check=True, capture_output=True, timeout=120)
+
+        add_node(2)
+        add_node(2)
+        yield {"address": address, "env": env, "add_node": add_node, "temp_dir": temp_dir}
+    finally:
+        _kill_cluster(temp_dir)
+        shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+def test_kill_node_replaces_its_replicas_on_another_node(tmp_path, cluster):
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "fthsdp.cli", "ray", "--no-progress", "--address", cluster["address"],
+           "--out-dir", str(out), "--config", "base", "--replicas", "3", "--devices-per-replica", "1",
+           "--kill-node", "1@20", *PACED, f"train.steps={STEPS}"]
+    stderr = open(tmp_path / "run.stderr", "w")
+    job = subprocess.Popen(cmd, stdout=stderr, stderr=subprocess.STDOUT, env=cluster["env"])
+    try:
+        # once the node is gone, a fresh node joins: room for the replacements
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and job.poll() is None:
+            evs = read_metrics(out / "events.jsonl") if (out / "events.jsonl").exists() else []
+            if any(e["kind"] == "kill" and e.get("how") == "node" for e in evs):
+                cluster["add_node"](2)
+                break
+            time.sleep(0.5)
+        rc = job.wait(420)
+    finally:
+        if job.poll() is None:
+            job.kill()
+            job.wait(30)
+        stderr.close()
+    log = (tmp_path / "run.stderr").read_text()
+    assert rc == 0, log[-4000:]
+
+    events = read_metrics(out / "events.jsonl")
+    (kill,) = [e for e in events if e["kind"] == "kill"]
+    assert kill["how"] == "node" and kill["replica"] == 1 and "raylet" in kill["raylet"]
+    dead_node = kill["node"]
+    placed: dict[int, list[dict]] = {}
+    for e in events:
+        if e["kind"] == "placed":
+            placed.setdefault(e["replica"], []).append(e)
+    lost = {r for r, ps in placed.items() if ps[0]["node"] == dead_node}
+    assert 1 in lost and len(lost) <= 2  # two CPUs a node: replica 1 and at most one other
+    for r in lost:
+        # the group was placed again, on a live node, and the replica rejoined
+        assert len(placed[r]) == 2 and placed[r][1]["node"] != dead_node, placed[r]
+    for r in set(placed) - lost:
+        assert len(placed[r]) == 1
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["identical_final_state"], summary["final_hashes"]
+    assert set(summary["final_hashes"]) == {"0", "1", "2"}
+    assert set(summary["final_steps"].values()) == {STEPS}
+    assert "final state identical on every finishing replica (3): yes" in log
