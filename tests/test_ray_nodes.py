@@ -53,12 +53,12 @@ def _free_port() -> int:
 
 def _kill_cluster(temp_dir: str) -> None:
     """SIGKILL of every process of this cluster (its command line names our temp dir) and their children."""
-    pids = {int(line.split()[0]) for line in ray_processes(temp_dir)}
+    pids = {int(line.split()[0]) for line in ray_processes(temp_dir)} - {os.getpid()}
     kids = set()
     for pid in pids:
         r = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True)
         kids |= {int(x) for x in r.stdout.split()}
-    for pid in pids | kids:
+    for pid in (pids | kids) - {os.getpid()}:
         try:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
@@ -84,8 +84,13 @@ def cluster():
         add_node(2)
         yield {"address": address, "env": env, "add_node": add_node, "temp_dir": temp_dir}
     finally:
-        _kill_cluster(temp_dir)
+        deadline = time.monotonic() + 30
+        while ray_processes(temp_dir) and time.monotonic() < deadline:
+            _kill_cluster(temp_dir)
+            time.sleep(0.5)
+        left = ray_processes(temp_dir)
         shutil.rmtree(temp_dir, ignore_errors=True)
+        assert not left, f"the test cluster's processes survived SIGKILL: {left}"
 
 
 def test_kill_node_replaces_its_replicas_on_another_node(tmp_path, cluster):
