@@ -12,7 +12,23 @@ AXIS = "fsdp"
 
 
 def replica_mesh(num_devices: int | None = None) -> Mesh:
-    """A 1-D mesh over this process's first `num_devices` local devices."""
+    """A 1-D mesh over the replica's devices: this process's first `num_devices`
+    local devices, or, when the replica spans several processes (one JAX
+    runtime per replica, fthsdp.replica_group), every process's first
+    `num_devices` local devices in process order, so global shard i lives on
+    process i // num_devices. The same shard index means the same slice of
+    the state on every replica, whatever process holds it (FTAR rings pair
+    shard i of every replica)."""
+    if jax.process_count() > 1:
+        per = {}
+        for d in jax.devices():
+            per.setdefault(d.process_index, []).append(d)
+        n = min(len(v) for v in per.values()) if num_devices is None else num_devices
+        short = {p: len(v) for p, v in per.items() if len(v) < n}
+        if short:
+            raise ValueError(f"asked for {n} devices per process but processes {short} have fewer")
+        devices = [d for p in sorted(per) for d in sorted(per[p], key=lambda d: d.id)[:n]]
+        return Mesh(np.array(devices), (AXIS,))
     devices = jax.local_devices()
     n = len(devices) if num_devices is None else num_devices
     if n > len(devices):

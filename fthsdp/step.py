@@ -55,6 +55,12 @@ def state_hash(state: TrainState) -> str:
 
     h = hashlib.sha256()
     for leaf in jax.tree.leaves(state):
+        if isinstance(leaf, jax.Array) and not leaf.is_fully_addressable:
+            # A replica of several processes: gather the whole array (a collective of the
+            # replica's runtime, so every process of the replica hashes at the same point).
+            from jax.experimental import multihost_utils
+
+            leaf = multihost_utils.process_allgather(leaf, tiled=True)
         a = np.asarray(leaf)
         h.update(str(a.dtype).encode())
         h.update(np.ascontiguousarray(a).tobytes())
@@ -104,8 +110,12 @@ class TrainStep:
     raw_init: Callable
 
     def shard_batch(self, inputs: np.ndarray, targets: np.ndarray):
+        """The replica's global batch (the same rows on every process of the replica) as arrays
+        sharded over its mesh; across processes each one places only its own devices' rows."""
         s = batch_sharding(self.mesh)
-        return jax.device_put(inputs, s), jax.device_put(targets, s)
+        if s.is_fully_addressable:
+            return jax.device_put(inputs, s), jax.device_put(targets, s)
+        return tuple(jax.make_array_from_callback(a.shape, s, lambda idx, a=a: a[idx]) for a in (inputs, targets))
 
 
 def make_train_step(

@@ -1,0 +1,213 @@
+"""A replica that spans several processes: its JAX runtime and its leader's channel.
+
+In the paper a replica is many hosts. Here a replica is P processes x D local
+devices that form **one JAX multi-controller runtime of their own** (one
+`jax.distributed.initialize` per replica, with the replica's own coordinator,
+which process 0 runs): FSDP shards the state over the replica's global mesh
+(`fthsdp.sharding.replica_mesh`), and intra-replica collectives run over
+gloo on CPU hosts (NCCL on GPUs). Replicas never share a runtime: across
+replicas only FTAR and the lighthouse talk, so one replica's failure cannot
+wedge another's collectives (invariant 3 holds across replicas; inside a
+replica a hang ends only by the launcher killing the whole group).
+
+**One leader per replica.** Process 0 asks the lighthouse; every decision the
+replica's processes must take identically (the quorum, whether to retry,
+whether to commit) is *published by the leader and replayed by the
+followers* through :class:`DecisionChannel`.
+
+Why the channel is the distributed runtime's key-value store and not a
+socket of our own: the store already exists (the coordinator that
+`jax.distributed.initialize` starts in process 0), every process of the
+replica is already connected and authenticated to it by the runtime's own
+handshake, it needs no extra listener, address or port (one fewer thing to
+bind and advertise, item 6), and its lifetime is the replica's: when the
+leader dies the store goes with it and every follower's blocking read fails
+within its deadline, which is exactly "the replica fails as a unit". Its
+cost (one RPC to the coordinator per decision, ~100 us on a LAN) is small
+beside a step. Keys are never reused (a sequence number per decision), so a
+follower can never replay a stale one.
+
+`GroupSpec` is what the `fthsdp replica` entry point reads from its flags or
+environment variables, so that slurm, Kubernetes or Ray can start one
+process per host.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+from typing import Any
+
+from fthsdp.addresses import split_host_port
+
+__all__ = ["GroupSpec", "DecisionChannel", "DecisionTimeout", "initialize", "ENV"]
+
+# Environment variables the entry point reads (flags win), one per field.
+ENV = {
+    "replica_id": "FTHSDP_REPLICA_ID",
+    "process_index": "FTHSDP_PROCESS_INDEX",
+    "num_processes": "FTHSDP_NUM_PROCESSES",
+    "coordinator": "FTHSDP_COORDINATOR",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupSpec:
+    """Which process of which replica this is, and where its replica's coordinator listens.
+
+    coordinator: host:port ([v6]:port) of the replica's JAX coordinator, served
+    by process 0 of the replica (so it must be an address of process 0's host);
+    unused when num_processes == 1.
+    """
+
+    replica_id: int
+    process_index: int = 0
+    num_processes: int = 1
+    coordinator: str = ""
+
+    def __post_init__(self) -> None:
+        if self.replica_id < 0:
+            raise ValueError(f"replica id must be >= 0, got {self.replica_id}")
+        if self.num_processes < 1:
+            raise ValueError(f"processes per replica must be >= 1, got {self.num_processes}")
+        if not 0 <= self.process_index < self.num_processes:
+            raise ValueError(f"process index {self.process_index} is outside 0..{self.num_processes - 1} "
+                             f"(the replica has {self.num_processes} processes)")
+        if self.num_processes > 1:
+            if not self.coordinator:
+                raise ValueError("a replica of several processes needs its coordinator's host:port "
+                                 f"(--coordinator or {ENV['coordinator']}): process 0 of the replica serves it")
+            split_host_port(self.coordinator, allow_zero_port=False)
+
+    @property
+    def is_leader(self) -> bool:
+        return self.process_index == 0
+
+    @property
+    def label(self) -> str:
+        """`R` for a one-process replica (as before), `R.p` for a process of a group."""
+        return str(self.replica_id) if self.num_processes == 1 else f"{self.replica_id}.{self.process_index}"
+
+    @classmethod
+    def from_env(cls, env: dict[str, str] | None = None, **flags: Any) -> "GroupSpec":
+        """Flags (not None) win over the environment variables in :data:`ENV`."""
+        env = os.environ if env is None else env
+        values: dict[str, Any] = {}
+        for name, var in ENV.items():
+            v = flags.get(name)
+            if v is None and env.get(var, "") != "":
+                v = env[var]
+            if v is None:
+                continue
+            if name != "coordinator":
+                try:
+                    v = int(v)
+                except (TypeError, ValueError):
+                    raise ValueError(f"{name.replace('_', ' ')} must be an integer, got {v!r} "
+                                     f"(flag or {var})") from None
+            values[name] = v
+        if "replica_id" not in values:
+            raise ValueError(f"no replica id: pass --replica-id or set {ENV['replica_id']}")
+        return cls(**values)
+
+
+def initialize(spec: GroupSpec, timeout_s: float = 120.0) -> None:
+    """Joins this process to its replica's runtime (nothing to do for one process).
+
+    Must run before any JAX computation. CPU collectives use gloo (jax's
+    default CPU collectives cannot run across processes); on GPUs the runtime
+    picks NCCL by itself."""
+    if spec.num_processes == 1:
+        return
+    import jax
+
+    if os.environ.get("JAX_PLATFORMS", "cpu").split(",")[0] == "cpu":
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(coordinator_address=spec.coordinator, num_processes=spec.num_processes,
+                               process_id=spec.process_index, initialization_timeout=int(max(1, timeout_s)))
+
+
+class DecisionTimeout(TimeoutError):
+    """A follower waited past its deadline for its leader's decision: the leader is dead or
+    hung, and the replica must fail as a unit (the launcher restarts the group)."""
+
+
+class DecisionChannel:
+    """Leader -> followers, one JSON decision per key, over the runtime's key-value store.
+
+    The leader calls ``publish(kind, payload)``; each follower calls
+    ``receive(kind, timeout_s)`` in the same order and gets the same payload.
+    Sequence numbers are per kind and advance on both sides in lockstep, so
+    every key is written once and read once by each follower."""
+
+    def __init__(self, spec: GroupSpec, namespace: str = "fthsdp", client: Any = None):
+        self.spec = spec
+        self.namespace = namespace
+        self._seq: dict[str, int] = {}
+        self._client = client
+        if self._client is None and spec.num_processes > 1:
+            from jax._src import distributed
+
+            self._client = distributed.global_state.client
+            if self._client is None:
+                raise RuntimeError("DecisionChannel: jax.distributed is not initialized (call "
+                                   "replica_group.initialize first)")
+
+    def _key(self, kind: str) -> str:
+        seq = self._seq.get(kind, 0)
+        self._seq[kind] = seq + 1
+        return f"{self.namespace}/r{self.spec.replica_id}/{kind}/{seq}"
+
+    def publish(self, kind: str, payload: Any) -> Any:
+        """Leader only: make `payload` (JSON-able) the group's next `kind` decision; returns it."""
+        if not self.spec.is_leader:
+            raise RuntimeError(f"process {self.spec.label} is not its replica's leader: it replays decisions")
+        key = self._key(kind)
+        if self._client is not None:
+            self._client.key_value_set(key, json.dumps(payload))
+        return payload
+
+    def receive(self, kind: str, timeout_s: float) -> Any:
+        """Follower only: the leader's next `kind` decision, or DecisionTimeout past `timeout_s`."""
+        if self.spec.is_leader:
+            raise RuntimeError("the leader publishes decisions; it does not receive them")
+        key = self._key(kind)
+        t0 = time.monotonic()
+        try:
+            text = self._client.blocking_key_value_get(key, int(max(1, timeout_s * 1000)))
+        except Exception as e:  # the runtime raises its own error types (deadline, leader gone)
+            raise DecisionTimeout(f"replica {self.spec.replica_id} process {self.spec.process_index}: no "
+                                  f"{kind!r} decision from the leader within {timeout_s:.1f}s "
+                                  f"(waited {time.monotonic() - t0:.1f}s; {type(e).__name__}: "
+                                  f"{str(e).splitlines()[0] if str(e) else ''}); the leader is dead or hung, "
+                                  "so this replica fails as a unit") from e
+        return json.loads(text)
+
+    def share(self, kind: str, payload: Any, timeout_s: float) -> Any:
+        """The same value on every process: the leader's `payload`, published; followers' ignored."""
+        if self.spec.num_processes == 1:
+            return payload
+        return self.publish(kind, payload) if self.spec.is_leader else self.receive(kind, timeout_s)
+
+    def gather(self, kind: str, payload: Any, timeout_s: float) -> list[Any] | None:
+        """Every process's `payload`, in process order, at the leader (None at followers): how the
+        leader learns its followers' FTAR and state-server addresses."""
+        if self.spec.num_processes == 1:
+            return [payload]
+        seq = self._seq.get(kind, 0)
+        self._seq[kind] = seq + 1
+        base = f"{self.namespace}/r{self.spec.replica_id}/{kind}/{seq}"
+        self._client.key_value_set(f"{base}/p{self.spec.process_index}", json.dumps(payload))
+        if not self.spec.is_leader:
+            return None
+        out = []
+        for p in range(self.spec.num_processes):
+            try:
+                out.append(json.loads(self._client.blocking_key_value_get(f"{base}/p{p}",
+                                                                          int(max(1, timeout_s * 1000)))))
+            except Exception as e:
+                raise DecisionTimeout(f"replica {self.spec.replica_id}: process {p} did not report its "
+                                      f"{kind!r} within {timeout_s:.1f}s ({type(e).__name__})") from e
+        return out

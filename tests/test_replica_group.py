@@ -1,0 +1,100 @@
+"""A replica of several processes (issue 11): one JAX runtime per replica, FSDP over its
+global mesh, the leader's decision channel.
+
+Real processes: two processes forming one replica's runtime (gloo CPU collectives,
+coordinator on an emulated host address) take two FSDP steps on arrays that are
+not fully addressable and must reach bitwise the state a one-process replica with
+the same devices reaches (state_hash gathers across processes); the leader's
+decisions and the followers' addresses cross the runtime's key-value store; a
+follower waiting for a dead leader fails within its deadline.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from fthsdp.replica_group import ENV, GroupSpec
+
+WORKER = pathlib.Path(__file__).parent / "group_workers" / "one_step.py"
+
+
+def test_group_spec_from_flags_and_env():
+    env = {ENV["replica_id"]: "4", ENV["process_index"]: "1", ENV["num_processes"]: "2",
+           ENV["coordinator"]: "[::1]:4000"}
+    s = GroupSpec.from_env(env)
+    assert (s.replica_id, s.process_index, s.num_processes, s.coordinator, s.is_leader, s.label) == \
+        (4, 1, 2, "[::1]:4000", False, "4.1")
+    assert GroupSpec.from_env(env, process_index=0).is_leader  # a flag wins over the environment
+    assert GroupSpec.from_env({}, replica_id=2).label == "2"  # one process: the replica's id, as before
+    for kwargs, env2, msg in [({}, {}, "no replica id"),
+                              ({"replica_id": 0, "num_processes": 2}, {}, "needs its coordinator"),
+                              ({"replica_id": 0, "process_index": 2, "num_processes": 2, "coordinator": "h:1"}, {},
+                               "outside 0..1"),
+                              ({}, {ENV["replica_id"]: "x"}, "must be an integer"),
+                              ({"replica_id": 0, "num_processes": 2, "coordinator": "::1:5"}, {}, "brackets")]:
+        with pytest.raises(ValueError, match=msg):
+            GroupSpec.from_env(env2, **kwargs)
+
+
+def _free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _run(tmp: pathlib.Path, nproc: int, devices: int, *extra: str) -> list[dict]:
+    coord = f"127.0.0.2:{_free_port('127.0.0.2')}" if nproc > 1 else ""
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    procs = [subprocess.Popen([sys.executable, str(WORKER), str(tmp / f"p{i}.json"), str(i), str(nproc), coord,
+                               str(devices), *extra], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              env=env, start_new_session=True) for i in range(nproc)]
+    outs = []
+    try:
+        for p in procs:
+            outs.append(p.communicate(timeout=240)[0])
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(30)
+    return [json.loads((tmp / f"p{i}.json").read_text()) if (tmp / f"p{i}.json").exists() else
+            {"missing": outs[i][-3000:] if i < len(outs) else ""} for i in range(nproc)]
+
+
+@pytest.mark.multiprocess
+def test_two_processes_form_one_replica_bitwise_equal_to_one_process(tmp_path):
+    (tmp_path / "one").mkdir()
+    (ref,) = _run(tmp_path / "one", 1, 2)
+    group = _run(tmp_path, 2, 1)
+    assert all("missing" not in g for g in group), group
+    assert ref["mesh_devices"] == 2 and ref["fully_addressable"]
+    for g in group:
+        assert g["processes"] == 2 and g["mesh_devices"] == 2 and not g["fully_addressable"]
+        # the same state, bitwise, after init and after two FSDP steps across processes
+        assert (g["hash0"], g["hash2"], g["loss"]) == (ref["hash0"], ref["hash2"], ref["loss"])
+        assert g["committed"] and g["compilations"] == [1, 1]
+        assert g["quorum"] == {"quorum_id": 7, "members": ["0", "3"]}  # the leader's decision, replayed
+    assert group[0]["gathered"] == [["ftar-of-0"], ["ftar-of-1"]] and group[1]["gathered"] is None
+    assert "the leader is dead or hung" in group[1]["timeout"] and 0.9 <= group[1]["timeout_s"] < 10
+
+
+@pytest.mark.multiprocess
+def test_a_follower_whose_leader_died_fails_within_its_deadline(tmp_path):
+    t0 = time.monotonic()
+    _, follower = _run(tmp_path, 2, 1, "kill_leader")
+    took = time.monotonic() - t0
+    if "missing" in follower:
+        # the runtime noticed first and aborted the follower (its coordinator vanished): a unit failure too
+        assert "JAX distributed service detected fatal errors" in follower["missing"], follower["missing"]
+    else:
+        assert follower["error"] and "no 'quorum' decision" in follower["error"], follower
+        assert follower["waited_s"] < 10, follower
+    assert took < 120, f"the follower outlived its dead leader by {took:.0f}s"
