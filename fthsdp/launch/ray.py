@@ -263,6 +263,7 @@ class RayJob(LocalJob):
     config_text: str | None = None  # a config given as a file: its text travels to the actors
     place_timeout_s: float = 120.0
     unplaced: dict[int, str] = field(default_factory=dict)
+    summary: dict = field(default_factory=dict)  # summary.json's content, once run() returned
 
     def __post_init__(self) -> None:
         import ray
@@ -554,6 +555,54 @@ def parse_ray_kills(specs: list[str] | None, kind: str, replicas: int) -> list[f
     return out
 
 
+def launch(config: str, overrides: list[str], out: str | pathlib.Path | None = None,
+           faults: list[faults_lib.Fault] = (), address: str | None = None, num_cpus: int | None = None,
+           temp_dir: str | None = None, kill_with: str = "ray-kill", restart: bool | None = None,
+           checkpoint_dir: str | None = None, allreduce: str = "ftar", progress: bool = False,
+           origin: str = "the caller") -> RayJob:
+    """Runs one job on Ray and returns it (its `.summary` is summary.json's content).
+
+    The library form of `fthsdp ray`, for notebooks and scripts: joins the
+    cluster this process is connected to (or `address`), else starts a fresh
+    local one for the job and ends it afterwards.
+    """
+    from fthsdp import config as config_lib
+    from fthsdp import logs
+
+    cfg = config_lib.load(config, overrides)
+    config_path = pathlib.Path(config)
+    config_text = config_path.read_text() if config_path.suffix == ".py" and config_path.is_file() else None
+    out = pathlib.Path(out or cfg.train.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    rundir_lib.clean_for_fresh_run(out)
+    rundir_lib.RunDir(out).save({"config": config, "overrides": list(overrides), "launcher": "ray",
+                                 "effective": rundir_lib.effective(cfg), "faults": [f.to_json() for f in faults],
+                                 "fired": [], "attempts": []})
+    if not logging.getLogger("fthsdp").handlers:
+        logs.setup("fthsdp.launch")
+    started = connect(address, num_cpus or cluster_cpus_needed(cfg.launch.replicas, cfg.launch.devices_per_replica),
+                      temp_dir)
+    try:
+        job = RayJob(config=config, overrides=list(overrides), out_dir=out, replicas=cfg.launch.replicas,
+                     steps=cfg.train.steps, faults=list(faults),
+                     restart=cfg.launch.restart if restart is None else restart,
+                     restart_delay_s=cfg.launch.restart_delay_s, allreduce=allreduce,
+                     max_job_restarts=cfg.launch.max_job_restarts, detect_s=cfg.ft.detect_s,
+                     join_timeout_s=cfg.ft.join_timeout_s, progress=progress, kill_with=kill_with,
+                     devices=cfg.launch.devices_per_replica, checkpoint_dir=checkpoint_dir,
+                     config_text=config_text, place_timeout_s=cfg.ft.startup_timeout_s)
+        log.info("ray job: %d replicas x %d devices (placement %s), %d steps, faults (from %s) %s; logs in %s",
+                 cfg.launch.replicas, cfg.launch.devices_per_replica, job.placement.bundles, cfg.train.steps,
+                 origin, [f.label() for f in faults] or "none", out)
+        job.summary = job.run()
+    finally:
+        if started:
+            import ray
+
+            ray.shutdown()
+    return job
+
+
 def cli(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="fthsdp ray", description="Run a fault-tolerant job on a Ray cluster: the "
                                 "lighthouse and every replica as Ray actors (one placement group per replica), "
@@ -592,7 +641,6 @@ def cli(argv: list[str]) -> int:
     args = p.parse_args(argv)
 
     from fthsdp import config as config_lib
-    from fthsdp import logs
 
     overrides = list(args.overrides)
     if args.replicas is not None:
@@ -619,37 +667,11 @@ def cli(argv: list[str]) -> int:
                       + parse_ray_kills(args.kill_worker, "kill_worker", cfg.launch.replicas))
     except ValueError as e:
         p.error(str(e))
-    config_path = pathlib.Path(args.config)
-    config_text = config_path.read_text() if config_path.suffix == ".py" and config_path.is_file() else None
-    out = pathlib.Path(args.out_dir or cfg.train.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    rundir_lib.clean_for_fresh_run(out)
-    rundir_lib.RunDir(out).save({"config": args.config, "overrides": overrides, "launcher": "ray",
-                                 "effective": rundir_lib.effective(cfg), "faults": [f.to_json() for f in plan],
-                                 "fired": [], "attempts": []})
-    logs.setup("fthsdp.launch")
-    started = connect(args.address, args.num_cpus or cluster_cpus_needed(cfg.launch.replicas,
-                                                                        cfg.launch.devices_per_replica),
-                      args.temp_dir)
-    try:
-        job = RayJob(config=args.config, overrides=overrides, out_dir=out, replicas=cfg.launch.replicas,
-                     steps=cfg.train.steps, faults=plan,
-                     restart=cfg.launch.restart if args.restart is None else args.restart,
-                     restart_delay_s=cfg.launch.restart_delay_s, allreduce=args.allreduce,
-                     max_job_restarts=cfg.launch.max_job_restarts, detect_s=cfg.ft.detect_s,
-                     join_timeout_s=cfg.ft.join_timeout_s, progress=not args.no_progress and sys.stderr.isatty(),
-                     kill_with=args.kill_with, devices=cfg.launch.devices_per_replica,
-                     checkpoint_dir=args.checkpoint_dir, config_text=config_text,
-                     place_timeout_s=cfg.ft.startup_timeout_s)
-        log.info("ray job: %d replicas x %d devices (placement %s), %d steps, faults (from %s) %s; logs in %s",
-                 cfg.launch.replicas, cfg.launch.devices_per_replica, job.placement.bundles, cfg.train.steps,
-                 sources.origin, [f.label() for f in plan] or "none", out)
-        summary = job.run()
-    finally:
-        if started:
-            import ray
-
-            ray.shutdown()
+    job = launch(args.config, overrides, out=args.out_dir, faults=plan, address=args.address,
+                 num_cpus=args.num_cpus, temp_dir=args.temp_dir, kill_with=args.kill_with, restart=args.restart,
+                 checkpoint_dir=args.checkpoint_dir, allreduce=args.allreduce,
+                 progress=not args.no_progress and sys.stderr.isatty(), origin=sources.origin)
+    summary = job.summary
     if job.gave_up:
         return 4
     if summary["failed_replicas"]:
