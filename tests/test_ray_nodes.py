@@ -4,10 +4,10 @@ The cluster is built as a user builds one on this machine: `ray start --head`
 (no CPUs: the driver and the lighthouse only) and `ray start --address` for two
 worker nodes of two CPUs each, so the three replicas are spread 2 + 1 over them.
 `--kill-node 1@STEP` SIGKILLs the raylet of replica 1's node: every replica on
-it dies with it. A third worker node joins once the node is gone, so the
-replacements have somewhere to go: they are placed on a node other than the
-dead one, rejoin from the survivor(s), and the job finishes with identical
-states. The cluster's processes (found by its temp dir, and their children)
+it dies with it. When a third worker node joins once the node is gone, the
+replacements are placed on a node other than the dead one, rejoin from the
+survivor(s), and the job finishes with identical states; when none joins,
+there is no room for them and the job goes on with fewer replicas, saying so. The cluster's processes (found by its temp dir, and their children)
 are SIGKILLed at the end.
 """
 
@@ -93,11 +93,14 @@ def cluster():
         assert not left, f"the test cluster's processes survived SIGKILL: {left}"
 
 
-def test_kill_node_replaces_its_replicas_on_another_node(tmp_path, cluster):
+@pytest.mark.parametrize("new_node", [True, False], ids=["replaced_on_a_new_node", "no_room_goes_on_fewer"])
+def test_kill_node(tmp_path, cluster, new_node):
+    """new_node: a node joins after the loss (the replacements go there); else there
+    is no room for them and the job goes on with the survivors, saying so."""
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "fthsdp.cli", "ray", "--no-progress", "--address", cluster["address"],
            "--out-dir", str(out), "--config", "base", "--replicas", "3", "--devices-per-replica", "1",
-           "--kill-node", "1@20", *PACED, f"train.steps={STEPS}"]
+           "--kill-node", "1@20", *PACED, f"train.steps={STEPS}", "ft.startup_timeout_s=40"]
     stderr = open(tmp_path / "run.stderr", "w")
     job = subprocess.Popen(cmd, stdout=stderr, stderr=subprocess.STDOUT, env=cluster["env"])
     try:
@@ -106,7 +109,8 @@ def test_kill_node_replaces_its_replicas_on_another_node(tmp_path, cluster):
         while time.monotonic() < deadline and job.poll() is None:
             evs = read_metrics(out / "events.jsonl") if (out / "events.jsonl").exists() else []
             if any(e["kind"] == "kill" and e.get("how") == "node" for e in evs):
-                cluster["add_node"](2)
+                if new_node:
+                    cluster["add_node"](2)
                 break
             time.sleep(0.5)
         rc = job.wait(420)
@@ -128,13 +132,21 @@ def test_kill_node_replaces_its_replicas_on_another_node(tmp_path, cluster):
             placed.setdefault(e["replica"], []).append(e)
     lost = {r for r, ps in placed.items() if ps[0]["node"] == dead_node}
     assert 1 in lost and len(lost) <= 2  # two CPUs a node: replica 1 and at most one other
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["identical_final_state"], summary["final_hashes"]
+    if not new_node:
+        # no node has room: each lost replica is left out and the survivors finish the job
+        unplaced = {e["replica"] for e in events if e["kind"] == "unplaced"}
+        assert unplaced == lost and set(summary["unplaced_replicas"]) == {str(r) for r in lost}
+        assert set(summary["final_hashes"]) == {str(r) for r in set(placed) - lost}
+        assert set(summary["final_steps"].values()) == {STEPS}
+        assert "cannot be placed" in log and "the job goes on with" in log
+        return
     for r in lost:
         # the group was placed again, on a live node, and the replica rejoined
         assert len(placed[r]) == 2 and placed[r][1]["node"] != dead_node, placed[r]
     for r in set(placed) - lost:
         assert len(placed[r]) == 1
-    summary = json.loads((out / "summary.json").read_text())
-    assert summary["identical_final_state"], summary["final_hashes"]
     assert set(summary["final_hashes"]) == {"0", "1", "2"}
     assert set(summary["final_steps"].values()) == {STEPS}
     assert "final state identical on every finishing replica (3): yes" in log
