@@ -14,6 +14,8 @@ SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
     "train": ("fthsdp.cli", "train_cli", "train one replica (no fault tolerance) on a config"),
     "run": ("fthsdp.launch.local", "cli", "run a fault-tolerant job locally: lighthouse + N replicas + faults"),
     "ray": ("fthsdp.launch.ray", "cli", "run a fault-tolerant job on a Ray cluster: actors, placement groups, faults"),
+    "replica": ("fthsdp.replica", "main", "start one process of one replica (flags or FTHSDP_* env vars; for "
+                "slurm, Kubernetes, Ray)"),
     "lighthouse": ("fthsdp.lighthouse", "cli", "serve quorums and failure detection over gRPC"),
     "status": ("fthsdp.lighthouse_client", "status_cli", "show a lighthouse's jobs, quorums and replicas"),
     "dashboard": ("fthsdp.observe.dashboard", "cli", "serve a live web page and /metrics of a lighthouse's jobs"),

@@ -254,6 +254,7 @@ RULES: dict[str, Rule] = {
     # launch
     "launch.replicas": _int(1),
     "launch.devices_per_replica": _int(1),
+    "launch.processes_per_replica": _int(1, why="processes of one replica (process 0 leads)"),
     "launch.lighthouse": Parsed(_host_port_or_empty, "empty (start one locally) or host:port ([v6]:port)"),
     "launch.lighthouse_bind": Parsed(_bind_address, "host:port ([v6]:port) to listen on, port 0 = any free port"),
     "launch.lighthouse_advertise": Parsed(_host_or_empty, "empty (the bind host) or the host replicas connect to"),
@@ -350,6 +351,11 @@ def check(cfg: Any) -> None:
         raise ConfigError(
             f"data.batch_size={d.batch_size} must be divisible by launch.devices_per_replica="
             f"{launch.devices_per_replica} (the batch is sharded over the replica's devices)")
+    shards = launch.devices_per_replica * launch.processes_per_replica
+    if d.batch_size % shards:
+        raise ConfigError(
+            f"data.batch_size={d.batch_size} must be divisible by launch.devices_per_replica x "
+            f"launch.processes_per_replica = {shards} (the batch is sharded over all the replica's devices)")
     from fthsdp.addresses import is_wildcard, split_host_port
 
     if is_wildcard(cfg.ft.bind_host) and not cfg.ft.advertise_host:

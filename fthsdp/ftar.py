@@ -223,7 +223,10 @@ def allreduce(grads, quorum: QuorumInputs, mesh: Mesh, specs=None):
                 order.append(jnp.dtype(x.dtype))
         buckets = [jnp.concatenate([x.reshape(-1) for x in local if jnp.dtype(x.dtype) == dt])
                    for dt in order]
-        shard = _shard_index(mesh).reshape(())
+        # This process's endpoint of the shard: a replica of P processes lays its mesh out
+        # process-major (fthsdp.sharding.replica_mesh), so global shard g is local
+        # endpoint g mod (shards per process); with one process, g itself.
+        shard = (_shard_index(mesh) % (mesh.devices.size // jax.process_count())).reshape(())
         status, sums = _ftar_call(comm, shard, quorum_id, rank, n, buckets)
         out, offsets = [], {dt: 0 for dt in order}
         for x in local:

@@ -61,6 +61,16 @@ class ManagerJobError(ManagerError, JobFatalError):
     """A condition no restart of this replica can fix (the message says what to do)."""
 
 
+def _on_host(x) -> np.ndarray:
+    """`x` as a host array, also when it spans the processes of a multi-process replica (then a
+    collective of the replica's runtime: every process of the replica calls it at the same point)."""
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        from jax.experimental import multihost_utils
+
+        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+    return np.asarray(x)
+
+
 class Communicator(Protocol):
     """What the Manager needs from FTAR's Python face (fthsdp.ftar)."""
 
@@ -321,7 +331,7 @@ class Manager:
                     self.on_commit(self, rec)
                 return rec
             commit_failed = True
-            events.append(f"attempt {attempt} on quorum {q.quorum_id}: all-reduce failed (status {np.asarray(m['status']).tolist()})")
+            events.append(f"attempt {attempt} on quorum {q.quorum_id}: all-reduce failed (status {_on_host(m['status']).tolist()})")
             log.warning("step %d attempt %d: all-reduce on quorum %d failed; retrying on a new quorum",
                         step, attempt, q.quorum_id)
         raise ManagerError(

@@ -36,8 +36,14 @@ def write_json_atomic(path: pathlib.Path, obj: dict) -> None:
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m fthsdp.replica", description=__doc__.split("\n")[0])
     p.add_argument("--config", default="base")
-    p.add_argument("--replica-id", required=True, type=int)
-    p.add_argument("--lighthouse", required=True, help="HOST:PORT of `fthsdp lighthouse`")
+    p.add_argument("--replica-id", type=int, default=None, help="this replica's id (or FTHSDP_REPLICA_ID)")
+    p.add_argument("--process-index", type=int, default=None,
+                   help="this process's index in its replica, 0 = the leader (or FTHSDP_PROCESS_INDEX; default 0)")
+    p.add_argument("--num-processes", type=int, default=None,
+                   help="processes of this replica (or FTHSDP_NUM_PROCESSES; default 1)")
+    p.add_argument("--coordinator", default=None, metavar="HOST:PORT",
+                   help="the replica's JAX coordinator, served by its process 0 (or FTHSDP_COORDINATOR)")
+    p.add_argument("--lighthouse", default=None, help="HOST:PORT of `fthsdp lighthouse` (or FTHSDP_LIGHTHOUSE)")
     p.add_argument("--job", default="fthsdp")
     p.add_argument("--out-dir", required=True)
     p.add_argument("--allreduce", choices=("ftar", "local"), default="ftar",
@@ -56,6 +62,17 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         "(default: the bind host)")
     p.add_argument("overrides", nargs="*")
     args = p.parse_args(argv)
+    from fthsdp.replica_group import GroupSpec
+
+    try:
+        args.group = GroupSpec.from_env(replica_id=args.replica_id, process_index=args.process_index,
+                                        num_processes=args.num_processes, coordinator=args.coordinator)
+    except ValueError as e:
+        p.error(str(e))
+    args.replica_id = args.group.replica_id
+    args.lighthouse = args.lighthouse or os.environ.get("FTHSDP_LIGHTHOUSE", "")
+    if not args.lighthouse:
+        p.error("no lighthouse: pass --lighthouse HOST:PORT or set FTHSDP_LIGHTHOUSE")
     # The flags are config overrides, so that the config's rules check them.
     args.overrides = [*args.overrides,
                       *([f"ft.bind_host={args.bind_host}"] if args.bind_host is not None else []),
@@ -91,14 +108,23 @@ class ReplicaProcess:
 
         self.args, self.cfg, self.out = args, cfg, out
         self.rid = str(args.replica_id)
+        self.group = args.group
+        # Only the leader (process 0) writes the replica's files and talks to the lighthouse;
+        # a replica of one process is its own leader, exactly as before.
+        self.leader = self.group.is_leader
         self.mesh = replica_mesh(cfg.launch.devices_per_replica)
         if args.allreduce == "ftar":
             from fthsdp import ftar
 
-            self.comm = ftar.Communicator(num_shards=self.mesh.devices.size, streams=cfg.ft.streams_per_peer,
+            self.comm = ftar.Communicator(num_shards=len(self.mesh.local_devices), streams=cfg.ft.streams_per_peer,
                                           timeout_s=cfg.ft.allreduce_timeout_s, listen_host=cfg.ft.bind_host,
                                           advertise_host=cfg.ft.advertise_host)
             allreduce = ftar.allreduce
+            if self.group.num_processes > 1:
+                from fthsdp.replica_group import DecisionChannel, GroupCommunicator
+
+                self.channel = DecisionChannel(self.group, namespace=args.job)
+                self.comm = GroupCommunicator(self.comm, self.group, self.channel, cfg.ft.startup_timeout_s)
         else:
             self.comm, allreduce = SoloCommunicator(), local_allreduce
         self.ts = make_train_step(cfg, self.mesh, allreduce=allreduce)
@@ -117,17 +143,21 @@ class ReplicaProcess:
         cap = cfg.ft.peer_serve_cap_gbps * 1e9 if cfg.ft.peer_serve_cap_gbps > 0 else None
         self.server = PeerServer(self.snapshots, self.token, host=cfg.ft.bind_host, max_bytes_per_s=cap,
                                  advertise_host=cfg.ft.advertise_host).start()
-        self.ckpt = PersistentCheckpointer(out / "checkpoints", every=cfg.ft.checkpoint_every)
-        self.ledger = Ledger(out / "ledger" / f"replica_{self.rid}.jsonl", args.replica_id)
-        self.loader_store = LoaderStateStore(out / "loader_state")
+        # A follower keeps its own copies of the replica's files apart (under followers/R.p/):
+        # the run's ledger, loader positions, metrics and status are the leader's alone.
+        files = out if self.leader else out / "followers" / self.group.label
+        self.files = files
+        self.ckpt = PersistentCheckpointer(files / "checkpoints", every=cfg.ft.checkpoint_every)
+        self.ledger = Ledger(files / "ledger" / f"replica_{self.rid}.jsonl", args.replica_id)
+        self.loader_store = LoaderStateStore(files / "loader_state")
         # Only this replica's torn temporaries: another live replica may be mid-write
         # of its own (a restarted replica that cleaned them all made a survivor's
         # os.replace fail).
         from fthsdp.data.loader_state import _TMP_MARK
 
-        for torn in (out / "loader_state").glob(f"replica_{self.rid}.json{_TMP_MARK}*"):
+        for torn in (files / "loader_state").glob(f"replica_{self.rid}.json{_TMP_MARK}*"):
             torn.unlink(missing_ok=True)
-        self.metrics = logs.MetricsWriter(out / f"metrics-{self.rid}.jsonl")
+        self.metrics = logs.MetricsWriter(files / f"metrics-{self.rid}.jsonl")
         # Prometheus: this process's metrics over HTTP (loopback by default; the
         # address is in status-R.json for scrape target lists).
         from fthsdp.addresses import join_host_port
@@ -137,13 +167,23 @@ class ReplicaProcess:
                                    grad_bytes=pytree_bytes(state.params))
         self.prom_server = serve(self.prom.registry, os.environ.get("FTHSDP_METRICS_BIND") or
                                  join_host_port(cfg.ft.bind_host, 0))
-        self.status_path = out / f"status-{self.rid}.json"
+        self.status_path = files / f"status-{self.rid}.json"
         self.started = time.time()
 
-        self.client = LighthouseClient(args.lighthouse, args.job, self.rid,
-                                       heartbeat_interval_s=cfg.ft.heartbeat_interval_s,
-                                       heartbeat_timeout_s=cfg.timeouts.heartbeat_rpc_s,
-                                       outage_s=cfg.timeouts.lighthouse_outage_s, rejoin=args.rejoin)
+        if not self.leader:
+            from fthsdp.replica_group import FollowerQuorumSource
+
+            self.client = FollowerQuorumSource(
+                self.channel, cfg.timeouts.quorum_timeout_s + cfg.timeouts.lighthouse_outage_s + cfg.ft.startup_timeout_s)
+        else:
+            self.client = LighthouseClient(args.lighthouse, args.job, self.rid,
+                                           heartbeat_interval_s=cfg.ft.heartbeat_interval_s,
+                                           heartbeat_timeout_s=cfg.timeouts.heartbeat_rpc_s,
+                                           outage_s=cfg.timeouts.lighthouse_outage_s, rejoin=args.rejoin)
+            if self.group.num_processes > 1:
+                from fthsdp.replica_group import LeaderQuorumSource
+
+                self.client = LeaderQuorumSource(self.client, self.channel)
         self.mgr = Manager(cfg=cfg, replica_id=self.rid, job_id=args.job, ts=self.ts, comm=self.comm,
                            lighthouse=self.client, state=state, loader=LoaderState(replica=args.replica_id),
                            recover=self.recover, state_server_address=self.server.url,
@@ -212,7 +252,8 @@ class ReplicaProcess:
     def on_quorum(self, mgr, q) -> None:
         if not self.client.heartbeating:  # a rejoiner starts heartbeating once it is a member
             self.client.start_heartbeats(on_dead=mgr.on_dead)
-        if self.cfg.ft.snapshot == "on_demand" and q.behind and self.rid in q.healthy:
+        if (self.cfg.ft.snapshot == "on_demand" and q.behind and self.rid in q.healthy
+                and self.group.num_processes == 1):  # multi-process replicas: no peer snapshots yet
             self.snapshot()
 
     def on_commit(self, mgr, rec) -> None:
@@ -220,12 +261,13 @@ class ReplicaProcess:
 
         committed = rec.step + 1
         self.prom.observe_step(rec)
-        if self.cfg.ft.snapshot == "every_commit":
+        if self.cfg.ft.snapshot == "every_commit" and self.group.num_processes == 1:
             self.snapshot()
         if rec.healthy:
             self.ledger.commit(committed, rec.position)
         self.loader_store.save(mgr.loader, committed)
-        if self.ckpt.should_save(committed) and self.rid == min(mgr.quorum.healthy, key=int):
+        if (self.ckpt.should_save(committed) and self.rid == min(mgr.quorum.healthy, key=int)
+                and self.group.num_processes == 1):  # multi-process replicas: no persistent checkpoints yet
             try:
                 self.ckpt.save(committed, mgr.state, {i: int(p) for i, p in enumerate(mgr.positions)},
                                metadata={"writer": self.rid, "quorum_id": rec.quorum_id})
@@ -275,17 +317,17 @@ class ReplicaProcess:
         cfg, mgr = self.cfg, self.mgr
         if self.args.resume:
             self.resume(self.args.resume)
-        log.info("replica %s: %d device(s), lighthouse %s, ftar endpoints %s, state server %s", self.rid,
+        log.info("replica %s: %d device(s), lighthouse %s, ftar endpoints %s, state server %s", self.group.label,
                  self.mesh.devices.size, self.args.lighthouse, list(self.comm.addresses), self.server.url)
         log.info("replica %s: compiled the step in %.1fs (before checking in)", self.rid, mgr.warm_up())
-        if cfg.ft.snapshot == "every_commit":
+        if cfg.ft.snapshot == "every_commit" and self.group.num_processes == 1:
             self.snapshot()
         if not self.args.rejoin:
             # A rejoiner starts heartbeating at its first quorum (on_quorum): its open
             # request is its sign of life until then, so the lighthouse never sees it
             # "live but not asking" and the others never wait a join limit for it.
             self.client.start_heartbeats(on_dead=mgr.on_dead)
-        if cfg.launch.replicas > 1 and not self.args.rejoin:  # a job's (re)start: begin together
+        if cfg.launch.replicas > 1 and not self.args.rejoin and self.leader:  # a job's (re)start: begin together
             live = mgr.wait_for_peers(self.client.status, cfg.launch.replicas, cfg.ft.startup_timeout_s)
             log.info("replica %s: %d replica(s) live, starting", self.rid, live)
         from fthsdp.errors import classify, exit_code
@@ -350,8 +392,11 @@ def main(argv: list[str] | None = None) -> int:
     place_replica_on_gpus(args.replica_id, cfg.launch.replicas, cfg.launch.devices_per_replica)
     out = pathlib.Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    logs.setup(f"fthsdp.replica{args.replica_id}", file=str(out / f"replica-{args.replica_id}.log"))
+    logs.setup(f"fthsdp.replica{args.group.label}", file=str(out / f"replica-{args.group.label}.log"))
     enable_compilation_cache()
+    from fthsdp.replica_group import initialize
+
+    initialize(args.group, timeout_s=cfg.ft.startup_timeout_s)  # before any jax computation
     return ReplicaProcess(args, cfg, out).run()
 
 

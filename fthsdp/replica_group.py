@@ -211,3 +211,102 @@ class DecisionChannel:
                 raise DecisionTimeout(f"replica {self.spec.replica_id}: process {p} did not report its "
                                       f"{kind!r} within {timeout_s:.1f}s ({type(e).__name__})") from e
         return out
+
+
+# -- the pieces a process of a multi-process replica plugs into the Manager ------------------------
+
+
+def quorum_to_json(q) -> dict:
+    return dataclasses.asdict(q)
+
+
+def quorum_from_json(d: dict):
+    from fthsdp import quorum as qm
+
+    d = dict(d)
+    d["members"] = tuple(qm.Member(**{**m, "ftar_addresses": tuple(m["ftar_addresses"])}) for m in d["members"])
+    for k in ("healthy", "behind", "left_out"):
+        d[k] = tuple(d.get(k, ()))
+    d["recovery"] = {k: tuple(v) for k, v in d.get("recovery", {}).items()}
+    return qm.Quorum(**d)
+
+
+class GroupCommunicator:
+    """This process's FTAR endpoints (its own shards) seen as the replica's.
+
+    The replica advertises every process's shard addresses, in global shard
+    order (the leader gathers them once at start-up); each process connects
+    only its own shards' rings: shard i of every replica forms ring i,
+    whatever process of each replica holds it."""
+
+    def __init__(self, comm, spec: GroupSpec, channel: DecisionChannel, timeout_s: float):
+        self.comm = comm
+        self.spec = spec
+        self.channel = channel
+        self.local = len(comm.addresses)
+        self.offset = spec.process_index * self.local
+        gathered = channel.gather("ftar_addresses", list(comm.addresses), timeout_s)
+        self.all_addresses = tuple(a for per in gathered for a in per) if gathered else tuple(comm.addresses)
+
+    @property
+    def handle(self) -> int:
+        return self.comm.handle
+
+    @property
+    def addresses(self) -> tuple[str, ...]:
+        """The replica's (every process's) shard addresses: what the leader tells the lighthouse."""
+        return self.all_addresses
+
+    def configure(self, job_id: str, quorum_id: int, rank: int, members, timeout_s: float):
+        mine = [list(m)[self.offset:self.offset + self.local] for m in members]
+        for i, m in enumerate(mine):
+            if len(m) != self.local:
+                raise ValueError(f"member {i} of quorum {quorum_id} lists {len(members[i])} shard addresses; this "
+                                 f"replica has {self.local * self.spec.num_processes} (every replica must use the "
+                                 "same P x D shape)")
+        return self.comm.configure(job_id, quorum_id, rank, mine, timeout_s=timeout_s)
+
+    def abort(self, reason: str) -> None:
+        self.comm.abort(reason)
+
+    def close(self) -> None:
+        self.comm.close()
+
+
+class LeaderQuorumSource:
+    """The leader's lighthouse client, publishing every quorum it gets to its followers."""
+
+    def __init__(self, client, channel: DecisionChannel):
+        self.client = client
+        self.channel = channel
+
+    def get_quorum(self, step: int, **kwargs):
+        q = self.client.get_quorum(step, **kwargs)
+        self.channel.share("quorum", quorum_to_json(q), 0)
+        return q
+
+    def __getattr__(self, name):  # heartbeats, status, leave, close: the client's
+        return getattr(self.client, name)
+
+
+class FollowerQuorumSource:
+    """A follower's stand-in for the lighthouse client: it replays its leader's quorums and
+    never talks to the lighthouse (the leader does, for the whole replica)."""
+
+    heartbeating = True  # the leader heartbeats for the replica
+
+    def __init__(self, channel: DecisionChannel, timeout_s: float):
+        self.channel = channel
+        self.timeout_s = timeout_s
+
+    def get_quorum(self, step: int, **kwargs):
+        return quorum_from_json(self.channel.receive("quorum", self.timeout_s))
+
+    def start_heartbeats(self, on_dead=None) -> None:
+        pass
+
+    def leave(self, step: int, finished: bool = False) -> None:
+        pass
+
+    def close(self) -> None:
+        pass

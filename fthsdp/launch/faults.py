@@ -27,9 +27,13 @@ class Fault:
     # Asked for by name (--kill R@S): may take down the last healthy replica.
     # Random kills are not: they wait until another replica is healthy.
     explicit: bool = field(default=True, compare=False)
+    # Which process of a multi-process replica (--kill R.p@S); -1: process 0, the leader.
+    process: int = -1
 
     def label(self) -> str:
         who = "lighthouse" if self.kind == "lighthouse" else ("all" if self.replica == JOB else f"r{self.replica}")
+        if self.process >= 0:
+            who += f".{self.process}"
         return f"{self.kind} {who}@{self.step}"
 
     def to_json(self) -> dict:
@@ -38,18 +42,22 @@ class Fault:
     @staticmethod
     def from_json(d: dict) -> "Fault":
         return Fault(step=int(d["step"]), replica=int(d["replica"]), kind=str(d["kind"]),
-                     stop_s=float(d.get("stop_s", 0.0)), explicit=bool(d.get("explicit", True)))
+                     stop_s=float(d.get("stop_s", 0.0)), explicit=bool(d.get("explicit", True)),
+                     process=int(d.get("process", -1)))
 
 
 def parse_fault(spec: str, kind: str, stop_s: float = 3.0) -> Fault:
-    """'REPLICA@STEP' -> Fault; says what is wrong otherwise."""
+    """'REPLICA@STEP' or 'REPLICA.PROCESS@STEP' -> Fault; says what is wrong otherwise."""
     try:
-        replica, step = spec.split("@")
-        f = Fault(step=int(step), replica=int(replica), kind=kind, stop_s=stop_s if kind == "stop" else 0.0)
+        who, step = spec.split("@")
+        replica, dot, process = who.partition(".")
+        f = Fault(step=int(step), replica=int(replica), kind=kind, stop_s=stop_s if kind == "stop" else 0.0,
+                  process=int(process) if dot else -1)
     except ValueError:
-        raise ValueError(f"bad --{kind} {spec!r}: expected REPLICA@STEP, e.g. 1@40") from None
-    if f.replica < 0 or f.step < 0:
-        raise ValueError(f"bad --{kind} {spec!r}: replica and step must be >= 0")
+        raise ValueError(f"bad --{kind} {spec!r}: expected REPLICA@STEP or REPLICA.PROCESS@STEP, e.g. 1@40 "
+                         "or 1.1@40") from None
+    if f.replica < 0 or f.step < 0 or (dot and f.process < 0):
+        raise ValueError(f"bad --{kind} {spec!r}: replica, process and step must be >= 0")
     return f
 
 

@@ -27,12 +27,13 @@ import os
 import pathlib
 import secrets
 import signal
+import socket
 import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
 
-from fthsdp.addresses import join_host_port, split_host_port
+from fthsdp.addresses import family, join_host_port, split_host_port
 from fthsdp.launch import rundir as rundir_lib
 from fthsdp.launch import supervise
 from fthsdp.launch.faults import Fault, choose_sources, due, plan
@@ -55,6 +56,9 @@ class ReplicaProc:
     mode: str = "start"  # start: with the others (initial, resumed) / rejoin: alone, from its peers
     progressed: bool = False  # its live process has committed a step
     last_step: int | None = None  # the last step a process of it reported in this attempt (kept after death)
+    # Processes 1..P-1 of a multi-process replica (`proc` is process 0, its leader).
+    followers: list[subprocess.Popen] = field(default_factory=list)
+    stopped_process: int = 0  # which process a stop fault froze (SIGCONT goes to it)
 
 
 @dataclass
@@ -85,6 +89,7 @@ class LocalJob:
     lighthouse_bind: str = "127.0.0.1:0"
     lighthouse_advertise: str = ""
     hosts: tuple[str, ...] = ()
+    processes: int = 1  # processes per replica (one JAX runtime per replica; process 0 leads)
     procs: dict[int, ReplicaProc] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -246,17 +251,34 @@ class LocalJob:
         return True
 
     def start_replica(self, rid: int, mode: str = "start") -> None:
+        """Starts replica `rid`: one process, or a group of `processes` sharing one JAX runtime
+        whose coordinator process 0 serves on the replica's host."""
         rp = self.procs.setdefault(rid, ReplicaProc(rid))
         rp.log_path = self.out_dir / f"replica-{rid}.out"
-        logf = open(rp.log_path, "a")
-        rp.proc = subprocess.Popen(
-            [sys.executable, "-m", "fthsdp.replica", "--config", self.config, "--replica-id", str(rid),
-             "--lighthouse", self.lighthouse_addr, "--job", self.job_id, "--out-dir", str(self.out_dir),
-             "--allreduce", self.allreduce, "--hash-every", str(self.hash_every),
-             *(["--resume", self.resume] if self.resume and mode == "start" else []),
-             *(["--rejoin"] if mode == "rejoin" else []), *self.host_flags(rid), *self.overrides],
-            stdout=logf, stderr=subprocess.STDOUT, env=self._env(), start_new_session=True)
-        logf.close()
+        group: list[str] = []
+        if self.processes > 1:
+            host = self.hosts[rid % len(self.hosts)] if self.hosts else "127.0.0.1"
+            with socket.socket(family(host)) as s:  # a free port for the replica's coordinator
+                s.bind((host, 0))
+                coordinator = join_host_port(host, s.getsockname()[1])
+            group = ["--num-processes", str(self.processes), "--coordinator", coordinator]
+        rp.followers = []
+        for index in range(self.processes):
+            path = rp.log_path if index == 0 else self.out_dir / f"replica-{rid}.{index}.out"
+            logf = open(path, "a")
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "fthsdp.replica", "--config", self.config, "--replica-id", str(rid),
+                 *(["--process-index", str(index), *group] if group else []),
+                 "--lighthouse", self.lighthouse_addr, "--job", self.job_id, "--out-dir", str(self.out_dir),
+                 "--allreduce", self.allreduce, "--hash-every", str(self.hash_every),
+                 *(["--resume", self.resume] if self.resume and mode == "start" else []),
+                 *(["--rejoin"] if mode == "rejoin" else []), *self.host_flags(rid), *self.overrides],
+                stdout=logf, stderr=subprocess.STDOUT, env=self._env(), start_new_session=True)
+            logf.close()
+            if index == 0:
+                rp.proc = proc
+            else:
+                rp.followers.append(proc)
         rp.state, rp.mode, rp.progressed = "running", mode, False
         rp.restart_at = rp.cont_at = None
 
@@ -269,11 +291,15 @@ class LocalJob:
 
     def signal_replica(self, rid: int, sig: int) -> None:
         rp = self.procs[rid]
-        if rp.proc is not None and rp.proc.poll() is None:
-            os.kill(rp.proc.pid, sig)
+        proc = rp.proc
+        if rp.followers and sig == signal.SIGCONT and rp.stopped_process > 0:
+            proc, rp.stopped_process = rp.followers[rp.stopped_process - 1], 0
+        if proc is not None and proc.poll() is None:
+            os.kill(proc.pid, sig)
 
     def kill_replica(self, rid: int) -> None:
         rp = self.procs[rid]
+        self.kill_followers(rp)
         if rp.proc is not None and rp.proc.poll() is None:
             try:
                 os.kill(rp.proc.pid, signal.SIGCONT)
@@ -290,6 +316,11 @@ class LocalJob:
         self.rundir.record_fired(self.fired[-1])
         if f.kind == "kill":
             rp = self.procs[f.replica]
+            if rp.followers:  # one process of the group dies first; the rest go with it (a unit)
+                target = self.group_process(rp, f.process)
+                if target.poll() is None:
+                    target.kill()
+                    target.wait(30)
             self.kill_replica(f.replica)
             rp.state = "killed"
             self.event("kill", f.replica, step=step, healthy=sorted(healthy - {f.replica}))
@@ -297,7 +328,11 @@ class LocalJob:
                 rp.restart_at = time.time() + self.restart_delay_s
         elif f.kind == "stop":
             rp = self.procs[f.replica]
-            self.signal_replica(f.replica, signal.SIGSTOP)
+            if rp.followers and f.process > 0:
+                os.kill(self.group_process(rp, f.process).pid, signal.SIGSTOP)
+                rp.stopped_process = f.process
+            else:
+                self.signal_replica(f.replica, signal.SIGSTOP)
             rp.state, rp.cont_at = "stopped", time.time() + f.stop_s
             self.event("stop", f.replica, step=step, seconds=f.stop_s, healthy=sorted(healthy - {f.replica}))
         elif f.kind == "lighthouse":
@@ -351,7 +386,44 @@ class LocalJob:
                 self.start_replica(rp.rid, mode="rejoin")
             # else: nobody to rejoin; needs_fallback() decides what happens to the job
 
+    def group_process(self, rp: ReplicaProc, index: int) -> subprocess.Popen:
+        group = [rp.proc, *rp.followers]
+        if not -1 <= index < len(group):
+            raise ValueError(f"replica {rp.rid} has processes 0..{len(group) - 1}, not {index}")
+        return group[max(index, 0)]
+
+    def kill_followers(self, rp: ReplicaProc) -> None:
+        for f in rp.followers:
+            if f.poll() is None:
+                try:
+                    os.kill(f.pid, signal.SIGCONT)
+                    f.kill()
+                except ProcessLookupError:
+                    pass
+                f.wait(30)
+
+    def fail_groups_as_units(self) -> None:
+        """A multi-process replica fails as a unit: when one of its processes dies (or ends with
+        an error) the others, which may be stuck in an intra-replica collective, are killed; the
+        leader's end then stands for the replica's (a follower's death reads as a kill)."""
+        for rp in self.procs.values():
+            if not rp.followers or rp.proc is None:
+                continue
+            group = [rp.proc, *rp.followers]
+            ended = [(i, p.returncode) for i, p in enumerate(group) if p.poll() is not None and p.returncode != 0]
+            if ended and any(p.poll() is None for p in group):
+                self.event("group_failed", rp.rid, processes=[f"{rp.rid}.{i}" for i, _ in ended],
+                           returncodes=[rc for _, rc in ended])
+                log.warning("replica %d: process(es) %s ended (%s); stopping the rest of the replica", rp.rid,
+                            [i for i, _ in ended], [rc for _, rc in ended])
+                self.kill_followers(rp)
+                if rp.proc.poll() is None:
+                    os.kill(rp.proc.pid, signal.SIGCONT)
+                    rp.proc.kill()
+                    rp.proc.wait(30)
+
     def reap(self) -> None:
+        self.fail_groups_as_units()
         for rp in self.procs.values():
             if rp.state in ("running", "starting") and rp.proc is not None and rp.proc.poll() is not None:
                 rc = rp.proc.returncode
@@ -367,8 +439,11 @@ class LocalJob:
                         tail = rp.log_path.read_text().splitlines()[-3:] if rp.log_path else []
                         log.warning("replica %d exited replica-fatal (%d); restarting it:\n%s", rp.rid, rc,
                                     "\n".join(tail))
-                    if self.restart:
+                    if self.restart and self.processes == 1:
                         rp.restart_at = time.time() + self.restart_delay_s
+                    elif self.restart:
+                        log.warning("replica %d is not restarted: a multi-process replica cannot rejoin yet "
+                                    "(per-shard recovery is not implemented); the others go on without it", rp.rid)
                     continue
                 rp.state = "done" if rc == 0 else "failed"
                 self.event("exit", rp.rid, returncode=rc)
@@ -533,7 +608,10 @@ def cli(argv: list[str]) -> int:
                                 "line replaces the config's fault plan (launch.kill/stop/random_kills).")
     p.add_argument("--config", default=None, help="config name or file (default: ft_local; on --resume, the run's)")
     p.add_argument("--replicas", type=int, default=None, help="overrides launch.replicas")
-    p.add_argument("--devices-per-replica", type=int, default=None, help="overrides launch.devices_per_replica")
+    p.add_argument("--devices-per-replica", type=int, default=None,
+                   help="devices per process of a replica (overrides launch.devices_per_replica)")
+    p.add_argument("--processes-per-replica", type=int, default=None,
+                   help="processes per replica, one JAX runtime per replica (overrides launch.processes_per_replica)")
     p.add_argument("--kill", action="append", default=None, metavar="REPLICA@STEP", help="SIGKILL a replica at a step")
     p.add_argument("--stop", action="append", default=None, metavar="REPLICA@STEP", help="SIGSTOP a replica at a step")
     p.add_argument("--stop-seconds", type=float, default=3.0, help="SIGCONT a stopped replica after this long")
@@ -577,6 +655,8 @@ def cli(argv: list[str]) -> int:
         new_overrides.append(f"launch.replicas={args.replicas}")
     if args.devices_per_replica is not None:
         new_overrides.append(f"launch.devices_per_replica={args.devices_per_replica}")
+    if args.processes_per_replica is not None:
+        new_overrides.append(f"launch.processes_per_replica={args.processes_per_replica}")
     for flag, key in (("lighthouse", "launch.lighthouse"), ("lighthouse_bind", "launch.lighthouse_bind"),
                       ("lighthouse_advertise", "launch.lighthouse_advertise"), ("bind_host", "ft.bind_host"),
                       ("advertise_host", "ft.advertise_host"), ("hosts", "launch.hosts")):
@@ -621,6 +701,10 @@ def cli(argv: list[str]) -> int:
                       stop_s=args.stop_seconds, lighthouse=sources.lighthouse, kill_all=sources.kill_all)
     except ValueError as e:
         p.error(str(e))
+    bad = [f.label() for f in faults if f.process >= cfg.launch.processes_per_replica]
+    if bad:
+        p.error(f"{', '.join(bad)}: a replica has processes 0..{cfg.launch.processes_per_replica - 1} "
+                "(launch.processes_per_replica)")
     if cfg.launch.lighthouse and any(f.kind == "lighthouse" for f in faults):
         p.error(f"--kill-lighthouse: the job uses the external lighthouse {cfg.launch.lighthouse} "
                 "(launch.lighthouse), which the launcher does not own; drop one of the two")
@@ -654,6 +738,7 @@ def cli(argv: list[str]) -> int:
                    detect_s=cfg.ft.detect_s, join_timeout_s=cfg.ft.join_timeout_s,
                    external_lighthouse=cfg.launch.lighthouse, lighthouse_bind=cfg.launch.lighthouse_bind,
                    lighthouse_advertise=cfg.launch.lighthouse_advertise, hosts=tuple(cfg.launch.hosts),
+                   processes=cfg.launch.processes_per_replica,
                    progress=not args.no_progress and sys.stderr.isatty())
     log.info("job: %d replicas x %d devices, %d steps, faults (from %s) %s; logs in %s", cfg.launch.replicas,
              cfg.launch.devices_per_replica, cfg.train.steps, sources.origin,

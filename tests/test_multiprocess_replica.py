@@ -1,0 +1,88 @@
+"""Replicas of several processes through `fthsdp run` (issue 11): real processes, real SIGKILLs.
+
+Each replica is P=2 processes x 1 device forming one JAX runtime (FSDP over the
+two processes); process 0 leads (asks the lighthouse, publishes quorums), the
+follower replays. Checked from the run's artifacts: every process of every
+replica holds bitwise the same state after every committed step, every batch
+exactly once, one compilation per process, and a killed process (a follower
+or the leader) takes its replica out whole while the others keep training
+within the all-reduce deadline.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+
+import pytest
+
+from fthsdp.launch import report
+from fthsdp.logs import read_metrics
+from test_fault_tolerance import DEADLINE_S, TINY
+from test_launcher import exactly_once, fthsdp_run
+
+pytestmark = pytest.mark.multiprocess
+
+
+def _steps(path: pathlib.Path) -> dict[int, str]:
+    return {d["step"]: d["hash"] for d in read_metrics(path) if d.get("kind") == "step" and "hash" in d}
+
+
+def _done(path: pathlib.Path) -> dict:
+    return next((d for d in read_metrics(path) if d.get("kind") == "done"), {})
+
+
+def _run(tmp_path, replicas: int, steps: int, *extra: str):
+    out = tmp_path / "run"
+    p = fthsdp_run(out, "--config", "base", "--replicas", str(replicas), "--processes-per-replica", "2",
+                   "--devices-per-replica", "1", *extra, *TINY, f"train.steps={steps}", "train.min_step_s=0.05")
+    return out, p
+
+
+def _check_processes_agree(out: pathlib.Path, survivors: list[int]) -> None:
+    """Every process of a surviving replica: same hash as its leader at every step, compiled once."""
+    for r in survivors:
+        lead, follow = _steps(out / f"metrics-{r}.jsonl"), _steps(out / "followers" / f"{r}.1" / f"metrics-{r}.jsonl")
+        assert lead and lead == follow, f"replica {r}: its processes diverged"
+        for path in (out / f"metrics-{r}.jsonl", out / "followers" / f"{r}.1" / f"metrics-{r}.jsonl"):
+            assert _done(path).get("compilations") == {"compute_grads": 1, "apply_grads": 1}, path
+
+
+def test_two_replicas_of_two_processes_train_identically(tmp_path):
+    out, p = _run(tmp_path, 2, 15)
+    assert p.returncode == 0, p.stderr[-3000:]
+    run = report.load_run(out)
+    from test_fault_tolerance import assert_identical_after_every_commit
+
+    assert assert_identical_after_every_commit(run) == 15
+    _check_processes_agree(out, [0, 1])
+    exactly_once(out, run)
+    # each process connected only its own shard's ring: 2 endpoints per replica, one per process
+    logs = {r: (out / f"replica-{r}.0.log").read_text() for r in (0, 1)}
+    assert all("ftar endpoints [" in t for t in logs.values())
+
+
+@pytest.mark.parametrize("who", ["1.1", pytest.param("1.0", marks=pytest.mark.slow)])
+def test_a_killed_process_takes_its_replica_out_whole_and_the_others_go_on(tmp_path, who):
+    out, p = _run(tmp_path, 3, 30, "--kill", f"{who}@8", "--no-restart")
+    run = report.load_run(out)
+    events = read_metrics(out / "events.jsonl")
+    kills = [e for e in events if e["kind"] == "kill"]
+    assert kills and kills[0]["replica"] == 1, events
+    # the survivors finished every step with identical states and nothing trained twice
+    from test_fault_tolerance import assert_identical_after_every_commit
+
+    assert {r for r, d in run.done.items() if d.get("step") == 30} == {"0", "2"}, run.done.keys()
+    assert assert_identical_after_every_commit(run) >= 25
+    _check_processes_agree(out, [0, 2])
+    # replica 1 left whole: neither of its processes committed past the kill step + 1
+    last = {path: max(_steps(path), default=-1) for path in
+            (out / "metrics-1.jsonl", out / "followers" / "1.1" / "metrics-1.jsonl")}
+    assert all(s <= 10 for s in last.values()), last
+    # the others dropped it from their quorum and never waited past the all-reduce deadline for it
+    for r in ("0", "2"):
+        recs = run.steps[r]
+        assert recs[-1]["members"] == ["0", "2"], recs[-1]
+        for rec in recs[1:]:
+            assert rec["end"] - rec["start"] < 2 * DEADLINE_S, (r, rec["step"], rec["end"] - rec["start"])
+    assert json.loads((out / "summary.json").read_text())["identical_final_state"]
