@@ -380,13 +380,14 @@ def plot(rows: list[dict], path: Path) -> None:
             ax.plot([r["ranks"] for r in rs], [r["p99_s"] for r in rs], f"{m}:", color=c, alpha=0.6,
                     label=f"{system} p99")
     for rpr, color in ((16, "tab:green"), (512, "tab:purple")):
-        rs = sorted((r for r in rows if r["system"] == "fthsdp-hierarchical" and r["replicas"] == rpr
-                     and r["p50_s"]), key=lambda r: r["ranks"])
-        if rs:
-            ax.plot([r["ranks"] for r in rs], [r["p50_s"] for r in rs], "^-", color=color,
-                    label=f"fthsdp-hierarchical {rpr} replicas p50")
-            ax.plot([r["ranks"] for r in rs], [r["p99_s"] for r in rs], "^:", color=color, alpha=0.6,
-                    label=f"fthsdp-hierarchical {rpr} replicas p99")
+        for addressing, ls in (("per_replica", "-"), ("per_rank", "--")):
+            rs = sorted((r for r in rows if r["system"] == "fthsdp-hierarchical" and r["replicas"] == rpr
+                         and r.get("addressing", "per_rank") == addressing and r["p50_s"]), key=lambda r: r["ranks"])
+            if rs:
+                ax.plot([r["ranks"] for r in rs], [r["p50_s"] for r in rs], "^" + ls, color=color,
+                        label=f"fthsdp-hierarchical {rpr} leaders, {addressing} p50")
+                ax.plot([r["ranks"] for r in rs], [r["p99_s"] for r in rs], "^", color=color, alpha=0.4,
+                        mfc="none", label=f"fthsdp-hierarchical {rpr} leaders, {addressing} p99")
     flat = sorted((r for r in rows if r["system"] == "fthsdp-flat" and r["p50_s"]), key=lambda r: r["ranks"])
     if flat:
         n0, t0 = flat[0]["ranks"], flat[0]["p50_s"]
