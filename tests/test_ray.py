@@ -78,12 +78,12 @@ def test_cli_refuses_a_bad_fault_flag_before_starting_ray():
 
 def ray_processes(marker: str) -> list[str]:
     """Processes of this machine whose command line names `marker` (our cluster's temp dir)."""
-    ps = subprocess.run(["ps", "-eo", "pid,stat,args"], capture_output=True, text=True).stdout.splitlines()
-    return [line for line in ps if marker in line and "ps -eo" not in line and line.split()[1][:1] != "Z"]
+    ps = subprocess.run(["ps", "-eww", "-o", "pid,stat,args"], capture_output=True, text=True).stdout.splitlines()
+    return [line for line in ps if marker in line and "ps -eww" not in line and line.split()[1][:1] != "Z"]
 
 
 def worker_count() -> int:
-    ps = subprocess.run(["ps", "-eo", "stat,args"], capture_output=True, text=True).stdout.splitlines()
+    ps = subprocess.run(["ps", "-eww", "-o", "stat,args"], capture_output=True, text=True).stdout.splitlines()
     return sum(1 for line in ps if line.split(None, 1)[-1].startswith("ray::") and line[:1] != "Z")
 
 

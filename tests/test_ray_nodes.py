@@ -98,9 +98,11 @@ def test_kill_node(tmp_path, cluster, new_node):
     """new_node: a node joins after the loss (the replacements go there); else there
     is no room for them and the job goes on with the survivors, saying so."""
     out = tmp_path / "run"
+    # without room, the placement deadline (ft.startup_timeout_s) must end well before the job does
+    steps, timeout = (STEPS, 60) if new_node else (2 * STEPS, 20)
     cmd = [sys.executable, "-m", "fthsdp.cli", "ray", "--no-progress", "--address", cluster["address"],
            "--out-dir", str(out), "--config", "base", "--replicas", "3", "--devices-per-replica", "1",
-           "--kill-node", "1@20", *PACED, f"train.steps={STEPS}", "ft.startup_timeout_s=40"]
+           "--kill-node", "1@20", *PACED, f"train.steps={steps}", f"ft.startup_timeout_s={timeout}"]
     stderr = open(tmp_path / "run.stderr", "w")
     job = subprocess.Popen(cmd, stdout=stderr, stderr=subprocess.STDOUT, env=cluster["env"])
     try:
@@ -139,7 +141,7 @@ def test_kill_node(tmp_path, cluster, new_node):
         unplaced = {e["replica"] for e in events if e["kind"] == "unplaced"}
         assert unplaced == lost and set(summary["unplaced_replicas"]) == {str(r) for r in lost}
         assert set(summary["final_hashes"]) == {str(r) for r in set(placed) - lost}
-        assert set(summary["final_steps"].values()) == {STEPS}
+        assert set(summary["final_steps"].values()) == {steps}
         assert "cannot be placed" in log and "the job goes on with" in log
         return
     for r in lost:
@@ -148,5 +150,5 @@ def test_kill_node(tmp_path, cluster, new_node):
     for r in set(placed) - lost:
         assert len(placed[r]) == 1
     assert set(summary["final_hashes"]) == {"0", "1", "2"}
-    assert set(summary["final_steps"].values()) == {STEPS}
+    assert set(summary["final_steps"].values()) == {steps}
     assert "final state identical on every finishing replica (3): yes" in log

@@ -332,8 +332,15 @@ class RayJob(LocalJob):
         import ray
 
         asks = {}
+        done = supervise.job_done(self.views())
         for rid, rp in self.procs.items():
             ap = rp.proc
+            if isinstance(ap, ActorProcess) and done and not ap.placed and ap.returncode is None:
+                # a replacement still waiting for room when the others finished: nothing left to join
+                ap.kill()
+                rp.state, rp.restart_at = "killed", None
+                self.event("no_restart", rid, reason="the job finished while its group waited to be placed")
+                continue
             if isinstance(ap, ActorProcess):
                 ap.advance()
                 if ap.placed and ap.returncode is None:
