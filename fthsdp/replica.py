@@ -184,6 +184,11 @@ class ReplicaProcess:
                 from fthsdp.replica_group import LeaderQuorumSource
 
                 self.client = LeaderQuorumSource(self.client, self.channel)
+        if self.group.num_processes > 1:
+            from fthsdp.replica_group import GroupWatchdog
+
+            self.watchdog = GroupWatchdog(self.group, cfg.ft.heartbeat_interval_s, cfg.ft.detect_s,
+                                          self.on_silent_follower, namespace=args.job).start()
         self.mgr = Manager(cfg=cfg, replica_id=self.rid, job_id=args.job, ts=self.ts, comm=self.comm,
                            lighthouse=self.client, state=state, loader=LoaderState(replica=args.replica_id),
                            recover=self.recover, state_server_address=self.server.url,
@@ -246,14 +251,23 @@ class ReplicaProcess:
         """Start the lazy host copy of the committed state (it lands while the step computes)."""
         step = int(self.mgr.state.step)
         if self._snapshot_step != step:
-            self.snapshots.begin(step, {"train": self.mgr.state, "data": self.mgr.data_state()})
+            train = self.mgr.state
+            if self.group.num_processes > 1:
+                import jax
+
+                # A replica of several processes: each process gathers the whole state to host (a
+                # collective of the replica, reached by all its processes at the same quorum or
+                # commit) and serves all of it; a peer may fetch from any of them.
+                from fthsdp.manager import _on_host
+
+                train = jax.tree.map(_on_host, train)
+            self.snapshots.begin(step, {"train": train, "data": self.mgr.data_state()})
             self._snapshot_step = step
 
     def on_quorum(self, mgr, q) -> None:
         if not self.client.heartbeating:  # a rejoiner starts heartbeating once it is a member
             self.client.start_heartbeats(on_dead=mgr.on_dead)
-        if (self.cfg.ft.snapshot == "on_demand" and q.behind and self.rid in q.healthy
-                and self.group.num_processes == 1):  # multi-process replicas: no peer snapshots yet
+        if self.cfg.ft.snapshot == "on_demand" and q.behind and self.rid in q.healthy:
             self.snapshot()
 
     def on_commit(self, mgr, rec) -> None:
@@ -261,7 +275,7 @@ class ReplicaProcess:
 
         committed = rec.step + 1
         self.prom.observe_step(rec)
-        if self.cfg.ft.snapshot == "every_commit" and self.group.num_processes == 1:
+        if self.cfg.ft.snapshot == "every_commit":
             self.snapshot()
         if rec.healthy:
             self.ledger.commit(committed, rec.position)
@@ -288,6 +302,22 @@ class ReplicaProcess:
         write_json_atomic(self.status_path, {"replica": self.rid, "pid": os.getpid(), "time": time.time(),
                                              "started": self.started, "metrics_address": self.prom_server.address,
                                              **fields})
+
+    def on_silent_follower(self, process: int, silent_s: float) -> None:
+        """A follower stopped beating (frozen or dead): the replica leaves as a unit, now. The
+        training thread may be stuck in an intra-replica collective with it, so this exits
+        from the watchdog's thread; the lighthouse stops hearing the replica and the launcher
+        (or the cluster's supervisor) kills the rest of the group."""
+        from fthsdp.errors import EXIT_REPLICA_FATAL
+
+        why = (f"process {process} of replica {self.rid} silent for {silent_s:.2f}s (> ft.detect_s="
+               f"{self.cfg.ft.detect_s}s): the replica leaves as a unit")
+        log.error("%s", why)
+        try:
+            self.write_status(step=int(self.mgr.state.step), state="failed (replica-fatal)", fault=why,
+                              exit_code=EXIT_REPLICA_FATAL)
+        finally:
+            os._exit(EXIT_REPLICA_FATAL)
 
     # -- lifetime ---------------------------------------------------------------------
 
@@ -320,7 +350,7 @@ class ReplicaProcess:
         log.info("replica %s: %d device(s), lighthouse %s, ftar endpoints %s, state server %s", self.group.label,
                  self.mesh.devices.size, self.args.lighthouse, list(self.comm.addresses), self.server.url)
         log.info("replica %s: compiled the step in %.1fs (before checking in)", self.rid, mgr.warm_up())
-        if cfg.ft.snapshot == "every_commit" and self.group.num_processes == 1:
+        if cfg.ft.snapshot == "every_commit":
             self.snapshot()
         if not self.args.rejoin:
             # A rejoiner starts heartbeating at its first quorum (on_quorum): its open

@@ -310,3 +310,64 @@ class FollowerQuorumSource:
 
     def close(self) -> None:
         pass
+
+
+class GroupWatchdog:
+    """Every process of a replica is alive, or the replica is dead as a whole.
+
+    The lighthouse hears the replica through its leader's heartbeats. So that a
+    *frozen* follower (SIGSTOP, a hung host) also takes its replica out, each
+    follower beats into the runtime's key-value store every `interval_s`, and
+    the leader, watching those beats, calls `on_silent(process, silent_s)` when
+    one has not moved for `silent_s` (the job's detection window): the replica
+    then leaves as a unit (the caller exits replica-fatal, the lighthouse
+    stops hearing the leader, the launcher kills the rest of the group). A
+    follower that never beat yet is not judged (it may still be starting)."""
+
+    def __init__(self, spec: GroupSpec, interval_s: float, silent_s: float, on_silent, namespace: str = "fthsdp",
+                 client: Any = None):
+        import threading
+
+        self.spec, self.interval_s, self.silent_s, self.on_silent = spec, interval_s, silent_s, on_silent
+        self.prefix = f"{namespace}/r{spec.replica_id}/alive"
+        if client is None:
+            from jax._src import distributed
+
+            client = distributed.global_state.client
+        self._client = client
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._follow if not spec.is_leader else self._watch,
+                                        name="fthsdp-group-watchdog", daemon=True)
+
+    def start(self) -> "GroupWatchdog":
+        if self.spec.num_processes > 1:
+            self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _follow(self) -> None:
+        n = 0
+        while not self._stop.wait(self.interval_s):
+            n += 1
+            try:
+                self._client.key_value_set(f"{self.prefix}/p{self.spec.process_index}", str(n), allow_overwrite=True)
+            except Exception:  # noqa: BLE001 - the leader is gone: the runtime ends this process itself
+                return
+
+    def _watch(self) -> None:
+        seen: dict[int, tuple[str, float]] = {}
+        while not self._stop.wait(self.interval_s):
+            now = time.monotonic()
+            for p in range(1, self.spec.num_processes):
+                try:
+                    value = self._client.key_value_try_get(f"{self.prefix}/p{p}")
+                except Exception:  # noqa: BLE001 - not beating yet (NOT_FOUND)
+                    continue
+                last = seen.get(p)
+                if last is None or last[0] != value:
+                    seen[p] = (value, now)
+                elif now - last[1] > self.silent_s:
+                    self.on_silent(p, now - last[1])
+                    return

@@ -86,3 +86,20 @@ def test_a_killed_process_takes_its_replica_out_whole_and_the_others_go_on(tmp_p
         for rec in recs[1:]:
             assert rec["end"] - rec["start"] < 2 * DEADLINE_S, (r, rec["step"], rec["end"] - rec["start"])
     assert json.loads((out / "summary.json").read_text())["identical_final_state"]
+
+
+def test_a_frozen_follower_gets_its_replica_declared_dead(tmp_path):
+    """SIGSTOP of a non-leader process: its leader stops hearing it within the detection
+    window and takes the replica out (replica-fatal); the others go on within the deadline."""
+    out, p = _run(tmp_path, 3, 30, "--stop", "1.1@8", "--stop-seconds", "60", "--no-restart")
+    run = report.load_run(out)
+    status = json.loads((out / "status-1.json").read_text())
+    assert "process 1 of replica 1 silent" in status.get("fault", ""), status
+    assert {r for r, d in run.done.items() if d.get("step") == 30} == {"0", "2"}, run.done.keys()
+    from test_fault_tolerance import assert_identical_after_every_commit
+
+    assert assert_identical_after_every_commit(run) >= 25
+    for r in ("0", "2"):
+        assert run.steps[r][-1]["members"] == ["0", "2"]
+        for rec in run.steps[r][1:]:
+            assert rec["end"] - rec["start"] < 2 * DEADLINE_S, (r, rec["step"], rec["end"] - rec["start"])
