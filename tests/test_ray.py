@@ -156,3 +156,37 @@ def test_ray_kill_and_worker_sigkill_replicas_are_replaced_and_rejoin(tmp_path, 
     # the same closing lines as fthsdp run's
     assert "final state identical on every finishing replica (3): yes" in p.stderr
     assert "kill of replica 1 (at step 15): detected in" in p.stderr
+
+
+@pytest.mark.multiprocess
+def test_lighthouse_actor_killed_is_restarted_on_its_address(tmp_path, short_tmp):
+    out = tmp_path / "run"
+    p = fthsdp_ray(out, short_tmp, "--config", "base", "--replicas", "2", "--devices-per-replica", "1",
+                   "--kill-lighthouse", "20", *PACED, "train.steps=80")
+    assert p.returncode == 0, p.stderr[-4000:]
+    events = read_metrics(out / "events.jsonl")
+    starts = [e for e in events if e["kind"] == "lighthouse"]
+    # a new actor (another process) on the same address; the replicas reconnected and finished together
+    assert len(starts) == 2 and starts[0]["address"] == starts[1]["address"]
+    assert starts[0]["actor_pid"] != starts[1]["actor_pid"]
+    assert [e["kind"] for e in events].count("lighthouse_restart") == 1
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["identical_final_state"] and set(summary["final_steps"].values()) == {80}
+    assert len(summary["lighthouse_restarts"]) == 1
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_ray_replace_experiment_quick(tmp_path):
+    out = tmp_path / "rr.json"
+    p = subprocess.run([sys.executable, str(pathlib.Path(__file__).parents[1] / "experiments" / "ray_replace.py"),
+                        "--quick", "--out", str(out)], capture_output=True, text=True, timeout=900)
+    assert p.returncode == 0, p.stderr[-4000:]
+    r = json.loads(out.read_text())
+    for k in ("local", "ray"):
+        assert r[k]["identical_final_state"] and r[k]["first_commit_caught_up"]
+        assert r[k]["replace_s"] > r[k]["restart_s"] > 0  # death -> restart -> first commit, in that order
+        assert r[k]["stall_s"] is not None
+    assert r["ray"]["placed_s"] > r["ray"]["restart_s"]
+    assert set(r["targets"]) == {"stall_within_s", "stall_met", "replace_ratio_at_most", "replace_met"}
+    assert out.with_suffix(".png").stat().st_size > 5_000
