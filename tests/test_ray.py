@@ -38,13 +38,15 @@ STEPS = 200  # long enough (>= 17 s paced) for a replacement to start and rejoin
 
 
 def test_placement_is_one_bundle_per_process_sized_by_devices():
+    # devices per process (launch.devices_per_replica), one bundle per process
     assert placement_for(1, 1, cluster_gpus=0).bundles == [{"CPU": 1.0}]
-    assert placement_for(4, 2, cluster_gpus=0).bundles == [{"CPU": 2.0}, {"CPU": 2.0}]
-    assert placement_for(8, 2, cluster_gpus=8).bundles == [{"CPU": 1.0, "GPU": 4.0}] * 2
+    assert placement_for(2, 2, cluster_gpus=0).bundles == [{"CPU": 2.0}, {"CPU": 2.0}]
+    assert placement_for(4, 2, cluster_gpus=8).bundles == [{"CPU": 1.0, "GPU": 4.0}] * 2
     assert placement_for(2, 1, cluster_gpus=1).bundles == [{"CPU": 2.0}]  # too few GPUs for one process
-    with pytest.raises(ValueError, match="cannot be split"):
-        placement_for(3, 2, cluster_gpus=0)
-    assert cluster_cpus_needed(3, 1) == 5
+    with pytest.raises(ValueError, match="got 2 x 0"):
+        placement_for(0, 2, cluster_gpus=0)
+    assert cluster_cpus_needed(3, 1) == 5  # the bundles and room for two replacements
+    assert cluster_cpus_needed(2, 1, processes=2) == 8
 
 
 def test_lighthouse_listens_on_loopback_on_one_machine_else_on_the_driver_node():

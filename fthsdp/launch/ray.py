@@ -64,21 +64,20 @@ class Placement:
     strategy: str = "PACK"  # a replica's processes together (they share a mesh), but may spread if they must
 
 
-def placement_for(devices: int, processes: int, cluster_gpus: float) -> Placement:
-    """One bundle per process, sized by its devices: GPUs when the cluster has them,
-    else host CPUs (a CPU replica's devices are host devices, one core each)."""
-    if devices < 1 or processes < 1 or devices % processes:
-        raise ValueError(f"a replica of {devices} device(s) cannot be split over {processes} process(es)")
-    per = devices // processes
+def placement_for(per: int, processes: int, cluster_gpus: float) -> Placement:
+    """One bundle per process, sized by its devices (`per`, launch.devices_per_replica: per
+    process): GPUs when the cluster has them, else host CPUs (one per host device)."""
+    if per < 1 or processes < 1:
+        raise ValueError(f"a replica needs >= 1 process of >= 1 device, got {processes} x {per}")
     bundle = {"CPU": 1.0, "GPU": float(per)} if cluster_gpus >= per else {"CPU": float(per)}
     return Placement([dict(bundle) for _ in range(processes)])
 
 
-def cluster_cpus_needed(replicas: int, devices: int) -> int:
+def cluster_cpus_needed(replicas: int, devices: int, processes: int = 1) -> int:
     """Logical CPUs a fresh local cluster declares: every replica's bundles, the
     lighthouse's share and one spare for a replacement placed before its
     predecessor's bundle is returned. Logical only: Ray does not pin cores."""
-    return replicas * devices + 2
+    return replicas * devices * processes + 2 * devices * processes
 
 
 class ActorProcess:
@@ -107,6 +106,8 @@ class ActorProcess:
         self.pid = -1
         self.unplaced = ""
         self._ray = ray
+        self.index = 0  # process index in the replica (0 leads and owns the placement group)
+        self.followers: list[ActorProcess] = []
 
     # -- placement and start ------------------------------------------------------------
 
@@ -128,23 +129,55 @@ class ActorProcess:
 
         from fthsdp.launch.ray_actors import ReplicaActor
 
-        bundle = self.job.placement.bundles[0]
-        cls = ray.remote(ReplicaActor).options(
-            num_cpus=bundle.get("CPU", 0), num_gpus=bundle.get("GPU", 0), max_restarts=0, max_concurrency=4,
-            scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=0))
-        self.actor = cls.remote(self.rid, self.job.actor_env(), self.job.seed_files(self.rid), self.job.config_text,
-                                self.job.work_prefix)
+        job = self.job
+        actors = []
+        for index, bundle in enumerate(job.placement.bundles):  # one actor per process, in its own bundle
+            cls = ray.remote(ReplicaActor).options(
+                num_cpus=bundle.get("CPU", 0), num_gpus=bundle.get("GPU", 0), max_restarts=0, max_concurrency=4,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=index))
+            actors.append(cls.remote(self.rid, job.actor_env(), job.seed_files(self.rid) if index == 0 else {},
+                                     job.config_text, job.work_prefix))
+        self.actor = actors[0]
+        group: list[str] = []
         try:
-            self.where = ray.get(self.actor.where.remote(), timeout=self.job.place_timeout_s)
-            ray.get(self.actor.link_checkpoints.remote(str(self.job.checkpoint_dir)), timeout=POLL_TIMEOUT_S)
+            wheres = ray.get([a.where.remote() for a in actors], timeout=job.place_timeout_s)
+            ray.get([a.link_checkpoints.remote(str(job.checkpoint_dir)) for a in actors], timeout=POLL_TIMEOUT_S)
+            if len(actors) > 1:  # the replica's JAX coordinator, served by process 0 on its node
+                host = wheres[0]["ip"] if job.listen_host else "127.0.0.1"
+                port = ray.get(actors[0].free_port.remote(host), timeout=POLL_TIMEOUT_S)
+                group = ["--num-processes", str(len(actors)), "--coordinator", f"{host}:{port}"]
         except Exception as e:  # noqa: BLE001 - a start that fails is a death: restarted by the rules
-            log.warning("replica %d: its actor did not start: %s", self.rid, e)
+            log.warning("replica %d: its actors did not start: %s", self.rid, e)
+            self.followers = [ActorProcess.attached(self, a, {}, i + 1) for i, a in enumerate(actors[1:])]
             self.teardown()
             self.returncode = -int(signal.SIGKILL)
             return
+        self.where = wheres[0]
         self.pid = int(self.where["pid"])
-        self.run_ref = self.actor.run.remote(self.argv)
-        self.job.event("placed", self.rid, node=self.where["node_id"][:12], pid=self.pid, ip=self.where["ip"])
+        self.followers = []
+        for index, (actor, where) in enumerate(zip(actors, wheres)):
+            argv = [*self.argv, *(["--process-index", str(index), *group] if group else []),
+                    *(["--bind-host", where["ip"], "--advertise-host", where["ip"]] if job.listen_host else [])]
+            ref = actor.run.remote(argv)
+            if index == 0:
+                self.run_ref = ref
+            else:
+                f = ActorProcess.attached(self, actor, where, index)
+                f.run_ref = ref
+                self.followers.append(f)
+        job.procs[self.rid].followers = list(self.followers)
+        job.event("placed", self.rid, node=self.where["node_id"][:12], pid=self.pid, ip=self.where["ip"],
+                  **({"processes": [{"node": w["node_id"][:12], "pid": w["pid"]} for w in wheres]}
+                     if len(wheres) > 1 else {}))
+
+    @staticmethod
+    def attached(leader: "ActorProcess", actor, where: dict, index: int) -> "ActorProcess":
+        """Process `index` > 0 of the leader's group: same placement group (the leader removes it)."""
+        f = ActorProcess.__new__(ActorProcess)
+        f.job, f.rid, f.argv, f.pg, f.ready_ref, f.deadline = leader.job, leader.rid, [], None, None, 0.0
+        f.actor, f.run_ref, f.where, f.returncode = actor, None, where, None
+        f.pid, f.unplaced, f._ray, f.index, f.followers = int(where.get("pid", -1)), "", leader._ray, index, []
+        return f
 
     @property
     def placed(self) -> bool:
@@ -168,7 +201,8 @@ class ActorProcess:
         except Exception:  # noqa: BLE001 - RayActorError and kin: the process is gone
             rc = -int(signal.SIGKILL)
         else:
-            self.job.collect_one(self.rid, self)  # its last records, before the actor goes
+            if self.index == 0:
+                self.job.collect_one(self.rid, self)  # its last records, before the actor goes
         self.returncode = rc
         self.teardown()
 
@@ -195,6 +229,10 @@ class ActorProcess:
                 ray.kill(self.actor, no_restart=True)
             except Exception:  # noqa: BLE001 - already dead
                 pass
+        for f in self.followers:
+            f.kill()
+        if self.pg is None:  # a follower: its leader removes the group
+            return
         try:
             from ray.util.placement_group import remove_placement_group
 
@@ -258,7 +296,6 @@ class RayJob(LocalJob):
 
     kill_with: str = "ray-kill"
     devices: int = 1
-    processes_per_replica: int = 1
     checkpoint_dir: pathlib.Path | None = None
     config_text: str | None = None  # a config given as a file: its text travels to the actors
     place_timeout_s: float = 120.0
@@ -272,9 +309,12 @@ class RayJob(LocalJob):
         if self.kill_with not in KILL_WITH:
             raise ValueError(f"kill_with={self.kill_with!r}: expected one of {KILL_WITH}")
         self.checkpoint_dir = pathlib.Path(self.checkpoint_dir or self.out_dir / "checkpoints").resolve()
-        self.placement = placement_for(self.devices, self.processes_per_replica,
-                                       ray.cluster_resources().get("GPU", 0.0))
+        self.placement = placement_for(self.devices, self.processes, ray.cluster_resources().get("GPU", 0.0))
+        from fthsdp.launch.ray_actors import lighthouse_host
+
+        # one machine: every listener on loopback; several: each process on its node's address
         self.driver_node = ray.get_runtime_context().get_node_id()
+        self.listen_host = "" if lighthouse_host(ray_nodes(), self.driver_node) == "127.0.0.1" else "node"
         self.work_prefix = f"fthsdp-ray-{secrets.token_hex(4)}-"  # this job's node-local work dirs
 
     # -- what the actors get -----------------------------------------------------------
@@ -376,6 +416,7 @@ class RayJob(LocalJob):
         rp = self.procs.setdefault(rid, ReplicaProc(rid))
         rp.log_path = self.out_dir / f"replica-{rid}.log"
         rp.log_path.touch()
+        rp.followers = []  # the group's processes 1..P-1 join once it is placed
         rp.proc = ActorProcess(self, rid, self.replica_argv(rid, mode))
         rp.state, rp.mode, rp.progressed = "running", mode, False
         rp.restart_at = rp.cont_at = None
@@ -420,18 +461,40 @@ class RayJob(LocalJob):
                 self.signal_replica(rid, signal.SIGCONT)  # a stopped actor must not hold its group
             rp.proc.kill()
 
-    def ray_kill(self, rid: int, how: str) -> dict:
+    def kill_followers(self, rp: ReplicaProc) -> None:
+        for f in rp.followers:
+            f.kill()
+
+    def fail_groups_as_units(self) -> None:
+        """The local rule (one process of a replica ends -> the rest are stopped), through Ray."""
+        for rp in self.procs.values():
+            ap = rp.proc
+            if not isinstance(ap, ActorProcess) or not ap.followers or not ap.placed:
+                continue
+            group = [ap, *ap.followers]
+            ended = [(i, p.returncode) for i, p in enumerate(group) if p.poll() is not None and p.returncode != 0]
+            if ended and any(p.poll() is None for p in group):
+                self.event("group_failed", rp.rid, processes=[f"{rp.rid}.{i}" for i, _ in ended],
+                           returncodes=[rc for _, rc in ended])
+                log.warning("replica %d: process(es) %s ended (%s); stopping the rest of the replica", rp.rid,
+                            [i for i, _ in ended], [rc for _, rc in ended])
+                ap.kill()  # its group: every actor, then the placement group
+
+    def ray_kill(self, rid: int, how: str, process: int = -1) -> dict:
         """The fault: `ray-kill` (ray.kill of the actor), `sigkill` (SIGKILL of its worker
-        process), or `node` (its whole node). The records sent so far are collected first."""
+        process), or `node` (its whole node), of process `process` of the replica (-1: its
+        leader). The records sent so far are collected first."""
         import ray
 
         rp = self.procs[rid]
-        ap = rp.proc
+        leader = rp.proc
         info: dict = {"how": how}
-        if not isinstance(ap, ActorProcess) or not ap.placed or ap.poll() is not None:
+        if not isinstance(leader, ActorProcess) or not leader.placed or leader.poll() is not None:
             return {**info, "note": "not running"}
-        info.update(node=ap.where.get("node_id", "")[:12], pid=ap.pid)
-        self.collect_one(rid, ap)
+        ap = self.group_process(rp, process)
+        info.update(node=ap.where.get("node_id", "")[:12], pid=ap.pid,
+                    **({"process": max(process, 0)} if rp.followers else {}))
+        self.collect_one(rid, leader)
         if how == "ray-kill":
             ray.kill(ap.actor, no_restart=True)
         elif how == "sigkill":
@@ -450,7 +513,7 @@ class RayJob(LocalJob):
         deadline = time.monotonic() + self.place_timeout_s
         while ap.poll() is None and time.monotonic() < deadline:
             ray.wait([ap.run_ref], timeout=0.5)
-        ap.teardown()
+        leader.kill()  # the replica fails as a unit: the rest of its group, then its placement group
         return info
 
     def _fire(self, f, progress: dict, healthy: set[int]) -> None:
@@ -462,7 +525,7 @@ class RayJob(LocalJob):
         rp = self.procs[f.replica]
         t = time.time()
         how = {"kill_node": "node", "kill_worker": "sigkill"}.get(f.kind, self.kill_with)
-        info = self.ray_kill(f.replica, how)
+        info = self.ray_kill(f.replica, how, getattr(f, "process", -1))
         rp.state = "killed"
         # The event's time is the fault's (before the wait for Ray), as the report measures from it.
         self.event("kill", f.replica, step=step, healthy=sorted(healthy - {f.replica}), fault_time=t, **info)
@@ -587,8 +650,8 @@ def launch(config: str, overrides: list[str], out: str | pathlib.Path | None = N
                                  "fired": [], "attempts": []})
     if not logging.getLogger("fthsdp").handlers:
         logs.setup("fthsdp.launch")
-    started = connect(address, num_cpus or cluster_cpus_needed(cfg.launch.replicas, cfg.launch.devices_per_replica),
-                      temp_dir)
+    started = connect(address, num_cpus or cluster_cpus_needed(cfg.launch.replicas, cfg.launch.devices_per_replica,
+                                                                cfg.launch.processes_per_replica), temp_dir)
     try:
         job = RayJob(config=config, overrides=list(overrides), out_dir=out, replicas=cfg.launch.replicas,
                      steps=cfg.train.steps, faults=list(faults),
@@ -596,10 +659,12 @@ def launch(config: str, overrides: list[str], out: str | pathlib.Path | None = N
                      restart_delay_s=cfg.launch.restart_delay_s, allreduce=allreduce,
                      max_job_restarts=cfg.launch.max_job_restarts, detect_s=cfg.ft.detect_s,
                      join_timeout_s=cfg.ft.join_timeout_s, progress=progress, kill_with=kill_with,
-                     devices=cfg.launch.devices_per_replica, checkpoint_dir=checkpoint_dir,
+                     devices=cfg.launch.devices_per_replica, processes=cfg.launch.processes_per_replica,
+                     checkpoint_dir=checkpoint_dir,
                      config_text=config_text, place_timeout_s=cfg.ft.startup_timeout_s)
-        log.info("ray job: %d replicas x %d devices (placement %s), %d steps, faults (from %s) %s; logs in %s",
-                 cfg.launch.replicas, cfg.launch.devices_per_replica, job.placement.bundles, cfg.train.steps,
+        log.info("ray job: %d replicas x %d process(es) x %d devices (placement %s), %d steps, faults (from %s) %s; "
+                 "logs in %s", cfg.launch.replicas, cfg.launch.processes_per_replica, cfg.launch.devices_per_replica,
+                 job.placement.bundles, cfg.train.steps,
                  origin, [f.label() for f in faults] or "none", out)
         job.summary = job.run()
     finally:
@@ -621,9 +686,13 @@ def cli(argv: list[str]) -> int:
                    "(default: what the job's placement groups need)")
     p.add_argument("--temp-dir", default=None, help="Ray's temp dir for a fresh local cluster")
     p.add_argument("--replicas", type=int, default=None, help="overrides launch.replicas")
-    p.add_argument("--devices-per-replica", type=int, default=None, help="overrides launch.devices_per_replica")
-    p.add_argument("--kill", action="append", default=None, metavar="REPLICA@STEP",
-                   help="kill a replica's actor at a step (how: --kill-with)")
+    p.add_argument("--devices-per-replica", type=int, default=None,
+                   help="overrides launch.devices_per_replica (per process)")
+    p.add_argument("--processes-per-replica", type=int, default=None,
+                   help="overrides launch.processes_per_replica: one actor (and bundle) per process")
+    p.add_argument("--kill", action="append", default=None, metavar="REPLICA[.PROCESS]@STEP",
+                   help="kill a replica's actor (of its process PROCESS, default the leader) at a step "
+                        "(how: --kill-with); the rest of its group goes with it")
     p.add_argument("--kill-with", choices=KILL_WITH, default="ray-kill",
                    help="ray-kill: ray.kill of the actor; sigkill: SIGKILL of the actor's worker process")
     p.add_argument("--kill-worker", action="append", default=None, metavar="REPLICA@STEP",
@@ -654,6 +723,8 @@ def cli(argv: list[str]) -> int:
         overrides.append(f"launch.replicas={args.replicas}")
     if args.devices_per_replica is not None:
         overrides.append(f"launch.devices_per_replica={args.devices_per_replica}")
+    if args.processes_per_replica is not None:
+        overrides.append(f"launch.processes_per_replica={args.processes_per_replica}")
     try:
         cfg = config_lib.load(args.config, overrides)
     except ValueError as e:

@@ -156,6 +156,12 @@ class ReplicaActor:
                 pass
         return out
 
+    def free_port(self, host: str) -> int:
+        """A free port on this node (process 0 serves the replica's JAX coordinator on it)."""
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+            s.bind((host, 0))
+            return s.getsockname()[1]
+
     def sigkill_self(self) -> None:
         """A SIGKILL of this actor's worker process, from inside it (works on any node)."""
         os.kill(os.getpid(), signal.SIGKILL)
