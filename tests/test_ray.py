@@ -192,3 +192,31 @@ def test_ray_replace_experiment_quick(tmp_path):
     assert r["ray"]["placed_s"] > r["ray"]["restart_s"]
     assert set(r["targets"]) == {"stall_within_s", "stall_met", "replace_ratio_at_most", "replace_met"}
     assert out.with_suffix(".png").stat().st_size > 5_000
+
+
+@pytest.mark.multiprocess
+def test_multi_process_replica_is_one_actor_per_process_and_replaced_as_a_group(tmp_path, short_tmp):
+    """2 replicas x 2 processes x 1 device: one placement group of two bundles per replica, one actor
+    per process; ray.kill of replica 1's follower takes the whole group down, and it is placed
+    again (two new actors) and rejoins."""
+    out = tmp_path / "run"
+    p = fthsdp_ray(out, short_tmp, "--config", "base", "--replicas", "2", "--processes-per-replica", "2",
+                   "--devices-per-replica", "1", "--kill", "1.1@15", *PACED, "train.steps=150")
+    assert p.returncode == 0, p.stderr[-4000:]
+    assert "placement [{'CPU': 1.0}, {'CPU': 1.0}]" in p.stderr
+    events = read_metrics(out / "events.jsonl")
+    (kill,) = [e for e in events if e["kind"] == "kill"]
+    groups = [(e["time"], [q["pid"] for q in e["processes"]]) for e in events
+              if e["kind"] == "placed" and e["replica"] == 1]
+    # (a loaded machine may also lose a group at start-up; it is restarted like any death)
+    before = [pids for t, pids in groups if t < kill["time"]][-1]
+    after = [pids for t, pids in groups if t > kill["time"]]
+    assert kill["process"] == 1 and kill["pid"] == before[1]  # the follower's actor
+    assert len(before) == 2 and after and len(after[0]) == 2
+    assert not set(before) & set(after[0])  # the whole group was replaced: two new actors
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["identical_final_state"] and set(summary["final_steps"].values()) == {150}
+    run = report.load_run(out)
+    recs = [r for r in run.steps["1"] if r["start"] > kill["time"]]
+    assert recs and not recs[0]["healthy"] and recs[-1]["step"] == 149  # it rejoined from its peer
+    assert ray_processes(short_tmp) == []
