@@ -10,9 +10,10 @@ process). What differs:
   it lives and dies with the job's driver), pinned to the driver's node and
   restarted there on the same address when it dies;
 * each replica is a placement group with one bundle per process (sized by the
-  replica's devices; GPUs when the cluster has them) holding one actor per
-  process. Until replicas span several processes that is one bundle and one
-  actor; the actor runs the replica entry point (fthsdp.replica.main);
+  process's devices; GPUs when the cluster has them) holding one actor per
+  process; each actor runs the replica entry point (fthsdp.replica.main).
+  Process 0 serves the replica's JAX coordinator on its node, and the group
+  fails, is torn down and is placed again as a unit, as locally;
 * the launcher hands each actor its replica id, the lighthouse's address, the
   job's peer secret, a config file's text and its ledger so far, as call
   arguments. The actor writes into a node-local work directory and the driver
@@ -23,7 +24,7 @@ process). What differs:
   has room (another one if the old node is gone); it rejoins from its peers.
   When it cannot be placed within `ft.startup_timeout_s`, the job goes on with
   fewer replicas and says so;
-* faults: `--kill R@STEP` is `ray.kill` of the actor (`--kill-with ray-kill`)
+* faults: `--kill R[.P]@STEP` is `ray.kill` of the actor (`--kill-with ray-kill`)
   or a SIGKILL of the actor's worker process (`--kill-with sigkill`);
   `--kill-node R@STEP` removes the node that runs replica R (SIGKILL of its
   raylet); `--stop` needs the actor on the driver's machine.
