@@ -281,7 +281,13 @@ class LeaderQuorumSource:
         self.channel = channel
 
     def get_quorum(self, step: int, **kwargs):
-        q = self.client.get_quorum(step, **kwargs)
+        from fthsdp.lighthouse_client import JobFinished
+
+        try:
+            q = self.client.get_quorum(step, **kwargs)
+        except JobFinished as e:  # the followers end the same way (exit 0), not at a timeout
+            self.channel.share("quorum", {"job_finished": e.step, "message": str(e)}, 0)
+            raise
         self.channel.share("quorum", quorum_to_json(q), 0)
         return q
 
@@ -300,7 +306,12 @@ class FollowerQuorumSource:
         self.timeout_s = timeout_s
 
     def get_quorum(self, step: int, **kwargs):
-        return quorum_from_json(self.channel.receive("quorum", self.timeout_s))
+        d = self.channel.receive("quorum", self.timeout_s)
+        if "job_finished" in d:
+            from fthsdp.lighthouse_client import JobFinished
+
+            raise JobFinished(d["message"], int(d["job_finished"]))
+        return quorum_from_json(d)
 
     def start_heartbeats(self, on_dead=None) -> None:
         pass

@@ -439,11 +439,8 @@ class LocalJob:
                         tail = rp.log_path.read_text().splitlines()[-3:] if rp.log_path else []
                         log.warning("replica %d exited replica-fatal (%d); restarting it:\n%s", rp.rid, rc,
                                     "\n".join(tail))
-                    if self.restart and self.processes == 1:
+                    if self.restart:  # a multi-process replica restarts as a group (start_replica)
                         rp.restart_at = time.time() + self.restart_delay_s
-                    elif self.restart:
-                        log.warning("replica %d is not restarted: a multi-process replica cannot rejoin yet "
-                                    "(per-shard recovery is not implemented); the others go on without it", rp.rid)
                     continue
                 rp.state = "done" if rc == 0 else "failed"
                 self.event("exit", rp.rid, returncode=rc)
