@@ -14,6 +14,12 @@ step records it measures:
   stall_s        extra wall time of the step that straddles the kill over the
                  median step (what the failure cost the survivors)
 
+Replicas of several processes (issue 11) run beside one-process replicas in
+the same invocation: shape "RxD Pp" is R replicas of P processes x D devices;
+in a P > 1 shape one *follower* process of the victim is SIGKILLed (the
+launcher then kills the rest of its replica) and every process of every
+replica keeps the same state.
+
 Target: detection <= 1 s and stall <= detection + 0.5 s + one all-reduce.
 For scale: torchft's defaults declare a replica dead after a 5 s heartbeat
 timeout and then wait out the collective timeout; the FT-HSDP paper used a
@@ -42,12 +48,14 @@ SMALL = ["train.eval_every=0", "ft.allreduce_timeout_s=10", "model.d_model=64", 
          "data.batch_size=8", "data.seq_len=32", "model.max_seq_len=32"]
 
 
-def one_run(out: pathlib.Path, replicas: int, devices: int, steps: int, kill_step: int, victim: int) -> dict:
+def one_run(out: pathlib.Path, replicas: int, devices: int, steps: int, kill_step: int, victim: int,
+            processes: int = 1) -> dict:
     overrides = SMALL + [f"launch.replicas={replicas}", f"launch.devices_per_replica={devices}",
-                         f"train.steps={steps}"]
+                         f"launch.processes_per_replica={processes}", f"train.steps={steps}"]
+    who = f"{victim}.{processes - 1}" if processes > 1 else str(victim)  # P > 1: a follower dies
     job = LocalJob(config="base", overrides=overrides, out_dir=out, replicas=replicas, steps=steps,
-                   faults=plan((f"{victim}@{kill_step}",), (), replicas), detect_s=0.8, progress=False,
-                   hash_every=0)
+                   faults=plan((f"{who}@{kill_step}",), (), replicas), detect_s=0.8, progress=False,
+                   hash_every=0, processes=processes)
     summary = job.run()
     run = report.load_run(out)
     (failure,) = report.analyse_failures(run)
@@ -58,7 +66,8 @@ def one_run(out: pathlib.Path, replicas: int, devices: int, steps: int, kill_ste
     rebuild = [r["rebuild_s"] for r in straddle + later if r["rebuild_s"] > 0][:len(survivors)]
     steady = [r for r in recs if r["step"] > 3 and r["attempts"] == 1 and r["rebuild_s"] == 0]
     return {
-        "replicas": replicas, "devices_per_replica": devices, "victim": victim, "kill_step": kill_step,
+        "replicas": replicas, "devices_per_replica": devices, "processes_per_replica": processes,
+        "shape": f"{replicas}x{devices} P{processes}", "victim": who, "kill_step": kill_step,
         "detection_s": failure.detection_s,
         "rebuild_s": statistics.median(rebuild) if rebuild else None,
         "allreduce_s": statistics.median(r["allreduce_s"] for r in steady),
@@ -79,35 +88,46 @@ def main(argv=None) -> int:
     logs.setup("fthsdp.experiments")
     repeats = args.repeats or (1 if args.quick else 3)
     steps, kill_step = (24, 10) if args.quick else (60, 25)
-    configs = [(3, 2)] if args.quick else [(3, 2), (4, 1)]
+    # (replicas, devices per process, processes per replica)
+    configs = [(3, 2, 1), (3, 1, 2)] if args.quick else [(3, 2, 1), (4, 1, 1), (3, 1, 2), (3, 2, 2)]
     out_path = pathlib.Path(args.out)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     work = pathlib.Path(tempfile.mkdtemp(prefix="failure_stall-"))
     runs = []
-    for replicas, devices in configs:
+    for replicas, devices, processes in configs:
         for i in range(repeats):
             victim = (i + 1) % replicas
             t0 = time.time()
-            r = one_run(work / f"r{replicas}x{devices}-{i}", replicas, devices, steps, kill_step, victim)
+            r = one_run(work / f"r{replicas}x{devices}p{processes}-{i}", replicas, devices, steps, kill_step, victim,
+                        processes)
             r["wall_s"] = time.time() - t0
             runs.append(r)
-            print(f"[{replicas}x{devices} #{i}] detection {r['detection_s']:.3f}s rebuild {r['rebuild_s'] or 0:.3f}s "
+            print(f"[{r['shape']} #{i}] detection {r['detection_s']:.3f}s rebuild {r['rebuild_s'] or 0:.3f}s "
                   f"allreduce {r['allreduce_s'] * 1e3:.1f}ms step {r['median_step_s'] * 1e3:.1f}ms "
                   f"stall {r['stall_s']:.3f}s", flush=True)
 
-    def med(key):
-        vals = [r[key] for r in runs if r[key] is not None]
+    def med(key, rows=None):
+        vals = [r[key] for r in (runs if rows is None else rows) if r[key] is not None]
         return statistics.median(vals) if vals else None
 
+    keys = ("detection_s", "rebuild_s", "allreduce_s", "median_step_s", "stall_s")
+    single = [r for r in runs if r["processes_per_replica"] == 1]
+    by_shape = {}
+    for r in runs:
+        by_shape.setdefault(r["shape"], []).append(r)
     result = {
-        "detection_s": med("detection_s"), "rebuild_s": med("rebuild_s"), "allreduce_s": med("allreduce_s"),
-        "median_step_s": med("median_step_s"), "stall_s": med("stall_s"), "runs": runs,
+        # top level: one-process replicas, as before; every shape side by side under "shapes"
+        **{k: med(k, single) for k in keys}, "runs": runs,
+        "shapes": {shape: {k: med(k, rows) for k in keys} for shape, rows in by_shape.items()},
         "targets": {"detection_s_max": 1.0},
         "baselines": {"torchft_heartbeat_timeout_s": 5.0, "paper_timeout_s": 60.0},
     }
     budget = result["detection_s"] + 0.5 + result["allreduce_s"]
     result["targets"]["stall_s_max"] = budget
     result["targets_met"] = {"detection": result["detection_s"] <= 1.0, "stall": result["stall_s"] <= budget}
+    for shape, m in result["shapes"].items():
+        b = m["detection_s"] + 0.5 + m["allreduce_s"]
+        m["targets_met"] = {"detection": m["detection_s"] <= 1.0, "stall": m["stall_s"] <= b}
     out_path.write_text(json.dumps(result, indent=2, default=str))
     plot = report.plot_timeline(runs[0]["out_dir"], out_path.with_suffix(".png"), num_configured=runs[0]["replicas"])
     print(json.dumps({k: v for k, v in result.items() if k != "runs"}, indent=2, default=str))
