@@ -7,7 +7,8 @@ worker nodes of two CPUs each, so the three replicas are spread 2 + 1 over them.
 it dies with it. When a third worker node joins once the node is gone, the
 replacements are placed on a node other than the dead one, rejoin from the
 survivor(s), and the job finishes with identical states; when none joins,
-there is no room for them and the job goes on with fewer replicas, saying so. The cluster's processes (found by its temp dir, and their children)
+the one the surviving node has no room for is left out and the job goes on
+with fewer replicas, saying so. The cluster's processes (found by its temp dir, and their children)
 are SIGKILLed at the end.
 """
 
@@ -137,10 +138,14 @@ def test_kill_node(tmp_path, cluster, new_node):
     summary = json.loads((out / "summary.json").read_text())
     assert summary["identical_final_state"], summary["final_hashes"]
     if not new_node:
-        # no node has room: each lost replica is left out and the survivors finish the job
+        # the surviving node (2 CPUs) has room for len(lost) - 1 of them: those are placed there
+        # and rejoin; the one left over is left out and the others finish the job without it
         unplaced = {e["replica"] for e in events if e["kind"] == "unplaced"}
-        assert unplaced == lost and set(summary["unplaced_replicas"]) == {str(r) for r in lost}
-        assert set(summary["final_hashes"]) == {str(r) for r in set(placed) - lost}
+        assert len(unplaced) == 1 and unplaced <= lost, (unplaced, lost)
+        assert set(summary["unplaced_replicas"]) == {str(r) for r in unplaced}
+        for r in lost - unplaced:
+            assert len(placed[r]) == 2 and placed[r][1]["node"] != dead_node, placed[r]
+        assert set(summary["final_hashes"]) == {str(r) for r in set(placed) - unplaced}
         assert set(summary["final_steps"].values()) == {steps}
         assert "cannot be placed" in log and "the job goes on with" in log
         return
