@@ -84,11 +84,6 @@ def ray_processes(marker: str) -> list[str]:
     return [line for line in ps if marker in line and "ps -eww" not in line and line.split()[1][:1] != "Z"]
 
 
-def worker_count() -> int:
-    ps = subprocess.run(["ps", "-eww", "-o", "stat,args"], capture_output=True, text=True).stdout.splitlines()
-    return sum(1 for line in ps if line.split(None, 1)[-1].startswith("ray::") and line[:1] != "Z")
-
-
 def fthsdp_ray(out: pathlib.Path, temp_dir: str, *args: str, timeout: float = 480) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "fthsdp.cli", "ray", "--no-progress", "--out-dir", str(out), *args]
     if "--address" not in args:
@@ -108,7 +103,6 @@ def short_tmp():
 
 @pytest.mark.multiprocess
 def test_ray_kill_and_worker_sigkill_replicas_are_replaced_and_rejoin(tmp_path, short_tmp):
-    workers_before = worker_count()
     out = tmp_path / "run"
     p = fthsdp_ray(out, short_tmp, "--config", "base", "--replicas", "3", "--devices-per-replica", "1",
                    "--kill", "1@15", "--kill-worker", "2@30", *PACED, f"train.steps={STEPS}")
@@ -116,10 +110,11 @@ def test_ray_kill_and_worker_sigkill_replicas_are_replaced_and_rejoin(tmp_path, 
 
     # The driver left nothing behind: no process of its cluster, no work directory.
     deadline = time.monotonic() + 30
-    while (ray_processes(short_tmp) or worker_count() > workers_before) and time.monotonic() < deadline:
+    while ray_processes(short_tmp) and time.monotonic() < deadline:
         time.sleep(0.5)
+    # (workers rename themselves "ray::..."; they exit with their raylet, which names our temp dir.
+    # Other clusters on the machine, e.g. a parallel CI run, are not ours to count.)
     assert ray_processes(short_tmp) == [], ray_processes(short_tmp)
-    assert worker_count() <= workers_before
     assert not list(pathlib.Path(tempfile.gettempdir()).glob("fthsdp-ray-*-r*"))
 
     events = read_metrics(out / "events.jsonl")
