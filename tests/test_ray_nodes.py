@@ -70,7 +70,10 @@ def _kill_cluster(temp_dir: str) -> None:
 def cluster():
     temp_dir = tempfile.mkdtemp(prefix="fr-")
     env = _env(secrets.token_hex(16))
-    common = ["--object-store-memory", str(80 * 1024 * 1024), "--disable-usage-stats"]
+    # Every node on loopback: a one-machine cluster must not listen on (or send to)
+    # the machine's network address.
+    common = ["--object-store-memory", str(80 * 1024 * 1024), "--disable-usage-stats",
+              "--node-ip-address", "127.0.0.1"]
     try:
         subprocess.run([RAY, "start", "--head", "--port", str(_free_port()), "--num-cpus", "0", "--temp-dir",
                         temp_dir, "--include-dashboard", "false", *common], env=env, check=True,
