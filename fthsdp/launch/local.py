@@ -409,18 +409,25 @@ class LocalJob:
         for rp in self.procs.values():
             if not rp.followers or rp.proc is None:
                 continue
-            group = [rp.proc, *rp.followers]
-            ended = [(i, p.returncode) for i, p in enumerate(group) if p.poll() is not None and p.returncode != 0]
-            if ended and any(p.poll() is None for p in group):
-                self.event("group_failed", rp.rid, processes=[f"{rp.rid}.{i}" for i, _ in ended],
-                           returncodes=[rc for _, rc in ended])
-                log.warning("replica %d: process(es) %s ended (%s); stopping the rest of the replica", rp.rid,
-                            [i for i, _ in ended], [rc for _, rc in ended])
+            if self.group_failed(rp.rid, [rp.proc, *rp.followers]):
                 self.kill_followers(rp)
                 if rp.proc.poll() is None:
                     os.kill(rp.proc.pid, signal.SIGCONT)
                     rp.proc.kill()
                     rp.proc.wait(30)
+
+    def group_failed(self, rid: int, group: list) -> bool:
+        """True (and logged) when a process of replica ``rid``'s group ended with an error
+        while others still run: the rest must be stopped (the replica fails as a unit).
+        ``group``: the leader first, then its followers (anything with poll()/returncode)."""
+        ended = [(i, p.returncode) for i, p in enumerate(group) if p.poll() is not None and p.returncode != 0]
+        if not ended or all(p.poll() is not None for p in group):
+            return False
+        self.event("group_failed", rid, processes=[f"{rid}.{i}" for i, _ in ended],
+                   returncodes=[rc for _, rc in ended])
+        log.warning("replica %d: process(es) %s ended (%s); stopping the rest of the replica", rid,
+                    [i for i, _ in ended], [rc for _, rc in ended])
+        return True
 
     def reap(self) -> None:
         self.fail_groups_as_units()
@@ -599,6 +606,18 @@ def _steps(values: list[str] | None, flag: str, p: argparse.ArgumentParser) -> t
         p.error(f"{flag} expects a step number, got {values}")
 
 
+
+def shape_overrides(args: argparse.Namespace) -> list[str]:
+    """The job-shape flags every launcher shares (--replicas, --devices-per-replica,
+    --processes-per-replica) as config overrides after the user's own ones."""
+    out = list(args.overrides)
+    for flag, key in (("replicas", "launch.replicas"), ("devices_per_replica", "launch.devices_per_replica"),
+                      ("processes_per_replica", "launch.processes_per_replica")):
+        if getattr(args, flag, None) is not None:
+            out.append(f"{key}={getattr(args, flag)}")
+    return out
+
+
 def cli(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="fthsdp run", description="Run a fault-tolerant job locally: a lighthouse "
                                 "and N replica processes, with injected faults. Any fault flag on the command "
@@ -647,13 +666,7 @@ def cli(argv: list[str]) -> int:
     from fthsdp import config as config_lib
     from fthsdp import logs
 
-    new_overrides = list(args.overrides)
-    if args.replicas is not None:
-        new_overrides.append(f"launch.replicas={args.replicas}")
-    if args.devices_per_replica is not None:
-        new_overrides.append(f"launch.devices_per_replica={args.devices_per_replica}")
-    if args.processes_per_replica is not None:
-        new_overrides.append(f"launch.processes_per_replica={args.processes_per_replica}")
+    new_overrides = shape_overrides(args)
     for flag, key in (("lighthouse", "launch.lighthouse"), ("lighthouse_bind", "launch.lighthouse_bind"),
                       ("lighthouse_advertise", "launch.lighthouse_advertise"), ("bind_host", "ft.bind_host"),
                       ("advertise_host", "ft.advertise_host"), ("hosts", "launch.hosts")):

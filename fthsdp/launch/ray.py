@@ -472,13 +472,7 @@ class RayJob(LocalJob):
             ap = rp.proc
             if not isinstance(ap, ActorProcess) or not ap.followers or not ap.placed:
                 continue
-            group = [ap, *ap.followers]
-            ended = [(i, p.returncode) for i, p in enumerate(group) if p.poll() is not None and p.returncode != 0]
-            if ended and any(p.poll() is None for p in group):
-                self.event("group_failed", rp.rid, processes=[f"{rp.rid}.{i}" for i, _ in ended],
-                           returncodes=[rc for _, rc in ended])
-                log.warning("replica %d: process(es) %s ended (%s); stopping the rest of the replica", rp.rid,
-                            [i for i, _ in ended], [rc for _, rc in ended])
+            if self.group_failed(rp.rid, [ap, *ap.followers]):
                 ap.kill()  # its group: every actor, then the placement group
 
     def ray_kill(self, rid: int, how: str, process: int = -1) -> dict:
@@ -719,13 +713,9 @@ def cli(argv: list[str]) -> int:
 
     from fthsdp import config as config_lib
 
-    overrides = list(args.overrides)
-    if args.replicas is not None:
-        overrides.append(f"launch.replicas={args.replicas}")
-    if args.devices_per_replica is not None:
-        overrides.append(f"launch.devices_per_replica={args.devices_per_replica}")
-    if args.processes_per_replica is not None:
-        overrides.append(f"launch.processes_per_replica={args.processes_per_replica}")
+    from fthsdp.launch.local import shape_overrides
+
+    overrides = shape_overrides(args)
     try:
         cfg = config_lib.load(args.config, overrides)
     except ValueError as e:
