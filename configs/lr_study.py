@@ -3,7 +3,7 @@
 `config` is the model/data/optimizer every run of the study shares (composed
 from configs/base.py); `study` is what the study sweeps: failure schedules in
 the paper's `freq_fp_len_con_lr` grammar x interventions x seeds, on
-`launch.replicas` replicas simulated by the numerical twin (fthsdp/twin.py).
+`launch.replicas` replicas simulated by the numerical twin (fthsdp/sim/twin.py).
 The schedules mirror figure 9: short (1k-step) and long (4k-step) failures
 killing 1 or 3 replicas at once. Runs for a few tens of minutes on 2 cores:
 `python experiments/lr_intervention.py --out results/lr_study.json`.
@@ -12,7 +12,7 @@ killing 1 or 3 replicas at once. Runs for a few tens of minutes on 2 cores:
 import dataclasses
 
 from configs.base import config as base
-from fthsdp.schedules import StudyConfig
+from fthsdp.sim.schedules import StudyConfig
 
 config = dataclasses.replace(
     base,

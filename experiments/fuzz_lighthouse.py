@@ -29,8 +29,8 @@ import sys
 import atheris
 import grpc
 
-from fthsdp import lighthouse as lh_mod
-from fthsdp import quorum as qm
+from fthsdp.control import lighthouse as lh_mod
+from fthsdp.control import quorum as qm
 
 from fthsdp.proto import LIGHTHOUSE_PROTOCOL_VERSION  # noqa: E402
 from fthsdp.proto import lighthouse as _stubs  # noqa: E402

@@ -4,9 +4,9 @@
 
 Reproduces the question of the FT-HSDP paper's section 6.2 (figures 8 and 9)
 on our own model: a baseline without failures and every failure schedule of
-the study (paper grammar `freq_fp_len_con_lr`, scaled by fthsdp.schedules)
+the study (paper grammar `freq_fp_len_con_lr`, scaled by fthsdp.sim.schedules)
 with every LR intervention (none / linear / sqrt), over several seeds, all
-simulated by the numerical twin (fthsdp.twin: the same jitted step code as
+simulated by the numerical twin (fthsdp.sim.twin: the same jitted step code as
 the replicas, N replicas in one process).
 
 Measured per run, against the baseline of the same seed and dtype:
@@ -50,9 +50,9 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from fthsdp import config as config_mod  # noqa: E402
-from fthsdp import schedules  # noqa: E402
+from fthsdp.sim import schedules  # noqa: E402
 from fthsdp.config import Config  # noqa: E402
-from fthsdp.schedules import StudyConfig  # noqa: E402
+from fthsdp.sim.schedules import StudyConfig  # noqa: E402
 
 METRICS = ("max_dev", "rms_dev", "jitter", "final_gap", "train_max_dev", "train_rms_dev", "final_train_gap")
 
@@ -235,7 +235,7 @@ def run_study(cfg: Config, study: StudyConfig, *, log: Callable[[str], None] = p
     """Runs the baselines and every schedule x intervention x seed; returns the results dict."""
     import jax
 
-    from fthsdp.twin import Twin
+    from fthsdp.sim.twin import Twin
 
     t0 = time.perf_counter()
     n = study.num_replicas or cfg.launch.replicas

@@ -5,7 +5,7 @@ the scale targets are judged by (the hierarchy at 1K-100K ranks, the flat
 lighthouse to 8,192 replicas, torchft's lighthouse beside it) is
 experiments/scale.py.
 
-The lighthouse runs as its own process (``python -m fthsdp.lighthouse``). N
+The lighthouse runs as its own process (``python -m fthsdp.control.lighthouse``). N
 replicas are emulated as asyncio tasks spread over a few client processes,
 each replica with its own gRPC channel (own TCP connection), all asking for the
 quorum of the same step, round after round: the quorum itself is the barrier
@@ -83,7 +83,7 @@ def client_main(address: str, job: str, lo: int, hi: int, n: int, rounds: int, t
 
 def start_lighthouse() -> tuple[subprocess.Popen, str]:
     p = subprocess.Popen(
-        [sys.executable, "-m", "fthsdp.lighthouse", "--bind", "127.0.0.1:0", "--join-timeout", "60",
+        [sys.executable, "-m", "fthsdp.control.lighthouse", "--bind", "127.0.0.1:0", "--join-timeout", "60",
          "--detect", "60", "--log-level", "ERROR"],
         cwd=REPO, stdout=subprocess.PIPE, text=True,
     )

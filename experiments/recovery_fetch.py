@@ -343,9 +343,9 @@ def measure_snapshot_overhead(steps: int) -> dict:
     from fthsdp.checkpoint.snapshot import Snapshotter
     from fthsdp.config import Config
     from fthsdp.data import ReplicaStream
-    from fthsdp.quorum_inputs import make_quorum_inputs
-    from fthsdp.sharding import replica_mesh
-    from fthsdp.step import make_train_step
+    from fthsdp.step.quorum_inputs import make_quorum_inputs
+    from fthsdp.step.sharding import replica_mesh
+    from fthsdp.step.functional import make_train_step
 
     ndev = min(2, len(jax.local_devices()))
     cfg = Config()

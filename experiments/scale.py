@@ -228,8 +228,8 @@ def breakdown(n: int, calls: int) -> dict:
     the pure decision, building the reply (once, and the old way: once per call),
     asyncio waking ``n`` waiting calls, and gRPC's per-call cost (``calls`` concurrent
     Heartbeat RPCs against a real lighthouse process, client and server)."""
-    from fthsdp import quorum as qm
-    from fthsdp.lighthouse import pb2, quorum_to_proto
+    from fthsdp.control import quorum as qm
+    from fthsdp.control.lighthouse import pb2, quorum_to_proto
     from fthsdp.sim.aio_client import AioLighthouseClient
     from fthsdp.sim.emulation import LighthouseProcess
 
@@ -328,8 +328,8 @@ def lighthouse_profile(n: int, rounds: int) -> dict:
         row = fthsdp_row("fthsdp-flat", n, 1, rounds, heartbeat_s=0.0, profile=path)
         st = pstats.Stats(path)
     total = idle = 0.0
-    buckets = {"decision (fthsdp/quorum.py)": 0.0, "reply building (quorum_to_proto, replies)": 0.0,
-               "RPC handlers and bookkeeping (fthsdp/lighthouse.py)": 0.0,
+    buckets = {"decision (fthsdp/control/quorum.py)": 0.0, "reply building (quorum_to_proto, replies)": 0.0,
+               "RPC handlers and bookkeeping (fthsdp/control/lighthouse.py)": 0.0,
                "gRPC machinery (Cython callbacks, C-core)": 0.0, "asyncio event loop": 0.0,
                "start-up (imports)": 0.0, "other": 0.0}
     top = []
@@ -343,11 +343,11 @@ def lighthouse_profile(n: int, rounds: int) -> dict:
                                                     "<built-in method _imp.create_dynamic>") or "enum.py" in fname:
             b = "start-up (imports)"
         elif fname.endswith(os.path.join("fthsdp", "quorum.py")):
-            b = "decision (fthsdp/quorum.py)"
+            b = "decision (fthsdp/control/quorum.py)"
         elif func in ("quorum_to_proto", "quorum_reply", "quorum_proto", "heartbeat_reply"):
             b = "reply building (quorum_to_proto, replies)"
         elif fname.endswith(os.path.join("fthsdp", "lighthouse.py")):
-            b = "RPC handlers and bookkeeping (fthsdp/lighthouse.py)"
+            b = "RPC handlers and bookkeeping (fthsdp/control/lighthouse.py)"
         elif "_contextvars.Context" in func or "grpc" in fname:
             b = "gRPC machinery (Cython callbacks, C-core)"
         elif "asyncio" in fname or "selectors" in fname:

@@ -14,10 +14,10 @@ SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
     "train": ("fthsdp.cli", "train_cli", "train one replica (no fault tolerance) on a config"),
     "run": ("fthsdp.launch.local", "cli", "run a fault-tolerant job locally: lighthouse + N replicas + faults"),
     "ray": ("fthsdp.launch.ray", "cli", "run a fault-tolerant job on a Ray cluster: actors, placement groups, faults"),
-    "replica": ("fthsdp.replica", "main", "start one process of one replica (flags or FTHSDP_* env vars; for "
+    "replica": ("fthsdp.replica.process", "main", "start one process of one replica (flags or FTHSDP_* env vars; for "
                 "slurm, Kubernetes, Ray)"),
-    "lighthouse": ("fthsdp.lighthouse", "cli", "serve quorums and failure detection over gRPC"),
-    "status": ("fthsdp.lighthouse_client", "status_cli", "show a lighthouse's jobs, quorums and replicas"),
+    "lighthouse": ("fthsdp.control.lighthouse", "cli", "serve quorums and failure detection over gRPC"),
+    "status": ("fthsdp.control.lighthouse_client", "status_cli", "show a lighthouse's jobs, quorums and replicas"),
     "dashboard": ("fthsdp.observe.dashboard", "cli", "serve a live web page and /metrics of a lighthouse's jobs"),
 }
 
@@ -41,7 +41,7 @@ def train_cli(argv: list[str]) -> int:
     force_host_devices(cfg.launch.devices_per_replica)
     logs.setup(file=f"{cfg.train.out_dir}/train.log")
     enable_compilation_cache()
-    from fthsdp.train import train
+    from fthsdp.step.train import train
 
     progress = not args.no_progress and sys.stderr.isatty()
     train(cfg, progress=progress)

@@ -99,7 +99,7 @@ class FTConfig:
 class LaunchConfig:
     replicas: int = 1
     devices_per_replica: int = 2  # per process of a replica
-    processes_per_replica: int = 1  # one JAX runtime per replica over all its processes (fthsdp.replica_group)
+    processes_per_replica: int = 1  # one JAX runtime per replica over all its processes (fthsdp.replica.group)
     lighthouse: str = ""  # host:port ([v6]:port) of a running lighthouse; empty = start one locally
     lighthouse_bind: str = "127.0.0.1:0"  # where the launcher's own lighthouse listens (port 0: any free one)
     lighthouse_advertise: str = ""  # the host replicas reach it on (empty: the bind host)

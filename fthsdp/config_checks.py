@@ -203,7 +203,7 @@ def _fault_specs(kind: str) -> Callable[[Any], None]:
 
 
 def _intervention(value: Any) -> None:
-    from fthsdp.intervention import Intervention
+    from fthsdp.step.intervention import Intervention
 
     Intervention.parse(value)
 

@@ -124,7 +124,7 @@ def classify(exc: BaseException) -> Classified:
         return Classified(FaultClass.REPLICA_FATAL, f"{what} (interrupted)")
     # The lighthouse client's errors (by name: no grpc import here).
     if "LighthouseError" in names:
-        if "JobFinished" in names:  # not a fault: the replica process exits 0 (fthsdp/replica.py)
+        if "JobFinished" in names:  # not a fault: the replica process exits 0 (fthsdp/replica/process.py)
             return Classified(FaultClass.JOB_FATAL, f"{what} (the job already finished: nothing to retry)")
         if "LighthouseUnavailable" in names:
             return Classified(FaultClass.JOB_FATAL, f"{what} (the lighthouse stayed unreachable: no replica "

@@ -118,7 +118,7 @@ def _ring(comms, quorum_id: int = 1) -> list[np.ndarray]:
 
 @needs_ipv6
 def test_ftar_ring_over_ipv6_loopback():
-    from fthsdp import ftar
+    from fthsdp.collective import ftar
 
     comms = [ftar.Communicator(1, listen_host="::1", timeout_s=20) for _ in range(3)]
     try:
@@ -131,7 +131,7 @@ def test_ftar_ring_over_ipv6_loopback():
 
 
 def test_ftar_ring_between_emulated_hosts_with_a_wildcard_bind_advertising_its_own_host():
-    from fthsdp import ftar
+    from fthsdp.collective import ftar
 
     a = ftar.Communicator(2, listen_host="127.0.0.2", timeout_s=20)
     b = ftar.Communicator(2, listen_host="0.0.0.0", advertise_host="127.0.0.3", timeout_s=20)
@@ -260,7 +260,7 @@ def test_a_job_over_ipv6_loopback_with_an_external_lighthouse(tmp_path):
     from test_fault_tolerance import assert_identical_after_every_commit
 
     port_file = tmp_path / "lh.port"
-    lh = subprocess.Popen([sys.executable, "-m", "fthsdp.lighthouse", "--bind", "[::1]:0", "--port-file",
+    lh = subprocess.Popen([sys.executable, "-m", "fthsdp.control.lighthouse", "--bind", "[::1]:0", "--port-file",
                            str(port_file), "--replicas", "2", "--detect", "0.8", "--join-timeout", "0.5"],
                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     try:

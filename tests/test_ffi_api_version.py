@@ -17,7 +17,7 @@ import sys
 import jax
 import pytest
 
-from fthsdp import native
+from fthsdp.collective import native
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
@@ -39,7 +39,7 @@ def test_registration_and_a_call_still_work_on_the_installed_jax():
     import jax.numpy as jnp
     import numpy as np
 
-    from fthsdp import ops
+    from fthsdp.collective import ops
 
     cpu = jax.devices("cpu")[0]
     with jax.default_device(cpu):

@@ -1,7 +1,7 @@
 """FTAR end to end: real processes, real sockets on loopback, real signals.
 
 Each multi-process test starts one worker per replica (tests/ftar_workers/
-worker.py); the workers run the jitted `fthsdp.ftar.allreduce` and write what
+worker.py); the workers run the jitted `fthsdp.collective.ftar.allreduce` and write what
 they got; the test checks it against numpy. In-process tests drive the same
 native path through the host API to check handshakes, aborts and errors.
 """
@@ -20,7 +20,7 @@ import time
 import numpy as np
 import pytest
 
-from fthsdp import ftar
+from fthsdp.collective import ftar
 
 HERE = pathlib.Path(__file__).resolve().parent
 WORKER = HERE / "ftar_workers" / "worker.py"
@@ -256,8 +256,8 @@ def test_unknown_communicator_handle_raises_inside_jit():
 
     from jax.sharding import Mesh
 
-    from fthsdp.quorum_inputs import make_quorum_inputs
-    from fthsdp.sharding import AXIS
+    from fthsdp.step.quorum_inputs import make_quorum_inputs
+    from fthsdp.step.sharding import AXIS
 
     cpu = jax.local_devices(backend="cpu")[0]
     mesh = Mesh(np.array([cpu]), (AXIS,))  # the CPU handler raises at once (the GPU one reports later)

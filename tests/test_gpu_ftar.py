@@ -32,7 +32,9 @@ import time
 import numpy as np
 import pytest
 
-from fthsdp import ftar, native
+from fthsdp.collective import ftar
+
+from fthsdp.collective import native
 
 HERE = pathlib.Path(__file__).resolve().parent
 WORKER = HERE / "gpu_workers" / "ftar_gpu_worker.py"

@@ -2,7 +2,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fthsdp.intervention import Intervention, lr_scale
+from fthsdp.step.intervention import Intervention, lr_scale
 
 
 @pytest.mark.parametrize("xp", [np, jnp])

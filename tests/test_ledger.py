@@ -175,9 +175,9 @@ def _train(workdir: str, steps: int, every: int, restart: str) -> None:
     from fthsdp.data import LoaderState, ReplicaStream
     from fthsdp.data.loader_state import LoaderStateStore
     from fthsdp.devices import enable_compilation_cache
-    from fthsdp.quorum_inputs import make_quorum_inputs
-    from fthsdp.sharding import replica_mesh
-    from fthsdp.step import make_train_step
+    from fthsdp.step.quorum_inputs import make_quorum_inputs
+    from fthsdp.step.sharding import replica_mesh
+    from fthsdp.step.functional import make_train_step
 
     enable_compilation_cache()
     cfg = _cfg()
@@ -216,9 +216,9 @@ def test_full_restart_trains_every_batch_exactly_once(tmp_path):
     from fthsdp.checkpoint.persistent import PersistentCheckpointer
     from fthsdp.data import ReplicaStream
     from fthsdp.data.loader_state import LoaderStateStore
-    from fthsdp.quorum_inputs import make_quorum_inputs
-    from fthsdp.sharding import replica_mesh
-    from fthsdp.step import make_train_step
+    from fthsdp.step.quorum_inputs import make_quorum_inputs
+    from fthsdp.step.sharding import replica_mesh
+    from fthsdp.step.functional import make_train_step
 
     steps, every = 12, 4
     here = os.path.abspath(__file__)

@@ -14,8 +14,8 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import pytest
 
-from fthsdp.lighthouse import LighthouseConfig, LighthouseThread
-from fthsdp.lighthouse_client import (
+from fthsdp.control.lighthouse import LighthouseConfig, LighthouseThread
+from fthsdp.control.lighthouse_client import (
     InvalidLighthouseRequest,
     LighthouseClient,
     LighthouseUnavailable,
@@ -270,7 +270,7 @@ def test_unreachable_lighthouse_is_a_clear_error():
 REPLICA = textwrap.dedent(
     """
     import sys, time
-    from fthsdp.lighthouse_client import LighthouseClient
+    from fthsdp.control.lighthouse_client import LighthouseClient
     c = LighthouseClient(sys.argv[1], "job", sys.argv[2])
     c.start_heartbeats()
     q = c.get_quorum(0, ftar_addresses=["127.0.0.1:1"], timeout_s=20)
@@ -285,7 +285,7 @@ def test_subprocess_lighthouse_detects_a_killed_replica(tmp_path):
     port_file = tmp_path / "port"
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     lh = subprocess.Popen(
-        [sys.executable, "-m", "fthsdp.lighthouse", "--bind", "127.0.0.1:0", "--detect", str(DETECT),
+        [sys.executable, "-m", "fthsdp.control.lighthouse", "--bind", "127.0.0.1:0", "--detect", str(DETECT),
          "--join-timeout", "5", "--replicas", "2", "--port-file", str(port_file)],
         cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
@@ -331,14 +331,14 @@ def test_cli_reports_a_port_in_use():
         s.bind(("127.0.0.1", 0))
         s.listen()
         port = s.getsockname()[1]
-        p = subprocess.run([sys.executable, "-m", "fthsdp.lighthouse", "--bind", f"127.0.0.1:{port}"],
+        p = subprocess.run([sys.executable, "-m", "fthsdp.control.lighthouse", "--bind", f"127.0.0.1:{port}"],
                            cwd=REPO, capture_output=True, text=True, timeout=30)
     assert p.returncode == 1
     assert f"lighthouse cannot bind 127.0.0.1:{port}" in p.stderr and "in use" in p.stderr
 
 
 def test_cli_rejects_bad_flags():
-    from fthsdp.lighthouse import cli
+    from fthsdp.control.lighthouse import cli
 
     with pytest.raises(SystemExit) as ei:
         cli(["--bind", "localhost"])

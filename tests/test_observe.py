@@ -14,7 +14,7 @@ import urllib.request
 
 import pytest
 
-from fthsdp.manager import StepRecord
+from fthsdp.replica.manager import StepRecord
 from fthsdp.observe import dashboard as dash_mod
 from fthsdp.observe.lighthouse_view import (
     BEHIND,
@@ -323,8 +323,8 @@ def wait_until(pred, timeout_s=20.0, what="condition"):
 
 
 def test_dashboard_against_a_real_lighthouse_shows_a_replica_dying():
-    from fthsdp.lighthouse import LighthouseConfig, LighthouseThread
-    from fthsdp.lighthouse_client import LighthouseClient
+    from fthsdp.control.lighthouse import LighthouseConfig, LighthouseThread
+    from fthsdp.control.lighthouse_client import LighthouseClient
 
     with LighthouseThread(LighthouseConfig(detect_s=0.5)) as lh:
         clients = [LighthouseClient(lh.address, "jobA", str(i), heartbeat_interval_s=0.1) for i in range(2)]
@@ -373,7 +373,7 @@ def test_dashboard_reports_an_unreachable_lighthouse():
 
 
 def test_dashboard_cli_serves_on_the_port_it_writes(tmp_path):
-    from fthsdp.lighthouse import LighthouseThread
+    from fthsdp.control.lighthouse import LighthouseThread
 
     port_file = tmp_path / "port"
     with LighthouseThread() as lh:

@@ -87,8 +87,8 @@ def param_bytes() -> int:
     import jax
 
     from fthsdp import config as config_lib
-    from fthsdp.sharding import replica_mesh
-    from fthsdp.step import make_train_step
+    from fthsdp.step.sharding import replica_mesh
+    from fthsdp.step.functional import make_train_step
 
     ts = make_train_step(config_lib.load("base", TINY), replica_mesh(1))
     return pytree_bytes(jax.eval_shape(ts.init, 0).params)

@@ -308,7 +308,7 @@ def test_in_process_fetch_places_on_shardings_and_follows_the_snapshotter():
     from fthsdp.checkpoint.peer_fetch import PeerFetcher
     from fthsdp.checkpoint.peer_server import PeerServer
     from fthsdp.checkpoint.snapshot import Snapshotter
-    from fthsdp.sharding import fsdp_shardings, replica_mesh
+    from fthsdp.step.sharding import fsdp_shardings, replica_mesh
 
     mesh = replica_mesh(4)
     ref = make_state(5)

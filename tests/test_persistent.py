@@ -18,9 +18,9 @@ from fthsdp.checkpoint.persistent import CheckpointError, PersistentCheckpointer
 from fthsdp.checkpoint.snapshot import Snapshotter
 from fthsdp.config import Config, DataConfig, ModelConfig, OptimConfig
 from fthsdp.data.stream import ReplicaStream
-from fthsdp.quorum_inputs import make_quorum_inputs
-from fthsdp.sharding import replica_mesh
-from fthsdp.step import make_train_step
+from fthsdp.step.quorum_inputs import make_quorum_inputs
+from fthsdp.step.sharding import replica_mesh
+from fthsdp.step.functional import make_train_step
 
 CFG = Config(
     model=ModelConfig(d_model=32, num_layers=1, num_heads=2, max_seq_len=16),

@@ -7,7 +7,7 @@ from collections import Counter
 
 import pytest
 
-from fthsdp.quorum import (
+from fthsdp.control.quorum import (
     Member,
     Quorum,
     QuorumConfig,

@@ -10,7 +10,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from fthsdp import ops
+from fthsdp.collective import ops
 
 DTYPES = [np.float32, ml_dtypes.bfloat16, np.float16]
 # Not multiples of any vector width (4/8/16 lanes), plus the block size edge of the aliasing path.
@@ -67,7 +67,7 @@ def test_reduce_rejects_mismatched_operands_clearly():
 
 def test_handler_reports_bad_dtype_as_ffi_error():
     """Bypass the Python checks: the C++ handler itself must refuse, not crash."""
-    from fthsdp import native
+    from fthsdp.collective import native
 
     native.ensure_registered()
     call = jax.ffi.ffi_call("fthsdp_reduce_sum", jax.ShapeDtypeStruct((4,), jnp.int32))

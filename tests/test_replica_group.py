@@ -21,7 +21,7 @@ import time
 
 import pytest
 
-from fthsdp.replica_group import ENV, GroupSpec
+from fthsdp.replica.group import ENV, GroupSpec
 
 WORKER = pathlib.Path(__file__).parent / "group_workers" / "one_step.py"
 

@@ -19,14 +19,14 @@ from fthsdp.errors import (
     classify,
     exit_code,
 )
-from fthsdp.lighthouse_client import (
+from fthsdp.control.lighthouse_client import (
     InvalidLighthouseRequest,
     JobFinished,
     LighthouseError,
     LighthouseUnavailable,
     QuorumTimeout,
 )
-from fthsdp.manager import ManagerError, ManagerJobError
+from fthsdp.replica.manager import ManagerError, ManagerJobError
 
 R, RF, JF = FaultClass.RECOVERABLE, FaultClass.REPLICA_FATAL, FaultClass.JOB_FATAL
 

@@ -25,8 +25,8 @@ import time
 
 import pytest
 
-from fthsdp.lighthouse import LighthouseConfig, LighthouseThread
-from fthsdp.lighthouse_client import LighthouseClient
+from fthsdp.control.lighthouse import LighthouseConfig, LighthouseThread
+from fthsdp.control.lighthouse_client import LighthouseClient
 
 from test_fault_tolerance import TINY
 
@@ -115,7 +115,7 @@ def test_malformed_ftar_chunk_is_retried_on_a_new_quorum(tmp_path):
     streams = 1
     with LighthouseThread(LighthouseConfig(detect_s=0.8, join_timeout_s=0.5)) as lh:
         env = dict(os.environ, PYTHONUNBUFFERED="1", FTHSDP_PEER_TOKEN="impostor-test")
-        cmd = [sys.executable, "-m", "fthsdp.replica", "--config", "base", "--replica-id", "0",
+        cmd = [sys.executable, "-m", "fthsdp.replica.process", "--config", "base", "--replica-id", "0",
                "--lighthouse", lh.address, "--job", JOB, "--out-dir", str(tmp_path),
                *TINY, "launch.replicas=2", "launch.devices_per_replica=1", f"train.steps={STEPS}",
                f"ft.streams_per_peer={streams}", "ft.startup_timeout_s=200"]

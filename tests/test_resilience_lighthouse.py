@@ -26,8 +26,8 @@ import pytest
 
 from fthsdp.data.ledger import check_exactly_once
 from fthsdp.launch import report
-from fthsdp.lighthouse import LighthouseConfig, LighthouseThread
-from fthsdp.lighthouse_client import JobFinished, LighthouseClient, LighthouseUnavailable
+from fthsdp.control.lighthouse import LighthouseConfig, LighthouseThread
+from fthsdp.control.lighthouse_client import JobFinished, LighthouseClient, LighthouseUnavailable
 
 from test_fault_tolerance import TINY
 
@@ -116,7 +116,7 @@ def test_leave_is_not_a_death_and_a_finished_job_answers_rejoiners(caplog):
                 c.start_heartbeats()
             time.sleep(0.2)
             ask_all([a, b], 9)
-            with caplog.at_level("INFO", logger="fthsdp.lighthouse"):
+            with caplog.at_level("INFO", logger="fthsdp.control.lighthouse"):
                 assert a.leave(10, finished=True) and b.leave(10, finished=True)
                 time.sleep(0.8)  # two detection windows: nobody may be declared dead
             assert "declared dead" not in caplog.text
@@ -173,7 +173,7 @@ def test_job_survives_a_lighthouse_sigkill_and_restart(tmp_path):
     try:
         for rid in range(replicas):
             procs.append(subprocess.Popen(
-                [sys.executable, "-m", "fthsdp.replica", "--config", "base", "--replica-id", str(rid),
+                [sys.executable, "-m", "fthsdp.replica.process", "--config", "base", "--replica-id", str(rid),
                  "--lighthouse", f"127.0.0.1:{port}", "--job", "lh-restart", "--out-dir", str(tmp_path),
                  *TINY, f"launch.replicas={replicas}", "launch.devices_per_replica=1", f"train.steps={steps}",
                  "train.min_step_s=0.1", "ft.checkpoint_every=1000", "ft.lighthouse_outage_s=60"],
@@ -230,7 +230,7 @@ def test_startup_barrier_rides_out_a_lighthouse_that_is_down_then_comes_back():
     import types
 
     from fthsdp.config import Config
-    from fthsdp.manager import Manager
+    from fthsdp.replica.manager import Manager
 
     port = free_port()
     address = f"127.0.0.1:{port}"
@@ -258,7 +258,7 @@ def test_startup_barrier_gives_up_after_the_outage_limit():
     import types
 
     from fthsdp.config import Config
-    from fthsdp.manager import Manager
+    from fthsdp.replica.manager import Manager
 
     base = Config()
     cfg = dataclasses.replace(base, ft=dataclasses.replace(base.ft, lighthouse_outage_s=1.0))

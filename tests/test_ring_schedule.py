@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from fthsdp import native
+from fthsdp.collective import native
 
 REDUCE, REDUCE_FINAL, STORE = 0, 1, 2
 

@@ -9,8 +9,8 @@ import time
 
 import grpc
 
-from fthsdp.lighthouse import LighthouseConfig, LighthouseThread, pb2
-from fthsdp.lighthouse_client import LighthouseClient
+from fthsdp.control.lighthouse import LighthouseConfig, LighthouseThread, pb2
+from fthsdp.control.lighthouse_client import LighthouseClient
 from fthsdp.proto import LIGHTHOUSE_PROTOCOL_VERSION
 
 
@@ -84,8 +84,8 @@ def test_members_answered_late_are_not_declared_dead():
     a quorum of one (split brain). An answered member is heard at its answer."""
     import math
 
-    from fthsdp import lighthouse as lhm
-    from fthsdp import quorum as qm
+    from fthsdp.control import lighthouse as lhm
+    from fthsdp.control import quorum as qm
 
     async def main() -> tuple[list[str], int]:
         server = lhm.Lighthouse(LighthouseConfig(detect_s=0.5, join_timeout_s=0.1))

@@ -3,8 +3,8 @@
 import numpy as np
 import pytest
 
-from fthsdp import schedules
-from fthsdp.schedules import FailureSchedule, ScaleRule, ScheduleError, parse, scale
+from fthsdp.sim import schedules
+from fthsdp.sim.schedules import FailureSchedule, ScaleRule, ScheduleError, parse, scale
 
 
 def test_parses_the_papers_example_and_round_trips():

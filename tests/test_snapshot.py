@@ -20,8 +20,8 @@ from fthsdp.checkpoint.snapshot import (
     restore_tree,
 )
 from fthsdp.config import Config, DataConfig, ModelConfig, OptimConfig
-from fthsdp.sharding import fsdp_shardings, replica_mesh
-from fthsdp.step import make_train_step
+from fthsdp.step.sharding import fsdp_shardings, replica_mesh
+from fthsdp.step.functional import make_train_step
 
 CFG = Config(
     model=ModelConfig(d_model=32, num_layers=1, num_heads=2, max_seq_len=16),

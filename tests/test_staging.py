@@ -31,7 +31,7 @@ def test_cpp_staging_protocol_unit_test_binary():
 
 
 def test_host_api_table_is_exported_by_the_extension():
-    from fthsdp import native
+    from fthsdp.collective import native
 
     mod = native.module()
     assert mod.STAGING_ABI == 1

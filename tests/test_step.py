@@ -11,13 +11,13 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from fthsdp import intervention
+from fthsdp.step import intervention
 from fthsdp.config import Config, DataConfig, ModelConfig, OptimConfig, TrainConfig
 from fthsdp.data import ReplicaStream
-from fthsdp.intervention import Intervention
-from fthsdp.quorum_inputs import STATUS_OK, STATUS_RECOVERABLE, make_quorum_inputs
-from fthsdp.sharding import AXIS
-from fthsdp.step import make_train_step
+from fthsdp.step.intervention import Intervention
+from fthsdp.step.quorum_inputs import STATUS_OK, STATUS_RECOVERABLE, make_quorum_inputs
+from fthsdp.step.sharding import AXIS
+from fthsdp.step.functional import make_train_step
 
 CFG = Config(
     model=ModelConfig(d_model=32, num_layers=1, num_heads=2, max_seq_len=16),
@@ -32,7 +32,7 @@ def cpu_devices():
 
 
 def replica_mesh(n: int) -> Mesh:
-    """fthsdp.sharding.replica_mesh, pinned to the CPU platform."""
+    """fthsdp.step.sharding.replica_mesh, pinned to the CPU platform."""
     devices = cpu_devices()
     assert len(devices) >= n, f"conftest forces 4 host devices, got {len(devices)}"
     return Mesh(np.array(devices[:n]), (AXIS,))

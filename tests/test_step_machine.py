@@ -1,11 +1,11 @@
-"""The replica step machine (fthsdp.replica_fsm): pure transitions, no processes."""
+"""The replica step machine (fthsdp.replica.fsm): pure transitions, no processes."""
 
 from __future__ import annotations
 
 import pytest
 
-from fthsdp import quorum as qm
-from fthsdp import replica_fsm as fsm
+from fthsdp.control import quorum as qm
+from fthsdp.replica import fsm
 
 
 def quorum(qid: int, steps: dict[str, int], lws: int = 2) -> qm.Quorum:

@@ -12,12 +12,12 @@ import jax
 import numpy as np
 import pytest
 
-from fthsdp import schedules
+from fthsdp.sim import schedules
 from fthsdp.config import Config, DataConfig, LaunchConfig, ModelConfig, OptimConfig, TrainConfig
 from fthsdp.data import ReplicaStream
-from fthsdp.intervention import Intervention
-from fthsdp.quorum_inputs import make_quorum_inputs
-from fthsdp.twin import Twin, TwinError, state_hash, step_hashes
+from fthsdp.step.intervention import Intervention
+from fthsdp.step.quorum_inputs import make_quorum_inputs
+from fthsdp.sim.twin import Twin, TwinError, state_hash, step_hashes
 
 CFG = Config(
     model=ModelConfig(d_model=16, num_layers=1, num_heads=2, max_seq_len=16),
@@ -69,9 +69,9 @@ def test_one_replica_matches_the_single_replica_split_path_bit_for_bit():
 
 
 def test_one_replica_agrees_with_fthsdp_train_to_rounding(tmp_path):
-    """fthsdp.train runs the fused step, which agrees with the split path only to rounding
+    """fthsdp.step.train runs the fused step, which agrees with the split path only to rounding
     (step.py); Adam turns rounding in near-zero gradients into small, bounded differences."""
-    from fthsdp.train import train
+    from fthsdp.step.train import train
 
     cfg = dataclasses.replace(CFG, train=dataclasses.replace(CFG.train, steps=6, out_dir=str(tmp_path)))
     ref = train(cfg, progress=False)

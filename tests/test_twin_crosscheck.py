@@ -8,7 +8,7 @@ from fthsdp import config as config_lib
 from fthsdp.launch import report
 from fthsdp.launch.faults import plan
 from fthsdp.launch.local import LocalJob
-from fthsdp.twin import step_hashes
+from fthsdp.sim.twin import step_hashes
 
 from test_fault_tolerance import TINY
 

@@ -17,7 +17,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import Mesh  # noqa: E402
 
-from fthsdp.sharding import AXIS  # noqa: E402
+from fthsdp.step.sharding import AXIS  # noqa: E402
 
 device = jax.devices(s["platform"])[0]
 mesh = Mesh(np.array([device]), (AXIS,))

@@ -14,7 +14,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from fthsdp.devices import enable_compilation_cache  # noqa: E402
-from fthsdp.sharding import replica_mesh  # noqa: E402
+from fthsdp.step.sharding import replica_mesh  # noqa: E402
 
 enable_compilation_cache()
 mesh = replica_mesh(1)

@@ -9,8 +9,8 @@ import jax
 import numpy as np
 
 import common
-from fthsdp import ftar
-from fthsdp.quorum_inputs import make_quorum_inputs
+from fthsdp.collective import ftar
+from fthsdp.step.quorum_inputs import make_quorum_inputs
 
 
 def ring_op(s: dict, mesh):

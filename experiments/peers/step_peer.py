@@ -18,11 +18,11 @@ import numpy as np  # noqa: E402
 from jax.sharding import Mesh  # noqa: E402
 
 from fthsdp import config as config_lib  # noqa: E402
-from fthsdp import ftar  # noqa: E402
+from fthsdp.collective import ftar  # noqa: E402
 from fthsdp.data import ReplicaStream  # noqa: E402
-from fthsdp.quorum_inputs import local_allreduce, make_quorum_inputs  # noqa: E402
-from fthsdp.sharding import AXIS  # noqa: E402
-from fthsdp.step import make_train_step  # noqa: E402
+from fthsdp.step.quorum_inputs import local_allreduce, make_quorum_inputs  # noqa: E402
+from fthsdp.step.sharding import AXIS  # noqa: E402
+from fthsdp.step.functional import make_train_step  # noqa: E402
 
 rank, n = s["rank"], s["n"]
 cfg = config_lib.load(s.get("config", "base"), list(s.get("overrides", [])))

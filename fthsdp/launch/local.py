@@ -197,7 +197,7 @@ class LocalJob:
         logf.write(f"--- lighthouse start {time.strftime('%H:%M:%S')} (attempt {self.attempt}) ---\n")
         logf.flush()
         self.lighthouse = subprocess.Popen(
-            [sys.executable, "-m", "fthsdp.lighthouse", "--bind",
+            [sys.executable, "-m", "fthsdp.control.lighthouse", "--bind",
              join_host_port(bind_host, self.lighthouse_port or bind_port),
              "--port-file", str(port_file), "--detect", str(self.detect_s),
              "--join-timeout", str(self.join_timeout_s), "--replicas", str(self.replicas)],
@@ -267,7 +267,7 @@ class LocalJob:
             path = rp.log_path if index == 0 else self.out_dir / f"replica-{rid}.{index}.out"
             logf = open(path, "a")
             proc = subprocess.Popen(
-                [sys.executable, "-m", "fthsdp.replica", "--config", self.config, "--replica-id", str(rid),
+                [sys.executable, "-m", "fthsdp.replica.process", "--config", self.config, "--replica-id", str(rid),
                  *(["--process-index", str(index), *group] if group else []),
                  "--lighthouse", self.lighthouse_addr, "--job", self.job_id, "--out-dir", str(self.out_dir),
                  "--allreduce", self.allreduce, "--hash-every", str(self.hash_every),

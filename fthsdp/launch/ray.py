@@ -11,7 +11,7 @@ process). What differs:
   restarted there on the same address when it dies;
 * each replica is a placement group with one bundle per process (sized by the
   process's devices; GPUs when the cluster has them) holding one actor per
-  process; each actor runs the replica entry point (fthsdp.replica.main).
+  process; each actor runs the replica entry point (fthsdp.replica.process.main).
   Process 0 serves the replica's JAX coordinator on its node, and the group
   fails, is torn down and is placed again as a unit, as locally;
 * the launcher hands each actor its replica id, the lighthouse's address, the

@@ -2,10 +2,10 @@
 
 These classes run inside Ray worker processes, so this module imports
 nothing heavy at the top: jax must not be imported before the replica's
-entry point has set the host-device count (fthsdp.replica.main does that).
+entry point has set the host-device count (fthsdp.replica.process.main does that).
 
 A replica actor *is* the replica process: its `run` method calls the same
-entry point as `python -m fthsdp.replica` (fthsdp.replica.main) with the same
+entry point as `python -m fthsdp.replica.process` (fthsdp.replica.process.main) with the same
 flags, in the actor's own worker process. Only the process management
 differs from the local launcher. Everything the launcher hands it (replica
 id, lighthouse address, the job's peer secret, the config file's text, the
@@ -49,7 +49,7 @@ class LighthouseActor:
     """
 
     def __init__(self, host: str, port: int, detect_s: float, join_timeout_s: float, replicas: int) -> None:
-        from fthsdp.lighthouse import LighthouseConfig, LighthouseThread
+        from fthsdp.control.lighthouse import LighthouseConfig, LighthouseThread
 
         self.host = host
         self.lh = LighthouseThread(LighthouseConfig(bind=f"{self.host}:{port}", detect_s=detect_s,
@@ -114,8 +114,8 @@ class ReplicaActor:
             link.symlink_to(path)
 
     def run(self, argv: list[str]) -> int:
-        """The replica's entry point, as `python -m fthsdp.replica ARGV --out-dir WORKDIR` runs it."""
-        from fthsdp import replica
+        """The replica's entry point, as `python -m fthsdp.replica.process ARGV --out-dir WORKDIR` runs it."""
+        from fthsdp.replica import process as replica
 
         if self.config_path is not None:
             argv = [*argv, "--config", str(self.config_path)]

@@ -125,7 +125,7 @@ class ReplicaMetrics:
         self.snapshot_bytes = make(Gauge, "fthsdp_snapshot_bytes", "Size of the last host snapshot")
 
     def observe_step(self, rec: Any) -> None:
-        """Record one committed step (a ``fthsdp.manager.StepRecord``)."""
+        """Record one committed step (a ``fthsdp.replica.manager.StepRecord``)."""
         seconds = float(rec.end - rec.start)
         self.step_seconds.observe(seconds)
         self.commits.inc()
@@ -173,7 +173,7 @@ class ReplicaMetrics:
 def step_record_from_json(d: Mapping[str, Any]) -> Any:
     """A ``StepRecord`` from a ``metrics-R.jsonl`` "step" line (what replica.py writes),
     so a finished or running job's files can feed :class:`ReplicaMetrics`."""
-    from fthsdp.manager import StepRecord
+    from fthsdp.replica.manager import StepRecord
 
     return StepRecord(step=int(d["step"]), quorum_id=int(d["quorum_id"]), members=tuple(d["members"]),
                       healthy=bool(d["healthy"]), committed=True, attempts=int(d["attempts"]), loss=d.get("loss"),

@@ -2,6 +2,11 @@
 
 Pure models over plain data, no processes and no sockets:
 
+* `twin` — the numerical twin: N replicas of FT-HSDP in one process through the
+  same jitted step code, for the LR-intervention study.
+
+* `schedules` — failure schedules in the paper's grammar, scaled to this machine.
+
 * `ett` — effective training time (ETT) of a job as a function of GPU count,
   failure rate and the stall of each recovery step, for synchronous training,
   FT-HSDP as its paper measured it, and fthsdp from our measured stalls; both
@@ -10,7 +15,7 @@ Pure models over plain data, no processes and no sockets:
 
 * `emulation` (with `mock_plane` and `aio_client`) — **the only place in
   fthsdp where mocks are allowed**: the real lighthouse process, the real
-  quorum decision and the replica step machine (`fthsdp.replica_fsm`) run for
+  quorum decision and the replica step machine (`fthsdp.replica.fsm`) run for
   R replicas x G ranks (up to 100,000 ranks on one machine), with the model's
   compute replaced by its shapes and timings and FTAR's data plane by a mock
   with configurable latency and bandwidth; faults are injected and the

@@ -1,7 +1,7 @@
 """An asyncio lighthouse client for many replica leaders sharing one process.
 
 The real protocol and the real server, with an asyncio face: the synchronous
-:class:`fthsdp.lighthouse_client.LighthouseClient` runs a heartbeat thread per
+:class:`fthsdp.control.lighthouse_client.LighthouseClient` runs a heartbeat thread per
 replica, which is right for one replica per process and wrong for 512
 emulated leaders in one. Semantics match it: every request reports the last
 quorum this replica was a member of (a restarted lighthouse rebuilds the job
@@ -21,9 +21,9 @@ from dataclasses import dataclass
 
 import grpc
 
-from fthsdp import quorum as qm
-from fthsdp.replica_fsm import membership
-from fthsdp.lighthouse_client import (
+from fthsdp.control import quorum as qm
+from fthsdp.replica.fsm import membership
+from fthsdp.control.lighthouse_client import (
     HeartbeatReply,
     JobFinished,
     LighthouseError,

@@ -10,7 +10,7 @@ modules" did: the model's compute is replaced by its shapes and timings and
 the all-reduce's data plane by a mock with configurable latency and
 bandwidth, while everything that decides is real:
 
-* **the lighthouse** is the real gRPC server (``python -m fthsdp.lighthouse``)
+* **the lighthouse** is the real gRPC server (``python -m fthsdp.control.lighthouse``)
   in its own process, with the real quorum decision; a test can SIGKILL it
   and restart it on the same port (the replicas ride the outage out and the
   restarted lighthouse rebuilds the job from what they report);
@@ -19,7 +19,7 @@ bandwidth, while everything that decides is real:
   its G ranks, asks once, and hands the same quorum object to every rank
   over an in-process channel; the ranks of all replicas share this OS
   process (one asyncio task per replica, ranks as plain objects it drives);
-* **the decisions** are the pure step machine :mod:`fthsdp.replica_fsm` that
+* **the decisions** are the pure step machine :mod:`fthsdp.replica.fsm` that
   the leader runs and every rank *replays* on the same inputs (train or catch
   up, ring rebuild, the intra-replica commit vote, retry on a new quorum,
   give up); a rank whose replay disagrees with its leader is a violation;
@@ -51,9 +51,9 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 
-from fthsdp import quorum as qm
-from fthsdp import replica_fsm as fsm
-from fthsdp.lighthouse_client import JobFinished, LighthouseError, LighthouseUnavailable
+from fthsdp.control import quorum as qm
+from fthsdp.replica import fsm
+from fthsdp.control.lighthouse_client import JobFinished, LighthouseError, LighthouseUnavailable
 from fthsdp.sim.aio_client import AioLighthouseClient, DecodeCache
 from fthsdp.sim.mock_plane import FabricConfig, MockFabric, ModelShape
 from fthsdp.timeouts import Timeouts
@@ -163,7 +163,7 @@ class LighthouseProcess:
     def start(self, timeout_s: float = 60.0) -> str:
         t = self.config.timeouts
         prof = ["-m", "cProfile", "-o", self.config.lighthouse_profile] if self.config.lighthouse_profile else []
-        cmd = [sys.executable, *prof, "-m", "fthsdp.lighthouse", "--bind", f"127.0.0.1:{self.port}",
+        cmd = [sys.executable, *prof, "-m", "fthsdp.control.lighthouse", "--bind", f"127.0.0.1:{self.port}",
                "--detect", str(t.detect_s), "--join-timeout", str(t.join_timeout_s),
                "--replicas", str(self.config.replicas), "--tick", str(self.config.lighthouse_tick_s),
                "--log-level", "WARNING"]

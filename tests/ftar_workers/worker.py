@@ -27,9 +27,9 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 
-from fthsdp import ftar  # noqa: E402
-from fthsdp.quorum_inputs import make_quorum_inputs  # noqa: E402
-from fthsdp.sharding import fsdp_spec, replica_mesh  # noqa: E402
+from fthsdp.collective import ftar  # noqa: E402
+from fthsdp.step.quorum_inputs import make_quorum_inputs  # noqa: E402
+from fthsdp.step.sharding import fsdp_spec, replica_mesh  # noqa: E402
 from ftar_test_data import inputs  # noqa: E402  (this script's directory)
 
 enable_compilation_cache()

@@ -1,6 +1,6 @@
 """One replica of a GPU FTAR test (started by tests/test_gpu_ftar.py).
 
-Usage: ftar_gpu_worker.py SPEC_JSON. Runs `fthsdp.ftar.allreduce` jitted on
+Usage: ftar_gpu_worker.py SPEC_JSON. Runs `fthsdp.collective.ftar.allreduce` jitted on
 this process's GPU (several workers share one GPU) and, for comparison, the
 same all-reduce on the CPU through the same communicator; writes what it got
 to an .npz for the test to compare.
@@ -24,9 +24,13 @@ import ml_dtypes  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import Mesh  # noqa: E402
 
-from fthsdp import ftar, native, ops  # noqa: E402
-from fthsdp.quorum_inputs import make_quorum_inputs  # noqa: E402
-from fthsdp.sharding import AXIS  # noqa: E402
+from fthsdp.collective import ftar
+
+from fthsdp.collective import native
+
+from fthsdp.collective import ops  # noqa: E402
+from fthsdp.step.quorum_inputs import make_quorum_inputs  # noqa: E402
+from fthsdp.step.sharding import AXIS  # noqa: E402
 from gpu_test_data import inputs  # noqa: E402  (this script's directory)
 
 N, RANK = spec["n"], spec["rank"]

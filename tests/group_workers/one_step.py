@@ -13,16 +13,18 @@ force_host_devices(devices)
 
 import numpy as np  # noqa: E402
 
-from fthsdp import config as config_lib, replica_group  # noqa: E402
+from fthsdp import config as config_lib
+
+from fthsdp.replica import group as replica_group  # noqa: E402
 
 spec = replica_group.GroupSpec(replica_id=3, process_index=index, num_processes=nproc, coordinator=coordinator)
 replica_group.initialize(spec, timeout_s=60)
 
 import jax  # noqa: E402
 
-from fthsdp.quorum_inputs import local_allreduce, make_quorum_inputs  # noqa: E402
-from fthsdp.sharding import replica_mesh  # noqa: E402
-from fthsdp.step import make_train_step, state_hash  # noqa: E402
+from fthsdp.step.quorum_inputs import local_allreduce, make_quorum_inputs  # noqa: E402
+from fthsdp.step.sharding import replica_mesh  # noqa: E402
+from fthsdp.step.functional import make_train_step, state_hash  # noqa: E402
 
 TINY = ["model.d_model=32", "model.num_layers=1", "model.num_heads=2", "model.max_seq_len=16",
         "data.seq_len=16", "data.batch_size=8", "data.corpus_bytes=65536", "train.eval_every=0"]

@@ -18,12 +18,12 @@ import numpy as np
 from fthsdp import logs
 from fthsdp.config import Config, to_dict
 from fthsdp.data import LoaderState, ReplicaStream, eval_batches
-from fthsdp.intervention import Intervention
-from fthsdp.quorum_inputs import make_quorum_inputs
-from fthsdp.sharding import replica_mesh
-from fthsdp.step import TrainState, make_train_step
+from fthsdp.step.intervention import Intervention
+from fthsdp.step.quorum_inputs import make_quorum_inputs
+from fthsdp.step.sharding import replica_mesh
+from fthsdp.step.functional import TrainState, make_train_step
 
-log = logging.getLogger("fthsdp.train")
+log = logging.getLogger("fthsdp.step.train")
 
 
 @dataclass

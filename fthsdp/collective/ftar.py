@@ -2,7 +2,7 @@
 
 A `Communicator` owns one native ring endpoint per local shard (the C++
 control thread drives them all). `allreduce` implements the AllReduceFn
-contract of `fthsdp.quorum_inputs`: inside the jitted step it buckets the
+contract of `fthsdp.step.quorum_inputs`: inside the jitted step it buckets the
 gradient pytree into one flat buffer per dtype for every local shard, calls
 the `fthsdp_ftar` custom call once per shard under `shard_map` (shard i of
 this replica forms a ring with shard i of every other replica), and
@@ -12,7 +12,7 @@ reconfiguring never recompiles (invariant 4 in the README: no recompilation).
 Outcomes: status 0 (OK) or 1 (RECOVERABLE: a peer died, a timeout, a stale
 quorum, an abort) per local shard; fatal errors raise JaxRuntimeError.
 
-The same custom call runs on CPU and GPU devices (fthsdp.native registers
+The same custom call runs on CPU and GPU devices (fthsdp.collective.native registers
 both). On a GPU the handler only enqueues work on XLA's stream: the stream
 stages the gradient through host-pinned memory block by block, the C++
 control thread runs the ring over it (the same ring and schedule as on CPU,
@@ -32,9 +32,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, PartitionSpec as P
 
-from fthsdp import native
+from fthsdp.collective import native
 from fthsdp.addresses import LOOPBACK, advertised, check_host, is_wildcard
-from fthsdp.quorum_inputs import STATUS_FATAL, STATUS_OK, STATUS_RECOVERABLE, QuorumInputs
+from fthsdp.step.quorum_inputs import STATUS_FATAL, STATUS_OK, STATUS_RECOVERABLE, QuorumInputs
 
 __all__ = ["FtarOptions", "ConfigureResult", "Communicator", "allreduce", "STATUS_OK",
            "STATUS_RECOVERABLE", "STATUS_FATAL", "SUPPORTED_DTYPES"]
@@ -188,7 +188,7 @@ def _ftar_call(comm, shard, quorum_id, rank, n, buckets):
 
 
 def _default_specs(leaves, mesh: Mesh):
-    from fthsdp.sharding import fsdp_spec
+    from fthsdp.step.sharding import fsdp_spec
 
     return [fsdp_spec(tuple(x.shape), mesh.devices.size) if len(mesh.axis_names) == 1 else P()
             for x in leaves]
@@ -198,7 +198,7 @@ def allreduce(grads, quorum: QuorumInputs, mesh: Mesh, specs=None):
     """Sum `grads` over the ring members (AllReduceFn). Returns (sums, status[num_local_devices]).
 
     specs: PartitionSpec per leaf (a pytree like `grads`) describing how the
-    gradients are sharded over `mesh`; default: fthsdp.sharding's FSDP layout
+    gradients are sharded over `mesh`; default: fthsdp.step.sharding's FSDP layout
     on a 1-D mesh, replicated on other meshes (pass specs there, or XLA
     gathers the gradients first). Each local shard is all-reduced in its own
     ring (shard i with shard i of every replica), so the local device
@@ -224,7 +224,7 @@ def allreduce(grads, quorum: QuorumInputs, mesh: Mesh, specs=None):
         buckets = [jnp.concatenate([x.reshape(-1) for x in local if jnp.dtype(x.dtype) == dt])
                    for dt in order]
         # This process's endpoint of the shard: a replica of P processes lays its mesh out
-        # process-major (fthsdp.sharding.replica_mesh), so global shard g is local
+        # process-major (fthsdp.step.sharding.replica_mesh), so global shard g is local
         # endpoint g mod (shards per process); with one process, g itself.
         shard = (_shard_index(mesh) % (mesh.devices.size // jax.process_count())).reshape(())
         status, sums = _ftar_call(comm, shard, quorum_id, rank, n, buckets)

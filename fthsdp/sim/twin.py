@@ -3,7 +3,7 @@
 Why: an LR-intervention study needs dozens of runs with failures; real
 processes, sockets and kills cost minutes each on this machine, while the
 numbers only depend on who contributes at each step. The twin replays a
-membership mask (fthsdp.schedules) through the SAME step code the replicas run:
+membership mask (fthsdp.sim.schedules) through the SAME step code the replicas run:
 
 * every replica holds its own `TrainState` on a one-device replica mesh and
   computes its gradients with the jitted `TrainStep.compute_grads` on its own
@@ -52,7 +52,7 @@ Where the twin may differ from the multi-process run, bit for bit:
 4. Zero signs agree: a behind replica's zero gradient is summed as in the ring.
 
 With ONE replica the twin uses `local_allreduce` (the identity), the program
-`fthsdp.train` compiles, and matches it bit for bit.
+`fthsdp.step.train` compiles, and matches it bit for bit.
 `step_hashes(cfg, alive, ...)` returns the per-step, per-replica state hashes.
 """
 
@@ -67,10 +67,10 @@ import numpy as np
 
 from fthsdp.config import Config
 from fthsdp.data import LoaderState, ReplicaStream, eval_batches
-from fthsdp.intervention import Intervention
-from fthsdp.quorum_inputs import make_quorum_inputs
-from fthsdp.sharding import replica_mesh
-from fthsdp.step import TrainState, make_train_step, state_hash
+from fthsdp.step.intervention import Intervention
+from fthsdp.step.quorum_inputs import make_quorum_inputs
+from fthsdp.step.sharding import replica_mesh
+from fthsdp.step.functional import TrainState, make_train_step, state_hash
 
 ReduceFn = Callable[[list], object]  # list of gradient pytrees in rank order -> their sum
 
@@ -143,7 +143,7 @@ class Twin:
             # rest of the step (mean, LR intervention, vote, update) is the very
             # program a real replica runs. Same HLO, same bits (quorum values are
             # array inputs, so num_members=1 here compiles nothing new).
-            from fthsdp import ftar
+            from fthsdp.collective import ftar
 
             ts_ring = make_train_step(cfg, self.mesh, allreduce=ftar.allreduce)
 

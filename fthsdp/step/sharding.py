@@ -14,7 +14,7 @@ AXIS = "fsdp"
 def replica_mesh(num_devices: int | None = None) -> Mesh:
     """A 1-D mesh over the replica's devices: this process's first `num_devices`
     local devices, or, when the replica spans several processes (one JAX
-    runtime per replica, fthsdp.replica_group), every process's first
+    runtime per replica, fthsdp.replica.group), every process's first
     `num_devices` local devices in process order, so global shard i lives on
     process i // num_devices. The same shard index means the same slice of
     the state on every replica, whatever process holds it (FTAR rings pair

@@ -1,21 +1,21 @@
 """The lighthouse: a gRPC (asyncio) quorum service for many jobs at once.
 
 Each replica asks it for the quorum of its next step (`GetQuorum`, blocking
-until the pure decision in :mod:`fthsdp.quorum` says yes, or the call's
+until the pure decision in :mod:`fthsdp.control.quorum` says yes, or the call's
 deadline passes) and heartbeats about every 100 ms. A replica silent for the
 detection window is declared dead and listed in every heartbeat reply of its
 job, so survivors abort their in-flight all-reduce at once instead of waiting
 for its deadline. Jobs are keyed by job id and fully independent.
 
 Run it with ``fthsdp lighthouse --bind 127.0.0.1:0`` or
-``python -m fthsdp.lighthouse``; it prints ``lighthouse listening on HOST:PORT``.
+``python -m fthsdp.control.lighthouse``; it prints ``lighthouse listening on HOST:PORT``.
 
 **Restartable, no standby.** The lighthouse keeps no state that the replicas
 cannot give back: every quorum request and heartbeat carries the replica's
 step and the last quorum it was a member of (id and members). A lighthouse
 restarted on the same address with empty memory therefore rebuilds each job
 as its replicas come back (they retry with backoff through the outage, see
-:mod:`fthsdp.lighthouse_client`): the incumbents it must wait for are the
+:mod:`fthsdp.control.lighthouse_client`): the incumbents it must wait for are the
 reported quorum's members, new quorum ids continue above every reported id
 (never backwards), and healthy/behind follows from the reported steps, so no
 replica trains a step twice or loses one. A hot standby would add a second
@@ -45,11 +45,11 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from fthsdp import quorum as qm
+from fthsdp.control import quorum as qm
 from fthsdp.proto import LIGHTHOUSE_PROTOCOL_VERSION, lighthouse as _load_stubs
 
 pb2, pb2_grpc = _load_stubs()
-log = logging.getLogger("fthsdp.lighthouse")
+log = logging.getLogger("fthsdp.control.lighthouse")
 
 __all__ = ["LighthouseConfig", "Lighthouse", "LighthouseThread", "quorum_to_proto", "cli"]
 
@@ -817,7 +817,7 @@ def cli(argv: list[str]) -> int:
         parser.error(str(e))
     from fthsdp import logs
 
-    logs.setup("fthsdp.lighthouse", level=getattr(logging, args.log_level))  # text or JSON ($FTHSDP_LOG_FORMAT)
+    logs.setup("fthsdp.control.lighthouse", level=getattr(logging, args.log_level))  # text or JSON ($FTHSDP_LOG_FORMAT)
     try:
         asyncio.run(_serve(config, args.port_file))
     except OSError as e:

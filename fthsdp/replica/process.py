@@ -1,4 +1,4 @@
-"""One replica process: `python -m fthsdp.replica --replica-id R --lighthouse HOST:PORT ...`.
+"""One replica process: `python -m fthsdp.replica.process --replica-id R --lighthouse HOST:PORT ...`.
 
 The launcher (fthsdp/launch/local.py, Ray) starts one of these per replica.
 It builds the replica's mesh, FTAR communicator and step, connects to the
@@ -24,7 +24,7 @@ import secrets
 import sys
 import time
 
-log = logging.getLogger("fthsdp.replica")
+log = logging.getLogger("fthsdp.replica.process")
 
 
 def write_json_atomic(path: pathlib.Path, obj: dict) -> None:
@@ -34,7 +34,7 @@ def write_json_atomic(path: pathlib.Path, obj: dict) -> None:
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m fthsdp.replica", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m fthsdp.replica.process", description=__doc__.split("\n")[0])
     p.add_argument("--config", default="base")
     p.add_argument("--replica-id", type=int, default=None, help="this replica's id (or FTHSDP_REPLICA_ID)")
     p.add_argument("--process-index", type=int, default=None,
@@ -62,7 +62,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         "(default: the bind host)")
     p.add_argument("overrides", nargs="*")
     args = p.parse_args(argv)
-    from fthsdp.replica_group import GroupSpec
+    from fthsdp.replica.group import GroupSpec
 
     try:
         args.group = GroupSpec.from_env(replica_id=args.replica_id, process_index=args.process_index,
@@ -100,11 +100,11 @@ class ReplicaProcess:
         from fthsdp.data import LoaderState
         from fthsdp.data.ledger import Ledger
         from fthsdp.data.loader_state import LoaderStateStore
-        from fthsdp.lighthouse_client import LighthouseClient
-        from fthsdp.manager import Manager, SoloCommunicator
-        from fthsdp.quorum_inputs import local_allreduce
-        from fthsdp.sharding import replica_mesh
-        from fthsdp.step import make_train_step
+        from fthsdp.control.lighthouse_client import LighthouseClient
+        from fthsdp.replica.manager import Manager, SoloCommunicator
+        from fthsdp.step.quorum_inputs import local_allreduce
+        from fthsdp.step.sharding import replica_mesh
+        from fthsdp.step.functional import make_train_step
 
         self.args, self.cfg, self.out = args, cfg, out
         self.rid = str(args.replica_id)
@@ -114,14 +114,14 @@ class ReplicaProcess:
         self.leader = self.group.is_leader
         self.mesh = replica_mesh(cfg.launch.devices_per_replica)
         if args.allreduce == "ftar":
-            from fthsdp import ftar
+            from fthsdp.collective import ftar
 
             self.comm = ftar.Communicator(num_shards=len(self.mesh.local_devices), streams=cfg.ft.streams_per_peer,
                                           timeout_s=cfg.ft.allreduce_timeout_s, listen_host=cfg.ft.bind_host,
                                           advertise_host=cfg.ft.advertise_host)
             allreduce = ftar.allreduce
             if self.group.num_processes > 1:
-                from fthsdp.replica_group import DecisionChannel, GroupCommunicator
+                from fthsdp.replica.group import DecisionChannel, GroupCommunicator
 
                 self.channel = DecisionChannel(self.group, namespace=args.job)
                 self.comm = GroupCommunicator(self.comm, self.group, self.channel, cfg.ft.startup_timeout_s)
@@ -171,7 +171,7 @@ class ReplicaProcess:
         self.started = time.time()
 
         if not self.leader:
-            from fthsdp.replica_group import FollowerQuorumSource
+            from fthsdp.replica.group import FollowerQuorumSource
 
             self.client = FollowerQuorumSource(
                 self.channel, cfg.timeouts.quorum_timeout_s + cfg.timeouts.lighthouse_outage_s + cfg.ft.startup_timeout_s)
@@ -181,11 +181,11 @@ class ReplicaProcess:
                                            heartbeat_timeout_s=cfg.timeouts.heartbeat_rpc_s,
                                            outage_s=cfg.timeouts.lighthouse_outage_s, rejoin=args.rejoin)
             if self.group.num_processes > 1:
-                from fthsdp.replica_group import LeaderQuorumSource
+                from fthsdp.replica.group import LeaderQuorumSource
 
                 self.client = LeaderQuorumSource(self.client, self.channel)
         if self.group.num_processes > 1:
-            from fthsdp.replica_group import GroupWatchdog
+            from fthsdp.replica.group import GroupWatchdog
 
             self.watchdog = GroupWatchdog(self.group, cfg.ft.heartbeat_interval_s, cfg.ft.detect_s,
                                           self.on_silent_follower, namespace=args.job).start()
@@ -258,7 +258,7 @@ class ReplicaProcess:
                 # A replica of several processes: each process gathers the whole state to host (a
                 # collective of the replica, reached by all its processes at the same quorum or
                 # commit) and serves all of it; a peer may fetch from any of them.
-                from fthsdp.manager import _on_host
+                from fthsdp.replica.manager import _on_host
 
                 train = jax.tree.map(_on_host, train)
             self.snapshots.begin(step, {"train": train, "data": self.mgr.data_state()})
@@ -271,7 +271,7 @@ class ReplicaProcess:
             self.snapshot()
 
     def on_commit(self, mgr, rec) -> None:
-        from fthsdp.step import state_hash
+        from fthsdp.step.functional import state_hash
 
         committed = rec.step + 1
         self.prom.observe_step(rec)
@@ -342,7 +342,7 @@ class ReplicaProcess:
                  self.rid, restored.step, mgr.loader.position)
 
     def run(self) -> int:
-        from fthsdp.step import state_hash
+        from fthsdp.step.functional import state_hash
 
         cfg, mgr = self.cfg, self.mgr
         if self.args.resume:
@@ -361,7 +361,7 @@ class ReplicaProcess:
             live = mgr.wait_for_peers(self.client.status, cfg.launch.replicas, cfg.ft.startup_timeout_s)
             log.info("replica %s: %d replica(s) live, starting", self.rid, live)
         from fthsdp.errors import classify, exit_code
-        from fthsdp.lighthouse_client import JobFinished
+        from fthsdp.control.lighthouse_client import JobFinished
 
         try:
             mgr.run(cfg.train.steps)
@@ -424,7 +424,7 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     logs.setup(f"fthsdp.replica{args.group.label}", file=str(out / f"replica-{args.group.label}.log"))
     enable_compilation_cache()
-    from fthsdp.replica_group import initialize
+    from fthsdp.replica.group import initialize
 
     initialize(args.group, timeout_s=cfg.ft.startup_timeout_s)  # before any jax computation
     return ReplicaProcess(args, cfg, out).run()

@@ -26,7 +26,7 @@ vanished, a transient lighthouse error) is handled like a failed all-reduce:
 the ring is aborted, the peer named in the message is blamed in the step's
 events, and the step is retried on a new quorum with the gradients in hand.
 Anything else propagates, and the replica process exits with the class's
-exit code (fthsdp/replica.py).
+exit code (fthsdp/replica/process.py).
 """
 
 from __future__ import annotations
@@ -41,15 +41,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fthsdp import quorum as qm
+from fthsdp.control import quorum as qm
 from fthsdp.config import Config
 from fthsdp.errors import JobFatalError, PeerFetchError, ReplicaFatalError, classify
 from fthsdp.data import LoaderState, ReplicaStream
-from fthsdp.intervention import Intervention
-from fthsdp.quorum_inputs import QuorumInputs, make_quorum_inputs
-from fthsdp.step import TrainState, TrainStep
+from fthsdp.step.intervention import Intervention
+from fthsdp.step.quorum_inputs import QuorumInputs, make_quorum_inputs
+from fthsdp.step.functional import TrainState, TrainStep
 
-log = logging.getLogger("fthsdp.manager")
+log = logging.getLogger("fthsdp.replica.manager")
 
 
 class ManagerError(ReplicaFatalError):
@@ -72,7 +72,7 @@ def _on_host(x) -> np.ndarray:
 
 
 class Communicator(Protocol):
-    """What the Manager needs from FTAR's Python face (fthsdp.ftar)."""
+    """What the Manager needs from FTAR's Python face (fthsdp.collective.ftar)."""
 
     handle: int
 

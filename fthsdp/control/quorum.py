@@ -1,6 +1,6 @@
 """The quorum decision, as one pure function over plain data.
 
-The lighthouse server (fthsdp/lighthouse.py) owns time, sockets and state; this
+The lighthouse server (fthsdp/control/lighthouse.py) owns time, sockets and state; this
 module only answers "given who is asking, who has been heard from and the last
 quorum, is there a quorum now, and why (not)?". Keeping it pure lets every rule
 be unit-tested without a server and makes the server's behaviour explainable:

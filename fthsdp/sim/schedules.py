@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from fthsdp.intervention import Intervention
+from fthsdp.step.intervention import Intervention
 
 PRECISION_DTYPE = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "fp8": "bfloat16"}
 LONG_FAILURE_STEPS = 4000  # the paper's rule: failures this long use an 11k-step period

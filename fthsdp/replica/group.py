@@ -4,7 +4,7 @@ In the paper a replica is many hosts. Here a replica is P processes x D local
 devices that form **one JAX multi-controller runtime of their own** (one
 `jax.distributed.initialize` per replica, with the replica's own coordinator,
 which process 0 runs): FSDP shards the state over the replica's global mesh
-(`fthsdp.sharding.replica_mesh`), and intra-replica collectives run over
+(`fthsdp.step.sharding.replica_mesh`), and intra-replica collectives run over
 gloo on CPU hosts (NCCL on GPUs). Replicas never share a runtime: across
 replicas only FTAR and the lighthouse talk, so one replica's failure cannot
 wedge another's collectives (invariant 3 holds across replicas; inside a
@@ -221,7 +221,7 @@ def quorum_to_json(q) -> dict:
 
 
 def quorum_from_json(d: dict):
-    from fthsdp import quorum as qm
+    from fthsdp.control import quorum as qm
 
     d = dict(d)
     d["members"] = tuple(qm.Member(**{**m, "ftar_addresses": tuple(m["ftar_addresses"])}) for m in d["members"])
@@ -281,7 +281,7 @@ class LeaderQuorumSource:
         self.channel = channel
 
     def get_quorum(self, step: int, **kwargs):
-        from fthsdp.lighthouse_client import JobFinished
+        from fthsdp.control.lighthouse_client import JobFinished
 
         try:
             q = self.client.get_quorum(step, **kwargs)
@@ -308,7 +308,7 @@ class FollowerQuorumSource:
     def get_quorum(self, step: int, **kwargs):
         d = self.channel.receive("quorum", self.timeout_s)
         if "job_finished" in d:
-            from fthsdp.lighthouse_client import JobFinished
+            from fthsdp.control.lighthouse_client import JobFinished
 
             raise JobFinished(d["message"], int(d["job_finished"]))
         return quorum_from_json(d)

@@ -31,7 +31,7 @@ class QuorumInputs(NamedTuple):
     num_contributing:  replicas that contribute gradients (healthy) this step.
     num_members:       replicas in the all-reduce ring (healthy + behind).
     num_configured:    replicas the job is configured with (total).
-    lr_mode:           fthsdp.intervention.Intervention value (none/linear/sqrt).
+    lr_mode:           fthsdp.step.intervention.Intervention value (none/linear/sqrt).
     rank:              this replica's position in the ring, 0..num_members-1.
     quorum_id:         the lighthouse's quorum id; FTAR refuses a stale one.
     comm:              communicator handle: a small integer id into the native

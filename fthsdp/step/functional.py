@@ -32,11 +32,11 @@ import numpy as np
 import optax
 from flax import nnx
 
-from fthsdp import intervention
+from fthsdp.step import intervention
 from fthsdp.config import Config, OptimConfig
 from fthsdp.models import DecoderLM
-from fthsdp.quorum_inputs import STATUS_OK, AllReduceFn, QuorumInputs, local_allreduce
-from fthsdp.sharding import batch_sharding, fsdp_shardings
+from fthsdp.step.quorum_inputs import STATUS_OK, AllReduceFn, QuorumInputs, local_allreduce
+from fthsdp.step.sharding import batch_sharding, fsdp_shardings
 
 
 class TrainState(NamedTuple):

@@ -13,7 +13,7 @@ every rank the same decision without a second round of messages, and a
 disagreement is a bug that a test can see (the emulation in
 :mod:`fthsdp.sim.emulation` checks it on every rank of every step).
 
-The semantics are the :class:`fthsdp.manager.Manager`'s step loop, written
+The semantics are the :class:`fthsdp.replica.manager.Manager`'s step loop, written
 as transitions:
 
 * :func:`plan` — a quorum arrived for the current attempt. Not a member:
@@ -39,7 +39,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, replace
 
-from fthsdp import quorum as qm
+from fthsdp.control import quorum as qm
 
 __all__ = ["Action", "Outcome", "StepState", "Plan", "initial", "plan", "after_attempt", "vote", "membership"]
 

@@ -14,7 +14,7 @@ unreachable lighthouse with capped exponential backoff for up to
 heartbeat thread keeps trying every interval. The caller's step is untouched
 meanwhile (its gradients stay in hand). Every request reports the last quorum
 this replica was a member of, from which a restarted lighthouse rebuilds the
-job (see :mod:`fthsdp.lighthouse`). ``leave`` says goodbye at a normal exit.
+job (see :mod:`fthsdp.control.lighthouse`). ``leave`` says goodbye at a normal exit.
 """
 
 from __future__ import annotations
@@ -28,11 +28,11 @@ from dataclasses import dataclass
 
 import grpc
 
-from fthsdp import quorum as qm
+from fthsdp.control import quorum as qm
 from fthsdp.proto import LIGHTHOUSE_PROTOCOL_VERSION, lighthouse as _load_stubs
 
 pb2, pb2_grpc = _load_stubs()
-log = logging.getLogger("fthsdp.lighthouse_client")
+log = logging.getLogger("fthsdp.control.lighthouse_client")
 
 __all__ = [
     "LighthouseClient",

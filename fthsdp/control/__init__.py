@@ -1,0 +1,1 @@
+"""Control plane: the lighthouse (gRPC quorum service), its client, and the pure quorum decision."""
