@@ -1,0 +1,212 @@
+"""Keys and per-call credentials of the control plane: pure functions over bytes.
+
+**Why this design.** One lighthouse serves many jobs, and a replica of one job
+must not be able to act for another. So the lighthouse holds a *lighthouse
+secret* (32 random bytes) and each job's key is derived from it and the job id,
+``job_key = HMAC(lighthouse_secret, "fthsdp job key" || job_id)``. A launcher
+hands its replicas only their job key: with it they can sign calls for their
+own job and nothing else, while the lighthouse, holding the lighthouse secret,
+re-derives any job's key on demand and so keeps no per-job key table. Every
+other key of a job (peer state server token, FTAR handshake, ...) is derived
+from the job key with :func:`derive` and a purpose string, so one secret per
+job authenticates everything and a leaked purpose key (say, the peer server's
+token) cannot be turned into another (the lighthouse credential). The read-only
+*status key* is derived from the lighthouse secret: it lets ``fthsdp status``
+read every job's status but sign nothing else (the lighthouse checks the
+purpose of each call's key).
+
+A job key is never sent: the per-call credential (:func:`sign`) is an HMAC over
+the method, job id, replica id, a digest of the request body, a timestamp and
+a nonce; the lighthouse recomputes it, compares in constant time, refuses a
+timestamp outside :data:`CLOCK_WINDOW_S` and a nonce it saw in that window
+(:class:`ReplayCache`).
+
+Everything here is pure (bytes in, bytes out) and unit-tested without servers;
+:mod:`fthsdp.control.lighthouse` and :mod:`fthsdp.control.lighthouse_client`
+do the transport.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+import secrets
+from collections import OrderedDict
+from dataclasses import dataclass
+
+__all__ = [
+    "KEY_BYTES", "CLOCK_WINDOW_S", "derive", "job_key", "status_key", "new_secret",
+    "load_secret", "SecretError",
+]
+
+KEY_BYTES = 32  # every secret and derived key: 256 bits (HMAC-SHA256's output)
+
+# How far a call's timestamp may be from the lighthouse's clock (seconds), either
+# way. Replicas and lighthouse of one job run on hosts with NTP; 30 s tolerates
+# their skew and a client's retries, and bounds the replay cache to the calls of
+# 60 s. (A protocol constant, not a timeout: nothing waits on it.)
+CLOCK_WINDOW_S = 30.0
+
+# Where an operator puts a secret (never on a command line: it would show in `ps`).
+SECRET_FILE_ENV = "FTHSDP_JOB_SECRET_FILE"
+SECRET_ENV = "FTHSDP_JOB_SECRET"  # hex
+LIGHTHOUSE_SECRET_FILE_ENV = "FTHSDP_LIGHTHOUSE_SECRET_FILE"
+LIGHTHOUSE_SECRET_ENV = "FTHSDP_LIGHTHOUSE_SECRET"  # hex
+
+
+class SecretError(ValueError):
+    """A secret that cannot be used (missing, unreadable, too short); the message says what to do."""
+
+
+def _check_key(key: bytes, what: str) -> None:
+    if not isinstance(key, (bytes, bytearray)) or len(key) < 16:
+        raise SecretError(f"{what} must be at least 16 bytes of secret (got {len(key) if isinstance(key, (bytes, bytearray)) else type(key).__name__})")
+
+
+def derive(job_key: bytes, purpose: str) -> bytes:
+    """The key for one ``purpose`` (e.g. ``"peer-server"``, ``"ftar"``,
+    ``"lighthouse"``) derived from ``job_key``: HMAC-SHA256(job_key, "fthsdp/" || purpose).
+
+    Different purposes give independent keys, so knowing one tells nothing of
+    the others or of the job key.
+    """
+    _check_key(job_key, "job_key")
+    if not purpose or "\0" in purpose:
+        raise ValueError(f"purpose must be a non-empty string without NUL, got {purpose!r}")
+    return hmac.new(bytes(job_key), b"fthsdp/" + purpose.encode(), hashlib.sha256).digest()
+
+
+def job_key(lighthouse_secret: bytes, job_id: str) -> bytes:
+    """The key of job ``job_id`` on a lighthouse holding ``lighthouse_secret``."""
+    _check_key(lighthouse_secret, "lighthouse secret")
+    return hmac.new(bytes(lighthouse_secret), b"fthsdp job key\0" + job_id.encode(), hashlib.sha256).digest()
+
+
+def status_key(lighthouse_secret: bytes) -> bytes:
+    """The read-only key of a lighthouse: signs Status calls of every job, nothing else."""
+    _check_key(lighthouse_secret, "lighthouse secret")
+    return hmac.new(bytes(lighthouse_secret), b"fthsdp status key\0", hashlib.sha256).digest()
+
+
+def new_secret() -> bytes:
+    """A fresh random secret (a launcher's per-job lighthouse secret)."""
+    return secrets.token_bytes(KEY_BYTES)
+
+
+def parse_secret(text: bytes, where: str) -> bytes:
+    """A secret as stored: 64 hex digits (what fthsdp writes), or raw bytes (>= 16)."""
+    stripped = text.strip()
+    try:
+        s = stripped.decode("ascii")
+        if len(s) >= 32 and len(s) % 2 == 0 and all(c in "0123456789abcdefABCDEF" for c in s):
+            return bytes.fromhex(s)
+    except UnicodeDecodeError:
+        pass
+    if len(text) < 16:
+        raise SecretError(f"the secret in {where} is too short ({len(text)} bytes): "
+                          "write at least 16 random bytes, e.g. 64 hex digits from `openssl rand -hex 32`")
+    return bytes(text)
+
+
+def load_secret(path: str | None = None, *, file_env: str = SECRET_FILE_ENV, env: str = SECRET_ENV,
+                environ: dict | None = None) -> bytes | None:
+    """The secret from ``path``, else from the file named by ``$file_env``, else ``$env``
+    (hex); None when none is given. Raises :class:`SecretError` saying what is wrong."""
+    environ = os.environ if environ is None else environ
+    path = path or environ.get(file_env) or None
+    if path:
+        try:
+            with open(path, "rb") as f:
+                data = f.read(4096)
+        except OSError as e:
+            raise SecretError(f"cannot read the secret file {path}: {e.strerror or e}") from e
+        return parse_secret(data, f"file {path}")
+    text = environ.get(env)
+    if text:
+        return parse_secret(text.encode(), f"${env}")
+    return None
+
+
+def write_secret(path: str, secret: bytes) -> None:
+    """Write ``secret`` as hex to a new file readable by its owner only."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(secret.hex() + "\n")
+
+
+# -- per-call credentials ------------------------------------------------------
+
+@dataclass(frozen=True)
+class Credential:
+    """What a call carries besides its body (in gRPC metadata)."""
+
+    kind: str  # "job" (a job's replica) or "status" (read-only)
+    timestamp: float
+    nonce: str  # 32 hex digits
+    signature: str  # 64 hex digits
+
+
+def body_digest(body: bytes) -> bytes:
+    return hashlib.sha256(body).digest()
+
+
+def _message(method: str, job_id: str, replica_id: str, digest: bytes, timestamp: float, nonce: str) -> bytes:
+    # Length-prefixed fields: no two different tuples give the same bytes.
+    parts = [method.encode(), job_id.encode(), replica_id.encode(), digest, f"{timestamp:.6f}".encode(), nonce.encode()]
+    return b"fthsdp call v1" + b"".join(len(p).to_bytes(4, "big") + p for p in parts)
+
+
+def sign(key: bytes, method: str, job_id: str, replica_id: str, body: bytes, timestamp: float,
+         nonce: str | None = None, kind: str = "job") -> Credential:
+    """The credential of one call signed with ``key`` (a job's lighthouse key or the status key)."""
+    nonce = nonce if nonce is not None else secrets.token_hex(16)
+    mac = hmac.new(key, _message(method, job_id, replica_id, body_digest(body), timestamp, nonce), hashlib.sha256)
+    return Credential(kind, round(timestamp, 6), nonce, mac.hexdigest())
+
+
+def verify(key: bytes, cred: Credential, method: str, job_id: str, replica_id: str, body: bytes) -> bool:
+    """Whether ``cred`` signs this call with ``key`` (constant-time comparison)."""
+    expected = hmac.new(key, _message(method, job_id, replica_id, body_digest(body), cred.timestamp, cred.nonce),
+                        hashlib.sha256).hexdigest()
+    return hmac.compare_digest(expected, cred.signature)
+
+
+class ReplayCache:
+    """Nonces seen within the clock window, bounded: refuses a nonce seen before.
+
+    An entry older than the window can be dropped, because a call that old is
+    refused by its timestamp anyway. When more than ``capacity`` calls arrive
+    within one window the oldest nonces are dropped early and, to stay safe,
+    every call older than the oldest remembered one is refused as possibly
+    replayed (``floor``): a flood can make old-but-valid calls retry, never
+    let a replay through.
+    """
+
+    def __init__(self, window_s: float = CLOCK_WINDOW_S, capacity: int = 200_000) -> None:
+        self.window_s = window_s
+        self.capacity = capacity
+        self._seen: OrderedDict[str, float] = OrderedDict()  # nonce -> timestamp, in arrival order
+        self.floor = -float("inf")  # calls with timestamp <= floor are refused
+
+    def __len__(self) -> int:
+        return len(self._seen)
+
+    def check_and_add(self, nonce: str, timestamp: float, now: float) -> str | None:
+        """None when fresh (and remembered); otherwise why it is refused."""
+        if abs(timestamp - now) > self.window_s:
+            return (f"timestamp is {timestamp - now:+.1f} s from the lighthouse's clock (window ±{self.window_s:g} s): "
+                    "synchronise the clocks (NTP) of this host and the lighthouse's")
+        while self._seen:
+            n, t = next(iter(self._seen.items()))
+            if t >= now - self.window_s and len(self._seen) < self.capacity:
+                break
+            self._seen.popitem(last=False)
+            if t >= now - self.window_s:  # dropped early, inside the window
+                self.floor = max(self.floor, t)
+        if timestamp <= self.floor:
+            return "the call is too old to be checked for replay while the lighthouse is flooded: retry it (a fresh nonce and timestamp)"
+        if nonce in self._seen:
+            return "nonce already used: a replayed call (each call must carry a fresh nonce)"
+        self._seen[nonce] = timestamp
+        return None
