@@ -201,3 +201,19 @@ def test_lighthouse_that_cannot_be_restarted_stops_the_job_with_a_resume_hint(tm
         assert job.finished()
     finally:
         job.shutdown()
+
+
+def test_status_line_says_done_for_a_replica_that_exited_cleanly(tmp_path):
+    """A replica whose process exited 0 has no live status file any more; the
+    status line must say it is done, not that it is starting."""
+    import subprocess
+    import sys
+
+    from fthsdp.launch.local import LocalJob, ReplicaProc
+
+    job = LocalJob(config="base", overrides=[], out_dir=tmp_path, replicas=2, steps=10, faults=[], progress=False)
+    done = subprocess.Popen([sys.executable, "-c", "pass"])
+    done.wait(30)
+    job.procs = {0: ReplicaProc(rid=0, proc=done, state="done"), 1: ReplicaProc(rid=1, proc=None, state="starting")}
+    line = job.status_line()
+    assert "r0: done" in line and "r1: starting" in line, line

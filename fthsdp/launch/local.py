@@ -510,6 +510,9 @@ class LocalJob:
             if rp.state in ("killed", "stopped", "failed"):
                 parts.append(f"r{rid}: {rp.state.upper()}")
                 continue
+            if rp.state == "done":  # exited 0: its status file is no longer live
+                parts.append(f"r{rid}: done")
+                continue
             if not st:
                 parts.append(f"r{rid}: {'starting' if rp.mode == 'start' else 'rejoining'}")
                 continue
