@@ -8,6 +8,8 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <stdexcept>
 
@@ -24,6 +26,30 @@ constexpr auto kRetryDelay = std::chrono::milliseconds(20);
 constexpr auto kPendingLimit = std::chrono::seconds(120);
 constexpr size_t kReadBudget = 8u << 20;  // bytes read from one stream per wake-up
 
+// Test hook, off unless set: every chunk this process sends waits this many
+// seconds first (a throttled stream, for testing root-cause analysis of slow
+// links). Set it in one process's environment only.
+constexpr const char* kSendDelayEnv = "FTHSDP_FTAR_TEST_SEND_DELAY_S";
+
+Clock::duration send_delay_from_env() {
+  const char* v = std::getenv(kSendDelayEnv);
+  if (v == nullptr || *v == '\0') return Clock::duration::zero();
+  char* end = nullptr;
+  const double s = std::strtod(v, &end);
+  if (end == v || *end != '\0' || !(s >= 0) || s > 10) {
+    throw std::invalid_argument(std::string("ftar: ") + kSendDelayEnv + "=" + v +
+                                " is not a number of seconds in [0, 10]; unset it (it is a test hook)");
+  }
+  if (s > 0) {
+    std::fprintf(stderr, "fthsdp ftar: test hook %s=%g: every chunk sent waits %g s\n", kSendDelayEnv, s, s);
+  }
+  return seconds(s);
+}
+
+int64_t now_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now().time_since_epoch()).count();
+}
+
 }  // namespace
 
 // ---------------------------------------------------------------------------
@@ -31,8 +57,8 @@ constexpr size_t kReadBudget = 8u << 20;  // bytes read from one stream per wake
 
 RingEndpoint::RingEndpoint(const RingOptions& options, ControlThread* thread)
     : options_(options), thread_(thread) {
-  if (options.streams < 1 || options.streams > 64) {
-    throw std::invalid_argument("ftar: streams per peer must be in [1, 64], got " +
+  if (options.streams < 1 || options.streams > kMaxStreams) {
+    throw std::invalid_argument("ftar: streams per peer must be in [1, " + std::to_string(kMaxStreams) + "], got " +
                                 std::to_string(options.streams));
   }
   if (options.chunks < 1 || options.chunks > 256) {
@@ -46,6 +72,7 @@ RingEndpoint::RingEndpoint(const RingOptions& options, ControlThread* thread)
   if (!(options.timeout_s > 0)) {
     throw std::invalid_argument("ftar: timeout_s must be > 0");
   }
+  send_delay_ = send_delay_from_env();
   listen_fd_ = tcp::listen_on(options.listen_host, 0, &address_);
   // Receive staging of S x C, touched now so that no op pays first-touch faults.
   staging_.resize(static_cast<size_t>(options.chunk_bytes) * options.chunks);
@@ -145,6 +172,47 @@ RingStats RingEndpoint::stats() {
     case State::kFailed: s.state = "failed: " + state_reason_; break;
   }
   return s;
+}
+
+RingProgress RingEndpoint::progress() const {
+  constexpr auto relaxed = std::memory_order_relaxed;
+  RingProgress p;
+  p.in_op = p_in_op_.load(relaxed);
+  p.op_seq = p_op_seq_.load(relaxed);
+  p.rank = p_rank_.load(relaxed);
+  p.n = p_n_.load(relaxed);
+  p.ring_steps = p.n > 1 ? 2 * p.n - 2 : 0;
+  p.ring_step = p_ring_step_.load(relaxed);
+  p.recv_done = p_recv_done_.load(relaxed);
+  p.recv_total = p_recv_total_.load(relaxed);
+  p.sends_queued = p_sends_queued_.load(relaxed);
+  const int64_t now = now_ns();
+  if (p.in_op) {
+    p.op_s = static_cast<double>(now - p_op_start_ns_.load(relaxed)) * 1e-9;
+    p.since_recv_s = static_cast<double>(now - p_last_recv_ns_.load(relaxed)) * 1e-9;
+  }
+  for (int i = 0; i < options_.streams; ++i) {
+    p.bytes_sent.push_back(p_out_[i].bytes.load(relaxed));
+    p.send_busy_s.push_back(static_cast<double>(p_out_[i].busy_ns.load(relaxed)) * 1e-9);
+    p.bytes_received.push_back(p_in_bytes_[i].load(relaxed));
+  }
+  return p;
+}
+
+void RingEndpoint::note_recv_progress() {
+  // The slowest lane says how far this rank is: which ring step it waits on.
+  constexpr auto relaxed = std::memory_order_relaxed;
+  int64_t least = sched_->steps_per_lane();
+  int32_t slowest = 0;
+  for (size_t l = 0; l < lanes_.size(); ++l) {
+    if (lanes_[l].next_recv < least) {
+      least = lanes_[l].next_recv;
+      slowest = static_cast<int32_t>(l);
+    }
+  }
+  p_recv_done_.store(least, relaxed);
+  if (least < sched_->steps_per_lane()) p_ring_step_.store(sched_->lane_step(slowest, least).step, relaxed);
+  p_last_recv_ns_.store(now_ns(), relaxed);
 }
 
 // ---------------------------------------------------------------------------
@@ -271,6 +339,8 @@ void RingEndpoint::finish_op(OpStatus status, bool fatal, const std::string& rea
     if (status != OpStatus::kOk || fatal) stats_.last_error = reason;
     op_->cv.notify_all();
   }
+  p_in_op_.store(false, std::memory_order_relaxed);
+  p_sends_queued_.store(0, std::memory_order_relaxed);
   op_.reset();
   sched_.reset();
   lanes_.clear();
@@ -319,6 +389,20 @@ void RingEndpoint::begin_op() {
   ++op_seq_;
   lanes_.assign(options_.chunks, Lane{});
   lanes_done_ = 0;
+  {
+    constexpr auto relaxed = std::memory_order_relaxed;
+    const int64_t t = now_ns();
+    p_op_seq_.store(static_cast<int64_t>(op_seq_), relaxed);
+    p_rank_.store(op.rank, relaxed);
+    p_n_.store(op.n, relaxed);
+    p_ring_step_.store(0, relaxed);
+    p_recv_done_.store(0, relaxed);
+    p_recv_total_.store(sched_->steps_per_lane(), relaxed);
+    p_sends_queued_.store(0, relaxed);
+    p_op_start_ns_.store(t, relaxed);
+    p_last_recv_ns_.store(t, relaxed);
+    p_in_op_.store(true, relaxed);
+  }
   const int k = options_.streams;
   for (auto& s : in_) {
     s.expected = 0;
@@ -357,6 +441,7 @@ void RingEndpoint::advance(int32_t lane) {
           item.lane = lane;
           out_[lane % options_.streams].sender->push(item);
           ++L.in_flight;
+          p_sends_queued_.fetch_add(1, std::memory_order_relaxed);
         }
         ++L.next_send;
         continue;
@@ -499,7 +584,7 @@ void RingEndpoint::on_out(size_t i, short revents, Clock::time_point now) {
       return;
     }
     s.phase = Phase::kReady;
-    s.sender = std::make_unique<Sender>(s.fd.get(), thread_);
+    s.sender = std::make_unique<Sender>(s.fd.get(), thread_, &p_out_[i], send_delay_);
     check_ready();
     return;
   }
@@ -526,6 +611,7 @@ void RingEndpoint::drain_senders() {
     for (int32_t lane : lanes) {
       if (!op_ || !sched_) return;
       --lanes_[lane].in_flight;
+      p_sends_queued_.fetch_sub(1, std::memory_order_relaxed);
       advance(lane);
       op_maybe_done();
       if (epoch != epoch_) return;
@@ -590,6 +676,7 @@ void RingEndpoint::on_in(size_t i, short revents) {
       std::lock_guard<std::mutex> lk(mu_);
       stats_.bytes_received += static_cast<int64_t>(s.done - before);
     }
+    p_in_bytes_[i].fetch_add(static_cast<int64_t>(s.done - before), std::memory_order_relaxed);
     const size_t got = s.done - before;
     if (s.done < s.header.bytes) {
       if (got >= budget) return;
@@ -606,6 +693,7 @@ void RingEndpoint::on_in(size_t i, short revents) {
     s.done = 0;
     --s.expected;
     ++lanes_[lane].next_recv;
+    note_recv_progress();
     advance(lane);
     op_maybe_done();
     if (got >= budget) return;
@@ -705,7 +793,8 @@ void RingEndpoint::poll_handle(const std::vector<pollfd>& fds, Clock::time_point
 
 // ---------------------------------------------------------------------------
 
-RingEndpoint::Sender::Sender(int fd, ControlThread* wake) : fd_(fd), wake_(wake) {
+RingEndpoint::Sender::Sender(int fd, ControlThread* wake, StreamCounters* counters, Clock::duration delay)
+    : fd_(fd), wake_(wake), counters_(counters), delay_(delay) {
   thread_ = std::thread([this] { loop(); });
 }
 
@@ -747,6 +836,11 @@ void RingEndpoint::Sender::loop() {
       if (stop_) return;
       item = queue_.front();
     }
+    const auto busy_from = Clock::now();
+    if (delay_ > Clock::duration::zero()) {  // the throttle test hook
+      std::unique_lock<std::mutex> lk(mu_);
+      if (cv_.wait_for(lk, delay_, [&] { return stop_; })) return;
+    }
     size_t sent = 0;
     const size_t total = sizeof(item.header) + item.bytes;
     while (sent < total) {
@@ -756,6 +850,7 @@ void RingEndpoint::Sender::loop() {
                                        &sent, &err);
       if (io == tcp::Io::kProgress) {
         bytes_ += static_cast<int64_t>(sent - before);
+        counters_->bytes.fetch_add(static_cast<int64_t>(sent - before), std::memory_order_relaxed);
         continue;
       }
       if (io == tcp::Io::kWouldBlock) {
@@ -775,6 +870,9 @@ void RingEndpoint::Sender::loop() {
       wake_->wake();
       return;
     }
+    counters_->busy_ns.fetch_add(
+        std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - busy_from).count(),
+        std::memory_order_relaxed);
     {
       std::lock_guard<std::mutex> lk(mu_);
       queue_.pop_front();

@@ -18,6 +18,7 @@
 
 #include <poll.h>
 
+#include <array>
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
@@ -86,6 +87,27 @@ struct RingStats {
   std::string last_error;
 };
 
+// Where one endpoint is in its all-reduce, for root-cause analysis of stalls
+// (which neighbour's data is awaited, how fast each stream carries). A plain
+// copy read from relaxed atomics: reading never takes a lock nor waits for
+// the control thread, so a process can report it while the ring is stuck.
+struct RingProgress {
+  bool in_op = false;              // an all-reduce is running on this endpoint
+  int64_t op_seq = 0;              // all-reduces begun since the last configure
+  int32_t rank = -1;               // this endpoint's rank in the ring (-1: never ran)
+  int32_t n = 0;                   // ring size
+  int32_t ring_step = 0;           // the step t (0..2n-3) the slowest lane waits to receive
+  int32_t ring_steps = 0;          // 2n-2
+  int64_t recv_done = 0;           // chunk steps received by the slowest lane
+  int64_t recv_total = 0;          // chunk steps per lane in this op
+  int64_t sends_queued = 0;        // chunks handed to the senders, not yet on the wire
+  double op_s = 0;                 // seconds since the op began (0 when idle)
+  double since_recv_s = 0;         // seconds since the last byte came from the left neighbour
+  std::vector<int64_t> bytes_sent;      // per outgoing stream (to the right neighbour), cumulative
+  std::vector<double> send_busy_s;      // per outgoing stream: seconds its sender had a chunk to send
+  std::vector<int64_t> bytes_received;  // per incoming stream (from the left neighbour), cumulative
+};
+
 class ControlThread;
 
 // One ring endpoint. Public methods are thread-safe; the private ones run on
@@ -112,6 +134,7 @@ class RingEndpoint {
   // Runs one all-reduce (blocking, bounded by options().timeout_s).
   void run(const std::shared_ptr<Op>& op);
   RingStats stats();
+  RingProgress progress() const;  // lock-free (atomics only)
 
  private:
   friend class ControlThread;
@@ -127,9 +150,15 @@ class RingEndpoint {
   // (a kernel copy per byte on loopback) overlaps the control thread's
   // receiving and reducing. Schedule state stays on the control thread: the
   // sender only reports which lanes' chunks have left.
+  // Cumulative per-stream counters (relaxed atomics; read by progress()).
+  struct StreamCounters {
+    std::atomic<int64_t> bytes{0};
+    std::atomic<int64_t> busy_ns{0};
+  };
   class Sender {
    public:
-    Sender(int fd, ControlThread* wake);
+    // delay: the throttle test hook (see kSendDelayEnv in control_thread.cc).
+    Sender(int fd, ControlThread* wake, StreamCounters* counters, Clock::duration delay);
     ~Sender();  // stops and joins the thread
     void push(const SendItem& item);
     // Lanes whose chunk was sent since the last call; false if the stream broke (err set).
@@ -140,6 +169,8 @@ class RingEndpoint {
     void loop();
     int fd_;
     ControlThread* wake_;
+    StreamCounters* counters_;
+    Clock::duration delay_;
     std::mutex mu_;
     std::condition_variable cv_;
     std::deque<SendItem> queue_;
@@ -208,6 +239,7 @@ class RingEndpoint {
   void drain_senders();
   void advance(int32_t lane);
   void op_maybe_done();
+  void note_recv_progress();
   bool configured_locally() const { return cfg_.has_value(); }
   int32_t left() const;
   int32_t right() const;
@@ -251,6 +283,22 @@ class RingEndpoint {
   State local_state_ = State::kUnconfigured;
   std::string local_reason_;
   uint64_t epoch_ = 0;  // bumped whenever connections are dropped
+
+  // Progress (written on the control and sender threads, read anywhere).
+  static constexpr int kMaxStreams = 64;
+  Clock::duration send_delay_{0};  // the throttle test hook; 0 = off
+  std::atomic<bool> p_in_op_{false};
+  std::atomic<int64_t> p_op_seq_{0};
+  std::atomic<int32_t> p_rank_{-1};
+  std::atomic<int32_t> p_n_{0};
+  std::atomic<int32_t> p_ring_step_{0};
+  std::atomic<int64_t> p_recv_done_{0};
+  std::atomic<int64_t> p_recv_total_{0};
+  std::atomic<int64_t> p_sends_queued_{0};
+  std::atomic<int64_t> p_op_start_ns_{0};
+  std::atomic<int64_t> p_last_recv_ns_{0};
+  std::array<StreamCounters, kMaxStreams> p_out_{};
+  std::array<std::atomic<int64_t>, kMaxStreams> p_in_bytes_{};
 };
 
 // The per-process thread that drives every endpoint.

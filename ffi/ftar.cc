@@ -151,6 +151,12 @@ std::vector<RingStats> Communicator::stats() {
   return out;
 }
 
+std::vector<RingProgress> Communicator::progress() const {
+  std::vector<RingProgress> out;
+  for (const auto& s : shards_) out.push_back(s->progress());
+  return out;
+}
+
 int32_t ftar_create(int num_shards, const RingOptions& options) {
   return registry().create(num_shards, options);
 }

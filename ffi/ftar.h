@@ -33,6 +33,7 @@ class Communicator {
   std::pair<bool, std::string> wait_configured(double timeout_s);
   void abort(const std::string& reason);
   std::vector<RingStats> stats();
+  std::vector<RingProgress> progress() const;  // lock-free: never waits for the control thread
   RingEndpoint* shard(int i) { return shards_[i].get(); }
 
  private:

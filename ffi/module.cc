@@ -92,6 +92,28 @@ NB_MODULE(_ffi, m) {
     }
     return out;
   });
+  m.def("ftar_progress", [get](int32_t h) {
+    nb::list out;
+    for (const auto& p : get(h)->progress()) {
+      nb::dict d;
+      d["in_op"] = p.in_op;
+      d["op_seq"] = p.op_seq;
+      d["rank"] = p.rank;
+      d["n"] = p.n;
+      d["ring_step"] = p.ring_step;
+      d["ring_steps"] = p.ring_steps;
+      d["recv_done"] = p.recv_done;
+      d["recv_total"] = p.recv_total;
+      d["sends_queued"] = p.sends_queued;
+      d["op_s"] = p.op_s;
+      d["since_recv_s"] = p.since_recv_s;
+      d["bytes_sent"] = p.bytes_sent;
+      d["send_busy_s"] = p.send_busy_s;
+      d["bytes_received"] = p.bytes_received;
+      out.append(d);
+    }
+    return out;
+  }, "Per shard: where its ring endpoint is in its all-reduce (lock-free; see RingProgress).");
   m.def("ftar_allreduce_host",
         [](int32_t h, int32_t shard, int64_t quorum_id, int32_t rank, int32_t n,
            nb::ndarray<nb::c_contig, nb::device::cpu> a) {

@@ -154,6 +154,12 @@ class Communicator:
         """Per-shard counters: state, ops, bytes, refused handshakes, last error."""
         return list(self._mod.ftar_stats(self.handle))
 
+    def progress(self) -> list[dict]:
+        """Per local shard: where its ring is in the current all-reduce (ring step, chunks
+        still queued to send, seconds since data last came from the left neighbour, bytes
+        and busy seconds per stream). Lock-free in C++: safe to call while the ring is stuck."""
+        return list(self._mod.ftar_progress(self.handle))
+
     def allreduce_host(self, array: np.ndarray, *, quorum_id: int, rank: int, n: int,
                        shard: int = 0) -> tuple[int, str]:
         """In-place sum of a host array over the ring, outside XLA (tests, benchmarks)."""
