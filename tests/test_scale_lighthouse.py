@@ -9,7 +9,7 @@ import time
 
 import grpc
 
-from fthsdp.control.lighthouse import LighthouseConfig, LighthouseThread, pb2
+from fthsdp.control.lighthouse import LighthouseConfig, LighthouseThread, pb2, pb2_grpc
 from fthsdp.control.lighthouse_client import LighthouseClient
 from fthsdp.proto import LIGHTHOUSE_PROTOCOL_VERSION
 
@@ -109,3 +109,55 @@ def test_members_answered_late_are_not_declared_dead():
     dead, answered = asyncio.run(main())
     assert answered == 5
     assert dead == []
+
+
+
+def _burst_while_frozen(cfg: LighthouseConfig, n: int, frozen_s: float, channels: int = 4) -> list[str]:
+    """``n`` replicas heartbeat at once (over a few connections) while the lighthouse's
+    event loop is frozen, so every call waits in gRPC's queue of calls the server has
+    not taken yet; returns each call's outcome ("ok" or the status code's name)."""
+    with LighthouseThread(cfg) as lh:
+        async def main() -> list[str]:
+            chans = [grpc.aio.insecure_channel(lh.address, options=[("grpc.use_local_subchannel_pool", 1)])
+                     for _ in range(channels)]
+            try:
+                await asyncio.gather(*(asyncio.wait_for(c.channel_ready(), 30) for c in chans))
+                stubs = [pb2_grpc.LighthouseStub(c) for c in chans]
+                lh._loop.call_soon_threadsafe(time.sleep, frozen_s)
+                await asyncio.sleep(0.1)  # the freeze has begun
+
+                async def one(i: int) -> str:
+                    req = pb2.HeartbeatRequest(protocol_version=LIGHTHOUSE_PROTOCOL_VERSION, job_id="burst",
+                                               replica_id=str(i), step=0)
+                    try:
+                        await stubs[i % channels].Heartbeat(req, timeout=60)
+                        return "ok"
+                    except grpc.aio.AioRpcError as e:
+                        return e.code().name
+
+                return await asyncio.gather(*(one(i) for i in range(n)))
+            finally:
+                await asyncio.gather(*(c.close() for c in chans))
+
+        return asyncio.run(main())
+
+
+def test_a_burst_of_requests_is_queued_not_dropped():
+    """The flat lighthouse lost requests at >= 2,048 replicas: the asyncio server takes
+    calls from gRPC's core one per turn of its event loop, the rest wait in the core's
+    pending queue, and past 1,000 of them (gRPC's default) the core cancels new calls
+    before any handler runs (the client sees a bare CANCELLED). The bound is now the
+    lighthouse's max_pending_rpcs: at gRPC's old default a burst of 1,100 loses calls;
+    at the lighthouse's default it loses none."""
+    n = 1100
+    old = _burst_while_frozen(LighthouseConfig(max_pending_rpcs=1000), n, 1.5)
+    assert old.count("CANCELLED") > 0 and old.count("CANCELLED") + old.count("ok") == n, sorted(set(old))
+    new = _burst_while_frozen(LighthouseConfig(), n, 1.5)
+    assert new == ["ok"] * n, sorted(set(new))
+
+
+def test_max_pending_rpcs_is_checked():
+    import pytest
+
+    with pytest.raises(ValueError, match="max_pending_rpcs"):
+        LighthouseConfig(max_pending_rpcs=0)

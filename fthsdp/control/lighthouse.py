@@ -67,6 +67,8 @@ class LighthouseConfig:
     num_replicas: int = 0  # default configured replicas per job (0 = replicas seen)
     tick_s: float = 0.02  # re-evaluation period: time alone can complete a quorum
     forget_after_s: float = 600.0  # drop a job silent this long (no replica heard, none waiting)
+    # Calls gRPC may hold before this server's event loop takes them (see _server_options).
+    max_pending_rpcs: int = 65536
 
     def __post_init__(self) -> None:
         qm.QuorumConfig(self.min_replicas, self.join_timeout_s, self.detect_s, self.num_replicas)
@@ -74,6 +76,9 @@ class LighthouseConfig:
             raise ValueError(f"tick_s must be in (0, 1], got {self.tick_s}")
         if not self.forget_after_s > self.detect_s:
             raise ValueError(f"forget_after_s ({self.forget_after_s}) must exceed detect_s ({self.detect_s})")
+        if not (isinstance(self.max_pending_rpcs, int) and 1 <= self.max_pending_rpcs <= 1 << 24):
+            raise ValueError(f"max_pending_rpcs must be an integer in [1, {1 << 24}] (about two per replica "
+                             f"of every job served), got {self.max_pending_rpcs!r}")
         host, sep, port = self.bind.rpartition(":")
         if not sep or not host or not port.isdigit():
             raise ValueError(f"bind must be HOST:PORT (e.g. 127.0.0.1:0 for any free port), got {self.bind!r}")
@@ -118,6 +123,24 @@ def _generic_handler(servicer) -> grpc.GenericRpcHandler:
         for m in service.methods
     }
     return grpc.method_handlers_generic_handler(service.full_name, handlers)
+
+
+def _server_options(config: LighthouseConfig) -> list[tuple[str, int]]:
+    """gRPC server arguments that keep a burst of requests from being dropped.
+
+    The asyncio server takes calls from gRPC's core one at a time, one per turn
+    of its event loop; calls that arrive faster wait in the core's pending
+    queue. Past ``grpc.server.max_pending_requests`` (default 1,000) the core
+    refuses new calls at random, and always past the hard limit (3,000): it
+    cancels them before any handler runs, without a log line, and the client
+    sees a bare ``CANCELLED``. One round of 2,048 replicas asking at once is
+    such a burst: that was the flat lighthouse's lost requests at >= 2,048
+    replicas. Both limits are set to ``max_pending_rpcs`` (a replica has at
+    most a quorum call and a heartbeat in flight), so the queue is bounded
+    and, below the bound, nothing is refused.
+    """
+    n = config.max_pending_rpcs
+    return [("grpc.server.max_pending_requests", n), ("grpc.server.max_pending_requests_hard_limit", n)]
 
 
 class _Superseded(Exception):
@@ -288,7 +311,7 @@ class Lighthouse(pb2_grpc.LighthouseServicer):
 
     async def start(self) -> int:
         """Bind and serve; returns the bound port (useful with port 0)."""
-        self._server = grpc.aio.server()
+        self._server = grpc.aio.server(options=_server_options(self.config))
         self._server.add_generic_rpc_handlers((_generic_handler(self),))
         try:
             self.port = self._server.add_insecure_port(self.config.bind)
@@ -549,7 +572,10 @@ class Lighthouse(pb2_grpc.LighthouseServicer):
                 local_world_size=request.local_world_size,
                 commit_failed=request.commit_failed,
                 last_quorum_id=request.last_quorum_id,
-                last_members=tuple(request.last_members),
+                # Read only by a lighthouse that does not remember the job's quorum
+                # (restarted, or a new job): copying every member's id out of every
+                # request made a round O(N^2) in Python objects (8,192 x 8,192 at 8K).
+                last_members=tuple(request.last_members) if job.quorum is None else (),
             ),
             future,
         )
@@ -779,6 +805,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--tick", type=float, default=d.tick_s, help="re-evaluation period in seconds (default %(default)s)")
     p.add_argument("--forget-after", type=float, default=d.forget_after_s,
                    help="forget a job none of whose replicas was heard for this long (default %(default)s s)")
+    p.add_argument("--max-pending-rpcs", type=int, default=d.max_pending_rpcs,
+                   help="calls gRPC may queue before the server takes them; more are refused (default %(default)s)")
     p.add_argument("--port-file", default=None, help="write the bound port to this file (atomically) once listening")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     return p
@@ -812,6 +840,7 @@ def cli(argv: list[str]) -> int:
             num_replicas=args.replicas,
             tick_s=args.tick,
             forget_after_s=args.forget_after,
+            max_pending_rpcs=args.max_pending_rpcs,
         )
     except ValueError as e:
         parser.error(str(e))
