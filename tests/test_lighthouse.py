@@ -21,7 +21,7 @@ from fthsdp.control.lighthouse_client import (
     LighthouseUnavailable,
     QuorumTimeout,
 )
-from fthsdp.proto import lighthouse as load_stubs
+from fthsdp.proto import LIGHTHOUSE_PROTOCOL_VERSION, lighthouse as load_stubs
 
 pb2, pb2_grpc = load_stubs()
 
@@ -73,10 +73,12 @@ def test_three_replicas_form_one_quorum(lighthouse):
         q = qs[0]
         assert q.member_ids == ("0", "1", "2") and q.quorum_id == 1
         assert q.healthy == ("0", "1", "2") and q.behind == () and q.num_configured == 3
-        assert q.member("1").ftar_addresses == tuple(addrs(1))
+        assert q.ring_addresses()[1] == addrs(1)  # the view: this shard's ring, every member
         assert q.member("2").state_server_address == "127.0.0.1:30002"
         [st] = clients[0].status()
-        assert st.quorum == q and [r.replica_id for r in st.replicas] == ["0", "1", "2"]
+        assert st.quorum.quorum_id == q.quorum_id and st.quorum.member_ids == q.member_ids
+        assert st.quorum.member("1").ftar_addresses == tuple(addrs(1))  # Status: every endpoint
+        assert [r.replica_id for r in st.replicas] == ["0", "1", "2"]
         assert not any(r.dead for r in st.replicas)
         assert all(0 <= r.last_heartbeat_age_s < DETECT for r in st.replicas)
     finally:
@@ -196,7 +198,7 @@ def test_deadline_gives_the_lighthouse_reason():
 
 
 def raw_request(**over):
-    fields = dict(protocol_version=1, job_id="job", replica_id="0", step=0,
+    fields = dict(protocol_version=LIGHTHOUSE_PROTOCOL_VERSION, job_id="job", replica_id="0", step=0,
                   ftar_addresses=addrs(0), local_world_size=1)
     fields.update(over)
     return pb2.QuorumRequest(**fields)
@@ -208,7 +210,11 @@ def raw_request(**over):
         ({"job_id": ""}, "job_id is empty"),
         ({"replica_id": ""}, "replica_id is empty"),
         ({"step": -1}, "step is -1"),
-        ({"protocol_version": 7}, "version 7, this lighthouse speaks 1"),
+        ({"protocol_version": 7}, f"version 7, this lighthouse speaks {LIGHTHOUSE_PROTOCOL_VERSION}"),
+        ({"protocol_version": 1}, "version 1, this lighthouse speaks"),  # a pre-(replica, process) client
+        ({"process_index": 1, "num_processes": 2, "local_world_size": 2}, "only a replica's leader"),
+        ({"num_processes": 2, "local_world_size": 3}, "not a multiple of num_processes 2"),
+        ({"num_processes": 2, "local_world_size": 4}, "ftar_addresses has 1 entries but local_world_size is 4 over 2"),
         ({"protocol_version": 0}, "protocol_version is missing"),
         ({"local_world_size": 0, "ftar_addresses": []}, "local_world_size is 0"),
         ({"local_world_size": 2}, "ftar_addresses has 1 entries but local_world_size is 2"),

@@ -23,6 +23,20 @@ source of truth to keep consistent (and a leader election) for what a
 restart rebuilds in one round of requests; the outage costs the job only the
 restart time, bounded by ``ft.lighthouse_outage_s``.
 
+**Replicas of several processes.** Every process heartbeats under (replica,
+process index, process count) and registers its own FTAR endpoints and state
+server (with its heartbeats, until the reply says they are held; the leader's
+with its quorum request too). A replica is live only while *all* its
+processes are: its last-heard time is the oldest of its processes', so one
+process silent past the detection window makes the whole replica dead, with
+no help from the replica itself. A replica's request is a candidate only once
+every process registered and is live; the decision itself stays over replicas
+(:mod:`fthsdp.control.quorum`). The leader (process 0) asks; each answer is
+the asker's view (:func:`fthsdp.control.quorum.process_view`), and the other
+processes fetch theirs with ``GetView`` once their leader hands them the
+quorum id. Views are serialized once per (quorum, shard range) for healthy
+askers, so a round stays O(replicas x processes).
+
 A replica that stops on purpose says goodbye (``Leave``): it is forgotten at
 once, never "declared dead", and when it finished the job the lighthouse
 remembers the last step, so a replica restarted after the end is told the job
@@ -33,6 +47,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import logging
 import math
 import os
@@ -85,6 +100,7 @@ class LighthouseConfig:
 
 
 def quorum_to_proto(q: qm.Quorum) -> pb2.Quorum:
+    """``q`` on the wire: a full quorum (Status) or a process's view (quorum answers)."""
     return pb2.Quorum(
         quorum_id=q.quorum_id,
         members=[
@@ -94,16 +110,21 @@ def quorum_to_proto(q: qm.Quorum) -> pb2.Quorum:
                 ftar_addresses=list(m.ftar_addresses),
                 state_server_address=m.state_server_address,
                 local_world_size=m.local_world_size,
+                num_processes=m.num_processes,
             )
             for m in q.members
         ],
         max_step=q.max_step,
         healthy=list(q.healthy),
         behind=list(q.behind),
-        recovery=[pb2.Recovery(replica_id=b, source_replica_ids=list(q.recovery[b])) for b in q.behind],
+        recovery=[pb2.Recovery(replica_id=b, source_replica_ids=list(q.recovery[b])) for b in q.behind
+                  if b in q.recovery],
         num_healthy=q.num_healthy,
         num_configured=q.num_configured,
         reason=q.reason,
+        rings=[pb2.ShardRing(shard=q.first_shard + j, addresses=list(r)) for j, r in enumerate(q.rings)],
+        sources=[pb2.ShardSource(shard=x.shard, replica_id=x.replica_id, state_server_address=x.state_server_address)
+                 for x in q.sources],
     )
 
 
@@ -158,6 +179,47 @@ class _Finished:
 class _Pending:
     request: qm.QuorumRequest
     future: asyncio.Future
+
+
+@dataclass
+class _Group:
+    """The processes of one replica of several: when each was last heard and what it registered.
+
+    A process not heard yet counts as heard when the group was first heard
+    (``since``): it has one detection window to show up, like everyone."""
+
+    num_processes: int
+    since: float
+    seen: dict[int, float] = field(default_factory=dict)
+    ftar: dict[int, tuple[str, ...]] = field(default_factory=dict)
+    server: dict[int, str] = field(default_factory=dict)
+
+    def last_seen(self, leader_at: float | None = None) -> float:
+        """The oldest of its processes' last-heard times (``leader_at`` overrides process 0's)."""
+        t = math.inf
+        for p in range(self.num_processes):
+            v = leader_at if (p == 0 and leader_at is not None) else self.seen.get(p, self.since)
+            t = min(t, v)
+        return t
+
+    def silent(self, now: float, window: float) -> list[int]:
+        return [p for p in range(self.num_processes) if now - self.seen.get(p, self.since) > window]
+
+    def endpoints(self, now: float, window: float) -> tuple[tuple[str, ...], tuple[str, ...]] | str:
+        """Every shard's endpoint and each process's state server, or why not yet."""
+        missing = [p for p in range(self.num_processes) if p not in self.ftar]
+        if missing:
+            return f"process(es) {missing} have not registered their addresses yet"
+        stale = [p for p in self.silent(now, window) if p != 0]
+        if stale:
+            return f"process(es) {stale} silent > {window:g}s"
+        return (tuple(a for p in range(self.num_processes) for a in self.ftar[p]),
+                tuple(self.server[p] for p in range(self.num_processes)))
+
+    def shift(self, lag_s: float) -> None:
+        self.since += lag_s
+        for p in self.seen:
+            self.seen[p] += lag_s
 
 
 @dataclass
@@ -220,7 +282,6 @@ class _Job:
     # The last quorum in wire form, built once and shared by all its members'
     # answers (building it per answer made a round O(N^2)).
     proto_cache: tuple[qm.Quorum, pb2.Quorum] | None = None
-    reply_cache: tuple[qm.Quorum, bytes] | None = None
     hb_cache: tuple[tuple, bytes] | None = None
     dead_version: int = 0  # bumped whenever `dead` changes (keys hb_cache)
     # Evaluation pacing (see Lighthouse._tick_loop).
@@ -233,34 +294,60 @@ class _Job:
     # The job's last step once a replica left having finished it (None: running).
     finished_step: int | None = None
     last_activity: float = 0.0  # any RPC of this job (a job whose replicas all left is kept a while)
+    # Replicas of several processes (replica id -> its processes); one-process replicas have none.
+    groups: dict[str, _Group] = field(default_factory=dict)
+    # The last few decided quorums by id (GetView answers a follower about its leader's quorum).
+    decided: dict[int, qm.Quorum] = field(default_factory=dict)
+    # Serialized views of the current quorum, per (shard range, behind replica or None).
+    view_cache: dict[tuple, bytes] = field(default_factory=dict)
+    view_cache_of: qm.Quorum | None = None
+    view_members: dict[str, qm.Member] = field(default_factory=dict)
 
     def quorum_proto(self, q: qm.Quorum) -> pb2.Quorum:
         if self.proto_cache is None or self.proto_cache[0] is not q:
             self.proto_cache = (q, quorum_to_proto(q))
         return self.proto_cache[1]
 
-    def quorum_reply(self, q: qm.Quorum, stats: dict) -> bytes:
-        """The serialized QuorumResponse for ``q``: built once per decision and
-        handed, as the same bytes, to every member's call (building it per call
-        made a round O(N^2): at 8,192 members, 9 ms per call)."""
-        if self.reply_cache is None or self.reply_cache[0] is not q:
-            resp = pb2.QuorumResponse(protocol_version=LIGHTHOUSE_PROTOCOL_VERSION, quorum=self.quorum_proto(q))
-            self.reply_cache = (q, resp.SerializeToString())
+    def remember(self, q: qm.Quorum) -> None:
+        """Keep the last few decided quorums (a follower's GetView names its leader's)."""
+        self.decided[q.quorum_id] = q
+        while len(self.decided) > 8:
+            del self.decided[min(self.decided)]
+
+    def view_reply(self, q: qm.Quorum, rid: str, process: int, stats: dict) -> bytes:
+        """The serialized QuorumResponse for process ``process`` of member ``rid``: its view
+        (:func:`fthsdp.control.quorum.process_view`). Built once per decision and shard range
+        for healthy askers (the same bytes for every replica's process p: building it per
+        call made a round O(N^2): at 8,192 members, 9 ms per call), per asker when behind."""
+        if self.view_cache_of is not q:
+            self.view_cache, self.view_cache_of = {}, q
+            self.view_members = {x.replica_id: x for x in q.members}
+        m = self.view_members[rid]
+        per = max(1, m.local_world_size // max(1, m.num_processes))
+        first = process * per
+        key = (first, per, rid if rid in q.recovery else None)
+        raw = self.view_cache.get(key)
+        if raw is None:
+            view = qm.process_view(q, rid, first, per)
+            raw = pb2.QuorumResponse(protocol_version=LIGHTHOUSE_PROTOCOL_VERSION,
+                                     quorum=quorum_to_proto(view)).SerializeToString()
+            if key[2] is None:
+                self.view_cache[key] = raw
             stats["replies_serialized"] += 1
         stats["replies_sent"] += 1
-        return self.reply_cache[1]
+        return raw
 
-    def heartbeat_reply(self) -> bytes:
+    def heartbeat_reply(self, registered: bool = True) -> bytes:
         """The serialized HeartbeatResponse: the same for every replica until the dead
         set or the quorum changes (building it per heartbeat was O(members))."""
-        key = (self.quorum, self.dead_version)
+        key = (self.quorum, self.dead_version, registered)
         if self.hb_cache is None or self.hb_cache[0] != key:
             dead = sorted(self.dead, key=qm.ring_key)
             members = set(self.quorum.member_ids) if self.quorum is not None else set()
             resp = pb2.HeartbeatResponse(
                 protocol_version=LIGHTHOUSE_PROTOCOL_VERSION, dead_replica_ids=dead,
                 quorum_id=self.quorum.quorum_id if self.quorum is not None else 0,
-                dead_members=[r for r in dead if r in members])
+                dead_members=[r for r in dead if r in members], addresses_registered=registered)
             self.hb_cache = (key, resp.SerializeToString())
         return self.hb_cache[1]
 
@@ -277,6 +364,31 @@ def _version_error(v: int) -> str | None:
         f"client speaks lighthouse protocol version {v}, this lighthouse speaks "
         f"{LIGHTHOUSE_PROTOCOL_VERSION}: run the same fthsdp version on replicas and lighthouse"
     )
+
+
+def _endpoints_error(who: str, num_processes: int, process_index: int, local_world_size: int,
+                    ftar_addresses, required: bool) -> str | None:
+    """What is wrong with a process's (replica, process) identity and its own shards' endpoints."""
+    n = num_processes or 1
+    if n < 1:
+        return f"num_processes is {num_processes} ({who}): it must be the replica's process count, >= 1 (0 = 1)"
+    if not 0 <= process_index < n:
+        return f"process_index {process_index} is outside 0..{n - 1} ({who}, num_processes {n})"
+    if not required and not ftar_addresses:
+        return None
+    if local_world_size < 1:
+        return f"local_world_size is {local_world_size} ({who}): it must be the number of devices (shards) per replica, >= 1"
+    if local_world_size % n:
+        return (f"local_world_size {local_world_size} is not a multiple of num_processes {n} ({who}): every "
+                "process of a replica holds the same number of shards")
+    if len(ftar_addresses) != local_world_size // n:
+        return (
+            f"ftar_addresses has {len(ftar_addresses)} entries but local_world_size is {local_world_size} over "
+            f"{n} process(es) ({who}): send one FTAR endpoint (host:port) per shard of this process"
+        )
+    if any(not a for a in ftar_addresses):
+        return f"ftar_addresses contains an empty address ({who}): every shard needs host:port"
+    return None
 
 
 def _ids_error(job_id: str, replica_id: str, step: int) -> str | None:
@@ -369,7 +481,8 @@ class Lighthouse(pb2_grpc.LighthouseServicer):
             return job.last_seen
         view = dict(job.last_seen)
         for r in silent_waiters:
-            view[r] = now
+            g = job.groups.get(r)  # its open call speaks for its leader only, not for silent followers
+            view[r] = now if g is None else g.last_seen(leader_at=now)
         return view
 
     def _decision_config(self, job: _Job) -> qm.QuorumConfig:
@@ -388,7 +501,7 @@ class Lighthouse(pb2_grpc.LighthouseServicer):
                 if not p.future.done():
                     p.future.set_result(_Finished(job.finished_step))
             return
-        requests = {r: p.request for r, p in job.pending.items()}
+        requests, waiting_note = self._candidate_requests(job, now)
         t0 = time.perf_counter()
         quorum, reason = qm.decide_quorum(
             requests, self._liveness(job, now), job.quorum, self._decision_config(job), now,
@@ -397,12 +510,13 @@ class Lighthouse(pb2_grpc.LighthouseServicer):
         job.last_eval_at, job.last_eval_cost_s = now, time.perf_counter() - t0
         self.stats["evaluations"] += 1
         self.stats["evaluation_s"] += job.last_eval_cost_s
-        job.last_reason = reason
+        job.last_reason = reason + waiting_note
         if quorum is None:
             return
         if job.quorum is None or quorum.quorum_id != job.quorum.quorum_id:
             log.info("job %r: %s", job.job_id, reason)
         job.quorum = quorum
+        job.remember(quorum)
         self.stats["decisions"] += 1
         for rid in quorum.member_ids:
             p = job.pending.pop(rid)
@@ -410,18 +524,68 @@ class Lighthouse(pb2_grpc.LighthouseServicer):
             # arrival instead declared members dead when answering a large quorum took
             # longer than the detection window (the emulation found this at 4,096 replicas:
             # a lone late requester then formed a quorum of one, split brain).
-            job.last_seen[rid] = now
+            g = job.groups.get(rid)
+            if g is None:
+                job.last_seen[rid] = now
+            else:
+                g.seen[0] = now
+                job.last_seen[rid] = g.last_seen()
             if not p.future.done():
                 p.future.set_result(quorum)
 
-    def _heard(self, job: _Job, rid: str, now: float) -> None:
+    def _candidate_requests(self, job: _Job, now: float) -> tuple[dict[str, qm.QuorumRequest], str]:
+        """The pending requests the decision may use: a replica of several processes asks
+        only once every process registered its addresses and is live (its request is then
+        completed with all of them); until then it is live but not asking."""
+        out: dict[str, qm.QuorumRequest] = {}
+        notes = []
+        for r, p in job.pending.items():
+            g = job.groups.get(r)
+            if g is None:
+                out[r] = p.request
+                continue
+            ep = g.endpoints(now, self.config.detect_s)
+            if isinstance(ep, str):
+                notes.append(f"replica {r}: {ep}")
+                continue
+            out[r] = dataclasses.replace(p.request, ftar_addresses=ep[0], state_server_addresses=ep[1],
+                                         state_server_address=ep[1][0], num_processes=g.num_processes)
+        note = ("; not asking until all its processes registered: " + "; ".join(notes[:4])
+                + (" ..." if len(notes) > 4 else "")) if notes else ""
+        return out, note
+
+    def _group(self, job: _Job, rid: str, num_processes: int, now: float) -> _Group:
+        g = job.groups.get(rid)
+        if g is None or g.num_processes != num_processes:
+            g = job.groups[rid] = _Group(num_processes, now)
+        return g
+
+    def _heard(self, job: _Job, rid: str, now: float, process: int = 0, num_processes: int = 1) -> None:
+        """``rid``'s process ``process`` was heard. A replica of several processes is as
+        fresh as its stalest process; a follower alone never makes its replica known (its
+        leader's first request or heartbeat does) nor brings a dead one back."""
+        if num_processes > 1:
+            g = self._group(job, rid, num_processes, now)
+            g.seen[process] = now
+            t = g.last_seen()
+            if process != 0:
+                if rid in job.last_seen and rid not in job.dead:
+                    job.last_seen[rid] = t
+                return
+            if rid in job.dead and now - t > self.config.detect_s:
+                job.last_seen[rid] = t  # its leader is back, a follower is not (yet): still dead
+                return
+        else:
+            if process == 0:
+                job.groups.pop(rid, None)
+            t = now
         if rid not in job.last_seen or rid in job.dead:
             job.live_hint += 1
             if rid in job.dead:
                 job.dead.discard(rid)
                 job.dead_version += 1
                 log.info("job %r: replica %s is back", job.job_id, rid)
-        job.last_seen[rid] = now
+        job.last_seen[rid] = t
 
     def _expected(self, job: _Job) -> int:
         """Requests that could complete a quorum now (every live replica asking)."""
@@ -453,9 +617,11 @@ class Lighthouse(pb2_grpc.LighthouseServicer):
         dead = qm.dead_replicas(view, now, self.config.detect_s)
         job.live_hint = len(view) - len(dead)
         for r in set(dead) - job.dead:
+            g = job.groups.get(r)
             log.warning(
-                "job %r: replica %s declared dead (silent %.3fs > %gs)",
-                job.job_id, r, now - job.last_seen[r], self.config.detect_s,
+                "job %r: replica %s declared dead (silent %.3fs > %gs)%s",
+                job.job_id, r, now - view[r], self.config.detect_s,
+                f": process(es) {g.silent(now, self.config.detect_s)} of {g.num_processes} silent" if g else "",
             )
         for r in job.dead - set(dead):
             log.info("job %r: replica %s is back", job.job_id, r)
@@ -474,6 +640,8 @@ class Lighthouse(pb2_grpc.LighthouseServicer):
         for job in self._jobs.values():
             for r in job.last_seen:
                 job.last_seen[r] += lag_s
+            for g in job.groups.values():
+                g.shift(lag_s)
 
     async def _tick_loop(self) -> None:
         last = time.monotonic()
@@ -504,15 +672,13 @@ class Lighthouse(pb2_grpc.LighthouseServicer):
         if err:
             return err
         who = f"replica {req.replica_id!r} of job {req.job_id!r}"
-        if req.local_world_size < 1:
-            return f"local_world_size is {req.local_world_size} ({who}): it must be the number of devices (shards) per replica, >= 1"
-        if len(req.ftar_addresses) != req.local_world_size:
-            return (
-                f"ftar_addresses has {len(req.ftar_addresses)} entries but local_world_size is "
-                f"{req.local_world_size} ({who}): send one FTAR endpoint (host:port) per local shard"
-            )
-        if any(not a for a in req.ftar_addresses):
-            return f"ftar_addresses contains an empty address ({who}): every shard needs host:port"
+        if req.process_index != 0:
+            return (f"process {req.process_index} of {who} asked for a quorum: only a replica's leader "
+                    "(process 0) asks; the other processes get its quorum id from it and call GetView")
+        err = _endpoints_error(who, req.num_processes, req.process_index, req.local_world_size,
+                               req.ftar_addresses, required=True)
+        if err:
+            return err
         if req.num_replicas < 0:
             return f"num_replicas is {req.num_replicas} ({who}): it must be >= 0 (0 = not stated)"
         job = self._jobs.get(req.job_id)
@@ -554,7 +720,11 @@ class Lighthouse(pb2_grpc.LighthouseServicer):
                                       finished_step=job.finished_step)
         if request.last_quorum_id > job.qid_floor:
             job.qid_floor = request.last_quorum_id
-        self._heard(job, rid, now)
+        nproc = request.num_processes or 1
+        if nproc > 1:
+            g = self._group(job, rid, nproc, now)
+            g.ftar[0], g.server[0] = tuple(request.ftar_addresses), request.state_server_address
+        self._heard(job, rid, now, 0, nproc)
         job.steps[rid] = request.step
         job.local_world_size.set(rid, request.local_world_size)
         job.stated_replicas.set(rid, request.num_replicas or None)
@@ -576,6 +746,7 @@ class Lighthouse(pb2_grpc.LighthouseServicer):
                 # (restarted, or a new job): copying every member's id out of every
                 # request made a round O(N^2) in Python objects (8,192 x 8,192 at 8K).
                 last_members=tuple(request.last_members) if job.quorum is None else (),
+                num_processes=nproc,
             ),
             future,
         )
@@ -604,16 +775,28 @@ class Lighthouse(pb2_grpc.LighthouseServicer):
         if isinstance(quorum, _Finished):
             return pb2.QuorumResponse(protocol_version=LIGHTHOUSE_PROTOCOL_VERSION, job_finished=True,
                                       finished_step=quorum.step)
-        return job.quorum_reply(quorum, self.stats)
+        return job.view_reply(quorum, rid, 0, self.stats)
 
     async def Heartbeat(self, request: pb2.HeartbeatRequest, context: grpc.aio.ServicerContext) -> pb2.HeartbeatResponse:
         err = _version_error(request.protocol_version) or _ids_error(request.job_id, request.replica_id, request.step)
+        who = f"process {request.process_index} of replica {request.replica_id!r} of job {request.job_id!r}"
+        err = err or _endpoints_error(who, request.num_processes, request.process_index, request.local_world_size,
+                                      request.ftar_addresses, required=False)
         if err:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, err)
         now = time.monotonic()
         job = self._job(request.job_id)
         rid = request.replica_id
-        self._heard(job, rid, now)
+        nproc, proc = request.num_processes or 1, request.process_index
+        registered = True
+        if nproc > 1:
+            g = self._group(job, rid, nproc, now)
+            if request.ftar_addresses:
+                g.ftar[proc], g.server[proc] = tuple(request.ftar_addresses), request.state_server_address
+            registered = proc in g.ftar
+        self._heard(job, rid, now, proc, nproc)
+        if proc != 0:  # a follower: its liveness and addresses only; its leader speaks for the replica
+            return job.heartbeat_reply(registered)
         job.heartbeating.add(rid)
         job.last_heartbeat[rid] = now
         job.reported_qids[rid] = request.last_quorum_id
@@ -623,7 +806,29 @@ class Lighthouse(pb2_grpc.LighthouseServicer):
         # The dead set is recomputed each tick (tick_s adds to detection time;
         # per-heartbeat recomputation would cost O(replicas) per heartbeat), and
         # the reply is serialized once per (quorum, dead set), not per heartbeat.
-        return job.heartbeat_reply()
+        return job.heartbeat_reply(registered)
+
+    async def GetView(self, request: pb2.ViewRequest, context: grpc.aio.ServicerContext) -> pb2.QuorumResponse:
+        err = _version_error(request.protocol_version) or _ids_error(request.job_id, request.replica_id, 0)
+        if err:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, err)
+        job = self._jobs.get(request.job_id)
+        q = job.decided.get(request.quorum_id) if job is not None else None
+        rid = request.replica_id
+        if q is None:
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"quorum {request.quorum_id} of job {request.job_id!r} is not held by this lighthouse (it keeps the "
+                f"last 8; a restarted one none): replica {rid!r} must ask for a new quorum")
+        m = next((x for x in q.members if x.replica_id == rid), None)
+        if m is None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"replica {rid!r} is not a member of quorum {q.quorum_id} of job {request.job_id!r}")
+        if not 0 <= request.process_index < m.num_processes:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"process_index {request.process_index} is outside 0..{m.num_processes - 1} "
+                                f"(replica {rid!r} has {m.num_processes} process(es) in quorum {q.quorum_id})")
+        return job.view_reply(q, rid, request.process_index, self.stats)
 
     async def Leave(self, request: pb2.LeaveRequest, context: grpc.aio.ServicerContext) -> pb2.LeaveResponse:
         err = _version_error(request.protocol_version) or _ids_error(request.job_id, request.replica_id, request.step)
@@ -642,6 +847,7 @@ class Lighthouse(pb2_grpc.LighthouseServicer):
             job.dead_version += 1
         job.local_world_size.set(rid, None)
         job.stated_replicas.set(rid, None)
+        job.groups.pop(rid, None)
         old = job.pending.pop(rid, None)
         if old is not None and not old.future.done():
             old.future.set_exception(_Superseded())
@@ -676,6 +882,8 @@ class Lighthouse(pb2_grpc.LighthouseServicer):
                     last_heartbeat_age_s=now - view[r],
                     dead=r in dead,
                     waiting=r in job.pending,
+                    num_processes=job.groups[r].num_processes if r in job.groups else 1,
+                    silent_processes=job.groups[r].silent(now, self.config.detect_s) if r in job.groups else [],
                 )
                 for r in sorted(view, key=qm.ring_key)
             ]

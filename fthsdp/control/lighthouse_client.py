@@ -15,6 +15,14 @@ heartbeat thread keeps trying every interval. The caller's step is untouched
 meanwhile (its gradients stay in hand). Every request reports the last quorum
 this replica was a member of, from which a restarted lighthouse rebuilds the
 job (see :mod:`fthsdp.control.lighthouse`). ``leave`` says goodbye at a normal exit.
+
+**A process of a replica of several.** Constructed with ``process_index`` and
+``num_processes``, the client heartbeats as that process and, once given its
+own shards' endpoints (:meth:`LighthouseClient.register`), sends them with its
+heartbeats until the lighthouse says it holds them. Only the leader (process
+0) calls ``get_quorum``; the others call :meth:`LighthouseClient.get_view`
+with the quorum id their leader hands them. Either way the answer is this
+process's view: ``Quorum.rings`` (its shards' rings) and ``Quorum.sources``.
 """
 
 from __future__ import annotations
@@ -116,6 +124,8 @@ class ReplicaStatus:
     last_heartbeat_age_s: float
     dead: bool
     waiting: bool
+    num_processes: int = 1
+    silent_processes: tuple[int, ...] = ()  # processes silent past the detection window
 
 
 @dataclass(frozen=True)
@@ -175,10 +185,12 @@ def status_cli(argv: list[str]) -> int:
 
 
 def quorum_from_proto(p: pb2.Quorum) -> qm.Quorum:
+    """A quorum answer (a process's view) or a Status quorum (every endpoint) from the wire."""
     return qm.Quorum(
         quorum_id=p.quorum_id,
         members=tuple(
-            qm.Member(m.replica_id, m.step, tuple(m.ftar_addresses), m.state_server_address, m.local_world_size)
+            qm.Member(m.replica_id, m.step, tuple(m.ftar_addresses), m.state_server_address, m.local_world_size,
+                      m.num_processes or 1)
             for m in p.members
         ),
         max_step=p.max_step,
@@ -188,6 +200,9 @@ def quorum_from_proto(p: pb2.Quorum) -> qm.Quorum:
         num_healthy=p.num_healthy,
         num_configured=p.num_configured,
         reason=p.reason,
+        rings=tuple(tuple(r.addresses) for r in p.rings),
+        first_shard=p.rings[0].shard if p.rings else 0,
+        sources=tuple(qm.ShardSource(x.shard, x.replica_id, x.state_server_address) for x in p.sources),
     )
 
 
@@ -208,10 +223,16 @@ class LighthouseClient:
         heartbeat_timeout_s: float = 0.5,
         outage_s: float = 0.0,
         rejoin: bool = False,
+        process_index: int = 0,
+        num_processes: int = 1,
     ) -> None:
         """``outage_s``: how long ``get_quorum`` retries an unreachable lighthouse
         (0 = fail at once). ``rejoin``: this process was restarted to rejoin a
-        running job (a finished job then answers :class:`JobFinished`)."""
+        running job (a finished job then answers :class:`JobFinished`).
+        ``process_index``/``num_processes``: which process of its replica this is."""
+        if num_processes < 1 or not 0 <= process_index < num_processes:
+            raise ValueError(f"process_index {process_index} must be in 0..num_processes-1 (num_processes "
+                             f"{num_processes} >= 1)")
         if not job_id:
             raise ValueError("job_id is empty: pass the job's name (shared by all its replicas)")
         if replica_id == "" or replica_id is None:
@@ -228,6 +249,12 @@ class LighthouseClient:
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.outage_s = outage_s
         self.rejoin = rejoin
+        self.process_index = process_index
+        self.num_processes = num_processes
+        # This process's own shards' endpoints, state server and the replica's shard count,
+        # sent with heartbeats while the lighthouse does not hold them (see register).
+        self._endpoints: tuple[tuple[str, ...], str, int] | None = None
+        self._registered = False
         self._channel = grpc.insecure_channel(address, options=_CHANNEL_OPTIONS)
         self._stub = pb2_grpc.LighthouseStub(self._channel)
         self._step = 0
@@ -290,13 +317,16 @@ class LighthouseClient:
             step=step,
             ftar_addresses=list(ftar_addresses),
             state_server_address=state_server_address,
-            local_world_size=len(ftar_addresses) if local_world_size is None else local_world_size,
+            local_world_size=(len(ftar_addresses) * self.num_processes if local_world_size is None
+                              else local_world_size),
             commit_failed=commit_failed,
             num_replicas=num_replicas,
             last_quorum_id=last.quorum_id if last is not None else 0,
             last_members=list(last.member_ids) if last is not None else [],
             rejoin=self.rejoin,
             fresh_start=last is None and not self.rejoin,
+            process_index=self.process_index,
+            num_processes=self.num_processes,
         )
         down_since: float | None = None
         delays = backoff_delays()
@@ -333,6 +363,40 @@ class LighthouseClient:
             self.last_quorum = q
         return q
 
+    def register(self, ftar_addresses: Sequence[str], state_server_address: str, local_world_size: int) -> None:
+        """This process's own shards' endpoints: sent with the heartbeats until the
+        lighthouse holds them (a replica of several processes; the leader's go with
+        its quorum requests too)."""
+        self._endpoints = (tuple(ftar_addresses), state_server_address, int(local_world_size))
+        self._registered = False
+
+    def get_view(self, quorum_id: int, *, timeout_s: float | None = None) -> qm.Quorum:
+        """This process's view of quorum ``quorum_id`` (which its leader got): its shards'
+        rings and recovery sources. Raises LighthouseError (FAILED_PRECONDITION) when the
+        lighthouse no longer holds that quorum; retries an unreachable lighthouse like
+        ``get_quorum`` for up to ``outage_s``."""
+        t = self.rpc_timeout_s if timeout_s is None else timeout_s
+        req = pb2.ViewRequest(protocol_version=LIGHTHOUSE_PROTOCOL_VERSION, job_id=self.job_id,
+                              replica_id=self.replica_id, process_index=self.process_index, quorum_id=quorum_id)
+        down_since: float | None = None
+        delays = backoff_delays()
+        while True:
+            try:
+                resp = self._stub.GetView(req, timeout=t)
+                break
+            except grpc.RpcError as e:
+                err = self._error(f"get_view(quorum {quorum_id}, process {self.process_index})", e, t)
+            if not isinstance(err, LighthouseUnavailable):
+                raise err from None
+            now = time.monotonic()
+            down_since = now if down_since is None else down_since
+            if now - down_since >= self.outage_s:
+                raise err
+            time.sleep(min(next(delays), max(0.0, down_since + self.outage_s - now)))
+        q = quorum_from_proto(resp.quorum)
+        self.last_quorum = q
+        return q
+
     def leave(self, step: int, *, finished: bool, timeout_s: float | None = None) -> bool:
         """Say goodbye (stop heartbeats first): the lighthouse forgets this replica at
         once instead of declaring it dead, and with ``finished`` remembers that the
@@ -357,11 +421,18 @@ class LighthouseClient:
         req = pb2.HeartbeatRequest(
             protocol_version=LIGHTHOUSE_PROTOCOL_VERSION, job_id=self.job_id, replica_id=self.replica_id,
             step=self._step, last_quorum_id=last.quorum_id if last is not None else 0,
+            process_index=self.process_index, num_processes=self.num_processes,
         )
+        ep = self._endpoints
+        if ep is not None and not self._registered:
+            req.ftar_addresses.extend(ep[0])
+            req.state_server_address, req.local_world_size = ep[1], ep[2]
         try:
             resp = self._stub.Heartbeat(req, timeout=self.heartbeat_timeout_s)
         except grpc.RpcError as e:
             raise self._error("heartbeat", e, self.heartbeat_timeout_s) from None
+        # Sent and held: stop sending them; not held (a restarted lighthouse): send again.
+        self._registered = resp.addresses_registered and ep is not None
         reply = HeartbeatReply(tuple(resp.dead_replica_ids), resp.quorum_id, tuple(resp.dead_members))
         self.last_heartbeat = reply
         return reply
@@ -379,7 +450,8 @@ class LighthouseClient:
             JobStatus(
                 job_id=j.job_id,
                 replicas=tuple(
-                    ReplicaStatus(r.replica_id, r.step, r.last_heartbeat_age_s, r.dead, r.waiting) for r in j.replicas
+                    ReplicaStatus(r.replica_id, r.step, r.last_heartbeat_age_s, r.dead, r.waiting,
+                                  r.num_processes or 1, tuple(r.silent_processes)) for r in j.replicas
                 ),
                 quorum=quorum_from_proto(j.quorum) if j.has_quorum else None,
                 last_reason=j.last_reason,

@@ -46,6 +46,14 @@ Rules, in the order they are checked (see :func:`decide_quorum`):
 Members are in ring order (:func:`ring_key`); replicas at the highest step are
 *healthy*, the rest *behind*: they contribute zero gradients and fetch state
 from healthy replicas, one source per local shard, spread round-robin.
+
+**Replicas, not processes, decide.** A replica may be several processes (each
+holding a run of its shards); the decision is over replicas only. Processes
+appear only as data: a request carries every shard's endpoint and each
+process's state server (the lighthouse assembles them from the processes'
+own registrations), and :func:`process_view` cuts a decided quorum down to
+what one process needs: the members, the rings of its own shards, and its
+shards' recovery sources.
 """
 
 from __future__ import annotations
@@ -64,6 +72,8 @@ __all__ = [
     "incumbents_of",
     "assign_sources",
     "ring_key",
+    "ShardSource",
+    "process_view",
 ]
 
 
@@ -111,19 +121,43 @@ class QuorumRequest:
     # what a restarted lighthouse rebuilds the job's ids and incumbents from.
     last_quorum_id: int = 0
     last_members: tuple[str, ...] = ()
+    # A replica of several processes: each process's state server, in process
+    # order (process p holds shards p*D .. p*D+D-1, D = local_world_size / num_processes).
+    num_processes: int = 1
+    state_server_addresses: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
 class Member:
     replica_id: str
     step: int
-    ftar_addresses: tuple[str, ...] = ()
-    state_server_address: str = ""
+    ftar_addresses: tuple[str, ...] = ()  # every shard's endpoint (empty in a process's view)
+    state_server_address: str = ""  # process 0's (in a view: the one holding the viewer's first shard)
     local_world_size: int = 1
+    num_processes: int = 1
+    state_server_addresses: tuple[str, ...] = ()  # per process (empty: state_server_address for all)
 
     def identity(self) -> tuple:
         """What a ring connection depends on: a change here needs a new quorum id."""
-        return (self.replica_id, self.ftar_addresses, self.state_server_address, self.local_world_size)
+        return (self.replica_id, self.ftar_addresses, self.state_server_address, self.local_world_size,
+                self.num_processes, self.state_server_addresses)
+
+    def server_for(self, shard: int) -> str:
+        """The state server of the process that holds ``shard`` of this replica."""
+        if not self.state_server_addresses:
+            return self.state_server_address
+        per = max(1, self.local_world_size // max(1, len(self.state_server_addresses)))
+        return self.state_server_addresses[min(shard // per, len(self.state_server_addresses) - 1)]
+
+
+@dataclass(frozen=True)
+class ShardSource:
+    """Where a behind process fetches one of its shards: the assigned healthy replica and
+    the state server of that replica's process holding the shard."""
+
+    shard: int
+    replica_id: str
+    state_server_address: str
 
 
 @dataclass(frozen=True)
@@ -143,6 +177,11 @@ class Quorum:
     # Live newcomers this quorum was formed without after the join timeout;
     # the next decision does not wait for them again.
     left_out: tuple[str, ...] = ()
+    # A process's view (see process_view): rings[j] = shard first_shard + j of every
+    # member, in ring order; sources: the viewer's shards' recovery sources (viewer behind).
+    rings: tuple[tuple[str, ...], ...] = ()
+    first_shard: int = 0
+    sources: tuple[ShardSource, ...] = ()
 
     @property
     def member_ids(self) -> tuple[str, ...]:
@@ -166,8 +205,53 @@ class Quorum:
         return replica_id in self.healthy
 
     def sources_for(self, replica_id: str) -> tuple[str, ...]:
-        """Healthy replicas that serve each local shard of behind ``replica_id`` (empty if healthy)."""
+        """Healthy replicas that serve each local shard of behind ``replica_id`` (empty if healthy).
+        In a process's view: each of that process's shards."""
         return tuple(self.recovery.get(replica_id, ()))
+
+    def ring_addresses(self) -> list[list[str]]:
+        """Per member (ring order), the endpoints the viewer connects to: the viewer's own
+        shards' rings in a process's view, every shard of every member otherwise."""
+        if self.rings:
+            return [[ring[i] for ring in self.rings] for i in range(len(self.members))]
+        return [list(m.ftar_addresses) for m in self.members]
+
+    def member_at(self, address: str) -> str | None:
+        """The member whose FTAR endpoint or state server is ``address`` (a fault's source)."""
+        for i, m in enumerate(self.members):
+            if address in m.ftar_addresses or address == m.state_server_address or \
+                    address in m.state_server_addresses or any(r[i] == address for r in self.rings):
+                return m.replica_id
+        for s in self.sources:
+            if s.state_server_address == address:
+                return s.replica_id
+        return None
+
+
+def process_view(q: Quorum, replica_id: str, first_shard: int, num_shards: int) -> Quorum:
+    """What one process of ``replica_id`` holding shards ``first_shard`` .. ``+num_shards-1``
+    is told about ``q``: the members (ids, steps; no endpoint lists), the rings of its own
+    shards, and, if its replica is behind, one source per own shard (replica and the state
+    server of the process holding that shard there). O(members x num_shards), not O(members
+    x every shard). Raises ValueError if the shards are outside the members' shards."""
+    last = first_shard + num_shards
+    for m in q.members:
+        if m.ftar_addresses and len(m.ftar_addresses) < last:
+            raise ValueError(f"shards {first_shard}..{last - 1} are outside member {m.replica_id}'s "
+                             f"{len(m.ftar_addresses)} shards (every replica must have the same shards)")
+    members = tuple(Member(m.replica_id, m.step, (), m.server_for(first_shard), m.local_world_size, m.num_processes)
+                    for m in q.members)
+    rings = tuple(tuple(m.ftar_addresses[k] for m in q.members) for k in range(first_shard, last))
+    recovery: dict[str, tuple[str, ...]] = {}
+    sources: tuple[ShardSource, ...] = ()
+    ids = q.recovery.get(replica_id)
+    if ids:
+        by_id = {m.replica_id: m for m in q.members}
+        mine = tuple(ids[k % len(ids)] for k in range(first_shard, last))
+        recovery[replica_id] = mine
+        sources = tuple(ShardSource(k, r, by_id[r].server_for(k)) for k, r in zip(range(first_shard, last), mine))
+    return Quorum(q.quorum_id, members, q.max_step, q.healthy, q.behind, recovery, q.num_healthy,
+                  q.num_configured, q.reason, q.left_out, rings, first_shard, sources)
 
 
 def dead_replicas(heartbeats: Mapping[str, float], now: float, window: float) -> list[str]:
@@ -326,7 +410,8 @@ def decide_quorum(
     # Form it.
     ordered = sorted(candidates, key=lambda c: ring_key(c.replica_id))
     members = tuple(
-        Member(c.replica_id, c.step, tuple(c.ftar_addresses), c.state_server_address, c.local_world_size)
+        Member(c.replica_id, c.step, tuple(c.ftar_addresses), c.state_server_address, c.local_world_size,
+               c.num_processes, tuple(c.state_server_addresses))
         for c in ordered
     )
     max_step = max(m.step for m in members)

@@ -36,4 +36,7 @@ def lighthouse() -> tuple[ModuleType, ModuleType]:
 
 
 # Bumped on any incompatible change to lighthouse.proto; both sides check it.
-LIGHTHOUSE_PROTOCOL_VERSION = 1
+# 2: (replica, process) heartbeats and views (an answer carries the asker's
+# shards' rings, not every endpoint; QuorumRequest.ftar_addresses are the
+# asking process's own shards).
+LIGHTHOUSE_PROTOCOL_VERSION = 2

@@ -13,7 +13,12 @@ replica a hang ends only by the launcher killing the whole group).
 **One leader per replica.** Process 0 asks the lighthouse; every decision the
 replica's processes must take identically (the quorum, whether to retry,
 whether to commit) is *published by the leader and replayed by the
-followers* through :class:`DecisionChannel`.
+followers* through :class:`DecisionChannel`. Every process heartbeats to the
+lighthouse itself, under (replica, process), with its own FTAR endpoints and
+state server: the lighthouse counts the replica live only while all its
+processes are, and gives each process its own view of a quorum (its shards'
+rings and recovery sources; a follower fetches it by the quorum id its leader
+hands over), so no process receives every endpoint of the job.
 
 Why the channel is the distributed runtime's key-value store and not a
 socket of our own: the store already exists (the coordinator that
@@ -41,8 +46,10 @@ import time
 from typing import Any
 
 from fthsdp.addresses import split_host_port
+from fthsdp.errors import ReplicaFatalError
 
-__all__ = ["GroupSpec", "DecisionChannel", "DecisionTimeout", "initialize", "ENV"]
+__all__ = ["GroupSpec", "DecisionChannel", "DecisionTimeout", "initialize", "ENV", "LeaderQuorumSource",
+           "FollowerQuorumSource", "ViewUnavailable", "GroupWatchdog"]
 
 # Environment variables the entry point reads (flags win), one per field.
 ENV = {
@@ -217,60 +224,30 @@ class DecisionChannel:
 
 
 def quorum_to_json(q) -> dict:
-    return dataclasses.asdict(q)
+    """The leader's decision for its followers: the quorum without the leader's own view
+    (its rings and sources; each follower fetches its own from the lighthouse)."""
+    return dataclasses.asdict(dataclasses.replace(q, rings=(), sources=()))
 
 
 def quorum_from_json(d: dict):
     from fthsdp.control import quorum as qm
 
     d = dict(d)
-    d["members"] = tuple(qm.Member(**{**m, "ftar_addresses": tuple(m["ftar_addresses"])}) for m in d["members"])
+    d["members"] = tuple(qm.Member(**{**m, "ftar_addresses": tuple(m["ftar_addresses"]),
+                                      "state_server_addresses": tuple(m.get("state_server_addresses", ()))})
+                         for m in d["members"])
     for k in ("healthy", "behind", "left_out"):
         d[k] = tuple(d.get(k, ()))
     d["recovery"] = {k: tuple(v) for k, v in d.get("recovery", {}).items()}
+    d["rings"] = tuple(tuple(r) for r in d.get("rings", ()))
+    d["sources"] = tuple(qm.ShardSource(**x) for x in d.get("sources", ()))
     return qm.Quorum(**d)
 
 
-class GroupCommunicator:
-    """This process's FTAR endpoints (its own shards) seen as the replica's.
-
-    The replica advertises every process's shard addresses, in global shard
-    order (the leader gathers them once at start-up); each process connects
-    only its own shards' rings: shard i of every replica forms ring i,
-    whatever process of each replica holds it."""
-
-    def __init__(self, comm, spec: GroupSpec, channel: DecisionChannel, timeout_s: float):
-        self.comm = comm
-        self.spec = spec
-        self.channel = channel
-        self.local = len(comm.addresses)
-        self.offset = spec.process_index * self.local
-        gathered = channel.gather("ftar_addresses", list(comm.addresses), timeout_s)
-        self.all_addresses = tuple(a for per in gathered for a in per) if gathered else tuple(comm.addresses)
-
-    @property
-    def handle(self) -> int:
-        return self.comm.handle
-
-    @property
-    def addresses(self) -> tuple[str, ...]:
-        """The replica's (every process's) shard addresses: what the leader tells the lighthouse."""
-        return self.all_addresses
-
-    def configure(self, job_id: str, quorum_id: int, rank: int, members, timeout_s: float):
-        mine = [list(m)[self.offset:self.offset + self.local] for m in members]
-        for i, m in enumerate(mine):
-            if len(m) != self.local:
-                raise ValueError(f"member {i} of quorum {quorum_id} lists {len(members[i])} shard addresses; this "
-                                 f"replica has {self.local * self.spec.num_processes} (every replica must use the "
-                                 "same P x D shape)")
-        return self.comm.configure(job_id, quorum_id, rank, mine, timeout_s=timeout_s)
-
-    def abort(self, reason: str) -> None:
-        self.comm.abort(reason)
-
-    def close(self) -> None:
-        self.comm.close()
+class ViewUnavailable(ReplicaFatalError):
+    """A follower could not get its own view of its leader's quorum (the lighthouse restarted
+    or moved on): it cannot connect its rings the way its leader decided, so the replica
+    fails as a unit and rejoins (rare: the lighthouse keeps the last few quorums)."""
 
 
 class LeaderQuorumSource:
@@ -296,14 +273,20 @@ class LeaderQuorumSource:
 
 
 class FollowerQuorumSource:
-    """A follower's stand-in for the lighthouse client: it replays its leader's quorums and
-    never talks to the lighthouse (the leader does, for the whole replica)."""
+    """A follower's quorum source: it replays its leader's decisions (never asks for a
+    quorum itself), heartbeats to the lighthouse as its own process (so that its silence
+    alone makes the replica dead there), and fetches its own view of each quorum its
+    leader hands it: the rings of its own shards and their recovery sources."""
 
-    heartbeating = True  # the leader heartbeats for the replica
-
-    def __init__(self, channel: DecisionChannel, timeout_s: float):
+    def __init__(self, channel: DecisionChannel, timeout_s: float, client):
         self.channel = channel
         self.timeout_s = timeout_s
+        self.client = client
+        self._view = None  # the last view fetched (rings depend only on the quorum id)
+
+    @property
+    def heartbeating(self) -> bool:
+        return self.client.heartbeating
 
     def get_quorum(self, step: int, **kwargs):
         d = self.channel.receive("quorum", self.timeout_s)
@@ -311,16 +294,37 @@ class FollowerQuorumSource:
             from fthsdp.control.lighthouse_client import JobFinished
 
             raise JobFinished(d["message"], int(d["job_finished"]))
-        return quorum_from_json(d)
+        q = quorum_from_json(d)
+        self.client.set_step(step)
+        v = self._view
+        if v is None or v.quorum_id != q.quorum_id or q.recovery:
+            try:
+                v = self._view = self.client.get_view(q.quorum_id)
+            except Exception as e:  # noqa: BLE001 - any failure: this process cannot follow its leader
+                raise ViewUnavailable(f"process {self.client.process_index} of replica {self.client.replica_id}: "
+                                      f"no view of quorum {q.quorum_id} from the lighthouse ({e}); the replica "
+                                      "fails as a unit and rejoins") from e
+            if v.max_step != q.max_step or v.member_ids != q.member_ids:
+                raise ViewUnavailable(f"the lighthouse's quorum {q.quorum_id} (members {list(v.member_ids)} at step "
+                                      f"{v.max_step}) is not the one the leader handed over (members "
+                                      f"{list(q.member_ids)} at step {q.max_step}); the replica fails as a unit")
+        return dataclasses.replace(q, members=v.members, rings=v.rings, first_shard=v.first_shard,
+                                   sources=v.sources if q.recovery else (),
+                                   recovery=v.recovery if q.recovery else {})
 
     def start_heartbeats(self, on_dead=None) -> None:
-        pass
+        if not self.client.heartbeating:
+            self.client.start_heartbeats(on_dead)
+
+    def status(self, *a, **kw):
+        return self.client.status(*a, **kw)
 
     def leave(self, step: int, finished: bool = False) -> None:
-        pass
+        """Stop heartbeating; the leader says goodbye for the replica."""
+        self.client.stop_heartbeats()
 
     def close(self) -> None:
-        pass
+        self.client.close()
 
 
 class GroupWatchdog:

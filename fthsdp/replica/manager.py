@@ -204,7 +204,7 @@ class Manager:
     def _configure(self, q: qm.Quorum) -> float:
         t0 = time.perf_counter()
         rank = q.rank_of(self.replica_id)
-        members = [list(m.ftar_addresses) for m in q.members]
+        members = q.ring_addresses()  # per member, this process's shards' endpoints
         self.comm.configure(self.job_id, q.quorum_id, rank, members, timeout_s=self.cfg.ft.allreduce_timeout_s)
         with self._lock:
             self._configured_qid = q.quorum_id
@@ -343,10 +343,7 @@ class Manager:
         """The member of ``q`` whose FTAR or state-server address is ``address`` (a fault's source)."""
         if not address:
             return None
-        for m in q.members:
-            if address in m.ftar_addresses or address == m.state_server_address:
-                return m.replica_id
-        return None
+        return q.member_at(address)
 
     def _catch_up(self, q: qm.Quorum, step: int, events: list[str]) -> int:
         """Behind: install the healthy replicas' state of the end of step max_step - 1."""

@@ -120,13 +120,12 @@ class ReplicaProcess:
                                           timeout_s=cfg.ft.allreduce_timeout_s, listen_host=cfg.ft.bind_host,
                                           advertise_host=cfg.ft.advertise_host)
             allreduce = ftar.allreduce
-            if self.group.num_processes > 1:
-                from fthsdp.replica.group import DecisionChannel, GroupCommunicator
-
-                self.channel = DecisionChannel(self.group, namespace=args.job)
-                self.comm = GroupCommunicator(self.comm, self.group, self.channel, cfg.ft.startup_timeout_s)
         else:
             self.comm, allreduce = SoloCommunicator(), local_allreduce
+        if self.group.num_processes > 1:
+            from fthsdp.replica.group import DecisionChannel
+
+            self.channel = DecisionChannel(self.group, namespace=args.job)
         self.ts = make_train_step(cfg, self.mesh, allreduce=allreduce)
         state = self.ts.init(cfg.train.seed)
         self.abstract = jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh),
@@ -170,16 +169,24 @@ class ReplicaProcess:
         self.status_path = files / f"status-{self.rid}.json"
         self.started = time.time()
 
+        # Every process is its own client of the lighthouse (heartbeats, its addresses, its
+        # views); only the leader asks for quorums.
+        client = LighthouseClient(args.lighthouse, args.job, self.rid,
+                                  heartbeat_interval_s=cfg.ft.heartbeat_interval_s,
+                                  heartbeat_timeout_s=cfg.timeouts.heartbeat_rpc_s,
+                                  outage_s=cfg.timeouts.lighthouse_outage_s, rejoin=args.rejoin,
+                                  process_index=self.group.process_index, num_processes=self.group.num_processes)
+        if self.group.num_processes > 1:
+            client.register(self.comm.addresses, self.server.url,
+                            len(self.comm.addresses) * self.group.num_processes)
         if not self.leader:
             from fthsdp.replica.group import FollowerQuorumSource
 
             self.client = FollowerQuorumSource(
-                self.channel, cfg.timeouts.quorum_timeout_s + cfg.timeouts.lighthouse_outage_s + cfg.ft.startup_timeout_s)
+                self.channel, cfg.timeouts.quorum_timeout_s + cfg.timeouts.lighthouse_outage_s + cfg.ft.startup_timeout_s,
+                client)
         else:
-            self.client = LighthouseClient(args.lighthouse, args.job, self.rid,
-                                           heartbeat_interval_s=cfg.ft.heartbeat_interval_s,
-                                           heartbeat_timeout_s=cfg.timeouts.heartbeat_rpc_s,
-                                           outage_s=cfg.timeouts.lighthouse_outage_s, rejoin=args.rejoin)
+            self.client = client
             if self.group.num_processes > 1:
                 from fthsdp.replica.group import LeaderQuorumSource
 
@@ -193,6 +200,10 @@ class ReplicaProcess:
                            lighthouse=self.client, state=state, loader=LoaderState(replica=args.replica_id),
                            recover=self.recover, state_server_address=self.server.url,
                            on_commit=self.on_commit, on_quorum=self.on_quorum, rejoin=args.rejoin)
+        if not self.leader:
+            # A follower registers its addresses from the start (its heartbeats alone never make
+            # its replica known to the lighthouse, nor bring a dead one back: its leader's do).
+            self.client.start_heartbeats(on_dead=self.mgr.on_dead)
 
     # -- state from peers -------------------------------------------------------
 
@@ -201,7 +212,8 @@ class ReplicaProcess:
         from fthsdp.checkpoint import orbax_peer
         from fthsdp.errors import PeerFetchError
 
-        assigned = [q.member(src).state_server_address for src in q.sources_for(self.rid)]
+        assigned = ([s.state_server_address for s in q.sources] if q.sources else
+                    [q.member(src).state_server_address for src in q.sources_for(self.rid)])
         others = [q.member(h).state_server_address for h in q.healthy]
         first = list(dict.fromkeys(a for a in assigned if a))
         tries = [first, [a for a in dict.fromkeys(others) if a and a not in first] + first]
@@ -352,7 +364,7 @@ class ReplicaProcess:
         log.info("replica %s: compiled the step in %.1fs (before checking in)", self.rid, mgr.warm_up())
         if cfg.ft.snapshot == "every_commit":
             self.snapshot()
-        if not self.args.rejoin:
+        if not self.args.rejoin and not self.client.heartbeating:
             # A rejoiner starts heartbeating at its first quorum (on_quorum): its open
             # request is its sign of life until then, so the lighthouse never sees it
             # "live but not asking" and the others never wait a join limit for it.

@@ -1,0 +1,203 @@
+"""The lighthouse protocol for replicas of several processes (issue 11, items 2 and 4/5).
+
+Pure: a process's view of a quorum carries the members and only its own shards'
+rings and recovery sources. Real lighthouse (gRPC, real clients): every process
+heartbeats under (replica, process) and registers its own endpoints; a replica
+asks only once all its processes registered; a follower gets its own view by the
+quorum id its leader got; one silent process makes its whole replica dead
+although its leader keeps heartbeating.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+
+from fthsdp.control import quorum as qm
+from fthsdp.control.lighthouse import LighthouseConfig, LighthouseThread
+from fthsdp.control.lighthouse_client import LighthouseClient, LighthouseError
+from fthsdp.proto import LIGHTHOUSE_PROTOCOL_VERSION, lighthouse as load_stubs
+
+pb2, pb2_grpc = load_stubs()
+DETECT = 0.5
+
+
+def ftar(r: int, p: int, d: int) -> list[str]:
+    """Process p of replica r: endpoints of its d shards (global shards p*d .. p*d+d-1)."""
+    return [f"127.0.0.{r + 2}:{20000 + 100 * p + k}" for k in range(d)]
+
+
+def server(r: int, p: int) -> str:
+    return f"127.0.0.{r + 2}:{30000 + p}"
+
+
+def full_member(r: int, step: int, procs: int, d: int) -> qm.Member:
+    return qm.Member(str(r), step, tuple(a for p in range(procs) for a in ftar(r, p, d)), server(r, 0), procs * d,
+                     procs, tuple(server(r, p) for p in range(procs)))
+
+
+def test_a_process_view_carries_only_its_own_shards_rings_and_sources():
+    # 3 replicas x 2 processes x 2 shards; replica 2 behind, healthy 0 and 1.
+    members = tuple(full_member(r, 5 if r < 2 else 0, 2, 2) for r in range(3))
+    recovery = qm.assign_sources([("2", 4)], ("0", "1"))
+    q = qm.Quorum(9, members, 5, ("0", "1"), ("2",), recovery, 2, 3, "test")
+    v = qm.process_view(q, "0", 2, 2)  # healthy replica 0, process 1: shards 2 and 3
+    assert v.rings == (tuple(ftar(r, 1, 2)[0] for r in range(3)), tuple(ftar(r, 1, 2)[1] for r in range(3)))
+    assert v.first_shard == 2 and v.sources == () and v.recovery == {}
+    assert all(m.ftar_addresses == () for m in v.members)  # no member's endpoint list
+    assert v.ring_addresses() == [ftar(r, 1, 2) for r in range(3)]  # per member: this process's two rings
+    b = qm.process_view(q, "2", 2, 2)  # behind replica 2, process 1
+    assert [(s.shard, s.replica_id) for s in b.sources] == [(2, recovery["2"][2]), (3, recovery["2"][3])]
+    # each shard comes from the state server of the source's process that holds that shard (process 1)
+    assert [s.state_server_address for s in b.sources] == [server(int(s.replica_id), 1) for s in b.sources]
+    assert b.sources_for("2") == (recovery["2"][2], recovery["2"][3])
+    assert q.member("1").server_for(3) == server(1, 1) and q.member("1").server_for(1) == server(1, 0)
+    with pytest.raises(ValueError, match="outside"):
+        qm.process_view(q, "0", 4, 2)
+
+
+def test_a_views_size_grows_with_the_askers_shards_not_with_every_endpoint():
+    def size(procs: int) -> int:
+        from fthsdp.control.lighthouse import quorum_to_proto
+
+        members = tuple(full_member(r, 1, procs, 2) for r in range(16))
+        q = qm.Quorum(3, members, 1, tuple(m.replica_id for m in members), (), {}, 16, 16, "x")
+        return len(quorum_to_proto(qm.process_view(q, "0", 0, 2)).SerializeToString()), \
+            len(quorum_to_proto(q).SerializeToString())
+
+    (v1, full1), (v8, full8) = size(1), size(8)
+    assert full8 > 4 * full1  # every endpoint: grows with the replica's processes
+    assert v8 < 1.2 * v1  # a process's view: the same size whatever the replica's process count
+
+
+@pytest.fixture
+def lighthouse():
+    with LighthouseThread(LighthouseConfig(join_timeout_s=0.3, detect_s=DETECT, tick_s=0.02)) as lh:
+        yield lh
+
+
+def clients(address: str, job: str, replicas: int, procs: int, d: int) -> dict[tuple[int, int], LighthouseClient]:
+    out = {}
+    for r in range(replicas):
+        for p in range(procs):
+            c = LighthouseClient(address, job, r, heartbeat_interval_s=0.05, heartbeat_timeout_s=0.5,
+                                 process_index=p, num_processes=procs)
+            c.register(ftar(r, p, d), server(r, p), procs * d)
+            out[(r, p)] = c
+    return out
+
+
+def ask(cs: dict, replicas: int, d: int, step: int = 0, timeout_s: float = 10.0) -> list[qm.Quorum]:
+    with ThreadPoolExecutor(replicas) as ex:
+        futs = [ex.submit(cs[(r, 0)].get_quorum, step, ftar_addresses=ftar(r, 0, d), state_server_address=server(r, 0),
+                          num_replicas=replicas, timeout_s=timeout_s) for r in range(replicas)]
+        return [f.result() for f in futs]
+
+
+def test_every_process_registers_and_gets_its_own_view(lighthouse):
+    cs = clients(lighthouse.address, "mp", 2, 2, 2)
+    try:
+        for c in cs.values():
+            c.start_heartbeats()
+        deadline = time.monotonic() + 5
+        while not all(c._registered for c in cs.values()):  # every heartbeat carried its addresses once
+            assert time.monotonic() < deadline, "a process never registered"
+            time.sleep(0.02)
+        q0, q1 = ask(cs, 2, 2)
+        assert q0.quorum_id == q1.quorum_id and q0.member_ids == ("0", "1")
+        assert q0.ring_addresses() == [ftar(0, 0, 2), ftar(1, 0, 2)]  # the leaders: shards 0, 1
+        v = cs[(1, 1)].get_view(q0.quorum_id)  # replica 1's follower, by its leader's quorum id
+        assert v.first_shard == 2 and v.ring_addresses() == [ftar(0, 1, 2), ftar(1, 1, 2)]
+        assert v.member_ids == q0.member_ids and v.max_step == q0.max_step
+        [st] = cs[(0, 0)].status()
+        assert [(r.replica_id, r.num_processes, r.dead) for r in st.replicas] == [("0", 2, False), ("1", 2, False)]
+        assert st.quorum.member("1").ftar_addresses == tuple(ftar(1, 0, 2) + ftar(1, 1, 2))  # Status: all
+        with pytest.raises(LighthouseError) as ei:
+            cs[(1, 1)].get_view(q0.quorum_id + 5)
+        assert ei.value.code == grpc.StatusCode.FAILED_PRECONDITION and "not held" in str(ei.value)
+        with grpc.insecure_channel(lighthouse.address) as ch:
+            with pytest.raises(grpc.RpcError) as e2:
+                pb2_grpc.LighthouseStub(ch).GetView(pb2.ViewRequest(
+                    protocol_version=LIGHTHOUSE_PROTOCOL_VERSION, job_id="mp", replica_id="1", process_index=2,
+                    quorum_id=q0.quorum_id), timeout=5)
+            assert e2.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "outside 0..1" in e2.value.details()
+            with pytest.raises(grpc.RpcError) as e3:  # a process saying it is process 3 of 2
+                pb2_grpc.LighthouseStub(ch).Heartbeat(pb2.HeartbeatRequest(
+                    protocol_version=LIGHTHOUSE_PROTOCOL_VERSION, job_id="mp", replica_id="1", process_index=3,
+                    num_processes=2), timeout=5)
+            assert e3.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "outside 0..1" in e3.value.details()
+    finally:
+        for c in cs.values():
+            c.close()
+
+
+def test_a_replica_asks_only_once_all_its_processes_registered(lighthouse):
+    cs = clients(lighthouse.address, "reg", 2, 2, 1)
+    try:
+        for key, c in cs.items():
+            if key != (1, 1):  # replica 1's follower is not up yet
+                c.start_heartbeats()
+        time.sleep(0.2)
+        with ThreadPoolExecutor(2) as ex:
+            f0 = ex.submit(cs[(0, 0)].get_quorum, 0, ftar_addresses=ftar(0, 0, 1), state_server_address=server(0, 0),
+                           num_replicas=2, timeout_s=10)
+            f1 = ex.submit(cs[(1, 0)].get_quorum, 0, ftar_addresses=ftar(1, 0, 1), state_server_address=server(1, 0),
+                           num_replicas=2, timeout_s=10)
+            time.sleep(0.1)
+            [st] = cs[(0, 0)].status()
+            assert "not asking until all its processes registered" in st.last_reason, st.last_reason
+            cs[(1, 1)].start_heartbeats()  # it registers: replica 1 now asks
+            q0, q1 = f0.result(), f1.result()
+        # replica 0 may have formed a quorum alone (the follower missed the join timeout); in any case
+        # replica 1 is a member only with its follower's endpoints
+        if "1" in q1.member_ids:
+            assert q1.ring_addresses()[q1.rank_of("1")] == ftar(1, 0, 1)
+            assert cs[(1, 1)].get_view(q1.quorum_id).ring_addresses()[q1.rank_of("1")] == ftar(1, 1, 1)
+    finally:
+        for c in cs.values():
+            c.close()
+
+
+def test_one_silent_process_makes_its_whole_replica_dead(lighthouse):
+    cs = clients(lighthouse.address, "silent", 3, 2, 1)
+    seen: list[tuple[tuple[str, ...], int]] = []
+    lock = threading.Lock()
+
+    def on_dead(dead, qid):
+        with lock:
+            seen.append((dead, qid))
+
+    try:
+        for key, c in cs.items():
+            c.start_heartbeats(on_dead if key == (0, 0) else None)
+        time.sleep(0.2)
+        qs = ask(cs, 3, 1)
+        assert qs[0].member_ids == ("0", "1", "2")
+        cs[(1, 1)].stop_heartbeats()  # replica 1's follower freezes; its leader keeps heartbeating
+        t0 = time.monotonic()
+        while True:
+            [st] = cs[(0, 0)].status()
+            r1 = next(r for r in st.replicas if r.replica_id == "1")
+            if r1.dead:
+                break
+            assert time.monotonic() - t0 < 3 * DETECT, "the replica of a silent process was not declared dead"
+            time.sleep(0.02)
+        took = time.monotonic() - t0
+        assert list(r1.silent_processes) == [1] and DETECT * 0.8 <= took < 2 * DETECT, (r1, took)
+        assert cs[(1, 0)].heartbeating  # its leader is fine, yet the replica is dead
+        time.sleep(0.2)
+        with lock:  # the survivors hear it as a dead member of their quorum
+            assert any("1" in dead and qid == qs[0].quorum_id for dead, qid in seen), seen
+        # the next quorum forms without replica 1 although its leader asks too
+        with ThreadPoolExecutor(3) as ex:
+            futs = {r: ex.submit(cs[(r, 0)].get_quorum, 1, ftar_addresses=ftar(r, 0, 1),
+                                 state_server_address=server(r, 0), num_replicas=3, timeout_s=3) for r in (0, 2)}
+            q = futs[0].result()
+        assert q.member_ids == ("0", "2"), q
+    finally:
+        for c in cs.values():
+            c.close()
