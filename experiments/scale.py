@@ -17,7 +17,9 @@ quorum with every replica in it.
 * ``fthsdp-flat`` — the same lighthouse with N directly connected replicas
   of one rank each (the emulation with G = 1), N = 16 ... 8,192. These do not
   heartbeat (N x 10 heartbeats/s would saturate this machine before the
-  quorum path is measured); an open quorum call is their sign of life.
+  quorum path is measured); an open quorum call is their sign of life, and
+  their detection window is 30 s (it must outlast a round trip of the
+  emulator itself, or all are declared dead between two rounds).
 * ``torchft`` — torchft's lighthouse (PyPI ``torchft``, Rust) from the Python
   3.11 side environment of experiments/setup_peers.sh, in its own process,
   driven by N asyncio clients of this process (one gRPC connection each), all
@@ -73,7 +75,12 @@ def fthsdp_row(system: str, replicas: int, ranks_per_replica: int, rounds: int, 
     """``heartbeat_s``: the leaders' heartbeat interval (0: no heartbeats)."""
     load = os.getloadavg()
     heartbeats = heartbeat_s > 0
-    t = Timeouts(heartbeat_interval_s=heartbeat_s if heartbeats else 0.1, detect_s=5.0, join_timeout_s=30.0,
+    # Without heartbeats the lighthouse judges a replica by its requests alone, so the
+    # window must outlast the emulator's own turnaround between two requests (seconds at
+    # 8,192 replicas on a loaded machine): 5 s let every replica be declared dead between
+    # rounds, and the first requester then formed a quorum of one.
+    t = Timeouts(heartbeat_interval_s=heartbeat_s if heartbeats else 0.1, detect_s=5.0 if heartbeats else 30.0,
+                 join_timeout_s=30.0,
                  allreduce_timeout_s=60.0, quorum_timeout_s=120.0, lighthouse_outage_s=60.0)
     cfg = EmulationConfig(
         replicas=replicas, ranks_per_replica=ranks_per_replica, steps=rounds + 1,

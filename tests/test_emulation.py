@@ -129,3 +129,26 @@ def test_mock_timings_and_config_errors():
     with pytest.raises(ValueError):
         dataclasses.replace(EmulationConfig(replicas=1, ranks_per_replica=1, steps=1),
                             timeouts=dataclasses.replace(EmulationConfig.timeouts, detect_s=0.01))
+
+
+def test_data_state_is_shared_and_a_replica_left_behind_still_shows():
+    """The replicated data state is computed once per (state, quorum) and shared by the
+    replicas that commit it; a replica that committed from an older state still trains
+    different batches, which the exactly-once check sees."""
+    from fthsdp.control import quorum as qm
+    from fthsdp.sim.emulation import DataState
+
+    def quorum(qid: int) -> qm.Quorum:
+        return qm.Quorum(quorum_id=qid, members=(qm.Member("0", 0), qm.Member("1", 0)), max_step=0,
+                         healthy=("0", "1"), behind=())
+
+    q1, q2 = quorum(1), quorum(2)
+    s0 = DataState()
+    b1, s1 = s0.commit(q1)
+    assert s0.commit(q1) == (b1, s1) and s0.commit(q1)[1] is s1  # shared, not recomputed
+    assert b1 == (("0", 0), ("1", 0)) and s0.positions == {}  # the old state is untouched
+    b2, _ = s1.commit(q2)
+    assert b2 == (("0", 1), ("1", 1))
+    stale, _ = s0.commit(q2)  # a replica that missed step 0's commit
+    commits = {0: CommitRecord(0, 1, ("0", "1"), ("0", "1"), b1), 1: CommitRecord(1, 2, ("0", "1"), ("0", "1"), stale)}
+    assert any("exactly once" in v for v in _report(commits).violations())

@@ -46,6 +46,21 @@ _OPTIONS = [
 ]
 
 
+_MEMBERS_WIRE: dict[int, tuple[qm.Quorum, bytes]] = {}
+
+
+def _members_wire(q: qm.Quorum) -> bytes:
+    """``last_members`` of ``q`` in wire form, built once per quorum object (a few kept)."""
+    hit = _MEMBERS_WIRE.get(id(q))
+    if hit is not None and hit[0] is q:
+        return hit[1]
+    raw = pb2.QuorumRequest(last_members=list(membership(q)[0])).SerializeToString()
+    if len(_MEMBERS_WIRE) >= 8:
+        _MEMBERS_WIRE.pop(next(iter(_MEMBERS_WIRE)))
+    _MEMBERS_WIRE[id(q)] = (q, raw)
+    return raw
+
+
 class DecodeCache:
     """Quorum answers decoded once per distinct bytes, for the leaders of one process.
 
@@ -107,8 +122,7 @@ class AioLighthouseClient:
         self._stub = pb2_grpc.LighthouseStub(self._channel)
         # GetQuorum with the answer left as bytes: decoded through decode_cache.
         self._get_quorum_raw = self._channel.unary_unary(
-            "/fthsdp.v1.Lighthouse/GetQuorum", request_serializer=pb2.QuorumRequest.SerializeToString,
-            response_deserializer=None)
+            "/fthsdp.v1.Lighthouse/GetQuorum", request_serializer=None, response_deserializer=None)
         self.last_quorum: qm.Quorum | None = None
         self.step = 0
         self.outages: list[float] = []
@@ -117,16 +131,20 @@ class AioLighthouseClient:
         self.decode_cache: DecodeCache | None = None
 
     def _request(self, step: int, ftar: Sequence[str], state_server: str, commit_failed: bool,
-                 num_replicas: int) -> pb2.QuorumRequest:
+                 num_replicas: int) -> bytes:
+        """The QuorumRequest, serialized. Its ``last_members`` (every member id of the last
+        quorum, identical for all its members) is serialized once per quorum and appended:
+        protobuf concatenation is a merge, so the bytes on the wire are exactly the real
+        client's, without each of R leaders of one process rebuilding an R-long list."""
         last = self.last_quorum
-        return pb2.QuorumRequest(
+        head = pb2.QuorumRequest(
             protocol_version=LIGHTHOUSE_PROTOCOL_VERSION, job_id=self.job_id, replica_id=self.replica_id,
             step=step, ftar_addresses=list(ftar), state_server_address=state_server,
             local_world_size=len(ftar), commit_failed=commit_failed, num_replicas=num_replicas,
             last_quorum_id=last.quorum_id if last is not None else 0,
-            last_members=list(membership(last)[0]) if last is not None else [],
             rejoin=self.rejoin, fresh_start=last is None and not self.rejoin,
-        )
+        ).SerializeToString()
+        return head + (_members_wire(last) if last is not None else b"")
 
     def _decode(self, raw: bytes) -> pb2.QuorumResponse | qm.Quorum:
         if self.decode_cache is not None:
