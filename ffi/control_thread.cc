@@ -850,7 +850,6 @@ void RingEndpoint::Sender::loop() {
                                        &sent, &err);
       if (io == tcp::Io::kProgress) {
         bytes_ += static_cast<int64_t>(sent - before);
-        counters_->bytes.fetch_add(static_cast<int64_t>(sent - before), std::memory_order_relaxed);
         continue;
       }
       if (io == tcp::Io::kWouldBlock) {
@@ -870,6 +869,9 @@ void RingEndpoint::Sender::loop() {
       wake_->wake();
       return;
     }
+    // Bytes and busy time move together, per whole chunk: a rate read between
+    // two reads of these counters is never skewed by a chunk half counted.
+    counters_->bytes.fetch_add(static_cast<int64_t>(total), std::memory_order_relaxed);
     counters_->busy_ns.fetch_add(
         std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - busy_from).count(),
         std::memory_order_relaxed);

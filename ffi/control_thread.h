@@ -150,7 +150,8 @@ class RingEndpoint {
   // (a kernel copy per byte on loopback) overlaps the control thread's
   // receiving and reducing. Schedule state stays on the control thread: the
   // sender only reports which lanes' chunks have left.
-  // Cumulative per-stream counters (relaxed atomics; read by progress()).
+  // Cumulative per-stream counters (relaxed atomics; read by progress()),
+  // both added when a whole chunk has left.
   struct StreamCounters {
     std::atomic<int64_t> bytes{0};
     std::atomic<int64_t> busy_ns{0};

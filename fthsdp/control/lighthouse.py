@@ -36,6 +36,14 @@ the asker's view (:func:`fthsdp.control.quorum.process_view`), and the other
 processes fetch theirs with ``GetView`` once their leader hands them the
 quorum id. Views are serialized once per (quorum, shard range) for healthy
 askers, so a round stays O(replicas x processes).
+**Who is stalling the job.** Heartbeats carry each process's phase report
+(:mod:`fthsdp.observe.phase`). Per job, the lighthouse runs the pure
+root-cause analysis (:mod:`fthsdp.observe.root_cause`) when a quorum shrinks
+(over the old members, before the survivors are answered) and otherwise at
+most every ``rca_interval_s`` (and never more often than 20x its own cost),
+not per heartbeat: storing a report is one dict assignment. It logs each
+change of verdict once and reports the verdict, and the last one that named a
+culprit, in ``Status``.
 
 A replica that stops on purpose says goodbye (``Leave``): it is forgotten at
 once, never "declared dead", and when it finished the job the lighthouse
@@ -61,6 +69,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from fthsdp.control import quorum as qm
+from fthsdp.observe import root_cause as rc
 from fthsdp.proto import LIGHTHOUSE_PROTOCOL_VERSION, lighthouse as _load_stubs
 
 pb2, pb2_grpc = _load_stubs()
@@ -84,11 +93,15 @@ class LighthouseConfig:
     forget_after_s: float = 600.0  # drop a job silent this long (no replica heard, none waiting)
     # Calls gRPC may hold before this server's event loop takes them (see _server_options).
     max_pending_rpcs: int = 65536
+    # Root-cause analysis period per job (also run at once when a quorum shrinks).
+    rca_interval_s: float = 0.5
 
     def __post_init__(self) -> None:
         qm.QuorumConfig(self.min_replicas, self.join_timeout_s, self.detect_s, self.num_replicas)
         if not (0 < self.tick_s <= 1.0):
             raise ValueError(f"tick_s must be in (0, 1], got {self.tick_s}")
+        if not (0 < self.rca_interval_s <= 60):
+            raise ValueError(f"rca_interval_s must be in (0, 60] seconds, got {self.rca_interval_s}")
         if not self.forget_after_s > self.detect_s:
             raise ValueError(f"forget_after_s ({self.forget_after_s}) must exceed detect_s ({self.detect_s})")
         if not (isinstance(self.max_pending_rpcs, int) and 1 <= self.max_pending_rpcs <= 1 << 24):
@@ -126,6 +139,32 @@ def quorum_to_proto(q: qm.Quorum) -> pb2.Quorum:
         sources=[pb2.ShardSource(shard=x.shard, replica_id=x.replica_id, state_server_address=x.state_server_address)
                  for x in q.sources],
     )
+
+
+def verdict_to_proto(v: rc.Verdict, at: float, step: int, now: float) -> pb2.RootCause:
+    return pb2.RootCause(kind=v.kind, culprit=v.culprit, peer=v.peer, evidence=v.evidence,
+                         confidence=v.confidence, wait_chain=list(v.chain), step=step, age_s=max(0.0, now - at))
+
+
+_PHASE_NAMES = {n: n.removeprefix("PHASE_").lower().replace("_", "-") for n in pb2.Phase.keys()}
+
+
+def rca_snapshot(phases: dict, last_seen: dict[str, float], now: float, asking, dead, members, detect_s: float,
+                 step: int) -> rc.JobSnapshot:
+    """The root-cause analysis's plain input from the lighthouse's state of one job."""
+    reports = []
+    for r, seen in last_seen.items():
+        p = phases.get(r)
+        if p is None:
+            reports.append(rc.ProcessReport(r, now - seen, asking=r in asking, declared_dead=r in dead))
+            continue
+        phase = _PHASE_NAMES.get(pb2.Phase.Name(p.phase), "") if p.phase in pb2.Phase.values() else ""
+        reports.append(rc.ProcessReport(
+            r, now - seen, "" if phase == "unknown" else phase, p.step, p.in_phase_s, p.waiting_on, p.waiting_s,
+            p.ring_step, p.ring_steps, p.last_compute_s,
+            tuple(rc.StreamRate(s.to_replica, s.bytes_per_s, s.busy_fraction) for s in p.streams),
+            asking=r in asking, declared_dead=r in dead))
+    return rc.JobSnapshot(tuple(reports), tuple(members), detect_s, step)
 
 
 def _wire(message) -> bytes:
@@ -302,6 +341,13 @@ class _Job:
     view_cache: dict[tuple, bytes] = field(default_factory=dict)
     view_cache_of: qm.Quorum | None = None
     view_members: dict[str, qm.Member] = field(default_factory=dict)
+    # Root-cause analysis: each process's last phase report, the verdict now
+    # and the last one that named a culprit, as (verdict, monotonic time, step).
+    phases: dict[str, pb2.PhaseReport] = field(default_factory=dict)
+    verdict: tuple[rc.Verdict, float, int] | None = None
+    last_stall: tuple[rc.Verdict, float, int] | None = None
+    last_rca_at: float = 0.0
+    last_rca_cost_s: float = 0.0
 
     def quorum_proto(self, q: qm.Quorum) -> pb2.Quorum:
         if self.proto_cache is None or self.proto_cache[0] is not q:
@@ -412,7 +458,7 @@ class Lighthouse(pb2_grpc.LighthouseServicer):
         self.port: int = 0
         # Where the time goes (tests and experiments read these counters).
         self.stats = {"decisions": 0, "evaluations": 0, "evaluation_s": 0.0, "replies_serialized": 0,
-                      "replies_sent": 0, "stalls": 0}
+                      "replies_sent": 0, "stalls": 0, "rca_runs": 0, "rca_s": 0.0}
 
     # -- lifecycle ---------------------------------------------------------
 
@@ -515,6 +561,10 @@ class Lighthouse(pb2_grpc.LighthouseServicer):
             return
         if job.quorum is None or quorum.quorum_id != job.quorum.quorum_id:
             log.info("job %r: %s", job.job_id, reason)
+        if job.quorum is not None and set(job.quorum.member_ids) - set(quorum.member_ids):
+            # The quorum shrinks: who was lost, judged over the old members while
+            # the survivors' requests are still open (they wait on the lost ones).
+            self._root_cause(job, now, job.quorum.member_ids)
         job.quorum = quorum
         job.remember(quorum)
         self.stats["decisions"] += 1
@@ -559,6 +609,32 @@ class Lighthouse(pb2_grpc.LighthouseServicer):
         if g is None or g.num_processes != num_processes:
             g = job.groups[rid] = _Group(num_processes, now)
         return g
+
+    def _root_cause(self, job: _Job, now: float, members: tuple[str, ...] | None = None) -> rc.Verdict:
+        """Runs the analysis over the job's last reports; logs and keeps the verdict."""
+        t0 = time.perf_counter()
+        view = self._liveness(job, now)
+        if members is None:
+            members = job.quorum.member_ids if job.quorum is not None else ()
+        snap = rca_snapshot(job.phases, view, now, job.pending, job.dead, members, self.config.detect_s,
+                            max(job.steps.values(), default=0))
+        verdict = rc.analyse(snap, rc.Thresholds(frozen_after_s=self.config.detect_s / 2))
+        job.last_rca_at, job.last_rca_cost_s = now, time.perf_counter() - t0
+        self.stats["rca_runs"] += 1
+        self.stats["rca_s"] += job.last_rca_cost_s
+        old = job.verdict[0] if job.verdict is not None else None
+        if old is None or old.key != verdict.key:
+            job.verdict = (verdict, now, snap.step)
+            if verdict.kind == rc.NONE:
+                if old is not None:
+                    log.info("job %r: root cause: %s", job.job_id, verdict.describe())
+            else:
+                log.warning("job %r: root cause: %s", job.job_id, verdict.describe())
+        elif verdict.evidence != old.evidence:  # same culprit, fresher evidence: keep its first time
+            job.verdict = (verdict, job.verdict[1], job.verdict[2])
+        if verdict.kind not in (rc.NONE, rc.UNKNOWN):
+            job.last_stall = job.verdict
+        return verdict
 
     def _heard(self, job: _Job, rid: str, now: float, process: int = 0, num_processes: int = 1) -> None:
         """``rid``'s process ``process`` was heard. A replica of several processes is as
@@ -664,6 +740,13 @@ class Lighthouse(pb2_grpc.LighthouseServicer):
                         self._evaluate(job)
                 except Exception:  # never let one job's bug stop the others
                     log.exception("job %r: evaluation failed", job.job_id)
+                try:
+                    if (job.quorum is not None and job.finished_step is None and now - job.last_rca_at
+                            >= max(self.config.rca_interval_s, 20 * job.last_rca_cost_s)):
+                        self._root_cause(job, now)
+                except Exception:  # an analysis bug must never stop quorums
+                    job.last_rca_at = now
+                    log.exception("job %r: root-cause analysis failed", job.job_id)
 
     # -- RPCs ----------------------------------------------------------------
 
@@ -801,6 +884,8 @@ class Lighthouse(pb2_grpc.LighthouseServicer):
         job.last_heartbeat[rid] = now
         job.reported_qids[rid] = request.last_quorum_id
         job.steps[rid] = request.step
+        if request.HasField("phase"):
+            job.phases[rid] = request.phase  # kept as sent: analysed only every rca_interval_s
         if request.last_quorum_id > job.qid_floor:
             job.qid_floor = request.last_quorum_id
         # The dead set is recomputed each tick (tick_s adds to detection time;
@@ -837,7 +922,7 @@ class Lighthouse(pb2_grpc.LighthouseServicer):
         job = self._job(request.job_id)
         rid = request.replica_id
         known = rid in job.last_seen
-        for d in (job.last_seen, job.steps):
+        for d in (job.last_seen, job.steps, job.phases):
             d.pop(rid, None)
         job.heartbeating.discard(rid)
         job.last_heartbeat.pop(rid, None)
@@ -884,6 +969,7 @@ class Lighthouse(pb2_grpc.LighthouseServicer):
                     waiting=r in job.pending,
                     num_processes=job.groups[r].num_processes if r in job.groups else 1,
                     silent_processes=job.groups[r].silent(now, self.config.detect_s) if r in job.groups else [],
+                    phase=job.phases.get(r),
                 )
                 for r in sorted(view, key=qm.ring_key)
             ]
@@ -899,6 +985,10 @@ class Lighthouse(pb2_grpc.LighthouseServicer):
             )
             if job.quorum is not None:
                 js.quorum.CopyFrom(job.quorum_proto(job.quorum))
+            if job.verdict is not None:
+                js.root_cause.CopyFrom(verdict_to_proto(*job.verdict, now))
+            if job.last_stall is not None:
+                js.last_stall.CopyFrom(verdict_to_proto(*job.last_stall, now))
             out.append(js)
         c = self.config
         return pb2.StatusResponse(
@@ -1015,6 +1105,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="forget a job none of whose replicas was heard for this long (default %(default)s s)")
     p.add_argument("--max-pending-rpcs", type=int, default=d.max_pending_rpcs,
                    help="calls gRPC may queue before the server takes them; more are refused (default %(default)s)")
+    p.add_argument("--rca-interval", type=float, default=d.rca_interval_s,
+                   help="root-cause analysis period per job, seconds (also run when a quorum shrinks; default %(default)s)")
     p.add_argument("--port-file", default=None, help="write the bound port to this file (atomically) once listening")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     return p
@@ -1049,6 +1141,7 @@ def cli(argv: list[str]) -> int:
             tick_s=args.tick,
             forget_after_s=args.forget_after,
             max_pending_rpcs=args.max_pending_rpcs,
+            rca_interval_s=args.rca_interval,
         )
     except ValueError as e:
         parser.error(str(e))

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 import grpc
 
 from fthsdp.control import quorum as qm
+from fthsdp.observe.phase import Phase, PhaseSnapshot, StreamReport
 from fthsdp.proto import LIGHTHOUSE_PROTOCOL_VERSION, lighthouse as _load_stubs
 
 pb2, pb2_grpc = _load_stubs()
@@ -126,6 +127,57 @@ class ReplicaStatus:
     waiting: bool
     num_processes: int = 1
     silent_processes: tuple[int, ...] = ()  # processes silent past the detection window
+    phase: PhaseSnapshot | None = None  # its last phase report (None: none)
+
+
+@dataclass(frozen=True)
+class RootCauseStatus:
+    """The lighthouse's root-cause verdict as `fthsdp status` shows it (RootCause in the proto)."""
+
+    kind: str
+    culprit: str
+    peer: str
+    evidence: str
+    confidence: float
+    wait_chain: tuple[str, ...]
+    step: int
+    age_s: float
+
+    def describe(self) -> str:
+        if self.kind == "none":
+            return f"no stall ({self.evidence})"
+        who = f"link {self.culprit} -> {self.peer}" if self.kind == "slow_link" else f"replica {self.culprit}"
+        return f"{self.kind.upper()} {who} (confidence {self.confidence:.2f}, step {self.step}): {self.evidence}"
+
+
+def phase_to_proto(s: PhaseSnapshot) -> "pb2.PhaseReport":
+    return pb2.PhaseReport(
+        phase=pb2.Phase.Value("PHASE_" + s.phase.name), step=s.step, in_phase_s=s.in_phase_s,
+        quorum_id=s.quorum_id, ring_step=s.ring_step, ring_steps=s.ring_steps, waiting_on=s.waiting_on,
+        waiting_s=s.waiting_s, bytes_moved=s.bytes_moved, last_compute_s=s.last_compute_s,
+        last_step_s=s.last_step_s,
+        streams=[pb2.StreamRate(to_replica=x.to_replica, bytes_per_s=x.bytes_per_s, bytes=x.bytes,
+                                busy_fraction=x.busy_fraction)
+                 for x in s.streams])
+
+
+_PHASE_BY_NUMBER = {pb2.Phase.Value("PHASE_" + p.name): p for p in Phase}
+
+
+def phase_from_proto(p: "pb2.PhaseReport") -> PhaseSnapshot | None:
+    """None for an unknown phase (a newer sender): shown as no report rather than guessed."""
+    phase = _PHASE_BY_NUMBER.get(p.phase)
+    if phase is None:
+        return None
+    return PhaseSnapshot(phase, p.step, p.in_phase_s, p.quorum_id, p.ring_step, p.ring_steps, p.waiting_on,
+                         p.waiting_s, p.bytes_moved,
+                         tuple(StreamReport(x.to_replica, x.bytes_per_s, x.bytes, x.busy_fraction)
+                               for x in p.streams),
+                         p.last_compute_s, p.last_step_s)
+
+
+def root_cause_from_proto(r: "pb2.RootCause") -> RootCauseStatus:
+    return RootCauseStatus(r.kind, r.culprit, r.peer, r.evidence, r.confidence, tuple(r.wait_chain), r.step, r.age_s)
 
 
 @dataclass(frozen=True)
@@ -136,6 +188,17 @@ class JobStatus:
     last_reason: str
     local_world_size: int
     num_configured: int
+    root_cause: RootCauseStatus | None = None  # the verdict now (None: not analysed yet)
+    last_stall: RootCauseStatus | None = None  # the last verdict that named a culprit
+
+
+def _phase_text(p: PhaseSnapshot | None) -> str:
+    if p is None:
+        return ""
+    text = f"  {p.phase.value} {p.in_phase_s:.2f}s"
+    if p.waiting_on:
+        text += f" (ring step {p.ring_step + 1}/{p.ring_steps}, waiting on {p.waiting_on} {p.waiting_s:.2f}s)"
+    return text
 
 
 def format_status(jobs: Sequence[JobStatus]) -> str:
@@ -151,9 +214,14 @@ def format_status(jobs: Sequence[JobStatus]) -> str:
                      f"(healthy {list(q.healthy)}, behind {list(q.behind)})")
         lines.append(head)
         lines.append(f"  last decision: {j.last_reason or '-'}")
+        if j.root_cause is not None:
+            lines.append(f"  root cause: {j.root_cause.describe()}")
+        if j.last_stall is not None and (j.root_cause is None or j.root_cause.kind == "none"):
+            lines.append(f"  last stall ({j.last_stall.age_s:.0f}s ago): {j.last_stall.describe()}")
         for r in j.replicas:
             state = "DEAD" if r.dead else ("waiting for quorum" if r.waiting else "training")
-            lines.append(f"  replica {r.replica_id:>4}: step {r.step:>6}  heard {r.last_heartbeat_age_s:6.2f}s ago  {state}")
+            lines.append(f"  replica {r.replica_id:>4}: step {r.step:>6}  heard {r.last_heartbeat_age_s:6.2f}s ago  "
+                         f"{state}{_phase_text(r.phase)}")
     return "\n".join(lines)
 
 
@@ -268,6 +336,9 @@ class LighthouseClient:
         # request so a restarted lighthouse can rebuild the job.
         self.last_quorum: qm.Quorum | None = None
         self.outages: list[tuple[float, float]] = []  # (start, seconds) of each outage get_quorum rode out
+        # Where this process is, sent with every heartbeat (root-cause analysis);
+        # None: heartbeats carry no phase report.
+        self.phase_source: Callable[[], PhaseSnapshot] | None = None
 
     # -- errors --------------------------------------------------------------
 
@@ -427,6 +498,11 @@ class LighthouseClient:
         if ep is not None and not self._registered:
             req.ftar_addresses.extend(ep[0])
             req.state_server_address, req.local_world_size = ep[1], ep[2]
+        if self.phase_source is not None:
+            try:
+                req.phase.CopyFrom(phase_to_proto(self.phase_source()))
+            except Exception as e:  # noqa: BLE001 - a failed report must not silence the heartbeat
+                log.debug("phase report failed: %s", e)
         try:
             resp = self._stub.Heartbeat(req, timeout=self.heartbeat_timeout_s)
         except grpc.RpcError as e:
@@ -451,12 +527,16 @@ class LighthouseClient:
                 job_id=j.job_id,
                 replicas=tuple(
                     ReplicaStatus(r.replica_id, r.step, r.last_heartbeat_age_s, r.dead, r.waiting,
-                                  r.num_processes or 1, tuple(r.silent_processes)) for r in j.replicas
+                                  r.num_processes or 1, tuple(r.silent_processes),
+                                  phase_from_proto(r.phase) if r.HasField("phase") else None)
+                    for r in j.replicas
                 ),
                 quorum=quorum_from_proto(j.quorum) if j.has_quorum else None,
                 last_reason=j.last_reason,
                 local_world_size=j.local_world_size,
                 num_configured=j.num_configured,
+                root_cause=root_cause_from_proto(j.root_cause) if j.HasField("root_cause") else None,
+                last_stall=root_cause_from_proto(j.last_stall) if j.HasField("last_stall") else None,
             )
             for j in resp.jobs
         ]

@@ -45,6 +45,7 @@ from fthsdp.control import quorum as qm
 from fthsdp.config import Config
 from fthsdp.errors import JobFatalError, PeerFetchError, ReplicaFatalError, classify
 from fthsdp.data import LoaderState, ReplicaStream
+from fthsdp.observe.phase import Phase, PhaseTracker
 from fthsdp.step.intervention import Intervention
 from fthsdp.step.quorum_inputs import QuorumInputs, make_quorum_inputs
 from fthsdp.step.functional import TrainState, TrainStep
@@ -155,6 +156,8 @@ class Manager:
     on_commit: Callable[["Manager", StepRecord], None] | None = None
     on_quorum: Callable[["Manager", qm.Quorum], None] | None = None  # after (re)configuring, before compute
     rejoin: bool = False  # restarted alone: it must find peers to rejoin
+    # Where this process is, for the lighthouse's root-cause analysis (set at phase boundaries).
+    phases: PhaseTracker = field(default_factory=PhaseTracker)
 
     def __post_init__(self) -> None:
         self.stream = ReplicaStream(self.cfg.data, int(self.loader.replica))
@@ -242,6 +245,7 @@ class Manager:
         events: list[str] = []
         rebuild_s = grads_s = catch_up_s = 0.0
         for attempt in range(1, self.cfg.ft.max_retries + 2):
+            self.phases.set(Phase.WAITING_FOR_QUORUM, step)
             try:
                 q = self.lighthouse.get_quorum(
                     step, ftar_addresses=list(self.comm.addresses), state_server_address=self.state_server_address,
@@ -257,6 +261,7 @@ class Manager:
                 continue
             if self.replica_id not in q.member_ids:
                 raise ManagerError(f"quorum {q.quorum_id} does not include replica {self.replica_id}: {q.reason}")
+            self.phases.set(Phase.IDLE, quorum_id=q.quorum_id, members=q.member_ids)
             try:
                 if q.quorum_id != self._configured_qid:
                     self.quorum = q
@@ -277,6 +282,7 @@ class Manager:
                         "it will not train alone from its initial state. Resume the whole job from its "
                         "persistent checkpoint (fthsdp run --resume).")
                 if not healthy:
+                    self.phases.set(Phase.FETCHING)
                     t0 = time.perf_counter()
                     try:
                         step = self._catch_up(q, step, events)
@@ -286,6 +292,7 @@ class Manager:
                 elif grads is None:
                     batch = self.stream.batch(self.loader.position)
                     x, y = self.ts.shard_batch(batch.inputs, batch.targets)
+                    self.phases.set(Phase.COMPUTING)
                     t0 = time.perf_counter()
                     grads, m = self.ts.compute_grads(self.state, x, y)
                     loss, position = m["loss"], batch.position
@@ -293,7 +300,8 @@ class Manager:
                     pace = self.cfg.train.min_step_s - (time.perf_counter() - t0)
                     if pace > 0:  # emulate a longer forward/backward (see TrainConfig.min_step_s)
                         time.sleep(pace)
-                    grads_s = time.perf_counter() - t0
+                    grads_s = self.phases.last_compute_s = time.perf_counter() - t0
+                self.phases.set(Phase.ALLREDUCE)
                 t0 = time.perf_counter()
                 new_state, m = self.ts.apply_grads(self.state, grads if healthy else self.zero_grads(),
                                                    self._quorum_inputs(q, healthy))
@@ -327,6 +335,8 @@ class Manager:
                                  rebuild_s=rebuild_s, allreduce_s=allreduce_s, grads_s=grads_s,
                                  catch_up_s=catch_up_s)
                 self.records.append(rec)
+                self.phases.last_step_s = rec.seconds
+                self.phases.set(Phase.IDLE, step + 1)
                 if self.on_commit:
                     self.on_commit(self, rec)
                 return rec

@@ -113,6 +113,7 @@ class ReplicaProcess:
         # a replica of one process is its own leader, exactly as before.
         self.leader = self.group.is_leader
         self.mesh = replica_mesh(cfg.launch.devices_per_replica)
+        native_comm = None
         if args.allreduce == "ftar":
             from fthsdp.collective import ftar
 
@@ -120,12 +121,18 @@ class ReplicaProcess:
                                           timeout_s=cfg.ft.allreduce_timeout_s, listen_host=cfg.ft.bind_host,
                                           advertise_host=cfg.ft.advertise_host)
             allreduce = ftar.allreduce
+            native_comm = self.comm
         else:
             self.comm, allreduce = SoloCommunicator(), local_allreduce
         if self.group.num_processes > 1:
             from fthsdp.replica.group import DecisionChannel
 
             self.channel = DecisionChannel(self.group, namespace=args.job)
+        from fthsdp.observe.phase import PhaseTracker
+
+        # Where this process is (heartbeats carry it to the lighthouse's root-cause analysis);
+        # in the all-reduce it reads this process's own FTAR endpoints' progress counters.
+        self.phases = PhaseTracker(progress=native_comm.progress if native_comm is not None else None)
         self.ts = make_train_step(cfg, self.mesh, allreduce=allreduce)
         state = self.ts.init(cfg.train.seed)
         self.abstract = jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh),
@@ -187,6 +194,8 @@ class ReplicaProcess:
                 client)
         else:
             self.client = client
+            # The leader speaks for the replica: its heartbeats carry where it is (root-cause analysis).
+            client.phase_source = lambda: self.phases.report(self.rid)
             if self.group.num_processes > 1:
                 from fthsdp.replica.group import LeaderQuorumSource
 
@@ -199,7 +208,8 @@ class ReplicaProcess:
         self.mgr = Manager(cfg=cfg, replica_id=self.rid, job_id=args.job, ts=self.ts, comm=self.comm,
                            lighthouse=self.client, state=state, loader=LoaderState(replica=args.replica_id),
                            recover=self.recover, state_server_address=self.server.url,
-                           on_commit=self.on_commit, on_quorum=self.on_quorum, rejoin=args.rejoin)
+                           on_commit=self.on_commit, on_quorum=self.on_quorum, rejoin=args.rejoin,
+                           phases=self.phases)
         if not self.leader:
             # A follower registers its addresses from the start (its heartbeats alone never make
             # its replica known to the lighthouse, nor bring a dead one back: its leader's do).
@@ -283,6 +293,7 @@ class ReplicaProcess:
             self.snapshot()
 
     def on_commit(self, mgr, rec) -> None:
+        from fthsdp.observe.phase import Phase
         from fthsdp.step.functional import state_hash
 
         committed = rec.step + 1
@@ -294,11 +305,13 @@ class ReplicaProcess:
         self.loader_store.save(mgr.loader, committed)
         if (self.ckpt.should_save(committed) and self.rid == min(mgr.quorum.healthy, key=int)
                 and self.group.num_processes == 1):  # multi-process replicas: no persistent checkpoints yet
+            self.phases.set(Phase.CHECKPOINTING)
             try:
                 self.ckpt.save(committed, mgr.state, {i: int(p) for i, p in enumerate(mgr.positions)},
                                metadata={"writer": self.rid, "quorum_id": rec.quorum_id})
             except Exception as e:  # noqa: BLE001 - a failed checkpoint must not stop training; say it loudly
                 log.error("persistent checkpoint of step %d failed: %s", committed, e)
+            self.phases.set(Phase.IDLE)
         record = {"kind": "step", "replica": self.rid, "step": rec.step, "quorum_id": rec.quorum_id,
                   "members": list(rec.members), "healthy": rec.healthy, "attempts": rec.attempts,
                   "loss": rec.loss, "start": rec.start, "end": rec.end, "position": rec.position,
@@ -354,6 +367,7 @@ class ReplicaProcess:
                  self.rid, restored.step, mgr.loader.position)
 
     def run(self) -> int:
+        from fthsdp.observe.phase import Phase
         from fthsdp.step.functional import state_hash
 
         cfg, mgr = self.cfg, self.mgr
@@ -361,7 +375,9 @@ class ReplicaProcess:
             self.resume(self.args.resume)
         log.info("replica %s: %d device(s), lighthouse %s, ftar endpoints %s, state server %s", self.group.label,
                  self.mesh.devices.size, self.args.lighthouse, list(self.comm.addresses), self.server.url)
+        self.phases.set(Phase.COMPILING)
         log.info("replica %s: compiled the step in %.1fs (before checking in)", self.rid, mgr.warm_up())
+        self.phases.set(Phase.IDLE)
         if cfg.ft.snapshot == "every_commit":
             self.snapshot()
         if not self.args.rejoin and not self.client.heartbeating:

@@ -1,0 +1,196 @@
+"""Root-cause analysis over plain data (fthsdp/observe/root_cause.py): one case per
+verdict kind, cycles, ties and bad thresholds, without servers."""
+
+import pytest
+
+from fthsdp.observe import root_cause as rc
+from fthsdp.observe.root_cause import JobSnapshot, ProcessReport as R, StreamRate, Thresholds
+
+MEMBERS = ("0", "1", "2")
+
+
+def snap(*reports, members=MEMBERS, detect_s=0.8):
+    return JobSnapshot(tuple(reports), members, detect_s, step=7)
+
+
+def test_healthy_job_is_no_stall():
+    v = rc.analyse(snap(R("0", 0.05, "computing", 7, 0.01, last_compute_s=0.05),
+                        R("1", 0.02, "allreduce", 7, 0.01, waiting_on="0", waiting_s=0.003, last_compute_s=0.05),
+                        R("2", 0.08, "idle", 7, 0.0, last_compute_s=0.06)))
+    assert v.kind == rc.NONE and v.culprit == "" and v.confidence == 1.0
+    assert "no stall" in v.describe()
+
+
+def test_a_healthy_ring_in_progress_is_not_a_cycle():
+    # every rank waits a few ms on its left neighbour: the normal state of a ring
+    reports = [R(m, 0.05, "allreduce", 7, 0.02, waiting_on=MEMBERS[i - 1], waiting_s=0.004, last_compute_s=0.05)
+               for i, m in enumerate(MEMBERS)]
+    assert rc.analyse(snap(*reports)).kind == rc.NONE
+
+
+def test_frozen_replica_is_the_root_of_the_ring_waits():
+    v = rc.analyse(snap(
+        R("0", 0.05, "allreduce", 7, 0.5, waiting_on="2", waiting_s=0.45, ring_step=1, ring_steps=4),
+        R("1", 0.55, "computing", 7, 0.1),  # SIGSTOPped: its last report is stale
+        R("2", 0.03, "allreduce", 7, 0.5, waiting_on="1", waiting_s=0.5, ring_step=0, ring_steps=4)))
+    assert (v.kind, v.culprit) == (rc.FROZEN, "1")
+    assert v.chain == ("2", "1")
+    assert "no heartbeat for 0.55s" in v.evidence and "2 process(es) wait on it (0, 2)" in v.evidence
+    assert "2 waits in FTAR at ring step 1/4 for data from 1" in v.evidence
+
+
+def test_dead_replica_past_the_window_with_survivors_asking():
+    v = rc.analyse(snap(
+        R("0", 0.05, "waiting-for-quorum", 7, 0.3, asking=True),
+        R("1", 1.2, "allreduce", 7, 0.3, declared_dead=True),
+        R("2", 0.05, "waiting-for-quorum", 7, 0.3, asking=True)))
+    assert (v.kind, v.culprit, v.confidence) == (rc.DEAD, "1", 1.0)
+    assert "detection window 0.80s" in v.evidence and "asks for a quorum that waits for member 1" in v.evidence
+
+
+def test_silent_member_nobody_waits_on_yet_is_still_named():
+    v = rc.analyse(snap(R("0", 0.05, "computing", 7, 0.05), R("1", 0.9, "computing", 7, 0.05),
+                        R("2", 0.05, "computing", 7, 0.05)))
+    assert (v.kind, v.culprit) == (rc.DEAD, "1") and "nobody reports waiting on it yet" in v.evidence
+    assert v.confidence < 1.0
+
+
+def test_slow_replica_computing_while_the_others_wait():
+    v = rc.analyse(snap(
+        R("0", 0.05, "allreduce", 7, 0.8, waiting_on="2", waiting_s=0.8, last_compute_s=0.05),
+        R("1", 0.05, "computing", 7, 0.9, last_compute_s=0.95),
+        R("2", 0.05, "allreduce", 7, 0.85, waiting_on="1", waiting_s=0.85, last_compute_s=0.06)))
+    assert (v.kind, v.culprit) == (rc.SLOW, "1")
+    assert "has been computing for 0.90s" in v.evidence and "median compute is 0.06s" in v.evidence
+
+
+def test_slow_replica_seen_between_steps_by_its_last_compute():
+    v = rc.analyse(snap(R("0", 0.05, "idle", 7, 0.0, last_compute_s=0.05),
+                        R("1", 0.05, "allreduce", 7, 0.01, waiting_on="0", waiting_s=0.01, last_compute_s=0.7),
+                        R("2", 0.05, "idle", 7, 0.0, last_compute_s=0.04)))
+    assert (v.kind, v.culprit) == (rc.SLOW, "1") and "last forward+backward took 0.70s" in v.evidence
+
+
+def test_busy_but_not_slow_is_not_blamed():
+    v = rc.analyse(snap(
+        R("0", 0.05, "allreduce", 7, 0.15, waiting_on="1", waiting_s=0.15, last_compute_s=0.1),
+        R("1", 0.05, "computing", 7, 0.15, last_compute_s=0.1),
+        R("2", 0.05, "idle", 7, 0.0, last_compute_s=0.1)))
+    assert v.kind == rc.NONE
+
+
+def test_throttled_stream_is_a_slow_link_naming_sender_and_receiver():
+    # the ring waits on itself (a cycle): the stream rates break it
+    reports = [R(m, 0.05, "allreduce", 7, 0.5, waiting_on=MEMBERS[i - 1], waiting_s=0.3, last_compute_s=0.05,
+                 streams=(StreamRate(MEMBERS[(i + 1) % 3], rate, busy),))
+               for i, (m, rate, busy) in enumerate(zip(MEMBERS, (9e8, 2e5, 7e8), (0.01, 0.7, 0.01)))]
+    v = rc.analyse(snap(*reports))
+    assert (v.kind, v.culprit, v.peer) == (rc.SLOW_LINK, "1", "2")
+    assert "1 -> 2 carries 200.0 kB/s while busy, and is busy 70% of the time" in v.evidence
+    assert v.describe().startswith("SLOW_LINK 1 -> 2")
+
+
+def test_a_slow_but_mostly_idle_stream_is_noise_not_a_slow_link():
+    # one unlucky chunk on a loaded host: slow per busy second, but busy 1% of the time
+    reports = [R(m, 0.05, "idle", 7, 0.0, streams=(StreamRate(MEMBERS[(i + 1) % 3], rate, 0.01),))
+               for i, (m, rate) in enumerate(zip(MEMBERS, (4.6e8, 7.7e7, 4.6e8)))]
+    assert rc.analyse(snap(*reports)).kind == rc.NONE
+
+
+def test_even_streams_are_not_a_slow_link():
+    reports = [R(m, 0.05, "idle", 7, 0.0, streams=(StreamRate(MEMBERS[(i + 1) % 3], rate),))
+               for i, (m, rate) in enumerate(zip(MEMBERS, (9e8, 4e8, 7e8)))]
+    assert rc.analyse(snap(*reports)).kind == rc.NONE
+
+
+def test_a_stuck_cycle_with_nothing_to_blame_is_unknown():
+    reports = [R(m, 0.05, "allreduce", 7, 2.0, waiting_on=MEMBERS[i - 1], waiting_s=2.0)
+               for i, m in enumerate(MEMBERS)]
+    v = rc.analyse(snap(*reports))
+    assert v.kind == rc.UNKNOWN and "cycle" in v.evidence and v.confidence < 0.5
+
+
+def test_tie_between_two_frozen_roots_is_deterministic_and_less_confident():
+    members = ("0", "1", "2", "3")
+    reports = (R("0", 0.05, "allreduce", 7, 0.6, waiting_on="3", waiting_s=0.6),
+               R("1", 0.6, "computing", 7, 0.1),
+               R("2", 0.05, "allreduce", 7, 0.6, waiting_on="1", waiting_s=0.6),
+               R("3", 0.6, "computing", 7, 0.1))
+    v = rc.analyse(snap(*reports, members=members))
+    assert (v.kind, v.culprit) == (rc.FROZEN, "1") and v.confidence == 0.5
+    assert "also silent and waited on: 3" in v.evidence
+    # the longer silence wins a tie in waiters
+    reports = reports[:3] + (R("3", 0.7, "computing", 7, 0.1),)
+    assert rc.analyse(snap(*reports, members=members)).culprit == "3"
+
+
+def test_more_waiters_beats_longer_silence():
+    members = ("0", "1", "2", "3")
+    v = rc.analyse(snap(R("0", 0.05, "allreduce", 7, 0.6, waiting_on="3", waiting_s=0.6),
+                        R("1", 0.7, "computing", 7, 0.1),
+                        R("2", 0.05, "allreduce", 7, 0.6, waiting_on="0", waiting_s=0.6),
+                        R("3", 0.5, "computing", 7, 0.1), members=members))
+    assert v.culprit == "3" and v.chain == ("0", "3") and "2 process(es) wait on it (0, 2)" in v.evidence
+
+
+def test_dead_beats_slow_and_reports_without_phase():
+    # a lighthouse with replicas that send no phase reports still names the dead one
+    v = rc.analyse(snap(R("0", 0.05, asking=True), R("1", 2.0, declared_dead=True), R("2", 0.05, asking=True)))
+    assert (v.kind, v.culprit) == (rc.DEAD, "1")
+
+
+def test_bad_thresholds_are_refused():
+    with pytest.raises(ValueError, match="frozen_after_s=0 must be > 0"):
+        Thresholds(frozen_after_s=0)
+    with pytest.raises(ValueError, match="must be > 1"):
+        Thresholds(link_factor=1.0)
+
+
+# -- the phase report a process sends (fthsdp/observe/phase.py), over plain data --
+
+from fthsdp.observe.phase import Phase, PhaseTracker  # noqa: E402
+
+
+class Clock:
+    def __init__(self):
+        self.t = 100.0
+
+    def __call__(self):
+        return self.t
+
+
+def progress_of(**kw):
+    p = {"in_op": True, "rank": 1, "n": 3, "ring_step": 2, "ring_steps": 4, "since_recv_s": 0.7,
+         "bytes_sent": [0, 0], "send_busy_s": [0.0, 0.0], "bytes_received": [100, 20]}
+    p.update(kw)
+    return p
+
+
+def test_phase_tracker_reports_phase_time_and_who_it_waits_on():
+    clock, shards = Clock(), [progress_of()]
+    t = PhaseTracker(progress=lambda: shards, clock=clock)
+    t.set(Phase.WAITING_FOR_QUORUM, 4)
+    clock.t += 0.3
+    r = t.report("1")
+    assert (r.phase, r.step, r.in_phase_s, r.waiting_on) == (Phase.WAITING_FOR_QUORUM, 4, pytest.approx(0.3), "")
+    t.set(Phase.ALLREDUCE, quorum_id=9, members=("0", "1", "2"))
+    clock.t += 0.5
+    r = t.report("1")
+    assert (r.step, r.quorum_id, r.in_phase_s) == (4, 9, pytest.approx(0.5))
+    assert (r.waiting_on, r.waiting_s, r.ring_step, r.ring_steps, r.bytes_moved) == ("0", 0.7, 2, 4, 120)
+    shards[0] = progress_of(in_op=False)
+    assert t.report("1").waiting_on == ""  # the op finished: waiting on nobody
+
+
+def test_phase_tracker_stream_rate_windows():
+    clock = Clock()
+    shards = [progress_of(bytes_sent=[0, 0], send_busy_s=[0.0, 0.0])]
+    t = PhaseTracker(progress=lambda: shards, clock=clock)
+    t.set(Phase.IDLE, 0, quorum_id=1, members=("0", "1", "2"))
+    assert t.report("1").streams == ()  # the window starts
+    clock.t += 0.5
+    shards[0] = progress_of(bytes_sent=[1000, 1000], send_busy_s=[0.2, 0.2])
+    (s,) = t.report("1").streams  # young window, none finished yet: the current one
+    assert (s.to_replica, s.bytes_per_s, s.bytes, s.busy_fraction) == ("2", 5000.0, 2000, pytest.approx(0.4))
+    t.set(Phase.IDLE, quorum_id=2, members=("1", "2"))  # a new ring: rates start over
+    assert t.report("1").streams == ()
