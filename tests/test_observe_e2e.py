@@ -264,6 +264,11 @@ def test_dashboard_in_headless_chromium_shows_the_kill_and_the_rejoin(observed, 
         assert back["quorum_id"] > first["quorum_id"]  # the membership changed twice since the first quorum seen
         assert back["dead_spans"]["1"] >= 1 and back["dead_spans"].get("0", 0) == 0  # the timeline's red span
         assert back["reason"].startswith("last decision:") and len(back["reason"]) > len("last decision: —")
+        # root-cause analysis: the page names the killed replica as the stall's culprit (kept after it is back)
+        named = wait_until(lambda: (p := page()) and [v for v in p["verdicts"] if v["culprit"] == "1"] and p,
+                           30, "the page to name replica 1 as the root cause of the stall")
+        culprits = [v for v in named["verdicts"] if v["kind"] not in ("none", "unknown")]
+        assert culprits and all(v["culprit"] == "1" and v["kind"] in ("dead", "frozen") for v in culprits), culprits
         time.sleep(1.0)  # let a few more samples land so the timeline shows the rejoined run
         path = tmp_path / "dashboard.png"
         driver.save_screenshot(str(path))
@@ -285,6 +290,7 @@ const q = job.querySelector('.quorum-id');
 return {rows, row_text: rowText, dead_spans: deadSpans,
         quorum_id: q && /^\\d+$/.test(q.textContent) ? Number(q.textContent) : null,
         reason: job.querySelector('.reason').textContent,
+        verdicts: [...job.querySelectorAll('.rootcause .verdict[data-kind]')].map(v => ({kind: v.dataset.kind, culprit: v.dataset.culprit})),
         failures: [...job.querySelectorAll('tr.failure')].map(f => ({replica: f.dataset.replica, kind: f.dataset.kind, back: f.dataset.back}))};
 """
 

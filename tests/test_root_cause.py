@@ -194,3 +194,33 @@ def test_phase_tracker_stream_rate_windows():
     assert (s.to_replica, s.bytes_per_s, s.bytes, s.busy_fraction) == ("2", 5000.0, 2000, pytest.approx(0.4))
     t.set(Phase.IDLE, quorum_id=2, members=("1", "2"))  # a new ring: rates start over
     assert t.report("1").streams == ()
+
+
+# -- what the dashboard gets of a verdict (lighthouse_view over a Status answer) --
+
+
+def test_dashboard_view_carries_the_verdict_and_each_replicas_phase():
+    from fthsdp.observe.lighthouse_view import History, view_from_proto
+    from fthsdp.proto import lighthouse
+
+    pb2, _ = lighthouse()
+    resp = pb2.StatusResponse(detect_s=0.8, jobs=[pb2.JobStatus(
+        job_id="j", replicas=[
+            pb2.ReplicaStatus(replica_id="0", step=5, last_heartbeat_age_s=0.05, phase=pb2.PhaseReport(
+                phase=pb2.PHASE_ALLREDUCE, in_phase_s=0.6, waiting_on="1")),
+            pb2.ReplicaStatus(replica_id="1", step=5, last_heartbeat_age_s=0.9, dead=True)],
+        root_cause=pb2.RootCause(kind="none", evidence="fine"),
+        last_stall=pb2.RootCause(kind="dead", culprit="1", evidence="no heartbeat for 0.90s", confidence=1.0,
+                                 step=5, age_s=3.0))])
+    view = view_from_proto(resp, 1000.0)
+    job = view.job("j")
+    assert job.root_cause.kind == "none" and (job.last_stall.kind, job.last_stall.culprit) == ("dead", "1")
+    h = History()
+    h.update(view)
+    data = h.job_json(job)
+    assert data["last_stall"]["culprit"] == "1" and data["last_stall"]["evidence"].startswith("no heartbeat")
+    rows = {r["replica_id"]: r for r in data["replicas"]}
+    assert (rows["0"]["phase"], rows["0"]["waiting_on"]) == ("allreduce", "1") and rows["1"]["phase"] == ""
+    # an older lighthouse without these fields still gives a view
+    old = view_from_proto(pb2.StatusResponse(jobs=[pb2.JobStatus(job_id="j")]), 0.0).job("j")
+    assert old.root_cause is None and old.last_stall is None

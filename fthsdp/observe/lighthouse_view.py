@@ -42,6 +42,24 @@ class ReplicaView:
     # Where the replica serves /metrics, once the protocol carries it
     # (ReplicaStatus.metrics_address); "" until then.
     metrics_address: str = ""
+    # Its last phase report (root-cause analysis): "computing", "allreduce", ... ("" = none),
+    # seconds in it, and in the all-reduce the replica whose data it waits for.
+    phase: str = ""
+    phase_s: float = 0.0
+    waiting_on: str = ""
+
+
+@dataclass(frozen=True)
+class RootCauseView:
+    """The lighthouse's root-cause verdict (fthsdp/observe/root_cause.py)."""
+
+    kind: str  # none | dead | frozen | slow | slow_link | unknown
+    culprit: str
+    peer: str
+    evidence: str
+    confidence: float
+    step: int
+    age_s: float
 
 
 @dataclass(frozen=True)
@@ -62,6 +80,8 @@ class JobView:
     last_reason: str
     num_configured: int
     local_world_size: int
+    root_cause: RootCauseView | None = None  # the verdict now
+    last_stall: RootCauseView | None = None  # the last verdict that named a culprit
 
     def state_of(self, r: ReplicaView) -> str:
         """One word for a replica, from the lighthouse's point of view."""
@@ -95,16 +115,33 @@ def view_from_proto(resp: Any, now: float) -> LighthouseView:
         return QuorumView(int(q.quorum_id), tuple(m.replica_id for m in q.members), tuple(q.healthy),
                           tuple(q.behind), int(q.max_step), str(q.reason))
 
+    def verdict(j, name: str) -> RootCauseView | None:
+        if not (hasattr(j, "HasField") and name in j.DESCRIPTOR.fields_by_name and j.HasField(name)):
+            return None
+        v = getattr(j, name)
+        return RootCauseView(v.kind, v.culprit, v.peer, v.evidence, float(v.confidence), int(v.step), float(v.age_s))
+
+    def phase(r) -> tuple[str, float, str]:
+        if not (hasattr(r, "HasField") and "phase" in r.DESCRIPTOR.fields_by_name and r.HasField("phase")):
+            return "", 0.0, ""
+        p = r.phase
+        name = type(p).DESCRIPTOR.fields_by_name["phase"].enum_type.values_by_number.get(p.phase)
+        word = name.name.removeprefix("PHASE_").lower().replace("_", "-") if name is not None else ""
+        return ("" if word == "unknown" else word), float(p.in_phase_s), p.waiting_on
+
     jobs = tuple(
         JobView(
             job_id=j.job_id,
             replicas=tuple(ReplicaView(r.replica_id, int(r.step), float(r.last_heartbeat_age_s), bool(r.dead),
-                                       bool(getattr(r, "waiting", False)), str(getattr(r, "metrics_address", "")))
+                                       bool(getattr(r, "waiting", False)), str(getattr(r, "metrics_address", "")),
+                                       *phase(r))
                            for r in j.replicas),
             quorum=quorum(j),
             last_reason=str(getattr(j, "last_reason", "")),
             num_configured=int(getattr(j, "num_configured", 0)),
             local_world_size=int(getattr(j, "local_world_size", 0)),
+            root_cause=verdict(j, "root_cause"),
+            last_stall=verdict(j, "last_stall"),
         )
         for j in resp.jobs
     )
@@ -287,9 +324,12 @@ class History:
             "decisions": h.decisions,
             "replicas": [
                 {"replica_id": r.replica_id, "step": r.step, "state": job.state_of(r),
-                 "heartbeat_age_s": r.heartbeat_age_s, "step_s": self.step_seconds(job.job_id, r.replica_id)}
+                 "heartbeat_age_s": r.heartbeat_age_s, "step_s": self.step_seconds(job.job_id, r.replica_id),
+                 "phase": r.phase, "phase_s": r.phase_s, "waiting_on": r.waiting_on}
                 for r in job.replicas
             ],
+            "root_cause": None if job.root_cause is None else asdict(job.root_cause),
+            "last_stall": None if job.last_stall is None else asdict(job.last_stall),
             "timeline": [
                 {"t": s.time, "quorum_id": s.quorum_id, "members": list(s.members), "states": s.states}
                 for s in changes(h.samples)[-max_samples:]

@@ -59,10 +59,38 @@ function renderSummary(job) {
   return box;
 }
 
+// The root-cause verdict: who stalls the job and why (the lighthouse's
+// wait-for graph analysis). The current one, and the last one that named a
+// culprit while the job is fine again.
+function renderRootCause(job) {
+  const box = el("div", { class: "rootcause" });
+  const one = (label, v, cls) => {
+    const who = v.kind === "slow_link" ? `link ${v.culprit} → ${v.peer}` : v.culprit ? `replica ${v.culprit}` : "";
+    return el("div", { class: `verdict ${cls} kind-${v.kind}`, dataset: { kind: v.kind, culprit: v.culprit, peer: v.peer } },
+      el("span", { class: "label" }, label), " ",
+      el("b", { class: "kind" }, v.kind === "none" ? "no stall" : v.kind.replace("_", " ").toUpperCase()), " ",
+      el("b", { class: "culprit" }, who), " ",
+      el("span", { class: "muted" }, v.kind === "none" ? "" :
+        `(confidence ${v.confidence.toFixed(2)}, step ${v.step}, ${seconds(v.age_s)} ago)`),
+      el("div", { class: "evidence" }, v.evidence));
+  };
+  if (job.root_cause) box.append(one("root cause now:", job.root_cause, "current"));
+  else box.append(el("div", { class: "verdict current empty" }, "root cause: not analysed yet"));
+  if (job.last_stall && (!job.root_cause || job.root_cause.kind === "none")) {
+    box.append(one("last stall:", job.last_stall, "last"));
+  }
+  return box;
+}
+
+function phaseText(r) {
+  if (!r.phase) return "—";
+  return `${r.phase} ${seconds(r.phase_s)}${r.waiting_on ? ` (waits on ${r.waiting_on})` : ""}`;
+}
+
 function renderReplicas(job) {
   const t = el("table", { class: "replicas" },
     el("thead", {}, el("tr", {}, el("th", {}, "replica"), el("th", {}, "state"), el("th", {}, "step"),
-      el("th", {}, "heartbeat age"), el("th", {}, "step time"))));
+      el("th", {}, "heartbeat age"), el("th", {}, "step time"), el("th", {}, "phase"))));
   const body = el("tbody");
   for (const r of [...job.replicas].sort((a, b) => byRing(a.replica_id, b.replica_id))) {
     body.append(el("tr", { class: `replica state-${r.state}`, dataset: { replica: r.replica_id, state: r.state } },
@@ -70,7 +98,8 @@ function renderReplicas(job) {
       el("td", {}, el("span", { class: `badge st-${r.state}` }, STATE_WORD[r.state] || r.state)),
       el("td", { class: "num step" }, String(r.step)),
       el("td", { class: "num hb" }, seconds(r.heartbeat_age_s)),
-      el("td", { class: "num steptime" }, seconds(r.step_s))));
+      el("td", { class: "num steptime" }, seconds(r.step_s)),
+      el("td", { class: "phase" }, phaseText(r))));
   }
   t.append(body);
   return t;
@@ -163,6 +192,7 @@ function render(data) {
     renderSummary(job),
     el("div", { class: "reason", title: "why the lighthouse formed the current quorum" },
       `last decision: ${job.last_reason || "—"}`),
+    el("h3", {}, "who is stalling the job"), renderRootCause(job),
     el("h3", {}, "replicas"), renderReplicas(job),
     el("h3", {}, "membership timeline"), renderTimeline(job, data.time),
     el("h3", {}, "recent failures"), renderFailures(job)));
