@@ -43,12 +43,13 @@ from dataclasses import dataclass, field
 HERE = pathlib.Path(__file__).resolve().parent
 REPO = HERE.parent
 BUILD = REPO / "build" / "fuzz"
-CXX_SOURCES = ("ffi/transport/wire.cc", "ffi/ring_schedule.cc")
-CXX_HEADERS = ("ffi/transport/wire.h", "ffi/transport/tcp.h", "ffi/ring_schedule.h", "ffi/fuzz/fuzz_check.h")
+CXX_SOURCES = ("ffi/transport/wire.cc", "ffi/ring_schedule.cc", "ffi/crypto/hmac_sha256.cc")
+CXX_HEADERS = ("ffi/transport/wire.h", "ffi/transport/tcp.h", "ffi/ring_schedule.h", "ffi/fuzz/fuzz_check.h",
+               "ffi/crypto/hmac_sha256.h")
 CXX_FLAGS = ("-std=c++17", "-g", "-O1", "-fno-omit-frame-pointer", "-fsanitize=fuzzer,address,undefined",
              "-fno-sanitize-recover=all")
 
-HELLO_MAGIC, CHUNK_MAGIC, VERSION = 0x46544152, 0x4348554E, 1
+HELLO_MAGIC, CHUNK_MAGIC, PROOF_MAGIC, VERSION = 0x46544152, 0x4348554E, 0x50524F46, 2
 
 
 @dataclass(frozen=True)
@@ -65,12 +66,22 @@ class Harness:
     extra_args: tuple[str, ...] = ()  # more libFuzzer flags
 
 
-def _hello(job: bytes = b"job", quorum: int = 7, rank: int = 0, n: int = 2, stream: int = 0, streams: int = 1) -> bytes:
-    return struct.pack("<IIqiiii64s", HELLO_MAGIC, VERSION, quorum, rank, n, stream, streams, job)
+def _hello(job: bytes = b"job", quorum: int = 7, rank: int = 0, n: int = 2, stream: int = 0, streams: int = 1,
+           auth: int = 1) -> bytes:
+    return struct.pack("<IIqiiii64sI16s", HELLO_MAGIC, VERSION, quorum, rank, n, stream, streams, job, auth,
+                       bytes(range(16)))
+
+
+def _reply(ok: int = 1, reason: bytes = b"") -> bytes:
+    return struct.pack("<I192s16s32s", ok, reason, bytes(16), bytes(32))
+
+
+def _proof() -> bytes:
+    return struct.pack("<I32s", PROOF_MAGIC, bytes(32))
 
 
 def _chunk(lane: int = 0, op: int = 0, index: int = 0, nbytes: int = 0) -> bytes:
-    return struct.pack("<IIQqQ", CHUNK_MAGIC, lane, op, index, nbytes)
+    return struct.pack("<IIQqQ16s", CHUNK_MAGIC, lane, op, index, nbytes, bytes(16))
 
 
 HARNESSES: tuple[Harness, ...] = (
@@ -79,7 +90,11 @@ HARNESSES: tuple[Harness, ...] = (
             seeds=(_hello() + bytes(32), _hello(b"j", 3, 1, 4, 1, 2) + bytes(range(40)))),
     Harness("ftar_reply", "libfuzzer", "ffi/fuzz/fuzz_reply.cc", 1_000_000, 20_000,
             what="handshake reply read by the connecting rank (wire::read_reply)",
-            seeds=(struct.pack("<I192s", 1, b""), struct.pack("<I192s", 0, b"refused: reason") + b"\x01why")),
+            seeds=(_reply(1), _reply(0, b"refused: reason") + b"\x01why", _reply(2))),
+    Harness("ftar_proof", "libfuzzer", "ffi/fuzz/fuzz_proof.cc", 1_000_000, 20_000,
+            what="challenge-response and chunk tags (wire::check_challenge, check_proof, check_chunk_tag)",
+            seeds=(_hello() + _reply(2) + _proof() + _chunk() + bytes([0x87]) + b"\x10key" + bytes(40),
+                   _hello(b"j", 3, 1, 4, 1, 2) + _reply(0) + _proof() + _chunk(1, 2, 3, 16) + bytes(range(60)))),
     Harness("ftar_chunk_header", "libfuzzer", "ffi/fuzz/fuzz_chunk_header.cc", 1_000_000, 20_000,
             what="chunk header checked against the receiver's schedule (wire::check_chunk_header)",
             seeds=(_chunk() + bytes(48), _chunk(1, 2, 3, 16) + bytes(range(48)))),

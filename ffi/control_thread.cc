@@ -23,8 +23,11 @@ Clock::duration seconds(double s) {
 }
 
 constexpr auto kRetryDelay = std::chrono::milliseconds(20);
-constexpr auto kPendingLimit = std::chrono::seconds(120);
 constexpr size_t kReadBudget = 8u << 20;  // bytes read from one stream per wake-up
+// Hostile-input limits of one listener (see control_thread.h).
+constexpr size_t kMaxPending = 64;                          // undecided handshakes
+constexpr auto kHandshakeDeadline = std::chrono::seconds(5);  // hello after connect; proof after challenge
+constexpr auto kHeldLimit = std::chrono::seconds(120);        // a hello waiting for this rank's configure
 
 // Test hook, off unless set: every chunk this process sends waits this many
 // seconds first (a throttled stream, for testing root-cause analysis of slow
@@ -56,7 +59,9 @@ int64_t now_ns() {
 // Public side (any thread).
 
 RingEndpoint::RingEndpoint(const RingOptions& options, ControlThread* thread)
-    : options_(options), thread_(thread) {
+    : options_(options),
+      key_(options.key.empty() ? crypto::HmacKey() : crypto::HmacKey(options.key)),
+      thread_(thread) {
   if (options.streams < 1 || options.streams > kMaxStreams) {
     throw std::invalid_argument("ftar: streams per peer must be in [1, " + std::to_string(kMaxStreams) + "], got " +
                                 std::to_string(options.streams));
@@ -73,6 +78,10 @@ RingEndpoint::RingEndpoint(const RingOptions& options, ControlThread* thread)
     throw std::invalid_argument("ftar: timeout_s must be > 0");
   }
   send_delay_ = send_delay_from_env();
+  if (!options.key.empty() && options.key.size() < 16) {
+    throw std::invalid_argument("ftar: a job key must have at least 16 bytes, got " +
+                                std::to_string(options.key.size()));
+  }
   listen_fd_ = tcp::listen_on(options.listen_host, 0, &address_);
   // Receive staging of S x C, touched now so that no op pays first-touch faults.
   staging_.resize(static_cast<size_t>(options.chunk_bytes) * options.chunks);
@@ -160,6 +169,13 @@ void RingEndpoint::run(const std::shared_ptr<Op>& op) {
   op->done = true;
   op->fatal = true;
   op->reason = "ftar control thread unresponsive: all-reduce neither finished nor aborted";
+}
+
+std::vector<PeerViolation> RingEndpoint::take_violations() {
+  std::lock_guard<std::mutex> lk(mu_);
+  std::vector<PeerViolation> out;
+  out.swap(violations_);
+  return out;
 }
 
 RingStats RingEndpoint::stats() {
@@ -293,9 +309,10 @@ void RingEndpoint::apply_configure(const RingConfig& config, Clock::time_point n
   in_.resize(options_.streams);
   connect_deadline_ = now + seconds(config.connect_timeout_s);
   set_state(State::kConnecting, "");
-  // Connections that arrived before this configure() may belong to it.
+  // Hellos that arrived before this configure() may belong to it: re-checked
+  // now (and challenged); none of them took a slot while held.
   for (auto& p : pending_) {
-    if (p.fd.valid() && p.done == sizeof(tcp::Hello)) decide(&p);
+    if (p.fd.valid() && p.phase == Pending::Phase::kHeld) decide(&p, now);
   }
 }
 
@@ -469,7 +486,7 @@ void RingEndpoint::refuse(tcp::Fd fd, const std::string& reason) {
   stats_.last_error = "refused a handshake: " + reason;
 }
 
-int RingEndpoint::decide(Pending* p) {
+int RingEndpoint::decide(Pending* p, Clock::time_point now) {
   const tcp::Hello& h = p->hello;
   // The decision is wire::check_hello's (pure, fuzzed in ffi/fuzz/); this only gathers its inputs.
   wire::HelloExpect expect;
@@ -485,40 +502,117 @@ int RingEndpoint::decide(Pending* p) {
     expect.failed = local_state_ == State::kFailed;
     expect.failed_reason = local_reason_;
   }
+  expect.auth = !key_.empty();
   const wire::HelloDecision verdict = wire::check_hello(h, expect);
-  if (verdict.verdict == wire::HelloVerdict::kHold) return -1;
+  if (verdict.verdict == wire::HelloVerdict::kHold) {
+    if (p->phase != Pending::Phase::kHeld) {
+      p->phase = Pending::Phase::kHeld;
+      p->deadline = now + kHeldLimit;
+    }
+    return -1;
+  }
   if (verdict.verdict == wire::HelloVerdict::kRefuse) {
     refuse(std::move(p->fd), verdict.reason);
     return 0;
   }
-  tcp::Reply reply{};
-  reply.ok = 1;
+  if (!key_.empty() && !p->proven) {
+    // The fields match a configured neighbour and the slot is free: challenge
+    // it. The slot stays free until its proof checks out, so a stranger who
+    // guessed the fields holds nothing the real neighbour needs.
+    crypto::random_bytes(p->nonce, sizeof(p->nonce));
+    const tcp::Reply challenge = wire::make_challenge(key_, h, p->nonce);
+    if (::send(p->fd.get(), &challenge, sizeof(challenge), MSG_NOSIGNAL | MSG_DONTWAIT) !=
+        static_cast<ssize_t>(sizeof(challenge))) {
+      p->fd.reset();
+      return 0;
+    }
+    p->phase = Pending::Phase::kProof;
+    p->proof_done = 0;
+    p->deadline = now + kHandshakeDeadline;
+    return -1;
+  }
+  const tcp::Reply reply = wire::make_reply(true, "");
   if (::send(p->fd.get(), &reply, sizeof(reply), MSG_NOSIGNAL | MSG_DONTWAIT) !=
       static_cast<ssize_t>(sizeof(reply))) {
     p->fd.reset();
     return 0;
   }
   tcp::tune_stream(p->fd.get(), options_.socket_buffer_bytes);
-  in_[h.stream].fd = std::move(p->fd);
+  InStream& in = in_[h.stream];
+  in.fd = std::move(p->fd);
+  in.conn_key = key_.empty() ? crypto::HmacKey() : wire::connection_key(key_, h, p->nonce);
+  in.seq = 0;
   check_ready();
   return 1;
+}
+
+void RingEndpoint::violation(int32_t rank, const std::string& what) {
+  const std::string reason = "ftar protocol violation from left neighbour " + cfg_->members[rank] +
+                             " (rank " + std::to_string(rank) + " of quorum " +
+                             std::to_string(cfg_->quorum_id) + "): " + what;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    ++stats_.violations;
+    if (violations_.size() < kMaxViolations) {
+      violations_.push_back(PeerViolation{cfg_->quorum_id, rank, cfg_->members[rank], reason});
+    }
+  }
+  fail(reason);  // RECOVERABLE: the peer's fault; this rank's state is intact
 }
 
 void RingEndpoint::on_accept(Clock::time_point now) {
   for (;;) {
     tcp::Fd fd = tcp::accept_one(listen_fd_.get());
     if (!fd.valid()) break;
+    size_t live = 0;
+    for (const auto& q : pending_) live += q.fd.valid();
+    if (live >= kMaxPending) {
+      // Full: close the oldest connection that has not even sent its hello (an
+      // idle stranger); an honest neighbour sends its hello as soon as it is
+      // connected, so it is never the oldest idle one for long.
+      Pending* victim = nullptr;
+      for (auto& q : pending_) {
+        if (q.fd.valid() && q.phase == Pending::Phase::kHello && q.done < sizeof(tcp::Hello)) {
+          victim = &q;
+          break;  // pending_ is in arrival order
+        }
+      }
+      if (!victim) {
+        refuse(std::move(fd), "too many pending FTAR handshakes at this rank (" +
+                                  std::to_string(kMaxPending) + "); try again");
+        continue;
+      }
+      refuse(std::move(victim->fd), "closed: no hello and " + std::to_string(kMaxPending) +
+                                        " handshakes pending at this rank");
+    }
     Pending p;
     p.fd = std::move(fd);
     p.since = now;
+    p.deadline = now + kHandshakeDeadline;
     pending_.push_back(std::move(p));
   }
 }
 
-void RingEndpoint::on_pending(size_t i, short revents) {
+void RingEndpoint::on_pending(size_t i, short revents, Clock::time_point now) {
   (void)revents;
   Pending& p = pending_[i];
   if (!p.fd.valid()) return;
+  if (p.phase == Pending::Phase::kProof) {
+    int err = 0;
+    const tcp::Io io = tcp::recv_into(p.fd.get(), &p.proof, sizeof(p.proof), &p.proof_done, &err);
+    if (io == tcp::Io::kClosed || io == tcp::Io::kError) {
+      p.fd.reset();
+      return;
+    }
+    if (p.proof_done < sizeof(p.proof)) return;
+    if (!wire::check_proof(key_, p.hello, p.nonce, p.proof)) {
+      refuse(std::move(p.fd), "bad proof: the peer does not hold this job's secret");
+      return;
+    }
+    p.proven = true;
+    decide(&p, now);  // re-checked: the slot may have been taken or the ring reconfigured meanwhile
+    return;
+  }
   if (p.done < sizeof(tcp::Hello)) {
     int err = 0;
     const tcp::Io io = tcp::recv_into(p.fd.get(), &p.hello, sizeof(p.hello), &p.done, &err);
@@ -526,7 +620,7 @@ void RingEndpoint::on_pending(size_t i, short revents) {
       p.fd.reset();
       return;
     }
-    if (p.done == sizeof(tcp::Hello)) decide(&p);
+    if (p.done == sizeof(tcp::Hello)) decide(&p, now);
   } else {
     // A held connection: readable now means its peer gave up (EOF) or broke protocol.
     char c;
@@ -548,10 +642,13 @@ void RingEndpoint::on_out(size_t i, short revents, Clock::time_point now) {
       return;
     }
     tcp::tune_stream(s.fd.get(), options_.socket_buffer_bytes);
+    uint8_t nonce[tcp::kNonceBytes];
+    crypto::random_bytes(nonce, sizeof(nonce));
     s.hello = wire::make_hello(cfg_->job_id, cfg_->quorum_id, cfg_->rank,
                                static_cast<int32_t>(cfg_->members.size()), static_cast<int32_t>(i),
-                               options_.streams);
+                               options_.streams, !key_.empty(), nonce);
     s.io_done = 0;
+    s.challenged = false;
     s.phase = Phase::kHello;
   }
   if (s.phase == Phase::kHello) {
@@ -579,13 +676,53 @@ void RingEndpoint::on_out(size_t i, short revents, Clock::time_point now) {
       return;
     }
     if (s.io_done < sizeof(s.reply)) return;
-    if (const wire::ReplyDecision r = wire::read_reply(s.reply); !r.accepted) {
+    const wire::ReplyDecision r = wire::read_reply(s.reply);
+    if (!r.accepted && !r.challenge) {
       fail("right neighbour " + peer + " refused the handshake: " + r.reason);
       return;
     }
-    s.phase = Phase::kReady;
-    s.sender = std::make_unique<Sender>(s.fd.get(), thread_, &p_out_[i], send_delay_);
-    check_ready();
+    if (r.challenge) {
+      if (key_.empty() || s.challenged) {
+        fail("right neighbour " + peer + " sent an unexpected challenge" +
+             (key_.empty() ? " (it holds a job secret, this rank runs without one)" : ""));
+        return;
+      }
+      if (!wire::check_challenge(key_, s.hello, s.reply)) {
+        fail("right neighbour " + peer +
+             " failed to prove the job secret (not a member of this job, or a different secret)");
+        return;
+      }
+      s.challenged = true;
+      s.proof = wire::make_proof(key_, s.hello, s.reply.nonce);
+      s.conn_key = wire::connection_key(key_, s.hello, s.reply.nonce);
+      s.io_done = 0;
+      s.phase = Phase::kProof;
+      // fall through: the socket is almost surely writable
+    } else {
+      if (!key_.empty() && !s.challenged) {
+        fail("right neighbour " + peer + " accepted without proving the job secret");
+        return;
+      }
+      s.phase = Phase::kReady;
+      s.sender = std::make_unique<Sender>(s.fd.get(), thread_, &p_out_[i], send_delay_, s.conn_key);
+      check_ready();
+      return;
+    }
+  }
+  if (s.phase == Phase::kProof) {
+    int err = 0;
+    const tcp::Io io = tcp::send_two(s.fd.get(), &s.proof, sizeof(s.proof), nullptr, 0, &s.io_done, &err);
+    if (io == tcp::Io::kClosed || io == tcp::Io::kError) {
+      s.fd.reset();
+      s.phase = Phase::kWaitRetry;
+      s.retry_at = now + kRetryDelay;
+      return;
+    }
+    if (s.io_done == sizeof(s.proof)) {
+      s.io_done = 0;
+      s.reply = tcp::Reply{};
+      s.phase = Phase::kAwaitReply;
+    }
     return;
   }
   (void)revents;
@@ -640,6 +777,13 @@ void RingEndpoint::on_in(size_t i, short revents) {
         stats_.bytes_received += static_cast<int64_t>(sizeof(s.header));
       }
       const tcp::ChunkHeader& h = s.header;
+      if (!key_.empty()) {
+        if (!wire::check_chunk_tag(s.conn_key, s.seq, h)) {
+          violation(left(), "unauthenticated chunk header (its MAC does not verify under this connection's key)");
+          return;
+        }
+        ++s.seq;
+      }
       // The header is judged by wire::check_chunk_header (pure, fuzzed in ffi/fuzz/).
       wire::ChunkExpect expect;
       expect.op_seq = op_seq_;
@@ -651,7 +795,7 @@ void RingEndpoint::on_in(size_t i, short revents) {
       expect.elem = elem_;
       const wire::ChunkDecision verdict = wire::check_chunk_header(h, expect);
       if (!verdict.ok) {
-        fail("ftar protocol violation from left neighbour " + peer + ": " + verdict.error, /*fatal=*/true);
+        violation(left(), verdict.error);
         return;
       }
       {
@@ -742,12 +886,29 @@ void RingEndpoint::poll_prepare(Clock::time_point now, std::vector<pollfd>* fds,
     *wake_at = std::min(*wake_at, connect_deadline_);
   }
   if (op_) *wake_at = std::min(*wake_at, op_->deadline);
-  // Drop decided or long-held pending connections.
-  pending_.erase(std::remove_if(pending_.begin(), pending_.end(),
-                                [&](const Pending& p) {
-                                  return !p.fd.valid() || now - p.since > kPendingLimit;
-                                }),
+  // Handshakes past their phase's deadline are refused with the reason; decided ones dropped.
+  for (auto& p : pending_) {
+    if (!p.fd.valid() || now < p.deadline) continue;
+    switch (p.phase) {
+      case Pending::Phase::kHello:
+        refuse(std::move(p.fd), "handshake deadline: no complete hello within " +
+                                    std::to_string(std::chrono::duration_cast<std::chrono::seconds>(
+                                                       kHandshakeDeadline).count()) + " s of connecting");
+        break;
+      case Pending::Phase::kProof:
+        refuse(std::move(p.fd), "handshake deadline: no proof within " +
+                                    std::to_string(std::chrono::duration_cast<std::chrono::seconds>(
+                                                       kHandshakeDeadline).count()) + " s of the challenge");
+        break;
+      case Pending::Phase::kHeld:
+        refuse(std::move(p.fd), "held hello expired: this rank was not configured for quorum " +
+                                    std::to_string(p.hello.quorum_id) + " in time");
+        break;
+    }
+  }
+  pending_.erase(std::remove_if(pending_.begin(), pending_.end(), [](const Pending& p) { return !p.fd.valid(); }),
                  pending_.end());
+  for (const auto& p : pending_) *wake_at = std::min(*wake_at, p.deadline);
 
   slot_base_ = fds->size();
   slots_.clear();
@@ -761,7 +922,8 @@ void RingEndpoint::poll_prepare(Clock::time_point now, std::vector<pollfd>* fds,
     const OutStream& s = out_[i];
     switch (s.phase) {
       case OutStream::Phase::kConnecting:
-      case OutStream::Phase::kHello: add(s.fd.get(), POLLOUT, 2, i); break;
+      case OutStream::Phase::kHello:
+      case OutStream::Phase::kProof: add(s.fd.get(), POLLOUT, 2, i); break;
       case OutStream::Phase::kAwaitReply: add(s.fd.get(), POLLIN, 2, i); break;
       default: break;
     }
@@ -784,7 +946,7 @@ void RingEndpoint::poll_handle(const std::vector<pollfd>& fds, Clock::time_point
     const Slot& slot = slots_[j];
     switch (slot.kind) {
       case 0: on_accept(now); break;
-      case 1: on_pending(slot.index, rev); break;
+      case 1: on_pending(slot.index, rev, now); break;
       case 2: on_out(slot.index, rev, now); break;
       case 3: on_in(slot.index, rev); break;
     }
@@ -793,8 +955,9 @@ void RingEndpoint::poll_handle(const std::vector<pollfd>& fds, Clock::time_point
 
 // ---------------------------------------------------------------------------
 
-RingEndpoint::Sender::Sender(int fd, ControlThread* wake, StreamCounters* counters, Clock::duration delay)
-    : fd_(fd), wake_(wake), counters_(counters), delay_(delay) {
+RingEndpoint::Sender::Sender(int fd, ControlThread* wake, StreamCounters* counters, Clock::duration delay,
+                             const crypto::HmacKey& key)
+    : fd_(fd), wake_(wake), counters_(counters), delay_(delay), key_(key) {
   thread_ = std::thread([this] { loop(); });
 }
 
@@ -841,6 +1004,9 @@ void RingEndpoint::Sender::loop() {
       std::unique_lock<std::mutex> lk(mu_);
       if (cv_.wait_for(lk, delay_, [&] { return stop_; })) return;
     }
+    // Tagged here, in the order chunks leave on this connection (the receiver counts the same).
+    if (!key_.empty()) wire::tag_chunk(key_, seq_++, &item.header);
+    if (wake_->corrupt_this_chunk()) item.header.magic ^= 0x1;  // test hook, off by default
     size_t sent = 0;
     const size_t total = sizeof(item.header) + item.bytes;
     while (sent < total) {
@@ -885,6 +1051,11 @@ void RingEndpoint::Sender::loop() {
 }
 
 ControlThread::ControlThread() {
+  if (const char* v = std::getenv("FTHSDP_FTAR_TEST_CORRUPT_CHUNK"); v && *v) {
+    char* end = nullptr;
+    const long long n = std::strtoll(v, &end, 10);
+    if (end && *end == '\0' && n > 0) corrupt_at_ = n;
+  }
   wake_fd_ = tcp::Fd(::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC));
   if (!wake_fd_.valid()) throw std::runtime_error(std::string("ftar: eventfd: ") + strerror(errno));
   thread_ = std::thread([this] { loop(); });
@@ -912,6 +1083,11 @@ void ControlThread::remove(const RingEndpoint* ep) {
   endpoints_.erase(std::remove_if(endpoints_.begin(), endpoints_.end(),
                                   [&](const std::shared_ptr<RingEndpoint>& e) { return e.get() == ep; }),
                    endpoints_.end());
+}
+
+bool ControlThread::corrupt_this_chunk() {
+  if (corrupt_at_ <= 0) return false;
+  return chunks_sent_.fetch_add(1) + 1 == corrupt_at_;
 }
 
 void ControlThread::wake() {

@@ -11,9 +11,21 @@
 // output (all-gather) by the control thread, which also reduces.
 //
 // Outcomes: OK; RECOVERABLE (peer closed or reset, timeout, quorum changed,
-// stale quorum id, aborted, not connected) -> the step is retried on a new
-// quorum; FATAL (bad arguments, protocol violation, configuration that
-// contradicts the op) -> ffi::Error.
+// stale quorum id, aborted, not connected, a protocol violation by a
+// neighbour) -> the step is retried on a new quorum; FATAL (bad arguments,
+// configuration that contradicts the op) -> ffi::Error. A protocol violation
+// (a malformed or unauthenticated chunk) is the peer's fault, never ours: the
+// op returns RECOVERABLE naming the peer, and the violation is kept for the
+// Python side (take_violations) to report to the lighthouse.
+//
+// Hostile-input limits of a listener (documented constants: they bound what a
+// stranger can hold, and no honest peer comes near them): at most
+// kMaxPending connections whose handshake is undecided (beyond it the oldest
+// one that has not sent its hello is closed, else the newcomer is refused);
+// kHandshakeDeadline to send a hello after connecting and to answer a
+// challenge; kHeldLimit for a complete hello that waits for this rank's
+// configure. Established streams are bounded by `streams` and replaced at
+// each configure.
 #pragma once
 
 #include <poll.h>
@@ -31,6 +43,7 @@
 #include <thread>
 #include <vector>
 
+#include "crypto/hmac_sha256.h"
 #include "reduce.h"
 #include "ring_schedule.h"
 #include "transport/tcp.h"
@@ -48,6 +61,17 @@ struct RingOptions {
   int chunks = 4;                   // C: chunks in flight (lanes)
   double timeout_s = 60.0;          // deadline of one all-reduce
   int socket_buffer_bytes = 0;      // 0: kernel default (autotuned)
+  // The job's FTAR key (derived from the job secret); empty: an explicitly
+  // insecure job, no challenge-response and no chunk tags.
+  std::string key;
+};
+
+// A neighbour broke the protocol (a malformed or unauthenticated chunk).
+struct PeerViolation {
+  int64_t quorum_id = 0;
+  int32_t rank = 0;     // the offender's rank in that quorum
+  std::string address;  // its ring address
+  std::string reason;
 };
 
 struct RingConfig {
@@ -83,6 +107,7 @@ struct RingStats {
   int64_t bytes_received = 0;
   int64_t configures = 0;
   int64_t refused_handshakes = 0;
+  int64_t violations = 0;
   std::string state;
   std::string last_error;
 };
@@ -135,11 +160,14 @@ class RingEndpoint {
   void run(const std::shared_ptr<Op>& op);
   RingStats stats();
   RingProgress progress() const;  // lock-free (atomics only)
+  // Protocol violations seen since the last call (oldest first, at most kMaxViolations kept).
+  std::vector<PeerViolation> take_violations();
 
  private:
   friend class ControlThread;
   enum class State { kUnconfigured, kConnecting, kReady, kFailed };
 
+  static constexpr size_t kMaxViolations = 16;
   struct SendItem {
     tcp::ChunkHeader header;
     const char* data;
@@ -158,8 +186,10 @@ class RingEndpoint {
   };
   class Sender {
    public:
-    // delay: the throttle test hook (see kSendDelayEnv in control_thread.cc).
-    Sender(int fd, ControlThread* wake, StreamCounters* counters, Clock::duration delay);
+    // delay: the throttle test hook (see kSendDelayEnv in control_thread.cc); `key`: the
+    // connection's chunk-tag key (empty: untagged).
+    Sender(int fd, ControlThread* wake, StreamCounters* counters, Clock::duration delay,
+           const crypto::HmacKey& key);
     ~Sender();  // stops and joins the thread
     void push(const SendItem& item);
     // Lanes whose chunk was sent since the last call; false if the stream broke (err set).
@@ -172,6 +202,8 @@ class RingEndpoint {
     ControlThread* wake_;
     StreamCounters* counters_;
     Clock::duration delay_;
+    crypto::HmacKey key_;
+    uint64_t seq_ = 0;  // chunks sent on this connection (sender thread only)
     std::mutex mu_;
     std::condition_variable cv_;
     std::deque<SendItem> queue_;
@@ -183,13 +215,16 @@ class RingEndpoint {
     std::thread thread_;
   };
   struct OutStream {
-    enum class Phase { kWaitRetry, kConnecting, kHello, kAwaitReply, kReady };
+    enum class Phase { kWaitRetry, kConnecting, kHello, kAwaitReply, kProof, kReady };
     Phase phase = Phase::kWaitRetry;
     tcp::Fd fd;
     Clock::time_point retry_at;
     size_t io_done = 0;
     tcp::Hello hello{};
     tcp::Reply reply{};
+    tcp::Proof proof{};
+    bool challenged = false;    // the receiver proved the key; our proof is sent or due
+    crypto::HmacKey conn_key;   // chunk-tag key of this connection (with a job key)
     std::unique_ptr<Sender> sender;  // declared after fd: stopped before the fd closes
   };
   struct InStream {
@@ -200,12 +235,21 @@ class RingEndpoint {
     char* dest = nullptr;
     int32_t lane = 0;
     int64_t expected = 0;  // messages still due on this stream in the current op
+    crypto::HmacKey conn_key;  // chunk-tag key of this connection (with a job key)
+    uint64_t seq = 0;          // chunk headers received on this connection
   };
   struct Pending {  // an accepted connection whose handshake is not decided yet
+    enum class Phase { kHello, kHeld, kProof };
+    Phase phase = Phase::kHello;
     tcp::Fd fd;
     tcp::Hello hello{};
     size_t done = 0;
     Clock::time_point since;
+    Clock::time_point deadline;  // of the current phase
+    uint8_t nonce[tcp::kNonceBytes] = {};  // ours, sent with the challenge
+    tcp::Proof proof{};
+    size_t proof_done = 0;
+    bool proven = false;  // the peer proved the key for this hello
   };
   struct Lane {
     int64_t next_send = 0;
@@ -231,9 +275,12 @@ class RingEndpoint {
   void set_state(State s, const std::string& reason);
   void check_ready();
   void on_accept(Clock::time_point now);
-  void on_pending(size_t i, short revents);
-  // Decides a completed hello: returns 1 accepted, 0 refused (closed), -1 hold.
-  int decide(Pending* p);
+  void on_pending(size_t i, short revents, Clock::time_point now);
+  // Decides a completed hello: returns 1 accepted, 0 refused (closed), -1 held
+  // or challenged (the slot stays free until the peer's proof checks out).
+  int decide(Pending* p, Clock::time_point now);
+  // A neighbour broke the protocol: recorded for take_violations(); the op fails RECOVERABLE.
+  void violation(int32_t rank, const std::string& what);
   void refuse(tcp::Fd fd, const std::string& reason);
   void on_out(size_t i, short revents, Clock::time_point now);
   void on_in(size_t i, short revents);
@@ -246,6 +293,7 @@ class RingEndpoint {
   int32_t right() const;
 
   RingOptions options_;
+  crypto::HmacKey key_;  // from options_.key; empty: insecure
   ControlThread* thread_;
   std::string address_;
   tcp::Fd listen_fd_;
@@ -266,6 +314,7 @@ class RingEndpoint {
   uint64_t config_gen_ = 0;   // bumped by configure()
   uint64_t applied_gen_ = 0;  // the generation state_ describes
   RingStats stats_;
+  std::vector<PeerViolation> violations_;
 
   // Control-thread private.
   std::optional<RingConfig> cfg_;
@@ -313,9 +362,16 @@ class ControlThread {
   void add(const std::shared_ptr<RingEndpoint>& ep);
   void remove(const RingEndpoint* ep);
   void wake();
+  // Test hook, off unless FTHSDP_FTAR_TEST_CORRUPT_CHUNK=N (N >= 1) is set in
+  // the process's environment: true for the N-th chunk header this process
+  // sends (that sender flips a bit of it), so a test can make one replica
+  // misbehave on the wire.
+  bool corrupt_this_chunk();
 
  private:
   void loop();
+  int64_t corrupt_at_ = 0;  // 0: the hook is off
+  std::atomic<int64_t> chunks_sent_{0};
 
   std::mutex mu_;
   std::vector<std::shared_ptr<RingEndpoint>> endpoints_;

@@ -157,6 +157,14 @@ std::vector<RingProgress> Communicator::progress() const {
   return out;
 }
 
+std::vector<std::pair<int, PeerViolation>> Communicator::take_violations() {
+  std::vector<std::pair<int, PeerViolation>> out;
+  for (size_t i = 0; i < shards_.size(); ++i) {
+    for (auto& v : shards_[i]->take_violations()) out.emplace_back(static_cast<int>(i), std::move(v));
+  }
+  return out;
+}
+
 int32_t ftar_create(int num_shards, const RingOptions& options) {
   return registry().create(num_shards, options);
 }

@@ -34,6 +34,8 @@ class Communicator {
   void abort(const std::string& reason);
   std::vector<RingStats> stats();
   std::vector<RingProgress> progress() const;  // lock-free: never waits for the control thread
+  // Protocol violations every shard saw since the last call (shard index, violation).
+  std::vector<std::pair<int, PeerViolation>> take_violations();
   RingEndpoint* shard(int i) { return shards_[i].get(); }
 
  private:

@@ -43,8 +43,9 @@ NB_MODULE(_ffi, m) {
   // ---- FTAR control API (thin: the logic lives in ffi/ftar.cc) ----
   m.def("ftar_create",
         [](int num_shards, const std::string& listen_host, int streams, int64_t chunk_bytes,
-           int chunks, double timeout_s, int socket_buffer_bytes) {
+           int chunks, double timeout_s, int socket_buffer_bytes, nb::bytes key) {
           fthsdp::RingOptions o;
+          o.key.assign(key.c_str(), key.size());
           o.listen_host = listen_host;
           o.streams = streams;
           o.chunk_bytes = chunk_bytes;
@@ -54,8 +55,9 @@ NB_MODULE(_ffi, m) {
           return fthsdp::ftar_create(num_shards, o);
         },
         nb::arg("num_shards"), nb::arg("listen_host"), nb::arg("streams"), nb::arg("chunk_bytes"),
-        nb::arg("chunks"), nb::arg("timeout_s"), nb::arg("socket_buffer_bytes"),
-        "Creates a communicator (one ring endpoint per local shard); returns its handle.");
+        nb::arg("chunks"), nb::arg("timeout_s"), nb::arg("socket_buffer_bytes"), nb::arg("key"),
+        "Creates a communicator (one ring endpoint per local shard); returns its handle. "
+        "key: the job's FTAR key (empty bytes: no authentication).");
   auto get = [](int32_t handle) {
     auto c = fthsdp::ftar_get(handle);
     if (!c) throw std::invalid_argument("unknown ftar communicator handle " + std::to_string(handle));
@@ -87,6 +89,7 @@ NB_MODULE(_ffi, m) {
       d["bytes_received"] = s.bytes_received;
       d["configures"] = s.configures;
       d["refused_handshakes"] = s.refused_handshakes;
+      d["violations"] = s.violations;
       d["last_error"] = s.last_error;
       out.append(d);
     }
@@ -114,6 +117,25 @@ NB_MODULE(_ffi, m) {
     }
     return out;
   }, "Per shard: where its ring endpoint is in its all-reduce (lock-free; see RingProgress).");
+  m.def("ftar_take_violations", [get](int32_t h) {
+    nb::list out;
+    for (const auto& [shard, v] : get(h)->take_violations()) {
+      nb::dict d;
+      d["shard"] = shard;
+      d["quorum_id"] = v.quorum_id;
+      d["rank"] = v.rank;
+      d["address"] = v.address;
+      d["reason"] = v.reason;
+      out.append(d);
+    }
+    return out;
+  }, "Protocol violations by ring neighbours since the last call.");
+  m.def("hmac_sha256",
+        [](nb::bytes key, nb::bytes data) {
+          const auto d = fthsdp::crypto::hmac_sha256(key.c_str(), key.size(), data.c_str(), data.size());
+          return nb::bytes(reinterpret_cast<const char*>(d.data()), d.size());
+        },
+        "HMAC-SHA256 of FTAR's own implementation (for cross-checks against hashlib).");
   m.def("ftar_allreduce_host",
         [](int32_t h, int32_t shard, int64_t quorum_id, int32_t rank, int32_t n,
            nb::ndarray<nb::c_contig, nb::device::cpu> a) {

@@ -8,7 +8,8 @@
 //
 // Properties: check_hello never crashes, refuses with a non-empty reason, and
 // accepts only a hello that matches the receiver in every field with a free
-// slot; a refusal reason survives the Reply record (truncated, NUL-terminated);
+// slot and the same authentication setting (a peer without the job key is
+// refused by a rank that has one, and the reverse); a refusal reason survives the Reply record (truncated, NUL-terminated);
 // the hello a configured left neighbour sends (make_hello) is accepted.
 #include <fuzzer/FuzzedDataProvider.h>
 
@@ -47,12 +48,14 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   for (int32_t s = 0; s < slots; ++s) e.taken.push_back(fdp.ConsumeBool());
   e.failed = fdp.ConsumeBool();
   e.failed_reason = fdp.ConsumeRandomLengthString(300);
+  e.auth = (copy & 32) ? h.auth == 1 : fdp.ConsumeBool();
 
   const wire::HelloDecision d = wire::check_hello(h, e);
   switch (d.verdict) {
     case wire::HelloVerdict::kAccept:
       FUZZ_CHECK(h.magic == tcp::kHelloMagic && h.version == tcp::kProtocolVersion);
       FUZZ_CHECK(e.configured && !e.failed);
+      FUZZ_CHECK(h.auth == (e.auth ? 1u : 0u));
       FUZZ_CHECK(wire::fixed_str(h.job_id) == e.job_id);
       FUZZ_CHECK(h.quorum_id == e.quorum_id && h.n == e.n && e.n >= 2 && h.rank == e.left);
       FUZZ_CHECK(h.streams == e.streams && h.stream >= 0 && h.stream < e.streams);
@@ -81,7 +84,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     const int32_t stream = fdp.ConsumeIntegralInRange<int32_t>(0, e.streams - 1);
     wire::HelloExpect free_slot = e;
     free_slot.taken.assign(static_cast<size_t>(e.streams), false);
-    const tcp::Hello honest = wire::make_hello(e.job_id, e.quorum_id, e.left, e.n, stream, e.streams);
+    const tcp::Hello honest = wire::make_hello(e.job_id, e.quorum_id, e.left, e.n, stream, e.streams, e.auth);
     FUZZ_CHECK(wire::check_hello(honest, free_slot).verdict == wire::HelloVerdict::kAccept);
   }
   return 0;

@@ -2,11 +2,22 @@
 //
 // Connections are unidirectional streams: a rank opens `streams` connections
 // to its right neighbour and accepts as many from its left one. Every stream
-// starts with a fixed-size handshake (Hello -> Reply) that carries the job id,
-// the quorum id and the sender's rank; after it, a stream carries chunks, each
-// behind a fixed ChunkHeader that says which op, lane and step it belongs to,
-// so that the receiver can check it against its own schedule (a mismatch is a
-// protocol violation, never silently mixed data).
+// starts with a fixed-size handshake that carries the job id, the quorum id,
+// the sender's rank and a fresh nonce. With a job key (the job secret's FTAR
+// key) it is a mutual challenge-response (ffi/transport/wire.h):
+//
+//   sender -> Hello(nonce_c)                   receiver checks the fields
+//   receiver -> Reply(kChallenge, nonce_s, MAC_r)   MAC_r proves the receiver
+//   sender -> Proof(MAC_s)                     MAC_s proves the sender
+//   receiver -> Reply(kAccepted) and the stream takes its slot
+//
+// Without a key (an explicitly insecure job) the receiver answers the Hello
+// with kAccepted at once, as protocol version 1 did. After the handshake a
+// stream carries chunks, each behind a fixed ChunkHeader that says which op,
+// lane and step it belongs to, so that the receiver can check it against its
+// own schedule (a mismatch is a protocol violation, never silently mixed
+// data); with a key the header also carries a MAC under a per-connection key
+// and the stream's chunk sequence number.
 #pragma once
 
 #include <netinet/in.h>
@@ -21,9 +32,18 @@ namespace fthsdp::tcp {
 
 constexpr uint32_t kHelloMagic = 0x46544152;  // "FTAR"
 constexpr uint32_t kChunkMagic = 0x4348554e;  // "CHUN"
-constexpr uint32_t kProtocolVersion = 1;
+constexpr uint32_t kProofMagic = 0x50524f46;  // "PROF"
+constexpr uint32_t kProtocolVersion = 2;      // 2: nonces, proofs, chunk tags
 constexpr size_t kJobIdMax = 64;
 constexpr size_t kReasonMax = 192;
+constexpr size_t kNonceBytes = 16;
+constexpr size_t kMacBytes = 32;  // HMAC-SHA256
+constexpr size_t kTagBytes = 16;  // a chunk header's MAC, truncated (RFC 2104, section 5)
+
+// Reply::ok
+constexpr uint32_t kReplyRefused = 0;
+constexpr uint32_t kReplyAccepted = 1;
+constexpr uint32_t kReplyChallenge = 2;
 
 #pragma pack(push, 1)
 struct Hello {
@@ -35,10 +55,18 @@ struct Hello {
   int32_t stream;   // which of the `streams` connections this is
   int32_t streams;  // sender's streams per peer
   char job_id[kJobIdMax];
+  uint32_t auth;                 // 1: the sender holds a job key and will prove it
+  uint8_t nonce[kNonceBytes];    // the sender's fresh nonce
 };
 struct Reply {
-  uint32_t ok;  // 1 accepted, 0 refused
+  uint32_t ok;  // kReplyRefused (reason set), kReplyAccepted, kReplyChallenge
   char reason[kReasonMax];
+  uint8_t nonce[kNonceBytes];  // kReplyChallenge: the receiver's fresh nonce
+  uint8_t mac[kMacBytes];      // kReplyChallenge: the receiver's proof
+};
+struct Proof {
+  uint32_t magic;
+  uint8_t mac[kMacBytes];  // the sender's proof
 };
 struct ChunkHeader {
   uint32_t magic;
@@ -46,6 +74,7 @@ struct ChunkHeader {
   uint64_t op_seq;   // ops since configure, counted the same on every rank
   int64_t index;     // lane step index (partition * (2n-2) + step)
   uint64_t bytes;    // payload bytes that follow
+  uint8_t tag[kTagBytes];  // with a key: MAC of the fields above and the stream's chunk count
 };
 #pragma pack(pop)
 

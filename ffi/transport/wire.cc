@@ -19,11 +19,12 @@ bool decode_reply(const void* data, size_t len, tcp::Reply* out) { return decode
 bool decode_chunk_header(const void* data, size_t len, tcp::ChunkHeader* out) {
   return decode(data, len, out);
 }
+bool decode_proof(const void* data, size_t len, tcp::Proof* out) { return decode(data, len, out); }
 
 std::string fixed_str(const char* field, size_t size) { return std::string(field, strnlen(field, size)); }
 
 tcp::Hello make_hello(const std::string& job_id, int64_t quorum_id, int32_t rank, int32_t n,
-                      int32_t stream, int32_t streams) {
+                      int32_t stream, int32_t streams, bool auth, const uint8_t* nonce) {
   tcp::Hello h{};
   h.magic = tcp::kHelloMagic;
   h.version = tcp::kProtocolVersion;
@@ -33,6 +34,8 @@ tcp::Hello make_hello(const std::string& job_id, int64_t quorum_id, int32_t rank
   h.stream = stream;
   h.streams = streams;
   put_fixed_str(h.job_id, job_id);
+  h.auth = auth ? 1 : 0;
+  if (nonce) std::memcpy(h.nonce, nonce, tcp::kNonceBytes);
   return h;
 }
 
@@ -47,6 +50,15 @@ HelloDecision check_hello(const tcp::Hello& h, const HelloExpect& e) {
   auto refuse = [](std::string why) { return HelloDecision{HelloVerdict::kRefuse, std::move(why)}; };
   if (h.magic != tcp::kHelloMagic || h.version != tcp::kProtocolVersion) {
     return refuse("not an FTAR peer or protocol version mismatch");
+  }
+  if (h.auth > 1) return refuse("bad auth flag " + std::to_string(h.auth));
+  if (e.auth && h.auth == 0) {
+    return refuse("peer sent no proof of the job secret and this rank requires one "
+                  "(start every replica of the job with the same secret)");
+  }
+  if (!e.auth && h.auth == 1) {
+    return refuse("peer holds a job secret and this rank runs without one (insecure); "
+                  "start every replica of the job with the same secret");
   }
   if (!e.configured) return {HelloVerdict::kHold, ""};
   const std::string job = fixed_str(h.job_id);
@@ -83,9 +95,86 @@ HelloDecision check_hello(const tcp::Hello& h, const HelloExpect& e) {
 
 ReplyDecision read_reply(const tcp::Reply& reply) {
   ReplyDecision d;
-  d.accepted = reply.ok == 1;
-  if (!d.accepted) d.reason = fixed_str(reply.reason);
+  d.accepted = reply.ok == tcp::kReplyAccepted;
+  d.challenge = reply.ok == tcp::kReplyChallenge;
+  if (!d.accepted && !d.challenge) {
+    d.reason = reply.ok == tcp::kReplyRefused ? fixed_str(reply.reason)
+                                              : "malformed reply (code " + std::to_string(reply.ok) + ")";
+    if (d.reason.empty()) d.reason = "refused without a reason";
+  }
   return d;
+}
+
+namespace {
+
+constexpr char kLabelReceiver[] = "fthsdp ftar v2 receiver proof";
+constexpr char kLabelSender[] = "fthsdp ftar v2 sender proof";
+constexpr char kLabelChunks[] = "fthsdp ftar v2 chunk key";
+
+crypto::Digest transcript_mac(const crypto::HmacKey& key, const char* label, const tcp::Hello& hello,
+                              const uint8_t* nonce_r) {
+  return key.mac(label, std::strlen(label) + 1, &hello, sizeof(hello), nonce_r, tcp::kNonceBytes);
+}
+
+struct TaggedFields {  // what a chunk tag covers, in a fixed layout
+  uint64_t seq;
+  uint32_t magic;
+  uint32_t lane;
+  uint64_t op_seq;
+  int64_t index;
+  uint64_t bytes;
+};
+
+crypto::Digest chunk_mac(const crypto::HmacKey& conn_key, uint64_t seq, const tcp::ChunkHeader& h) {
+  const TaggedFields f{seq, h.magic, h.lane, h.op_seq, h.index, h.bytes};
+  return conn_key.mac(&f, sizeof(f));
+}
+
+}  // namespace
+
+tcp::Reply make_challenge(const crypto::HmacKey& key, const tcp::Hello& hello, const uint8_t* nonce_r) {
+  tcp::Reply r{};
+  r.ok = tcp::kReplyChallenge;
+  std::memcpy(r.nonce, nonce_r, tcp::kNonceBytes);
+  const crypto::Digest mac = transcript_mac(key, kLabelReceiver, hello, nonce_r);
+  std::memcpy(r.mac, mac.data(), tcp::kMacBytes);
+  return r;
+}
+
+bool check_challenge(const crypto::HmacKey& key, const tcp::Hello& sent, const tcp::Reply& challenge) {
+  if (challenge.ok != tcp::kReplyChallenge) return false;
+  const crypto::Digest mac = transcript_mac(key, kLabelReceiver, sent, challenge.nonce);
+  return crypto::equal_ct(mac.data(), challenge.mac, tcp::kMacBytes);
+}
+
+tcp::Proof make_proof(const crypto::HmacKey& key, const tcp::Hello& sent, const uint8_t* nonce_r) {
+  tcp::Proof p{};
+  p.magic = tcp::kProofMagic;
+  const crypto::Digest mac = transcript_mac(key, kLabelSender, sent, nonce_r);
+  std::memcpy(p.mac, mac.data(), tcp::kMacBytes);
+  return p;
+}
+
+bool check_proof(const crypto::HmacKey& key, const tcp::Hello& hello, const uint8_t* nonce_r,
+                 const tcp::Proof& proof) {
+  const crypto::Digest mac = transcript_mac(key, kLabelSender, hello, nonce_r);
+  const bool mac_ok = crypto::equal_ct(mac.data(), proof.mac, tcp::kMacBytes);
+  return mac_ok && proof.magic == tcp::kProofMagic;
+}
+
+crypto::HmacKey connection_key(const crypto::HmacKey& key, const tcp::Hello& hello, const uint8_t* nonce_r) {
+  const crypto::Digest k = transcript_mac(key, kLabelChunks, hello, nonce_r);
+  return crypto::HmacKey(k.data(), k.size());
+}
+
+void tag_chunk(const crypto::HmacKey& conn_key, uint64_t seq, tcp::ChunkHeader* header) {
+  const crypto::Digest mac = chunk_mac(conn_key, seq, *header);
+  std::memcpy(header->tag, mac.data(), tcp::kTagBytes);
+}
+
+bool check_chunk_tag(const crypto::HmacKey& conn_key, uint64_t seq, const tcp::ChunkHeader& header) {
+  const crypto::Digest mac = chunk_mac(conn_key, seq, header);
+  return crypto::equal_ct(mac.data(), header.tag, tcp::kTagBytes);
 }
 
 ChunkDecision check_chunk_header(const tcp::ChunkHeader& h, const ChunkExpect& e) {

@@ -16,6 +16,7 @@
 #include <string>
 #include <vector>
 
+#include "crypto/hmac_sha256.h"
 #include "ring_schedule.h"
 #include "transport/tcp.h"
 
@@ -27,6 +28,7 @@ namespace fthsdp::wire {
 bool decode_hello(const void* data, size_t len, tcp::Hello* out);
 bool decode_reply(const void* data, size_t len, tcp::Reply* out);
 bool decode_chunk_header(const void* data, size_t len, tcp::ChunkHeader* out);
+bool decode_proof(const void* data, size_t len, tcp::Proof* out);
 
 // A NUL-padded fixed-size text field as a string; never reads past the field,
 // whether or not the peer terminated it.
@@ -43,9 +45,10 @@ void put_fixed_str(char (&dst)[N], const std::string& s) {
   std::memcpy(dst, s.data(), s.size() < N - 1 ? s.size() : N - 1);
 }
 
-// The hello a sender puts at the start of stream `stream`.
+// The hello a sender puts at the start of stream `stream`. `auth`: the sender
+// holds a job key; `nonce` (kNonceBytes, or null for zeros) its fresh nonce.
 tcp::Hello make_hello(const std::string& job_id, int64_t quorum_id, int32_t rank, int32_t n,
-                      int32_t stream, int32_t streams);
+                      int32_t stream, int32_t streams, bool auth = false, const uint8_t* nonce = nullptr);
 // The reply to a hello (reason truncated to the field).
 tcp::Reply make_reply(bool ok, const std::string& reason);
 
@@ -61,6 +64,7 @@ struct HelloExpect {
   std::vector<bool> taken;  // one per incoming stream slot: already connected
   bool failed = false;      // this rank's ring for quorum_id already failed
   std::string failed_reason;
+  bool auth = false;        // this rank holds a job key: the peer must hold one too
 };
 
 enum class HelloVerdict {
@@ -79,9 +83,38 @@ HelloDecision check_hello(const tcp::Hello& hello, const HelloExpect& expect);
 // A reply as the sender reads it.
 struct ReplyDecision {
   bool accepted = false;
-  std::string reason;  // the receiver's refusal reason (empty when accepted)
+  bool challenge = false;  // the receiver asks for a proof (nonce and MAC set)
+  std::string reason;      // the receiver's refusal reason (empty unless refused)
 };
 ReplyDecision read_reply(const tcp::Reply& reply);
+
+// ---- The challenge-response (with a job key) ------------------------------
+//
+// Both proofs are HMAC-SHA256 under the job's FTAR key over the whole hello
+// (job id, quorum id, sender rank, ring size, stream, streams, the sender's
+// nonce) and the receiver's nonce, each under its own label, so neither side's
+// proof can be replayed as the other's and none outlives its connection (a
+// fresh nonce on each side). The receiver proves first, over the sender's
+// nonce; the sender proves over the receiver's; only then does the stream take
+// a slot. MACs are compared in constant time.
+
+// The receiver's challenge: kReplyChallenge, its nonce and its proof.
+tcp::Reply make_challenge(const crypto::HmacKey& key, const tcp::Hello& hello, const uint8_t* nonce_r);
+// The sender checks the receiver's proof against the hello it sent.
+bool check_challenge(const crypto::HmacKey& key, const tcp::Hello& sent, const tcp::Reply& challenge);
+// The sender's proof over the receiver's nonce.
+tcp::Proof make_proof(const crypto::HmacKey& key, const tcp::Hello& sent, const uint8_t* nonce_r);
+// The receiver checks the sender's proof (magic and MAC).
+bool check_proof(const crypto::HmacKey& key, const tcp::Hello& hello, const uint8_t* nonce_r,
+                 const tcp::Proof& proof);
+// The key of one connection's chunk tags, derived from the same transcript.
+crypto::HmacKey connection_key(const crypto::HmacKey& key, const tcp::Hello& hello, const uint8_t* nonce_r);
+
+// A chunk header's tag: MAC (truncated to kTagBytes) of its fields and `seq`,
+// the count of chunks sent before it on this connection (so a header cannot
+// be replayed, dropped or reordered unnoticed).
+void tag_chunk(const crypto::HmacKey& conn_key, uint64_t seq, tcp::ChunkHeader* header);
+bool check_chunk_tag(const crypto::HmacKey& conn_key, uint64_t seq, const tcp::ChunkHeader& header);
 
 // What a receiving stream expects of the next chunk header.
 struct ChunkExpect {

@@ -10,7 +10,23 @@ unbuckets. Membership and the communicator handle enter as int32 arrays, so
 reconfiguring never recompiles (invariant 4 in the README: no recompilation).
 
 Outcomes: status 0 (OK) or 1 (RECOVERABLE: a peer died, a timeout, a stale
-quorum, an abort) per local shard; fatal errors raise JaxRuntimeError.
+quorum, an abort, a neighbour broke the protocol) per local shard; fatal
+errors (bad arguments) raise JaxRuntimeError.
+
+Authentication: a communicator given the job's FTAR key (`FtarOptions.key`,
+derived from the job secret) only accepts ring neighbours that prove they hold
+it (a mutual HMAC-SHA256 challenge-response over the job, quorum id, rank,
+stream and both sides' nonces, ffi/transport/wire.h), and tags every chunk
+header with a MAC under a per-connection key. Chunk *payloads* are not
+MACed (that would cost far more than the 2% bandwidth budget): a member of the
+job holding the key can still send wrong numbers, and an on-path attacker
+able to rewrite TCP segments could alter payload bytes, but nobody without
+the key can take a ring slot or inject a chunk header. A malformed or
+unauthenticated chunk makes the all-reduce return RECOVERABLE naming the
+neighbour (its rank and address); `Communicator.take_violations` hands the
+violations to the Manager, which reports the offender to the lighthouse.
+Without a key (an explicitly insecure job) the ring behaves as before and a
+warning is logged.
 
 The same custom call runs on CPU and GPU devices (fthsdp.collective.native registers
 both). On a GPU the handler only enqueues work on XLA's stream: the stream
@@ -24,6 +40,7 @@ status 2 (STATUS_FATAL) and raised by the next call (ffi/staging_abi.h).
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Sequence
 from typing import Any
 
@@ -36,11 +53,27 @@ from fthsdp.collective import native
 from fthsdp.addresses import LOOPBACK, advertised, check_host, is_wildcard
 from fthsdp.step.quorum_inputs import STATUS_FATAL, STATUS_OK, STATUS_RECOVERABLE, QuorumInputs
 
-__all__ = ["FtarOptions", "ConfigureResult", "Communicator", "allreduce", "STATUS_OK",
+__all__ = ["FtarOptions", "ConfigureResult", "PeerViolation", "key_from_secret", "Communicator", "allreduce", "STATUS_OK",
            "STATUS_RECOVERABLE", "STATUS_FATAL", "SUPPORTED_DTYPES"]
 
 SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 TARGET = "fthsdp_ftar"
+KEY_MIN_BYTES = 16
+log = logging.getLogger("fthsdp.collective.ftar")
+_warned_insecure = False
+
+
+def key_from_secret(secret: bytes | str) -> bytes:
+    """The FTAR key of a job's secret: ``fthsdp.control.auth.derive(secret, "ftar")``, so the key
+    FTAR holds and proves on the wire is not the secret itself and is useless to the job's other
+    planes (a leaked FTAR key does not sign lighthouse calls or fetch state)."""
+    from fthsdp.control import auth
+
+    raw = secret.encode() if isinstance(secret, str) else bytes(secret)
+    if len(raw) < KEY_MIN_BYTES:
+        raise ValueError(f"a job secret of {len(raw)} bytes is too short for FTAR's key (at least "
+                         f"{KEY_MIN_BYTES}); pass key=b'' only for an explicitly insecure ring")
+    return auth.derive(raw, "ftar")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,6 +89,8 @@ class FtarOptions:
         literal or a name; 0.0.0.0 / :: = every interface).
     advertise_host: the host peers connect to, published in `addresses`
         (empty: the bound host; required when binding every interface).
+    key: the job's FTAR key (>= 16 bytes, from the job secret; never printed);
+        empty: an explicitly insecure ring (no handshake proof, no chunk tags).
     """
 
     streams: int = 2
@@ -65,8 +100,14 @@ class FtarOptions:
     listen_host: str = LOOPBACK
     socket_buffer_bytes: int = 0
     advertise_host: str = ""
+    key: bytes = dataclasses.field(default=b"", repr=False)
 
     def __post_init__(self):
+        if not isinstance(self.key, (bytes, bytearray)):
+            raise TypeError(f"key must be bytes (the job's FTAR key), got {type(self.key).__name__}")
+        if self.key and len(self.key) < KEY_MIN_BYTES:
+            raise ValueError(f"key must have at least {KEY_MIN_BYTES} bytes (derive it from the job secret with "
+                             f"key_from_secret), got {len(self.key)}")
         if not 1 <= self.streams <= 64:
             raise ValueError(f"streams must be in [1, 64], got {self.streams}")
         if not 1 <= self.chunks <= 256:
@@ -81,6 +122,20 @@ class FtarOptions:
         elif is_wildcard(self.listen_host):
             raise ValueError(f"listen_host {self.listen_host!r} binds every interface: set advertise_host to "
                              "the address peers reach this host on")
+
+
+@dataclasses.dataclass(frozen=True)
+class PeerViolation:
+    """A ring neighbour broke the protocol (a malformed or unauthenticated chunk).
+
+    rank is the offender's rank in quorum `quorum_id` (the Manager maps it to
+    a replica id); address its ring address; reason the full message."""
+
+    shard: int
+    quorum_id: int
+    rank: int
+    address: str
+    reason: str
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,9 +165,21 @@ class Communicator:
         self.options = options
         self.num_shards = int(num_shards)
         self._mod = native.module()
+        if not options.key:
+            global _warned_insecure
+            if not _warned_insecure:
+                _warned_insecure = True
+                log.warning("FTAR runs without a job secret: ring handshakes and chunk headers are not "
+                            "authenticated, anyone who can reach the ring ports can join or feed the "
+                            "all-reduce (give the job a secret to close this)")
         self.handle: int = self._mod.ftar_create(
             self.num_shards, options.listen_host, options.streams, options.chunk_bytes,
-            options.chunks, float(options.timeout_s), options.socket_buffer_bytes)
+            options.chunks, float(options.timeout_s), options.socket_buffer_bytes, bytes(options.key))
+
+    @property
+    def authenticated(self) -> bool:
+        """Whether this ring requires neighbours to prove the job's key."""
+        return bool(self.options.key)
 
     @property
     def addresses(self) -> list[str]:
@@ -151,7 +218,7 @@ class Communicator:
         self._mod.ftar_abort(self.handle, reason)
 
     def stats(self) -> list[dict]:
-        """Per-shard counters: state, ops, bytes, refused handshakes, last error."""
+        """Per-shard counters: state, ops, bytes, refused handshakes, violations, last error."""
         return list(self._mod.ftar_stats(self.handle))
 
     def progress(self) -> list[dict]:
@@ -159,6 +226,11 @@ class Communicator:
         still queued to send, seconds since data last came from the left neighbour, bytes
         and busy seconds per stream). Lock-free in C++: safe to call while the ring is stuck."""
         return list(self._mod.ftar_progress(self.handle))
+
+    def take_violations(self) -> list[PeerViolation]:
+        """Protocol violations by ring neighbours since the last call (each op that
+        returned RECOVERABLE for one left one here)."""
+        return [PeerViolation(**d) for d in self._mod.ftar_take_violations(self.handle)]
 
     def allreduce_host(self, array: np.ndarray, *, quorum_id: int, rank: int, n: int,
                        shard: int = 0) -> tuple[int, str]:

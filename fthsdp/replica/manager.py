@@ -27,6 +27,14 @@ the ring is aborted, the peer named in the message is blamed in the step's
 events, and the step is retried on a new quorum with the gradients in hand.
 Anything else propagates, and the replica process exits with the class's
 exit code (fthsdp/replica/process.py).
+
+A ring neighbour that breaks FTAR's protocol (a malformed or unauthenticated
+chunk) makes the all-reduce return RECOVERABLE, and the communicator keeps the
+violation (which rank of which quorum, its address, what was wrong). The
+Manager maps the rank to the member's replica id, blames it in the step's
+events and accuses it in its next quorum request; the lighthouse leaves the
+accused replica out of the next quorum (fthsdp.control.quorum says for how
+long and why one accuser cannot evict anyone for good).
 """
 
 from __future__ import annotations
@@ -84,6 +92,10 @@ class Communicator(Protocol):
                   timeout_s: float) -> None: ...
 
     def abort(self, reason: str) -> None: ...
+
+    # Optional (FTAR's communicator has it): protocol violations by ring neighbours since the last
+    # call, each with .quorum_id, .rank and .reason.
+    # def take_violations(self) -> list: ...
 
 
 class QuorumSource(Protocol):
@@ -180,6 +192,7 @@ class Manager:
         self.detections: list[dict] = []
         self._zero_grads = None
         self._lr_mode = int(Intervention.parse(self.cfg.ft.intervention))
+        self._accused: list[str] = []  # replicas that broke FTAR's protocol, for the next quorum request
 
     # -- failure detection ----------------------------------------------------
 
@@ -313,6 +326,7 @@ class Manager:
                     log.error("step %d attempt %d on quorum %d: %s fault: %s", step, attempt, q.quorum_id,
                               c.kind.value, c.reason)
                     raise
+                self._note_violations(q, step, attempt, events)
                 blamed = self.blame(q, c.blame)
                 self.comm.abort(f"step {step}: {c.reason}")  # neighbours see the ring close at once
                 commit_failed = True
@@ -341,6 +355,7 @@ class Manager:
                     self.on_commit(self, rec)
                 return rec
             commit_failed = True
+            self._note_violations(q, step, attempt, events)
             events.append(f"attempt {attempt} on quorum {q.quorum_id}: all-reduce failed (status {_on_host(m['status']).tolist()})")
             log.warning("step %d attempt %d: all-reduce on quorum %d failed; retrying on a new quorum",
                         step, attempt, q.quorum_id)
@@ -348,6 +363,33 @@ class Manager:
             f"step {step}: {self.cfg.ft.max_retries + 1} attempts failed ({'; '.join(events[-3:])}); giving up. "
             f"Raise ft.max_retries or check the replicas' logs for the failing peer."
         )
+
+    def _note_violations(self, q: qm.Quorum, step: int, attempt: int, events: list[str]) -> list[str]:
+        """The replicas of ``q`` that broke FTAR's protocol in this attempt (from the communicator's
+        violations, rank -> replica id): blamed in the events and accused in the next quorum request."""
+        take = getattr(self.comm, "take_violations", None)
+        if take is None:
+            return []
+        offenders: list[str] = []
+        for v in take():
+            if int(v.quorum_id) != q.quorum_id or not 0 <= int(v.rank) < q.num_members:
+                continue  # a violation in a ring we no longer use: its ranks mean other replicas now
+            rid = q.members[int(v.rank)].replica_id
+            if rid == self.replica_id or rid in offenders:
+                continue
+            offenders.append(rid)
+            events.append(f"attempt {attempt} on quorum {q.quorum_id}: {v.reason}; blamed replica {rid}")
+            log.warning("step %d attempt %d on quorum %d: recoverable fault (blamed replica %s): %s; accusing it "
+                        "to the lighthouse and retrying on a new quorum", step, attempt, q.quorum_id, rid, v.reason)
+        for rid in offenders:
+            if rid not in self._accused:
+                self._accused.append(rid)
+        return offenders
+
+    def take_accused(self) -> list[str]:
+        """Replicas to accuse in the next quorum request (cleared: each accusation is sent once)."""
+        out, self._accused = self._accused, []
+        return out
 
     def blame(self, q: qm.Quorum, address: str | None) -> str | None:
         """The member of ``q`` whose FTAR or state-server address is ``address`` (a fault's source)."""

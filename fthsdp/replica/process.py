@@ -117,9 +117,13 @@ class ReplicaProcess:
         if args.allreduce == "ftar":
             from fthsdp.collective import ftar
 
+            # The ring proves the job's shared secret (the launcher's per-job peer token, passed to every
+            # replica in the environment); without one the ring is explicitly insecure (a warning says so).
+            secret = os.environ.get("FTHSDP_PEER_TOKEN", "")
             self.comm = ftar.Communicator(num_shards=len(self.mesh.local_devices), streams=cfg.ft.streams_per_peer,
                                           timeout_s=cfg.ft.allreduce_timeout_s, listen_host=cfg.ft.bind_host,
-                                          advertise_host=cfg.ft.advertise_host)
+                                          advertise_host=cfg.ft.advertise_host,
+                                          key=ftar.key_from_secret(secret) if secret else b"")
             allreduce = ftar.allreduce
             native_comm = self.comm
         else:

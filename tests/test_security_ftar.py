@@ -1,0 +1,361 @@
+"""FTAR under attack: replays of issue 13's probes against real communicators.
+
+Real loopback sockets, real control threads, real subprocesses. The attacker
+is a raw socket speaking FTAR's wire format (protocol version 2, the records of
+ffi/transport/tcp.h), with or without the job's key; a misbehaving *member*
+is a real communicator in a subprocess whose chunk-corruption test hook
+(FTHSDP_FTAR_TEST_CORRUPT_CHUNK, off by default) flips a bit of one chunk
+header it sends.
+
+Each test checks that the attack is refused with its reason and that the
+honest ring still forms and sums correctly afterwards.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import os
+import pathlib
+import secrets
+import socket
+import struct
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from fthsdp.collective import ftar, native
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+KEY = ftar.key_from_secret(b"a fixed test secret of this job")
+OTHER_KEY = ftar.key_from_secret(b"the secret of some other job")
+
+HELLO = struct.Struct("<IIqiiii64sI16s")
+REPLY = struct.Struct("<I192s16s32s")
+PROOF = struct.Struct("<I32s")
+HELLO_MAGIC, PROOF_MAGIC, VERSION = 0x46544152, 0x50524F46, 2
+REFUSED, ACCEPTED, CHALLENGE = 0, 1, 2
+LABEL_RECEIVER = b"fthsdp ftar v2 receiver proof\0"
+LABEL_SENDER = b"fthsdp ftar v2 sender proof\0"
+
+
+def hello_bytes(job="job", quorum=1, rank=0, n=2, stream=0, streams=2, auth=1, nonce=None) -> bytes:
+    return HELLO.pack(HELLO_MAGIC, VERSION, quorum, rank, n, stream, streams, job.encode(), auth,
+                      nonce if nonce is not None else secrets.token_bytes(16))
+
+
+def host_port(address: str) -> tuple[str, int]:
+    host, port = address.rsplit(":", 1)
+    return host.strip("[]"), int(port)
+
+
+def recv_exact(sock: socket.socket, n: int, timeout: float = 10.0) -> bytes:
+    sock.settimeout(timeout)
+    buf = b""
+    while len(buf) < n:
+        got = sock.recv(n - len(buf))
+        if not got:
+            raise ConnectionError(f"closed after {len(buf)} of {n} bytes")
+        buf += got
+    return buf
+
+
+def read_reply(sock: socket.socket) -> tuple[int, str, bytes, bytes]:
+    ok, reason, nonce, mac = REPLY.unpack(recv_exact(sock, REPLY.size))
+    return ok, reason.split(b"\0", 1)[0].decode(), nonce, mac
+
+
+def pair(key=KEY, timeout_s=10.0, **kw):
+    return (ftar.Communicator(timeout_s=timeout_s, key=key, **kw),
+            ftar.Communicator(timeout_s=timeout_s, key=key, **kw))
+
+
+def configure_both(a, b, q, timeout_s=10.0):
+    members = [a.address, b.address]
+    a.configure("job", q, 0, members, timeout_s=timeout_s, wait=False)
+    b.configure("job", q, 1, members, timeout_s=timeout_s, wait=False)
+    return a.wait_configured(timeout_s + 1), b.wait_configured(timeout_s + 1)
+
+
+def run_both(a, b, xa, xb, q):
+    out = {}
+
+    def go(name, c, x, rank):
+        out[name] = c.allreduce_host(x, quorum_id=q, rank=rank, n=2)
+
+    ts = [threading.Thread(target=go, args=("a", a, xa, 0)), threading.Thread(target=go, args=("b", b, xb, 1))]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(timeout=60)
+    return out
+
+
+def assert_ring_sums(a, b, q):
+    xa, xb = np.arange(1000, dtype=np.float32), np.full(1000, 3.0, np.float32)
+    out = run_both(a, b, xa, xb, q)
+    assert out["a"] == (ftar.STATUS_OK, "") and out["b"] == (ftar.STATUS_OK, ""), out
+    np.testing.assert_array_equal(xa, np.arange(1000, dtype=np.float32) + 3)
+    assert xa.tobytes() == xb.tobytes()
+
+
+# ---------------------------------------------------------------------------
+# The MAC itself.
+
+
+def test_hmac_sha256_cxx_unit_test():
+    """ffi/tests/hmac_sha256_test.cc: FIPS 180-4 and RFC 4231 vectors (built by CMake beside the extension)."""
+    found = sorted(REPO.glob("build/*/fthsdp_hmac_sha256_test"))
+    if not found:
+        pytest.skip("fthsdp_hmac_sha256_test not built (pip install --no-build-isolation -e .)")
+    r = subprocess.run([str(found[-1])], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "ok" in r.stdout
+
+
+def test_hmac_sha256_matches_hashlib():
+    mod = native.module()
+    rng = np.random.default_rng(0)
+    for key_len in (0, 1, 16, 32, 63, 64, 65, 200):
+        for msg_len in (0, 1, 55, 56, 63, 64, 65, 119, 120, 1000):
+            key, msg = rng.bytes(key_len), rng.bytes(msg_len)
+            assert mod.hmac_sha256(key, msg) == hmac.new(key, msg, hashlib.sha256).digest(), (key_len, msg_len)
+
+
+def test_short_key_and_wrong_type_are_refused():
+    with pytest.raises(ValueError, match="at least 16 bytes"):
+        ftar.FtarOptions(key=b"short")
+    with pytest.raises(TypeError, match="must be bytes"):
+        ftar.FtarOptions(key="a string")  # type: ignore[arg-type]
+    assert "key" not in repr(ftar.FtarOptions(key=KEY))
+
+
+# ---------------------------------------------------------------------------
+# Handshake attacks.
+
+
+def test_authenticated_ring_sums_and_tags_every_chunk():
+    a, b = pair(chunk_bytes=256, chunks=3, streams=3)
+    with a, b:
+        assert a.authenticated and b.authenticated
+        ra, rb = configure_both(a, b, 1)
+        assert ra and rb, (ra, rb)
+        for q in (1,):
+            assert_ring_sums(a, b, q)
+        assert a.stats()[0]["violations"] == b.stats()[0]["violations"] == 0
+
+
+def test_slot_hijack_before_configure_is_refused_and_the_ring_forms():
+    """The probe: a stranger who read the job and quorum ids sends the hello of
+    rank 0's stream 0 before rank 1 configures. It is held without a slot,
+    challenged at configure, cannot prove the key, and the real neighbour takes
+    the slot."""
+    a, b = pair()
+    with a, b:
+        silent = socket.create_connection(host_port(b.address))  # claims the slot, then never proves
+        liar = socket.create_connection(host_port(b.address))  # claims it and sends a made-up proof
+        for s in (silent, liar):
+            s.sendall(hello_bytes(quorum=1, rank=0, stream=0))
+        time.sleep(0.3)  # both hellos are held before b configures
+        ra, rb = configure_both(a, b, 1)
+        assert ra and rb, (ra, rb)
+        ok, _, _, _ = read_reply(liar)
+        assert ok == CHALLENGE
+        liar.sendall(PROOF.pack(PROOF_MAGIC, secrets.token_bytes(32)))
+        ok, reason, _, _ = read_reply(liar)
+        assert ok == REFUSED and "bad proof" in reason, reason
+        assert_ring_sums(a, b, 1)
+        assert b.stats()[0]["refused_handshakes"] >= 1
+        silent.close()
+        liar.close()
+
+
+def test_hello_with_a_wrong_proof_or_none_is_refused():
+    a, b = pair()
+    with a, b:
+        members = [a.address, b.address]
+        b.configure("job", 1, 1, members, timeout_s=10, wait=False)  # a joins after the attacks
+        time.sleep(0.05)
+        # No auth flag at all: refused at once with the reason.
+        s = socket.create_connection(host_port(b.address))
+        s.sendall(hello_bytes(quorum=1, rank=0, stream=1, auth=0))
+        ok, reason, _, _ = read_reply(s)
+        assert ok == REFUSED and "no proof of the job secret" in reason, reason
+        s.close()
+        # A key of another job: the receiver's proof does not verify under it, and ours is refused.
+        nonce = secrets.token_bytes(16)
+        hello = hello_bytes(quorum=1, rank=0, stream=1, nonce=nonce)
+        s = socket.create_connection(host_port(b.address))
+        s.sendall(hello)
+        ok, _, nonce_r, mac_r = read_reply(s)
+        assert ok == CHALLENGE
+        assert hmac.new(KEY, LABEL_RECEIVER + hello + nonce_r, hashlib.sha256).digest() == mac_r  # b proved KEY
+        assert hmac.new(OTHER_KEY, LABEL_RECEIVER + hello + nonce_r, hashlib.sha256).digest() != mac_r
+        s.sendall(PROOF.pack(PROOF_MAGIC, hmac.new(OTHER_KEY, LABEL_SENDER + hello + nonce_r,
+                                                   hashlib.sha256).digest()))
+        ok, reason, _, _ = read_reply(s)
+        assert ok == REFUSED and "bad proof" in reason, reason
+        s.close()
+        # A proof replayed from another connection (the nonces differ): refused too.
+        s = socket.create_connection(host_port(b.address))
+        s.sendall(hello)
+        ok, _, nonce_r2, _ = read_reply(s)
+        assert ok == CHALLENGE and nonce_r2 != nonce_r
+        s.sendall(PROOF.pack(PROOF_MAGIC, hmac.new(KEY, LABEL_SENDER + hello + nonce_r, hashlib.sha256).digest()))
+        ok, reason, _, _ = read_reply(s)
+        assert ok == REFUSED and "bad proof" in reason, reason
+        s.close()
+        a.configure("job", 1, 0, members, timeout_s=10, wait=False)
+        ra, rb = a.wait_configured(11), b.wait_configured(11)
+        assert ra and rb, (ra, rb)
+        assert_ring_sums(a, b, 1)
+        assert b.stats()[0]["refused_handshakes"] >= 3
+
+
+def test_a_correct_proof_from_python_is_accepted():
+    """Interop: a sender written from the wire description (hashlib's HMAC) completes the
+    handshake, so the C++ MACs are the documented ones."""
+    a, b = pair(streams=1)
+    with a, b:
+        b.configure("job", 1, 1, [a.address, b.address], timeout_s=3, wait=False)
+        time.sleep(0.05)
+        nonce = secrets.token_bytes(16)
+        hello = hello_bytes(quorum=1, rank=0, stream=0, streams=1, nonce=nonce)
+        s = socket.create_connection(host_port(b.address))
+        s.sendall(hello)
+        ok, _, nonce_r, mac_r = read_reply(s)
+        assert ok == CHALLENGE
+        assert hmac.compare_digest(hmac.new(KEY, LABEL_RECEIVER + hello + nonce_r, hashlib.sha256).digest(), mac_r)
+        s.sendall(PROOF.pack(PROOF_MAGIC, hmac.new(KEY, LABEL_SENDER + hello + nonce_r, hashlib.sha256).digest()))
+        ok, reason, _, _ = read_reply(s)
+        assert ok == ACCEPTED, reason
+        s.close()
+
+
+def test_replica_of_another_quorum_or_job_is_refused():
+    a, b = pair()
+    c = ftar.Communicator(timeout_s=10.0, key=KEY)  # same job, stale quorum 3
+    d = ftar.Communicator(timeout_s=10.0, key=OTHER_KEY)  # another job's secret, same ids
+    with a, b, c, d:
+        members = [a.address, b.address]
+        b.configure("job", 4, 1, members, timeout_s=10, wait=False)
+        c.configure("job", 3, 0, [c.address, b.address], timeout_s=3, wait=False)
+        d.configure("job", 4, 0, [d.address, b.address], timeout_s=3, wait=False)
+        rc, rd = c.wait_configured(5), d.wait_configured(5)
+        assert not rc and "stale quorum id 3" in rc.reason, rc
+        assert not rd and "failed to prove the job secret" in rd.reason, rd
+        a.configure("job", 4, 0, members, timeout_s=10, wait=False)
+        assert a.wait_configured(11) and b.wait_configured(11)
+        assert_ring_sums(a, b, 4)
+
+
+def test_insecure_and_authenticated_ranks_refuse_each_other():
+    a = ftar.Communicator(timeout_s=5.0, key=b"")
+    b = ftar.Communicator(timeout_s=5.0, key=KEY)
+    with a, b:
+        ra, rb = configure_both(a, b, 1, timeout_s=2.0)
+        assert not ra and not rb
+        assert "this rank requires one" in rb.reason or "this rank requires one" in ra.reason, (ra, rb)
+
+
+def test_500_idle_connections_do_not_stop_the_ring():
+    a, b = pair()
+    with a, b:
+        idle = []
+        for c in (a, b):
+            for _ in range(250):
+                idle.append(socket.create_connection(host_port(c.address)))
+        ra, rb = configure_both(a, b, 1)
+        assert ra and rb, (ra, rb)
+        assert_ring_sums(a, b, 1)
+        # The flood was bounded: the oldest idle connections were closed with the reason.
+        closed = 0
+        for s in idle[:50]:
+            try:
+                ok, reason, _, _ = read_reply(s)
+                closed += ok == REFUSED and "handshakes pending" in reason
+            except (ConnectionError, OSError):
+                pass
+        assert closed >= 40, closed
+        for s in idle:
+            s.close()
+
+
+def test_a_silent_connection_is_refused_at_the_handshake_deadline():
+    a = ftar.Communicator(timeout_s=5.0, key=KEY)
+    with a:
+        s = socket.create_connection(host_port(a.address))
+        t0 = time.monotonic()
+        ok, reason, _, _ = read_reply(s)
+        took = time.monotonic() - t0
+        assert ok == REFUSED and "handshake deadline" in reason, reason
+        assert 4.0 < took < 9.0, took
+        s.close()
+
+
+# ---------------------------------------------------------------------------
+# Chunk attacks: a member that sends a corrupt chunk header (the test hook, in a
+# subprocess), the receiver stays alive and names it.
+
+PEER = textwrap.dedent("""
+    import json, os, sys, time, pathlib
+    import numpy as np
+    from fthsdp.collective import ftar
+    spec = json.loads(sys.argv[1])
+    comm = ftar.Communicator(timeout_s=10.0, key=bytes.fromhex(spec["key"]), streams=1, chunk_bytes=4096)
+    pathlib.Path(spec["addr_file"]).write_text(comm.address)
+    while not os.path.exists(spec["peer_file"]):
+        time.sleep(0.02)
+    peer = pathlib.Path(spec["peer_file"]).read_text()
+    for q in (1, 2):
+        comm.configure("job", q, 0, [comm.address, peer], timeout_s=10)
+        status, reason = comm.allreduce_host(np.ones(10000, np.float32), quorum_id=q, rank=0, n=2)
+        print(json.dumps({"q": q, "status": status, "reason": reason}), flush=True)
+    comm.close()
+""")
+
+
+@pytest.mark.parametrize("secure", [True, False], ids=["authenticated", "insecure"])
+def test_corrupt_chunk_is_recoverable_and_names_the_peer(tmp_path, secure):
+    key = KEY if secure else b""
+    b = ftar.Communicator(timeout_s=10.0, key=key, streams=1, chunk_bytes=4096)
+    with b:
+        spec = {"key": key.hex(), "addr_file": str(tmp_path / "a"), "peer_file": str(tmp_path / "b")}
+        env = {**os.environ, "FTHSDP_FTAR_TEST_CORRUPT_CHUNK": "2", "JAX_PLATFORMS": "cpu"}
+        proc = subprocess.Popen([sys.executable, "-c", PEER, json.dumps(spec)], env=env, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True)
+        try:
+            deadline = time.monotonic() + 60
+            while not (tmp_path / "a").exists():
+                assert time.monotonic() < deadline and proc.poll() is None, proc.stdout.read() if proc.stdout else ""
+                time.sleep(0.02)
+            a_addr = (tmp_path / "a").read_text()
+            (tmp_path / "b").write_text(b.address)
+            b.configure("job", 1, 1, [a_addr, b.address], timeout_s=10)
+            status, reason = b.allreduce_host(np.ones(10000, np.float32), quorum_id=1, rank=1, n=2)
+            assert status == ftar.STATUS_RECOVERABLE, reason
+            assert f"protocol violation from left neighbour {a_addr} (rank 0 of quorum 1)" in reason, reason
+            want = "unauthenticated chunk header" if secure else "bad chunk magic"
+            assert want in reason, reason
+            violations = b.take_violations()
+            assert [(v.rank, v.address, v.quorum_id) for v in violations] == [(0, a_addr, 1)], violations
+            assert b.take_violations() == []
+            # Alive, and the next quorum's ring (the hook fired once) sums correctly.
+            b.configure("job", 2, 1, [a_addr, b.address], timeout_s=10)
+            x = np.ones(10000, np.float32)
+            status, reason = b.allreduce_host(x, quorum_id=2, rank=1, n=2)
+            assert status == ftar.STATUS_OK, reason
+            np.testing.assert_array_equal(x, 2.0)
+            out, _ = proc.communicate(timeout=60)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        lines = [json.loads(l) for l in out.splitlines() if l.startswith("{")]
+        assert [l["status"] for l in lines] == [ftar.STATUS_RECOVERABLE, ftar.STATUS_OK], out
