@@ -93,6 +93,13 @@ class FTConfig:
     # from outside the machine unless asked for (fthsdp.addresses).
     bind_host: str = "127.0.0.1"
     advertise_host: str = ""
+    # Silent-data-corruption check: after every commit each replica fingerprints its
+    # state on its devices (fthsdp/step/fingerprint.py) and reports it to the
+    # lighthouse, which compares the replicas (fthsdp/control/sdc.py).
+    fingerprint: bool = True
+    # A test hook, off by default: "REPLICA@STEP[:BIT]" flips bit BIT of one parameter
+    # of replica REPLICA right after it commits step STEP (fthsdp.step.fingerprint.FlipSpec).
+    test_flip_bit: str = ""
 
 
 @dataclass(frozen=True)

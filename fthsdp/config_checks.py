@@ -183,6 +183,12 @@ def _host_or_empty(value: Any) -> None:
         _host(value)
 
 
+def _flip_spec(value: Any) -> None:
+    from fthsdp.control.sdc import parse_flip
+
+    parse_flip(value)
+
+
 def _advertisable_hosts(value: Any) -> None:
     from fthsdp.addresses import check_host, is_wildcard
 
@@ -251,6 +257,8 @@ RULES: dict[str, Rule] = {
     "ft.peer_serve_cap_gbps": _real(0, why="0 = no cap"),
     "ft.bind_host": Parsed(_host, "an IPv4/IPv6 literal or a host name (0.0.0.0 or :: = every interface)"),
     "ft.advertise_host": Parsed(_host_or_empty, "empty (the bind host) or the host peers connect to"),
+    "ft.fingerprint": Anything("true or false"),
+    "ft.test_flip_bit": Parsed(_flip_spec, "empty (off) or REPLICA@STEP[:BIT] (a test hook)"),
     # launch
     "launch.replicas": _int(1),
     "launch.devices_per_replica": _int(1),

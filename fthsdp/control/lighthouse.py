@@ -70,6 +70,7 @@ import grpc
 
 from fthsdp.control import quorum as qm
 from fthsdp.observe import root_cause as rc
+from fthsdp.control import sdc
 from fthsdp.proto import LIGHTHOUSE_PROTOCOL_VERSION, lighthouse as _load_stubs
 
 pb2, pb2_grpc = _load_stubs()
@@ -205,6 +206,10 @@ def _server_options(config: LighthouseConfig) -> list[tuple[str, int]]:
 
 class _Superseded(Exception):
     pass
+
+
+class _SdcStop(Exception):
+    """The job was stopped by a fingerprint mismatch without a majority (the message says which)."""
 
 
 @dataclass(frozen=True)
@@ -348,6 +353,10 @@ class _Job:
     last_stall: tuple[rc.Verdict, float, int] | None = None
     last_rca_at: float = 0.0
     last_rca_cost_s: float = 0.0
+    # Silent-data-corruption check: the replicas' state fingerprints per step, verdicts,
+    # condemned replicas (fthsdp/control/sdc.py), and where each replica serves /metrics.
+    sdc: sdc.SdcTracker = field(default_factory=sdc.SdcTracker)
+    metrics_addresses: dict[str, dict[int, str]] = field(default_factory=dict)  # replica -> process -> addr
 
     def quorum_proto(self, q: qm.Quorum) -> pb2.Quorum:
         if self.proto_cache is None or self.proto_cache[0] is not q:
@@ -458,7 +467,7 @@ class Lighthouse(pb2_grpc.LighthouseServicer):
         self.port: int = 0
         # Where the time goes (tests and experiments read these counters).
         self.stats = {"decisions": 0, "evaluations": 0, "evaluation_s": 0.0, "replies_serialized": 0,
-                      "replies_sent": 0, "stalls": 0, "rca_runs": 0, "rca_s": 0.0}
+                      "replies_sent": 0, "stalls": 0, "rca_runs": 0, "rca_s": 0.0, "sdc_mismatches": 0}
 
     # -- lifecycle ---------------------------------------------------------
 
@@ -548,10 +557,13 @@ class Lighthouse(pb2_grpc.LighthouseServicer):
                     p.future.set_result(_Finished(job.finished_step))
             return
         requests, waiting_note = self._candidate_requests(job, now)
+        if self._sdc_hold(job, now, requests):
+            return
         t0 = time.perf_counter()
         quorum, reason = qm.decide_quorum(
             requests, self._liveness(job, now), job.quorum, self._decision_config(job), now,
             quorum_id_floor=job.qid_floor, reported_quorum_ids=job.reported_qids,
+            condemned=job.sdc.condemned,
         )
         job.last_eval_at, job.last_eval_cost_s = now, time.perf_counter() - t0
         self.stats["evaluations"] += 1
@@ -568,6 +580,7 @@ class Lighthouse(pb2_grpc.LighthouseServicer):
         job.quorum = quorum
         job.remember(quorum)
         self.stats["decisions"] += 1
+        job.sdc.set_voters(quorum.max_step + 1, quorum.member_ids)  # who will hold the state it commits
         for rid in quorum.member_ids:
             p = job.pending.pop(rid)
             # Its call was open until this answer: heard now. Judging it by its request's
@@ -582,6 +595,31 @@ class Lighthouse(pb2_grpc.LighthouseServicer):
                 job.last_seen[rid] = g.last_seen()
             if not p.future.done():
                 p.future.set_result(quorum)
+
+    def _sdc_hold(self, job: _Job, now: float, requests: dict) -> bool:
+        """Judge the job's fingerprints before a quorum decision (fthsdp/control/sdc.py).
+        True when no quorum may be decided now: the job was stopped (every pending request
+        is answered with the error), or the requesters' states disagree and a voter that
+        could settle it has not reported yet."""
+        if not job.sdc.needs_update and job.sdc.fatal is None and not job.sdc.any_pending:
+            return False  # nothing new to judge (the common case: one dict check per evaluation)
+        alive = (set(job.last_seen) - job.dead) | set(requests)
+        for v in job.sdc.update(alive):
+            log.error("job %r: %s", job.job_id, v.reason)
+            self.stats["sdc_mismatches"] += 1
+        if job.sdc.fatal is not None:
+            for rid, p in list(job.pending.items()):
+                del job.pending[rid]
+                if not p.future.done():
+                    p.future.set_exception(_SdcStop(job.sdc.fatal.reason))
+            job.last_reason = f"job stopped: {job.sdc.fatal.reason}"
+            return True
+        for step in sorted({r.step for r in requests.values()}):
+            v = job.sdc.pending(step)
+            if v is not None:
+                job.last_reason = v.reason
+                return True
+        return False
 
     def _candidate_requests(self, job: _Job, now: float) -> tuple[dict[str, qm.QuorumRequest], str]:
         """The pending requests the decision may use: a replica of several processes asks
@@ -796,6 +834,13 @@ class Lighthouse(pb2_grpc.LighthouseServicer):
             log.info("job %r: a new run starts (replica %s); forgetting that the last run finished at step %d",
                      job.job_id, rid, job.finished_step)
             job.finished_step = None
+            job.sdc.reset()
+        elif request.fresh_start and job.sdc.fatal is not None:
+            log.info("job %r: a new run starts (replica %s); forgetting the fingerprint mismatch that stopped it",
+                     job.job_id, rid)
+            job.sdc.reset()
+        if job.sdc.fatal is not None:
+            await context.abort(grpc.StatusCode.DATA_LOSS, job.sdc.fatal.reason)
         if job.finished_step is not None:
             log.info("job %r: replica %s asks at step %d but the job finished at step %d",
                      job.job_id, rid, request.step, job.finished_step)
@@ -809,6 +854,8 @@ class Lighthouse(pb2_grpc.LighthouseServicer):
             g.ftar[0], g.server[0] = tuple(request.ftar_addresses), request.state_server_address
         self._heard(job, rid, now, 0, nproc)
         job.steps[rid] = request.step
+        if request.HasField("fingerprint"):
+            job.sdc.record(rid, request.fingerprint_step, request.fingerprint)
         job.local_world_size.set(rid, request.local_world_size)
         job.stated_replicas.set(rid, request.num_replicas or None)
         old = job.pending.pop(rid, None)
@@ -847,6 +894,8 @@ class Lighthouse(pb2_grpc.LighthouseServicer):
                 grpc.StatusCode.DEADLINE_EXCEEDED,
                 f"no quorum for job {request.job_id!r} within the call's deadline; last decision: {job.last_reason}",
             )
+        except _SdcStop as e:
+            await context.abort(grpc.StatusCode.DATA_LOSS, str(e))
         except _Superseded:
             await context.abort(
                 grpc.StatusCode.ABORTED,
@@ -878,6 +927,8 @@ class Lighthouse(pb2_grpc.LighthouseServicer):
                 g.ftar[proc], g.server[proc] = tuple(request.ftar_addresses), request.state_server_address
             registered = proc in g.ftar
         self._heard(job, rid, now, proc, nproc)
+        if request.metrics_address:
+            job.metrics_addresses.setdefault(rid, {})[proc] = request.metrics_address
         if proc != 0:  # a follower: its liveness and addresses only; its leader speaks for the replica
             return job.heartbeat_reply(registered)
         job.heartbeating.add(rid)
@@ -888,6 +939,8 @@ class Lighthouse(pb2_grpc.LighthouseServicer):
             job.phases[rid] = request.phase  # kept as sent: analysed only every rca_interval_s
         if request.last_quorum_id > job.qid_floor:
             job.qid_floor = request.last_quorum_id
+        if request.HasField("fingerprint"):
+            job.sdc.record(rid, request.fingerprint_step, request.fingerprint)  # judged at the next evaluation
         # The dead set is recomputed each tick (tick_s adds to detection time;
         # per-heartbeat recomputation would cost O(replicas) per heartbeat), and
         # the reply is serialized once per (quorum, dead set), not per heartbeat.
@@ -927,6 +980,8 @@ class Lighthouse(pb2_grpc.LighthouseServicer):
         job.heartbeating.discard(rid)
         job.last_heartbeat.pop(rid, None)
         job.reported_qids.pop(rid, None)
+        job.metrics_addresses.pop(rid, None)
+        job.sdc.forget(rid)
         if rid in job.dead:
             job.dead.discard(rid)
             job.dead_version += 1
@@ -970,6 +1025,9 @@ class Lighthouse(pb2_grpc.LighthouseServicer):
                     num_processes=job.groups[r].num_processes if r in job.groups else 1,
                     silent_processes=job.groups[r].silent(now, self.config.detect_s) if r in job.groups else [],
                     phase=job.phases.get(r),
+                    metrics_addresses=_by_process(job.metrics_addresses.get(r, {})),
+                    condemned=job.sdc.condemned[r].reason if r in job.sdc.condemned else "",
+                    **self._fingerprint_status(job, r),
                 )
                 for r in sorted(view, key=qm.ring_key)
             ]
@@ -982,6 +1040,8 @@ class Lighthouse(pb2_grpc.LighthouseServicer):
                 local_world_size=lws.pop() if len(lws) == 1 else 0,
                 num_configured=self._decision_config(job).num_configured or len(view),
                 finished_step=-1 if job.finished_step is None else job.finished_step,
+                sdc_events=[_sdc_event(v) for v in job.sdc.events],
+                sdc_fatal=job.sdc.fatal.reason if job.sdc.fatal is not None else "",
             )
             if job.quorum is not None:
                 js.quorum.CopyFrom(job.quorum_proto(job.quorum))
@@ -998,6 +1058,23 @@ class Lighthouse(pb2_grpc.LighthouseServicer):
             join_timeout_s=c.join_timeout_s,
             detect_s=c.detect_s,
         )
+
+
+    @staticmethod
+    def _fingerprint_status(job: _Job, rid: str) -> dict:
+        latest = job.sdc.latest.get(rid)
+        return {} if latest is None else {"fingerprint_step": latest[0], "fingerprint": latest[1]}
+
+
+def _by_process(addresses: dict[int, str]) -> list[str]:
+    """Addresses by process index ("" where a process advertised none)."""
+    return [addresses.get(p, "") for p in range(max(addresses, default=-1) + 1)]
+
+
+def _sdc_event(v: sdc.Verdict) -> pb2.SdcEvent:
+    return pb2.SdcEvent(step=v.step, culprits=list(v.culprits), majority_fingerprint=v.majority or 0,
+                        reports=[pb2.FingerprintReport(replica_id=r, fingerprint=f) for r, f in v.reports],
+                        reason=v.reason, fatal=v.fatal)
 
 
 class LighthouseThread:

@@ -38,6 +38,7 @@ import grpc
 
 from fthsdp.control import quorum as qm
 from fthsdp.observe.phase import Phase, PhaseSnapshot, StreamReport
+from fthsdp.errors import JobFatalError
 from fthsdp.proto import LIGHTHOUSE_PROTOCOL_VERSION, lighthouse as _load_stubs
 
 pb2, pb2_grpc = _load_stubs()
@@ -53,6 +54,7 @@ __all__ = [
     "InvalidLighthouseRequest",
     "LighthouseUnavailable",
     "JobFinished",
+    "SilentDataCorruption",
     "quorum_from_proto",
 ]
 
@@ -93,6 +95,11 @@ class JobFinished(LighthouseError):
         self.step = step
 
 
+class SilentDataCorruption(LighthouseError, JobFatalError):
+    """The lighthouse stopped the job: the replicas' fingerprints of one step disagree with
+    no majority to tell which is right (the message names the step and every fingerprint)."""
+
+
 # Reconnect quickly once a restarted lighthouse listens again (gRPC's default
 # reconnect backoff grows to minutes, far past a restart).
 _CHANNEL_OPTIONS = [
@@ -128,6 +135,10 @@ class ReplicaStatus:
     num_processes: int = 1
     silent_processes: tuple[int, ...] = ()  # processes silent past the detection window
     phase: PhaseSnapshot | None = None  # its last phase report (None: none)
+    metrics_addresses: tuple[str, ...] = ()  # its processes' /metrics, index = process
+    fingerprint: int | None = None  # of its state after fingerprint_step committed steps
+    fingerprint_step: int = 0
+    condemned: str = ""  # why its state is condemned (a fingerprint mismatch), "" if not
 
 
 @dataclass(frozen=True)
@@ -190,6 +201,8 @@ class JobStatus:
     num_configured: int
     root_cause: RootCauseStatus | None = None  # the verdict now (None: not analysed yet)
     last_stall: RootCauseStatus | None = None  # the last verdict that named a culprit
+    sdc_events: tuple = ()  # pb2.SdcEvent: fingerprint mismatches, oldest first
+    sdc_fatal: str = ""
 
 
 def _phase_text(p: PhaseSnapshot | None) -> str:
@@ -220,8 +233,15 @@ def format_status(jobs: Sequence[JobStatus]) -> str:
             lines.append(f"  last stall ({j.last_stall.age_s:.0f}s ago): {j.last_stall.describe()}")
         for r in j.replicas:
             state = "DEAD" if r.dead else ("waiting for quorum" if r.waiting else "training")
+            if r.condemned:
+                state += "  CONDEMNED (fingerprint mismatch: rejoining from the majority)"
+            fp = f"  fingerprint {r.fingerprint:016x}@{r.fingerprint_step}" if r.fingerprint is not None else ""
             lines.append(f"  replica {r.replica_id:>4}: step {r.step:>6}  heard {r.last_heartbeat_age_s:6.2f}s ago  "
-                         f"{state}{_phase_text(r.phase)}")
+                         f"{state}{fp}{_phase_text(r.phase)}")
+        for e in j.sdc_events[-5:]:
+            lines.append(f"  {'SDC (job stopped)' if e.fatal else 'SDC'}: {e.reason}")
+        if j.sdc_fatal:
+            lines.append(f"  job stopped: {j.sdc_fatal}")
     return "\n".join(lines)
 
 
@@ -233,7 +253,12 @@ def status_cli(argv: list[str]) -> int:
     p.add_argument("--lighthouse", required=True, help="HOST:PORT of `fthsdp lighthouse`")
     p.add_argument("--job", default="", help="one job (default: every job)")
     p.add_argument("--watch", type=float, default=0.0, help="refresh every S seconds until interrupted")
+    p.add_argument("--prometheus-targets", action="store_true",
+                   help="print a Prometheus file_sd target list (JSON) of every live replica process's /metrics "
+                        "(labels job, replica, process) instead of the status")
     args = p.parse_args(argv)
+    if args.prometheus_targets:
+        return _print_targets(args.lighthouse, args.job)
     client = LighthouseClient(args.lighthouse, "fthsdp-status", "status", rpc_timeout_s=5.0)
     try:
         while True:
@@ -250,6 +275,35 @@ def status_cli(argv: list[str]) -> int:
         return 0
     finally:
         client.close()
+
+
+def _print_targets(address: str, job: str) -> int:
+    """``fthsdp status --prometheus-targets``: the file_sd JSON of what the lighthouse knows."""
+    import json
+
+    from fthsdp.observe.lighthouse_view import LighthouseUnreachable, StatusPoller
+    from fthsdp.observe.metrics import status_targets
+
+    try:
+        poller = StatusPoller(address, rpc_timeout_s=5.0)
+    except ValueError as e:
+        print(f"fthsdp status: {e}", file=sys.stderr)
+        return 2
+    try:
+        view = poller.poll()
+    except LighthouseUnreachable as e:
+        print(f"fthsdp status: {e}", file=sys.stderr)
+        return 1
+    finally:
+        poller.close()
+    if job:
+        if view.job(job) is None:
+            print(f"fthsdp status: no job {job!r} on lighthouse {address}; known jobs: "
+                  f"{[j.job_id for j in view.jobs]}", file=sys.stderr)
+            return 1
+        view = type(view)(view.time, (view.job(job),), view.detect_s, view.min_replicas)
+    print(json.dumps(status_targets(view), indent=1), flush=True)
+    return 0
 
 
 def quorum_from_proto(p: pb2.Quorum) -> qm.Quorum:
@@ -339,6 +393,24 @@ class LighthouseClient:
         # Where this process is, sent with every heartbeat (root-cause analysis);
         # None: heartbeats carry no phase report.
         self.phase_source: Callable[[], PhaseSnapshot] | None = None
+        # Reported with every quorum request and heartbeat: the latest fingerprint of the
+        # committed state (step, value) and where this process serves /metrics.
+        self.fingerprint: tuple[int, int] | None = None
+        self.metrics_address = ""
+
+    def report_fingerprint(self, step: int, fingerprint: int) -> None:
+        """The fingerprint of the state after ``step`` committed steps (sent with the next
+        quorum request and heartbeats; the lighthouse compares the replicas')."""
+        self.fingerprint = (int(step), int(fingerprint))
+
+    def advertise_metrics(self, address: str) -> None:
+        """Where this process serves /metrics ("host:port"), sent with its heartbeats
+        (``fthsdp status --prometheus-targets`` lists it)."""
+        self.metrics_address = address
+
+    def _fingerprint_fields(self) -> dict:
+        fp = self.fingerprint
+        return {} if fp is None else {"fingerprint_step": fp[0], "fingerprint": fp[1]}
 
     # -- errors --------------------------------------------------------------
 
@@ -352,6 +424,8 @@ class LighthouseClient:
             return InvalidLighthouseRequest(f"{what} rejected by {where}: {details}", code)
         if code == grpc.StatusCode.NOT_FOUND:
             return JobNotFound(f"{what} at {where}: {details}", code)
+        if code == grpc.StatusCode.DATA_LOSS:
+            return SilentDataCorruption(f"{what}: {where} stopped the job: {details}", code)
         if code == grpc.StatusCode.UNAVAILABLE:
             return LighthouseUnavailable(
                 f"{what}: cannot reach {where}: {details}; is `fthsdp lighthouse` running at that address?", code
@@ -398,6 +472,7 @@ class LighthouseClient:
             fresh_start=last is None and not self.rejoin,
             process_index=self.process_index,
             num_processes=self.num_processes,
+            **self._fingerprint_fields(),
         )
         down_since: float | None = None
         delays = backoff_delays()
@@ -493,6 +568,7 @@ class LighthouseClient:
             protocol_version=LIGHTHOUSE_PROTOCOL_VERSION, job_id=self.job_id, replica_id=self.replica_id,
             step=self._step, last_quorum_id=last.quorum_id if last is not None else 0,
             process_index=self.process_index, num_processes=self.num_processes,
+            metrics_address=self.metrics_address, **self._fingerprint_fields(),
         )
         ep = self._endpoints
         if ep is not None and not self._registered:
@@ -528,7 +604,11 @@ class LighthouseClient:
                 replicas=tuple(
                     ReplicaStatus(r.replica_id, r.step, r.last_heartbeat_age_s, r.dead, r.waiting,
                                   r.num_processes or 1, tuple(r.silent_processes),
-                                  phase_from_proto(r.phase) if r.HasField("phase") else None)
+                                  phase_from_proto(r.phase) if r.HasField("phase") else None,
+                                  metrics_addresses=tuple(r.metrics_addresses),
+                                  fingerprint=r.fingerprint if r.HasField("fingerprint") else None,
+                                  fingerprint_step=r.fingerprint_step,
+                                  condemned=r.condemned)
                     for r in j.replicas
                 ),
                 quorum=quorum_from_proto(j.quorum) if j.has_quorum else None,
@@ -537,6 +617,8 @@ class LighthouseClient:
                 num_configured=j.num_configured,
                 root_cause=root_cause_from_proto(j.root_cause) if j.HasField("root_cause") else None,
                 last_stall=root_cause_from_proto(j.last_stall) if j.HasField("last_stall") else None,
+                sdc_events=tuple(j.sdc_events),
+                sdc_fatal=j.sdc_fatal,
             )
             for j in resp.jobs
         ]

@@ -322,6 +322,7 @@ def decide_quorum(
     now: float,
     quorum_id_floor: int = 0,
     reported_quorum_ids: Mapping[str, int] | None = None,
+    condemned: Iterable[str] = (),
 ) -> tuple[Quorum | None, str]:
     """Decide the quorum of one job, or explain why there is none yet.
 
@@ -331,7 +332,9 @@ def decide_quorum(
     lighthouse). ``quorum_id_floor``: the highest quorum id any replica of the
     job reported (heartbeats included). ``reported_quorum_ids``: each
     replica's last quorum id as its heartbeats report it (what a restarted
-    lighthouse knows of replicas that are mid-step). Returns ``(quorum, reason)`` with
+    lighthouse knows of replicas that are mid-step). ``condemned``: replicas whose
+    state a fingerprint mismatch condemned (:mod:`fthsdp.control.sdc`): listed
+    behind even at the top step, so they fetch the majority's state. Returns ``(quorum, reason)`` with
     ``quorum`` None while the rules in the module docstring say wait.
     """
     if not requests:
@@ -415,8 +418,14 @@ def decide_quorum(
         for c in ordered
     )
     max_step = max(m.step for m in members)
-    healthy = tuple(m.replica_id for m in members if m.step == max_step)
-    behind = tuple(m.replica_id for m in members if m.step != max_step)
+    condemned = set(condemned) & cand_ids
+    healthy = tuple(m.replica_id for m in members if m.step == max_step and m.replica_id not in condemned)
+    if not healthy:
+        return None, (
+            f"every requester at the top step {max_step} is condemned by a fingerprint mismatch "
+            f"{_fmt(condemned)}: no clean state to rejoin from; waiting for a replica holding the majority's state"
+            f"{stale_note}")
+    behind = tuple(m.replica_id for m in members if m.replica_id not in healthy)
     lws = {m.replica_id: m.local_world_size for m in members}
     recovery = assign_sources(((b, lws[b]) for b in behind), healthy)
     known = set(heartbeats) | set(requests)
@@ -457,6 +466,9 @@ def decide_quorum(
         f"quorum {quorum_id} ({why_id}): {len(members)} members at max step {max_step}, "
         f"{len(healthy)} healthy, {len(behind)} behind; {how}{stale_note}"
     )
+    if condemned:
+        reason += f"; condemned by a fingerprint mismatch (rejoin from the majority): {_fmt(condemned)}"
+
     quorum = Quorum(
         quorum_id=quorum_id,
         members=members,

@@ -147,6 +147,7 @@ class StepRecord:
     allreduce_s: float = 0.0  # the committing apply_grads (all-reduce + vote + update)
     grads_s: float = 0.0  # forward + backward
     catch_up_s: float = 0.0  # fetching and installing the peers' state (behind replicas)
+    fingerprint: int | None = None  # of the committed state (fthsdp/step/fingerprint.py), when computed
 
     @property
     def seconds(self) -> float:
@@ -337,6 +338,7 @@ class Manager:
                 continue
             if committed:
                 self.state = new_state
+                fingerprint = self._report_fingerprint(m)
                 for r in q.healthy:
                     self.positions[int(r)] += 1
                     self.last_step[int(r)] = step
@@ -347,7 +349,7 @@ class Manager:
                                  float(loss) if (healthy and loss is not None) else None,
                                  start, time.time(), position if healthy else None, events,
                                  rebuild_s=rebuild_s, allreduce_s=allreduce_s, grads_s=grads_s,
-                                 catch_up_s=catch_up_s)
+                                 catch_up_s=catch_up_s, fingerprint=fingerprint)
                 self.records.append(rec)
                 self.phases.last_step_s = rec.seconds
                 self.phases.set(Phase.IDLE, step + 1)
@@ -390,6 +392,21 @@ class Manager:
         """Replicas to accuse in the next quorum request (cleared: each accusation is sent once)."""
         out, self._accused = self._accused, []
         return out
+
+    def _report_fingerprint(self, m: dict) -> int | None:
+        """The committed state's fingerprint (computed inside apply_grads: two words come to
+        host), handed to the lighthouse client, which sends it with the next quorum request
+        and heartbeats so the lighthouse can compare the replicas (silent data corruption)."""
+        fp = m.get("fingerprint")
+        if fp is None:
+            return None
+        from fthsdp.step.fingerprint import to_int
+
+        value = to_int(fp)
+        report = getattr(self.lighthouse, "report_fingerprint", None)  # followers: their leader reports
+        if report is not None:
+            report(int(self.state.step), value)
+        return value
 
     def blame(self, q: qm.Quorum, address: str | None) -> str | None:
         """The member of ``q`` whose FTAR or state-server address is ``address`` (a fault's source)."""

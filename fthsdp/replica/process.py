@@ -179,6 +179,9 @@ class ReplicaProcess:
                                  join_host_port(cfg.ft.bind_host, 0))
         self.status_path = files / f"status-{self.rid}.json"
         self.started = time.time()
+        from fthsdp.control.sdc import parse_flip
+
+        self.flip = parse_flip(cfg.ft.test_flip_bit)  # a test hook, off by default
 
         # Every process is its own client of the lighthouse (heartbeats, its addresses, its
         # views); only the leader asks for quorums.
@@ -204,6 +207,8 @@ class ReplicaProcess:
                 from fthsdp.replica.group import LeaderQuorumSource
 
                 self.client = LeaderQuorumSource(self.client, self.channel)
+        # Advertised with this process's heartbeats (fthsdp status --prometheus-targets).
+        client.advertise_metrics(self.prom_server.address)
         if self.group.num_processes > 1:
             from fthsdp.replica.group import GroupWatchdog
 
@@ -323,9 +328,27 @@ class ReplicaProcess:
                   "allreduce_s": rec.allreduce_s, "grads_s": rec.grads_s, "catch_up_s": rec.catch_up_s}
         if self.args.hash_every and committed % self.args.hash_every == 0:
             record["hash"] = state_hash(mgr.state)
+        if rec.fingerprint is not None:
+            record["fingerprint"] = f"{rec.fingerprint:016x}"
+        if self.flip is not None and self.flip.replica == self.args.replica_id and self.flip.step == rec.step:
+            self.flip_bit(mgr)
         self.metrics.write(**record)
         self.write_status(step=committed, loss=rec.loss, quorum_id=rec.quorum_id, members=list(rec.members),
                           state="training" if rec.healthy else "caught up")
+
+    def flip_bit(self, mgr) -> None:
+        """The test hook (ft.test_flip_bit): emulate silent data corruption by flipping one bit
+        of this replica's parameters after a commit (after its fingerprint was taken, so the
+        lighthouse finds out at the next commit). Every process of the replica flips, on its
+        devices, keeping the layout."""
+        from fthsdp.step.fingerprint import flip_bit
+
+        mgr.state = mgr.state._replace(params=flip_bit(mgr.state.params, self.flip.bit,
+                                                       shardings=self.ts.state_shardings.params))
+        self._snapshot_step = -1  # a snapshot taken before the flip no longer matches the state
+        log.warning("TEST HOOK ft.test_flip_bit=%r: flipped bit %d of the first parameter of replica %s after "
+                    "step %d", self.cfg.ft.test_flip_bit, self.flip.bit, self.rid, int(mgr.state.step) - 1)
+        self.metrics.write(kind="test_flip_bit", replica=self.rid, step=int(mgr.state.step) - 1, bit=self.flip.bit)
 
     def write_status(self, **fields) -> None:
         write_json_atomic(self.status_path, {"replica": self.rid, "pid": os.getpid(), "time": time.time(),

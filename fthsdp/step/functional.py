@@ -35,6 +35,7 @@ from flax import nnx
 from fthsdp.step import intervention
 from fthsdp.config import Config, OptimConfig
 from fthsdp.models import DecoderLM
+from fthsdp.step.fingerprint import fingerprint as state_fingerprint
 from fthsdp.step.quorum_inputs import STATUS_OK, AllReduceFn, QuorumInputs, local_allreduce
 from fthsdp.step.sharding import batch_sharding, fsdp_shardings
 
@@ -122,9 +123,16 @@ def make_train_step(
     cfg: Config,
     mesh: jax.sharding.Mesh,
     allreduce: AllReduceFn = local_allreduce,
+    fingerprint: bool | None = None,
 ) -> TrainStep:
-    """Builds the jitted step functions of one replica over `mesh`."""
+    """Builds the jitted step functions of one replica over `mesh`.
+
+    ``fingerprint`` (default ``cfg.ft.fingerprint``): ``apply_grads`` also returns
+    ``metrics["fingerprint"]``, the state fingerprint (fthsdp/step/fingerprint.py) of
+    the state it returns, computed on the devices inside the same jitted call."""
     cfg.validate()
+    if fingerprint is None:
+        fingerprint = cfg.ft.fingerprint
     model_cfg = cfg.model
     tx = make_optimizer(cfg.optim)
     schedule = lr_schedule(cfg.optim, cfg.train.steps)
@@ -181,6 +189,8 @@ def make_train_step(
             "grad_norm": optax.tree.norm(mean),
             "status": status,
         }
+        if fingerprint:  # of the state returned (the committed one when ok): silent-data-corruption check
+            metrics["fingerprint"] = state_fingerprint(out)
         return out, metrics
 
     def step(state, inputs, targets, quorum):
