@@ -108,9 +108,11 @@ HARNESSES: tuple[Harness, ...] = (
             what="a real in-process lighthouse (gRPC) fed arbitrary bodies and field values",
             extra_args=("-len_control=0",)),  # long inputs from the start: structured requests need bytes
     Harness("peer_server_parsing", "atheris", "experiments/fuzz_peer_server.py", 100_000, 3_000, max_len=512,
-            what="peer server URL routing and Authorization parsing, alone and behind a real server",
+            what="peer server request heads, URL routing and signed Authorization, alone and behind a real server",
             dictionary=("/v1/manifest", "/v1/snapshot/", "/leaf/", "/piece/", "/manifest", "Bearer ",
-                        "fuzz-token-0123456789abcdef", "?", "%00", " HTTP/1.1", "\r\n")),
+                        "FTHSDP-HMAC-SHA256 ", "ts=", ",nonce=", ",mac=", "Host: ", "Content-Length: ",
+                        "Transfer-Encoding: ", "?", "%00", " HTTP/1.1", " HTTP/0.9", "\r\n", "\r\n\r\n"),
+            extra_args=("-len_control=0",)),
 )
 
 

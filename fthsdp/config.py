@@ -86,6 +86,10 @@ class FTConfig:
     snapshot: str = "on_demand"
     peer_streams: int = 2  # parallel HTTP streams per source when fetching a peer's state
     peer_serve_cap_gbps: float = 0.0  # cap on what a replica spends serving its state (0 = none)
+    # The peer state server's per-connection limits (their order: fthsdp.timeouts.Timeouts).
+    peer_header_s: float = 5.0  # a request head must arrive whole within this
+    peer_idle_s: float = 30.0  # an idle keep-alive connection is closed after this
+    peer_send_s: float = 60.0  # one response must be written out within this
     # Where a replica's listeners (FTAR ring endpoints, peer state server,
     # metrics) bind, and the host its peers are told to connect to (empty: the
     # bind host; required when binding every interface, 0.0.0.0 or ::). IPv4

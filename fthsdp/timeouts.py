@@ -34,6 +34,10 @@ class Timeouts:
     quorum_timeout_s: float = 120.0  # how long one get_quorum call waits for a decision
     startup_timeout_s: float = 120.0  # a fresh job waits this long for every replica to be live
     lighthouse_outage_s: float = 60.0  # replicas ride out a lighthouse outage this long, then give up
+    # The peer state server (fthsdp/checkpoint/peer_server.py): what one connection may cost it.
+    peer_header_s: float = 5.0  # a request head must arrive whole within this (slowloris is cut)
+    peer_idle_s: float = 30.0  # a keep-alive connection with no request in flight is closed after this
+    peer_send_s: float = 60.0  # one response (a piece) must be written out within this (slow readers are cut)
 
     # The minimum number of heartbeats that must fit in the detection window:
     # one late heartbeat (a GC pause, a busy core) must not look like a death.
@@ -57,6 +61,8 @@ class Timeouts:
             ("allreduce_timeout_s", "quorum_timeout_s",
              "a replica must not give up on a quorum while its peers can still be inside an all-reduce"),
             ("join_timeout_s", "quorum_timeout_s", "the join limit must end before the quorum wait does"),
+            ("peer_header_s", "peer_idle_s",
+             "a half-sent request head must not hold a peer-server connection longer than an idle one"),
         ]
         for lo, hi, why in order:
             if not getattr(self, lo) < getattr(self, hi):
@@ -68,6 +74,13 @@ class Timeouts:
                 f"ft.detect_s={self.detect_s:g} must be >= {self.MIN_HEARTBEATS_PER_WINDOW} x "
                 f"ft.heartbeat_interval_s={self.heartbeat_interval_s:g} (= {need:g}): one late heartbeat "
                 "must not declare a live replica dead")
+        from fthsdp.control.auth import CLOCK_WINDOW_S
+
+        if not self.peer_header_s < CLOCK_WINDOW_S:
+            raise TimeoutsError(
+                f"ft.peer_header_s={self.peer_header_s:g} must be < {CLOCK_WINDOW_S:g} s (the credential clock "
+                "window, fthsdp.control.auth.CLOCK_WINDOW_S): a request signed just before its head was sent "
+                "must still be fresh when the head is complete")
         if self.lighthouse_outage_s < self.detect_s:
             raise TimeoutsError(
                 f"ft.lighthouse_outage_s={self.lighthouse_outage_s:g} must be >= ft.detect_s={self.detect_s:g}: "

@@ -1,5 +1,5 @@
 """Peer server + striped fetcher over real HTTP, with real server processes:
-lying peers, a wrong token, a stale step, a peer SIGKILLed mid-transfer.
+lying peers, a wrong key, a stale step, a peer SIGKILLed mid-transfer.
 
 Run as a script (`python tests/test_peer_fetch.py serve ...`) it is one peer
 server process serving a deterministic state."""
@@ -97,10 +97,12 @@ def _same(tree, ref):
 
 
 def _get(url, path, token=TOKEN):
+    from fthsdp.checkpoint.peer_auth import sign
     from fthsdp.checkpoint.peer_fetch import _split
 
     conn = http.client.HTTPConnection(*_split(url), timeout=5)
-    headers = {} if token is None else {"Authorization": f"Bearer {token}"}
+    authority = url.removeprefix("http://")
+    headers = {} if token is None else {"Authorization": sign(token.encode(), "GET", authority, path)}
     conn.request("GET", path, headers=headers)
     resp = conn.getresponse()
     body = resp.read()
@@ -165,10 +167,10 @@ def test_only_liars_fail_with_every_reason(peers):
 def test_wrong_or_missing_token_is_refused(peers):
     from fthsdp.checkpoint.peer_fetch import FetchError, PeerFetcher
 
-    with pytest.raises(FetchError, match="HTTP 403: wrong token"):
+    with pytest.raises(FetchError, match="HTTP 403: wrong credential"):
         PeerFetcher([peers["a"].url], "not-the-token", step=STEP).fetch()
     status, body, _ = _get(peers["a"].url, "/v1/manifest", token=None)
-    assert status == 401 and "missing token" in json.loads(body)["error"]
+    assert status == 401 and "missing credential" in json.loads(body)["error"]
     status, body, _ = _get(peers["a"].url, f"/v1/snapshot/{STEP}/leaf/0/piece/0", token="x" * 12)
     assert status == 403
 

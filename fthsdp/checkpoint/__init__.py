@@ -1,7 +1,9 @@
 """Checkpoints of a replica's state, in memory and on disk.
 
     snapshot      lazy, double-buffered device->host snapshots after each commit (DataStates-style)
-    peer_server   HTTP serving of the latest snapshot by (step, leaf, piece), token-protected
+    peer_server   HTTP(S) serving of the latest snapshot by (step, leaf, piece): signed requests, bounded
+    peer_auth     the per-request HMAC proof (job's peer key, timestamp, nonce) the server checks
+    http_head     strict, bounded parsing of one HTTP/1.x request head
     peer_fetch    striped, checksummed fetch of a snapshot from several healthy peers
     orbax_peer    the peer fetch as an Orbax CheckpointHandler, falling back to disk
     persistent    asynchronous Orbax checkpoints (state + loader positions + metadata) every K steps

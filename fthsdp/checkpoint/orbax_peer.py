@@ -19,7 +19,7 @@ Use it directly, through `ocp.Checkpointer(PeerCheckpointHandler())`, or as
 an item handler of a `CheckpointManager`:
 
     mngr = ocp.CheckpointManager(root, item_handlers={"state": PeerCheckpointHandler(), ...})
-    mngr.restore(step, args=ocp.args.Composite(state=PeerRestore(abstract, sources, token, peer_step)))
+    mngr.restore(step, args=ocp.args.Composite(state=PeerRestore(abstract, sources, peer_key, peer_step)))
 """
 
 from __future__ import annotations
@@ -106,7 +106,7 @@ class PeerRestore(ocp.args.CheckpointArgs):
 
     item: Any
     sources: Sequence[str]
-    token: str
+    key: bytes | str  # the job's peer key (peer_server.peer_key)
     step: int | None = None
     streams_per_source: int = 2
     timeout_s: float = 10.0
@@ -127,7 +127,7 @@ def restore_from_peers(args: PeerRestore) -> tuple[Any, dict]:
     """The pytree, array by array as each lands, and the fetch report."""
     if not args.sources:
         raise FetchError("no peer sources were given")
-    fetcher = PeerFetcher(args.sources, args.token, step=args.step, streams_per_source=args.streams_per_source,
+    fetcher = PeerFetcher(args.sources, args.key, step=args.step, streams_per_source=args.streams_per_source,
                           timeout_s=args.timeout_s)
     session = fetcher.start(like=args.item)
     try:
@@ -143,11 +143,11 @@ def restore_from_peers(args: PeerRestore) -> tuple[Any, dict]:
     return jax.tree_util.tree_unflatten(treedef, out), session.report()
 
 
-def restore(like, sources: Sequence[str], token: str, step: int | None, checkpoint_dir: str | None = None,
+def restore(like, sources: Sequence[str], key: bytes | str, step: int | None, checkpoint_dir: str | None = None,
             **kwargs) -> tuple[Any, RestoreInfo]:
     """Peers first, else the persistent checkpoint item at `checkpoint_dir` (…/STEP/state)."""
     handler = PeerCheckpointHandler()
-    args = PeerRestore(like, list(sources), token, step, **kwargs)
+    args = PeerRestore(like, list(sources), key, step, **kwargs)
     if checkpoint_dir is not None:
         tree = ocp.Checkpointer(handler).restore(checkpoint_dir, args=args)
     else:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import ssl
 import threading
 import time
 import urllib.parse
@@ -35,6 +36,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from fthsdp.checkpoint.peer_auth import sign
 from fthsdp.checkpoint.snapshot import HostBuffer, Manifest, SnapshotError, checksum, check_matches, flatten, restore_tree
 
 
@@ -61,10 +63,63 @@ class SourceStats:
 
 
 def _split(url: str) -> tuple[str, int]:
+    """(host, port) of a source URL ``http(s)://HOST:PORT``; ValueError saying how to write one."""
     u = urllib.parse.urlsplit(url if "://" in url else f"http://{url}")
-    if u.scheme != "http" or not u.hostname or not u.port:
-        raise ValueError(f"peer source {url!r} must look like http://HOST:PORT")
-    return u.hostname, u.port
+    try:
+        port = u.port
+    except ValueError:
+        port = None
+    if u.scheme not in ("http", "https") or not u.hostname or not port:
+        raise ValueError(f"peer source {url!r} must look like http://HOST:PORT or https://HOST:PORT")
+    return u.hostname, port
+
+
+def client_tls(ca_file: str | None) -> ssl.SSLContext:
+    """The TLS context a fetcher verifies peer servers with: the operator's CA file (the peers'
+    certificates must name their advertised hosts), or the system's trust store when None."""
+    try:
+        ctx = ssl.create_default_context(cafile=ca_file)
+    except (OSError, ssl.SSLError) as e:
+        raise ValueError(f"peer fetch TLS: cannot load the CA file {ca_file!r}: {e}") from None
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    return ctx
+
+
+@dataclass(frozen=True)
+class _Endpoint:
+    """Where one source is and how to talk to it: connections and signed request headers."""
+
+    url: str
+    host: str
+    port: int
+    authority: str  # host:port as dialled: what the request is signed for (the Host header)
+    tls: ssl.SSLContext | None
+
+    @classmethod
+    def of(cls, url: str, tls: ssl.SSLContext | None) -> "_Endpoint":
+        host, port = _split(url)
+        u = urllib.parse.urlsplit(url if "://" in url else f"http://{url}")
+        if u.scheme == "https" and tls is None:
+            tls = client_tls(None)
+        if u.scheme == "http" and tls is not None:
+            raise ValueError(f"peer source {url!r} is plain http but this fetcher requires TLS (a CA file was "
+                             "given): the peer servers must be started with certificates")
+        return cls(url, host, port, u.netloc.lower(), tls if u.scheme == "https" else None)
+
+    def connect(self, timeout_s: float) -> http.client.HTTPConnection:
+        if self.tls is None:
+            return http.client.HTTPConnection(self.host, self.port, timeout=timeout_s)
+        return http.client.HTTPSConnection(self.host, self.port, timeout=timeout_s, context=self.tls)
+
+    def headers(self, key: bytes, path: str) -> dict[str, str]:
+        return {"Host": self.authority, "Authorization": sign(key, "GET", self.authority, path)}
+
+
+def _key_bytes(key: bytes | str) -> bytes:
+    key = key.encode() if isinstance(key, str) else bytes(key)
+    if not key:
+        raise ValueError("the fetcher needs the job's peer key (peer_server.peer_key(job key)); got an empty one")
+    return key
 
 
 def _error_reason(resp: http.client.HTTPResponse) -> str:
@@ -75,13 +130,14 @@ def _error_reason(resp: http.client.HTTPResponse) -> str:
         return f"HTTP {resp.status}: {body[:200]!r}"
 
 
-def get_manifest(url: str, token: str, step: int | None = None, timeout_s: float = 10.0) -> Manifest:
+def get_manifest(url: str, key: bytes | str, step: int | None = None, timeout_s: float = 10.0,
+                 tls: ssl.SSLContext | None = None) -> Manifest:
     """One source's manifest (of `step`, or whatever it serves)."""
-    host, port = _split(url)
-    conn = http.client.HTTPConnection(host, port, timeout=timeout_s)
+    ep = _Endpoint.of(url, tls)
+    conn = ep.connect(timeout_s)
     try:
         path = "/v1/manifest" if step is None else f"/v1/snapshot/{int(step)}/manifest"
-        conn.request("GET", path, headers={"Authorization": f"Bearer {token}"})
+        conn.request("GET", path, headers=ep.headers(_key_bytes(key), path))
         resp = conn.getresponse()
         if resp.status != 200:
             raise _Gone(_error_reason(resp))
@@ -97,15 +153,17 @@ class FetchSession:
         self,
         manifest: Manifest,
         sources: Sequence[str],
-        token: str,
+        key: bytes | str,
         streams_per_source: int,
         timeout_s: float,
         max_consecutive_errors: int,
         excluded: dict[str, str],
         buffer: HostBuffer | None = None,
+        tls: ssl.SSLContext | None = None,
     ):
         self.manifest = manifest
-        self.token = token
+        self.key = _key_bytes(key)
+        self.endpoints = {u: _Endpoint.of(u, tls) for u in sources}
         self.timeout_s = timeout_s
         self.max_consecutive_errors = max_consecutive_errors
         if buffer is not None and buffer.nbytes != manifest.total_bytes:
@@ -203,7 +261,7 @@ class FetchSession:
     # -- transfer -----------------------------------------------------------
 
     def _worker(self, url: str) -> None:
-        host, port = _split(url)
+        ep = self.endpoints[url]
         conn: http.client.HTTPConnection | None = None
         try:
             while True:
@@ -212,8 +270,8 @@ class FetchSession:
                     return
                 try:
                     if conn is None:
-                        conn = http.client.HTTPConnection(host, port, timeout=self.timeout_s)
-                    self._get(conn, pid)
+                        conn = ep.connect(self.timeout_s)
+                    self._get(conn, ep, pid)
                 except _Rejected as e:
                     self._fail(url, pid, str(e))
                 except _Gone as e:
@@ -225,7 +283,7 @@ class FetchSession:
                     conn = None
                     self._fail(url, pid, f"connection error: {type(e).__name__}: {e}")
                     try:  # a dead source refuses to reconnect; a liar that cut one body does not
-                        probe = http.client.HTTPConnection(host, port, timeout=self.timeout_s)
+                        probe = ep.connect(self.timeout_s)
                         probe.connect()
                         conn = probe
                     except OSError as e2:
@@ -239,14 +297,13 @@ class FetchSession:
             if conn is not None:
                 conn.close()
 
-    def _get(self, conn: http.client.HTTPConnection, pid: int) -> None:
+    def _get(self, conn: http.client.HTTPConnection, ep: _Endpoint, pid: int) -> None:
         m = self.manifest
         leaf, k = self.pieces[pid]
         start, end = m.piece_range(leaf, k)
         n = end - start
-        conn.request(
-            "GET", f"/v1/snapshot/{m.step}/leaf/{leaf}/piece/{k}", headers={"Authorization": f"Bearer {self.token}"}
-        )
+        path = f"/v1/snapshot/{m.step}/leaf/{leaf}/piece/{k}"
+        conn.request("GET", path, headers=ep.headers(self.key, path))
         resp = conn.getresponse()
         if resp.status != 200:
             reason = _error_reason(resp)
@@ -379,16 +436,22 @@ def consensus(manifests: dict[str, Manifest], step: int | None) -> tuple[Manifes
 
 
 class PeerFetcher:
-    """Fetches one replica's state at `step` from `sources` (base URLs of peer servers)."""
+    """Fetches one replica's state at `step` from `sources` (base URLs of peer servers).
+
+    `key` is the job's peer key (``peer_server.peer_key(job key)``): every
+    request is signed with it (``peer_auth``). `tls_ca_file`: verify https
+    sources against this CA (and refuse plain-http ones); without it, https
+    sources are verified against the system's trust store."""
 
     def __init__(
         self,
         sources: Sequence[str],
-        token: str,
+        key: bytes | str,
         step: int | None = None,
         streams_per_source: int = 2,
         timeout_s: float = 10.0,
         max_consecutive_errors: int = 3,
+        tls_ca_file: str | None = None,
     ):
         if not sources:
             raise ValueError("PeerFetcher needs at least one source URL (the healthy peers assigned by the quorum)")
@@ -396,10 +459,11 @@ class PeerFetcher:
             raise ValueError(f"duplicate peer sources: {list(sources)}")
         if streams_per_source < 1:
             raise ValueError(f"streams_per_source must be >= 1, got {streams_per_source}")
+        self.tls = client_tls(tls_ca_file) if tls_ca_file else None
         for u in sources:
-            _split(u)
+            _Endpoint.of(u, self.tls)
         self.sources = list(sources)
-        self.token = token
+        self.key = _key_bytes(key)
         self.step = step
         self.streams_per_source = streams_per_source
         self.timeout_s = timeout_s
@@ -412,7 +476,7 @@ class PeerFetcher:
 
         def one(url):
             try:
-                return url, get_manifest(url, self.token, self.step, self.timeout_s), None
+                return url, get_manifest(url, self.key, self.step, self.timeout_s, self.tls), None
             except (_Gone, SnapshotError) as e:
                 return url, None, str(e)
             except (OSError, http.client.HTTPException) as e:
@@ -442,8 +506,8 @@ class PeerFetcher:
             paths, leaves, _ = flatten(like)
             check_matches(manifest, paths, leaves)
         return FetchSession(
-            manifest, members, self.token, self.streams_per_source, self.timeout_s, self.max_consecutive_errors, excluded,
-            buffer,
+            manifest, members, self.key, self.streams_per_source, self.timeout_s, self.max_consecutive_errors, excluded,
+            buffer, self.tls,
         )
 
     def fetch(self, like=None, shardings=None) -> Any:

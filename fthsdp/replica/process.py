@@ -142,17 +142,12 @@ class ReplicaProcess:
         self.abstract = jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh),
                                      state, self.ts.state_shardings)
 
-        self.token = os.environ.get("FTHSDP_PEER_TOKEN", "")
-        if not self.token:
-            if cfg.launch.replicas > 1:
-                raise SystemExit("FTHSDP_PEER_TOKEN is not set: every replica of a job needs the same shared "
-                                 "secret to serve and fetch state (fthsdp run sets it)")
-            self.token = secrets.token_hex(16)
+        self.peer_key = self.load_peer_key(cfg)
         self.snapshots = Snapshotter()
         self._snapshot_step = -1
         cap = cfg.ft.peer_serve_cap_gbps * 1e9 if cfg.ft.peer_serve_cap_gbps > 0 else None
-        self.server = PeerServer(self.snapshots, self.token, host=cfg.ft.bind_host, max_bytes_per_s=cap,
-                                 advertise_host=cfg.ft.advertise_host).start()
+        self.server = PeerServer(self.snapshots, self.peer_key, host=cfg.ft.bind_host, max_bytes_per_s=cap,
+                                 advertise_host=cfg.ft.advertise_host, timeouts=cfg.timeouts).start()
         # A follower keeps its own copies of the replica's files apart (under followers/R.p/):
         # the run's ledger, loader positions, metrics and status are the leader's alone.
         files = out if self.leader else out / "followers" / self.group.label
@@ -224,6 +219,30 @@ class ReplicaProcess:
             # its replica known to the lighthouse, nor bring a dead one back: its leader's do).
             self.client.start_heartbeats(on_dead=self.mgr.on_dead)
 
+    @staticmethod
+    def load_peer_key(cfg) -> bytes:
+        """The key this replica's peer server checks and its fetches sign with: derived from the
+        job's secret ($FTHSDP_JOB_SECRET / $FTHSDP_JOB_SECRET_FILE, set by the launchers), so a
+        replica of another job is refused. Without a job secret (a lighthouse run --insecure) the
+        launcher's per-job $FTHSDP_PEER_TOKEN is used instead; a lone replica makes up its own."""
+        from fthsdp.checkpoint.peer_server import peer_key
+        from fthsdp.control import auth
+
+        try:
+            job_key = auth.load_secret()
+        except auth.SecretError as e:
+            raise SystemExit(f"fthsdp replica: {e}") from None
+        if job_key is not None:
+            return peer_key(job_key)
+        token = os.environ.get("FTHSDP_PEER_TOKEN", "")
+        if token:
+            return token.encode()
+        if cfg.launch.replicas > 1:
+            raise SystemExit(f"no job secret (${auth.SECRET_ENV} / ${auth.SECRET_FILE_ENV}) and no FTHSDP_PEER_TOKEN: "
+                             "every replica of a job needs the job's secret to serve and fetch state (fthsdp run "
+                             "sets it)")
+        return secrets.token_bytes(32)
+
     # -- state from peers -------------------------------------------------------
 
     def recover(self, q, step: int):
@@ -244,7 +263,7 @@ class ReplicaProcess:
                 if not sources:
                     continue
                 try:
-                    tree, info = orbax_peer.restore(like, sources, self.token, step,
+                    tree, info = orbax_peer.restore(like, sources, self.peer_key, step,
                                                     timeout_s=self.cfg.ft.allreduce_timeout_s,
                                                     streams_per_source=self.cfg.ft.peer_streams)
                 except Exception as e:  # noqa: BLE001 - every failure falls through to the next sources
@@ -353,6 +372,7 @@ class ReplicaProcess:
     def write_status(self, **fields) -> None:
         write_json_atomic(self.status_path, {"replica": self.rid, "pid": os.getpid(), "time": time.time(),
                                              "started": self.started, "metrics_address": self.prom_server.address,
+                                             "peer_server": self.server.url,
                                              **fields})
 
     def on_silent_follower(self, process: int, silent_s: float) -> None:
