@@ -34,7 +34,7 @@ def test_frozen_replica_is_the_root_of_the_ring_waits():
         R("1", 0.55, "computing", 7, 0.1),  # SIGSTOPped: its last report is stale
         R("2", 0.03, "allreduce", 7, 0.5, waiting_on="1", waiting_s=0.5, ring_step=0, ring_steps=4)))
     assert (v.kind, v.culprit) == (rc.FROZEN, "1")
-    assert v.chain == ("2", "1")
+    assert v.chain == ("0", "2", "1")  # the longest wait chain into the culprit
     assert "no heartbeat for 0.55s" in v.evidence and "2 process(es) wait on it (0, 2)" in v.evidence
     assert "2 waits in FTAR at ring step 1/4 for data from 1" in v.evidence
 
@@ -46,6 +46,18 @@ def test_dead_replica_past_the_window_with_survivors_asking():
         R("2", 0.05, "waiting-for-quorum", 7, 0.3, asking=True)))
     assert (v.kind, v.culprit, v.confidence) == (rc.DEAD, "1", 1.0)
     assert "detection window 0.80s" in v.evidence and "asks for a quorum that waits for member 1" in v.evidence
+
+
+def test_wait_chain_through_a_quorum_request():
+    # 2 waits in FTAR on 0, which already asks for the next quorum, which waits for 1 (frozen)
+    members = ("0", "1", "2", "3")
+    v = rc.analyse(snap(R("0", 0.05, "waiting-for-quorum", 8, 0.5, asking=True),
+                        R("1", 0.6, "computing", 7, 0.1),
+                        R("2", 0.05, "allreduce", 7, 0.5, waiting_on="0", waiting_s=0.5),
+                        R("3", 0.05, "waiting-for-quorum", 8, 0.2, asking=True), members=members))
+    assert (v.kind, v.culprit, v.chain) == (rc.FROZEN, "1", ("2", "0", "1"))
+    assert "3 process(es) wait on it (0, 2, 3)" in v.evidence
+    assert "0 asks for a quorum that waits for member 1" in v.evidence
 
 
 def test_silent_member_nobody_waits_on_yet_is_still_named():
@@ -130,7 +142,7 @@ def test_more_waiters_beats_longer_silence():
                         R("1", 0.7, "computing", 7, 0.1),
                         R("2", 0.05, "allreduce", 7, 0.6, waiting_on="0", waiting_s=0.6),
                         R("3", 0.5, "computing", 7, 0.1), members=members))
-    assert v.culprit == "3" and v.chain == ("0", "3") and "2 process(es) wait on it (0, 2)" in v.evidence
+    assert v.culprit == "3" and v.chain == ("2", "0", "3") and "2 process(es) wait on it (0, 2)" in v.evidence
 
 
 def test_dead_beats_slow_and_reports_without_phase():

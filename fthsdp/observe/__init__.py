@@ -12,4 +12,10 @@ here can never stall a quorum or an all-reduce.
   Prometheus metrics, serves them over HTTP and writes scrape target lists.
 * :mod:`fthsdp.observe.dashboard` serves a self-contained live web page
   (`fthsdp dashboard`), every byte of it shipped in ``observe/static``.
+* :mod:`fthsdp.observe.phase` is where a replica process is (computing, in
+  FTAR waiting on a neighbour, fetching, ...), sent with its heartbeats; set
+  at phase boundaries with one assignment, so the step never waits on it.
+* :mod:`fthsdp.observe.root_cause` is the pure analysis the lighthouse runs
+  over those reports: the root of the job's wait-for graph (dead, frozen,
+  slow, a slow link) and the evidence.
 """

@@ -38,6 +38,8 @@ This module is pure: no clocks, no sockets, no logging. The lighthouse runs it
 
 from __future__ import annotations
 
+import bisect
+import functools
 import statistics
 from dataclasses import dataclass, field
 
@@ -120,6 +122,10 @@ class JobSnapshot:
     detect_s: float
     step: int = 0
 
+    @functools.cached_property
+    def member_set(self) -> frozenset[str]:
+        return frozenset(self.members)
+
 
 @dataclass(frozen=True)
 class Verdict:
@@ -145,7 +151,7 @@ class Verdict:
 @dataclass
 class _Graph:
     edges: dict[str, tuple[str, ...]] = field(default_factory=dict)
-    why: dict[tuple[str, str], str] = field(default_factory=dict)
+    why: dict[tuple[str, str], str] = field(default_factory=dict)  # FTAR edges' evidence
 
 
 def _fmt(s: float) -> str:
@@ -159,78 +165,128 @@ def _rate(bps: float) -> str:
     return f"{bps:.0f} B/s"
 
 
+# A virtual node: a quorum request waits on every member that is not asking.
+# Waiters point at it once and it points at those members, so a round where
+# half the members ask and half do not costs O(members) edges, not O(members^2).
+QUORUM = "\x00quorum"
+
+
 def wait_for_graph(snap: JobSnapshot, silent: set[str], wait_min_s: float = 0.0) -> _Graph:
     """Edges a -> b: a waits on b. Silent processes have none (their reports are stale)."""
     g = _Graph()
     known = {r.replica for r in snap.reports}
     asking = {r.replica for r in snap.reports if r.asking}
+    quorum_waiters = False
     for r in snap.reports:
         if r.replica in silent:
             continue
-        out: list[str] = []
         if (r.phase == ALLREDUCE and r.waiting_on and r.waiting_on != r.replica and r.waiting_on in known
                 and r.waiting_s >= wait_min_s):
-            out.append(r.waiting_on)
+            g.edges[r.replica] = (r.waiting_on,)
             step = f" at ring step {r.ring_step + 1}/{r.ring_steps}" if r.ring_steps else ""
             g.why[(r.replica, r.waiting_on)] = (
                 f"{r.replica} waits in FTAR{step} for data from {r.waiting_on} ({_fmt(r.waiting_s)})")
-        elif r.replica in snap.members and (
+        elif r.replica in snap.member_set and (
                 (r.phase == WAITING_FOR_QUORUM and r.in_phase_s >= wait_min_s) or (r.asking and not r.phase)):
-            for m in snap.members:
-                if m != r.replica and m not in asking and m in known:
-                    out.append(m)
-                    g.why[(r.replica, m)] = f"{r.replica} asks for a quorum that waits for member {m}"
-        if out:
-            g.edges[r.replica] = tuple(out)
+            g.edges[r.replica] = (QUORUM,)
+            quorum_waiters = True
+    if quorum_waiters:
+        g.edges[QUORUM] = tuple(m for m in snap.members if m not in asking and m in known)
     return g
 
 
-def _roots(g: _Graph) -> tuple[dict[str, set[str]], set[str]]:
-    """Sinks reachable from each waiter: {sink: waiters that reach it} and the waiters
-    caught in a cycle that reaches no sink."""
-    reach: dict[str, set[str]] = {}
-    cyclic: set[str] = set()
-    for start in g.edges:
-        seen = {start}
-        stack = [start]
-        sinks = set()
-        while stack:
-            a = stack.pop()
-            nxt = g.edges.get(a, ())
-            if not nxt:
-                sinks.add(a)
-            for b in nxt:
-                if b not in seen:
-                    seen.add(b)
-                    stack.append(b)
-        if not sinks:
-            cyclic.add(start)
-        for s in sinks:
-            reach.setdefault(s, set()).add(start)
+@dataclass
+class _Reach:
+    """Who waits on one root: by distance, with the next hop toward the root. Every node
+    but the virtual quorum node has one outgoing edge, so the reverse walks of different
+    roots are disjoint except through the quorum node, whose walk is done once and
+    shared (``via``): a quorum round with K members not asking costs O(members), not O(K x members)."""
+
+    hops: dict[str, tuple[int, str]]  # waiter -> (distance, next node toward the root)
+    via: _Reach | None = None  # the quorum node's waiters, when this root is one the quorum waits for
+
+    @property
+    def count(self) -> int:
+        own = len(self.hops) - (1 if QUORUM in self.hops else 0)
+        return own + (self.via.count if self.via is not None else 0)
+
+    @property
+    def waiters(self) -> list[str]:
+        own = [w for w in self.hops if w != QUORUM]
+        return own + (self.via.waiters if self.via is not None else [])
+
+    def _farthest(self, key) -> tuple[int, str] | None:
+        own = [(d, w) for w, (d, _) in self.hops.items() if w != QUORUM]
+        best = min(own, key=lambda x: (-x[0], key(x[1]))) if own else None
+        if self.via is not None and QUORUM in self.hops:
+            far = self.via._farthest(key)
+            if far is not None:
+                cand = (far[0] + self.hops[QUORUM][0], far[1])
+                if best is None or (-cand[0], key(cand[1])) < (-best[0], key(best[1])):
+                    best = cand
+        return best
+
+    def _next(self, node: str) -> str:
+        """The next node toward the root: through this root's own walk, else the quorum's."""
+        if node in self.hops:
+            return self.hops[node][1]
+        return self.via._next(node)  # type: ignore[union-attr]
+
+    def chain(self, root: str, key) -> tuple[str, ...]:
+        """The longest wait chain into the root (farthest waiter first), without the quorum node."""
+        far = self._farthest(key)
+        if far is None:
+            return (root,)
+        path = [far[1]]
+        while path[-1] != root:
+            path.append(self._next(path[-1]))
+        return tuple(x for x in path if x != QUORUM)
+
+
+def _walk(rev: dict[str, list[str]], start: str, stop: str | None) -> dict[str, tuple[int, str]]:
+    """Reverse breadth-first walk from ``start``; ``stop`` is entered but not walked past."""
+    hops: dict[str, tuple[int, str]] = {}
+    frontier = [start]
+    d = 0
+    while frontier:
+        d += 1
+        nxt = []
+        for b in frontier:
+            if b == stop:
+                continue
+            for a in rev.get(b, ()):
+                if a != start and a not in hops:
+                    hops[a] = (d, b)
+                    nxt.append(a)
+        frontier = nxt
+    return hops
+
+
+def _roots(g: _Graph) -> tuple[dict[str, _Reach], set[str]]:
+    """For every sink that someone waits on, who waits on it, and the waiters caught in a
+    cycle that reaches no sink."""
+    rev: dict[str, list[str]] = {}
+    for a, outs in g.edges.items():
+        for b in outs:
+            rev.setdefault(b, []).append(a)
+    quorum = _Reach(_walk(rev, QUORUM, None)) if QUORUM in rev else None
+    reach: dict[str, _Reach] = {}
+    reached: set[str] = set(quorum.hops) if quorum is not None and g.edges.get(QUORUM) else set()
+    for s in (b for b in rev if not g.edges.get(b) and b != QUORUM):
+        hops = _walk(rev, s, QUORUM)
+        reach[s] = _Reach(hops, quorum if QUORUM in hops else None)
+        reached.update(hops)
+    cyclic = {a for a in g.edges if a not in reached and a != QUORUM}
     return reach, cyclic
 
 
-def _chain(g: _Graph, start: str, goal: str) -> tuple[str, ...]:
-    """A shortest path start -> ... -> goal (breadth first)."""
-    prev: dict[str, str] = {}
-    frontier = [start]
-    seen = {start}
-    while frontier:
-        nxt = []
-        for a in frontier:
-            for b in g.edges.get(a, ()):
-                if b in seen:
-                    continue
-                seen.add(b)
-                prev[b] = a
-                if b == goal:
-                    path = [b]
-                    while path[-1] != start:
-                        path.append(prev[path[-1]])
-                    return tuple(reversed(path))
-                nxt.append(b)
-        frontier = nxt
-    return (start,)
+def _why(g: _Graph, chain: tuple[str, ...], root: str) -> str:
+    if len(chain) < 2:
+        return ""
+    last = chain[-2]
+    if (last, root) in g.why:
+        return g.why[(last, root)]
+    return f"{last} asks for a quorum that waits for member {root}"
 
 
 def _order_key(members: tuple[str, ...]):
@@ -242,17 +298,32 @@ def _order_key(members: tuple[str, ...]):
     return key
 
 
-def _median_compute(reports, exclude: str) -> float | None:
-    xs = [r.last_compute_s for r in reports if r.replica != exclude and r.last_compute_s >= 0]
-    return statistics.median(xs) if xs else None
+def _median_without(xs: list[float], v: float) -> float | None:
+    """The median of sorted ``xs`` without one occurrence of ``v`` (v < 0: none to
+    remove), in O(log n): the analysis asks it once per candidate root."""
+    i = bisect.bisect_left(xs, v) if v >= 0 else len(xs)
+    drop = v >= 0 and i < len(xs) and xs[i] == v
+    n = len(xs) - (1 if drop else 0)
+    if n <= 0:
+        return None
+
+    def at(k: int) -> float:
+        return xs[k + 1] if drop and k >= i else xs[k]
+
+    return at(n // 2) if n % 2 else (at(n // 2 - 1) + at(n // 2)) / 2
+
+
+def _names(ids: list[str], most: int = 8) -> str:
+    return ", ".join(ids[:most]) + (f" and {len(ids) - most} more" if len(ids) > most else "")
 
 
 def _slow_link(snap: JobSnapshot, th: Thresholds) -> Verdict | None:
     links = [(r.replica, s.to, s.bytes_per_s, s.busy_fraction) for r in snap.reports for s in r.streams
-             if s.bytes_per_s > 0 and (not snap.members or r.replica in snap.members)]
+             if s.bytes_per_s > 0 and (not snap.members or r.replica in snap.member_set)]
     if len(links) < 2:
         return None
-    worst = min(links, key=lambda x: (x[2], _order_key(snap.members)(x[0])))
+    key = _order_key(snap.members)
+    worst = min(links, key=lambda x: (x[2], key(x[0])))
     others = [x[2] for x in links if x is not worst]
     median = statistics.median(others)
     if worst[2] * th.link_factor > median or worst[3] < th.link_min_busy:
@@ -281,55 +352,53 @@ def analyse(snap: JobSnapshot, th: Thresholds | None = None) -> Verdict:
         rep = by_id[r]
         return float("inf") if rep.declared_dead else rep.heartbeat_age_s
 
-    silent_roots = sorted((s for s in reach if s in silent), key=lambda s: (-len(reach[s]), -silence(s), key(s)))
+    silent_roots = sorted((s for s in reach if s in silent), key=lambda s: (-reach[s].count, -silence(s), key(s)))
     if silent_roots:
         root = silent_roots[0]
         rep = by_id[root]
-        waiters = sorted(reach[root], key=key)
-        first = min(waiters, key=lambda w: (len(_chain(g, w, root)), key(w)))
-        chain = _chain(g, first, root)
+        waiters = sorted(reach[root].waiters, key=key)
+        chain = reach[root].chain(root, key)
         dead = rep.declared_dead or rep.heartbeat_age_s >= snap.detect_s
         heard = ("declared dead by the lighthouse" if rep.declared_dead and rep.heartbeat_age_s < 0
                  else f"no heartbeat for {_fmt(rep.heartbeat_age_s)}")
         window = f"(detection window {_fmt(snap.detect_s)})"
         last = f"; its last report: {rep.phase or 'none'} at step {rep.step}" if rep.phase else ""
         evidence = [f"replica {root}: {heard} {window}{last}",
-                    f"{len(waiters)} process(es) wait on it ({', '.join(waiters)})",
-                    g.why.get((chain[-2], chain[-1]), "") if len(chain) > 1 else ""]
+                    f"{len(waiters)} process(es) wait on it ({_names(waiters)})", _why(g, chain, root)]
         confidence = 1.0 if dead else 0.9
         others = silent_roots[1:]
         if others:
-            evidence.append(f"also silent and waited on: {', '.join(others)}")
-            if len(reach[others[0]]) == len(reach[root]):
+            evidence.append(f"also silent and waited on: {_names(others)}")
+            if reach[others[0]].count == len(waiters):
                 confidence = 0.5
         return Verdict(DEAD if dead else FROZEN, root, "", "; ".join(e for e in evidence if e), confidence, chain)
 
     # A silent quorum member nobody is shown waiting on yet (e.g. every survivor
     # still computing): still the likeliest culprit once they reach the ring.
-    silent_members = sorted((s for s in silent if s in snap.members), key=lambda s: (-silence(s), key(s)))
+    silent_members = sorted((s for s in silent if s in snap.member_set), key=lambda s: (-silence(s), key(s)))
 
+    computes = sorted(r.last_compute_s for r in snap.reports if r.last_compute_s >= 0)
     busy_roots = []
-    for s, waiters in reach.items():
+    for s, r in reach.items():
         rep = by_id[s]
         if rep.phase in BUSY_PHASES:
-            med = _median_compute(snap.reports, s)
+            med = _median_without(computes, rep.last_compute_s)
             base = med if med is not None else 0.0
             if rep.in_phase_s >= max(th.slow_min_s, th.slow_factor * base):
-                busy_roots.append((s, waiters, med))
+                busy_roots.append((s, r, med))
     link = _slow_link(snap, th)
     if busy_roots and not silent_members:
-        busy_roots.sort(key=lambda x: (-len(x[1]), -by_id[x[0]].in_phase_s, key(x[0])))
-        root, waiters, med = busy_roots[0]
+        busy_roots.sort(key=lambda x: (-x[1].count, -by_id[x[0]].in_phase_s, key(x[0])))
+        root, r, med = busy_roots[0]
         rep = by_id[root]
-        first = min(waiters, key=lambda w: (len(_chain(g, w, root)), key(w)))
-        chain = _chain(g, first, root)
+        waiters = sorted(r.waiters, key=key)
+        chain = r.chain(root, key)
         base = f"the others' median compute is {_fmt(med)}" if med is not None else "no compute time of the others yet"
         evidence = [f"replica {root} has been {rep.phase} for {_fmt(rep.in_phase_s)} at step {rep.step} ({base})",
-                    f"{len(waiters)} process(es) wait on it ({', '.join(sorted(waiters, key=key))})",
-                    g.why.get((chain[-2], chain[-1]), "") if len(chain) > 1 else ""]
+                    f"{len(waiters)} process(es) wait on it ({_names(waiters)})", _why(g, chain, root)]
         confidence = 0.9 if med is not None else 0.6
         if len(busy_roots) > 1:
-            evidence.append(f"also busy and waited on: {', '.join(b[0] for b in busy_roots[1:])}")
+            evidence.append(f"also busy and waited on: {_names([b[0] for b in busy_roots[1:]])}")
             confidence = min(confidence, 0.5)
         return Verdict(SLOW, root, "", "; ".join(e for e in evidence if e), confidence, chain)
 
@@ -346,10 +415,11 @@ def analyse(snap: JobSnapshot, th: Thresholds | None = None) -> Verdict:
         return link
 
     # No root now: compare the last forward+backward of every member.
-    computed = [r for r in snap.reports if r.last_compute_s >= 0 and (not snap.members or r.replica in snap.members)]
+    computed = [r for r in snap.reports
+                if r.last_compute_s >= 0 and (not snap.members or r.replica in snap.member_set)]
     if len(computed) >= 2:
         worst = min(computed, key=lambda r: (-r.last_compute_s, key(r.replica)))
-        med = _median_compute(computed, worst.replica)
+        med = _median_without(sorted(r.last_compute_s for r in computed), worst.last_compute_s)
         if med is not None and worst.last_compute_s >= max(th.slow_min_s, th.slow_factor * med):
             ratio = worst.last_compute_s / med if med > 0 else float("inf")
             return Verdict(SLOW, worst.replica, "",
@@ -360,7 +430,7 @@ def analyse(snap: JobSnapshot, th: Thresholds | None = None) -> Verdict:
     if cyclic:
         ring = sorted(cyclic, key=key)
         return Verdict(UNKNOWN, "", "",
-                       f"{', '.join(ring)} wait on each other in a cycle with no silent, slow or throttled "
+                       f"{_names(ring)} wait on each other in a cycle with no silent, slow or throttled "
                        "member to blame (a ring in progress, or a fault this analysis cannot see)", 0.2)
     n = len(snap.members) or len(snap.reports)
     return Verdict(NONE, "", "", f"{n} process(es) reporting, none silent, slow or waiting on another", 1.0)
