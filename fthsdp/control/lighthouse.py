@@ -313,6 +313,9 @@ class _Job:
     steps: dict[str, int] = field(default_factory=dict)
     local_world_size: _Setting = field(default_factory=_Setting)
     stated_replicas: _Setting = field(default_factory=_Setting)  # num_replicas when stated
+    # Processes per replica: every replica of a job has the same P x D shape (a rejoining
+    # process fetches its local shards from the matching process of a healthy replica).
+    processes: _Setting = field(default_factory=_Setting)
     pending: dict[str, _Pending] = field(default_factory=dict)
     quorum: qm.Quorum | None = None
     last_reason: str = "no quorum request yet"
@@ -814,6 +817,12 @@ class Lighthouse(pb2_grpc.LighthouseServicer):
                 f"local_world_size {req.local_world_size} of {who} conflicts with {c[1]} of live replica "
                 f"{c[0]!r}: every replica of a job must shard the same way (same devices per replica)"
             )
+        c = job.processes.conflict(req.replica_id, req.num_processes or 1, is_live)
+        if c is not None:
+            return (
+                f"num_processes {req.num_processes or 1} of {who} conflicts with {c[1]} of live replica {c[0]!r}: "
+                "every replica of a job must have the same processes x devices shape (--processes-per-replica)"
+            )
         if req.num_replicas:
             c = job.stated_replicas.conflict(req.replica_id, req.num_replicas, is_live)
             if c is not None:
@@ -858,6 +867,7 @@ class Lighthouse(pb2_grpc.LighthouseServicer):
             job.sdc.record(rid, request.fingerprint_step, request.fingerprint)
         job.local_world_size.set(rid, request.local_world_size)
         job.stated_replicas.set(rid, request.num_replicas or None)
+        job.processes.set(rid, nproc)
         old = job.pending.pop(rid, None)
         if old is not None and not old.future.done():
             old.future.set_exception(_Superseded())
@@ -987,6 +997,7 @@ class Lighthouse(pb2_grpc.LighthouseServicer):
             job.dead_version += 1
         job.local_world_size.set(rid, None)
         job.stated_replicas.set(rid, None)
+        job.processes.set(rid, None)
         job.groups.pop(rid, None)
         old = job.pending.pop(rid, None)
         if old is not None and not old.future.done():
