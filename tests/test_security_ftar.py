@@ -359,3 +359,102 @@ def test_corrupt_chunk_is_recoverable_and_names_the_peer(tmp_path, secure):
                 proc.wait()
         lines = [json.loads(l) for l in out.splitlines() if l.startswith("{")]
         assert [l["status"] for l in lines] == [ftar.STATUS_RECOVERABLE, ftar.STATUS_OK], out
+
+
+# ---------------------------------------------------------------------------
+# From the violation to the quorum: accusations (pure) and the lighthouse leaving the accused out.
+
+from fthsdp.control import quorum as qm  # noqa: E402
+
+
+def _quorum(qid: int, ids: tuple[str, ...]) -> qm.Quorum:
+    members = tuple(qm.Member(r, 3, (f"127.0.0.1:{20000 + int(r)}",)) for r in ids)
+    return qm.Quorum(qid, members, 3, ids, ())
+
+
+def test_admit_accusation_rules():
+    q = _quorum(5, ("0", "1", "2"))
+    ok, why = qm.admit_accusation(qm.Accusation("0", "2", 5), q, set(), {})
+    assert ok and "2 is left out of the next quorum" in why
+    refusals = [
+        (qm.Accusation("0", "2", 4), set(), {}, "names quorum 4, the job's latest is 5"),
+        (qm.Accusation("0", "7", 5), set(), {}, "both be members"),
+        (qm.Accusation("9", "1", 5), set(), {}, "both be members"),
+        (qm.Accusation("1", "1", 5), set(), {}, "cannot accuse itself"),
+        (qm.Accusation("0", "2", 5), {"0"}, {}, "accuser 0 is itself excluded"),
+        (qm.Accusation("1", "2", 5), {"2"}, {}, "already excluded"),
+        (qm.Accusation("0", "2", 5), set(), {"0": 1}, "at most one per 10 quorums"),
+    ]
+    for acc, excluded, last, want in refusals:
+        ok, why = qm.admit_accusation(acc, q, excluded, last)
+        assert not ok and want in why, (acc, why)
+    assert qm.admit_accusation(qm.Accusation("1", "2", 5), None, set(), {})[0] is False
+    # The cooldown ends: one admitted accusation per ACCUSATION_COOLDOWN_QUORUMS quorum ids.
+    later = _quorum(5 + qm.ACCUSATION_COOLDOWN_QUORUMS, ("0", "1", "2"))
+    assert qm.admit_accusation(qm.Accusation("0", "2", later.quorum_id), later, set(), {"0": 5})[0]
+
+
+def test_decide_quorum_leaves_the_excluded_out_entirely():
+    cfg = qm.QuorumConfig(min_replicas=1, join_timeout_s=1.0, heartbeat_window_s=1.0)
+    prev = _quorum(5, ("0", "1", "2"))
+    requests = {r: qm.QuorumRequest(r, 3, 0.0, (f"127.0.0.1:{20000 + int(r)}",), commit_failed=True)
+                for r in ("0", "1", "2")}
+    beats = {r: 0.0 for r in ("0", "1", "2")}
+    q, reason = qm.decide_quorum(requests, beats, prev, cfg, 0.01, excluded={"2"})
+    assert q is not None and q.member_ids == ("0", "1") and q.quorum_id == 6, reason
+    assert "excluded [2]" in reason and q.left_out == ()
+    # An excluded incumbent that is not asking is not waited for either, and in a job of two
+    # the survivor is not stopped by the split-brain guard (the excluded one is not a rival).
+    q, reason = qm.decide_quorum({"0": requests["0"]}, {"0": 0.0, "1": 0.0}, _quorum(5, ("0", "1")), cfg, 0.01,
+                                 excluded={"1"})
+    assert q is not None and q.member_ids == ("0",), reason
+    # Without the exclusion the same inputs wait for the incumbent (the rule it bypasses).
+    q, reason = qm.decide_quorum({"0": requests["0"]}, {"0": 0.0, "1": 0.0}, _quorum(5, ("0", "1")), cfg, 0.01)
+    assert q is None and "not asking yet" in reason
+
+
+def test_lighthouse_leaves_an_accused_replica_out_of_the_next_quorum_only():
+    from concurrent.futures import ThreadPoolExecutor
+
+    from fthsdp.control.lighthouse import LighthouseConfig, LighthouseThread
+    from fthsdp.control.lighthouse_client import LighthouseClient
+
+    def ask(c, step, **kw):
+        return c.get_quorum(step, ftar_addresses=[f"127.0.0.1:{20000 + int(c.replica_id)}"], timeout_s=20, **kw)
+
+    with LighthouseThread(LighthouseConfig(join_timeout_s=0.3, detect_s=1.0)) as lh:
+        clients = [LighthouseClient(lh.address, "job", str(i)) for i in range(3)]
+        try:
+            for c in clients:
+                c.start_heartbeats()
+            time.sleep(0.2)
+            with ThreadPoolExecutor(3) as ex:
+                first = [f.result() for f in [ex.submit(ask, c, 0) for c in clients]]
+                assert {q.member_ids for q in first} == {("0", "1", "2")}
+                qid = first[0].quorum_id
+                # Replica 0 caught replica 2 corrupting a chunk; everyone retries step 0.
+                accused = ex.submit(ask, clients[2], 0, commit_failed=True)
+                time.sleep(0.1)
+                f1 = ex.submit(ask, clients[1], 0, commit_failed=True)
+                q0 = ask(clients[0], 0, commit_failed=True, accused=["2"])
+                q1 = f1.result()
+                assert q0.member_ids == q1.member_ids == ("0", "1") and q0.quorum_id > qid, q0
+                assert "excluded [2]" in q0.reason
+                assert not accused.done()  # its request waits: it is left out of this quorum
+                # The survivors commit step 0 and ask for step 1: the accused rejoins, behind.
+                f1 = ex.submit(ask, clients[1], 1)
+                q0 = ask(clients[0], 1)
+                q2 = accused.result(timeout=20)
+                assert q0.member_ids == q2.member_ids == ("0", "1", "2"), q0
+                assert q2.behind == ("2",) and q2.max_step == 1
+                f1.result()
+                # A repeated accusation by the same accuser within the cooldown is ignored.
+                qa = ex.submit(ask, clients[2], 1, commit_failed=True)
+                f1 = ex.submit(ask, clients[1], 1, commit_failed=True)
+                q0 = ask(clients[0], 1, commit_failed=True, accused=["2"])
+                assert q0.member_ids == ("0", "1", "2") and "excluded" not in q0.reason, q0
+                qa.result(timeout=20)
+                f1.result()
+        finally:
+            for c in clients:
+                c.close()

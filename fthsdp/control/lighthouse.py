@@ -75,6 +75,7 @@ from fthsdp.proto import LIGHTHOUSE_PROTOCOL_VERSION, lighthouse as _load_stubs
 
 pb2, pb2_grpc = _load_stubs()
 log = logging.getLogger("fthsdp.control.lighthouse")
+MAX_ACCUSED = 16  # accused replica ids per quorum request (one per ring neighbour is all an honest one sends)
 
 __all__ = ["LighthouseConfig", "Lighthouse", "LighthouseThread", "quorum_to_proto", "cli"]
 
@@ -360,6 +361,10 @@ class _Job:
     # condemned replicas (fthsdp/control/sdc.py), and where each replica serves /metrics.
     sdc: sdc.SdcTracker = field(default_factory=sdc.SdcTracker)
     metrics_addresses: dict[str, dict[int, str]] = field(default_factory=dict)  # replica -> process -> addr
+    # Replicas left out of the next quorum (admitted accusations of breaking FTAR's protocol,
+    # fthsdp.control.quorum.admit_accusation) and each accuser's last admitted accusation.
+    excluded: set[str] = field(default_factory=set)
+    accused_at: dict[str, int] = field(default_factory=dict)
 
     def quorum_proto(self, q: qm.Quorum) -> pb2.Quorum:
         if self.proto_cache is None or self.proto_cache[0] is not q:
@@ -566,7 +571,7 @@ class Lighthouse(pb2_grpc.LighthouseServicer):
         quorum, reason = qm.decide_quorum(
             requests, self._liveness(job, now), job.quorum, self._decision_config(job), now,
             quorum_id_floor=job.qid_floor, reported_quorum_ids=job.reported_qids,
-            condemned=job.sdc.condemned,
+            condemned=job.sdc.condemned, excluded=job.excluded,
         )
         job.last_eval_at, job.last_eval_cost_s = now, time.perf_counter() - t0
         self.stats["evaluations"] += 1
@@ -582,6 +587,7 @@ class Lighthouse(pb2_grpc.LighthouseServicer):
             self._root_cause(job, now, job.quorum.member_ids)
         job.quorum = quorum
         job.remember(quorum)
+        job.excluded.clear()  # an exclusion lasts for exactly one quorum
         self.stats["decisions"] += 1
         job.sdc.set_voters(quorum.max_step + 1, quorum.member_ids)  # who will hold the state it commits
         for rid in quorum.member_ids:
@@ -676,6 +682,18 @@ class Lighthouse(pb2_grpc.LighthouseServicer):
         if verdict.kind not in (rc.NONE, rc.UNKNOWN):
             job.last_stall = job.verdict
         return verdict
+
+    def _accuse(self, job: _Job, accuser: str, quorum_id: int, accused) -> None:
+        """Admit or ignore (with the reason, logged) each accusation of a quorum request."""
+        for target in accused:
+            ok, why = qm.admit_accusation(qm.Accusation(accuser, str(target), quorum_id), job.quorum,
+                                          job.excluded, job.accused_at)
+            if ok:
+                job.excluded.add(str(target))
+                job.accused_at[accuser] = quorum_id
+                log.warning("job %r: %s", job.job_id, why)
+            else:
+                log.warning("job %r: accusation of %r by %s ignored: %s", job.job_id, str(target)[:64], accuser, why)
 
     def _heard(self, job: _Job, rid: str, now: float, process: int = 0, num_processes: int = 1) -> None:
         """``rid``'s process ``process`` was heard. A replica of several processes is as
@@ -805,6 +823,9 @@ class Lighthouse(pb2_grpc.LighthouseServicer):
             return err
         if req.num_replicas < 0:
             return f"num_replicas is {req.num_replicas} ({who}): it must be >= 0 (0 = not stated)"
+        if len(req.accused_replica_ids) > MAX_ACCUSED:
+            return (f"accused_replica_ids has {len(req.accused_replica_ids)} entries ({who}): at most "
+                    f"{MAX_ACCUSED} (the members that broke FTAR's protocol against this replica)")
         job = self._jobs.get(req.job_id)
         if job is None:
             return None
@@ -862,6 +883,8 @@ class Lighthouse(pb2_grpc.LighthouseServicer):
             g = self._group(job, rid, nproc, now)
             g.ftar[0], g.server[0] = tuple(request.ftar_addresses), request.state_server_address
         self._heard(job, rid, now, 0, nproc)
+        if request.accused_replica_ids:
+            self._accuse(job, rid, request.last_quorum_id, request.accused_replica_ids)
         job.steps[rid] = request.step
         if request.HasField("fingerprint"):
             job.sdc.record(rid, request.fingerprint_step, request.fingerprint)

@@ -444,6 +444,7 @@ class LighthouseClient:
         commit_failed: bool = False,
         num_replicas: int = 0,
         timeout_s: float = 60.0,
+        accused: Sequence[str] = (),
     ) -> qm.Quorum:
         """Block until the quorum of ``step`` (this replica's next step) is decided.
 
@@ -451,7 +452,9 @@ class LighthouseClient:
         none is decided within ``timeout_s``; :class:`JobFinished` if the job
         already finished; :class:`LighthouseUnavailable` once the lighthouse
         was unreachable for longer than ``outage_s`` (it is retried with
-        backoff until then, e.g. while it restarts).
+        backoff until then, e.g. while it restarts). ``accused``: members of
+        the last quorum that broke FTAR's protocol against this replica (the
+        lighthouse may leave them out of the next quorum).
         """
         self._step = step
         last = self.last_quorum
@@ -473,6 +476,7 @@ class LighthouseClient:
             process_index=self.process_index,
             num_processes=self.num_processes,
             **self._fingerprint_fields(),
+            accused_replica_ids=list(accused),
         )
         down_since: float | None = None
         delays = backoff_delays()

@@ -54,12 +54,32 @@ process's state server (the lighthouse assembles them from the processes'
 own registrations), and :func:`process_view` cuts a decided quorum down to
 what one process needs: the members, the rings of its own shards, and its
 shards' recovery sources.
+
+**Excluded replicas.** A replica whose ring neighbour caught it breaking FTAR's
+protocol (a malformed or unauthenticated chunk) is accused in the neighbour's
+next quorum request; :func:`admit_accusation` decides whether the accusation
+stands, and the lighthouse passes the replicas it excludes to
+:func:`decide_quorum` as data (``excluded``): the decision treats them as if
+they were not there at all (not candidates, not live for the split-brain
+guard, not waited for as incumbents). An exclusion lasts for exactly **one**
+quorum, the next one formed; the excluded replica's own request stays
+pending, so it joins the quorum after that as a newcomer, *behind* (its step
+is older), and rejoins by fetching the live state from its peers, exactly as
+a restarted replica does. A receiver cannot tell a lying accuser from a
+faulty sender, so no single accuser can evict anyone for long: an accusation
+counts only between two members of the quorum it names, never by or against
+an already excluded replica, and each accuser gets at most one admitted
+accusation per :data:`ACCUSATION_COOLDOWN_QUORUMS` quorum ids. A liar can
+therefore cost one member one quorum per cooldown (it rejoins, with its
+state fetched from peers: nothing is lost); a replica that really keeps
+corrupting chunks is excluded again whenever the cooldown allows, and every
+corrupt chunk in between costs only a retried all-reduce.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 
 __all__ = [
@@ -74,7 +94,13 @@ __all__ = [
     "ring_key",
     "ShardSource",
     "process_view",
+    "Accusation",
+    "admit_accusation",
+    "ACCUSATION_COOLDOWN_QUORUMS",
 ]
+
+# One admitted accusation per accuser per this many quorum ids (see the module docstring).
+ACCUSATION_COOLDOWN_QUORUMS = 10
 
 
 def ring_key(replica_id: str) -> tuple[int, int, str]:
@@ -314,6 +340,43 @@ def incumbents_of(
     return members, best
 
 
+@dataclass(frozen=True)
+class Accusation:
+    """``accuser`` caught ``accused`` breaking FTAR's protocol in quorum ``quorum_id``."""
+
+    accuser: str
+    accused: str
+    quorum_id: int
+
+
+def admit_accusation(acc: Accusation, current: Quorum | None, excluded: Collection[str],
+                     last_admitted: Mapping[str, int]) -> tuple[bool, str]:
+    """Whether ``acc`` excludes its accused replica from the next quorum, and why (not).
+
+    ``current``: the job's latest quorum; ``excluded``: replicas already excluded
+    from the next one; ``last_admitted``: accuser -> quorum id of its last
+    admitted accusation. Pure: the caller records an admitted accusation.
+    """
+    if current is None or acc.quorum_id != current.quorum_id:
+        have = current.quorum_id if current is not None else "none"
+        return False, f"it names quorum {acc.quorum_id}, the job's latest is {have}"
+    members = set(current.member_ids)
+    if acc.accuser not in members or acc.accused not in members:
+        return False, f"accuser and accused must both be members of quorum {acc.quorum_id}"
+    if acc.accuser == acc.accused:
+        return False, "a replica cannot accuse itself"
+    if acc.accuser in excluded:
+        return False, f"the accuser {acc.accuser} is itself excluded from the next quorum"
+    if acc.accused in excluded:
+        return False, f"{acc.accused} is already excluded from the next quorum"
+    last = last_admitted.get(acc.accuser)
+    if last is not None and acc.quorum_id - last < ACCUSATION_COOLDOWN_QUORUMS:
+        return False, (f"{acc.accuser}'s last admitted accusation was in quorum {last}: at most one per "
+                       f"{ACCUSATION_COOLDOWN_QUORUMS} quorums")
+    return True, (f"{acc.accuser} caught {acc.accused} breaking FTAR's protocol in quorum {acc.quorum_id}: "
+                  f"{acc.accused} is left out of the next quorum, then rejoins behind")
+
+
 def decide_quorum(
     requests: Mapping[str, QuorumRequest],
     heartbeats: Mapping[str, float],
@@ -323,6 +386,7 @@ def decide_quorum(
     quorum_id_floor: int = 0,
     reported_quorum_ids: Mapping[str, int] | None = None,
     condemned: Iterable[str] = (),
+    excluded: Collection[str] = frozenset(),
 ) -> tuple[Quorum | None, str]:
     """Decide the quorum of one job, or explain why there is none yet.
 
@@ -334,11 +398,20 @@ def decide_quorum(
     replica's last quorum id as its heartbeats report it (what a restarted
     lighthouse knows of replicas that are mid-step). ``condemned``: replicas whose
     state a fingerprint mismatch condemned (:mod:`fthsdp.control.sdc`): listed
-    behind even at the top step, so they fetch the majority's state. Returns ``(quorum, reason)`` with
+    behind even at the top step, so they fetch the majority's state. ``excluded``:
+    replicas left out of this decision entirely (accused of breaking FTAR's
+    protocol; see the module docstring). Returns ``(quorum, reason)`` with
     ``quorum`` None while the rules in the module docstring say wait.
     """
+    excluded_note = ""
+    if excluded:
+        requests = {r: q for r, q in requests.items() if r not in excluded}
+        heartbeats = {r: t for r, t in heartbeats.items() if r not in excluded}
+        if reported_quorum_ids:
+            reported_quorum_ids = {r: q for r, q in reported_quorum_ids.items() if r not in excluded}
+        excluded_note = f"; excluded {_fmt(sorted(excluded, key=ring_key))} (accused of breaking FTAR's protocol)"
     if not requests:
-        return None, "no replica is asking for a quorum"
+        return None, "no replica is asking for a quorum" + excluded_note
     window = config.heartbeat_window_s
 
     def last_seen(rid: str) -> float:
@@ -375,7 +448,7 @@ def decide_quorum(
     # After a lighthouse restart, reported incumbents it has not heard from yet are
     # probably reconnecting (their heartbeats resume within a reconnect backoff):
     # give them two detection windows from the round's first request, once.
-    unheard_incumbents = incumbents - live - set(heartbeats)
+    unheard_incumbents = incumbents - live - set(heartbeats) - set(excluded)
     round_start = min(c.arrived_at for c in candidates)
     if rebuilt and unheard_incumbents and now - round_start < 2 * window:
         return None, (
@@ -464,7 +537,7 @@ def decide_quorum(
         how = "every live replica asking"
     reason = (
         f"quorum {quorum_id} ({why_id}): {len(members)} members at max step {max_step}, "
-        f"{len(healthy)} healthy, {len(behind)} behind; {how}{stale_note}"
+        f"{len(healthy)} healthy, {len(behind)} behind; {how}{stale_note}{excluded_note}"
     )
     if condemned:
         reason += f"; condemned by a fingerprint mismatch (rejoin from the majority): {_fmt(condemned)}"

@@ -260,12 +260,14 @@ class Manager:
         rebuild_s = grads_s = catch_up_s = 0.0
         for attempt in range(1, self.cfg.ft.max_retries + 2):
             self.phases.set(Phase.WAITING_FOR_QUORUM, step)
+            accused = self.take_accused()
             try:
                 q = self.lighthouse.get_quorum(
                     step, ftar_addresses=list(self.comm.addresses), state_server_address=self.state_server_address,
                     commit_failed=commit_failed, num_replicas=self.cfg.launch.replicas,
-                    timeout_s=self.cfg.timeouts.quorum_timeout_s)
+                    timeout_s=self.cfg.timeouts.quorum_timeout_s, **({"accused": accused} if accused else {}))
             except Exception as e:  # noqa: BLE001 - classified: only a transient error is retried
+                self._accused = accused + [r for r in self._accused if r not in accused]  # say it again
                 c = classify(e)
                 if not c.recoverable or type(e).__name__ == "JobFinished":
                     raise
