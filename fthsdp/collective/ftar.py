@@ -63,6 +63,29 @@ log = logging.getLogger("fthsdp.collective.ftar")
 _warned_insecure = False
 
 
+# Test hooks (off unless set): the native library corrupts the N-th chunk header this process
+# sends when CORRUPT_CHUNK_ENV=N; CORRUPT_REPLICA_ENV=R keeps that for replica R's processes only
+# (a launcher hands every replica the same environment).
+CORRUPT_CHUNK_ENV = "FTHSDP_FTAR_TEST_CORRUPT_CHUNK"
+CORRUPT_REPLICA_ENV = "FTHSDP_FTAR_TEST_CORRUPT_REPLICA"
+
+
+def scope_test_hooks(replica_id: str, environ=None) -> bool:
+    """Before this process's first communicator: drop the chunk-corruption test hook unless it
+    targets ``replica_id``. Returns whether the hook stays armed (it is off by default)."""
+    import os
+
+    env = os.environ if environ is None else environ
+    target = env.get(CORRUPT_REPLICA_ENV)
+    if target is not None and target != str(replica_id):
+        env.pop(CORRUPT_CHUNK_ENV, None)
+    armed = bool(env.get(CORRUPT_CHUNK_ENV))
+    if armed:
+        log.warning("test hook %s=%s is set: this process corrupts one chunk header it sends",
+                    CORRUPT_CHUNK_ENV, env[CORRUPT_CHUNK_ENV])
+    return armed
+
+
 def key_from_secret(secret: bytes | str) -> bytes:
     """The FTAR key of a job's secret: ``fthsdp.control.auth.derive(secret, "ftar")``, so the key
     FTAR holds and proves on the wire is not the secret itself and is useless to the job's other

@@ -120,6 +120,7 @@ class ReplicaProcess:
             # The ring proves the job's shared secret (the launcher's per-job peer token, passed to every
             # replica in the environment); without one the ring is explicitly insecure (a warning says so).
             secret = os.environ.get("FTHSDP_PEER_TOKEN", "")
+            ftar.scope_test_hooks(self.rid)
             self.comm = ftar.Communicator(num_shards=len(self.mesh.local_devices), streams=cfg.ft.streams_per_peer,
                                           timeout_s=cfg.ft.allreduce_timeout_s, listen_host=cfg.ft.bind_host,
                                           advertise_host=cfg.ft.advertise_host,
