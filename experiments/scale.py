@@ -9,11 +9,15 @@ are over the measured rounds (round 0, which connects and forms the first
 quorum, is a warm-up); a round is *complete* when every replica got a
 quorum with every replica in it.
 
-* ``fthsdp-hierarchical`` — the emulation (:mod:`fthsdp.sim.emulation`): the
-  real lighthouse process sees R replica leaders (heartbeating every 100 ms);
-  each leader gathers its G ranks' requests, asks once, and hands the answer
-  to its G ranks; the ranks then replay the step machine, run the mock
-  all-reduce and vote. Shapes 16 x G and 512 x G at 1K, 10K and 100K ranks.
+* ``fthsdp-hierarchical`` — the emulation (:mod:`fthsdp.sim.emulation`),
+  speaking the real protocol (version 2): a replica is P processes x D ranks
+  (G = P x D); every process heartbeats every 100 ms and registers its own
+  shards' endpoints; the leader gathers its ranks' requests, asks once and gets
+  its view (the members and its D shards' rings: O(R x D) bytes), the other
+  processes fetch theirs when the quorum id changes; the ranks then replay the
+  step machine, run the mock all-reduce and vote. Shapes 16 x G and 512 x G at
+  1K, 10K and 100K ranks, each with one process per replica (D = G: the
+  leader's answer lists every ring) and with several (written RxG/P).
 * ``fthsdp-flat`` — the same lighthouse with N directly connected replicas
   of one rank each (the emulation with G = 1), N = 16 ... 8,192. These do not
   heartbeat (N x 10 heartbeats/s would saturate this machine before the
@@ -71,7 +75,7 @@ def percentile(xs: list[float], q: float) -> float | None:
 
 
 def fthsdp_row(system: str, replicas: int, ranks_per_replica: int, rounds: int, heartbeat_s: float,
-               profile: str = "", addressing: str = "per_rank") -> dict:
+               profile: str = "", processes: int = 1) -> dict:
     """``heartbeat_s``: the leaders' heartbeat interval (0: no heartbeats)."""
     load = os.getloadavg()
     heartbeats = heartbeat_s > 0
@@ -86,7 +90,7 @@ def fthsdp_row(system: str, replicas: int, ranks_per_replica: int, rounds: int, 
         replicas=replicas, ranks_per_replica=ranks_per_replica, steps=rounds + 1,
         model=ModelShape(params=8_000_000_000, step_s=0.02), timeouts=t, heartbeats=heartbeats,
         round_barrier=True, run_timeout_s=max(120.0, rounds * 30.0), job_id=f"scale-{replicas}x{ranks_per_replica}",
-        lighthouse_profile=profile, addressing=addressing)
+        lighthouse_profile=profile, processes_per_replica=processes)
     rep = run_emulation(cfg)
     rounds_ = [r for r in rep.rounds() if r["attempt"] == 1]
     measured = rounds_[1:]
@@ -94,7 +98,9 @@ def fthsdp_row(system: str, replicas: int, ranks_per_replica: int, rounds: int, 
     lat = [r["latency_s"] for r in complete]
     return {
         "system": system, "replicas": replicas, "ranks": replicas * ranks_per_replica,
-        "ranks_per_replica": ranks_per_replica, "heartbeat_interval_s": heartbeat_s, "addressing": addressing,
+        "ranks_per_replica": ranks_per_replica, "heartbeat_interval_s": heartbeat_s,
+        "processes_per_replica": processes, "shards_per_process": ranks_per_replica // processes,
+        "leader_answer_bytes": rep.answer_bytes, "follower_views_fetched": rep.views_fetched,
         "p50_s": percentile(lat, 0.5), "p99_s": percentile(lat, 0.99), "max_s": max(lat) if lat else None,
         "complete_rounds": len(complete), "rounds": rounds,
         "lighthouse_p50_s": percentile([r["lighthouse_s"] for r in complete], 0.5),
@@ -237,6 +243,7 @@ def breakdown(n: int, calls: int) -> dict:
     Heartbeat RPCs against a real lighthouse process, client and server)."""
     from fthsdp.control import quorum as qm
     from fthsdp.control.lighthouse import pb2, quorum_to_proto
+    from fthsdp.proto import LIGHTHOUSE_PROTOCOL_VERSION
     from fthsdp.sim.aio_client import AioLighthouseClient
     from fthsdp.sim.emulation import LighthouseProcess
 
@@ -250,12 +257,12 @@ def breakdown(n: int, calls: int) -> dict:
     proto = quorum_to_proto(q)
     to_proto = time.perf_counter() - t
     t = time.perf_counter()
-    raw = pb2.QuorumResponse(protocol_version=1, quorum=proto).SerializeToString()
+    raw = pb2.QuorumResponse(protocol_version=LIGHTHOUSE_PROTOCOL_VERSION, quorum=proto).SerializeToString()
     once = time.perf_counter() - t
     k = max(1, min(n, 200))
     t = time.perf_counter()
     for _ in range(k):
-        pb2.QuorumResponse(protocol_version=1, quorum=proto).SerializeToString()
+        pb2.QuorumResponse(protocol_version=LIGHTHOUSE_PROTOCOL_VERSION, quorum=proto).SerializeToString()
     per_call_build = (time.perf_counter() - t) / k
 
     async def wake() -> float:
@@ -315,6 +322,61 @@ def breakdown(n: int, calls: int) -> dict:
         "grpc_concurrent_heartbeats": calls, "grpc_round_s": grpc_round, "grpc_per_call_s": grpc_round / calls,
         "grpc_round_at_n_s_est": grpc_round / calls * n,
     }
+
+
+def _slope(points: list[tuple[float, float]]) -> float | None:
+    """Least-squares slope of log(y) against log(x): the growth exponent."""
+    pts = [(math.log(x), math.log(y)) for x, y in points if x > 0 and y and y > 0]
+    if len(pts) < 2:
+        return None
+    mx, my = statistics.fmean(p[0] for p in pts), statistics.fmean(p[1] for p in pts)
+    return sum((x - mx) * (y - my) for x, y in pts) / sum((x - mx) ** 2 for x, _ in pts)
+
+
+def _n_log_n_slope(ns: list[int]) -> float | None:
+    """The log-log slope N log N itself has over ``ns`` (what "no worse than N log N" means there)."""
+    return _slope([(n, n * math.log2(n)) for n in ns if n > 1])
+
+
+def decision_benchmark(ns: list[int], repeats: int = 3) -> dict:
+    """The quorum decision over plain data, no server: ``decide_quorum`` for n replicas all
+    asking (the first quorum, and the next round given the previous one), then one member's
+    view and its serialization (what a round builds once), best of ``repeats`` after a
+    warm-up; with each part's log-log slope against n (1 = linear; N log N over the same
+    range is given beside it)."""
+    from fthsdp.control import quorum as qm
+    from fthsdp.control.lighthouse import pb2, quorum_to_proto
+    from fthsdp.proto import LIGHTHOUSE_PROTOCOL_VERSION
+
+    def best(f) -> float:
+        f()
+        t = math.inf
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            f()
+            t = min(t, time.perf_counter() - t0)
+        return t
+
+    points = []
+    for n in ns:
+        reqs = {str(i): qm.QuorumRequest(str(i), 7, 0.0, (f"10.{i >> 16}.{(i >> 8) & 255}.{i & 255}:29600",),
+                                         f"10.{i >> 16}.{(i >> 8) & 255}.{i & 255}:29700", 1) for i in range(n)}
+        beats = {r: 0.0 for r in reqs}
+        cfg = qm.QuorumConfig(num_configured=n)
+        first, _ = qm.decide_quorum(reqs, beats, None, cfg, 0.1)
+        view = qm.process_view(first, "0", 0, 1)
+        points.append({
+            "replicas": n,
+            "decide_first_s": best(lambda: qm.decide_quorum(reqs, beats, None, cfg, 0.1)),
+            "decide_next_s": best(lambda: qm.decide_quorum(reqs, beats, first, cfg, 0.1)),
+            "view_s": best(lambda: qm.process_view(first, "0", 0, 1)),
+            "serialize_view_s": best(lambda: pb2.QuorumResponse(protocol_version=LIGHTHOUSE_PROTOCOL_VERSION,
+                                                                quorum=quorum_to_proto(view)).SerializeToString()),
+        })
+    xs = [p["replicas"] for p in points]
+    return {"points": points, "n_log_n_slope": _n_log_n_slope(xs),
+            "slopes": {k: _slope([(p["replicas"], p[k]) for p in points])
+                       for k in ("decide_first_s", "decide_next_s", "view_s", "serialize_view_s")}}
 
 
 def tempfile_dir():
@@ -386,15 +448,17 @@ def plot(rows: list[dict], path: Path) -> None:
             ax.plot([r["ranks"] for r in rs], [r["p50_s"] for r in rs], f"{m}-", color=c, label=f"{system} p50")
             ax.plot([r["ranks"] for r in rs], [r["p99_s"] for r in rs], f"{m}:", color=c, alpha=0.6,
                     label=f"{system} p99")
-    for rpr, color in ((16, "tab:green"), (512, "tab:purple")):
-        for addressing, ls in (("per_replica", "-"), ("per_rank", "--")):
-            rs = sorted((r for r in rows if r["system"] == "fthsdp-hierarchical" and r["replicas"] == rpr
-                         and r.get("addressing", "per_rank") == addressing and r["p50_s"]), key=lambda r: r["ranks"])
-            if rs:
-                ax.plot([r["ranks"] for r in rs], [r["p50_s"] for r in rs], "^" + ls, color=color,
-                        label=f"fthsdp-hierarchical {rpr} leaders, {addressing} p50")
-                ax.plot([r["ranks"] for r in rs], [r["p99_s"] for r in rs], "^", color=color, alpha=0.4,
-                        mfc="none", label=f"fthsdp-hierarchical {rpr} leaders, {addressing} p99")
+    hier = [r for r in rows if r["system"] == "fthsdp-hierarchical" and r["p50_s"]]
+    colors = {16: "tab:green", 512: "tab:purple"}
+    for rpr, nproc in sorted({(r["replicas"], r.get("processes_per_replica", 1)) for r in hier}):
+        rs = sorted((r for r in hier if r["replicas"] == rpr and r.get("processes_per_replica", 1) == nproc),
+                    key=lambda r: r["ranks"])
+        color = colors.get(rpr, "tab:gray")
+        ls = "-" if nproc == 1 else "--"
+        ax.plot([r["ranks"] for r in rs], [r["p50_s"] for r in rs], "^" + ls, color=color,
+                label=f"fthsdp-hierarchical {rpr} replicas x {nproc} process(es) p50")
+        ax.plot([r["ranks"] for r in rs], [r["p99_s"] for r in rs], "^", color=color, alpha=0.4, mfc="none",
+                label=f"fthsdp-hierarchical {rpr} replicas x {nproc} process(es) p99")
     flat = sorted((r for r in rows if r["system"] == "fthsdp-flat" and r["p50_s"]), key=lambda r: r["ranks"])
     if flat:
         n0, t0 = flat[0]["ranks"], flat[0]["p50_s"]
@@ -415,18 +479,19 @@ def plot(rows: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
-def verdict(rows: list[dict], breakdowns: list[dict] | None = None) -> dict:
+def verdict(rows: list[dict], decision: dict | None = None) -> dict:
     out: dict = {}
-    bs = sorted(breakdowns or [], key=lambda b: b["replicas"])
-    if len(bs) >= 2:
-        a, b = bs[0], bs[-1]
-        nlogn = (b["replicas"] * math.log2(b["replicas"])) / (a["replicas"] * math.log2(a["replicas"]))
-        out["decision_growth"] = {"from": a["replicas"], "to": b["replicas"], "decide_ratio": b["decide_s"] / a["decide_s"],
-                                  "n_log_n_ratio": nlogn}
+    if decision and len(decision["points"]) >= 2:
+        ns = [p["replicas"] for p in decision["points"]]
+        out["decision_growth"] = {"from": min(ns), "to": max(ns), "slopes": decision["slopes"],
+                                  "n_log_n_slope": decision["n_log_n_slope"],
+                                  "no_worse_than_n_log_n": all(v is not None and v <= decision["n_log_n_slope"] + 0.1
+                                                               for v in decision["slopes"].values())}
     big = [r for r in rows if r["system"] == "fthsdp-hierarchical" and r["ranks"] >= 100_000]
     if big:
-        out["p99_s_at_100k_ranks"] = {f"{r['replicas']}x{r['ranks_per_replica']}": r["p99_s"] for r in big}
-        out["meets_70ms_p99_at_100k"] = all(r["p99_s"] is not None and r["p99_s"] <= 0.07 for r in big)
+        key = lambda r: f"{r['replicas']}x{r['ranks_per_replica']}/{r.get('processes_per_replica', 1)}"  # noqa: E731
+        out["p99_s_at_100k_ranks"] = {key(r): r["p99_s"] for r in big}
+        out["meets_70ms_p99_at_100k"] = {key(r): r["p99_s"] is not None and r["p99_s"] <= 0.07 for r in big}
     flat = sorted((r for r in rows if r["system"] == "fthsdp-flat"), key=lambda r: r["replicas"])
     if flat:
         out["flat_every_round_complete"] = {r["replicas"]: r["complete_rounds"] == r["rounds"] for r in flat}
@@ -441,6 +506,7 @@ def verdict(rows: list[dict], breakdowns: list[dict] | None = None) -> dict:
             ys = [math.log(r["p50_s"]) for r in ok]
             mx, my = statistics.fmean(xs), statistics.fmean(ys)
             out["flat_loglog_slope"] = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+            out["flat_n_log_n_slope"] = _n_log_n_slope([r["replicas"] for r in ok])
     return out
 
 
@@ -450,15 +516,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", required=True, help="JSON file to write (the plot goes beside it, .png)")
     ap.add_argument("--rounds", type=int, default=None, help="measured rounds per row (default 20; quick 4)")
     ap.add_argument("--peer-python", default=None, help="python of the side environment with torchft")
-    ap.add_argument("--skip", nargs="*", default=[], choices=["hierarchical", "flat", "torchft", "profile"])
+    ap.add_argument("--skip", nargs="*", default=[], choices=["hierarchical", "flat", "torchft", "profile", "decision"])
+    ap.add_argument("--decision", type=int, nargs="*", default=None,
+                    help="replica counts of the decision micro-benchmark (default 1K..100K; quick 256 1024 4096)")
     ap.add_argument("--flat", type=int, nargs="*", default=None, help="flat replica counts")
     ap.add_argument("--torchft", type=int, nargs="*", default=None, help="torchft replica counts")
-    ap.add_argument("--shapes", nargs="*", default=None, help="hierarchical shapes RxG (e.g. 16x6250 512x196)")
+    ap.add_argument("--shapes", nargs="*", default=None,
+                    help="hierarchical shapes RxG or RxG/P (replicas x ranks per replica, P processes per replica; "
+                         "e.g. 16x6250 16x6250/10 512x196/4)")
     ap.add_argument("--heartbeat", type=float, default=0.1,
                     help="hierarchical leaders' heartbeat interval in s (default 0.1, ft's default; 0 = none)")
-    ap.add_argument("--addressing", nargs="*", default=["per_rank", "per_replica"],
-                    choices=["per_rank", "per_replica"],
-                    help="hierarchical rows: FTAR endpoints per rank (today's protocol) and/or per replica")
     ap.add_argument("--profile", type=int, nargs="*", default=None,
                     help="replica counts for the time breakdown and the lighthouse cProfile (default 1024 8192; quick 256)")
     ap.add_argument("--torchft-timeout", type=float, default=120.0, help="per-call deadline for torchft (s)")
@@ -467,14 +534,17 @@ def main(argv: list[str] | None = None) -> int:
     if args.shapes is not None:
         shapes = []
         for s in args.shapes:
-            parts = s.lower().split("x")
-            if len(parts) != 2 or not all(p.isdigit() and int(p) > 0 for p in parts):
-                ap.error(f"--shapes takes RxG (replicas x ranks per replica, e.g. 16x6250), got {s!r}")
-            shapes.append((int(parts[0]), int(parts[1])))
+            rg, _, nproc = s.lower().partition("/")
+            parts = rg.split("x") + [nproc or "1"]
+            if len(parts) != 3 or not all(p.isdigit() and int(p) > 0 for p in parts) or int(parts[1]) % int(parts[2]):
+                ap.error(f"--shapes takes RxG or RxG/P (replicas x ranks per replica, P processes per replica "
+                         f"dividing G, e.g. 16x6250 or 16x6250/10), got {s!r}")
+            shapes.append((int(parts[0]), int(parts[1]), int(parts[2])))
     elif args.quick:
-        shapes = [(16, 63), (512, 2), (16, 625), (512, 20)]
+        shapes = [(16, 63, 1), (512, 2, 1), (16, 625, 1), (512, 20, 1), (16, 624, 8)]
     else:
-        shapes = [(16, 63), (512, 2), (16, 625), (512, 20), (16, 6250), (512, 196)]
+        shapes = [(16, 63, 1), (512, 2, 1), (16, 625, 1), (16, 625, 5), (512, 20, 1), (512, 20, 4),
+                  (16, 6250, 1), (16, 6250, 10), (512, 196, 1), (512, 196, 4)]
     flat_ns = args.flat if args.flat is not None else ([16, 64, 256] if args.quick else
                                                       [16, 64, 256, 1024, 2048, 4096, 8192])
     tft_ns = args.torchft if args.torchft is not None else ([16, 64, 256] if args.quick else
@@ -493,32 +563,39 @@ def main(argv: list[str] | None = None) -> int:
 
     def save() -> None:
         result["host"]["loadavg_now"] = os.getloadavg()
-        result["verdict"] = verdict(result["rows"], result.get("where_time_goes", {}).get("breakdown"))
+        result["verdict"] = verdict(result["rows"], result.get("where_time_goes", {}).get("decision"))
         out_path.write_text(json.dumps(result, indent=2))
 
     def show(r: dict) -> None:
         p50 = "-" if r["p50_s"] is None else f"{r['p50_s'] * 1e3:8.1f} ms"
         p99 = "-" if r["p99_s"] is None else f"{r['p99_s'] * 1e3:8.1f} ms"
-        print(f"{r['system']:20s} {r.get('addressing', ''):11s} {r['replicas']:5d} replicas {r['ranks']:7d} ranks: p50 {p50} p99 {p99} "
+        procs = f"{r['processes_per_replica']} proc" if "processes_per_replica" in r else ""
+        print(f"{r['system']:20s} {procs:8s} {r['replicas']:5d} replicas {r['ranks']:7d} ranks: p50 {p50} p99 {p99} "
               f"({r['complete_rounds']}/{r['rounds']} rounds; load {r['loadavg'][0]:.1f})", flush=True)
 
     if "hierarchical" not in args.skip:
-        for rpr, g in shapes:
-            for addressing in args.addressing:
-                r = fthsdp_row("fthsdp-hierarchical", rpr, g, rounds, heartbeat_s=args.heartbeat,
-                               addressing=addressing)
-                result["rows"].append(r)
-                show(r)
-                save()
+        for rpr, g, nproc in shapes:
+            r = fthsdp_row("fthsdp-hierarchical", rpr, g, rounds, heartbeat_s=args.heartbeat, processes=nproc)
+            result["rows"].append(r)
+            show(r)
+            save()
     if "flat" not in args.skip:
         for n in flat_ns:
             r = fthsdp_row("fthsdp-flat", n, 1, max(3, rounds // 2) if n > 1024 else rounds, heartbeat_s=0.0)
             result["rows"].append(r)
             show(r)
             save()
+    if "decision" not in args.skip:
+        dec_ns = args.decision if args.decision is not None else (
+            [256, 1024, 4096] if args.quick else [1000, 2000, 4000, 8000, 16000, 32000, 64000, 100000])
+        d = decision_benchmark(dec_ns)
+        result.setdefault("where_time_goes", {})["decision"] = d
+        print("decision: " + ", ".join(f"{p['replicas']}: {p['decide_next_s'] * 1e3:.1f} ms" for p in d["points"])
+              + f"; log-log slopes {d['slopes']} (N log N: {d['n_log_n_slope']:.3f})", flush=True)
+        save()
     if "profile" not in args.skip:
         prof_ns = args.profile if args.profile is not None else ([256] if args.quick else [1024, 8192])
-        result["where_time_goes"] = {"breakdown": [], "lighthouse_profile": None}
+        result.setdefault("where_time_goes", {}).update({"breakdown": [], "lighthouse_profile": None})
         for n in prof_ns:
             b = breakdown(n, calls=min(n, 1024))
             result["where_time_goes"]["breakdown"].append(b)

@@ -51,6 +51,24 @@ def test_10k_ranks_with_kills_hang_ring_rank_faults_and_a_lighthouse_restart():
     assert min(len(c.healthy) for c in rep.commits.values()) < 32
 
 
+def test_replicas_of_several_processes_speak_the_real_protocol():
+    """Replicas of 3 processes (protocol version 2): every process heartbeats and registers
+    its own shards; the leader asks, the followers fetch their own views of each new
+    quorum id (their shards' rings, checked against the leader's decision); through a
+    kill and a lighthouse restart (which forgets the registrations: they are sent again)."""
+    faults = (Fault("kill", step=3, replica=1, seconds=0.5), Fault("lighthouse", step=6, seconds=0.5))
+    cfg = EmulationConfig(replicas=4, ranks_per_replica=6, steps=9, processes_per_replica=3,
+                          model=ModelShape(params=10**6, step_s=0.02), faults=faults, run_timeout_s=60.0)
+    rep = run_emulation(cfg)
+    assert rep.violations() == []
+    assert rep.final_steps == {str(i): 9 for i in range(4)}
+    assert rep.lighthouse_starts == 2 and "replica 1: caught up" in "\n".join(rep.events)
+    qids = {r.quorum_id for r in rep.quorum_records}
+    assert len(qids) >= 2 and rep.views_fetched >= 2 * 4 * 2  # 2 followers x 4 replicas x >= 2 quorum ids
+    # A leader's answer lists its own 2 shards' rings (2 x 4 endpoints), not all 6 x 4.
+    assert 0 < rep.answer_bytes < 1000
+
+
 def _report(commits: dict[int, CommitRecord], **kw) -> EmulationReport:
     cfg = EmulationConfig(replicas=2, ranks_per_replica=1, steps=len(commits))
     base = dict(config=cfg, wall_s=0.0, quorum_records=[], commits=commits,
@@ -124,6 +142,10 @@ def test_mock_timings_and_config_errors():
         EmulationConfig(replicas=2, ranks_per_replica=1, steps=3, faults=(Fault("kill", 1, replica=5),))
     with pytest.raises(ValueError, match=">= 1"):
         EmulationConfig(replicas=0, ranks_per_replica=1, steps=3)
+    with pytest.raises(ValueError, match="divide"):
+        EmulationConfig(replicas=2, ranks_per_replica=5, steps=3, processes_per_replica=2)
+    with pytest.raises(ValueError, match="heartbeats"):
+        EmulationConfig(replicas=2, ranks_per_replica=4, steps=3, processes_per_replica=2, heartbeats=False)
     with pytest.raises(ValueError, match="bandwidth"):
         FabricConfig(bandwidth_Bps=0)
     with pytest.raises(ValueError):

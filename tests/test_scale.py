@@ -15,7 +15,8 @@ REPO = Path(__file__).resolve().parent.parent
 def test_scale_quick_rows(tmp_path):
     out = tmp_path / "scale.json"
     cmd = [sys.executable, str(REPO / "experiments" / "scale.py"), "--quick", "--rounds", "3",
-           "--shapes", "4x25", "2x3", "--flat", "4", "16", "--torchft", "4", "--profile", "16", "--out", str(out)]
+           "--shapes", "4x25", "2x6/2", "--flat", "4", "16", "--torchft", "4", "--profile", "16",
+           "--decision", "64", "256", "--out", str(out)]
     r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     d = json.loads(out.read_text())
@@ -24,8 +25,8 @@ def test_scale_quick_rows(tmp_path):
     keys = {"system", "replicas", "ranks", "p50_s", "p99_s", "complete_rounds", "rounds"}
     assert all(keys <= set(row) for row in rows)
     hier = [row for row in rows if row["system"] == "fthsdp-hierarchical"]
-    assert [(h["replicas"], h["ranks"], h["addressing"]) for h in hier] == [
-        (4, 100, "per_rank"), (4, 100, "per_replica"), (2, 6, "per_rank"), (2, 6, "per_replica")]
+    assert [(h["replicas"], h["ranks"], h["processes_per_replica"]) for h in hier] == [(4, 100, 1), (2, 12, 2)]
+    assert hier[1]["follower_views_fetched"] >= 2 and hier[0]["leader_answer_bytes"] > 0
     flat = [row for row in rows if row["system"] == "fthsdp-flat"]
     assert [(f["replicas"], f["ranks"]) for f in flat] == [(4, 4), (16, 16)]
     for row in hier + flat:
@@ -45,6 +46,10 @@ def test_scale_quick_rows(tmp_path):
     w = d["where_time_goes"]
     (b,) = w["breakdown"]
     assert b["replicas"] == 16 and b["grpc_per_call_s"] > 0 and b["decide_s"] > 0
+    dec = w["decision"]
+    assert [p["replicas"] for p in dec["points"]] == [64, 256] and all(p["decide_next_s"] > 0 for p in dec["points"])
+    assert set(d["verdict"]["decision_growth"]["slopes"]) == {"decide_first_s", "decide_next_s", "view_s",
+                                                             "serialize_view_s"}
     lp = w["lighthouse_profile"]
     assert lp["replicas"] == 16 and lp["profiled_s"] > 0 and lp["top"]
 
@@ -53,3 +58,6 @@ def test_scale_refuses_bad_shapes(tmp_path):
     r = subprocess.run([sys.executable, str(REPO / "experiments" / "scale.py"), "--shapes", "16by4",
                         "--out", str(tmp_path / "x.json")], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert r.returncode != 0 and "RxG" in r.stderr
+    r = subprocess.run([sys.executable, str(REPO / "experiments" / "scale.py"), "--shapes", "16x10/3",
+                        "--out", str(tmp_path / "x.json")], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0 and "dividing G" in r.stderr

@@ -8,8 +8,16 @@ quorum this replica was a member of (a restarted lighthouse rebuilds the job
 from these), an unreachable lighthouse is retried with the same capped
 backoff for up to ``outage_s``, a finished job raises ``JobFinished``.
 
-Each client owns its own channel on a local subchannel pool, so each leader
-has its own TCP connection to the lighthouse, as separate hosts would.
+It speaks protocol version 2 (:mod:`fthsdp.control.lighthouse`): a client is
+one *process* of a replica of ``num_processes``; it heartbeats as that process
+and registers its own shards' endpoints with its heartbeats until the
+lighthouse holds them; the leader (process 0) asks for quorums, the other
+processes fetch their own view of their leader's quorum (``get_view``).
+
+Each replica owns its own channel on a local subchannel pool, so each replica
+has its own TCP connection to the lighthouse, as separate hosts would; the
+processes of one emulated replica share it (``channel_of``): the lighthouse
+sees the same calls, and the emulator saves a socket and a channel per process.
 """
 
 from __future__ import annotations
@@ -111,27 +119,47 @@ class AioLighthouseClient:
     """One emulated replica leader's connection to the lighthouse."""
 
     def __init__(self, address: str, job_id: str, replica_id: str, *, outage_s: float,
-                 heartbeat_timeout_s: float, rejoin: bool = False) -> None:
+                 heartbeat_timeout_s: float, rejoin: bool = False, process_index: int = 0,
+                 num_processes: int = 1, channel_of: "AioLighthouseClient | None" = None) -> None:
+        if num_processes < 1 or not 0 <= process_index < num_processes:
+            raise ValueError(f"process_index {process_index} must be in 0..num_processes-1 ({num_processes})")
         self.address = address
         self.job_id = job_id
         self.replica_id = replica_id
         self.outage_s = outage_s
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.rejoin = rejoin
-        self._channel = grpc.aio.insecure_channel(address, options=_OPTIONS)
+        self.process_index = process_index
+        self.num_processes = num_processes
+        # This process's own shards' endpoints, state server and the replica's shard count:
+        # sent with heartbeats until a reply says the lighthouse holds them.
+        self._endpoints: tuple[tuple[str, ...], str, int] | None = None
+        self._registered = False
+        self._owns_channel = channel_of is None
+        self._channel = grpc.aio.insecure_channel(address, options=_OPTIONS) if channel_of is None \
+            else channel_of._channel
         self._stub = pb2_grpc.LighthouseStub(self._channel)
         # GetQuorum with the answer left as bytes: decoded through decode_cache.
         self._get_quorum_raw = self._channel.unary_unary(
             "/fthsdp.v1.Lighthouse/GetQuorum", request_serializer=None, response_deserializer=None)
+        self._get_view_raw = self._channel.unary_unary(
+            "/fthsdp.v1.Lighthouse/GetView", request_serializer=pb2.ViewRequest.SerializeToString,
+            response_deserializer=None)
         self.last_quorum: qm.Quorum | None = None
         self.step = 0
         self.outages: list[float] = []
+        self.last_reply_bytes = 0  # size of the last quorum answer or view on the wire
         # Answers decoded once per distinct answer bytes, shared by the leaders of
         # one process (see DecodeCache).
         self.decode_cache: DecodeCache | None = None
 
+    def register(self, ftar_addresses: Sequence[str], state_server_address: str, local_world_size: int) -> None:
+        """This process's own shards' endpoints, sent with its heartbeats until held."""
+        self._endpoints = (tuple(ftar_addresses), state_server_address, int(local_world_size))
+        self._registered = False
+
     def _request(self, step: int, ftar: Sequence[str], state_server: str, commit_failed: bool,
-                 num_replicas: int) -> bytes:
+                 num_replicas: int, local_world_size: int) -> bytes:
         """The QuorumRequest, serialized. Its ``last_members`` (every member id of the last
         quorum, identical for all its members) is serialized once per quorum and appended:
         protobuf concatenation is a merge, so the bytes on the wire are exactly the real
@@ -140,9 +168,10 @@ class AioLighthouseClient:
         head = pb2.QuorumRequest(
             protocol_version=LIGHTHOUSE_PROTOCOL_VERSION, job_id=self.job_id, replica_id=self.replica_id,
             step=step, ftar_addresses=list(ftar), state_server_address=state_server,
-            local_world_size=len(ftar), commit_failed=commit_failed, num_replicas=num_replicas,
+            local_world_size=local_world_size, commit_failed=commit_failed, num_replicas=num_replicas,
             last_quorum_id=last.quorum_id if last is not None else 0,
             rejoin=self.rejoin, fresh_start=last is None and not self.rejoin,
+            process_index=self.process_index, num_processes=self.num_processes,
         ).SerializeToString()
         return head + (_members_wire(last) if last is not None else b"")
 
@@ -152,23 +181,37 @@ class AioLighthouseClient:
         return DecodeCache.parse(raw)
 
     async def get_quorum(self, step: int, *, ftar_addresses: Sequence[str], state_server_address: str,
-                         commit_failed: bool, num_replicas: int, timeout_s: float) -> QuorumReply:
+                         commit_failed: bool, num_replicas: int, timeout_s: float,
+                         local_world_size: int | None = None) -> QuorumReply:
+        """The leader's quorum for ``step`` (its own view: its shards' rings).
+        ``local_world_size``: the replica's shards over all its processes (default: this
+        process's ``ftar_addresses`` times ``num_processes``)."""
         self.step = step
-        req = self._request(step, ftar_addresses, state_server_address, commit_failed, num_replicas)
+        lws = len(ftar_addresses) * self.num_processes if local_world_size is None else local_world_size
+        req = self._request(step, ftar_addresses, state_server_address, commit_failed, num_replicas, lws)
+        return await self._call(self._get_quorum_raw, req, f"get_quorum(step={step})", timeout_s)
+
+    async def get_view(self, quorum_id: int, *, timeout_s: float) -> QuorumReply:
+        """This (follower) process's view of quorum ``quorum_id``, which its leader got."""
+        req = pb2.ViewRequest(protocol_version=LIGHTHOUSE_PROTOCOL_VERSION, job_id=self.job_id,
+                              replica_id=self.replica_id, process_index=self.process_index, quorum_id=quorum_id)
+        return await self._call(self._get_view_raw, req, f"get_view(quorum {quorum_id})", timeout_s)
+
+    async def _call(self, method, req, what: str, timeout_s: float) -> QuorumReply:
         down_since: float | None = None
         delays = backoff_delays()
         while True:
             sent = time.perf_counter()
             try:
-                raw = await self._get_quorum_raw(req, timeout=timeout_s)
+                raw = await method(req, timeout=timeout_s)
                 break
             except grpc.aio.AioRpcError as e:
                 code = e.code()
-                where = f"lighthouse {self.address} (replica {self.replica_id})"
+                where = f"lighthouse {self.address} (replica {self.replica_id}, process {self.process_index})"
                 if code == grpc.StatusCode.DEADLINE_EXCEEDED:
-                    raise QuorumTimeout(f"get_quorum(step={step}) at {where}: {e.details()}", code) from None
+                    raise QuorumTimeout(f"{what} at {where}: {e.details()}", code) from None
                 if code != grpc.StatusCode.UNAVAILABLE:
-                    raise LighthouseError(f"get_quorum(step={step}) at {where}: {code}: {e.details()} "
+                    raise LighthouseError(f"{what} at {where}: {code}: {e.details()} "
                                           f"({e.debug_error_string()})", code) from None
             now = time.monotonic()
             down_since = now if down_since is None else down_since
@@ -177,6 +220,7 @@ class AioLighthouseClient:
                                             grpc.StatusCode.UNAVAILABLE, outage_s=now - down_since)
             await asyncio.sleep(min(next(delays), max(0.0, down_since + self.outage_s - now)))
         received = time.perf_counter()
+        self.last_reply_bytes = len(raw)
         outage = 0.0 if down_since is None else time.monotonic() - down_since
         if outage:
             self.outages.append(outage)
@@ -199,11 +243,17 @@ class AioLighthouseClient:
         last = self.last_quorum
         req = pb2.HeartbeatRequest(protocol_version=LIGHTHOUSE_PROTOCOL_VERSION, job_id=self.job_id,
                                    replica_id=self.replica_id, step=step,
-                                   last_quorum_id=last.quorum_id if last is not None else 0)
+                                   last_quorum_id=last.quorum_id if last is not None else 0,
+                                   process_index=self.process_index, num_processes=self.num_processes)
+        ep = self._endpoints
+        if ep is not None and not self._registered:
+            req.ftar_addresses.extend(ep[0])
+            req.state_server_address, req.local_world_size = ep[1], ep[2]
         try:
             resp = await self._stub.Heartbeat(req, timeout=self.heartbeat_timeout_s)
         except grpc.aio.AioRpcError as e:
             raise LighthouseError(f"heartbeat: {e.code()}: {e.details()}", e.code()) from None
+        self._registered = resp.addresses_registered and ep is not None
         return HeartbeatReply(tuple(resp.dead_replica_ids), resp.quorum_id, tuple(resp.dead_members))
 
     async def leave(self, step: int, *, finished: bool, timeout_s: float = 5.0) -> bool:
@@ -216,4 +266,5 @@ class AioLighthouseClient:
             return False
 
     async def close(self) -> None:
-        await self._channel.close()
+        if self._owns_channel:
+            await self._channel.close()

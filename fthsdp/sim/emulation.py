@@ -14,10 +14,13 @@ bandwidth, while everything that decides is real:
   in its own process, with the real quorum decision; a test can SIGKILL it
   and restart it on the same port (the replicas ride the outage out and the
   restarted lighthouse rebuilds the job from what they report);
-* **the hierarchy**: the lighthouse sees one *leader* per replica (its own
-  gRPC channel, heartbeats, ``Leave``); the leader gathers the requests of
-  its G ranks, asks once, and hands the same quorum object to every rank
-  over an in-process channel; the ranks of all replicas share this OS
+* **the hierarchy**, as the real protocol (version 2) has it: a replica is P
+  processes x D devices (ranks); every process heartbeats to the lighthouse
+  under (replica, process) and registers its own shards' endpoints; the
+  leader (process 0) gathers the requests of its ranks, asks once, and hands
+  the decision to the other processes (in process here, over the key-value
+  store in a real replica), which fetch their own views of a new quorum id
+  (``GetView``: their shards' rings); the ranks of all replicas share this OS
   process (one asyncio task per replica, ranks as plain objects it drives);
 * **the decisions** are the pure step machine :mod:`fthsdp.replica.fsm` that
   the leader runs and every rank *replays* on the same inputs (train or catch
@@ -118,23 +121,25 @@ class EmulationConfig:
     round_barrier: bool = False
     # Run the lighthouse under cProfile and write its stats here (where its time goes).
     lighthouse_profile: str = ""
-    # What a leader tells the lighthouse about its ranks' FTAR endpoints.
-    #   per_rank    - today's protocol: one endpoint per rank (local_world_size = G),
-    #                 so every answer lists all R x G endpoints: O(R^2 G) bytes a round;
-    #   per_replica - one rendezvous endpoint per replica (local_world_size = 1 as
-    #                 the lighthouse sees it), through which its ranks find their ring
-    #                 peers, as the paper's and torchft's lighthouses do (members are
-    #                 replica groups): answers are O(R). Emulation only: the real
-    #                 Manager speaks per_rank until the protocol changes.
-    addressing: str = "per_rank"
+    # Processes per replica (P; the replica's G ranks are P x D devices, D = G / P):
+    # as in the real protocol (version 2), every process heartbeats under (replica,
+    # process) and registers its own D shards' endpoints, the leader asks for the
+    # quorum and gets its view (the members and its D shards' rings: O(R x D)), and
+    # the other processes fetch their own views (GetView) when the quorum id changes.
+    processes_per_replica: int = 1
 
     def __post_init__(self) -> None:
         if self.replicas < 1 or self.ranks_per_replica < 1 or self.steps < 1:
             raise ValueError(f"replicas, ranks_per_replica and steps must be >= 1, got {self.replicas}, "
                              f"{self.ranks_per_replica}, {self.steps}")
         self.timeouts.check()
-        if self.addressing not in ("per_rank", "per_replica"):
-            raise ValueError(f"addressing must be per_rank or per_replica, got {self.addressing!r}")
+        p = self.processes_per_replica
+        if p < 1 or self.ranks_per_replica % p:
+            raise ValueError(f"processes_per_replica {p} must be >= 1 and divide ranks_per_replica "
+                             f"{self.ranks_per_replica} (every process holds the same number of shards)")
+        if p > 1 and not self.heartbeats:
+            raise ValueError("processes_per_replica > 1 needs heartbeats: a process registers its endpoints and "
+                             "shows it is alive only by heartbeating")
         for f in self.faults:
             if f.replica >= self.replicas:
                 raise ValueError(f"fault {f} names replica {f.replica} but there are {self.replicas}")
@@ -293,6 +298,8 @@ class EmulationReport:
     fabric_failed: int
     decode: tuple[int, int]  # answers decoded, cache hits
     unfinished: list[str]
+    views_fetched: int = 0  # followers' GetView answers (a new quorum id, replicas of P > 1 processes)
+    answer_bytes: int = 0  # the largest quorum answer (a leader's view) on the wire
 
     def violations(self, deadline_slack_s: float = 2.0) -> list[str]:
         """Every broken invariant, in words (empty = all hold)."""
@@ -355,7 +362,10 @@ class EmulationReport:
 
 
 class EmulatedReplica:
-    """One replica: a leader (lighthouse client, heartbeats) driving G ranks."""
+    """One replica: P processes (each a lighthouse client heartbeating as its process,
+    D = G / P ranks each); process 0 leads (asks for the quorum, hands the decision to
+    the others, as over the real replica's key-value store), the others fetch their
+    own views of a new quorum id."""
 
     def __init__(self, emu: "Emulation", index: int, incarnation: int, rejoin: bool) -> None:
         c = emu.config
@@ -364,21 +374,33 @@ class EmulatedReplica:
         self.rid = str(index)
         self.incarnation = incarnation
         self.rejoin = rejoin
-        shards = c.ranks_per_replica if c.addressing == "per_rank" else 1
-        self.ftar = tuple(f"emu-{index}.{incarnation}:{k}" for k in range(shards))
-        self.state_server = f"emu-{index}.{incarnation}:state"
+        nproc = c.processes_per_replica
+        self.per_process = c.ranks_per_replica // nproc
+        # Process p's own shards' endpoints and state server (p holds shards p*D .. p*D+D-1).
+        self.ftar = [tuple(f"emu-{index}.{incarnation}:{p * self.per_process + k}" for k in range(self.per_process))
+                     for p in range(nproc)]
+        self.servers = [f"emu-{index}.{incarnation}.{p}:state" for p in range(nproc)]
         self.state = fsm.initial(0, c.max_retries)
         self.ranks = [Rank(k, self.state) for k in range(c.ranks_per_replica)]
         self.data = emu.initial_data  # the replicated data state (shared with the replicas in the same state)
-        self.client = AioLighthouseClient(emu.lighthouse.address, c.job_id, self.rid,
-                                          outage_s=c.timeouts.lighthouse_outage_s,
-                                          heartbeat_timeout_s=c.timeouts.heartbeat_rpc_s, rejoin=rejoin)
-        self.client.decode_cache = emu.decode_cache
+        self.clients: list[AioLighthouseClient] = []
+        for p in range(nproc):
+            cl = AioLighthouseClient(emu.lighthouse.address, c.job_id, self.rid,
+                                     outage_s=c.timeouts.lighthouse_outage_s,
+                                     heartbeat_timeout_s=c.timeouts.heartbeat_rpc_s, rejoin=rejoin,
+                                     process_index=p, num_processes=nproc,
+                                     channel_of=self.clients[0] if self.clients else None)
+            cl.decode_cache = emu.decode_cache
+            if nproc > 1:
+                cl.register(self.ftar[p], self.servers[p], c.ranks_per_replica)
+            self.clients.append(cl)
+        self.client = self.clients[0]  # the leader's
+        self.view_qid = 0  # the quorum id whose views the followers hold
         self.inflight: qm.Quorum | None = None
         self.hung = False
         self.finished = False
         self.task: asyncio.Task | None = None
-        self.hb_task: asyncio.Task | None = None
+        self.hb_tasks: list[asyncio.Task] = []
 
     # -- helpers ---------------------------------------------------------------
 
@@ -401,7 +423,8 @@ class EmulatedReplica:
     async def run(self) -> None:
         emu, c = self.emu, self.emu.config
         if c.heartbeats:
-            self.hb_task = asyncio.get_running_loop().create_task(self._heartbeats())
+            loop = asyncio.get_running_loop()
+            self.hb_tasks = [loop.create_task(self._heartbeats(p)) for p in range(len(self.clients))]
         nbytes = c.model.shard_bytes(c.ranks_per_replica)
         try:
             await self.client.connect(c.timeouts.lighthouse_outage_s)
@@ -416,9 +439,11 @@ class EmulatedReplica:
                 last_req = time.perf_counter()
                 try:
                     reply = await self.client.get_quorum(
-                        state.step, ftar_addresses=self.ftar, state_server_address=self.state_server,
+                        state.step, ftar_addresses=self.ftar[0], state_server_address=self.servers[0],
                         commit_failed=state.commit_failed, num_replicas=c.replicas,
-                        timeout_s=c.timeouts.quorum_timeout_s)
+                        timeout_s=c.timeouts.quorum_timeout_s, local_world_size=c.ranks_per_replica)
+                    if len(self.clients) > 1 and reply.quorum.quorum_id != self.view_qid:
+                        await self._follower_views(reply.quorum)
                 except JobFinished as e:
                     emu.events.append(f"replica {self.rid}: job finished at step {e.step} (at step {state.step})")
                     self.finished = True
@@ -434,6 +459,7 @@ class EmulatedReplica:
                     self._replay_after(None, fsm.Outcome.QUORUM_ERROR, self.state)
                     continue
                 q = reply.quorum
+                emu.answer_bytes = max(emu.answer_bytes, self.client.last_reply_bytes)
                 for r in self.ranks:  # the in-process channel: every rank holds the same object
                     r.quorum = q
                 held = time.perf_counter()
@@ -450,13 +476,34 @@ class EmulatedReplica:
                 if outcome is None:
                     return
         finally:
-            if self.hb_task is not None:
-                self.hb_task.cancel()
+            for t in self.hb_tasks:
+                t.cancel()
             emu.final_steps[self.rid] = self.state.step
             if self.state.step >= c.steps:
                 self.finished = True
                 await self.client.leave(self.state.step, finished=True)
-            await self.client.close()
+            for cl in reversed(self.clients):  # the leader's (owning the channel) last
+                await cl.close()
+
+    async def _follower_views(self, q: qm.Quorum) -> None:
+        """The followers fetch their own views of the leader's new quorum ``q`` (their
+        shards' rings), as the real FollowerQuorumSource does; the decision itself came
+        from the leader. A view that disagrees with the decision is a violation; a view
+        the lighthouse no longer holds fails the attempt (LighthouseError, as for the
+        real follower: the replica then asks again)."""
+        c = self.emu.config
+        views = await asyncio.gather(*(cl.get_view(q.quorum_id, timeout_s=c.timeouts.quorum_timeout_s)
+                                       for cl in self.clients[1:]))
+        for p, v in enumerate(views, start=1):
+            vq = v.quorum
+            if vq.member_ids != q.member_ids or vq.max_step != q.max_step:
+                self._violation(f"process {p}'s view of quorum {q.quorum_id} disagrees with its leader's")
+            want = self.per_process
+            if len(vq.rings) != want or vq.first_shard != p * want:
+                self._violation(f"process {p}'s view of quorum {q.quorum_id} has rings {vq.first_shard}+"
+                                f"{len(vq.rings)}, not its shards {p * want}+{want}")
+        self.emu.views_fetched += len(views)
+        self.view_qid = q.quorum_id
 
     async def _attempt(self, state: fsm.StepState, q: qm.Quorum, nbytes: int) -> fsm.Outcome | None:
         emu, c = self.emu, self.emu.config
@@ -529,19 +576,22 @@ class EmulatedReplica:
         await asyncio.sleep(secs)
         self.hung = False
 
-    async def _heartbeats(self) -> None:
+    async def _heartbeats(self, process: int) -> None:
         c = self.emu.config
+        client = self.clients[process]
         interval = c.timeouts.heartbeat_interval_s
         # Independent processes heartbeat at unrelated phases, not in one burst.
-        await asyncio.sleep(interval * ((self.index * 0.618034) % 1.0))
+        await asyncio.sleep(interval * (((self.index * len(self.clients) + process) * 0.618034) % 1.0))
         while True:
             await asyncio.sleep(interval)
             if self.hung:
                 continue
             try:
-                reply = await self.client.heartbeat(self.state.step)
+                reply = await client.heartbeat(self.state.step)
             except LighthouseError:
                 continue  # the lighthouse is down or slow: keep trying every interval
+            if process:
+                continue  # a follower's beat: its liveness and addresses; the leader watches the quorum
             q = self.inflight
             if q is not None and reply.dead_members and reply.quorum_id == q.quorum_id:
                 ranks_of = fsm.membership(q)[0]
@@ -575,6 +625,8 @@ class Emulation:
         self.events: list[str] = []
         self.problems: list[str] = []
         self.rank_replays = 0
+        self.views_fetched = 0
+        self.answer_bytes = 0
         self._fired: set[Fault] = set()
         self._hangs: dict[tuple[int, int], float] = {}
         self._side_tasks: list[asyncio.Task] = []
@@ -716,7 +768,7 @@ class Emulation:
             waits=self.waits, events=self.events, problems=self.problems, lighthouse_starts=self.lighthouse.starts,
             rank_replays=self.rank_replays, fabric_completed=self.fabric.completed,
             fabric_failed=self.fabric.failed, decode=(self.decode_cache.decoded, self.decode_cache.hits),
-            unfinished=unfinished)
+            unfinished=unfinished, views_fetched=self.views_fetched, answer_bytes=self.answer_bytes)
 
     def run(self) -> EmulationReport:
         try:
