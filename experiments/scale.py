@@ -528,6 +528,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="hierarchical leaders' heartbeat interval in s (default 0.1, ft's default; 0 = none)")
     ap.add_argument("--profile", type=int, nargs="*", default=None,
                     help="replica counts for the time breakdown and the lighthouse cProfile (default 1024 8192; quick 256)")
+    ap.add_argument("--append", action="store_true",
+                    help="keep what --out already holds and replace only the rows (and parts) this run measures")
     ap.add_argument("--torchft-timeout", type=float, default=120.0, help="per-call deadline for torchft (s)")
     args = ap.parse_args(argv)
     rounds = args.rounds or (4 if args.quick else 20)
@@ -561,6 +563,20 @@ def main(argv: list[str] | None = None) -> int:
         "paper": PAPER, "rows": [], "torchft": {},
     }
 
+    if args.append and out_path.exists():
+        old = json.loads(out_path.read_text())
+        result["rows"] = old.get("rows", [])
+        result["torchft"] = old.get("torchft", {})
+        if "where_time_goes" in old:
+            result["where_time_goes"] = old["where_time_goes"]
+        result["earlier_runs"] = old.get("earlier_runs", []) + [old.get("host", {})]
+
+    def row_key(r: dict) -> tuple:
+        return (r["system"], r["replicas"], r["ranks"], r.get("processes_per_replica", 1))
+
+    def add(r: dict) -> None:
+        result["rows"] = [x for x in result["rows"] if row_key(x) != row_key(r)] + [r]
+
     def save() -> None:
         result["host"]["loadavg_now"] = os.getloadavg()
         result["verdict"] = verdict(result["rows"], result.get("where_time_goes", {}).get("decision"))
@@ -576,13 +592,13 @@ def main(argv: list[str] | None = None) -> int:
     if "hierarchical" not in args.skip:
         for rpr, g, nproc in shapes:
             r = fthsdp_row("fthsdp-hierarchical", rpr, g, rounds, heartbeat_s=args.heartbeat, processes=nproc)
-            result["rows"].append(r)
+            add(r)
             show(r)
             save()
     if "flat" not in args.skip:
         for n in flat_ns:
             r = fthsdp_row("fthsdp-flat", n, 1, max(3, rounds // 2) if n > 1024 else rounds, heartbeat_s=0.0)
-            result["rows"].append(r)
+            add(r)
             show(r)
             save()
     if "decision" not in args.skip:
@@ -619,7 +635,7 @@ def main(argv: list[str] | None = None) -> int:
             for n in tft_ns:
                 r = torchft_row(peer_python, n, max(3, rounds // 4) if n > 1024 else max(3, rounds // 2),
                                 args.torchft_timeout)
-                result["rows"].append(r)
+                add(r)
                 show(r)
                 save()
                 if r["complete_rounds"] == 0 or (r["p50_s"] or 0) > 20:

@@ -161,3 +161,74 @@ def test_max_pending_rpcs_is_checked():
 
     with pytest.raises(ValueError, match="max_pending_rpcs"):
         LighthouseConfig(max_pending_rpcs=0)
+
+
+def test_a_steady_answer_leaves_out_the_rings_its_asker_holds():
+    """A leader whose last quorum is the decided one gets the answer without its rings
+    (rings_omitted): O(members) bytes instead of O(members x shards); the client keeps
+    the rings of the view it holds. A new quorum id (here a commit failure) sends them again."""
+    n, shards = 3, 4
+    with LighthouseThread(LighthouseConfig(join_timeout_s=20.0, detect_s=20.0)) as lh:
+        clients = [LighthouseClient(lh.address, "lean", str(i)) for i in range(n)]
+        try:
+            def round_(step: int, failed: bool = False):
+                import concurrent.futures as cf
+
+                with cf.ThreadPoolExecutor(n) as ex:
+                    return list(ex.map(lambda i: clients[i].get_quorum(
+                        step, ftar_addresses=[f"127.0.0.1:{20000 + 10 * i + k}" for k in range(shards)],
+                        state_server_address=f"127.0.0.1:{30000 + i}", num_replicas=n, commit_failed=failed,
+                        timeout_s=30.0), range(n)))
+
+            first = round_(0)
+            lean0 = lh.server.stats["replies_rings_omitted"]
+            second = round_(1)
+            lean1 = lh.server.stats["replies_rings_omitted"]
+            third = round_(2, failed=True)
+            lean2 = lh.server.stats["replies_rings_omitted"]
+        finally:
+            for c in clients:
+                c.close()
+    expected = tuple(tuple(f"127.0.0.1:{20000 + 10 * i + k}" for i in range(n)) for k in range(shards))
+    for a, b in zip(first, second):
+        assert a.quorum_id == b.quorum_id == 1 and a.rings == b.rings == expected and b.max_step == 1
+    assert third[0].quorum_id == 2 and all(q.rings == expected for q in third)
+    assert (lean0, lean1, lean2) == (0, n, n)  # only the steady round's answers left the rings out
+    # The lean answer on the wire: the leader of a 3 x 4 job, rings left out.
+    view = pb2.QuorumResponse(protocol_version=LIGHTHOUSE_PROTOCOL_VERSION)
+    from fthsdp.control import quorum as qm
+    from fthsdp.control.lighthouse import quorum_to_proto
+
+    full = quorum_to_proto(qm.process_view(_full_quorum(n, shards), "0", 0, shards))
+    view.quorum.CopyFrom(full)
+    lean = pb2.Quorum()
+    lean.CopyFrom(full)
+    del lean.rings[:]
+    lean.rings_omitted = True
+    assert lean.ByteSize() < full.ByteSize() / 2
+
+
+def _full_quorum(n: int, shards: int):
+    from fthsdp.control import quorum as qm
+
+    members = tuple(qm.Member(str(i), 0, tuple(f"127.0.0.1:{20000 + 10 * i + k}" for k in range(shards)),
+                              f"127.0.0.1:{30000 + i}", shards) for i in range(n))
+    return qm.Quorum(quorum_id=1, members=members, max_step=0, healthy=tuple(str(i) for i in range(n)), behind=())
+
+
+def test_keep_rings_refuses_an_answer_it_cannot_complete():
+    import pytest
+
+    from fthsdp.control import quorum as qm
+    from fthsdp.control.lighthouse_client import LighthouseError, keep_rings
+
+    q = _full_quorum(2, 2)
+    held = qm.process_view(q, "0", 0, 2)
+    import dataclasses
+
+    lean = dataclasses.replace(held, rings=())
+    assert keep_rings(lean, held).rings == held.rings
+    with pytest.raises(LighthouseError, match="left out the rings"):
+        keep_rings(lean, None)
+    with pytest.raises(LighthouseError, match="left out the rings"):
+        keep_rings(dataclasses.replace(lean, quorum_id=5), held)

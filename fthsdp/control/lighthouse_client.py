@@ -27,6 +27,8 @@ process's view: ``Quorum.rings`` (its shards' rings) and ``Quorum.sources``.
 
 from __future__ import annotations
 
+import dataclasses
+
 import logging
 import sys
 import threading
@@ -306,6 +308,18 @@ def _print_targets(address: str, job: str) -> int:
     return 0
 
 
+def keep_rings(q: qm.Quorum, held: qm.Quorum | None) -> qm.Quorum:
+    """``q`` (an answer whose rings the lighthouse left out: ``rings_omitted``) with the
+    rings of ``held``, this process's view of the same quorum id. The lighthouse omits
+    them only when the request reported that id as its last quorum, so ``held`` is it;
+    anything else is a protocol error, raised as such."""
+    if held is None or held.quorum_id != q.quorum_id or not held.rings:
+        raise LighthouseError(f"the lighthouse left out the rings of quorum {q.quorum_id} but this process holds "
+                              f"{'no view' if held is None else f'the view of quorum {held.quorum_id}'}: "
+                              "mismatched lighthouse and client versions?")
+    return dataclasses.replace(q, rings=held.rings, first_shard=held.first_shard)
+
+
 def quorum_from_proto(p: pb2.Quorum) -> qm.Quorum:
     """A quorum answer (a process's view) or a Status quorum (every endpoint) from the wire."""
     return qm.Quorum(
@@ -509,6 +523,8 @@ class LighthouseClient:
                 f"job {self.job_id!r} already finished at step {resp.finished_step} (lighthouse {self.address}); "
                 f"replica {self.replica_id!r} at step {step} has nothing left to train", resp.finished_step)
         q = quorum_from_proto(resp.quorum)
+        if resp.quorum.rings_omitted:
+            q = keep_rings(q, self.last_quorum)
         if self.replica_id in q.member_ids:
             self.last_quorum = q
         return q

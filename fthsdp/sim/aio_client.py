@@ -38,6 +38,7 @@ from fthsdp.control.lighthouse_client import (
     LighthouseUnavailable,
     QuorumTimeout,
     backoff_delays,
+    keep_rings,
     quorum_from_proto,
 )
 from fthsdp.proto import LIGHTHOUSE_PROTOCOL_VERSION, lighthouse as _load_stubs
@@ -69,6 +70,24 @@ def _members_wire(q: qm.Quorum) -> bytes:
     return raw
 
 
+_KEPT: dict[tuple[int, int], tuple[qm.Quorum, tuple, qm.Quorum]] = {}
+
+
+def _kept_rings(q: qm.Quorum, held: qm.Quorum | None) -> qm.Quorum:
+    """:func:`keep_rings`, once per (answer, held rings) for the leaders of one process:
+    they hold the same decoded objects, so they keep sharing one (the step machine's
+    and the data state's caches are keyed by the quorum object)."""
+    rings = held.rings if held is not None else ()
+    hit = _KEPT.get((id(q), id(rings)))
+    if hit is not None and hit[0] is q and hit[1] is rings:
+        return hit[2]
+    merged = keep_rings(q, held)
+    if len(_KEPT) >= 16:
+        _KEPT.pop(next(iter(_KEPT)))
+    _KEPT[(id(q), id(rings))] = (q, rings, merged)
+    return merged
+
+
 class DecodeCache:
     """Quorum answers decoded once per distinct bytes, for the leaders of one process.
 
@@ -85,19 +104,20 @@ class DecodeCache:
         # The last few (answer bytes, decoded) pairs, newest first. Matched by equality
         # (a memcmp), not by hashing: hashing each leader's copy of a 1.45 MB answer cost
         # the emulator ~1 ms per leader, 0.5 s a round at 512 leaders.
-        self._recent: list[tuple[bytes, qm.Quorum | int]] = []
+        self._recent: list[tuple[bytes, tuple[qm.Quorum, bool] | int]] = []
         self.decoded = 0
         self.hits = 0
 
     @staticmethod
-    def parse(raw: bytes) -> qm.Quorum | int:
-        """The answer: a Quorum, or the finished step (an int) when the job finished."""
+    def parse(raw: bytes) -> tuple[qm.Quorum, bool] | int:
+        """The answer: (the Quorum, whether its rings were left out), or the finished step
+        (an int) when the job finished."""
         resp = pb2.QuorumResponse.FromString(raw)
         if resp.job_finished:
             return int(resp.finished_step)
-        return quorum_from_proto(resp.quorum)
+        return quorum_from_proto(resp.quorum), resp.quorum.rings_omitted
 
-    def decode(self, raw: bytes) -> qm.Quorum | int:
+    def decode(self, raw: bytes) -> tuple[qm.Quorum, bool] | int:
         n = len(raw)
         for known, q in self._recent:
             if len(known) == n and known == raw:
@@ -178,7 +198,7 @@ class AioLighthouseClient:
         ).SerializeToString()
         return head + (_members_wire(last) if last is not None else b"")
 
-    def _decode(self, raw: bytes) -> pb2.QuorumResponse | qm.Quorum:
+    def _decode(self, raw: bytes) -> tuple[qm.Quorum, bool] | int:
         if self.decode_cache is not None:
             return self.decode_cache.decode(raw)
         return DecodeCache.parse(raw)
@@ -227,9 +247,12 @@ class AioLighthouseClient:
         outage = 0.0 if down_since is None else time.monotonic() - down_since
         if outage:
             self.outages.append(outage)
-        q = self._decode(raw)
-        if isinstance(q, int):
-            raise JobFinished(f"job {self.job_id!r} finished at step {q}", q)
+        got = self._decode(raw)
+        if isinstance(got, int):
+            raise JobFinished(f"job {self.job_id!r} finished at step {got}", got)
+        q, lean = got
+        if lean:
+            q = _kept_rings(q, self.last_quorum)
         if self.replica_id in membership(q)[0]:
             self.last_quorum = q
         return QuorumReply(q, sent, received, outage)
