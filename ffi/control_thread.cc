@@ -424,8 +424,10 @@ void RingEndpoint::begin_op() {
   for (auto& s : in_) {
     s.expected = 0;
     s.reading_payload = false;
+    s.awaiting_slot = false;
     s.done = 0;
   }
+  if (op.offload) op.offload->set_waker([t = thread_] { t->wake(); });
   const int64_t total = sched_->steps_per_lane();
   for (int32_t lane = 0; lane < options_.chunks; ++lane) {
     for (int64_t i = 0; i < total; ++i) {
@@ -439,8 +441,10 @@ void RingEndpoint::begin_op() {
 void RingEndpoint::advance(int32_t lane) {
   Lane& L = lanes_[lane];
   const int64_t total = sched_->steps_per_lane();
+  while (L.next_arrive < total && sched_->lane_step(lane, L.next_arrive).recv.count == 0) ++L.next_arrive;
+  // A step is received once it arrived and, if the device sums it, is summed.
+  L.next_recv = L.reducing.empty() ? L.next_arrive : L.reducing.front();
   for (;;) {
-    while (L.next_recv < total && sched_->lane_step(lane, L.next_recv).recv.count == 0) ++L.next_recv;
     // Queue every send that is ready, in lane order: a lane may have a
     // forwarded chunk and the next partition's first chunk in flight at once.
     if (L.next_send < total) {
@@ -469,6 +473,28 @@ void RingEndpoint::advance(int32_t lane) {
   if (!L.done && L.next_send == total && L.in_flight == 0 && L.next_recv == total) {
     L.done = true;
     ++lanes_done_;
+  }
+}
+
+// Lanes whose chunks the device has summed move on (their next send is that
+// sum), and streams that waited for a receive slot read on.
+void RingEndpoint::drain_reduces() {
+  if (!op_->offload) return;
+  std::vector<int32_t> lanes;
+  std::string reason;
+  if (!op_->offload->drain(&lanes, &reason)) {
+    fail("ftar (gpu): " + reason, /*fatal=*/true);
+    return;
+  }
+  for (int32_t lane : lanes) {
+    if (!op_ || !sched_) return;
+    lanes_[lane].reducing.pop_front();
+    advance(lane);
+    op_maybe_done();
+  }
+  const uint64_t epoch = epoch_;
+  for (size_t i = 0; i < in_.size() && op_ && sched_ && epoch == epoch_; ++i) {
+    if (in_[i].awaiting_slot) on_in(i, 0);
   }
 }
 
@@ -762,6 +788,13 @@ void RingEndpoint::on_in(size_t i, short revents) {
   size_t budget = kReadBudget;
   while (op_ && sched_) {
     InStream& s = in_[i];
+    if (s.awaiting_slot) {  // drain_reduces() freed a slot, perhaps
+      s.dest = op_->offload->acquire(static_cast<size_t>(s.header.bytes));
+      if (!s.dest) return;
+      s.awaiting_slot = false;
+      s.reading_payload = true;
+      s.done = 0;
+    }
     if (!s.reading_payload) {
       if (s.expected <= 0) return;
       int err = 0;
@@ -790,7 +823,7 @@ void RingEndpoint::on_in(size_t i, short revents) {
       expect.lanes = lanes_.size();
       expect.streams = options_.streams;
       expect.stream = i;
-      expect.next_recv = [this](uint32_t lane) { return lanes_[lane].next_recv; };
+      expect.next_recv = [this](uint32_t lane) { return lanes_[lane].next_arrive; };
       expect.schedule = &*sched_;
       expect.elem = elem_;
       const wire::ChunkDecision verdict = wire::check_chunk_header(h, expect);
@@ -801,12 +834,20 @@ void RingEndpoint::on_in(size_t i, short revents) {
       {
         const ChunkStep& cs = verdict.step;
         s.lane = static_cast<int32_t>(h.lane);
-        s.dest = cs.op == RecvOp::kStore
-                     ? static_cast<char*>(op_->data) + cs.recv.offset * static_cast<int64_t>(elem_)
-                     : staging_.data() + static_cast<size_t>(h.lane) * options_.chunk_bytes;
+        if (cs.op == RecvOp::kStore) {
+          s.dest = static_cast<char*>(op_->data) + cs.recv.offset * static_cast<int64_t>(elem_);
+        } else if (op_->offload) {
+          s.dest = op_->offload->acquire(static_cast<size_t>(h.bytes));
+        } else {
+          s.dest = staging_.data() + static_cast<size_t>(h.lane) * options_.chunk_bytes;
+        }
+      }
+      s.done = 0;
+      if (!s.dest) {  // every slot is with the device: read on once one is free
+        s.awaiting_slot = true;
+        return;
       }
       s.reading_payload = true;
-      s.done = 0;
     }
     int err = 0;
     const size_t before = s.done;
@@ -829,16 +870,18 @@ void RingEndpoint::on_in(size_t i, short revents) {
     }
     const int32_t lane = s.lane;
     const ChunkStep cs = sched_->lane_step(lane, s.header.index);
-    if (cs.op != RecvOp::kStore) {
+    if (cs.op != RecvOp::kStore && op_->offload) {
+      op_->offload->post(s.dest, lane, cs.recv.offset, cs.recv.count);
+      lanes_[lane].reducing.push_back(s.header.index);
+    } else if (cs.op != RecvOp::kStore) {
       char* out = static_cast<char*>(op_->data) + cs.recv.offset * static_cast<int64_t>(elem_);
       reduce_sum(op_->dtype, out, s.dest, out, static_cast<size_t>(cs.recv.count));
     }
     s.reading_payload = false;
     s.done = 0;
     --s.expected;
-    ++lanes_[lane].next_recv;
-    note_recv_progress();
-    advance(lane);
+    ++lanes_[lane].next_arrive;
+    advance(lane);  // moves next_recv up to the oldest step the device has not summed
     op_maybe_done();
     if (got >= budget) return;
     budget -= got;
@@ -931,13 +974,16 @@ void RingEndpoint::poll_prepare(Clock::time_point now, std::vector<pollfd>* fds,
   if (op_ && sched_) {
     for (size_t i = 0; i < in_.size(); ++i) {
       const InStream& s = in_[i];
-      if (s.fd.valid() && (s.expected > 0 || s.reading_payload)) add(s.fd.get(), POLLIN, 3, i);
+      if (s.fd.valid() && !s.awaiting_slot && (s.expected > 0 || s.reading_payload)) {
+        add(s.fd.get(), POLLIN, 3, i);
+      }
     }
   }
 }
 
 void RingEndpoint::poll_handle(const std::vector<pollfd>& fds, Clock::time_point now) {
   if (op_ && sched_) drain_senders();
+  if (op_ && sched_) drain_reduces();
   const uint64_t epoch = epoch_;
   for (size_t j = 0; j < slots_.size(); ++j) {
     const short rev = fds[slot_base_ + j].revents;

@@ -46,6 +46,7 @@
 #include "crypto/hmac_sha256.h"
 #include "reduce.h"
 #include "ring_schedule.h"
+#include "staging_offload.h"
 #include "transport/tcp.h"
 
 namespace fthsdp {
@@ -91,6 +92,9 @@ struct Op {
   int32_t rank = 0;
   int32_t n = 0;
   Clock::time_point deadline;
+  // When set (FTAR on the GPU), the reduce-scatter's additions run on the
+  // device: chunks are received into its slots and posted to it.
+  ReduceOffload* offload = nullptr;
   // Result, guarded by the endpoint's mutex.
   bool done = false;
   bool fatal = false;
@@ -237,6 +241,7 @@ class RingEndpoint {
     int64_t expected = 0;  // messages still due on this stream in the current op
     crypto::HmacKey conn_key;  // chunk-tag key of this connection (with a job key)
     uint64_t seq = 0;          // chunk headers received on this connection
+    bool awaiting_slot = false;  // header read, every offload slot taken: not read on
   };
   struct Pending {  // an accepted connection whose handshake is not decided yet
     enum class Phase { kHello, kHeld, kProof };
@@ -253,7 +258,9 @@ class RingEndpoint {
   };
   struct Lane {
     int64_t next_send = 0;
-    int64_t next_recv = 0;
+    int64_t next_recv = 0;     // steps before it are received and summed
+    int64_t next_arrive = 0;   // the next step expected on the wire (>= next_recv)
+    std::deque<int64_t> reducing;  // steps posted to the offload, not summed yet
     int64_t in_flight = 0;  // queued to the sender, not yet sent
     bool done = false;
   };
@@ -285,6 +292,7 @@ class RingEndpoint {
   void on_out(size_t i, short revents, Clock::time_point now);
   void on_in(size_t i, short revents);
   void drain_senders();
+  void drain_reduces();
   void advance(int32_t lane);
   void op_maybe_done();
   void note_recv_progress();

@@ -231,7 +231,8 @@ RingEndpoint* ftar_endpoint(int32_t handle, int32_t shard, int32_t rank, int32_t
 }
 
 FtarResult ftar_allreduce_on(RingEndpoint* ep, int64_t quorum_id, int32_t rank, int32_t n,
-                             void* data, DType dtype, int64_t count, Clock::time_point deadline) {
+                             void* data, DType dtype, int64_t count, Clock::time_point deadline,
+                             ReduceOffload* offload) {
   FtarResult result;
   auto op = std::make_shared<Op>();
   op->data = data;
@@ -241,6 +242,7 @@ FtarResult ftar_allreduce_on(RingEndpoint* ep, int64_t quorum_id, int32_t rank, 
   op->rank = rank;
   op->n = n;
   op->deadline = deadline;
+  op->offload = offload;
   ep->run(op);
   if (op->fatal) {
     result.fatal = true;

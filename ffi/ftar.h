@@ -73,9 +73,10 @@ RingEndpoint* ftar_endpoint(int32_t handle, int32_t shard, int32_t rank, int32_t
 
 // One in-place all-reduce of `data` on `ep` with an explicit deadline (the
 // staged GPU path runs a bucket as several of these, cut at partition
-// boundaries, under one deadline).
+// boundaries, under one deadline, with `offload` summing on the device).
 FtarResult ftar_allreduce_on(RingEndpoint* ep, int64_t quorum_id, int32_t rank, int32_t n,
-                             void* data, DType dtype, int64_t count, Clock::time_point deadline);
+                             void* data, DType dtype, int64_t count, Clock::time_point deadline,
+                             ReduceOffload* offload = nullptr);
 
 // Elements of one ring partition (chunk_elems * chunks * n) of `ep` for dtype:
 // cutting a buffer at multiples of it keeps every element's summation order.

@@ -75,6 +75,12 @@ StagingQueue::StagingQueue(const FthsdpAllocator& alloc) : alloc_(alloc) {
   control_ = static_cast<FthsdpStagingControl*>(alloc_.alloc(sizeof(FthsdpStagingControl), alloc_.user));
   if (!control_) throw std::runtime_error("ftar staging: could not allocate the pinned control block");
   std::memset(const_cast<FthsdpStagingControl*>(control_), 0, sizeof(FthsdpStagingControl));
+  try {
+    reducer_ = std::make_unique<DeviceReducer>(control_, alloc_);
+  } catch (...) {
+    alloc_.release(control_, alloc_.user);
+    throw;
+  }
   worker_ = std::thread([this] { loop(); });
 }
 
@@ -85,7 +91,9 @@ StagingQueue::~StagingQueue() {
   }
   cv_.notify_all();
   worker_.join();
-  for (const auto& op : queue_) release(op, 0, FTHSDP_STATUS_RECOVERABLE, "staging queue shut down");
+  for (const auto& q : queue_) release(q.op, 0, FTHSDP_STATUS_RECOVERABLE, "staging queue shut down");
+  reducer_.reset();
+  if (device_state_ && alloc_.release_device) alloc_.release_device(device_state_, alloc_.user);
   for (auto& b : buffers_) alloc_.release(b.first, alloc_.user);
   alloc_.release(control_, alloc_.user);
 }
@@ -112,17 +120,16 @@ uint32_t StagingQueue::next_seq() {
 bool StagingQueue::submit(const FthsdpStagedOp& op, std::string* fatal) {
   std::unique_lock<std::mutex> lk(mu_);
   next_seq_ = op.seq + 1;
+  Queued q{op, ""};
   if (!fatal_.empty()) {
     *fatal = fatal_;
+    q.refused = fatal_;
     fatal_.clear();
-    lk.unlock();
-    release(op, 0, FTHSDP_STATUS_FATAL, *fatal);
-    return false;
   }
-  queue_.push_back(op);
+  queue_.push_back(std::move(q));
   lk.unlock();
   cv_.notify_one();
-  return true;
+  return fatal->empty();
 }
 
 StagingQueue::Stats StagingQueue::stats() {
@@ -132,17 +139,21 @@ StagingQueue::Stats StagingQueue::stats() {
 
 void StagingQueue::loop() {
   for (;;) {
-    FthsdpStagedOp op;
+    Queued q;
     {
       std::unique_lock<std::mutex> lk(mu_);
       // Bounded wait: re-checks stop_ even if a notification was missed.
       cv_.wait_for(lk, std::chrono::milliseconds(200), [&] { return stop_ || !queue_.empty(); });
       if (stop_) return;
       if (queue_.empty()) continue;
-      op = queue_.front();
+      q = std::move(queue_.front());
       queue_.pop_front();
     }
-    run(op);
+    if (q.refused.empty()) {
+      run(q.op);
+    } else {
+      release(q.op, 0, FTHSDP_STATUS_FATAL, q.refused);
+    }
   }
 }
 
@@ -166,6 +177,7 @@ void StagingQueue::release(const FthsdpStagedOp& op, int32_t from, int32_t statu
       stats_.last_error = reason;
     }
   }
+  reducer_->stop(op.seq);  // the worker ends; its jobs are all consumed unless this op failed
   store_release(&control_->status[op.seq & 1], status);
   for (int32_t b = std::max(0, from); b < op.num_blocks; ++b) store_release(&control_->done[b], op.seq);
 }
@@ -198,6 +210,17 @@ void StagingQueue::run(const FthsdpStagedOp& op) {
   }
   // The network deadline counts from the moment the stream reached the op.
   const auto deadline = Clock::now() + seconds(ep->options().timeout_s);
+  try {
+    reducer_->begin(op.seq, reduce_slots_for(ep->options().chunks),
+                    static_cast<size_t>(ep->options().chunk_bytes));
+  } catch (const std::exception& e) {
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      fatal_ = e.what();
+    }
+    release(op, 0, FTHSDP_STATUS_FATAL, e.what());
+    return;
+  }
   int32_t waited = 0;  // blocks [0, waited) are staged
   int32_t raised = 0;  // blocks [0, raised) are released
   int64_t ring_ops = 0;
@@ -225,8 +248,9 @@ void StagingQueue::run(const FthsdpStagedOp& op) {
         }
         ++waited;
       }
+      reducer_->target(host + r.offset * elem, op.bucket_device_in[bucket] + r.offset * elem, dtype);
       const FtarResult res = ftar_allreduce_on(ep, quorum_id, rank, n, host + r.offset * elem, dtype,
-                                               r.count, deadline);
+                                               r.count, deadline, reducer_.get());
       ++ring_ops;
       if (res.fatal) {
         {
@@ -252,6 +276,7 @@ void StagingQueue::run(const FthsdpStagedOp& op) {
   {
     std::lock_guard<std::mutex> lk(mu_);
     stats_.ring_ops += ring_ops;
+    stats_.device_reduces += reducer_->jobs_posted();
   }
   release(op, raised, FTHSDP_STATUS_OK, "");
 }
@@ -274,6 +299,8 @@ void* api_queue(uint64_t key, const FthsdpAllocator* alloc, char* err, size_t le
 
 FthsdpStagingControl* api_control(void* q) { return static_cast<fthsdp::StagingQueue*>(q)->control(); }
 
+void** api_device_state(void* q) { return static_cast<fthsdp::StagingQueue*>(q)->device_state(); }
+
 void* api_reserve(void* q, size_t bytes, char* err, size_t len) {
   try {
     return static_cast<fthsdp::StagingQueue*>(q)->reserve(bytes);
@@ -292,8 +319,8 @@ int api_submit(void* q, const FthsdpStagedOp* op, char* err, size_t len) {
   return 1;
 }
 
-const FthsdpHostApi kHostApi = {FTHSDP_STAGING_ABI, api_queue,  api_control, api_reserve,
-                                api_next_seq,       api_submit, fthsdp::plan_blocks};
+const FthsdpHostApi kHostApi = {FTHSDP_STAGING_ABI, api_queue,  api_control,      api_reserve,
+                                api_next_seq,       api_submit, api_device_state, fthsdp::plan_blocks};
 
 }  // namespace
 

@@ -11,17 +11,22 @@
 // for the stream's args (the quorum scalars), resolves the ring endpoint, and
 // runs the ring over the staged bytes as several ring ops cut at multiples of
 // the ring's partition size, so that the summation order of every element is
-// exactly the CPU FTAR's (bitwise-identical results on CPU and GPU). A ring
-// op starts as soon as the copy blocks it covers are staged; a copy block's
+// exactly the CPU FTAR's (bitwise-identical results on CPU and GPU). The
+// ring's additions run on the device: the control thread posts every
+// received reduce-scatter chunk to the queue's DeviceReducer, whose worker
+// kernel sums it into the staging buffer (ffi/staging_reduce.h). A ring op
+// starts as soon as the copy blocks it covers are staged; a copy block's
 // `done` flag rises as soon as the ring ops covering it finished, so the
-// stream's copies in and out overlap the network. Every wait has a deadline;
-// any failure raises all remaining `done` flags at once.
+// stream's copies in and out, the network and the device's sums of
+// different chunks overlap. Every wait has a deadline; any failure stops the
+// reduce worker and raises all remaining `done` flags at once.
 #pragma once
 
 #include <atomic>
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
+#include <memory>
 #include <mutex>
 #include <string>
 #include <thread>
@@ -30,6 +35,7 @@
 #include "control_thread.h"
 #include "ring_schedule.h"
 #include "staging_abi.h"
+#include "staging_reduce.h"
 
 namespace fthsdp {
 
@@ -56,10 +62,13 @@ class StagingQueue {
   StagingQueue& operator=(const StagingQueue&) = delete;
 
   FthsdpStagingControl* control() { return control_; }
+  // Where the CUDA library keeps its per-stream state (released with the queue).
+  void** device_state() { return &device_state_; }
   void* reserve(size_t bytes);  // throws std::runtime_error
   uint32_t next_seq();
   // false (with the reason) when an earlier op failed fatally; the op is then
-  // not queued and its flags are raised at once with status FATAL.
+  // not run, and released with status FATAL when the worker reaches it (in
+  // stream order: its reduce worker may not end before the ones ahead of it).
   bool submit(const FthsdpStagedOp& op, std::string* fatal);
 
   struct Stats {
@@ -67,6 +76,7 @@ class StagingQueue {
     int64_t ops_recoverable = 0;
     int64_t ops_fatal = 0;
     int64_t ring_ops = 0;
+    int64_t device_reduces = 0;  // chunks summed by the device
     std::string last_error;
   };
   Stats stats();
@@ -80,11 +90,17 @@ class StagingQueue {
 
   FthsdpAllocator alloc_;
   FthsdpStagingControl* control_ = nullptr;
+  void* device_state_ = nullptr;
+  std::unique_ptr<DeviceReducer> reducer_;
   std::vector<std::pair<void*, size_t>> buffers_;  // data buffers; the last is current
 
   std::mutex mu_;
   std::condition_variable cv_;
-  std::deque<FthsdpStagedOp> queue_;
+  struct Queued {
+    FthsdpStagedOp op;
+    std::string refused;  // non-empty: released FATAL with this reason, in stream order
+  };
+  std::deque<Queued> queue_;
   uint32_t next_seq_ = 1;
   std::string fatal_;  // sticky: reported by the next submit()
   Stats stats_;

@@ -9,17 +9,33 @@
 // ffi/staging_abi.h): the handler only enqueues work on XLA's stream and
 // returns; no host thread waits for the network. Per call, on the stream:
 //   gather_args   the five int32 quorum scalars -> pinned args, args_ready=seq
+//   fork          the queue's side stream waits for that point and runs the
+//                 op's reduce worker (2 blocks x 512 threads): it takes the
+//                 reduce jobs the control thread posts for every received
+//                 reduce-scatter chunk, in post order, and sums
+//                 input + received chunk into the pinned staging buffer with
+//                 the reduce kernel's loop, until the host raises reduce_stop
 //   per block b:  async D2H copy of the block into the pinned staging buffer,
 //                 then signal ready[b]=seq
 //   per block b:  wait_flag spins (one thread, __nanosleep) until the control
 //                 plane raised done[b]=seq, then async H2D copy into the output;
 //                 the last wait also writes the status output from pinned memory.
-// The host side reduces over the ring as soon as the blocks it needs are
-// staged and releases blocks as soon as they are summed, so the copies in,
-// the network and the copies out of different blocks overlap. The kernels use
-// one thread each: the copies run on the copy engines and the SMs stay free
-// for compute. Every wait is released by the host on success, failure,
-// abort() or deadline, so a dead peer never hangs the stream.
+//   join          XLA's stream waits for the side stream's end of the worker.
+// The host side runs the ring as soon as the blocks it needs are staged and
+// releases blocks as soon as they are final, so the copies in, the network,
+// the device's sums and the copies out of different chunks overlap. The
+// copies run on the copy engines; the waits use one thread; the sums use two
+// thread blocks, so the SMs stay free for compute. Every wait is released by
+// the host on success, failure, abort() or deadline, so a dead peer never
+// hangs the stream; each also has a device-side backstop (a bug guard).
+//
+// Why a worker kernel spinning on pinned memory and not cuStreamWaitValue32
+// plus one reduce launch per chunk: how many chunks a rank sums depends on
+// the ring size, which lives on the device (the quorum arrays) and must not
+// be read by the host when the handler enqueues; a worker that takes jobs
+// until told to stop runs any number of them from one launch. It also needs
+// no stream memory operations (not supported on every driver/GPU), so there
+// is no second code path to fall back to.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -27,6 +43,7 @@
 #include <atomic>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -52,10 +69,12 @@ template <> __device__ inline __nv_bfloat16 from_f32<__nv_bfloat16>(float v) { r
 
 // Grid-stride loop with several independent loads per thread in flight (the
 // paper's instruction-level parallelism at low occupancy: few blocks, many
-// outstanding memory operations per thread).
+// outstanding memory operations per thread). One addition per element,
+// out = a + b in f32 rounded once: the CPU's reduce_sum (ffi/reduce.cc), so
+// a sum made here is bitwise the CPU FTAR's.
 template <typename T, int kUnroll = 4>
-__global__ void sum_kernel(const T* __restrict__ a, const T* __restrict__ b, T* __restrict__ out,
-                           size_t n) {
+__device__ void sum_range(const T* __restrict__ a, const T* __restrict__ b, T* __restrict__ out,
+                          size_t n) {
   const size_t stride = static_cast<size_t>(gridDim.x) * blockDim.x;
   size_t i = static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   for (; i + (kUnroll - 1) * stride < n; i += kUnroll * stride) {
@@ -69,6 +88,12 @@ __global__ void sum_kernel(const T* __restrict__ a, const T* __restrict__ b, T* 
     for (int u = 0; u < kUnroll; ++u) out[i + u * stride] = from_f32<T>(va[u] + vb[u]);
   }
   for (; i < n; i += stride) out[i] = from_f32<T>(to_f32(a[i]) + to_f32(b[i]));
+}
+
+template <typename T>
+__global__ void sum_kernel(const T* __restrict__ a, const T* __restrict__ b, T* __restrict__ out,
+                           size_t n) {
+  sum_range<T>(a, b, out, n);
 }
 
 template <typename T>
@@ -126,13 +151,97 @@ __global__ void signal_kernel(volatile uint32_t* flag, uint32_t seq) {
   __threadfence_system();
 }
 
-__global__ void wait_kernel(const volatile uint32_t* flag, uint32_t seq, const volatile int32_t* status_src,
-                            int32_t* status_dst) {
-  while (static_cast<int32_t>(*flag - seq) < 0) __nanosleep(1000);
-  __threadfence_system();
-  if (status_dst) *status_dst = *status_src;
+__device__ inline uint64_t now_ns() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
 }
 
+__device__ inline bool reached(uint32_t flag, uint32_t seq) { return static_cast<int32_t>(flag - seq) >= 0; }
+
+constexpr uint64_t kBackstopNs = uint64_t{FTHSDP_DEVICE_BACKSTOP_S} * 1000000000ull;
+
+// Waits for done[b] of op seq; the last wait of an op writes its status. Past
+// the backstop it gives up, marks the op and reports FATAL.
+__global__ void wait_kernel(FthsdpStagingControl* c, const volatile uint32_t* flag, uint32_t seq,
+                            int32_t* status_dst) {
+  const uint64_t t0 = now_ns();
+  while (!reached(*flag, seq)) {
+    if (now_ns() - t0 > kBackstopNs) {
+      c->device_timeout = seq;
+      break;
+    }
+    __nanosleep(1000);
+  }
+  __threadfence_system();
+  if (status_dst) {
+    *status_dst = c->device_timeout == seq ? FTHSDP_STATUS_FATAL : c->status[seq & 1];
+  }
+}
+
+struct JobView {
+  const void* a;
+  const void* b;
+  void* out;
+  int64_t count;
+  int32_t dtype;
+};
+
+// The reduce worker of op seq: runs jobs 0, 1, ... of the ring in
+// control->jobs until the host raises reduce_stop to seq (or the backstop).
+// Thread 0 of each block watches the flags; the whole block sums.
+__global__ void reduce_worker(FthsdpStagingControl* c, uint32_t seq) {
+  __shared__ int go;  // 1: run `job`, 0: end
+  __shared__ JobView job;
+  for (uint32_t j = 0;; ++j) {
+    FthsdpReduceJob* slot = &c->jobs[j % FTHSDP_REDUCE_SLOTS];
+    const uint64_t key = (static_cast<uint64_t>(seq) << 32) | static_cast<uint64_t>(j + 1);
+    if (threadIdx.x == 0) {
+      const uint64_t t0 = now_ns();
+      go = 0;
+      for (uint32_t spins = 0;; ++spins) {
+        if (slot->key == key) {
+          go = 1;
+          break;
+        }
+        if (reached(c->reduce_stop, seq)) break;
+        if (now_ns() - t0 > kBackstopNs) {
+          c->device_timeout = seq;
+          break;
+        }
+        if (spins > 32) __nanosleep(256);
+      }
+      __threadfence_system();  // the job's fields were written before its key
+      if (go) {
+        const volatile FthsdpReduceJob* v = slot;
+        job.a = reinterpret_cast<const void*>(v->a);
+        job.b = reinterpret_cast<const void*>(v->b);
+        job.out = reinterpret_cast<void*>(v->out);
+        job.count = v->count;
+        job.dtype = v->dtype;
+      }
+    }
+    __syncthreads();
+    if (!go) return;
+    const size_t n = static_cast<size_t>(job.count);
+    switch (job.dtype) {
+      case 0: sum_range<float>(static_cast<const float*>(job.a), static_cast<const float*>(job.b), static_cast<float*>(job.out), n); break;
+      case 1: sum_range<__nv_bfloat16>(static_cast<const __nv_bfloat16*>(job.a), static_cast<const __nv_bfloat16*>(job.b), static_cast<__nv_bfloat16*>(job.out), n); break;
+      default: sum_range<__half>(static_cast<const __half*>(job.a), static_cast<const __half*>(job.b), static_cast<__half*>(job.out), n); break;
+    }
+    __threadfence_system();  // this thread's sums reach host memory before the flag
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      c->consumed[j % FTHSDP_REDUCE_SLOTS][blockIdx.x] = key;
+      __threadfence_system();
+    }
+    // `job`/`go` are rewritten only by thread 0 after it passed this point;
+    // the others are past their reads of them (the __syncthreads above).
+  }
+}
+
+// Pinned, device-mapped host memory. The kernels use its host address as
+// the device address (unified addressing, checked once per queue).
 void* pinned_alloc(size_t bytes, void*) {
   void* p = nullptr;
   if (cudaHostAlloc(&p, bytes, cudaHostAllocPortable | cudaHostAllocMapped) != cudaSuccess) return nullptr;
@@ -142,7 +251,45 @@ void* pinned_alloc(size_t bytes, void*) {
 
 void pinned_release(void* p, void*) { (void)cudaFreeHost(p); }
 
-const FthsdpAllocator kPinned = {pinned_alloc, pinned_release, nullptr};
+// A queue's device state: the side stream the reduce worker runs on and the
+// two events that fork it from and join it to XLA's stream. Owned by the
+// staging queue (released with it through release_device).
+class SideStream {
+ public:
+  SideStream() = default;  // empty: use create()
+  SideStream(const SideStream&) = delete;
+  SideStream& operator=(const SideStream&) = delete;
+  ~SideStream() {
+    if (fork_) (void)cudaEventDestroy(fork_);
+    if (join_) (void)cudaEventDestroy(join_);
+    if (stream_) (void)cudaStreamDestroy(stream_);
+  }
+  // nullptr with `error` naming the failed call.
+  static std::unique_ptr<SideStream> create(std::string* error) {
+    auto s = std::make_unique<SideStream>();
+    cudaError_t e = cudaStreamCreateWithFlags(&s->stream_, cudaStreamNonBlocking);
+    if (e == cudaSuccess) e = cudaEventCreateWithFlags(&s->fork_, cudaEventDisableTiming);
+    if (e == cudaSuccess) e = cudaEventCreateWithFlags(&s->join_, cudaEventDisableTiming);
+    if (e != cudaSuccess) {
+      *error = std::string("creating the reduce worker's side stream and events: ") + cudaGetErrorString(e);
+      return nullptr;
+    }
+    return s;
+  }
+  cudaStream_t stream() const { return stream_; }
+  cudaEvent_t fork_event() const { return fork_; }
+  cudaEvent_t join_event() const { return join_; }
+
+ private:
+  cudaStream_t stream_ = nullptr;
+  cudaEvent_t fork_ = nullptr;
+  cudaEvent_t join_ = nullptr;
+};
+
+// The queue hands back the state it owned (what `create` released to it).
+void side_release(void* state, void*) { std::unique_ptr<SideStream>(static_cast<SideStream*>(state)).reset(); }
+
+const FthsdpAllocator kPinned = {pinned_alloc, pinned_release, side_release, nullptr};
 
 bool to_dtype(ffi::DataType t, int32_t* out) {  // fthsdp::DType values
   switch (t) {
@@ -236,7 +383,21 @@ ffi::Error FtarCudaImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> comm, ffi::Bu
   FthsdpStagingControl* ctrl = api->control(q);
   FthsdpStagingControl* ctrl_dev = nullptr;
   cudaError_t e = cudaHostGetDevicePointer(reinterpret_cast<void**>(&ctrl_dev), ctrl, 0);
-  if (e != cudaSuccess) return cuda_error("mapping the pinned control block", e);
+  if (e != cudaSuccess) return cuda_error("cudaHostGetDevicePointer (the pinned control block)", e);
+  if (ctrl_dev != ctrl) {
+    return ffi::Error::Internal(
+        "fthsdp ftar (cuda): pinned host memory has a device address different from its host "
+        "address (no unified virtual addressing); the reduce worker needs it");
+  }
+  void** state = api->device_state(q);
+  if (!*state) {
+    std::string why;
+    std::unique_ptr<SideStream> side = SideStream::create(&why);
+    if (!side) return ffi::Error::Internal("fthsdp ftar (cuda): " + why);
+    *state = side.release();  // the queue owns it from here (kPinned.release_device)
+  }
+  const SideStream& side = *static_cast<SideStream*>(*state);
+  for (int32_t i = 0; i < nb; ++i) op.bucket_device_in[i] = reinterpret_cast<uint64_t>(in[i]);
   op.seq = api->next_seq(q);
 
   // 1. The quorum scalars reach the control plane through the stream, never a host read.
@@ -245,10 +406,21 @@ ffi::Error FtarCudaImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> comm, ffi::Bu
   e = cudaGetLastError();
   if (e != cudaSuccess) return cuda_error("launching gather_args", e);  // nothing waits yet
   // From here on the host side owns the op: whatever fails below, its worker
-  // releases every wait by the deadline.
-  if (api->submit(q, &op, err, sizeof(err)) != 0) {
+  // releases every wait and ends the reduce worker (reduce_stop), in stream
+  // order, by the deadline at the latest.
+  if (api->submit(q, &op, err, sizeof(err)) != 0) {  // released FATAL in order; no worker to fork
     return ffi::Error::Internal(std::string("fthsdp ftar: an earlier all-reduce failed fatally: ") + err);
   }
+  // Fork: the reduce worker runs beside the copies, on the side stream.
+  e = cudaEventRecord(side.fork_event(), stream);
+  if (e != cudaSuccess) return cuda_error("cudaEventRecord (fork)", e);
+  e = cudaStreamWaitEvent(side.stream(), side.fork_event(), 0);
+  if (e != cudaSuccess) return cuda_error("cudaStreamWaitEvent (fork)", e);
+  reduce_worker<<<FTHSDP_REDUCE_BLOCKS, 512, 0, side.stream()>>>(ctrl_dev, op.seq);
+  e = cudaGetLastError();
+  if (e != cudaSuccess) return cuda_error("launching reduce_worker", e);
+  e = cudaEventRecord(side.join_event(), side.stream());
+  if (e != cudaSuccess) return cuda_error("cudaEventRecord (join)", e);
   // 2. Stage the input block by block.
   for (int32_t b = 0; b < op.num_blocks; ++b) {
     const FthsdpStagedBlock& blk = op.blocks[b];
@@ -266,8 +438,7 @@ ffi::Error FtarCudaImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> comm, ffi::Bu
     const FthsdpStagedBlock& blk = op.blocks[b];
     const size_t es = elem[blk.bucket];
     const bool last = b == op.num_blocks - 1;
-    wait_kernel<<<1, 1, 0, stream>>>(&ctrl_dev->done[b], op.seq, &ctrl_dev->status[op.seq & 1],
-                                     last ? status_dev : nullptr);
+    wait_kernel<<<1, 1, 0, stream>>>(ctrl_dev, &ctrl_dev->done[b], op.seq, last ? status_dev : nullptr);
     e = cudaGetLastError();
     if (e != cudaSuccess) return cuda_error("launching wait", e);
     e = cudaMemcpyAsync(out[blk.bucket] + blk.offset * es,
@@ -275,6 +446,10 @@ ffi::Error FtarCudaImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> comm, ffi::Bu
                         static_cast<size_t>(blk.count) * es, cudaMemcpyHostToDevice, stream);
     if (e != cudaSuccess) return cuda_error("copying a block back", e);
   }
+  // Join: nothing after the all-reduce runs before its reduce worker ended
+  // (so the next op's slots and jobs are never read by this one's worker).
+  e = cudaStreamWaitEvent(stream, side.join_event(), 0);
+  if (e != cudaSuccess) return cuda_error("cudaStreamWaitEvent (join)", e);
   return ffi::Error::Success();
 }
 

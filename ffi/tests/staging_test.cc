@@ -1,14 +1,22 @@
 // C++ test of FTAR's GPU staging protocol on the CPU: the host side
-// (ffi/staging.cc, through the same C table the CUDA handler library uses)
-// with a thread per rank standing in for the GPU stream. The fake stream does
-// exactly what the CUDA handler enqueues: it writes the quorum args and raises
-// args_ready, copies the input block by block into the staging buffer raising
-// ready[b], then waits for done[b] (as the spin kernel does: no deadline of its
-// own, it relies on the host releasing it), copies the block out and reads the
-// status. Real communicators, real loopback sockets, real control thread.
+// (ffi/staging.cc, ffi/staging_reduce.cc, through the same C table the CUDA
+// handler library uses) with threads per rank standing in for the GPU. The
+// fake stream does exactly what the CUDA handler enqueues: it writes the
+// quorum args and raises args_ready, forks a fake reduce worker (a thread
+// doing what the reduce_worker kernel does: take jobs in order, sum
+// input + received slot into the staging buffer, raise consumed, end at
+// reduce_stop), copies the input block by block into the staging buffer
+// raising ready[b], then waits for done[b] (as the spin kernel does: no
+// deadline of its own, it relies on the host releasing it), copies the block
+// out, reads the status and joins the worker. Real communicators, real
+// loopback sockets, real control thread.
 //
-// Checks: sums bitwise equal to the CPU FTAR (ftar_allreduce) for f32 and bf16
-// over rings of 2..4 and sizes that are not multiples of the chunk; a ring of
+// Checks: sums bitwise equal to the CPU FTAR (ftar_allreduce) for f32, bf16
+// and f16 over rings of 2..4 and sizes that are not multiples of the chunk,
+// with every reduce-scatter addition made by the fake worker (none on the
+// control thread); a slow worker (the control thread waits for free receive
+// slots); the reduce worker released at the end of every op, failed or not;
+// the slot bookkeeping alone; a ring of
 // one; a stream waiting on a dead/absent peer is released by abort() promptly
 // and by the deadline otherwise; a stalled stream (a block never staged) is
 // released at the deadline; an unknown communicator is FATAL on the device and
@@ -46,7 +54,7 @@ double since(Clock::time_point t0) { return std::chrono::duration<double>(Clock:
 
 void* test_alloc(size_t bytes, void*) { return std::calloc(1, bytes); }
 void test_release(void* p, void*) { std::free(p); }
-const FthsdpAllocator kAlloc = {test_alloc, test_release, nullptr};
+const FthsdpAllocator kAlloc = {test_alloc, test_release, nullptr, nullptr};
 
 uint64_t next_key() {  // each fake stream gets its own queue
   static uint64_t key = 1000;
@@ -88,6 +96,41 @@ struct FakeStream {
   std::string submit_error;
   double seconds = 0;
   bool stall_after_first_block = false;
+  int worker_delay_us = 0;       // a slow "GPU": sleeps before each job
+  int64_t worker_jobs = 0;       // reduce jobs the fake worker ran in the last op
+  bool worker_released = false;  // it ended on reduce_stop (not the test's watchdog)
+  bool worker_stalls = false;    // a wedged "GPU": never takes a job
+
+  // What reduce_worker does, on a thread: jobs 0, 1, ... until reduce_stop reaches seq.
+  void worker(FthsdpStagingControl* c, uint32_t seq) {
+    worker_jobs = 0;
+    worker_released = false;
+    const auto guard = Clock::now() + std::chrono::seconds(60);  // the test's watchdog only
+    for (uint32_t j = 0;; ++j) {
+      FthsdpReduceJob& slot = c->jobs[j % FTHSDP_REDUCE_SLOTS];
+      const uint64_t key = (static_cast<uint64_t>(seq) << 32) | (j + 1);
+      for (;;) {
+        if (!worker_stalls && __atomic_load_n(&slot.key, __ATOMIC_ACQUIRE) == key) break;
+        if (static_cast<int32_t>(__atomic_load_n(&c->reduce_stop, __ATOMIC_ACQUIRE) - seq) >= 0) {
+          worker_released = true;
+          return;
+        }
+        if (Clock::now() > guard) {
+          check(false, "reduce worker never released");
+          return;
+        }
+        std::this_thread::sleep_for(std::chrono::microseconds(20));
+      }
+      if (worker_delay_us) std::this_thread::sleep_for(std::chrono::microseconds(worker_delay_us));
+      fthsdp::reduce_sum(static_cast<DType>(slot.dtype), reinterpret_cast<const void*>(slot.a),
+                         reinterpret_cast<const void*>(slot.b), reinterpret_cast<void*>(slot.out),
+                         static_cast<size_t>(slot.count));
+      ++worker_jobs;
+      for (int b = 0; b < FTHSDP_REDUCE_BLOCKS; ++b) {
+        __atomic_store_n(&c->consumed[j % FTHSDP_REDUCE_SLOTS][b], key, __ATOMIC_RELEASE);
+      }
+    }
+  }
 
   FakeStream() {
     char err[256] = {0};
@@ -116,7 +159,10 @@ struct FakeStream {
     char err[256] = {0};
     char* host = static_cast<char*>(api->reserve(q, total, err, sizeof(err)));
     check(host != nullptr, std::string("reserve: ") + err);
-    for (int32_t i = 0; i < nb; ++i) op.bucket_host[i] = host + offs[i];
+    for (int32_t i = 0; i < nb; ++i) {
+      op.bucket_host[i] = host + offs[i];
+      op.bucket_device_in[i] = reinterpret_cast<uint64_t>(in[i].data());  // the "device" input
+    }
     // Small blocks so that the test exercises many flags.
     op.num_blocks = api->plan(nb, counts.data(), dts.data(), 4096, op.blocks);
     if (api->submit(q, &op, err, sizeof(err)) != 0) submit_error = err;
@@ -126,6 +172,8 @@ struct FakeStream {
     const int32_t args[kFthsdpNumArgs] = {comm, 0, quorum_id, rank, n};
     for (int i = 0; i < kFthsdpNumArgs; ++i) c->args[i] = args[i];
     __atomic_store_n(&c->args_ready, op.seq, __ATOMIC_RELEASE);
+    std::thread worker_thread;  // the fork; a refused op forks none (as the handler)
+    if (submit_error.empty()) worker_thread = std::thread([this, c, seq = op.seq] { worker(c, seq); });
     for (int32_t b = 0; b < op.num_blocks; ++b) {
       if (stall_after_first_block && b == 1) break;  // a wedged stream: never stages the rest
       const auto& blk = op.blocks[b];
@@ -143,6 +191,7 @@ struct FakeStream {
       while (static_cast<int32_t>(__atomic_load_n(&c->done[b], __ATOMIC_ACQUIRE) - op.seq) < 0) {
         if (Clock::now() > guard) {
           check(false, "stream never released (block " + std::to_string(b) + ")");
+          if (worker_thread.joinable()) worker_thread.join();
           return;
         }
         std::this_thread::sleep_for(std::chrono::microseconds(50));
@@ -151,6 +200,7 @@ struct FakeStream {
                   static_cast<char*>(op.bucket_host[blk.bucket]) + blk.offset * es, blk.count * es);
     }
     status = op.num_blocks ? __atomic_load_n(&c->status[op.seq & 1], __ATOMIC_ACQUIRE) : 0;
+    if (worker_thread.joinable()) worker_thread.join();  // the join event
     seconds = since(t0);
   }
 
@@ -170,6 +220,9 @@ std::vector<char> random_input(DType dtype, int64_t count, uint32_t seed) {
     const float f = d(rng);
     if (dtype == DType::kF32) {
       std::memcpy(out.data() + i * 4, &f, 4);
+    } else if (dtype == DType::kF16) {
+      const _Float16 h = static_cast<_Float16>(f);
+      std::memcpy(out.data() + i * 2, &h, 2);
     } else {
       uint32_t b;
       std::memcpy(&b, &f, 4);
@@ -180,14 +233,16 @@ std::vector<char> random_input(DType dtype, int64_t count, uint32_t seed) {
   return out;
 }
 
-void test_bitwise_equal_to_cpu_ftar(int n, DType dtype, int64_t count) {
+void test_bitwise_equal_to_cpu_ftar(int n, DType dtype, int64_t count, int worker_delay_us = 0,
+                                    int chunks = 3) {
   const std::string tag = "n=" + std::to_string(n) + " dtype=" + fthsdp::dtype_name(dtype) +
-                          " count=" + std::to_string(count);
-  Ring ring(n, 20.0);
+                          " count=" + std::to_string(count) + " delay=" + std::to_string(worker_delay_us);
+  Ring ring(n, 20.0, 1 << 12, chunks);
   check(ring.configure(1), tag + ": configure");
   std::vector<std::vector<char>> in(n), staged(n), cpu(n);
   for (int r = 0; r < n; ++r) in[r] = random_input(dtype, count, 17 * r + 1);
   std::vector<FakeStream> streams(n);
+  for (auto& st : streams) st.worker_delay_us = worker_delay_us;
   {
     std::vector<std::thread> ts;
     for (int r = 0; r < n; ++r) {
@@ -215,7 +270,66 @@ void test_bitwise_equal_to_cpu_ftar(int n, DType dtype, int64_t count) {
     check(streams[r].status == FTHSDP_STATUS_OK, tag + ": staged status " + std::to_string(streams[r].status));
     check(staged[r] == cpu[r], tag + ": rank " + std::to_string(r) + " staged result differs from CPU FTAR");
     check(staged[r] == staged[0], tag + ": ranks differ");
+    check(streams[r].worker_released, tag + ": reduce worker ended by reduce_stop");
   }
+  // Every addition of the reduce-scatter ran on the (fake) device: the
+  // control thread summed nothing itself (it has no other way to get the
+  // CPU FTAR's bytes than the jobs the worker ran).
+  int64_t jobs = 0;
+  for (const auto& st : streams) jobs += st.worker_jobs;
+  check(n == 1 || jobs > 0, tag + ": the device summed nothing");
+}
+
+// A "GPU" that never takes a job: the ring cannot progress; the deadline
+// fails the op RECOVERABLE and ends the worker and the stream of both ranks.
+void test_wedged_device_is_released_at_the_deadline() {
+  Ring ring(2, 1.0);
+  check(ring.configure(1), "wedged device: configure");
+  std::vector<FakeStream> s(2);
+  s[0].worker_stalls = true;
+  std::vector<char> in = random_input(DType::kF32, 100000, 12);
+  std::vector<char> out0, out1;
+  std::thread a([&] { s[0].run(in, &out0, DType::kF32, ring.handles[0], 1, 0, 2); });
+  std::thread b([&] { s[1].run(in, &out1, DType::kF32, ring.handles[1], 1, 1, 2); });
+  a.join();
+  b.join();
+  check(s[0].status == FTHSDP_STATUS_RECOVERABLE && s[1].status == FTHSDP_STATUS_RECOVERABLE,
+        "wedged device: both RECOVERABLE");
+  check(s[0].worker_released && s[1].worker_released, "wedged device: both workers ended by reduce_stop");
+  check(s[0].seconds < 6.0 && s[1].seconds < 6.0, "wedged device: released near the deadline");
+  // The queue is usable again at once: the next op on the same streams succeeds.
+  s[0].worker_stalls = false;
+  std::thread c([&] { s[0].run(in, &out0, DType::kF32, ring.handles[0], 1, 0, 2); });
+  std::thread d([&] { s[1].run(in, &out1, DType::kF32, ring.handles[1], 1, 1, 2); });
+  c.join();
+  d.join();
+  check(s[0].status == FTHSDP_STATUS_RECOVERABLE || s[0].status == FTHSDP_STATUS_OK,
+        "wedged device: next op completes");
+}
+
+void test_pure_reduce_slots() {
+  fthsdp::ReduceSlots r;
+  r.reset(3);
+  check(r.slots() == 3 && r.oldest() == -1, "slots: empty after reset");
+  const int32_t a = r.acquire(), b = r.acquire(), c = r.acquire();
+  check(a >= 0 && b >= 0 && c >= 0 && a != b && b != c && a != c, "slots: three distinct");
+  check(r.acquire() == -1, "slots: a fourth is refused while all are taken");
+  check(r.post(b, 7) == 0 && r.post(a, 5) == 1, "slots: jobs numbered in post order, any slot order");
+  check(r.post(b, 7) == -1, "slots: a slot posted twice is refused");
+  check(r.post(9, 1) == -1, "slots: a slot out of range is refused");
+  check(r.oldest() == 0 && r.slot_of(0) == b && r.slot_of(1) == a, "slots: job -> slot");
+  check(r.finish_oldest() == 7 && r.oldest() == 1, "slots: finished in post order, lane back");
+  check(r.acquire() == b, "slots: a finished job's slot is free again");
+  check(r.finish_oldest() == 5 && r.oldest() == -1 && r.in_flight() == 0, "slots: drained");
+  check(r.post(c, 2) == 2, "slots: job numbers go on within an op");
+  r.reset(FTHSDP_REDUCE_SLOTS + 5);
+  check(r.slots() == FTHSDP_REDUCE_SLOTS && r.posted() == 0, "slots: reset clamps and restarts numbering");
+  check(fthsdp::reduce_slots_for(4) == 8 && fthsdp::reduce_slots_for(1) == 2 &&
+            fthsdp::reduce_slots_for(64) == FTHSDP_REDUCE_SLOTS,
+        "slots: two per chunk in flight, within the ring");
+  check(fthsdp::reduce_job_key(3, 0) == ((uint64_t{3} << 32) | 1) &&
+            fthsdp::reduce_job_key(0xffffffffu, 41) == ((uint64_t{0xffffffffu} << 32) | 42),
+        "slots: keys carry seq and job + 1 (never 0)");
 }
 
 // One op of two buckets (f32 and bf16, as a step's gradients): the blocks of
@@ -274,6 +388,7 @@ void test_abort_releases_a_waiting_stream() {
   fthsdp::ftar_get(ring.handles[0])->abort("lighthouse declared the peer dead");
   t.join();
   check(s.status == FTHSDP_STATUS_RECOVERABLE, "abort: status RECOVERABLE, got " + std::to_string(s.status));
+  check(s.worker_released, "abort: the reduce worker is ended too");
   check(since(t0) < 2.0, "abort: stream released promptly (" + std::to_string(since(t0)) + " s)");
 }
 
@@ -299,6 +414,7 @@ void test_dead_peer_releases_the_stream() {
   ring.handles.pop_back();
   t.join();
   check(s.status == FTHSDP_STATUS_RECOVERABLE, "dead peer: status RECOVERABLE, got " + std::to_string(s.status));
+  check(s.worker_released, "dead peer: the reduce worker is ended too");
   check(since(t0) < 5.0, "dead peer: released well before the 30 s deadline (" + std::to_string(since(t0)) + " s)");
 }
 
@@ -373,6 +489,7 @@ void test_pure_plans() {
 
 int main() {
   test_pure_plans();
+  test_pure_reduce_slots();
   test_ring_of_one();
   for (int n : {2, 3, 4}) {
     for (int64_t count : {int64_t{1}, int64_t{4097}, int64_t{100003}}) {
@@ -380,6 +497,13 @@ int main() {
       test_bitwise_equal_to_cpu_ftar(n, DType::kBF16, count);
     }
   }
+  test_bitwise_equal_to_cpu_ftar(3, DType::kF16, 100003);
+  // A slow device with one chunk in flight (two receive slots) on a ring of
+  // four: chunks arrive faster than the worker frees slots, so the control
+  // thread stops reading and reads on once drain() frees one (seen happening
+  // a few times per run when this was written; the sums must still match).
+  test_bitwise_equal_to_cpu_ftar(4, DType::kF32, 60001, /*worker_delay_us=*/300, /*chunks=*/1);
+  test_wedged_device_is_released_at_the_deadline();
   test_two_buckets_in_one_op();
   test_stale_quorum_is_recoverable();
   test_unknown_communicator_is_fatal_once();
