@@ -882,6 +882,7 @@ void RingEndpoint::on_in(size_t i, short revents) {
     --s.expected;
     ++lanes_[lane].next_arrive;
     advance(lane);  // moves next_recv up to the oldest step the device has not summed
+    note_recv_progress();
     op_maybe_done();
     if (got >= budget) return;
     budget -= got;

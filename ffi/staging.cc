@@ -72,15 +72,8 @@ int32_t plan_blocks(int32_t num_buckets, const int64_t* counts, const int32_t* d
 }
 
 StagingQueue::StagingQueue(const FthsdpAllocator& alloc) : alloc_(alloc) {
-  control_ = static_cast<FthsdpStagingControl*>(alloc_.alloc(sizeof(FthsdpStagingControl), alloc_.user));
-  if (!control_) throw std::runtime_error("ftar staging: could not allocate the pinned control block");
-  std::memset(const_cast<FthsdpStagingControl*>(control_), 0, sizeof(FthsdpStagingControl));
-  try {
-    reducer_ = std::make_unique<DeviceReducer>(control_, alloc_);
-  } catch (...) {
-    alloc_.release(control_, alloc_.user);
-    throw;
-  }
+  control_ = HostBlock(alloc_, sizeof(FthsdpStagingControl), "the pinned control block");
+  reducer_ = std::make_unique<DeviceReducer>(control(), alloc_);
   worker_ = std::thread([this] { loop(); });
 }
 
@@ -94,22 +87,16 @@ StagingQueue::~StagingQueue() {
   for (const auto& q : queue_) release(q.op, 0, FTHSDP_STATUS_RECOVERABLE, "staging queue shut down");
   reducer_.reset();
   if (device_state_ && alloc_.release_device) alloc_.release_device(device_state_, alloc_.user);
-  for (auto& b : buffers_) alloc_.release(b.first, alloc_.user);
-  alloc_.release(control_, alloc_.user);
+  buffers_.clear();
 }
 
 void* StagingQueue::reserve(size_t bytes) {
   std::lock_guard<std::mutex> lk(mu_);
-  if (!buffers_.empty() && buffers_.back().second >= bytes) return buffers_.back().first;
+  if (!buffers_.empty() && buffers_.back().size() >= bytes) return buffers_.back().get();
   size_t cap = 1 << 20;
   while (cap < bytes) cap <<= 1;
-  void* p = alloc_.alloc(cap, alloc_.user);
-  if (!p) {
-    throw std::runtime_error("ftar staging: could not allocate " + std::to_string(cap) +
-                             " bytes of pinned host memory");
-  }
-  buffers_.emplace_back(p, cap);  // earlier buffers stay: queued ops may still use them
-  return p;
+  buffers_.emplace_back(alloc_, cap, "pinned staging buffer");  // earlier ones stay: queued ops may use them
+  return buffers_.back().get();
 }
 
 uint32_t StagingQueue::next_seq() {
@@ -178,12 +165,13 @@ void StagingQueue::release(const FthsdpStagedOp& op, int32_t from, int32_t statu
     }
   }
   reducer_->stop(op.seq);  // the worker ends; its jobs are all consumed unless this op failed
-  store_release(&control_->status[op.seq & 1], status);
-  for (int32_t b = std::max(0, from); b < op.num_blocks; ++b) store_release(&control_->done[b], op.seq);
+  FthsdpStagingControl* c = control();
+  store_release(&c->status[op.seq & 1], status);
+  for (int32_t b = std::max(0, from); b < op.num_blocks; ++b) store_release(&c->done[b], op.seq);
 }
 
 void StagingQueue::run(const FthsdpStagedOp& op) {
-  FthsdpStagingControl* c = control_;
+  FthsdpStagingControl* c = control();
   if (!wait_flag(&c->args_ready, op.seq, Clock::now() + seconds(kStagingStartWaitS))) {
     release(op, 0, FTHSDP_STATUS_RECOVERABLE,
             stop_ ? "staging queue shut down" : "the GPU stream never reached the all-reduce");

@@ -61,7 +61,7 @@ class StagingQueue {
   StagingQueue(const StagingQueue&) = delete;
   StagingQueue& operator=(const StagingQueue&) = delete;
 
-  FthsdpStagingControl* control() { return control_; }
+  FthsdpStagingControl* control() { return reinterpret_cast<FthsdpStagingControl*>(control_.get()); }
   // Where the CUDA library keeps its per-stream state (released with the queue).
   void** device_state() { return &device_state_; }
   void* reserve(size_t bytes);  // throws std::runtime_error
@@ -89,10 +89,10 @@ class StagingQueue {
   bool wait_flag(const volatile uint32_t* flag, uint32_t seq, Clock::time_point until);
 
   FthsdpAllocator alloc_;
-  FthsdpStagingControl* control_ = nullptr;
+  HostBlock control_;  // an FthsdpStagingControl
   void* device_state_ = nullptr;
   std::unique_ptr<DeviceReducer> reducer_;
-  std::vector<std::pair<void*, size_t>> buffers_;  // data buffers; the last is current
+  std::vector<HostBlock> buffers_;  // data buffers; the last is current
 
   std::mutex mu_;
   std::condition_variable cv_;

@@ -17,6 +17,38 @@ constexpr size_t kSlotAlign = 256;
 
 }  // namespace
 
+HostBlock::HostBlock(const FthsdpAllocator& alloc, size_t bytes, const char* what) : alloc_(alloc), n_(bytes) {
+  p_ = static_cast<char*>(alloc_.alloc(bytes, alloc_.user));
+  if (!p_) {
+    throw std::runtime_error("ftar staging: could not allocate " + std::to_string(bytes) + " bytes of " + what);
+  }
+}
+
+HostBlock::~HostBlock() { reset(); }
+
+HostBlock::HostBlock(HostBlock&& o) noexcept : alloc_(o.alloc_), p_(o.p_), n_(o.n_) {
+  o.p_ = nullptr;
+  o.n_ = 0;
+}
+
+HostBlock& HostBlock::operator=(HostBlock&& o) noexcept {
+  if (this != &o) {
+    reset();
+    alloc_ = o.alloc_;
+    p_ = o.p_;
+    n_ = o.n_;
+    o.p_ = nullptr;
+    o.n_ = 0;
+  }
+  return *this;
+}
+
+void HostBlock::reset() {
+  if (p_) alloc_.release(p_, alloc_.user);
+  p_ = nullptr;
+  n_ = 0;
+}
+
 uint64_t reduce_job_key(uint32_t seq, int64_t job) {
   return (static_cast<uint64_t>(seq) << 32) | static_cast<uint64_t>(static_cast<uint32_t>(job + 1));
 }
@@ -72,7 +104,6 @@ DeviceReducer::~DeviceReducer() {
   }
   cv_.notify_all();
   watcher_.join();
-  if (arena_) alloc_.release(arena_, alloc_.user);
 }
 
 void DeviceReducer::begin(uint32_t seq, int32_t slots, size_t slot_bytes) {
@@ -80,18 +111,11 @@ void DeviceReducer::begin(uint32_t seq, int32_t slots, size_t slot_bytes) {
   slot_bytes = (std::max<size_t>(slot_bytes, 1) + kSlotAlign - 1) & ~(kSlotAlign - 1);
   slots = std::clamp<int32_t>(slots, 1, FTHSDP_REDUCE_SLOTS);
   const size_t need = slot_bytes * static_cast<size_t>(slots);
-  if (need > arena_bytes_) {
+  if (need > arena_.size()) {
     // No worker of an earlier op runs any more (the stream passed its end
     // before this op's args were raised), so the old slots can go.
-    if (arena_) alloc_.release(arena_, alloc_.user);
-    arena_ = nullptr;
-    arena_bytes_ = 0;
-    arena_ = static_cast<char*>(alloc_.alloc(need, alloc_.user));
-    if (!arena_) {
-      throw std::runtime_error("ftar staging: could not allocate " + std::to_string(need) +
-                               " bytes of pinned receive slots");
-    }
-    arena_bytes_ = need;
+    arena_ = HostBlock();
+    arena_ = HostBlock(alloc_, need, "pinned receive slots");
   }
   slot_bytes_ = slot_bytes;
   slots_.reset(slots);
@@ -127,13 +151,13 @@ char* DeviceReducer::acquire(size_t bytes) {
   std::lock_guard<std::mutex> lk(mu_);
   if (bytes > slot_bytes_) return nullptr;  // cannot happen: slots are one chunk each
   const int32_t s = slots_.acquire();
-  return s < 0 ? nullptr : arena_ + static_cast<size_t>(s) * slot_bytes_;
+  return s < 0 ? nullptr : arena_.get() + static_cast<size_t>(s) * slot_bytes_;
 }
 
 void DeviceReducer::post(char* slot, int32_t lane, int64_t offset, int64_t count) {
   {
     std::lock_guard<std::mutex> lk(mu_);
-    const int32_t s = static_cast<int32_t>((slot - arena_) / static_cast<ptrdiff_t>(slot_bytes_));
+    const int32_t s = static_cast<int32_t>((slot - arena_.get()) / static_cast<ptrdiff_t>(slot_bytes_));
     const int64_t job = slots_.post(s, lane);
     if (job < 0) return;  // not a slot of ours: drain() would never report it; the deadline fails the op
     const size_t elem = dtype_size(dtype_);

@@ -32,6 +32,28 @@
 
 namespace fthsdp {
 
+// One block of a queue's host memory (pinned and device-mapped on the GPU),
+// released by its allocator when the block goes. Move-only.
+class HostBlock {
+ public:
+  HostBlock() = default;
+  // Zero-filled (the allocator's contract). Throws std::runtime_error ("could not allocate N bytes of `what`").
+  HostBlock(const FthsdpAllocator& alloc, size_t bytes, const char* what);
+  ~HostBlock();
+  HostBlock(HostBlock&& o) noexcept;
+  HostBlock& operator=(HostBlock&& o) noexcept;
+  HostBlock(const HostBlock&) = delete;
+  HostBlock& operator=(const HostBlock&) = delete;
+  char* get() const { return p_; }
+  size_t size() const { return n_; }
+
+ private:
+  void reset();
+  FthsdpAllocator alloc_{};
+  char* p_ = nullptr;
+  size_t n_ = 0;
+};
+
 // The key of job `job` of op `seq` (what jobs[].key and consumed[][] carry).
 uint64_t reduce_job_key(uint32_t seq, int64_t job);
 
@@ -101,8 +123,7 @@ class DeviceReducer final : public ReduceOffload {
 
   FthsdpStagingControl* c_;
   FthsdpAllocator alloc_;
-  char* arena_ = nullptr;
-  size_t arena_bytes_ = 0;
+  HostBlock arena_;  // the receive slots
   size_t slot_bytes_ = 0;
 
   std::mutex mu_;

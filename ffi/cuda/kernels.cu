@@ -121,7 +121,8 @@ ffi::Error ReduceSumCudaImpl(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuff
       return ffi::Error::InvalidArgument("fthsdp reduce_sum (cuda): unsupported dtype");
   }
   if (err != cudaSuccess) {
-    return ffi::Error::Internal(std::string("fthsdp reduce_sum (cuda): ") + cudaGetErrorString(err));
+    return ffi::Error::Internal(std::string("fthsdp reduce_sum (cuda): launching sum_kernel: ") +
+                                cudaGetErrorString(err));
   }
   return ffi::Error::Success();
 }
