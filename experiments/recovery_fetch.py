@@ -16,6 +16,15 @@ transformer-like float32 leaves (params, Adam mu and nu):
   loopback_gbps     the ceiling: raw TCP on loopback, sendall -> recv_into between
                     two processes, pre-faulted buffers, best of 1..4 streams
 
+    python experiments/recovery_fetch.py --auth-cost [--quick] --out results/recovery_fetch_auth.json
+
+measures instead what authenticating the peer fetch costs: the same striped
+fetch from 1 and 2 peer server processes with the request check off
+(``PeerServer(authenticate=False)``, loopback only), with every request
+HMAC-signed (the default), and signed over TLS (a self-signed certificate made
+with openssl for the run), in interleaved rounds so all three see the same
+background load; ratios to "off" are in ``auth_cost.ratios``.
+
 Everything is warmed up before timing, and every figure is the median of
 --repeats runs (all runs are in the JSON). GB/s are 1e9 bytes per second.
 On a 2-core machine all processes share the same two cores: the sender's and
@@ -46,7 +55,7 @@ REPO = os.path.dirname(os.path.dirname(HERE))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
-TOKEN = "recovery-bench-token"
+TOKEN = "recovery-bench-token"  # the peer key every server and fetcher of this benchmark uses
 STEP = 100
 
 
@@ -84,14 +93,17 @@ def nbytes(state) -> int:
 # -- subprocess roles ----------------------------------------------------------
 
 
-def role_peer(total_bytes: int, piece_bytes: int, cap_gbps: float = 0.0) -> None:
-    from fthsdp.checkpoint.peer_server import PeerServer, StaticSource
+def role_peer(total_bytes: int, piece_bytes: int, cap_gbps: float = 0.0, auth: str = "hmac",
+              tls_dir: str = "") -> None:
+    from fthsdp.checkpoint.peer_server import PeerServer, StaticSource, TLSFiles
     from fthsdp.checkpoint.snapshot import Snapshotter
 
     state = make_state(total_bytes)
     snap = Snapshotter(piece_bytes=piece_bytes).take(STEP, state)
     del state
-    server = PeerServer(StaticSource(snap), TOKEN, max_bytes_per_s=cap_gbps * 1e9 if cap_gbps else None)
+    tls = TLSFiles(os.path.join(tls_dir, "cert.pem"), os.path.join(tls_dir, "key.pem")) if auth == "hmac_tls" else None
+    server = PeerServer(StaticSource(snap), TOKEN, max_bytes_per_s=cap_gbps * 1e9 if cap_gbps else None,
+                        tls=tls, authenticate=auth != "off")
     print(server.url, flush=True)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     sys.stdin.read()  # until the parent closes our stdin
@@ -164,15 +176,19 @@ class Loopback:
 class Peers:
     """Three peer server processes serving the same snapshot; our fetcher into one reused pre-faulted buffer."""
 
-    def __init__(self, total: int, piece_bytes: int, streams: int, cap_gbps: float = 0.0):
+    def __init__(self, total: int, piece_bytes: int, streams: int, cap_gbps: float = 0.0, auth: str = "hmac",
+                 tls_dir: str = "", count: int = 3):
         from fthsdp.checkpoint.peer_fetch import PeerFetcher
         from fthsdp.checkpoint.snapshot import HostBuffer
 
-        args = ["--role", "peer", "--bytes", str(total), "--piece", str(piece_bytes), "--cap-gbps", str(cap_gbps)]
-        self.procs = [_spawn(args) for _ in range(3)]
+        args = ["--role", "peer", "--bytes", str(total), "--piece", str(piece_bytes), "--cap-gbps", str(cap_gbps),
+                "--peer-auth", auth, "--tls-dir", tls_dir]
+        self.procs = [_spawn(args) for _ in range(count)]
         self.urls = [p.stdout.readline().decode().strip() for p in self.procs]
         self.streams = streams
-        manifest = PeerFetcher(self.urls[:1], TOKEN, step=STEP).manifests()[0][self.urls[0]]
+        self.key = None if auth == "off" else TOKEN
+        self.ca = os.path.join(tls_dir, "cert.pem") if auth == "hmac_tls" else None
+        manifest = PeerFetcher(self.urls[:1], self.key, step=STEP, tls_ca_file=self.ca).manifests()[0][self.urls[0]]
         t0 = time.perf_counter()
         self.buf = HostBuffer(manifest.total_bytes)
         self.prefault_s = time.perf_counter() - t0
@@ -183,14 +199,15 @@ class Peers:
         from fthsdp.checkpoint.peer_fetch import PeerFetcher
 
         ref = make_state(total)
-        got = PeerFetcher(self.urls, TOKEN, step=STEP, streams_per_source=self.streams).start(buffer=self.buf).tree()
+        got = PeerFetcher(self.urls, self.key, step=STEP, streams_per_source=self.streams,
+                          tls_ca_file=self.ca).start(buffer=self.buf).tree()
         assert all(got[f"['{k}']"].tobytes() == v.tobytes() for k, v in ref.items()), "fetched state differs"
 
     def run(self, n: int) -> tuple[float, dict]:
         from fthsdp.checkpoint.peer_fetch import PeerFetcher
 
-        session = PeerFetcher(self.urls[:n], TOKEN, step=STEP, streams_per_source=self.streams, timeout_s=120).start(
-            buffer=self.buf)
+        session = PeerFetcher(self.urls[:n], self.key, step=STEP, streams_per_source=self.streams, timeout_s=120,
+                              tls_ca_file=self.ca).start(buffer=self.buf)
         session.wait()
         return session.gbps, session.report()
 
@@ -417,6 +434,74 @@ def measure_snapshot_overhead(steps: int) -> dict:
     }
 
 
+AUTH_VARIANTS = ("off", "hmac", "hmac_tls")
+
+
+def self_signed_cert(directory: str) -> str | None:
+    """cert.pem/key.pem for 127.0.0.1 in `directory`; None, or why not (no openssl)."""
+    if shutil.which("openssl") is None:
+        return "openssl not found: the TLS variant needs it to make a certificate (apt-get install openssl)"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1",
+                    "-nodes", "-days", "1", "-subj", "/CN=fthsdp benchmark peer", "-addext",
+                    "subjectAltName=IP:127.0.0.1", "-keyout", os.path.join(directory, "key.pem"),
+                    "-out", os.path.join(directory, "cert.pem")], check=True, capture_output=True, timeout=60)
+    return None
+
+
+def measure_auth_cost(total: int, piece_bytes: int, streams: int, repeats: int) -> dict:
+    """The striped fetch from 1 and 2 peer processes with authentication off, HMAC, HMAC over TLS.
+
+    Interleaved rounds (round 0 warms up and is not recorded): on a shared machine every variant
+    sees the same background load. Each variant has its own server processes and fetch buffer."""
+    tls_dir = tempfile.mkdtemp(prefix="fthsdp-auth-cost-")
+    skipped = self_signed_cert(tls_dir)
+    variants = [v for v in AUTH_VARIANTS if not (v == "hmac_tls" and skipped)]
+    peers: dict[str, Peers] = {}
+    raw: dict = {v: {1: [], 2: []} for v in variants}
+    t0 = time.perf_counter()
+    try:
+        for v in variants:
+            peers[v] = Peers(total, piece_bytes, streams, auth=v, tls_dir=tls_dir, count=2)
+            peers[v].check(total)
+        for r in range(repeats + 1):
+            for n in (1, 2):
+                for v in variants:
+                    g, _ = peers[v].run(n)
+                    raw[v][n].append(g) if r else None
+            print(f"round {r}: " + "  ".join(f"{v} {[round(raw[v][n][-1], 3) for n in (1, 2) if raw[v][n]]}"
+                                             for v in variants), flush=True)
+    finally:
+        for p in peers.values():
+            p.close()
+        shutil.rmtree(tls_dir, ignore_errors=True)
+    by = {v: {n: _summary(runs) for n, runs in raw[v].items()} for v in variants}
+    ratios = {v: {str(n): by[v][n]["median_gbps"] / by["off"][n]["median_gbps"] for n in (1, 2)}
+              for v in variants if v != "off"}
+    return {
+        "experiment": "recovery_fetch --auth-cost",
+        "state_bytes": sum(4 * int(np.prod(s)) for s in leaf_shapes(total).values()),
+        "piece_bytes": piece_bytes, "streams_per_source": streams, "repeats": repeats,
+        "auth_cost": {"gbps": {v: {str(n): s["median_gbps"] for n, s in by[v].items()} for v in variants},
+                      "by_variant": {v: {str(n): s for n, s in by[v].items()} for v in variants},
+                      "ratios_to_off": ratios,
+                      "tls_skipped": skipped,
+                      "how": "off: PeerServer(authenticate=False), unsigned requests; hmac: every request signed "
+                             "(FTHSDP-HMAC-SHA256, replay cache), plain HTTP; hmac_tls: the same over TLS 1.2+ "
+                             "(self-signed EC P-256 certificate, the fetcher verifying it). Loopback, CRC32 of every "
+                             "piece checked in all three."},
+        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform(),
+                    "openssl": __import__("ssl").OPENSSL_VERSION, "loadavg_at_end": os.getloadavg()},
+        "wall_s": time.perf_counter() - t0,
+    }
+
+
+def write(out: str, res: dict) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    with open(out, "w") as f:
+        json.dump(res, f, indent=2)
+    print(json.dumps({k: res[k] for k in ("auth_cost",) if k in res} or res, indent=2)[:3000])
+
+
 def _summary(runs: list[float]) -> dict:
     return {"median_gbps": statistics.median(runs), "best_gbps": max(runs), "runs": runs}
 
@@ -434,7 +519,11 @@ def main() -> None:
     ap.add_argument("--skip-overhead", action="store_true", help="skip the snapshot-overhead measurement")
     ap.add_argument("--cap-gbps", type=float, default=0.3,
                     help="per-peer serving cap for the striping-scaling phase (0: skip that phase)")
+    ap.add_argument("--auth-cost", action="store_true",
+                    help="only measure the fetch with authentication off / HMAC / HMAC over TLS (see above)")
     ap.add_argument("--role", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--peer-auth", default="hmac", choices=AUTH_VARIANTS, help=argparse.SUPPRESS)
+    ap.add_argument("--tls-dir", default="", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.role is None:
         from fthsdp.devices import force_host_devices
@@ -442,12 +531,14 @@ def main() -> None:
         force_host_devices(2)  # before jax starts: the overhead run shards the base model over 2 devices
     total = a.bytes or ((128 << 20) if a.quick else (1 << 30))
     if a.role == "peer":
-        return role_peer(total, a.piece, a.cap_gbps)
+        return role_peer(total, a.piece, a.cap_gbps, a.peer_auth, a.tls_dir)
     if a.role == "tcp-sink":
         return role_tcp_sink("")
     if not a.out:
         ap.error("--out FILE.json is required")
     repeats = a.repeats or (2 if a.quick else 3)
+    if a.auth_cost:
+        return write(a.out, measure_auth_cost(total, a.piece, a.streams, repeats))
     state_bytes = sum(4 * int(np.prod(s)) for s in leaf_shapes(total).values())
     res: dict = {
         "experiment": "recovery_fetch",

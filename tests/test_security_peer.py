@@ -311,3 +311,83 @@ def test_tls_fetch_verifies_the_server_and_refuses_strangers(snap, certs):
         PeerFetcher(["http://127.0.0.1:1"], KEY, tls_ca_file=str(certs / "cert.pem"))
     with pytest.raises(ValueError, match="cannot load certificate"):
         PeerServer(StaticSource(snap), KEY, tls=TLSFiles(str(certs / "missing.pem"), str(certs / "key.pem")))
+
+
+# -- a real job, rejoining through attacked peer servers -------------------------------------------
+
+
+class Attacker(threading.Thread):
+    """Holds `per_server` idle connections (some with half a request head) to every URL it is given,
+    from several loopback addresses, and keeps topping them up as the servers close them."""
+
+    SOURCES = [f"127.0.0.{i}" for i in range(20, 25)]
+
+    def __init__(self, per_server: int):
+        super().__init__(daemon=True)
+        self.per_server = per_server
+        self.urls: list[str] = []
+        self.held: dict[str, list[socket.socket]] = {}
+        self.opened = 0
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        import select
+
+        while not self.stop.is_set():
+            for url in list(self.urls):
+                socks = self.held.setdefault(url, [])
+                readable = select.select(socks, [], [], 0)[0] if socks else []
+                for s in readable:  # the server answered (a refusal) or closed it: replace it
+                    socks.remove(s)
+                    s.close()
+                new = _hold(url, self.per_server - len(socks), self.SOURCES)
+                self.opened += len(new)
+                socks.extend(new)
+            self.stop.wait(1.0)
+        for socks in self.held.values():
+            for s in socks:
+                s.close()
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_rejoin_fetches_through_survivors_held_by_an_attacker(tmp_path):
+    from test_rejoin import exactly_once, job  # a real LocalJob: lighthouse, 3 replicas, FTAR, SIGKILL
+
+    from fthsdp.launch import report
+
+    attacker = Attacker(per_server=300)  # above the server's 256-connection cap: the limits are exercised
+    attacker.start()
+    found = threading.Event()
+
+    def watch() -> None:  # the survivors' peer servers, from their status files, as soon as they exist
+        while not found.is_set() and not attacker.stop.is_set():
+            urls = []
+            for rid in ("0", "2"):
+                with contextlib.suppress(OSError, ValueError):
+                    urls.append(json.loads((tmp_path / f"status-{rid}.json").read_text())["peer_server"])
+            if len(urls) == 2:
+                attacker.urls = urls
+                found.set()
+            time.sleep(0.05)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    try:
+        s = job(tmp_path, steps=200, kills=["1@10"]).run()  # room for a slow restart on a loaded machine
+    finally:
+        attacker.stop.set()
+        attacker.join(10)
+    assert found.is_set() and attacker.opened >= 600, attacker.opened
+    run = report.load_run(tmp_path)
+    assert s["failed_replicas"] == [] and sorted(run.done) == ["0", "1", "2"]
+    assert s["identical_final_state"], s["final_hashes"]
+    catch_up = [r for r in run.steps["1"] if not r["healthy"]]
+    assert catch_up and any("caught up" in e for e in catch_up[0]["events"])
+    exactly_once(tmp_path, run)
+    assert "fetched state of step" in (tmp_path / "replica-1.log").read_text()  # from its peers, not from disk
+    # the attack reached the survivors' servers, which refused it with reasons and no traceback
+    for rid in ("0", "2"):
+        text = (tmp_path / f"replica-{rid}.log").read_text()
+        assert "peer server refused" in text, rid
+        assert "Traceback" not in text, rid

@@ -111,11 +111,15 @@ class _Endpoint:
             return http.client.HTTPConnection(self.host, self.port, timeout=timeout_s)
         return http.client.HTTPSConnection(self.host, self.port, timeout=timeout_s, context=self.tls)
 
-    def headers(self, key: bytes, path: str) -> dict[str, str]:
+    def headers(self, key: bytes | None, path: str) -> dict[str, str]:
+        if key is None:  # unsigned: only a server run with authenticate=False (measurements) answers
+            return {"Host": self.authority}
         return {"Host": self.authority, "Authorization": sign(key, "GET", self.authority, path)}
 
 
-def _key_bytes(key: bytes | str) -> bytes:
+def _key_bytes(key: bytes | str | None) -> bytes | None:
+    if key is None:
+        return None
     key = key.encode() if isinstance(key, str) else bytes(key)
     if not key:
         raise ValueError("the fetcher needs the job's peer key (peer_server.peer_key(job key)); got an empty one")
@@ -130,7 +134,7 @@ def _error_reason(resp: http.client.HTTPResponse) -> str:
         return f"HTTP {resp.status}: {body[:200]!r}"
 
 
-def get_manifest(url: str, key: bytes | str, step: int | None = None, timeout_s: float = 10.0,
+def get_manifest(url: str, key: bytes | str | None, step: int | None = None, timeout_s: float = 10.0,
                  tls: ssl.SSLContext | None = None) -> Manifest:
     """One source's manifest (of `step`, or whatever it serves)."""
     ep = _Endpoint.of(url, tls)
@@ -153,7 +157,7 @@ class FetchSession:
         self,
         manifest: Manifest,
         sources: Sequence[str],
-        key: bytes | str,
+        key: bytes | str | None,
         streams_per_source: int,
         timeout_s: float,
         max_consecutive_errors: int,
@@ -439,14 +443,15 @@ class PeerFetcher:
     """Fetches one replica's state at `step` from `sources` (base URLs of peer servers).
 
     `key` is the job's peer key (``peer_server.peer_key(job key)``): every
-    request is signed with it (``peer_auth``). `tls_ca_file`: verify https
+    request is signed with it (``peer_auth``); None sends unsigned requests,
+    which only a server run with ``authenticate=False`` (measurements) answers. `tls_ca_file`: verify https
     sources against this CA (and refuse plain-http ones); without it, https
     sources are verified against the system's trust store."""
 
     def __init__(
         self,
         sources: Sequence[str],
-        key: bytes | str,
+        key: bytes | str | None,
         step: int | None = None,
         streams_per_source: int = 2,
         timeout_s: float = 10.0,

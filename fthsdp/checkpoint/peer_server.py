@@ -59,6 +59,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import ipaddress
 import json
 import logging
 import queue
@@ -319,6 +320,7 @@ class _Server:
             raise
         self.server_address = self.listener.getsockname()
         self.authorities: set[str] = set()  # Host values that name this server (set by PeerServer)
+        self.authenticate = True
         self._sel = selectors.DefaultSelector()
         self._sel.register(self.listener, selectors.EVENT_READ, None)
         self._wake_r, self._wake_w = socket.socketpair()
@@ -498,13 +500,16 @@ class _Server:
         del conn.buf[: req.head_bytes]
         self.requests += 1
         host = req.headers.get("host", "")
-        if host.lower() not in self.authorities:
+        if not self.authenticate:
+            pass  # measurements only (PeerServer(authenticate=False) binds loopback alone)
+        elif host.lower() not in self.authorities:
             return self._refuse(conn, "wrong host", Refusal(
                 403, f"request addressed to {host[:100]!r}; this server is {' or '.join(sorted(self.authorities))}"))
-        refusal = check_request(req.headers.get("authorization"), self.key, req.method, host, req.target,
-                                time.time(), self.replay)
-        if refusal is not None:
-            return self._refuse(conn, "credential", refusal)
+        else:
+            refusal = check_request(req.headers.get("authorization"), self.key, req.method, host, req.target,
+                                    time.time(), self.replay)
+            if refusal is not None:
+                return self._refuse(conn, "credential", refusal)
         route = parse_route(req.target)
         if isinstance(route, Refusal):
             return self._refuse(conn, "bad route", route)
@@ -714,6 +719,13 @@ class _Server:
         self._sel.close()
 
 
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
 class PeerServer:
     """Serves `source`'s latest snapshot on host:port (loopback, any free port by default).
 
@@ -725,6 +737,8 @@ class PeerServer:
     and ``peer_send_s`` (the job's :class:`Timeouts`;
     the defaults otherwise), `limits` the connection and head limits, `tls`
     the operator's certificate files (then the server speaks HTTPS).
+    `authenticate=False` turns the request check off, on loopback only: it
+    exists to measure what authentication costs (experiments/recovery_fetch.py).
 
     `max_bytes_per_s` caps what this replica spends on serving (all fetchers
     together), so that feeding a rejoining peer cannot slow its own training
@@ -743,10 +757,14 @@ class PeerServer:
         timeouts: Timeouts | None = None,
         limits: ServerLimits | None = None,
         tls: TLSFiles | None = None,
+        authenticate: bool = True,
     ):
         key = key.encode() if isinstance(key, str) else bytes(key)
         if not key:
             raise ValueError("the peer server needs a non-empty key (peer_key(job key))")
+        if not authenticate and not _is_loopback(host):
+            raise ValueError(f"an unauthenticated peer server (authenticate=False, for measuring the cost of "
+                             f"authentication) may only bind loopback, not {host!r}")
         if max_bytes_per_s is not None and max_bytes_per_s <= 0:
             raise ValueError(f"max_bytes_per_s must be > 0 (or None for no cap), got {max_bytes_per_s}")
         # Checked before binding: a wildcard with nothing to advertise is refused up front.
@@ -765,6 +783,7 @@ class PeerServer:
         if not is_wildcard(bound):
             names.add(join_host_port(bound, bound_port))
         self._server.authorities = {n.lower() for n in names}
+        self._server.authenticate = authenticate
         self._thread: threading.Thread | None = None
 
     @property
