@@ -4,15 +4,18 @@
 
 Same process counts (2, 4) and sizes (float32 messages, 8..256 MiB) for every
 system, in one run: FTAR through the jitted custom call with 1 and 4 TCP
-streams per peer; torch.distributed + Gloo and OpenMPI (mpi4py, shared memory
+streams per peer, each without and with authentication (`ftar_*_auth`: a job
+key, so the challenge-response handshake and a MAC on every chunk header); torch.distributed + Gloo and OpenMPI (mpi4py, shared memory
 by default and TCP-only) from a Python 3.11 side environment; JAX's own CPU
 collectives (jax.distributed + psum, gloo); and the loopback TCP ceiling with
 n concurrent senders. A system that is not installed is recorded under
 `skipped`, never a crash. Rows: system, n, bytes, algbw_gbps, busbw_gbps
 (median of the timed runs after warm-up, pooled over --rounds interleaved
 passes), busbw_gbps_best, times_s. `targets` evaluates the issue's targets at
->= 64 MiB (FTAR = the better of its two stream settings). A PNG plot is
-written beside the JSON.
+>= 64 MiB (FTAR = the better of its two stream settings), and `auth_cost`
+the authenticated FTAR's bus bandwidth over the unauthenticated one's at the
+same n, size and streams (target: within 2%, i.e. ratio >= 0.98). A PNG plot
+is written beside the JSON.
 
 Side environment (see experiments/setup_peers.sh; ~/.cache/fthsdp/peers311 by default) with torch
 2.13 (CPU) and mpi4py; override with --peer-python.
@@ -24,6 +27,7 @@ import argparse
 import json
 import os
 import pathlib
+import secrets
 import shutil
 import socket
 import statistics
@@ -83,10 +87,11 @@ def measure(system: str, n: int, sizes: list[int], args, work: pathlib.Path) -> 
     timeout = args.group_timeout
     if system.startswith("ftar"):
         streams = int(system.split("_")[1].removesuffix("streams").removesuffix("stream"))
+        key = secrets.token_hex(32) if system.endswith("_auth") else ""  # one job key for the whole ring
         env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=1"
         cmds = [[sys.executable, str(PEERS / "ftar_peer.py"),
                  json.dumps(dict(base, rank=r, streams=streams, chunk_bytes=args.chunk_bytes,
-                                 chunks=args.chunks))] for r in range(n)]
+                                 chunks=args.chunks, key=key))] for r in range(n)]
     elif system == "gloo":
         cmds = [[args.peer_python, str(PEERS / "gloo_peer.py"), json.dumps(dict(base, rank=r))] for r in range(n)]
     elif system.startswith("mpi"):
@@ -182,13 +187,32 @@ def targets(result: dict) -> dict:
     return out
 
 
+def auth_cost(result: dict) -> dict:
+    """Authenticated over unauthenticated FTAR bus bandwidth, per n, size and stream setting
+    (medians of the same rounds; the issue's target is within 2%)."""
+    at = {(r["system"], r["n"], r["bytes"]): r for r in result["rows"]}
+    out = {}
+    for (system, n, nbytes), row in sorted(at.items()):
+        if not system.startswith("ftar") or not system.endswith("_auth"):
+            continue
+        plain = at.get((system.removesuffix("_auth"), n, nbytes))
+        if plain is None:
+            continue
+        ratio = row["busbw_gbps"] / plain["busbw_gbps"]
+        out[f"{system.removesuffix('_auth')},n={n},MiB={nbytes // MIB}"] = {
+            "plain_busbw_gbps": plain["busbw_gbps"], "auth_busbw_gbps": row["busbw_gbps"], "ratio": ratio,
+            "best_ratio": row["busbw_gbps_best"] / plain["busbw_gbps_best"], "within_2pct": ratio >= 0.98}
+    return out
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="sizes 8 and 64 MiB, fewer iterations")
     p.add_argument("--out", required=True, help="JSON file to write (a .png plot goes beside it)")
     p.add_argument("--procs", default="2,4")
     p.add_argument("--sizes-mib", default=None, help="comma-separated; default 8,16,32,64,128,256")
-    p.add_argument("--systems", default="ftar_1stream,ftar_4streams,gloo,mpi,mpi_tcp,jax")
+    p.add_argument("--systems",
+                   default="ftar_1stream,ftar_1stream_auth,ftar_4streams,ftar_4streams_auth,gloo,mpi,mpi_tcp,jax")
     p.add_argument("--iters", type=int, default=None)
     p.add_argument("--warmup", type=int, default=None)
     p.add_argument("--chunk-bytes", type=int, default=1 << 20)
@@ -262,10 +286,12 @@ def main(argv=None) -> int:
     finally:
         shutil.rmtree(work, ignore_errors=True)
     result["targets"] = targets(result)
+    result["auth_cost"] = auth_cost(result)
     out_path.write_text(json.dumps(result, indent=1))
     if result["rows"]:
         plot(result, out_path.with_suffix(".png"))
     print(json.dumps(result["targets"], indent=1))
+    print(json.dumps(result["auth_cost"], indent=1))
     return 0
 
 

@@ -20,15 +20,19 @@ def test_quick_benchmark_writes_rows_and_skips_missing_peers(tmp_path, repo_root
     r = subprocess.run(
         [sys.executable, str(root / "experiments" / "ftar_bandwidth.py"), "--quick", "--out", str(out),
          "--procs", "2", "--sizes-mib", "8", "--iters", "2", "--warmup", "1", "--loopback-runs", "1",
-         "--systems", "ftar_1stream,gloo", "--peer-python", str(tmp_path / "no-such-python")],
+         "--systems", "ftar_1stream,ftar_1stream_auth,gloo", "--peer-python", str(tmp_path / "no-such-python")],
         capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
     res = json.loads(out.read_text())
     assert res["loopback_gbps"] > 0
     rows = res["rows"]
-    assert [(x["system"], x["n"], x["bytes"]) for x in rows] == [("ftar_1stream", 2, 8 << 20)]
-    for key in ("algbw_gbps", "busbw_gbps", "busbw_gbps_best"):
-        assert rows[0][key] > 0
-    assert rows[0]["busbw_gbps_best"] >= rows[0]["busbw_gbps"]
+    assert [(x["system"], x["n"], x["bytes"]) for x in rows] == [("ftar_1stream", 2, 8 << 20),
+                                                                   ("ftar_1stream_auth", 2, 8 << 20)]
+    for row in rows:
+        for key in ("algbw_gbps", "busbw_gbps", "busbw_gbps_best"):
+            assert row[key] > 0
+        assert row["busbw_gbps_best"] >= row["busbw_gbps"]
+    (cost,) = res["auth_cost"].values()  # authenticated beside unauthenticated, same run
+    assert cost["ratio"] == pytest.approx(rows[1]["busbw_gbps"] / rows[0]["busbw_gbps"])
     assert [s["system"] for s in res["skipped"]] == ["gloo"] and "not found" in res["skipped"][0]["reason"]
     assert out.with_suffix(".png").stat().st_size > 1000

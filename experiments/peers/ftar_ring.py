@@ -17,7 +17,7 @@ def ring_op(s: dict, mesh):
     """(communicator, op): op(buf) all-reduces the pytree ``buf`` over every peer of spec ``s``."""
     rank, n = s["rank"], s["n"]
     comm = ftar.Communicator(streams=s.get("streams", 2), chunk_bytes=s.get("chunk_bytes", 1 << 20),
-                             chunks=s.get("chunks", 4), timeout_s=120.0)
+                             chunks=s.get("chunks", 4), timeout_s=120.0, key=bytes.fromhex(s.get("key", "")))
     common.publish(s["rdv"], f"addr{rank}", comm.address)
     members = common.gather(s["rdv"], [f"addr{r}" for r in range(n)])
     res = comm.configure("bench", 1, rank, members, timeout_s=60.0)
