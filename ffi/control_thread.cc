@@ -504,6 +504,13 @@ void RingEndpoint::op_maybe_done() {
   }
 }
 
+void RingEndpoint::busy(tcp::Fd fd, const std::string& reason) {
+  const tcp::Reply reply = wire::make_busy(reason);
+  (void)::send(fd.get(), &reply, sizeof(reply), MSG_NOSIGNAL | MSG_DONTWAIT);
+  std::lock_guard<std::mutex> lk(mu_);
+  ++stats_.refused_handshakes;
+}
+
 void RingEndpoint::refuse(tcp::Fd fd, const std::string& reason) {
   const tcp::Reply reply = wire::make_reply(false, reason);
   (void)::send(fd.get(), &reply, sizeof(reply), MSG_NOSIGNAL | MSG_DONTWAIT);
@@ -594,22 +601,29 @@ void RingEndpoint::on_accept(Clock::time_point now) {
     for (const auto& q : pending_) live += q.fd.valid();
     if (live >= kMaxPending) {
       // Full: close the oldest connection that has not even sent its hello (an
-      // idle stranger); an honest neighbour sends its hello as soon as it is
-      // connected, so it is never the oldest idle one for long.
+      // idle stranger; an honest neighbour sends its hello as soon as it is
+      // connected), else the oldest held hello (one for a quorum this rank is
+      // not configured for). Either is told "busy": an honest sender retries,
+      // so a flood can delay a neighbour but not lock it out. Connections
+      // answering a challenge are never evicted (each is bounded by the
+      // handshake deadline).
       Pending* victim = nullptr;
-      for (auto& q : pending_) {
+      for (auto& q : pending_) {  // pending_ is in arrival order
         if (q.fd.valid() && q.phase == Pending::Phase::kHello && q.done < sizeof(tcp::Hello)) {
           victim = &q;
-          break;  // pending_ is in arrival order
+          break;
         }
       }
+      for (auto& q : pending_) {
+        if (victim) break;
+        if (q.fd.valid() && q.phase == Pending::Phase::kHeld) victim = &q;
+      }
       if (!victim) {
-        refuse(std::move(fd), "too many pending FTAR handshakes at this rank (" +
-                                  std::to_string(kMaxPending) + "); try again");
+        busy(std::move(fd), std::to_string(kMaxPending) + " FTAR handshakes pending at this rank; try again");
         continue;
       }
-      refuse(std::move(victim->fd), "closed: no hello and " + std::to_string(kMaxPending) +
-                                        " handshakes pending at this rank");
+      busy(std::move(victim->fd), "closed to bound pending handshakes (" + std::to_string(kMaxPending) +
+                                      " at this rank); try again");
     }
     Pending p;
     p.fd = std::move(fd);
@@ -703,6 +717,12 @@ void RingEndpoint::on_out(size_t i, short revents, Clock::time_point now) {
     }
     if (s.io_done < sizeof(s.reply)) return;
     const wire::ReplyDecision r = wire::read_reply(s.reply);
+    if (r.busy) {  // the neighbour's listener is full (a flood?): try again shortly
+      s.fd.reset();
+      s.phase = Phase::kWaitRetry;
+      s.retry_at = now + kRetryDelay;
+      return;
+    }
     if (!r.accepted && !r.challenge) {
       fail("right neighbour " + peer + " refused the handshake: " + r.reason);
       return;

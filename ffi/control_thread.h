@@ -21,7 +21,8 @@
 // Hostile-input limits of a listener (documented constants: they bound what a
 // stranger can hold, and no honest peer comes near them): at most
 // kMaxPending connections whose handshake is undecided (beyond it the oldest
-// one that has not sent its hello is closed, else the newcomer is refused);
+// one that has not sent its hello, else the oldest held hello, is closed with
+// "busy", which an honest sender answers by retrying; else the newcomer is);
 // kHandshakeDeadline to send a hello after connecting and to answer a
 // challenge; kHeldLimit for a complete hello that waits for this rank's
 // configure. Established streams are bounded by `streams` and replaced at
@@ -289,6 +290,7 @@ class RingEndpoint {
   // A neighbour broke the protocol: recorded for take_violations(); the op fails RECOVERABLE.
   void violation(int32_t rank, const std::string& what);
   void refuse(tcp::Fd fd, const std::string& reason);
+  void busy(tcp::Fd fd, const std::string& reason);  // "try again": closes without failing an honest sender
   void on_out(size_t i, short revents, Clock::time_point now);
   void on_in(size_t i, short revents);
   void drain_senders();

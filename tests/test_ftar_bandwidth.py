@@ -34,5 +34,6 @@ def test_quick_benchmark_writes_rows_and_skips_missing_peers(tmp_path, repo_root
         assert row["busbw_gbps_best"] >= row["busbw_gbps"]
     (cost,) = res["auth_cost"].values()  # authenticated beside unauthenticated, same run
     assert cost["ratio"] == pytest.approx(rows[1]["busbw_gbps"] / rows[0]["busbw_gbps"])
+    assert 0 < res["chunk_tag_s"] < 1e-3 and cost["mac_bound_fraction"] > 0
     assert [s["system"] for s in res["skipped"]] == ["gloo"] and "not found" in res["skipped"][0]["reason"]
     assert out.with_suffix(".png").stat().st_size > 1000

@@ -40,7 +40,7 @@ HELLO = struct.Struct("<IIqiiii64sI16s")
 REPLY = struct.Struct("<I192s16s32s")
 PROOF = struct.Struct("<I32s")
 HELLO_MAGIC, PROOF_MAGIC, VERSION = 0x46544152, 0x50524F46, 2
-REFUSED, ACCEPTED, CHALLENGE = 0, 1, 2
+REFUSED, ACCEPTED, CHALLENGE, BUSY = 0, 1, 2, 3
 LABEL_RECEIVER = b"fthsdp ftar v2 receiver proof\0"
 LABEL_SENDER = b"fthsdp ftar v2 sender proof\0"
 
@@ -274,16 +274,35 @@ def test_500_idle_connections_do_not_stop_the_ring():
         ra, rb = configure_both(a, b, 1)
         assert ra and rb, (ra, rb)
         assert_ring_sums(a, b, 1)
-        # The flood was bounded: the oldest idle connections were closed with the reason.
+        # The flood was bounded: the oldest idle connections were closed as "busy" with the reason.
         closed = 0
         for s in idle[:50]:
             try:
                 ok, reason, _, _ = read_reply(s)
-                closed += ok == REFUSED and "handshakes pending" in reason
+                closed += ok == BUSY and "to bound pending handshakes" in reason
             except (ConnectionError, OSError):
                 pass
         assert closed >= 40, closed
         for s in idle:
+            s.close()
+
+
+def test_a_flood_of_held_hellos_does_not_lock_out_the_neighbour():
+    """Hellos for quorums this rank is not configured for are held, without a slot; 100 of
+    them fill the pending table, yet the real neighbour's connection evicts the oldest (told
+    "busy") and the ring forms."""
+    a, b = pair()
+    with a, b:
+        flood = []
+        for i in range(100):
+            s = socket.create_connection(host_port(b.address))
+            s.sendall(hello_bytes(quorum=1000 + i, rank=0, stream=i % 2))
+            flood.append(s)
+        time.sleep(0.3)
+        ra, rb = configure_both(a, b, 1)
+        assert ra and rb, (ra, rb)
+        assert_ring_sums(a, b, 1)
+        for s in flood:
             s.close()
 
 

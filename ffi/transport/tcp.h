@@ -44,6 +44,7 @@ constexpr size_t kTagBytes = 16;  // a chunk header's MAC, truncated (RFC 2104, 
 constexpr uint32_t kReplyRefused = 0;
 constexpr uint32_t kReplyAccepted = 1;
 constexpr uint32_t kReplyChallenge = 2;
+constexpr uint32_t kReplyBusy = 3;  // the listener is full: reason set, the sender retries
 
 #pragma pack(push, 1)
 struct Hello {
@@ -59,7 +60,7 @@ struct Hello {
   uint8_t nonce[kNonceBytes];    // the sender's fresh nonce
 };
 struct Reply {
-  uint32_t ok;  // kReplyRefused (reason set), kReplyAccepted, kReplyChallenge
+  uint32_t ok;  // kReplyRefused (reason set), kReplyAccepted, kReplyChallenge, kReplyBusy (reason set)
   char reason[kReasonMax];
   uint8_t nonce[kNonceBytes];  // kReplyChallenge: the receiver's fresh nonce
   uint8_t mac[kMacBytes];      // kReplyChallenge: the receiver's proof

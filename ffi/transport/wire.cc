@@ -46,6 +46,12 @@ tcp::Reply make_reply(bool ok, const std::string& reason) {
   return r;
 }
 
+tcp::Reply make_busy(const std::string& reason) {
+  tcp::Reply r = make_reply(false, reason);
+  r.ok = tcp::kReplyBusy;
+  return r;
+}
+
 HelloDecision check_hello(const tcp::Hello& h, const HelloExpect& e) {
   auto refuse = [](std::string why) { return HelloDecision{HelloVerdict::kRefuse, std::move(why)}; };
   if (h.magic != tcp::kHelloMagic || h.version != tcp::kProtocolVersion) {
@@ -97,9 +103,11 @@ ReplyDecision read_reply(const tcp::Reply& reply) {
   ReplyDecision d;
   d.accepted = reply.ok == tcp::kReplyAccepted;
   d.challenge = reply.ok == tcp::kReplyChallenge;
+  d.busy = reply.ok == tcp::kReplyBusy;
   if (!d.accepted && !d.challenge) {
-    d.reason = reply.ok == tcp::kReplyRefused ? fixed_str(reply.reason)
-                                              : "malformed reply (code " + std::to_string(reply.ok) + ")";
+    d.reason = reply.ok == tcp::kReplyRefused || d.busy
+                   ? fixed_str(reply.reason)
+                   : "malformed reply (code " + std::to_string(reply.ok) + ")";
     if (d.reason.empty()) d.reason = "refused without a reason";
   }
   return d;

@@ -51,6 +51,9 @@ tcp::Hello make_hello(const std::string& job_id, int64_t quorum_id, int32_t rank
                       int32_t stream, int32_t streams, bool auth = false, const uint8_t* nonce = nullptr);
 // The reply to a hello (reason truncated to the field).
 tcp::Reply make_reply(bool ok, const std::string& reason);
+// "Busy, try again": the listener closed this connection to bound its pending
+// handshakes (reason truncated to the field); an honest sender retries.
+tcp::Reply make_busy(const std::string& reason);
 
 // What a receiving rank knows when a hello arrives.
 struct HelloExpect {
@@ -84,6 +87,7 @@ HelloDecision check_hello(const tcp::Hello& hello, const HelloExpect& expect);
 struct ReplyDecision {
   bool accepted = false;
   bool challenge = false;  // the receiver asks for a proof (nonce and MAC set)
+  bool busy = false;       // the receiver is full: retry (reason says why)
   std::string reason;      // the receiver's refusal reason (empty unless refused)
 };
 ReplyDecision read_reply(const tcp::Reply& reply);
