@@ -90,6 +90,12 @@ class FTConfig:
     peer_header_s: float = 5.0  # a request head must arrive whole within this
     peer_idle_s: float = 30.0  # an idle keep-alive connection is closed after this
     peer_send_s: float = 60.0  # one response must be written out within this
+    # HTTPS for the peer state server (PEM files, all three or none): this replica's certificate and
+    # key (it must name the host peers fetch from, ft.advertise_host), and the CA its own fetches
+    # verify the other replicas' certificates against. Empty: plain HTTP (requests are signed either way).
+    peer_tls_cert: str = ""
+    peer_tls_key: str = ""
+    peer_tls_ca: str = ""
     # Where a replica's listeners (FTAR ring endpoints, peer state server,
     # metrics) bind, and the host its peers are told to connect to (empty: the
     # bind host; required when binding every interface, 0.0.0.0 or ::). IPv4

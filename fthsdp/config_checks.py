@@ -172,6 +172,15 @@ def _bind_address(value: Any) -> None:
     split_host_port(str(value))
 
 
+def _readable_or_empty(value: Any) -> None:
+    if value == "":
+        return
+    import os
+
+    if not os.path.isfile(str(value)) or not os.access(str(value), os.R_OK):
+        raise ValueError("is not a readable file (give the path of a PEM file, or leave it empty)")
+
+
 def _host(value: Any) -> None:
     from fthsdp.addresses import check_host
 
@@ -258,6 +267,9 @@ RULES: dict[str, Rule] = {
     "ft.peer_header_s": Timeout(),
     "ft.peer_idle_s": Timeout(),
     "ft.peer_send_s": Timeout(),
+    "ft.peer_tls_cert": Parsed(_readable_or_empty, "empty (plain HTTP) or this replica's PEM certificate file"),
+    "ft.peer_tls_key": Parsed(_readable_or_empty, "empty or the PEM private key of ft.peer_tls_cert"),
+    "ft.peer_tls_ca": Parsed(_readable_or_empty, "empty or the PEM CA file that signed the replicas' certificates"),
     "ft.bind_host": Parsed(_host, "an IPv4/IPv6 literal or a host name (0.0.0.0 or :: = every interface)"),
     "ft.advertise_host": Parsed(_host_or_empty, "empty (the bind host) or the host peers connect to"),
     "ft.fingerprint": Anything("true or false"),
@@ -347,6 +359,12 @@ def check(cfg: Any) -> None:
         Timeouts.from_ft(cfg.ft).check()
     except TimeoutsError as e:
         raise ConfigError(str(e)) from None
+
+    tls = {f"ft.{k}": getattr(cfg.ft, k) for k in ("peer_tls_cert", "peer_tls_key", "peer_tls_ca")}
+    if any(tls.values()) and not all(tls.values()):
+        given = ", ".join(k for k, v in tls.items() if v)
+        raise ConfigError(f"{given} given without the rest: HTTPS for the peer state server needs all of "
+                          f"{', '.join(tls)} (or none of them, for plain HTTP)")
 
     m, d, launch = cfg.model, cfg.data, cfg.launch
     if m.d_model % m.num_heads:

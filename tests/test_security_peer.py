@@ -313,6 +313,18 @@ def test_tls_fetch_verifies_the_server_and_refuses_strangers(snap, certs):
         PeerServer(StaticSource(snap), KEY, tls=TLSFiles(str(certs / "missing.pem"), str(certs / "key.pem")))
 
 
+def test_peer_tls_config_is_checked_before_anything_starts(certs):
+    from fthsdp.config import ConfigError, load
+
+    cfg = load("base", [f"ft.peer_tls_cert={certs / 'cert.pem'}", f"ft.peer_tls_key={certs / 'key.pem'}",
+                        f"ft.peer_tls_ca={certs / 'cert.pem'}"]).validate()
+    assert cfg.ft.peer_tls_ca.endswith("cert.pem")
+    with pytest.raises(ConfigError, match="ft.peer_tls_cert given without the rest"):
+        load("base", [f"ft.peer_tls_cert={certs / 'cert.pem'}"]).validate()
+    with pytest.raises(ConfigError, match="ft.peer_tls_key=.*not a readable file"):
+        load("base", [f"ft.peer_tls_key={certs / 'nope.pem'}"]).validate()
+
+
 # -- a real job, rejoining through attacked peer servers -------------------------------------------
 
 
@@ -351,7 +363,9 @@ class Attacker(threading.Thread):
 
 @pytest.mark.multiprocess
 @pytest.mark.slow
-def test_rejoin_fetches_through_survivors_held_by_an_attacker(tmp_path):
+@pytest.mark.parametrize("scheme", ["http", "https"])
+def test_rejoin_fetches_through_survivors_held_by_an_attacker(tmp_path, scheme, request):
+    """Over plain HTTP (requests signed), and over HTTPS configured as an operator would (ft.peer_tls_*)."""
     from test_rejoin import exactly_once, job  # a real LocalJob: lighthouse, 3 replicas, FTAR, SIGKILL
 
     from fthsdp.launch import report
@@ -365,7 +379,7 @@ def test_rejoin_fetches_through_survivors_held_by_an_attacker(tmp_path):
             urls = []
             for rid in ("0", "2"):
                 with contextlib.suppress(OSError, ValueError):
-                    urls.append(json.loads((tmp_path / f"status-{rid}.json").read_text())["peer_server"])
+                    urls.append(json.loads((tmp_path / "run" / f"status-{rid}.json").read_text())["peer_server"])
             if len(urls) == 2:
                 attacker.urls = urls
                 found.set()
@@ -374,20 +388,28 @@ def test_rejoin_fetches_through_survivors_held_by_an_attacker(tmp_path):
     watcher = threading.Thread(target=watch, daemon=True)
     watcher.start()
     try:
-        s = job(tmp_path, steps=200, kills=["1@10"]).run()  # room for a slow restart on a loaded machine
+        tls = []
+        if scheme == "https":
+            d = request.getfixturevalue("certs")
+            tls = [f"ft.peer_tls_cert={d / 'cert.pem'}", f"ft.peer_tls_key={d / 'key.pem'}",
+                   f"ft.peer_tls_ca={d / 'cert.pem'}"]
+        # 200 steps: room for a slow restart on a loaded machine
+        s = job(tmp_path / "run", steps=200, kills=["1@10"], extra=tls).run()
     finally:
         attacker.stop.set()
         attacker.join(10)
     assert found.is_set() and attacker.opened >= 600, attacker.opened
-    run = report.load_run(tmp_path)
+    out = tmp_path / "run"
+    run = report.load_run(out)
+    assert all(u.startswith(f"{scheme}://") for u in attacker.urls), attacker.urls
     assert s["failed_replicas"] == [] and sorted(run.done) == ["0", "1", "2"]
     assert s["identical_final_state"], s["final_hashes"]
     catch_up = [r for r in run.steps["1"] if not r["healthy"]]
     assert catch_up and any("caught up" in e for e in catch_up[0]["events"])
-    exactly_once(tmp_path, run)
-    assert "fetched state of step" in (tmp_path / "replica-1.log").read_text()  # from its peers, not from disk
+    exactly_once(out, run)
+    assert "fetched state of step" in (out / "replica-1.log").read_text()  # from its peers, not from disk
     # the attack reached the survivors' servers, which refused it with reasons and no traceback
     for rid in ("0", "2"):
-        text = (tmp_path / f"replica-{rid}.log").read_text()
+        text = (out / f"replica-{rid}.log").read_text()
         assert "peer server refused" in text, rid
         assert "Traceback" not in text, rid

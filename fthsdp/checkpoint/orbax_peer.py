@@ -111,6 +111,7 @@ class PeerRestore(ocp.args.CheckpointArgs):
     streams_per_source: int = 2
     timeout_s: float = 10.0
     fallback: bool = True
+    tls_ca_file: str | None = None  # https sources: verify them against this CA (PeerFetcher)
 
 
 def _step_of(directory) -> int | None:
@@ -128,7 +129,7 @@ def restore_from_peers(args: PeerRestore) -> tuple[Any, dict]:
     if not args.sources:
         raise FetchError("no peer sources were given")
     fetcher = PeerFetcher(args.sources, args.key, step=args.step, streams_per_source=args.streams_per_source,
-                          timeout_s=args.timeout_s)
+                          timeout_s=args.timeout_s, tls_ca_file=args.tls_ca_file)
     session = fetcher.start(like=args.item)
     try:
         paths, leaves, treedef = flatten(args.item)

@@ -147,8 +147,11 @@ class ReplicaProcess:
         self.snapshots = Snapshotter()
         self._snapshot_step = -1
         cap = cfg.ft.peer_serve_cap_gbps * 1e9 if cfg.ft.peer_serve_cap_gbps > 0 else None
+        from fthsdp.checkpoint.peer_server import TLSFiles
+
+        tls = TLSFiles(cfg.ft.peer_tls_cert, cfg.ft.peer_tls_key) if cfg.ft.peer_tls_cert else None
         self.server = PeerServer(self.snapshots, self.peer_key, host=cfg.ft.bind_host, max_bytes_per_s=cap,
-                                 advertise_host=cfg.ft.advertise_host, timeouts=cfg.timeouts).start()
+                                 advertise_host=cfg.ft.advertise_host, timeouts=cfg.timeouts, tls=tls).start()
         # A follower keeps its own copies of the replica's files apart (under followers/R.p/):
         # the run's ledger, loader positions, metrics and status are the leader's alone.
         files = out if self.leader else out / "followers" / self.group.label
@@ -265,6 +268,7 @@ class ReplicaProcess:
                     continue
                 try:
                     tree, info = orbax_peer.restore(like, sources, self.peer_key, step,
+                                                    tls_ca_file=self.cfg.ft.peer_tls_ca or None,
                                                     timeout_s=self.cfg.ft.allreduce_timeout_s,
                                                     streams_per_source=self.cfg.ft.peer_streams)
                 except Exception as e:  # noqa: BLE001 - every failure falls through to the next sources
