@@ -2,12 +2,14 @@
 the staging ceilings, and the cost of FTAR inside the real training step.
 
     python experiments/ftar_gpu.py [--quick] --out results/ftar_gpu.json
+    python experiments/ftar_gpu.py --table results/ftar_gpu.json   # the table again
 
 On one GPU host, in one run, with 2 and 4 processes sharing the GPU and
 64 / 256 MiB of float32 (--quick: 2 processes, 64 MiB, fewer iterations):
   ftar_gpu    FTAR through the jitted custom call on the GPU (host-staged:
               the stream copies blocks to pinned memory, the control thread
-              runs the ring over loopback TCP, the stream copies back)
+              runs the ring over loopback TCP, a 2-block reduce worker on the
+              GPU sums each received chunk, the stream copies back)
   ftar_cpu    the same custom call on the CPU device of the same processes
   gloo_cuda   torch.distributed + Gloo all-reducing CUDA tensors
   loopback    TCP ceiling with n concurrent senders (experiments/peers/loopback.py)
@@ -19,7 +21,8 @@ identity all-reduce (same process count). A system that cannot run here
 n, bytes, busbw_gbps (median), busbw_gbps_best, times_s. `targets` evaluates
 the issue's targets (GPU FTAR >= 1.5x Gloo on CUDA tensors and >= 0.8x CPU
 FTAR at >= 64 MiB; step with FTAR <= 1.3x the identity step). A PNG plot is
-written beside the JSON.
+written beside the JSON, and the table (bus bandwidth per system, process
+count and size; the staging ceilings; step times; targets) is printed.
 """
 
 from __future__ import annotations
@@ -155,7 +158,38 @@ def plot(result: dict, path: pathlib.Path) -> None:
     fig.savefig(path)
 
 
+def table(result: dict) -> str:
+    """The issue's table as text: what a person reads first."""
+    lines = [f"{'system':<11} {'n':>2} {'MiB':>5} {'busbw GB/s':>11} {'best':>7}"]
+    for r in sorted(result.get("rows", []), key=lambda r: (r["n"], r["bytes"], r["system"])):
+        lines.append(f"{r['system']:<11} {r['n']:>2} {r['bytes'] // MIB:>5} {r['busbw_gbps']:>11.2f} "
+                     f"{r['busbw_gbps_best']:>7.2f}")
+    for n, gbps in sorted(result.get("loopback_gbps", {}).items()):
+        lines.append(f"{'loopback':<11} {n:>2} {'':>5} {gbps:>11.2f}")
+    for name in ("d2h_gbps", "h2d_gbps"):
+        for nbytes, gbps in sorted(result.get("pinned", {}).get(name, {}).items(), key=lambda kv: int(kv[0])):
+            lines.append(f"{'pinned ' + name[:3]:<11} {'':>2} {int(nbytes) // MIB:>5} {gbps:>11.2f}")
+    for st in result.get("step", []):
+        lines.append(f"step {st['mode']:<6} n={st['n']} on {st['platform']}: median {st['median_s'] * 1e3:.2f} ms, "
+                     f"best {st['best_s'] * 1e3:.2f} ms")
+    lines.append("targets:")
+    for key, val in sorted(result.get("targets", {}).items()):
+        lines.append(f"  {key}: " + ", ".join(
+            f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in val.items()))
+    for key, why in sorted(result.get("skipped", {}).items()):
+        lines.append(f"skipped {key}: {str(why)[-200:]}")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
+    if argv is None:
+        argv = sys.argv[1:]
+    if argv[:1] == ["--table"]:
+        if len(argv) != 2:
+            print("usage: ftar_gpu.py --table RESULT.json", file=sys.stderr)
+            return 2
+        print(table(json.loads(pathlib.Path(argv[1]).read_text())))
+        return 0
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", required=True)
     p.add_argument("--quick", action="store_true", help="2 processes, 64 MiB, few iterations")
@@ -214,7 +248,7 @@ def main(argv=None) -> int:
     result["finished"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     out.write_text(json.dumps(result, indent=1))
     plot(result, out.with_suffix(".png"))
-    print(json.dumps({"targets": result["targets"], "skipped": list(result["skipped"])}, indent=1))
+    print(table(result))
     return 0
 
 

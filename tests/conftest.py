@@ -14,9 +14,11 @@ from fthsdp.devices import force_host_devices  # noqa: E402
 force_host_devices(4)
 # The suite is a CPU suite (forced host devices, CPU replicas): pin it and every
 # process it starts to the CPU platform, so it means the same on a host whose
-# default jax backend is a GPU. GPU tests (marked `gpu`) run their GPU work in
-# subprocesses that set JAX_PLATFORMS themselves (tests/test_gpu_ftar.py).
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# default jax backend is a GPU. Set, not defaulted: a GPU host's environment
+# may name cuda already (tests/test_step.py and friends then met one GPU
+# where they expect four CPU devices). GPU tests (marked `gpu`) run their GPU
+# work in subprocesses that set JAX_PLATFORMS themselves (tests/test_gpu_ftar.py).
+os.environ["JAX_PLATFORMS"] = "cpu"
 
 import pytest  # noqa: E402
 

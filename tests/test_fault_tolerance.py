@@ -47,6 +47,7 @@ def assert_identical_after_every_commit(run: report.RunFiles) -> int:
 def assert_compiled_once(run: report.RunFiles):
     for rid, done in run.done.items():
         assert done["compilations"] == {"compute_grads": 1, "apply_grads": 1}, (rid, done["compilations"])
+        assert done.get("platform") == "cpu", (rid, done.get("platform"))  # the suite is pinned to the CPU
 
 
 def assert_no_wait_past_deadline(run: report.RunFiles):

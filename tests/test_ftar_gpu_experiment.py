@@ -37,3 +37,8 @@ def test_quick_run_writes_rows_targets_and_plot(tmp_path):
     assert {s["mode"] for s in res["step"]} == {"local", "ftar"}
     assert all(s["median_s"] > 0 for s in res["step"])
     assert "step_ftar_vs_identity" in res["targets"]
+    # the table is printed, and again from the JSON
+    assert "ftar_cpu" in r.stdout and "targets:" in r.stdout
+    t = subprocess.run([sys.executable, str(REPO / "experiments" / "ftar_gpu.py"), "--table", str(out)],
+                       capture_output=True, text=True, timeout=120)
+    assert t.returncode == 0 and "step_ftar_vs_identity" in t.stdout and "loopback" in t.stdout, t.stderr

@@ -3,7 +3,8 @@
 Real worker processes share the GPU (each takes a slice of its memory) and
 all-reduce through the CUDA `fthsdp_ftar` handler: the stream stages the
 gradient through pinned host memory, the C++ control thread runs the ring
-over loopback TCP. Checked: bitwise equality with the CPU FTAR (f32, bf16;
+over loopback TCP, a reduce worker kernel sums the received chunks on the
+GPU. Checked: bitwise equality with the CPU FTAR (f32, bf16, f16;
 rings of 2-4; sizes that are not multiples of the chunk), exact integer sums,
 identical bytes on every rank, no recompilation on reconfiguration; a peer
 SIGKILLed mid-all-reduce -> RECOVERABLE within the deadline and the next
@@ -111,7 +112,7 @@ def test_cuda_reduce_kernel_is_bitwise_numpy(tmp_path):
 
 @pytest.mark.parametrize("n", [2, 3, 4])
 def test_gpu_ftar_is_bitwise_the_cpu_ftar(tmp_path, n):
-    # 100003 f32 / 77777 bf16 elements with 64 KiB chunks: not multiples of the chunk
+    # 100003 f32 / 77777 bf16 / 55555 f16 elements with 64 KiB chunks: not multiples of the chunk
     procs = launch(tmp_path, n, "sum", chunk_bytes=1 << 16)
     finish(procs, range(n))
     results = [load(tmp_path, r) for r in range(n)]
@@ -119,7 +120,7 @@ def test_gpu_ftar_is_bitwise_the_cpu_ftar(tmp_path, n):
         assert str(res["gpu1/platform"]) == "gpu" and str(res["cpu1/platform"]) == "cpu"
         for tag in ("gpu1", "cpu1", "gpu2"):
             assert np.all(res[f"{tag}/status"] == ftar.STATUS_OK), (tag, res[f"{tag}/status"])
-        for key in ("f32", "bf16", "ints"):
+        for key in ("f32", "bf16", "f16", "ints"):
             assert res[f"gpu1/{key}"].tobytes() == res[f"cpu1/{key}"].tobytes(), f"GPU != CPU FTAR for {key}"
             assert res[f"gpu1/{key}"].tobytes() == results[0][f"gpu1/{key}"].tobytes(), f"ranks differ: {key}"
         assert int(res["gpu_cache_size"]) == 1, "reconfiguring recompiled the GPU step"
@@ -192,4 +193,5 @@ def test_fthsdp_run_on_a_shared_gpu_with_kill_and_rejoin(tmp_path, replicas):
     assert sorted(run.done) == [str(i) for i in range(replicas)]
     for rid, done in run.done.items():
         assert done["compilations"] == {"compute_grads": 1, "apply_grads": 1}, (rid, done["compilations"])
+        assert done.get("platform") == "gpu", (rid, "picked no GPU with no flag", done.get("platform"))
     assert any(not rec["healthy"] for rec in run.steps["1"]), "the killed replica never rejoined behind"

@@ -31,9 +31,10 @@ warning is logged.
 The same custom call runs on CPU and GPU devices (fthsdp.collective.native registers
 both). On a GPU the handler only enqueues work on XLA's stream: the stream
 stages the gradient through host-pinned memory block by block, the C++
-control thread runs the ring over it (the same ring and schedule as on CPU,
-so results are bitwise identical to the CPU FTAR) and releases the stream
-block by block; a fatal error found after the handler returned is written as
+control thread runs the ring over it (the same ring and schedule as on CPU),
+a reduce worker kernel on the GPU sums each received chunk (one addition per
+element in the CPU's order, so results are bitwise identical to the CPU
+FTAR) and the control thread releases the stream block by block; a fatal error found after the handler returned is written as
 status 2 (STATUS_FATAL) and raised by the next call (ffi/staging_abi.h).
 """
 

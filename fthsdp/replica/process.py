@@ -475,7 +475,8 @@ class ReplicaProcess:
         self.metrics.write(kind="done", replica=self.rid, step=int(mgr.state.step), hash=state_hash(mgr.state),
                            position=mgr.loader.position, positions=mgr.positions.tolist(),
                            compilations={"compute_grads": self.ts.compute_grads._cache_size(),
-                                         "apply_grads": self.ts.apply_grads._cache_size()})
+                                         "apply_grads": self.ts.apply_grads._cache_size()},
+                           platform=str(self.mesh.devices.flat[0].platform))
         self.write_status(step=int(mgr.state.step), state="done")
         log.info("replica %s done at step %d", self.rid, int(mgr.state.step))
         return 0
