@@ -48,7 +48,7 @@ JOB = "rca-cost"
 def typical_report() -> PhaseSnapshot:
     return PhaseSnapshot(Phase.ALLREDUCE, 1234, 0.5, 17, ring_step=3, ring_steps=14, waiting_on="6",
                          waiting_s=0.41, bytes_moved=123_456_789,
-                         streams=(StreamReport("8", 1.2e9, 40_000_000, 0.35),), last_compute_s=0.21,
+                         streams=(StreamReport("8", 1.2e9, 40_000_000, 0.35),), compute_s=0.21,
                          last_step_s=0.52)
 
 
@@ -123,15 +123,15 @@ def shapes(n: int) -> dict[str, rc.JobSnapshot]:
     ids = [str(i) for i in range(n)]
     members = tuple(ids)
     healthy = tuple(rc.ProcessReport(r, 0.05, "computing" if i % 2 else "allreduce", 100, 0.02,
-                                     waiting_on=ids[i - 1], waiting_s=0.004, last_compute_s=0.2,
+                                     waiting_on=ids[i - 1], waiting_s=0.004, compute_s=0.2,
                                      streams=(rc.StreamRate(ids[(i + 1) % n], 1e9, 0.05),))
                     for i, r in enumerate(ids))
     frozen = tuple(rc.ProcessReport(r, 0.6 if i == n // 2 else 0.05, "allreduce", 100, 0.6,
                                     waiting_on=ids[i - 1], waiting_s=0.6, ring_step=1, ring_steps=2 * n - 2,
-                                    last_compute_s=0.2, streams=(rc.StreamRate(ids[(i + 1) % n], 1e9, 0.05),))
+                                    compute_s=0.2, streams=(rc.StreamRate(ids[(i + 1) % n], 1e9, 0.05),))
                    for i, r in enumerate(ids))
     quorum = tuple(rc.ProcessReport(r, 0.05, "waiting-for-quorum" if i % 2 else "computing", 100, 0.3,
-                                    asking=bool(i % 2), last_compute_s=0.2)
+                                    asking=bool(i % 2), compute_s=0.2)
                    for i, r in enumerate(ids))
     return {name: rc.JobSnapshot(reports, members, 0.8, 100)
             for name, reports in (("healthy", healthy), ("frozen_chain", frozen), ("quorum_round", quorum))}

@@ -14,16 +14,16 @@ def snap(*reports, members=MEMBERS, detect_s=0.8):
 
 
 def test_healthy_job_is_no_stall():
-    v = rc.analyse(snap(R("0", 0.05, "computing", 7, 0.01, last_compute_s=0.05),
-                        R("1", 0.02, "allreduce", 7, 0.01, waiting_on="0", waiting_s=0.003, last_compute_s=0.05),
-                        R("2", 0.08, "idle", 7, 0.0, last_compute_s=0.06)))
+    v = rc.analyse(snap(R("0", 0.05, "computing", 7, 0.01, compute_s=0.05),
+                        R("1", 0.02, "allreduce", 7, 0.01, waiting_on="0", waiting_s=0.003, compute_s=0.05),
+                        R("2", 0.08, "idle", 7, 0.0, compute_s=0.06)))
     assert v.kind == rc.NONE and v.culprit == "" and v.confidence == 1.0
     assert "no stall" in v.describe()
 
 
 def test_a_healthy_ring_in_progress_is_not_a_cycle():
     # every rank waits a few ms on its left neighbour: the normal state of a ring
-    reports = [R(m, 0.05, "allreduce", 7, 0.02, waiting_on=MEMBERS[i - 1], waiting_s=0.004, last_compute_s=0.05)
+    reports = [R(m, 0.05, "allreduce", 7, 0.02, waiting_on=MEMBERS[i - 1], waiting_s=0.004, compute_s=0.05)
                for i, m in enumerate(MEMBERS)]
     assert rc.analyse(snap(*reports)).kind == rc.NONE
 
@@ -60,6 +60,13 @@ def test_wait_chain_through_a_quorum_request():
     assert "0 asks for a quorum that waits for member 1" in v.evidence
 
 
+def test_a_replica_of_several_processes_names_its_silent_process():
+    v = rc.analyse(snap(R("0", 0.05, "allreduce", 7, 0.5, waiting_on="2", waiting_s=0.5),
+                        R("1", 0.5, "allreduce", 7, 0.5, silent_processes=(1,)),  # its leader beats on
+                        R("2", 0.05, "allreduce", 7, 0.5, waiting_on="1", waiting_s=0.5)))
+    assert (v.kind, v.culprit) == (rc.FROZEN, "1") and "no heartbeat for 0.50s from its process(es) 1" in v.evidence
+
+
 def test_silent_member_nobody_waits_on_yet_is_still_named():
     v = rc.analyse(snap(R("0", 0.05, "computing", 7, 0.05), R("1", 0.9, "computing", 7, 0.05),
                         R("2", 0.05, "computing", 7, 0.05)))
@@ -69,31 +76,31 @@ def test_silent_member_nobody_waits_on_yet_is_still_named():
 
 def test_slow_replica_computing_while_the_others_wait():
     v = rc.analyse(snap(
-        R("0", 0.05, "allreduce", 7, 0.8, waiting_on="2", waiting_s=0.8, last_compute_s=0.05),
-        R("1", 0.05, "computing", 7, 0.9, last_compute_s=0.95),
-        R("2", 0.05, "allreduce", 7, 0.85, waiting_on="1", waiting_s=0.85, last_compute_s=0.06)))
+        R("0", 0.05, "allreduce", 7, 0.8, waiting_on="2", waiting_s=0.8, compute_s=0.05),
+        R("1", 0.05, "computing", 7, 0.9, compute_s=0.95),
+        R("2", 0.05, "allreduce", 7, 0.85, waiting_on="1", waiting_s=0.85, compute_s=0.06)))
     assert (v.kind, v.culprit) == (rc.SLOW, "1")
     assert "has been computing for 0.90s" in v.evidence and "median compute is 0.06s" in v.evidence
 
 
 def test_slow_replica_seen_between_steps_by_its_last_compute():
-    v = rc.analyse(snap(R("0", 0.05, "idle", 7, 0.0, last_compute_s=0.05),
-                        R("1", 0.05, "allreduce", 7, 0.01, waiting_on="0", waiting_s=0.01, last_compute_s=0.7),
-                        R("2", 0.05, "idle", 7, 0.0, last_compute_s=0.04)))
-    assert (v.kind, v.culprit) == (rc.SLOW, "1") and "last forward+backward took 0.70s" in v.evidence
+    v = rc.analyse(snap(R("0", 0.05, "idle", 7, 0.0, compute_s=0.05),
+                        R("1", 0.05, "allreduce", 7, 0.01, waiting_on="0", waiting_s=0.01, compute_s=0.7),
+                        R("2", 0.05, "idle", 7, 0.0, compute_s=0.04)))
+    assert (v.kind, v.culprit) == (rc.SLOW, "1") and "forward+backward takes 0.70s" in v.evidence
 
 
 def test_busy_but_not_slow_is_not_blamed():
     v = rc.analyse(snap(
-        R("0", 0.05, "allreduce", 7, 0.15, waiting_on="1", waiting_s=0.15, last_compute_s=0.1),
-        R("1", 0.05, "computing", 7, 0.15, last_compute_s=0.1),
-        R("2", 0.05, "idle", 7, 0.0, last_compute_s=0.1)))
+        R("0", 0.05, "allreduce", 7, 0.15, waiting_on="1", waiting_s=0.15, compute_s=0.1),
+        R("1", 0.05, "computing", 7, 0.15, compute_s=0.1),
+        R("2", 0.05, "idle", 7, 0.0, compute_s=0.1)))
     assert v.kind == rc.NONE
 
 
 def test_throttled_stream_is_a_slow_link_naming_sender_and_receiver():
     # the ring waits on itself (a cycle): the stream rates break it
-    reports = [R(m, 0.05, "allreduce", 7, 0.5, waiting_on=MEMBERS[i - 1], waiting_s=0.3, last_compute_s=0.05,
+    reports = [R(m, 0.05, "allreduce", 7, 0.5, waiting_on=MEMBERS[i - 1], waiting_s=0.3, compute_s=0.05,
                  streams=(StreamRate(MEMBERS[(i + 1) % 3], rate, busy),))
                for i, (m, rate, busy) in enumerate(zip(MEMBERS, (9e8, 2e5, 7e8), (0.01, 0.7, 0.01)))]
     v = rc.analyse(snap(*reports))
@@ -236,3 +243,13 @@ def test_dashboard_view_carries_the_verdict_and_each_replicas_phase():
     # an older lighthouse without these fields still gives a view
     old = view_from_proto(pb2.StatusResponse(jobs=[pb2.JobStatus(job_id="j")]), 0.0).job("j")
     assert old.root_cause is None and old.last_stall is None
+
+
+def test_phase_tracker_compute_time_is_a_median_so_one_hiccup_is_not_slow():
+    t = PhaseTracker()
+    for s in (0.05, 0.05, 0.4, 0.05):  # one 0.4 s hiccup of a loaded host
+        t.computed(s)
+    assert t.report("0").compute_s == 0.05
+    for s in (0.6, 0.6, 0.6):  # slow for good (train.min_step_s)
+        t.computed(s)
+    assert t.report("0").compute_s == 0.6

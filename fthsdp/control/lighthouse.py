@@ -152,20 +152,23 @@ _PHASE_NAMES = {n: n.removeprefix("PHASE_").lower().replace("_", "-") for n in p
 
 
 def rca_snapshot(phases: dict, last_seen: dict[str, float], now: float, asking, dead, members, detect_s: float,
-                 step: int) -> rc.JobSnapshot:
+                 step: int, groups: dict | None = None, frozen_after_s: float = 0.0) -> rc.JobSnapshot:
     """The root-cause analysis's plain input from the lighthouse's state of one job."""
     reports = []
+    groups = groups or {}
     for r, seen in last_seen.items():
         p = phases.get(r)
+        silent = tuple(groups[r].silent(now, frozen_after_s)) if r in groups else ()
         if p is None:
-            reports.append(rc.ProcessReport(r, now - seen, asking=r in asking, declared_dead=r in dead))
+            reports.append(rc.ProcessReport(r, now - seen, asking=r in asking, declared_dead=r in dead,
+                                            silent_processes=silent))
             continue
         phase = _PHASE_NAMES.get(pb2.Phase.Name(p.phase), "") if p.phase in pb2.Phase.values() else ""
         reports.append(rc.ProcessReport(
             r, now - seen, "" if phase == "unknown" else phase, p.step, p.in_phase_s, p.waiting_on, p.waiting_s,
-            p.ring_step, p.ring_steps, p.last_compute_s,
+            p.ring_step, p.ring_steps, p.compute_s,
             tuple(rc.StreamRate(s.to_replica, s.bytes_per_s, s.busy_fraction) for s in p.streams),
-            asking=r in asking, declared_dead=r in dead))
+            asking=r in asking, declared_dead=r in dead, silent_processes=silent))
     return rc.JobSnapshot(tuple(reports), tuple(members), detect_s, step)
 
 
@@ -671,9 +674,10 @@ class Lighthouse(pb2_grpc.LighthouseServicer):
         view = self._liveness(job, now)
         if members is None:
             members = job.quorum.member_ids if job.quorum is not None else ()
+        frozen_after_s = self.config.detect_s / 2
         snap = rca_snapshot(job.phases, view, now, job.pending, job.dead, members, self.config.detect_s,
-                            max(job.steps.values(), default=0))
-        verdict = rc.analyse(snap, rc.Thresholds(frozen_after_s=self.config.detect_s / 2))
+                            max(job.steps.values(), default=0), job.groups, frozen_after_s)
+        verdict = rc.analyse(snap, rc.Thresholds(frozen_after_s=frozen_after_s))
         job.last_rca_at, job.last_rca_cost_s = now, time.perf_counter() - t0
         self.stats["rca_runs"] += 1
         self.stats["rca_s"] += job.last_rca_cost_s

@@ -167,7 +167,7 @@ def phase_to_proto(s: PhaseSnapshot) -> "pb2.PhaseReport":
     return pb2.PhaseReport(
         phase=pb2.Phase.Value("PHASE_" + s.phase.name), step=s.step, in_phase_s=s.in_phase_s,
         quorum_id=s.quorum_id, ring_step=s.ring_step, ring_steps=s.ring_steps, waiting_on=s.waiting_on,
-        waiting_s=s.waiting_s, bytes_moved=s.bytes_moved, last_compute_s=s.last_compute_s,
+        waiting_s=s.waiting_s, bytes_moved=s.bytes_moved, compute_s=s.compute_s,
         last_step_s=s.last_step_s,
         streams=[pb2.StreamRate(to_replica=x.to_replica, bytes_per_s=x.bytes_per_s, bytes=x.bytes,
                                 busy_fraction=x.busy_fraction)
@@ -186,7 +186,7 @@ def phase_from_proto(p: "pb2.PhaseReport") -> PhaseSnapshot | None:
                          p.waiting_s, p.bytes_moved,
                          tuple(StreamReport(x.to_replica, x.bytes_per_s, x.bytes, x.busy_fraction)
                                for x in p.streams),
-                         p.last_compute_s, p.last_step_s)
+                         p.compute_s, p.last_step_s)
 
 
 def root_cause_from_proto(r: "pb2.RootCause") -> RootCauseStatus:

@@ -14,7 +14,9 @@ these (fthsdp/observe/root_cause.py).
 
 from __future__ import annotations
 
+import collections
 import enum
+import statistics
 import threading
 import time
 from dataclasses import dataclass
@@ -54,7 +56,7 @@ class PhaseSnapshot:
     waiting_s: float = 0.0
     bytes_moved: int = 0
     streams: tuple[StreamReport, ...] = ()
-    last_compute_s: float = -1.0
+    compute_s: float = -1.0
     last_step_s: float = -1.0
 
 
@@ -73,13 +75,15 @@ class PhaseTracker:
 
     MIN_WINDOW_S = 1.0
     MAX_WINDOW_S = 5.0
+    COMPUTES_KEPT = 5
 
     def __init__(self, progress: ProgressFn | None = None, clock: Callable[[], float] = time.monotonic) -> None:
         self._clock = clock
         self._progress = progress
         # (phase, step, since, quorum_id, members): replaced whole, never mutated
         self._state: tuple[Phase, int, float, int, tuple[str, ...]] = (Phase.STARTING, 0, clock(), 0, ())
-        self.last_compute_s = -1.0
+        self._computes: collections.deque[float] = collections.deque(maxlen=self.COMPUTES_KEPT)
+        self.compute_s = -1.0  # the median of the last COMPUTES_KEPT forward+backward times
         self.last_step_s = -1.0
         self._rate_lock = threading.Lock()  # report() only: the heartbeat thread and tests
         # Rate windows of the outgoing streams: (quorum id, members, bytes, busy s, wall time) at the
@@ -96,6 +100,11 @@ class PhaseTracker:
                        old[3] if quorum_id is None else int(quorum_id),
                        old[4] if members is None else tuple(members))
 
+    def computed(self, seconds: float) -> None:
+        """One forward+backward took ``seconds`` (the step loop calls it once per step)."""
+        self._computes.append(seconds)
+        self.compute_s = statistics.median(self._computes)
+
     @property
     def phase(self) -> Phase:
         return self._state[0]
@@ -106,7 +115,7 @@ class PhaseTracker:
         ring = {}
         if self._progress is not None and replica_id in members:
             ring = self._ring(replica_id, qid, members, phase == Phase.ALLREDUCE)
-        return PhaseSnapshot(phase, step, max(0.0, now - since), qid, last_compute_s=self.last_compute_s,
+        return PhaseSnapshot(phase, step, max(0.0, now - since), qid, compute_s=self.compute_s,
                              last_step_s=self.last_step_s, streams=self._rates, **ring)
 
     def _ring(self, replica_id: str, qid: int, members: tuple[str, ...], in_allreduce: bool) -> dict:

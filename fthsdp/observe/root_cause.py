@@ -18,8 +18,8 @@ The verdict's kinds, first match wins:
   not yet the window, and others wait on it (SIGSTOP, a hung host);
 * ``slow``: the root is alive and busy (computing, fetching, checkpointing,
   compiling) much longer than the others' compute time, or, with no wait
-  chain at the moment, its last forward+backward took much longer than the
-  others' median;
+  chain at the moment, its recent forward+backward time (a median of the
+  last few) is much longer than the others';
 * ``slow_link``: an FTAR stream carries far less per busy second than the
   others and is busy a good share of the time, so it is the ring's bottleneck
   rather than one unlucky chunk (the sender is named, the receiver is
@@ -75,10 +75,12 @@ class ProcessReport:
     waiting_s: float = 0.0
     ring_step: int = 0
     ring_steps: int = 0
-    last_compute_s: float = -1.0  # < 0: none yet
+    compute_s: float = -1.0  # recent forward+backward seconds (a median of the last few); < 0: none yet
     streams: tuple[StreamRate, ...] = ()
     asking: bool = False  # a quorum request of it is open at the lighthouse
     declared_dead: bool = False
+    # A replica of several processes is as fresh as its stalest process: which went silent.
+    silent_processes: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -361,6 +363,8 @@ def analyse(snap: JobSnapshot, th: Thresholds | None = None) -> Verdict:
         dead = rep.declared_dead or rep.heartbeat_age_s >= snap.detect_s
         heard = ("declared dead by the lighthouse" if rep.declared_dead and rep.heartbeat_age_s < 0
                  else f"no heartbeat for {_fmt(rep.heartbeat_age_s)}")
+        if rep.silent_processes:
+            heard += " from its process(es) " + ", ".join(map(str, rep.silent_processes))
         window = f"(detection window {_fmt(snap.detect_s)})"
         last = f"; its last report: {rep.phase or 'none'} at step {rep.step}" if rep.phase else ""
         evidence = [f"replica {root}: {heard} {window}{last}",
@@ -377,12 +381,12 @@ def analyse(snap: JobSnapshot, th: Thresholds | None = None) -> Verdict:
     # still computing): still the likeliest culprit once they reach the ring.
     silent_members = sorted((s for s in silent if s in snap.member_set), key=lambda s: (-silence(s), key(s)))
 
-    computes = sorted(r.last_compute_s for r in snap.reports if r.last_compute_s >= 0)
+    computes = sorted(r.compute_s for r in snap.reports if r.compute_s >= 0)
     busy_roots = []
     for s, r in reach.items():
         rep = by_id[s]
         if rep.phase in BUSY_PHASES:
-            med = _median_without(computes, rep.last_compute_s)
+            med = _median_without(computes, rep.compute_s)
             base = med if med is not None else 0.0
             if rep.in_phase_s >= max(th.slow_min_s, th.slow_factor * base):
                 busy_roots.append((s, r, med))
@@ -414,16 +418,16 @@ def analyse(snap: JobSnapshot, th: Thresholds | None = None) -> Verdict:
     if link is not None:
         return link
 
-    # No root now: compare the last forward+backward of every member.
+    # No root now: compare the recent forward+backward time of every member.
     computed = [r for r in snap.reports
-                if r.last_compute_s >= 0 and (not snap.members or r.replica in snap.member_set)]
+                if r.compute_s >= 0 and (not snap.members or r.replica in snap.member_set)]
     if len(computed) >= 2:
-        worst = min(computed, key=lambda r: (-r.last_compute_s, key(r.replica)))
-        med = _median_without(sorted(r.last_compute_s for r in computed), worst.last_compute_s)
-        if med is not None and worst.last_compute_s >= max(th.slow_min_s, th.slow_factor * med):
-            ratio = worst.last_compute_s / med if med > 0 else float("inf")
+        worst = min(computed, key=lambda r: (-r.compute_s, key(r.replica)))
+        med = _median_without(sorted(r.compute_s for r in computed), worst.compute_s)
+        if med is not None and worst.compute_s >= max(th.slow_min_s, th.slow_factor * med):
+            ratio = worst.compute_s / med if med > 0 else float("inf")
             return Verdict(SLOW, worst.replica, "",
-                           f"replica {worst.replica}'s last forward+backward took {_fmt(worst.last_compute_s)}, "
+                           f"replica {worst.replica}'s forward+backward takes {_fmt(worst.compute_s)}, "
                            f"{ratio:.1f}x the others' median {_fmt(med)}: every all-reduce waits for it",
                            0.8, (worst.replica,))
 

@@ -316,7 +316,8 @@ class Manager:
                     pace = self.cfg.train.min_step_s - (time.perf_counter() - t0)
                     if pace > 0:  # emulate a longer forward/backward (see TrainConfig.min_step_s)
                         time.sleep(pace)
-                    grads_s = self.phases.last_compute_s = time.perf_counter() - t0
+                    grads_s = time.perf_counter() - t0
+                    self.phases.computed(grads_s)
                 self.phases.set(Phase.ALLREDUCE)
                 t0 = time.perf_counter()
                 new_state, m = self.ts.apply_grads(self.state, grads if healthy else self.zero_grads(),
