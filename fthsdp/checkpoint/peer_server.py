@@ -18,12 +18,18 @@ The server checks the MAC in constant time, refuses a timestamp more than
 for that window, so a captured request can be replayed neither for another
 resource (path, server) nor for the same one. A peer of another job holds
 another key and is refused (403). No key or secret is ever sent. With
-``tls=TLSFiles(cert, key)`` the server speaks HTTPS (``https://`` in
+``tls=TLSFiles(cert, key)`` (in a job: ``ft.peer_tls_cert``, ``ft.peer_tls_key``
+and ``ft.peer_tls_ca``) the server speaks HTTPS (``https://`` in
 :attr:`PeerServer.url`), so the state bytes are secret on the wire and the
 fetcher verifies the server against the operator's CA file; without TLS the
 bytes travel in clear, and a party that can rewrite traffic could alter
 piece bodies (each is checked against a CRC32 in the agreed manifest, which
 catches faults, not forgery): give certificates on networks you do not trust.
+Responses are not signed: without TLS a fetcher trusts a server because the
+lighthouse listed its address, and several peers' manifests must agree
+(``peer_fetch.consensus``). A job without a job secret (its lighthouse run
+``--insecure``) falls back to the launcher's random per-job
+``$FTHSDP_PEER_TOKEN`` as the peer key (``ReplicaProcess.load_peer_key``).
 
 **Limits** (nothing from the network may crash or starve the server): one
 event loop holds every connection that is waiting for a request (idle
