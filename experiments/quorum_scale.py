@@ -164,7 +164,7 @@ def client_main(address: str, job: str, lo: int, hi: int, r_total: int, nproc: i
 
 def start_lighthouse() -> tuple[subprocess.Popen, str]:
     p = subprocess.Popen(
-        [sys.executable, "-m", "fthsdp.control.lighthouse", "--bind", "127.0.0.1:0", "--join-timeout", "60",
+        [sys.executable, "-m", "fthsdp.control.lighthouse", "--bind", "127.0.0.1:0", "--insecure", "--join-timeout", "60",
          "--detect", "60", "--log-level", "ERROR"],
         cwd=REPO, stdout=subprocess.PIPE, text=True,
     )

@@ -63,7 +63,7 @@ def heartbeat_sizes() -> dict:
 
 def start_lighthouse(tmp: pathlib.Path) -> tuple[subprocess.Popen, str]:
     port_file = tmp / "lighthouse.port"
-    proc = subprocess.Popen([sys.executable, "-m", "fthsdp.control.lighthouse", "--bind", "127.0.0.1:0",
+    proc = subprocess.Popen([sys.executable, "-m", "fthsdp.control.lighthouse", "--bind", "127.0.0.1:0", "--insecure",
                              "--port-file", str(port_file), "--log-level", "WARNING"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     deadline = time.monotonic() + 30

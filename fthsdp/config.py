@@ -120,6 +120,9 @@ class LaunchConfig:
     lighthouse: str = ""  # host:port ([v6]:port) of a running lighthouse; empty = start one locally
     lighthouse_bind: str = "127.0.0.1:0"  # where the launcher's own lighthouse listens (port 0: any free one)
     lighthouse_advertise: str = ""  # the host replicas reach it on (empty: the bind host)
+    # A file holding the secret (fthsdp.control.auth.launcher_keys): the launcher's own lighthouse's
+    # secret (empty: a fresh one per job), or with `lighthouse` set, the job's secret.
+    secret_file: str = ""
     # Emulated hosts: replica r's listeners bind (and advertise) hosts[r % len(hosts)],
     # e.g. 127.0.0.2,127.0.0.3 so that each replica acts as its own machine on
     # loopback; empty: every replica uses ft.bind_host / ft.advertise_host.

@@ -181,6 +181,14 @@ def _readable_or_empty(value: Any) -> None:
         raise ValueError("is not a readable file (give the path of a PEM file, or leave it empty)")
 
 
+def _secret_file_or_empty(value: Any) -> None:
+    if value == "":
+        return
+    from fthsdp.control.auth import load_secret
+
+    load_secret(str(value), environ={})  # SecretError (a ValueError) says what is wrong
+
+
 def _host(value: Any) -> None:
     from fthsdp.addresses import check_host
 
@@ -281,6 +289,8 @@ RULES: dict[str, Rule] = {
     "launch.lighthouse": Parsed(_host_port_or_empty, "empty (start one locally) or host:port ([v6]:port)"),
     "launch.lighthouse_bind": Parsed(_bind_address, "host:port ([v6]:port) to listen on, port 0 = any free port"),
     "launch.lighthouse_advertise": Parsed(_host_or_empty, "empty (the bind host) or the host replicas connect to"),
+    "launch.secret_file": Parsed(_secret_file_or_empty, "empty (a fresh secret per job) or a readable file "
+                                 "holding the secret (64 hex digits)"),
     "launch.hosts": Parsed(_advertisable_hosts, "comma-separated hosts, one per emulated machine (empty: ft.bind_host)"),
     "launch.kill": Parsed(_fault_specs("kill"), "comma-separated REPLICA@STEP"),
     "launch.restart": Anything("true or false"),

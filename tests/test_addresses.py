@@ -264,7 +264,7 @@ def test_a_job_over_ipv6_loopback_with_an_external_lighthouse(tmp_path):
     from test_fault_tolerance import assert_identical_after_every_commit
 
     port_file = tmp_path / "lh.port"
-    lh = subprocess.Popen([sys.executable, "-m", "fthsdp.control.lighthouse", "--bind", "[::1]:0", "--port-file",
+    lh = subprocess.Popen([sys.executable, "-m", "fthsdp.control.lighthouse", "--bind", "[::1]:0", "--insecure", "--port-file",
                            str(port_file), "--replicas", "2", "--detect", "0.8", "--join-timeout", "0.5"],
                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     try:

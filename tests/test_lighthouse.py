@@ -291,7 +291,7 @@ def test_subprocess_lighthouse_detects_a_killed_replica(tmp_path):
     port_file = tmp_path / "port"
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     lh = subprocess.Popen(
-        [sys.executable, "-m", "fthsdp.control.lighthouse", "--bind", "127.0.0.1:0", "--detect", str(DETECT),
+        [sys.executable, "-m", "fthsdp.control.lighthouse", "--bind", "127.0.0.1:0", "--insecure", "--detect", str(DETECT),
          "--join-timeout", "5", "--replicas", "2", "--port-file", str(port_file)],
         cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
@@ -337,7 +337,7 @@ def test_cli_reports_a_port_in_use():
         s.bind(("127.0.0.1", 0))
         s.listen()
         port = s.getsockname()[1]
-        p = subprocess.run([sys.executable, "-m", "fthsdp.control.lighthouse", "--bind", f"127.0.0.1:{port}"],
+        p = subprocess.run([sys.executable, "-m", "fthsdp.control.lighthouse", "--bind", f"127.0.0.1:{port}", "--insecure"],
                            cwd=REPO, capture_output=True, text=True, timeout=30)
     assert p.returncode == 1
     assert f"lighthouse cannot bind 127.0.0.1:{port}" in p.stderr and "in use" in p.stderr

@@ -121,9 +121,11 @@ class ObservedJob:
         assert self.proc.poll() is None, (out.parent / "launcher.out").read_text()[-3000:]
         self.lighthouse = f"127.0.0.1:{port_file.read_text().strip()}"
 
+        from fthsdp.control.auth import load_secret
         from fthsdp.observe.lighthouse_view import StatusPoller
 
-        poller = StatusPoller(self.lighthouse)
+        status_key = load_secret(str(out / "status.key"))  # the launcher's lighthouse authenticates Status
+        poller = StatusPoller(self.lighthouse, status_key=status_key)
         self.started.append(poller.close)
         self.lh_metrics = LighthouseMetrics().start(poller, interval_s=0.25)
         self.started.append(self.lh_metrics.stop)
@@ -135,7 +137,7 @@ class ObservedJob:
         self.rep_servers = {r: serve(m.registry) for r, m in self.replicas.items()}
         self.started.extend(s.close for s in self.rep_servers.values())
         threading.Thread(target=self._follow, daemon=True).start()
-        self.dashboard = Dashboard(self.lighthouse, "127.0.0.1:0", interval_s=0.25).start()
+        self.dashboard = Dashboard(self.lighthouse, "127.0.0.1:0", interval_s=0.25, status_key=status_key).start()
         self.started.append(self.dashboard.close)
         self.prometheus_url = None
         if PROMETHEUS:

@@ -143,7 +143,7 @@ def test_leave_is_not_a_death_and_a_finished_job_answers_rejoiners(caplog):
 def start_lighthouse(port: int, log: pathlib.Path) -> subprocess.Popen:
     port_file = log.with_suffix(".port")
     port_file.unlink(missing_ok=True)
-    p = subprocess.Popen([sys.executable, "-m", "fthsdp.cli", "lighthouse", "--bind", f"127.0.0.1:{port}",
+    p = subprocess.Popen([sys.executable, "-m", "fthsdp.cli", "lighthouse", "--bind", f"127.0.0.1:{port}", "--insecure",
                           "--detect", "0.8", "--join-timeout", "0.5", "--port-file", str(port_file)],
                          cwd=REPO, stdout=open(log, "a"), stderr=subprocess.STDOUT, start_new_session=True)
     deadline = time.monotonic() + 60

@@ -46,7 +46,7 @@ class Job:
         self.lighthouse_log = tmp / "lighthouse.log"
         with open(self.lighthouse_log, "w") as logf:
             self.lighthouse = subprocess.Popen(
-                [sys.executable, "-m", "fthsdp.control.lighthouse", "--bind", "127.0.0.1:0", "--port-file",
+                [sys.executable, "-m", "fthsdp.control.lighthouse", "--bind", "127.0.0.1:0", "--insecure", "--port-file",
                  str(port_file), "--detect", "0.8", "--replicas", "3", "--rca-interval", "0.25"],
                 stdout=logf, stderr=subprocess.STDOUT, env=base, start_new_session=True)
         try:

@@ -30,8 +30,10 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import math
 import os
 import secrets
+import time
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -139,37 +141,59 @@ def write_secret(path: str, secret: bytes) -> None:
 
 @dataclass(frozen=True)
 class Credential:
-    """What a call carries besides its body (in gRPC metadata)."""
+    """What a call carries besides its body (in gRPC metadata: :meth:`text`)."""
 
     kind: str  # "job" (a job's replica) or "status" (read-only)
-    timestamp: float
+    timestamp_text: str  # seconds since the epoch, as sent ("%.6f"): signed exactly as it travels
     nonce: str  # 32 hex digits
     signature: str  # 64 hex digits
 
+    @property
+    def timestamp(self) -> float:
+        return float(self.timestamp_text)
 
-def body_digest(body: bytes) -> bytes:
-    return hashlib.sha256(body).digest()
+    def text(self) -> str:
+        return f"{self.kind} {self.timestamp_text} {self.nonce} {self.signature}"
+
+    @staticmethod
+    def parse(text: str) -> "Credential":
+        """Raises ValueError for anything but four fields of the right shape."""
+        kind, ts, nonce, sig = text.split(" ")
+        if len(nonce) != 32 or len(sig) != 64 or len(ts) > 32 or not math.isfinite(float(ts)):
+            raise ValueError("malformed credential")
+        return Credential(kind, ts, nonce, sig)
 
 
-def _message(method: str, job_id: str, replica_id: str, digest: bytes, timestamp: float, nonce: str) -> bytes:
-    # Length-prefixed fields: no two different tuples give the same bytes.
-    parts = [method.encode(), job_id.encode(), replica_id.encode(), digest, f"{timestamp:.6f}".encode(), nonce.encode()]
-    return b"fthsdp call v1" + b"".join(len(p).to_bytes(4, "big") + p for p in parts)
+def _mac(key: bytes, method: str, job_id: str, replica_id: str, body: bytes, ts: str, nonce: str) -> str:
+    # Length-prefixed fields (the ids are arbitrary text): no two different calls give the same bytes.
+    parts = (method.encode(), job_id.encode(), replica_id.encode(), hashlib.sha256(body).digest(), ts.encode(),
+             nonce.encode())
+    msg = b"fthsdp call v1" + b"".join(len(p).to_bytes(4, "big") + p for p in parts)
+    return hmac.new(key, msg, hashlib.sha256).hexdigest()
 
 
 def sign(key: bytes, method: str, job_id: str, replica_id: str, body: bytes, timestamp: float,
          nonce: str | None = None, kind: str = "job") -> Credential:
     """The credential of one call signed with ``key`` (a job's lighthouse key or the status key)."""
-    nonce = nonce if nonce is not None else secrets.token_hex(16)
-    mac = hmac.new(key, _message(method, job_id, replica_id, body_digest(body), timestamp, nonce), hashlib.sha256)
-    return Credential(kind, round(timestamp, 6), nonce, mac.hexdigest())
+    nonce = nonce if nonce is not None else os.urandom(16).hex()
+    ts = f"{timestamp:.6f}"
+    return Credential(kind, ts, nonce, _mac(key, method, job_id, replica_id, body, ts, nonce))
 
 
 def verify(key: bytes, cred: Credential, method: str, job_id: str, replica_id: str, body: bytes) -> bool:
     """Whether ``cred`` signs this call with ``key`` (constant-time comparison)."""
-    expected = hmac.new(key, _message(method, job_id, replica_id, body_digest(body), cred.timestamp, cred.nonce),
-                        hashlib.sha256).hexdigest()
+    expected = _mac(key, method, job_id, replica_id, body, cred.timestamp_text, cred.nonce)
     return hmac.compare_digest(expected, cred.signature)
+
+
+METADATA_KEY = "fthsdp-auth"  # the gRPC metadata a credential travels in: "KIND TIMESTAMP NONCE SIGNATURE"
+
+
+def call_metadata(key: bytes, method: str, job_id: str, replica_id: str, body: bytes, kind: str = "job",
+                  now: float | None = None) -> tuple[tuple[str, str], ...]:
+    """The gRPC metadata that signs one call whose serialized request is ``body``."""
+    c = sign(key, method, job_id, replica_id, body, time.time() if now is None else now, kind=kind)
+    return ((METADATA_KEY, c.text()),)
 
 
 class ReplayCache:
@@ -210,3 +234,32 @@ class ReplayCache:
             return "nonce already used: a replayed call (each call must carry a fresh nonce)"
         self._seen[nonce] = timestamp
         return None
+
+
+def launcher_keys(secret_file: str, job_id: str, own_lighthouse: bool,
+                  environ: dict | None = None) -> tuple[bytes | None, bytes | None]:
+    """``(lighthouse_secret, job_key)`` for a launcher.
+
+    With its own lighthouse the launcher needs the lighthouse secret: the one
+    the operator gives (``secret_file``, else ``$FTHSDP_JOB_SECRET_FILE`` /
+    ``$FTHSDP_JOB_SECRET``) or a fresh random one per job, and derives the
+    job's key from it. With a running lighthouse (``launch.lighthouse``) the
+    operator gives the job's secret itself (``fthsdp lighthouse
+    --print-job-secret JOB``); without one the replicas' calls are unsigned,
+    which only a lighthouse run with ``--insecure`` accepts.
+    """
+    given = load_secret(secret_file or None, environ=environ)
+    if own_lighthouse:
+        lighthouse_secret = given if given is not None else new_secret()
+        return lighthouse_secret, job_key(lighthouse_secret, job_id)
+    return None, given
+
+
+def replica_env(env: dict, job_key_: bytes | None) -> dict:
+    """``env`` for a replica process: the job's key in ``$FTHSDP_JOB_SECRET`` and no other secret
+    (the lighthouse secret, or a file an operator named, must not reach a replica)."""
+    for k in (SECRET_FILE_ENV, SECRET_ENV, LIGHTHOUSE_SECRET_FILE_ENV, LIGHTHOUSE_SECRET_ENV):
+        env.pop(k, None)
+    if job_key_ is not None:
+        env[SECRET_ENV] = job_key_.hex()
+    return env

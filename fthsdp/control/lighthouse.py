@@ -68,7 +68,8 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from fthsdp.control import quorum as qm
+from fthsdp.addresses import split_host_port
+from fthsdp.control import auth, guard, quorum as qm
 from fthsdp.observe import root_cause as rc
 from fthsdp.control import sdc
 from fthsdp.proto import LIGHTHOUSE_PROTOCOL_VERSION, lighthouse as _load_stubs
@@ -97,6 +98,13 @@ class LighthouseConfig:
     max_pending_rpcs: int = 65536
     # Root-cause analysis period per job (also run at once when a quorum shrinks).
     rca_interval_s: float = 0.5
+    # The lighthouse secret (fthsdp.control.auth): every call must carry a credential
+    # derived from it. None = authentication off, allowed on a loopback bind only
+    # (in-process tests; `fthsdp lighthouse --insecure`), with a warning.
+    secret: bytes | None = field(default=None, repr=False)
+    tls_cert_file: str = ""  # PEM certificate chain and key: serve TLS instead of plain TCP
+    tls_key_file: str = ""
+    limits: guard.Limits = field(default_factory=guard.Limits)
 
     def __post_init__(self) -> None:
         qm.QuorumConfig(self.min_replicas, self.join_timeout_s, self.detect_s, self.num_replicas)
@@ -109,9 +117,27 @@ class LighthouseConfig:
         if not (isinstance(self.max_pending_rpcs, int) and 1 <= self.max_pending_rpcs <= 1 << 24):
             raise ValueError(f"max_pending_rpcs must be an integer in [1, {1 << 24}] (about two per replica "
                              f"of every job served), got {self.max_pending_rpcs!r}")
-        host, sep, port = self.bind.rpartition(":")
-        if not sep or not host or not port.isdigit():
-            raise ValueError(f"bind must be HOST:PORT (e.g. 127.0.0.1:0 for any free port), got {self.bind!r}")
+        try:
+            host, _ = split_host_port(self.bind)
+        except ValueError as e:
+            raise ValueError(f"bind must be HOST:PORT (e.g. 127.0.0.1:0 for any free port): {e}") from None
+        if self.secret is None and not is_loopback(host):
+            raise ValueError(f"the lighthouse at {self.bind} would serve without authentication beyond loopback: "
+                             "give it a secret (--secret-file, $FTHSDP_LIGHTHOUSE_SECRET_FILE)")
+        if bool(self.tls_cert_file) != bool(self.tls_key_file):
+            raise ValueError("TLS needs both a certificate file and its key file (--tls-cert, --tls-key)")
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` is reachable from this machine only."""
+    if host == "localhost":
+        return True
+    import ipaddress
+
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def quorum_to_proto(q: qm.Quorum) -> pb2.Quorum:
@@ -175,19 +201,6 @@ def rca_snapshot(phases: dict, last_seen: dict[str, float], now: float, asking, 
 def _wire(message) -> bytes:
     """Response serializer: a reply built once for many calls arrives as bytes already."""
     return message if isinstance(message, bytes) else message.SerializeToString()
-
-
-def _generic_handler(servicer) -> grpc.GenericRpcHandler:
-    """The service's handlers, read from the proto's descriptor, with :func:`_wire` as
-    every response serializer (the generated ``add_..._to_server`` insists on messages)."""
-    service = pb2.DESCRIPTOR.services_by_name["Lighthouse"]
-    handlers = {
-        m.name: grpc.unary_unary_rpc_method_handler(
-            getattr(servicer, m.name), request_deserializer=getattr(pb2, m.input_type.name).FromString,
-            response_serializer=_wire)
-        for m in service.methods
-    }
-    return grpc.method_handlers_generic_handler(service.full_name, handlers)
 
 
 def _server_options(config: LighthouseConfig) -> list[tuple[str, int]]:
@@ -311,6 +324,8 @@ class _Setting:
 @dataclass
 class _Job:
     job_id: str
+    # replica -> process index -> the process holding it (guard.incarnation_problem)
+    incarnations: dict[str, dict[int, str]] = field(default_factory=dict)
     last_seen: dict[str, float] = field(default_factory=dict)  # heartbeat or request
     heartbeating: set[str] = field(default_factory=set)  # ever sent a Heartbeat
     last_heartbeat: dict[str, float] = field(default_factory=dict)  # time of its last Heartbeat
@@ -464,16 +479,6 @@ def _endpoints_error(who: str, num_processes: int, process_index: int, local_wor
     return None
 
 
-def _ids_error(job_id: str, replica_id: str, step: int) -> str | None:
-    if not job_id:
-        return "job_id is empty: pass the job's name (every replica of one job uses the same job_id)"
-    if not replica_id:
-        return f"replica_id is empty (job {job_id!r}): pass this replica's id, unique within the job"
-    if step < 0:
-        return f"step is {step} (replica {replica_id!r}, job {job_id!r}): it must be >= 0"
-    return None
-
-
 class Lighthouse(pb2_grpc.LighthouseServicer):
     """The server. Use :meth:`start`/:meth:`stop` inside a running asyncio loop."""
 
@@ -486,7 +491,9 @@ class Lighthouse(pb2_grpc.LighthouseServicer):
         # Where the time goes (tests and experiments read these counters).
         self.stats = {"decisions": 0, "evaluations": 0, "evaluation_s": 0.0, "replies_serialized": 0,
                       "replies_sent": 0, "replies_rings_omitted": 0, "stalls": 0, "rca_runs": 0, "rca_s": 0.0,
-                      "sdc_mismatches": 0}
+                      "sdc_mismatches": 0, "refused": 0, "forgotten_dead": 0}
+        self._auth = guard.CallAuthenticator(self.config.secret)
+        self._new_ids = guard.NewIdRate(self.config.limits.new_ids_per_s, self.config.limits.new_ids_burst)
 
     # -- lifecycle ---------------------------------------------------------
 
@@ -497,10 +504,22 @@ class Lighthouse(pb2_grpc.LighthouseServicer):
 
     async def start(self) -> int:
         """Bind and serve; returns the bound port (useful with port 0)."""
-        self._server = grpc.aio.server(options=_server_options(self.config))
-        self._server.add_generic_rpc_handlers((_generic_handler(self),))
+        c = self.config
+        self._server = grpc.aio.server(options=[*_server_options(c),
+                                                 ("grpc.max_receive_message_length", c.limits.max_request_bytes)])
+        # Limits and credentials are checked in front of every handler (fthsdp.control.guard);
+        # _wire is every response serializer (a reply built once arrives as bytes).
+        self._server.add_generic_rpc_handlers((guard.generic_handler(pb2, self, self._auth, c.limits, _wire),))
+        if c.secret is None:
+            log.warning("lighthouse on %s serves WITHOUT authentication (loopback only): anyone on this machine "
+                        "can join, steer or read its jobs", c.bind)
         try:
-            self.port = self._server.add_insecure_port(self.config.bind)
+            if c.tls_cert_file:
+                with open(c.tls_key_file, "rb") as k, open(c.tls_cert_file, "rb") as crt:
+                    creds = grpc.ssl_server_credentials([(k.read(), crt.read())])
+                self.port = self._server.add_secure_port(c.bind, creds)
+            else:
+                self.port = self._server.add_insecure_port(c.bind)
         except RuntimeError as e:
             raise OSError(f"lighthouse cannot bind {self.config.bind}: {e} (is the port in use?)") from e
         if self.port == 0:
@@ -772,10 +791,24 @@ class Lighthouse(pb2_grpc.LighthouseServicer):
             )
         for r in job.dead - set(dead):
             log.info("job %r: replica %s is back", job.job_id, r)
+        if len(dead) > self.config.limits.max_dead_listed:
+            dead = self._forget_oldest_dead(job, dead)
         if job.dead != set(dead):
             job.dead = set(dead)
             job.dead_version += 1
         return dead
+
+    def _forget_oldest_dead(self, job: _Job, dead: list[str]) -> list[str]:
+        """Bound the dead list (and so every heartbeat reply): forget the replicas dead the
+        longest, as if they had left. A forgotten replica that comes back is a newcomer."""
+        by_age = sorted(dead, key=lambda r: job.last_seen.get(r, -math.inf))
+        drop = set(by_age[:len(dead) - self.config.limits.max_dead_listed])
+        for r in drop:
+            self._forget(job, r)
+        self.stats["forgotten_dead"] += len(drop)
+        log.warning("job %r: %d dead replicas forgotten (at most %d are listed dead)", job.job_id, len(drop),
+                    self.config.limits.max_dead_listed)
+        return [r for r in dead if r not in drop]
 
     def _absorb_stall(self, lag_s: float) -> None:
         """The lighthouse itself did not run for ``lag_s`` (a GC pause, an overloaded
@@ -822,7 +855,8 @@ class Lighthouse(pb2_grpc.LighthouseServicer):
     # -- RPCs ----------------------------------------------------------------
 
     def _check_quorum_request(self, req: pb2.QuorumRequest, now: float) -> str | None:
-        err = _version_error(req.protocol_version) or _ids_error(req.job_id, req.replica_id, req.step)
+        # Lengths, characters, addresses and ranges were checked in front (fthsdp.control.guard).
+        err = _version_error(req.protocol_version)
         if err:
             return err
         who = f"replica {req.replica_id!r} of job {req.job_id!r}"
@@ -865,12 +899,59 @@ class Lighthouse(pb2_grpc.LighthouseServicer):
                 )
         return None
 
+    def _admit(self, request, context, now: float) -> guard.Refusal | None:
+        """The checks that need job state: jobs per lighthouse, replicas per job, new ids
+        per client host, and the (replica, process)'s incarnation (guard.incarnation_problem)."""
+        lim = self.config.limits
+        job = self._jobs.get(request.job_id)
+        if job is None and len(self._jobs) >= lim.max_jobs:
+            return guard.Refusal(grpc.StatusCode.RESOURCE_EXHAUSTED, (
+                f"this lighthouse serves {len(self._jobs)} jobs, its limit: job {request.job_id!r} is refused; "
+                "run it on another lighthouse, or wait for a finished job to be forgotten (--forget-after)"))
+        rid = request.replica_id
+        if job is None or rid not in job.last_seen:
+            if job is not None and len(job.last_seen) >= lim.max_replicas_per_job:
+                return guard.Refusal(grpc.StatusCode.RESOURCE_EXHAUSTED, (
+                    f"job {request.job_id!r} already has {len(job.last_seen)} replicas, this lighthouse's limit: "
+                    f"replica {rid!r} is refused (raise --max-replicas-per-job if the job is really that large)"))
+            if not self._new_ids.take(guard.peer_host(context.peer() or ""), now):
+                return guard.Refusal(grpc.StatusCode.RESOURCE_EXHAUSTED, (
+                    f"too many new replica ids from {context.peer()} (limit {lim.new_ids_per_s:g}/s after a burst "
+                    f"of {lim.new_ids_burst}): replica {rid!r} of job {request.job_id!r} is refused; retry later"))
+        if job is not None:
+            proc = getattr(request, "process_index", 0)  # Leave: the replica's leader
+            holder = job.incarnations.get(rid, {}).get(proc)
+            live = rid in job.pending or (rid not in job.dead and
+                                          now - job.last_seen.get(rid, -math.inf) <= self.config.detect_s)
+            err = guard.incarnation_problem(rid, request.job_id, holder, request.incarnation, live)
+            if err:
+                return guard.Refusal(grpc.StatusCode.PERMISSION_DENIED, err)
+        return None
+
+    async def _refuse_unless_admitted(self, request, context, now: float) -> None:
+        refusal = self._admit(request, context, now)
+        if refusal is not None:
+            self.stats["refused"] += 1
+            await context.abort(refusal.code, refusal.reason)
+
+    @staticmethod
+    def _bind(job: _Job, request) -> None:
+        rid, proc = request.replica_id, getattr(request, "process_index", 0)
+        held = job.incarnations.setdefault(rid, {})
+        if request.incarnation and held.get(proc) != request.incarnation:
+            if proc in held:
+                log.warning("job %r: replica id %s (process %d) taken over by a new process (its holder left or "
+                            "was dead)", job.job_id, rid, proc)
+            held[proc] = request.incarnation
+
     async def GetQuorum(self, request: pb2.QuorumRequest, context: grpc.aio.ServicerContext) -> pb2.QuorumResponse:
         now = time.monotonic()
         err = self._check_quorum_request(request, now)
         if err:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, err)
+        await self._refuse_unless_admitted(request, context, now)
         job = self._job(request.job_id)
+        self._bind(job, request)
         rid = request.replica_id
         if request.fresh_start and job.finished_step is not None:
             log.info("job %r: a new run starts (replica %s); forgetting that the last run finished at step %d",
@@ -955,14 +1036,16 @@ class Lighthouse(pb2_grpc.LighthouseServicer):
         return job.view_reply(quorum, rid, 0, self.stats, holds_view=request.last_quorum_id == quorum.quorum_id)
 
     async def Heartbeat(self, request: pb2.HeartbeatRequest, context: grpc.aio.ServicerContext) -> pb2.HeartbeatResponse:
-        err = _version_error(request.protocol_version) or _ids_error(request.job_id, request.replica_id, request.step)
+        err = _version_error(request.protocol_version)
         who = f"process {request.process_index} of replica {request.replica_id!r} of job {request.job_id!r}"
         err = err or _endpoints_error(who, request.num_processes, request.process_index, request.local_world_size,
                                       request.ftar_addresses, required=False)
         if err:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, err)
         now = time.monotonic()
+        await self._refuse_unless_admitted(request, context, now)
         job = self._job(request.job_id)
+        self._bind(job, request)
         rid = request.replica_id
         nproc, proc = request.num_processes or 1, request.process_index
         registered = True
@@ -992,7 +1075,7 @@ class Lighthouse(pb2_grpc.LighthouseServicer):
         return job.heartbeat_reply(registered)
 
     async def GetView(self, request: pb2.ViewRequest, context: grpc.aio.ServicerContext) -> pb2.QuorumResponse:
-        err = _version_error(request.protocol_version) or _ids_error(request.job_id, request.replica_id, 0)
+        err = _version_error(request.protocol_version)
         if err:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, err)
         job = self._jobs.get(request.job_id)
@@ -1014,12 +1097,31 @@ class Lighthouse(pb2_grpc.LighthouseServicer):
         return job.view_reply(q, rid, request.process_index, self.stats)
 
     async def Leave(self, request: pb2.LeaveRequest, context: grpc.aio.ServicerContext) -> pb2.LeaveResponse:
-        err = _version_error(request.protocol_version) or _ids_error(request.job_id, request.replica_id, request.step)
+        err = _version_error(request.protocol_version)
         if err:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, err)
+        await self._refuse_unless_admitted(request, context, time.monotonic())
         job = self._job(request.job_id)
         rid = request.replica_id
         known = rid in job.last_seen
+        self._forget(job, rid)
+        old = job.pending.pop(rid, None)
+        if old is not None and not old.future.done():
+            old.future.set_exception(_Superseded())
+        job.live_hint = max(0, job.live_hint - (1 if known else 0))
+        if request.finished:
+            job.finished_step = max(job.finished_step or 0, request.step)
+        log.info("job %r: replica %s left at step %d (%s)", job.job_id, rid, request.step,
+                 "finished the job" if request.finished else "stopped")
+        if job.pending:  # someone may have been waiting for it
+            self._schedule_evaluation(job)
+        return pb2.LeaveResponse(protocol_version=LIGHTHOUSE_PROTOCOL_VERSION)
+
+    @staticmethod
+    def _forget(job: _Job, rid: str) -> None:
+        """Everything the job holds of replica ``rid`` but its pending request (Leave; the oldest
+        dead beyond the limit). Its id is free again: Leave releases every process's claim."""
+        job.incarnations.pop(rid, None)
         for d in (job.last_seen, job.steps, job.phases):
             d.pop(rid, None)
         job.heartbeating.discard(rid)
@@ -1034,29 +1136,21 @@ class Lighthouse(pb2_grpc.LighthouseServicer):
         job.stated_replicas.set(rid, None)
         job.processes.set(rid, None)
         job.groups.pop(rid, None)
-        old = job.pending.pop(rid, None)
-        if old is not None and not old.future.done():
-            old.future.set_exception(_Superseded())
-        job.live_hint = max(0, job.live_hint - (1 if known else 0))
-        if request.finished:
-            job.finished_step = max(job.finished_step or 0, request.step)
-        log.info("job %r: replica %s left at step %d (%s)", job.job_id, rid, request.step,
-                 "finished the job" if request.finished else "stopped")
-        if job.pending:  # someone may have been waiting for it
-            self._schedule_evaluation(job)
-        return pb2.LeaveResponse(protocol_version=LIGHTHOUSE_PROTOCOL_VERSION)
 
     async def Status(self, request: pb2.StatusRequest, context: grpc.aio.ServicerContext) -> pb2.StatusResponse:
         err = _version_error(request.protocol_version)
         if err:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, err)
         if request.job_id and request.job_id not in self._jobs:
+            # Never the list of job ids: a caller allowed to read one job must not learn the others.
             await context.abort(
                 grpc.StatusCode.NOT_FOUND,
-                f"no job {request.job_id!r} on this lighthouse; known jobs: {sorted(self._jobs)}",
+                f"no job {request.job_id!r} on this lighthouse (no replica of it has been heard from yet)",
             )
         now = time.monotonic()
-        jobs = [self._jobs[request.job_id]] if request.job_id else [self._jobs[k] for k in sorted(self._jobs)]
+        lim = self.config.limits
+        names = [request.job_id] if request.job_id else sorted(self._jobs)
+        jobs = [self._jobs[k] for k in names[:lim.max_status_jobs]]
         out = []
         for job in jobs:
             view = self._liveness(job, now)
@@ -1075,7 +1169,7 @@ class Lighthouse(pb2_grpc.LighthouseServicer):
                     condemned=job.sdc.condemned[r].reason if r in job.sdc.condemned else "",
                     **self._fingerprint_status(job, r),
                 )
-                for r in sorted(view, key=qm.ring_key)
+                for r in sorted(view, key=qm.ring_key)[:lim.max_status_replicas]
             ]
             lws = set(job.local_world_size.live_values(lambda r: r not in dead))
             js = pb2.JobStatus(
@@ -1088,6 +1182,7 @@ class Lighthouse(pb2_grpc.LighthouseServicer):
                 finished_step=-1 if job.finished_step is None else job.finished_step,
                 sdc_events=[_sdc_event(v) for v in job.sdc.events],
                 sdc_fatal=job.sdc.fatal.reason if job.sdc.fatal is not None else "",
+                replicas_omitted=max(0, len(view) - lim.max_status_replicas),
             )
             if job.quorum is not None:
                 js.quorum.CopyFrom(job.quorum_proto(job.quorum))
@@ -1103,6 +1198,7 @@ class Lighthouse(pb2_grpc.LighthouseServicer):
             min_replicas=c.min_replicas,
             join_timeout_s=c.join_timeout_s,
             detect_s=c.detect_s,
+            jobs_omitted=max(0, len(names) - lim.max_status_jobs),
         )
 
 
@@ -1231,6 +1327,24 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--rca-interval", type=float, default=d.rca_interval_s,
                    help="root-cause analysis period per job, seconds (also run when a quorum shrinks; default %(default)s)")
     p.add_argument("--port-file", default=None, help="write the bound port to this file (atomically) once listening")
+    p.add_argument("--secret-file", default=None,
+                   help="the lighthouse secret (64 hex digits, e.g. `openssl rand -hex 32`); default "
+                        f"${auth.LIGHTHOUSE_SECRET_FILE_ENV}, else ${auth.LIGHTHOUSE_SECRET_ENV} (hex). Never on a "
+                        "command line. Each job's secret is derived from it (--print-job-secret)")
+    p.add_argument("--insecure", action="store_true",
+                   help="serve without authentication (loopback binds only; anyone on this machine can then "
+                        "join, steer or read its jobs)")
+    p.add_argument("--tls-cert", default="", help="PEM certificate chain: serve TLS (with --tls-key)")
+    p.add_argument("--tls-key", default="", help="PEM private key of --tls-cert")
+    p.add_argument("--print-job-secret", default=None, metavar="JOB",
+                   help="print job JOB's secret (hex) derived from the lighthouse secret, for `fthsdp run "
+                        "--lighthouse ... --secret-file`, and exit")
+    p.add_argument("--print-status-key", action="store_true",
+                   help="print the read-only status key (hex) for `fthsdp status --status-key-file`, and exit")
+    lim = guard.Limits()
+    p.add_argument("--max-replicas-per-job", type=int, default=lim.max_replicas_per_job,
+                   help="refuse replicas beyond this many per job (default %(default)s)")
+    p.add_argument("--max-jobs", type=int, default=lim.max_jobs, help="refuse jobs beyond this many (default %(default)s)")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     return p
 
@@ -1255,6 +1369,22 @@ def cli(argv: list[str]) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
     try:
+        secret = auth.load_secret(args.secret_file, file_env=auth.LIGHTHOUSE_SECRET_FILE_ENV,
+                                  env=auth.LIGHTHOUSE_SECRET_ENV)
+    except auth.SecretError as e:
+        parser.error(str(e))
+    if args.print_job_secret is not None or args.print_status_key:
+        if secret is None:
+            parser.error("--print-job-secret / --print-status-key need the lighthouse secret (--secret-file)")
+        key = auth.status_key(secret) if args.print_status_key else auth.job_key(secret, args.print_job_secret)
+        print(key.hex())
+        return 0
+    if secret is None and not args.insecure:
+        parser.error("no lighthouse secret: give --secret-file (or $FTHSDP_LIGHTHOUSE_SECRET_FILE), or serve "
+                     "without authentication with --insecure (loopback binds only)")
+    if secret is not None and args.insecure:
+        parser.error("--insecure and a secret together: choose one")
+    try:
         config = LighthouseConfig(
             bind=args.bind,
             min_replicas=args.min_replicas,
@@ -1264,6 +1394,10 @@ def cli(argv: list[str]) -> int:
             tick_s=args.tick,
             forget_after_s=args.forget_after,
             max_pending_rpcs=args.max_pending_rpcs,
+            secret=secret,
+            tls_cert_file=args.tls_cert,
+            tls_key_file=args.tls_key,
+            limits=guard.Limits(max_replicas_per_job=args.max_replicas_per_job, max_jobs=args.max_jobs),
             rca_interval_s=args.rca_interval,
         )
     except ValueError as e:

@@ -23,6 +23,14 @@ heartbeats until the lighthouse says it holds them. Only the leader (process
 0) calls ``get_quorum``; the others call :meth:`LighthouseClient.get_view`
 with the quorum id their leader hands them. Either way the answer is this
 process's view: ``Quorum.rings`` (its shards' rings) and ``Quorum.sources``.
+
+**Credentials.** Given the job's secret (``key``), every call is signed
+(:mod:`fthsdp.control.auth`: an HMAC over the method, ids, the exact request
+bytes, a timestamp and a nonce, in gRPC metadata), and carries this process's
+*incarnation*, a random token that binds its (replica id, process) to this
+process (see :func:`fthsdp.control.guard.incarnation_problem`).
+``status_key`` signs Status calls only. ``tls_ca_file`` connects over TLS,
+trusting that certificate.
 """
 
 from __future__ import annotations
@@ -30,6 +38,7 @@ from __future__ import annotations
 import dataclasses
 
 import logging
+import os
 import sys
 import threading
 import time
@@ -38,7 +47,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from fthsdp.control import quorum as qm
+from fthsdp.control import auth, quorum as qm
 from fthsdp.observe.phase import Phase, PhaseSnapshot, StreamReport
 from fthsdp.errors import JobFatalError
 from fthsdp.proto import LIGHTHOUSE_PROTOCOL_VERSION, lighthouse as _load_stubs
@@ -89,6 +98,15 @@ class LighthouseUnavailable(LighthouseError, ConnectionError):
         self.outage_s = outage_s
 
 
+class NotAuthorized(LighthouseError, PermissionError):
+    """The lighthouse refused the credential (UNAUTHENTICATED / PERMISSION_DENIED); the message says why."""
+
+
+class ReplicaIdHeld(NotAuthorized):
+    """Another live process holds this replica id (guard.incarnation_problem): get_quorum retries
+    until it is declared dead, then raises this."""
+
+
 class JobFinished(LighthouseError):
     """The job this replica asks to train in already finished (at ``step``): nothing is left to do."""
 
@@ -104,7 +122,9 @@ class SilentDataCorruption(LighthouseError, JobFatalError):
 
 # Reconnect quickly once a restarted lighthouse listens again (gRPC's default
 # reconnect backoff grows to minutes, far past a restart).
+_SERVICE = "/fthsdp.v1.Lighthouse/"
 _CHANNEL_OPTIONS = [
+    ("grpc.max_receive_message_length", 256 * 1024 * 1024),  # a quorum answer of the largest job admitted
     ("grpc.initial_reconnect_backoff_ms", 100),
     ("grpc.min_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 500),
@@ -258,10 +278,27 @@ def status_cli(argv: list[str]) -> int:
     p.add_argument("--prometheus-targets", action="store_true",
                    help="print a Prometheus file_sd target list (JSON) of every live replica process's /metrics "
                         "(labels job, replica, process) instead of the status")
+    p.add_argument("--status-key-file", default=None,
+                   help="the lighthouse's read-only status key (`fthsdp lighthouse --print-status-key`; "
+                        "`fthsdp run` writes status.key in its run directory): read every job")
+    p.add_argument("--secret-file", default=None, help="the lighthouse secret (the status key is derived from it)")
+    p.add_argument("--job-secret-file", default=None,
+                   help=f"a job's secret (default ${auth.SECRET_FILE_ENV} / ${auth.SECRET_ENV}): read that --job only")
+    p.add_argument("--tls-ca", default="", help="PEM certificate to trust: connect over TLS")
     args = p.parse_args(argv)
+    try:
+        status_key = auth.load_secret(args.status_key_file) if args.status_key_file else None
+        if status_key is None and args.secret_file:
+            status_key = auth.status_key(auth.load_secret(args.secret_file))
+        job_key = None if status_key is not None else auth.load_secret(args.job_secret_file)
+    except auth.SecretError as e:
+        p.error(str(e))
+    if job_key is not None and not args.job:
+        p.error("a job's secret reads that job only: name it with --job")
     if args.prometheus_targets:
-        return _print_targets(args.lighthouse, args.job)
-    client = LighthouseClient(args.lighthouse, "fthsdp-status", "status", rpc_timeout_s=5.0)
+        return _print_targets(args.lighthouse, args.job, status_key)
+    client = LighthouseClient(args.lighthouse, "fthsdp-status", "status", rpc_timeout_s=5.0,
+                              key=job_key, status_key=status_key, tls_ca_file=args.tls_ca)
     try:
         while True:
             try:
@@ -279,7 +316,7 @@ def status_cli(argv: list[str]) -> int:
         client.close()
 
 
-def _print_targets(address: str, job: str) -> int:
+def _print_targets(address: str, job: str, status_key: bytes | None = None) -> int:
     """``fthsdp status --prometheus-targets``: the file_sd JSON of what the lighthouse knows."""
     import json
 
@@ -287,7 +324,7 @@ def _print_targets(address: str, job: str) -> int:
     from fthsdp.observe.metrics import status_targets
 
     try:
-        poller = StatusPoller(address, rpc_timeout_s=5.0)
+        poller = StatusPoller(address, rpc_timeout_s=5.0, status_key=status_key)
     except ValueError as e:
         print(f"fthsdp status: {e}", file=sys.stderr)
         return 2
@@ -361,11 +398,17 @@ class LighthouseClient:
         rejoin: bool = False,
         process_index: int = 0,
         num_processes: int = 1,
+        key: bytes | None = None,
+        status_key: bytes | None = None,
+        tls_ca_file: str = "",
     ) -> None:
         """``outage_s``: how long ``get_quorum`` retries an unreachable lighthouse
         (0 = fail at once). ``rejoin``: this process was restarted to rejoin a
         running job (a finished job then answers :class:`JobFinished`).
-        ``process_index``/``num_processes``: which process of its replica this is."""
+        ``process_index``/``num_processes``: which process of its replica this is.
+        ``key``: the job's secret (None: unsigned calls, for a lighthouse run with
+        ``--insecure``); ``status_key``: the read-only key, for Status only;
+        ``tls_ca_file``: a PEM certificate to trust, connecting over TLS."""
         if num_processes < 1 or not 0 <= process_index < num_processes:
             raise ValueError(f"process_index {process_index} must be in 0..num_processes-1 (num_processes "
                              f"{num_processes} >= 1)")
@@ -391,8 +434,23 @@ class LighthouseClient:
         # sent with heartbeats while the lighthouse does not hold them (see register).
         self._endpoints: tuple[tuple[str, ...], str, int] | None = None
         self._registered = False
-        self._channel = grpc.insecure_channel(address, options=_CHANNEL_OPTIONS)
-        self._stub = pb2_grpc.LighthouseStub(self._channel)
+        self._call_key = auth.derive(key, "lighthouse") if key is not None else None
+        self._status_key = status_key
+        self.incarnation = os.urandom(16).hex()  # this process's claim on its (replica id, process)
+        if tls_ca_file:
+            with open(tls_ca_file, "rb") as f:
+                creds = grpc.ssl_channel_credentials(root_certificates=f.read())
+            self._channel = grpc.secure_channel(address, creds, options=_CHANNEL_OPTIONS)
+        else:
+            self._channel = grpc.insecure_channel(address, options=_CHANNEL_OPTIONS)
+        # Requests go as bytes: the credential signs exactly the bytes sent.
+        self._rpc = {
+            name: self._channel.unary_unary(_SERVICE + name, request_serializer=None,
+                                            response_deserializer=getattr(pb2, reply).FromString)
+            for name, reply in (("GetQuorum", "QuorumResponse"), ("Heartbeat", "HeartbeatResponse"),
+                                ("GetView", "QuorumResponse"), ("Leave", "LeaveResponse"),
+                                ("Status", "StatusResponse"))
+        }
         self._step = 0
         self._hb_thread: threading.Thread | None = None
         self._hb_stop = threading.Event()
@@ -426,6 +484,17 @@ class LighthouseClient:
         fp = self.fingerprint
         return {} if fp is None else {"fingerprint_step": fp[0], "fingerprint": fp[1]}
 
+    def _call(self, method: str, req, timeout: float):
+        """One RPC with this client's credential (none without a key)."""
+        body = req.SerializeToString()
+        if method == "Status" and self._status_key is not None:
+            key, kind = self._status_key, "status"
+        else:
+            key, kind = self._call_key, "job"
+        md = (auth.call_metadata(key, method, req.job_id, getattr(req, "replica_id", ""), body, kind)
+              if key is not None else None)
+        return self._rpc[method](body, timeout=timeout, metadata=md)
+
     # -- errors --------------------------------------------------------------
 
     def _error(self, what: str, e: grpc.RpcError, timeout_s: float) -> LighthouseError:
@@ -440,6 +509,10 @@ class LighthouseClient:
             return JobNotFound(f"{what} at {where}: {details}", code)
         if code == grpc.StatusCode.DATA_LOSS:
             return SilentDataCorruption(f"{what}: {where} stopped the job: {details}", code)
+        if code == grpc.StatusCode.PERMISSION_DENIED and "held by another live process" in details:
+            return ReplicaIdHeld(f"{what} refused by {where}: {details}", code)
+        if code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
+            return NotAuthorized(f"{what} refused by {where}: {details}", code)
         if code == grpc.StatusCode.UNAVAILABLE:
             return LighthouseUnavailable(
                 f"{what}: cannot reach {where}: {details}; is `fthsdp lighthouse` running at that address?", code
@@ -491,15 +564,22 @@ class LighthouseClient:
             num_processes=self.num_processes,
             **self._fingerprint_fields(),
             accused_replica_ids=list(accused),
+            incarnation=self.incarnation,
         )
         down_since: float | None = None
         delays = backoff_delays()
+        held_until = time.monotonic() + timeout_s
         while True:
             try:
-                resp = self._stub.GetQuorum(req, timeout=timeout_s)
+                resp = self._call("GetQuorum", req, timeout_s)
                 break
             except grpc.RpcError as e:
                 err = self._error(f"get_quorum(step={step})", e, timeout_s)
+            if isinstance(err, ReplicaIdHeld) and time.monotonic() < held_until:
+                # A restart that came back before its old process was declared dead: wait that out.
+                log.info("%s; retrying", err)
+                time.sleep(0.2)
+                continue
             if not isinstance(err, LighthouseUnavailable):
                 raise err from None
             now = time.monotonic()
@@ -548,7 +628,7 @@ class LighthouseClient:
         delays = backoff_delays()
         while True:
             try:
-                resp = self._stub.GetView(req, timeout=t)
+                resp = self._call("GetView", req, t)
                 break
             except grpc.RpcError as e:
                 err = self._error(f"get_view(quorum {quorum_id}, process {self.process_index})", e, t)
@@ -570,10 +650,11 @@ class LighthouseClient:
         not be told (it then detects the silence as usual)."""
         self.stop_heartbeats()
         req = pb2.LeaveRequest(protocol_version=LIGHTHOUSE_PROTOCOL_VERSION, job_id=self.job_id,
-                               replica_id=self.replica_id, step=step, finished=finished)
+                               replica_id=self.replica_id, step=step, finished=finished,
+                               incarnation=self.incarnation)
         t = self.rpc_timeout_s if timeout_s is None else timeout_s
         try:
-            self._stub.Leave(req, timeout=t)
+            self._call("Leave", req, t)
             return True
         except grpc.RpcError as e:
             log.warning("%s", self._error("leave", e, t))
@@ -588,7 +669,7 @@ class LighthouseClient:
             protocol_version=LIGHTHOUSE_PROTOCOL_VERSION, job_id=self.job_id, replica_id=self.replica_id,
             step=self._step, last_quorum_id=last.quorum_id if last is not None else 0,
             process_index=self.process_index, num_processes=self.num_processes,
-            metrics_address=self.metrics_address, **self._fingerprint_fields(),
+            metrics_address=self.metrics_address, **self._fingerprint_fields(), incarnation=self.incarnation,
         )
         ep = self._endpoints
         if ep is not None and not self._registered:
@@ -600,7 +681,7 @@ class LighthouseClient:
             except Exception as e:  # noqa: BLE001 - a failed report must not silence the heartbeat
                 log.debug("phase report failed: %s", e)
         try:
-            resp = self._stub.Heartbeat(req, timeout=self.heartbeat_timeout_s)
+            resp = self._call("Heartbeat", req, self.heartbeat_timeout_s)
         except grpc.RpcError as e:
             raise self._error("heartbeat", e, self.heartbeat_timeout_s) from None
         # Sent and held: stop sending them; not held (a restarted lighthouse): send again.
@@ -613,9 +694,8 @@ class LighthouseClient:
         """Introspection: every job (``job_id=""``) or one (default: this client's job)."""
         jid = self.job_id if job_id is None else job_id
         try:
-            resp = self._stub.Status(
-                pb2.StatusRequest(protocol_version=LIGHTHOUSE_PROTOCOL_VERSION, job_id=jid), timeout=self.rpc_timeout_s
-            )
+            resp = self._call("Status", pb2.StatusRequest(protocol_version=LIGHTHOUSE_PROTOCOL_VERSION, job_id=jid),
+                              self.rpc_timeout_s)
         except grpc.RpcError as e:
             raise self._error("status", e, self.rpc_timeout_s) from None
         return [

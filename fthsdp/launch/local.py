@@ -91,6 +91,9 @@ class LocalJob:
     hosts: tuple[str, ...] = ()
     processes: int = 1  # processes per replica (one JAX runtime per replica; process 0 leads)
     procs: dict[int, ReplicaProc] = field(default_factory=dict)
+    # The operator's secret (launch.secret_file; fthsdp.control.auth.launcher_keys): with our own
+    # lighthouse its secret (default: a fresh one per job), with launch.lighthouse the job's secret.
+    secret_file: str = ""
 
     def __post_init__(self) -> None:
         self.out_dir = pathlib.Path(self.out_dir)
@@ -114,6 +117,16 @@ class LocalJob:
         self.job_restarts: list[dict] = []
         self.gave_up = ""  # why the launcher ended the job early, with the resume hint
         self.token = secrets.token_hex(16)  # the job's shared secret for peer state transfer
+        from fthsdp.control import auth
+
+        self.lighthouse_secret, self.job_key = auth.launcher_keys(self.secret_file, self.job_id,
+                                                                  own_lighthouse=not self.external_lighthouse)
+        if self.job_key is None:
+            log.warning("no job secret for the lighthouse %s: the replicas' calls are unsigned, which only a "
+                        "lighthouse run with --insecure accepts (give --secret-file or $%s)",
+                        self.external_lighthouse, auth.SECRET_FILE_ENV)
+        if self.lighthouse_secret is not None:  # `fthsdp status --status-key-file OUT/status.key`
+            auth.write_secret(str(self.out_dir / "status.key"), auth.status_key(self.lighthouse_secret))
         self.killed_all = False
 
     # -- bookkeeping ---------------------------------------------------------
@@ -175,6 +188,16 @@ class LocalJob:
         env.setdefault("FTHSDP_COMPILATION_CACHE", str(pathlib.Path.home() / ".cache" / "fthsdp" / "xla"))
         env["PYTHONUNBUFFERED"] = "1"
         env["FTHSDP_PEER_TOKEN"] = self.token
+        from fthsdp.control import auth
+
+        return auth.replica_env(env, self.job_key)
+
+    def _lighthouse_env(self) -> dict:
+        """The lighthouse's environment: its secret in $FTHSDP_LIGHTHOUSE_SECRET (never on its command line)."""
+        from fthsdp.control import auth
+
+        env = auth.replica_env(self._env(), None)
+        env[auth.LIGHTHOUSE_SECRET_ENV] = self.lighthouse_secret.hex()
         return env
 
     def resume_hint(self) -> str:
@@ -201,7 +224,7 @@ class LocalJob:
              join_host_port(bind_host, self.lighthouse_port or bind_port),
              "--port-file", str(port_file), "--detect", str(self.detect_s),
              "--join-timeout", str(self.join_timeout_s), "--replicas", str(self.replicas)],
-            stdout=logf, stderr=subprocess.STDOUT, env=self._env(), start_new_session=True)
+            stdout=logf, stderr=subprocess.STDOUT, env=self._lighthouse_env(), start_new_session=True)
         logf.close()
         deadline = time.monotonic() + LIGHTHOUSE_START_S
         while not port_file.exists():
@@ -662,6 +685,10 @@ def cli(argv: list[str]) -> int:
     p.add_argument("--hosts", default=None, metavar="H1,H2,...",
                    help="emulated machines: replica r binds and advertises host r mod N (launch.hosts), e.g. "
                         "127.0.0.2,127.0.0.3")
+    p.add_argument("--secret-file", default=None, metavar="FILE",
+                   help="the lighthouse secret for the launcher's own lighthouse (default: a fresh one per job), or "
+                        "with --lighthouse the job's secret (`fthsdp lighthouse --print-job-secret JOB`); "
+                        "also $FTHSDP_JOB_SECRET_FILE (launch.secret_file)")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("overrides", nargs="*", help="section.field=value")
     args = p.parse_args(argv)
@@ -672,7 +699,8 @@ def cli(argv: list[str]) -> int:
     new_overrides = shape_overrides(args)
     for flag, key in (("lighthouse", "launch.lighthouse"), ("lighthouse_bind", "launch.lighthouse_bind"),
                       ("lighthouse_advertise", "launch.lighthouse_advertise"), ("bind_host", "ft.bind_host"),
-                      ("advertise_host", "ft.advertise_host"), ("hosts", "launch.hosts")):
+                      ("advertise_host", "ft.advertise_host"), ("hosts", "launch.hosts"),
+                      ("secret_file", "launch.secret_file")):
         if getattr(args, flag) is not None:
             new_overrides.append(f"{key}={getattr(args, flag)}")
     config_name, overrides = args.config or "ft_local", new_overrides
@@ -751,7 +779,7 @@ def cli(argv: list[str]) -> int:
                    detect_s=cfg.ft.detect_s, join_timeout_s=cfg.ft.join_timeout_s,
                    external_lighthouse=cfg.launch.lighthouse, lighthouse_bind=cfg.launch.lighthouse_bind,
                    lighthouse_advertise=cfg.launch.lighthouse_advertise, hosts=tuple(cfg.launch.hosts),
-                   processes=cfg.launch.processes_per_replica,
+                   processes=cfg.launch.processes_per_replica, secret_file=cfg.launch.secret_file,
                    progress=not args.no_progress and sys.stderr.isatty())
     log.info("job: %d replicas x %d devices, %d steps, faults (from %s) %s; logs in %s", cfg.launch.replicas,
              cfg.launch.devices_per_replica, cfg.train.steps, sources.origin,

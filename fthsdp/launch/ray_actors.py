@@ -48,12 +48,14 @@ class LighthouseActor:
     any lighthouse outage.
     """
 
-    def __init__(self, host: str, port: int, detect_s: float, join_timeout_s: float, replicas: int) -> None:
+    def __init__(self, host: str, port: int, detect_s: float, join_timeout_s: float, replicas: int,
+                 secret: bytes | None = None) -> None:
         from fthsdp.control.lighthouse import LighthouseConfig, LighthouseThread
 
         self.host = host
         self.lh = LighthouseThread(LighthouseConfig(bind=f"{self.host}:{port}", detect_s=detect_s,
-                                                    join_timeout_s=join_timeout_s, num_replicas=replicas))
+                                                    join_timeout_s=join_timeout_s, num_replicas=replicas,
+                                                    secret=secret))
         self.lh.start()
         self._stop = threading.Event()
 

@@ -64,10 +64,10 @@ class Dashboard:
     ``address`` is where it listens (port 0 binds a free port)."""
 
     def __init__(self, lighthouse: str, bind: str = "127.0.0.1:8765", interval_s: float = 0.5,
-                 max_concurrent: int = 16, socket_timeout_s: float = 10.0) -> None:
+                 max_concurrent: int = 16, socket_timeout_s: float = 10.0, status_key: bytes | None = None) -> None:
         if interval_s <= 0:
             raise ValueError(f"poll interval {interval_s!r}: must be > 0 seconds")
-        self.poller = StatusPoller(lighthouse, rpc_timeout_s=max(1.0, 4 * interval_s))
+        self.poller = StatusPoller(lighthouse, rpc_timeout_s=max(1.0, 4 * interval_s), status_key=status_key)
         self.lighthouse = lighthouse
         self.interval_s = interval_s
         self.metrics = LighthouseMetrics()
@@ -205,11 +205,16 @@ def cli(argv: list[str]) -> int:
                    help="HOST:PORT to serve on (default %(default)s, loopback; port 0 = any free port)")
     p.add_argument("--interval", type=float, default=0.5, help="seconds between Status polls (default %(default)s)")
     p.add_argument("--port-file", default="", help="write the bound port here once listening (for scripts)")
+    p.add_argument("--status-key-file", default=None,
+                   help="the lighthouse's read-only status key (`fthsdp run` writes status.key in its run directory)")
     logs.add_format_argument(p)
     args = p.parse_args(argv)
     logs.setup("fthsdp.observe.dashboard", fmt=args.log_format)
+    from fthsdp.control import auth
+
     try:
-        dash = Dashboard(args.lighthouse, args.bind, interval_s=args.interval)
+        key = auth.load_secret(args.status_key_file) if args.status_key_file else None
+        dash = Dashboard(args.lighthouse, args.bind, interval_s=args.interval, status_key=key)
     except (ValueError, OSError) as e:
         p.error(str(e))
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # close the server cleanly on `kill`

@@ -151,7 +151,9 @@ def view_from_proto(resp: Any, now: float) -> LighthouseView:
 class StatusPoller:
     """Calls a lighthouse's Status RPC (every job) with a deadline on each call."""
 
-    def __init__(self, address: str, rpc_timeout_s: float = 2.0) -> None:
+    def __init__(self, address: str, rpc_timeout_s: float = 2.0, status_key: bytes | None = None) -> None:
+        """``status_key``: the lighthouse's read-only key (fthsdp.control.auth), needed unless
+        the lighthouse runs with --insecure."""
         import grpc
 
         from fthsdp.proto import LIGHTHOUSE_PROTOCOL_VERSION, lighthouse
@@ -162,15 +164,20 @@ class StatusPoller:
         self.address = address
         self.rpc_timeout_s = rpc_timeout_s
         self._grpc = grpc
-        self._pb2, pb2_grpc = lighthouse()
+        self._pb2, _ = lighthouse()
         self._version = LIGHTHOUSE_PROTOCOL_VERSION
         self._channel = grpc.insecure_channel(address)
-        self._stub = pb2_grpc.LighthouseStub(self._channel)
+        self._status = self._channel.unary_unary("/fthsdp.v1.Lighthouse/Status", request_serializer=None,
+                                                 response_deserializer=self._pb2.StatusResponse.FromString)
+        self._key = status_key
 
     def poll(self) -> LighthouseView:
+        from fthsdp.control import auth
+
+        body = self._pb2.StatusRequest(protocol_version=self._version).SerializeToString()
+        md = auth.call_metadata(self._key, "Status", "", "", body, kind="status") if self._key else None
         try:
-            resp = self._stub.Status(self._pb2.StatusRequest(protocol_version=self._version),
-                                     timeout=self.rpc_timeout_s)
+            resp = self._status(body, timeout=self.rpc_timeout_s, metadata=md)
         except self._grpc.RpcError as e:
             raise LighthouseUnreachable(
                 f"lighthouse {self.address}: Status failed ({e.code().name}: {e.details()}); "

@@ -184,7 +184,17 @@ class ReplicaProcess:
 
         # Every process is its own client of the lighthouse (heartbeats, its addresses, its
         # views); only the leader asks for quorums.
-        client = LighthouseClient(args.lighthouse, args.job, self.rid,
+        from fthsdp.control import auth
+
+        try:  # the job's secret: $FTHSDP_JOB_SECRET_FILE or $FTHSDP_JOB_SECRET (the launchers set it)
+            job_key = auth.load_secret()
+        except auth.SecretError as e:
+            raise SystemExit(f"fthsdp replica: {e}") from None
+        if job_key is None:
+            logging.getLogger("fthsdp.replica").warning(
+                "no job secret ($%s / $%s): lighthouse calls are unsigned, which only a lighthouse run "
+                "with --insecure accepts", auth.SECRET_FILE_ENV, auth.SECRET_ENV)
+        client = LighthouseClient(args.lighthouse, args.job, self.rid, key=job_key,
                                   heartbeat_interval_s=cfg.ft.heartbeat_interval_s,
                                   heartbeat_timeout_s=cfg.timeouts.heartbeat_rpc_s,
                                   outage_s=cfg.timeouts.lighthouse_outage_s, rejoin=args.rejoin,

@@ -168,7 +168,9 @@ class LighthouseProcess:
     def start(self, timeout_s: float = 60.0) -> str:
         t = self.config.timeouts
         prof = ["-m", "cProfile", "-o", self.config.lighthouse_profile] if self.config.lighthouse_profile else []
-        cmd = [sys.executable, *prof, "-m", "fthsdp.control.lighthouse", "--bind", f"127.0.0.1:{self.port}",
+        # --insecure: the emulated replicas do not sign their calls (the emulation measures the
+        # lighthouse's scale; experiments/quorum_scale.py measures what authentication costs).
+        cmd = [sys.executable, *prof, "-m", "fthsdp.control.lighthouse", "--bind", f"127.0.0.1:{self.port}", "--insecure",
                "--detect", str(t.detect_s), "--join-timeout", str(t.join_timeout_s),
                "--replicas", str(self.config.replicas), "--tick", str(self.config.lighthouse_tick_s),
                "--log-level", "WARNING"]
@@ -376,10 +378,11 @@ class EmulatedReplica:
         self.rejoin = rejoin
         nproc = c.processes_per_replica
         self.per_process = c.ranks_per_replica // nproc
-        # Process p's own shards' endpoints and state server (p holds shards p*D .. p*D+D-1).
-        self.ftar = [tuple(f"emu-{index}.{incarnation}:{p * self.per_process + k}" for k in range(self.per_process))
+        # Process p's own shards' endpoints and state server (p holds shards p*D .. p*D+D-1): addresses
+        # nobody connects to, but well-formed (the lighthouse checks their syntax).
+        self.ftar = [tuple(f"emu-{index}.{incarnation}:{p * self.per_process + k + 1}" for k in range(self.per_process))
                      for p in range(nproc)]
-        self.servers = [f"emu-{index}.{incarnation}.{p}:state" for p in range(nproc)]
+        self.servers = [f"http://emu-{index}.{incarnation}.{p}.state:1" for p in range(nproc)]
         self.state = fsm.initial(0, c.max_retries)
         self.ranks = [Rank(k, self.state) for k in range(c.ranks_per_replica)]
         self.data = emu.initial_data  # the replicated data state (shared with the replicas in the same state)

@@ -1,0 +1,404 @@
+"""What the lighthouse refuses before a request touches any job: limits and credentials.
+
+Everything a request can make the lighthouse hold or send is bounded here
+(:class:`Limits`): lengths and characters of ids, address syntax and ports,
+the step range, replicas per job, jobs per lighthouse, the dead list of a
+heartbeat reply, the rate of new replica ids per client host. Each refusal says
+what was wrong and what to do, with the gRPC code a client can act on:
+``INVALID_ARGUMENT`` (the request is malformed: fix the caller),
+``RESOURCE_EXHAUSTED`` (a limit of this lighthouse is full: raise it or wait),
+``UNAUTHENTICATED`` (no or a bad credential), ``PERMISSION_DENIED`` (a valid
+credential that may not do this).
+
+The checks are pure functions over plain values and protobuf messages
+(:func:`request_problem`, :class:`CallAuthenticator`, :class:`NewIdRate`,
+:func:`incarnation_problem`); :func:`generic_handler` is the only piece that
+touches gRPC: it keeps each request's raw bytes (the credential signs them),
+turns a body that is not protobuf into ``INVALID_ARGUMENT`` (grpc's own
+deserializer answered ``UNKNOWN``), and runs the checks before the servicer.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import grpc
+
+from fthsdp.addresses import split_host_port
+from fthsdp.control import auth
+
+log = logging.getLogger("fthsdp.control.lighthouse")
+
+__all__ = ["Limits", "Refusal", "request_problem", "CallAuthenticator", "NewIdRate", "incarnation_problem",
+           "generic_handler", "METADATA_KEY"]
+
+METADATA_KEY = auth.METADATA_KEY
+
+INVALID = grpc.StatusCode.INVALID_ARGUMENT
+EXHAUSTED = grpc.StatusCode.RESOURCE_EXHAUSTED
+UNAUTHENTICATED = grpc.StatusCode.UNAUTHENTICATED
+DENIED = grpc.StatusCode.PERMISSION_DENIED
+
+
+@dataclass(frozen=True)
+class Limits:
+    """The lighthouse's bounds on what a request may carry or make it hold.
+
+    Defaults fit the largest job the flat lighthouse is measured at (8,192
+    replicas, experiments/scale.py) with room to spare; every reply is bounded
+    by them (a quorum reply by ``max_replicas_per_job`` members, each of at most
+    ``max_local_world_size`` addresses of ``max_address_len`` characters).
+    """
+
+    max_id_len: int = 128  # replica ids
+    max_job_id_len: int = 128
+    max_address_len: int = 262  # [v6 literal]:port or a DNS name (253) and port
+    max_local_world_size: int = 16_384  # FTAR endpoints per request (the emulation sends 6,250 per replica)
+    max_processes: int = 4096  # processes per replica
+    max_step: int = 2**53  # a step or quorum id beyond this is a bug or an attack (2**53: exact in a double)
+    max_replicas_per_job: int = 16_384
+    max_jobs: int = 1024
+    max_dead_listed: int = 1024  # a heartbeat reply lists at most this many dead; the oldest are forgotten
+    max_status_replicas: int = 2048  # replicas listed per job by Status (the rest counted as omitted)
+    max_status_jobs: int = 256  # jobs listed by one Status of every job
+    new_ids_per_s: float = 2000.0  # per client host, sustained ...
+    new_ids_burst: int = 16_384  # ... after a burst of this many (one host may start a whole job at once)
+    max_request_bytes: int = 4 * 1024 * 1024
+
+    def __post_init__(self) -> None:
+        for k, v in self.__dict__.items():
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+                raise ValueError(f"Limits.{k}={v!r}: must be a finite number > 0")
+
+
+@dataclass(frozen=True)
+class Refusal:
+    code: grpc.StatusCode
+    reason: str
+
+
+def _text_problem(what: str, value: str, max_len: int, ctx: str = "") -> str | None:
+    if len(value) > max_len:
+        return (f"{what} is {len(value)} characters long{ctx}; at most {max_len} are allowed "
+                f"(it starts {value[:32]!r})")
+    bad = next((c for c in value if ord(c) < 32 or ord(c) == 127 or c.isspace()), None)
+    if bad is not None:
+        return f"{what} {value[:64]!r}{ctx} contains a space or control character ({bad!r}): use printable characters"
+    return None
+
+
+def _ids_problem(limits: Limits, job_id: str, replica_id: str | None) -> str | None:
+    if not job_id:
+        return "job_id is empty: pass the job's name (every replica of one job uses the same job_id)"
+    err = _text_problem("job_id", job_id, limits.max_job_id_len)
+    if err:
+        return err
+    if replica_id is None:
+        return None
+    if not replica_id:
+        return f"replica_id is empty (job {job_id!r}): pass this replica's id, unique within the job"
+    return _text_problem("replica_id", replica_id, limits.max_id_len, f" (job {job_id!r})")
+
+
+def _step_problem(limits: Limits, what: str, value: int, who: str) -> str | None:
+    if not 0 <= value <= limits.max_step:
+        return f"{what} is {value} ({who}): it must be in [0, {limits.max_step}]"
+    return None
+
+
+def _address_problem(limits: Limits, what: str, address: str, who: str) -> str | None:
+    if not address:
+        return f"{what} is an empty address ({who}): give host:port"
+    if len(address) > limits.max_address_len:
+        return f"{what} is {len(address)} characters long ({who}); at most {limits.max_address_len} are allowed"
+    try:
+        split_host_port(address, allow_zero_port=False)
+    except ValueError as e:
+        return f"{what} ({who}): {e}"
+    return None
+
+
+def request_problem(method: str, req, limits: Limits) -> str | None:
+    """Why ``req`` (a parsed request of ``method``) is malformed, or None.
+
+    Only what needs no job state: a request passing this cannot make the
+    lighthouse hold or send more than :class:`Limits` allows per replica.
+    """
+    if method == "Status":
+        return _ids_problem(limits, req.job_id, None) if req.job_id else None
+    err = _ids_problem(limits, req.job_id, req.replica_id)
+    if err:
+        return err
+    who = f"replica {req.replica_id!r} of job {req.job_id!r}"
+    if method == "GetView":
+        return (_step_problem(limits, "quorum_id", req.quorum_id, who)
+                or _processes_problem(limits, req.process_index, 1, who, index_only=True))
+    err = _step_problem(limits, "step", req.step, who)
+    if err:
+        return err
+    if len(req.incarnation) > 64 or (req.incarnation and _text_problem("incarnation", req.incarnation, 64)):
+        return f"incarnation ({who}) must be at most 64 printable characters (a random token chosen at process start)"
+    if method == "Leave":
+        return None
+    err = (_step_problem(limits, "last_quorum_id", req.last_quorum_id, who)
+           or _processes_problem(limits, req.process_index, req.num_processes, who))
+    if err:
+        return err
+    if method == "Heartbeat":
+        return _heartbeat_problem(req, limits, who)
+    for r in req.accused_replica_ids:
+        err = _text_problem("an accused_replica_ids id", r, limits.max_id_len, f" ({who})")
+        if err:
+            return err
+    return _endpoints_problem(req, limits, who, required=True) or _quorum_fields_problem(req, limits, who)
+
+
+def _processes_problem(limits: Limits, index: int, count: int, who: str, index_only: bool = False) -> str | None:
+    if not 0 <= index < limits.max_processes:
+        return f"process_index is {index} ({who}): it must be in [0, {limits.max_processes})"
+    if not index_only and not 0 <= count <= limits.max_processes:
+        return f"num_processes is {count} ({who}): it must be in [0, {limits.max_processes}] (0 = 1)"
+    return None
+
+
+def _heartbeat_problem(req, limits: Limits, who: str) -> str | None:
+    err = _endpoints_problem(req, limits, who, required=False)
+    if err:
+        return err
+    if req.metrics_address:
+        err = _address_problem(limits, f"metrics_address {req.metrics_address[:64]!r}", req.metrics_address, who)
+        if err:
+            return err
+    if req.HasField("phase"):
+        ph = req.phase
+        if len(ph.streams) > limits.max_replicas_per_job:
+            return f"phase.streams has {len(ph.streams)} entries ({who}); at most {limits.max_replicas_per_job}"
+        for text in (ph.waiting_on, *(s.to_replica for s in ph.streams)):
+            err = _text_problem("a replica id in phase", text, limits.max_id_len, f" ({who})")
+            if err:
+                return err
+    return None
+
+
+def _endpoints_problem(req, limits: Limits, who: str, required: bool) -> str | None:
+    """A process's own FTAR endpoints and state server (QuorumRequest; a Heartbeat that registers them)."""
+    if not required and not req.ftar_addresses and not req.state_server_address:
+        return None
+    if not 1 <= req.local_world_size <= limits.max_local_world_size:
+        return (f"local_world_size is {req.local_world_size} ({who}): it must be the number of devices (shards) "
+                f"per replica, 1..{limits.max_local_world_size}")
+    if len(req.ftar_addresses) > req.local_world_size:
+        return (f"ftar_addresses has {len(req.ftar_addresses)} entries but local_world_size is "
+                f"{req.local_world_size} ({who}): send one FTAR endpoint (host:port) per shard of this process")
+    for k, a in enumerate(req.ftar_addresses):
+        err = _address_problem(limits, f"ftar_addresses[{k}] {a[:64]!r}", a, who)
+        if err:
+            return err
+    if req.state_server_address:  # a URL (http://host:port) or host:port
+        a = req.state_server_address
+        hostport = a.split("://", 1)[1] if "://" in a else a
+        if "://" in a and not a.startswith(("http://", "https://")):
+            return f"state_server_address {a[:64]!r} ({who}): only http:// or https:// URLs"
+        err = _address_problem(limits, f"state_server_address {a[:64]!r}", hostport.rstrip("/"), who)
+        if err:
+            return err
+    return None
+
+
+def _quorum_fields_problem(req, limits: Limits, who: str) -> str | None:
+    if not 0 <= req.num_replicas <= limits.max_replicas_per_job:
+        return (f"num_replicas is {req.num_replicas} ({who}): it must be in [0, {limits.max_replicas_per_job}] "
+                "(0 = not stated)")
+    if len(req.last_members) > limits.max_replicas_per_job:
+        return f"last_members lists {len(req.last_members)} replicas ({who}); at most {limits.max_replicas_per_job}"
+    for m in req.last_members:
+        err = _text_problem("a last_members id", m, limits.max_id_len, f" ({who})")
+        if err:
+            return err
+    return None
+
+
+def incarnation_problem(rid: str, job_id: str, holder: str | None, incoming: str, holder_live: bool) -> str | None:
+    """The takeover rule of a replica id: why ``incoming`` may not act as ``rid``, or None.
+
+    A replica id belongs to the process that first registered it (its
+    *incarnation*, a random token chosen at process start and sent, signed,
+    with every call). Another incarnation may take the id over only when the
+    holder is gone: it left (``Leave`` releases the id) or the failure
+    detector declared it dead (silent longer than the detection window, with
+    no quorum request open). A restarted replica therefore waits at most one
+    detection window for its old process to be declared dead. A request with
+    no incarnation (a client that does not send one, e.g. the emulation's)
+    neither binds nor takes over an id.
+    """
+    if holder is None or holder == incoming or not holder_live:
+        return None
+    return (f"replica id {rid!r} of job {job_id!r} is held by another live process (incarnation {holder[:8]}…); "
+            "a second process may take it over only once the holder left or the failure detector declared it "
+            "dead (silent for the detection window): if it is a restart, retry after that window; otherwise "
+            "give this process another replica id")
+
+
+class NewIdRate:
+    """A token bucket per client host: how many new replica ids it may introduce.
+
+    Bounds the bookkeeping a single client (a bug, or a holder of a job secret
+    gone rogue) can create: ``burst`` ids at once, then ``rate`` per second.
+    Hosts are forgotten after a minute idle, oldest first beyond ``max_hosts``.
+    """
+
+    def __init__(self, rate: float, burst: int, max_hosts: int = 4096) -> None:
+        self.rate, self.burst, self.max_hosts = rate, burst, max_hosts
+        self._buckets: OrderedDict[str, tuple[float, float]] = OrderedDict()  # host -> (tokens, at)
+
+    def take(self, host: str, now: float) -> bool:
+        tokens, at = self._buckets.pop(host, (float(self.burst), now))
+        tokens = min(float(self.burst), tokens + (now - at) * self.rate)
+        ok = tokens >= 1.0
+        self._buckets[host] = (tokens - 1.0 if ok else tokens, now)
+        while len(self._buckets) > self.max_hosts:
+            self._buckets.popitem(last=False)
+        return ok
+
+
+def peer_host(peer: str) -> str:
+    """The host of a grpc peer string (``ipv4:1.2.3.4:5``, ``ipv6:[::1]:5``, ``unix:...``)."""
+    kind, _, rest = peer.partition(":")
+    if kind in ("ipv4", "ipv6"):
+        return rest.rsplit(":", 1)[0]
+    return peer
+
+
+class CallAuthenticator:
+    """Checks each call's credential against the lighthouse secret (None: authentication off).
+
+    A replica's call must be signed with its job's lighthouse key
+    (``derive(job_key(secret, job_id), "lighthouse")``): knowing one job's key
+    signs nothing for another job. ``Status`` may also be signed with the
+    read-only status key (any job, or all) or, for its own job, a job key.
+    """
+
+    PURPOSE = "lighthouse"
+
+    def __init__(self, secret: bytes | None, window_s: float = auth.CLOCK_WINDOW_S,
+                 replay_capacity: int = 200_000) -> None:
+        self.secret = secret
+        self.replays = auth.ReplayCache(window_s, replay_capacity)
+        self._keys: OrderedDict[str, bytes] = OrderedDict()
+        self._status_key = auth.status_key(secret) if secret is not None else b""
+
+    @property
+    def enabled(self) -> bool:
+        return self.secret is not None
+
+    def job_call_key(self, job_id: str) -> bytes:
+        key = self._keys.get(job_id)
+        if key is None:
+            key = self._keys[job_id] = auth.derive(auth.job_key(self.secret, job_id), self.PURPOSE)
+            if len(self._keys) > 4096:
+                self._keys.popitem(last=False)
+        return key
+
+    def check(self, method: str, metadata, job_id: str, replica_id: str, body: bytes,
+              now: float | None = None) -> Refusal | None:
+        if self.secret is None:
+            return None
+        now = time.time() if now is None else now
+        value = next((v for k, v in metadata if k == METADATA_KEY), None)
+        where = f"{method} of job {job_id!r}" + (f" replica {replica_id!r}" if replica_id else "")
+        if value is None:
+            return Refusal(UNAUTHENTICATED, (
+                f"{where} carries no credential: this lighthouse requires one. Replicas: give the launcher the "
+                f"job's secret (fthsdp run generates it; --secret-file, ${auth.SECRET_FILE_ENV}); fthsdp status: "
+                "--status-key-file or --secret-file (see the README's Security section)"))
+        try:
+            cred = auth.Credential.parse(value.decode() if isinstance(value, bytes) else value)
+        except (ValueError, UnicodeDecodeError):
+            return Refusal(UNAUTHENTICATED, f"{where}: malformed credential (metadata {METADATA_KEY}): "
+                                            "use fthsdp's LighthouseClient to sign calls")
+        if cred.kind == "status":
+            if method != "Status":
+                return Refusal(DENIED, f"{where} is signed with the read-only status key, which may call Status "
+                                       "only: a replica needs its job's secret")
+            key = self._status_key
+        elif cred.kind == "job":
+            if not job_id:
+                return Refusal(DENIED, f"{where}: a job's secret reads that job only: name it (--job), or use the "
+                                       "lighthouse's status key to list every job")
+            key = self.job_call_key(job_id)
+        else:
+            return Refusal(UNAUTHENTICATED, f"{where}: unknown credential kind {cred.kind[:16]!r} (job or status)")
+        if not auth.verify(key, cred, method, job_id, replica_id, body):
+            return Refusal(UNAUTHENTICATED, (
+                f"{where}: the credential does not verify: the caller's secret is not this lighthouse's key for "
+                f"this job (another lighthouse's secret, another job's, or a stale one): give the replicas the "
+                "secret of this lighthouse and job"))
+        why = self.replays.check_and_add(cred.nonce, cred.timestamp, now)
+        if why is not None:
+            return Refusal(UNAUTHENTICATED, f"{where}: {why}")
+        return None
+
+
+# -- transport ------------------------------------------------------------------
+
+class _Raw:
+    """A request as received: its bytes (what the credential signs) and the parsed message."""
+
+    __slots__ = ("data", "message", "error")
+
+    def __init__(self, data: bytes, parse) -> None:
+        self.data = data
+        self.message = None
+        self.error = ""
+        try:
+            self.message = parse(data)
+        except Exception as e:  # noqa: BLE001 - any garbage from the network
+            self.error = f"{type(e).__name__}: {str(e)[:200]}"
+
+
+def generic_handler(pb2, servicer, authenticator: CallAuthenticator, limits: Limits, response_serializer):
+    """The Lighthouse service's handlers with the checks in front of each method.
+
+    ``servicer.<Method>(request, context)`` then only sees well-formed,
+    authenticated requests (the job-state checks: replicas per job, jobs,
+    incarnations, live in the servicer, which holds that state).
+    """
+    service = pb2.DESCRIPTOR.services_by_name["Lighthouse"]
+
+    def refuse(context, code: grpc.StatusCode, reason: str) -> bytes:
+        # Set the status and return, instead of context.abort: abort raises through grpc's
+        # handler machinery, which made each refusal several times dearer than an answer
+        # (a flood of refused calls then slowed every other job far more; experiments/auth_cost.py).
+        context.set_code(code)
+        context.set_details(reason)
+        return b""
+
+    def guarded(name: str, type_name: str, inner):
+        async def handle(raw: _Raw, context: grpc.aio.ServicerContext):
+            if raw.message is None:
+                return refuse(context, INVALID, (
+                    f"the {name} request body is not a valid {type_name} protobuf message "
+                    f"({raw.error}): send fthsdp's lighthouse protocol (fthsdp/proto/lighthouse.proto)"))
+            req = raw.message
+            err = request_problem(name, req, limits)
+            if err:
+                return refuse(context, INVALID, err)
+            refusal = authenticator.check(name, context.invocation_metadata() or (), req.job_id,
+                                          getattr(req, "replica_id", ""), raw.data)
+            if refusal is not None:
+                return refuse(context, refusal.code, refusal.reason)
+            return await inner(req, context)
+        return handle
+
+    handlers = {}
+    for m in service.methods:
+        parse = getattr(pb2, m.input_type.name).FromString
+        handlers[m.name] = grpc.unary_unary_rpc_method_handler(
+            guarded(m.name, m.input_type.name, getattr(servicer, m.name)),
+            request_deserializer=lambda data, parse=parse: _Raw(data, parse),
+            response_serializer=response_serializer)
+    return grpc.method_handlers_generic_handler(service.full_name, handlers)

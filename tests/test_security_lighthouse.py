@@ -1,0 +1,462 @@
+"""The lighthouse against hostile input (issue 13): credentials, limits, the attacks replayed.
+
+Pure parts (key derivation, signatures, the replay cache, request limits, the
+takeover rule) are tested as functions; the rest against a real gRPC
+lighthouse on loopback, and the attacks of the issue against a real job
+(lighthouse and replica processes started by the launcher) that must end
+unharmed: identical final states and an exactly-once ledger.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import subprocess
+import sys
+import threading
+import time
+
+import grpc
+import pytest
+
+from fthsdp.control import auth, guard
+from fthsdp.control.lighthouse import LighthouseConfig, LighthouseThread, pb2
+from fthsdp.control.lighthouse_client import (InvalidLighthouseRequest, JobNotFound, LighthouseClient,
+                                              NotAuthorized, ReplicaIdHeld)
+from fthsdp.proto import LIGHTHOUSE_PROTOCOL_VERSION
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+V = LIGHTHOUSE_PROTOCOL_VERSION
+
+
+# -- pure: keys and credentials ---------------------------------------------------------
+
+def test_keys_are_independent_per_job_and_purpose():
+    s = auth.new_secret()
+    a, b = auth.job_key(s, "a"), auth.job_key(s, "b")
+    assert a != b and len(a) == auth.KEY_BYTES
+    assert auth.job_key(s, "a") == a  # the lighthouse re-derives, no table
+    purposes = {auth.derive(a, p) for p in ("lighthouse", "peer-server", "ftar")}
+    assert len(purposes) == 3 and a not in purposes
+    assert auth.job_key(auth.new_secret(), "a") != a
+    assert auth.status_key(s) not in (a, b)
+    with pytest.raises(auth.SecretError, match="at least 16 bytes"):
+        auth.derive(b"short", "x")
+    with pytest.raises(ValueError, match="purpose"):
+        auth.derive(a, "")
+
+
+def test_a_signature_covers_every_field():
+    key = auth.derive(auth.job_key(auth.new_secret(), "j"), "lighthouse")
+    c = auth.sign(key, "GetQuorum", "j", "r0", b"body", 1000.0)
+    assert auth.verify(key, c, "GetQuorum", "j", "r0", b"body")
+    for args in (("Heartbeat", "j", "r0", b"body"), ("GetQuorum", "k", "r0", b"body"),
+                 ("GetQuorum", "j", "r1", b"body"), ("GetQuorum", "j", "r0", b"bodz")):
+        assert not auth.verify(key, c, *args), args
+    for field, value in (("timestamp_text", "1001.000000"), ("nonce", "0" * 32)):
+        forged = auth.Credential(**{**c.__dict__, field: value})
+        assert not auth.verify(key, forged, "GetQuorum", "j", "r0", b"body")
+    assert not auth.verify(auth.new_secret(), c, "GetQuorum", "j", "r0", b"body")
+
+
+def test_replay_cache_refuses_replays_stale_calls_and_stays_bounded():
+    r = auth.ReplayCache(window_s=30.0, capacity=100)
+    assert r.check_and_add("n1", 1000.0, 1000.0) is None
+    assert "replayed" in r.check_and_add("n1", 1000.0, 1000.5)
+    assert "NTP" in r.check_and_add("n2", 900.0, 1000.0)  # 100 s old
+    assert "NTP" in r.check_and_add("n3", 1100.0, 1000.0)  # from the future
+    for i in range(1000):  # a flood: the cache stays bounded ...
+        r.check_and_add(f"f{i}", 1000.0 + i * 1e-3, 1001.0)
+    assert len(r) <= 100
+    # ... and a replay of a nonce it had to drop is still refused (too old to be checked)
+    assert r.check_and_add("f0", 1000.0, 1001.0) is not None
+    assert r.check_and_add("fresh", 1001.5, 1001.5) is None
+
+
+def test_secrets_load_from_file_or_environment_and_say_what_is_wrong(tmp_path):
+    s = auth.new_secret()
+    f = tmp_path / "secret"
+    auth.write_secret(str(f), s)
+    assert f.stat().st_mode & 0o077 == 0  # owner only
+    assert auth.load_secret(str(f), environ={}) == s
+    assert auth.load_secret(environ={auth.SECRET_FILE_ENV: str(f)}) == s
+    assert auth.load_secret(environ={auth.SECRET_ENV: s.hex()}) == s
+    assert auth.load_secret(environ={}) is None
+    (tmp_path / "short").write_text("abc\n")
+    with pytest.raises(auth.SecretError, match="too short.*openssl rand -hex 32"):
+        auth.load_secret(str(tmp_path / "short"), environ={})
+    with pytest.raises(auth.SecretError, match="cannot read the secret file"):
+        auth.load_secret(str(tmp_path / "missing"), environ={})
+    # a launcher with its own lighthouse makes a fresh secret per job; replicas get only the job key
+    lh, jk = auth.launcher_keys("", "job", own_lighthouse=True, environ={})
+    assert jk == auth.job_key(lh, "job")
+    env = auth.replica_env({auth.LIGHTHOUSE_SECRET_ENV: lh.hex(), auth.SECRET_FILE_ENV: "x"}, jk)
+    assert env == {auth.SECRET_ENV: jk.hex()}
+    assert auth.launcher_keys("", "job", own_lighthouse=False, environ={}) == (None, None)
+
+
+# -- pure: limits and the takeover rule -------------------------------------------------
+
+def quorum_req(**over) -> pb2.QuorumRequest:
+    base = dict(protocol_version=V, job_id="job", replica_id="0", step=0, ftar_addresses=["127.0.0.1:7000"],
+                state_server_address="http://127.0.0.1:7100", local_world_size=1, incarnation="i0")
+    base.update(over)
+    return pb2.QuorumRequest(**base)
+
+
+@pytest.mark.parametrize("over, match", [
+    ({"replica_id": "x" * 10_000}, "replica_id is 10000 characters long"),
+    ({"job_id": "j" * 3_000_000}, "job_id is 3000000 characters long"),
+    ({"replica_id": "r\x000"}, "control character"),
+    ({"job_id": "a b"}, "space or control"),
+    ({"ftar_addresses": ["not an address \0\n; rm -rf /"]}, "spaces or control characters"),
+    ({"ftar_addresses": ["127.0.0.1:99999"]}, "bad port"),
+    ({"ftar_addresses": ["127.0.0.1:0"]}, "port 0 cannot be connected to"),
+    ({"state_server_address": "ftp://127.0.0.1:80"}, "only http:// or https://"),
+    ({"step": 2**63 - 1}, "step is 9223372036854775807"),
+    ({"last_quorum_id": 2**62}, "last_quorum_id is"),
+    ({"local_world_size": 20000, "ftar_addresses": ["127.0.0.1:7000"] * 20000}, "local_world_size is 20000"),
+    ({"num_replicas": 10**6}, "num_replicas is 1000000"),
+    ({"last_members": ["m\n"]}, "control character"),
+])
+def test_request_limits_refuse_with_the_reason(over, match):
+    err = guard.request_problem("GetQuorum", quorum_req(**over), guard.Limits())
+    assert err is not None and match in err, err
+
+
+def test_a_well_formed_request_passes_every_limit():
+    assert guard.request_problem("GetQuorum", quorum_req(ftar_addresses=["[::1]:7000"]), guard.Limits()) is None
+    hb = pb2.HeartbeatRequest(protocol_version=V, job_id="job", replica_id="0", step=5)
+    assert guard.request_problem("Heartbeat", hb, guard.Limits()) is None
+    assert guard.request_problem("Status", pb2.StatusRequest(protocol_version=V), guard.Limits()) is None
+
+
+def test_takeover_rule():
+    assert guard.incarnation_problem("0", "j", None, "a", holder_live=True) is None  # first registration
+    assert guard.incarnation_problem("0", "j", "a", "a", holder_live=True) is None  # the holder itself
+    err = guard.incarnation_problem("0", "j", "a", "b", holder_live=True)
+    assert "held by another live process" in err and "detection window" in err
+    assert guard.incarnation_problem("0", "j", "a", "b", holder_live=False) is None  # dead: taken over
+    assert guard.incarnation_problem("0", "j", "a", "", holder_live=True) is not None  # no token: no takeover
+
+
+def test_new_id_rate_is_a_token_bucket_per_host():
+    r = guard.NewIdRate(rate=10.0, burst=5)
+    assert all(r.take("h1", 0.0) for _ in range(5))
+    assert not r.take("h1", 0.0)
+    assert r.take("h2", 0.0)  # another host has its own bucket
+    assert r.take("h1", 0.11)  # refilled at 10/s
+    assert guard.peer_host("ipv4:127.0.0.1:5555") == "127.0.0.1"
+    assert guard.peer_host("ipv6:[::1]:5555") == "[::1]"
+
+
+# -- a real lighthouse on loopback ------------------------------------------------------
+
+SECRET = bytes(range(32))
+
+
+@pytest.fixture
+def secure():
+    with LighthouseThread(LighthouseConfig(secret=SECRET, join_timeout_s=0.2, detect_s=0.5)) as lh:
+        yield lh
+
+
+def raw_call(address: str, method: str, body: bytes, metadata=None, timeout: float = 5.0):
+    """One call as an attacker sends it: any bytes, any metadata."""
+    with grpc.insecure_channel(address) as ch:
+        fn = ch.unary_unary(f"/fthsdp.v1.Lighthouse/{method}", request_serializer=None,
+                            response_deserializer=None)
+        return fn(body, timeout=timeout, metadata=metadata)
+
+
+def refused(address: str, method: str, body: bytes, metadata=None) -> grpc.RpcError:
+    with pytest.raises(grpc.RpcError) as ei:
+        raw_call(address, method, body, metadata)
+    return ei.value
+
+
+def signed(key: bytes, method: str, req, **kw):
+    body = req.SerializeToString()
+    return body, auth.call_metadata(key, method, req.job_id, getattr(req, "replica_id", ""), body, **kw)
+
+
+def call_key(job: str) -> bytes:
+    return auth.derive(auth.job_key(SECRET, job), "lighthouse")
+
+
+def test_calls_without_a_valid_credential_are_refused_with_what_to_do(secure):
+    hb = pb2.HeartbeatRequest(protocol_version=V, job_id="job", replica_id="0", step=1, incarnation="x")
+    e = refused(secure.address, "Heartbeat", hb.SerializeToString())
+    assert e.code() == grpc.StatusCode.UNAUTHENTICATED and "carries no credential" in e.details()
+    assert "--secret-file" in e.details()
+    # another job's key (a replica of job "other" acting for "job")
+    body, md = signed(call_key("other"), "Heartbeat", hb)
+    e = refused(secure.address, "Heartbeat", body, md)
+    assert e.code() == grpc.StatusCode.UNAUTHENTICATED and "does not verify" in e.details()
+    # a valid credential for another body (the attacker changed the step)
+    body, md = signed(call_key("job"), "Heartbeat", hb)
+    tampered = pb2.HeartbeatRequest(protocol_version=V, job_id="job", replica_id="0", step=10**9,
+                                    incarnation="x").SerializeToString()
+    assert refused(secure.address, "Heartbeat", tampered, md).code() == grpc.StatusCode.UNAUTHENTICATED
+    # the right key: accepted once ...
+    raw_call(secure.address, "Heartbeat", body, md)
+    # ... and its replay refused
+    e = refused(secure.address, "Heartbeat", body, md)
+    assert e.code() == grpc.StatusCode.UNAUTHENTICATED and "replayed" in e.details()
+    # a call signed long ago
+    body, md = signed(call_key("job"), "Heartbeat", hb, now=time.time() - 600)
+    e = refused(secure.address, "Heartbeat", body, md)
+    assert e.code() == grpc.StatusCode.UNAUTHENTICATED and "NTP" in e.details()
+    # garbage in the credential
+    e = refused(secure.address, "Heartbeat", body, ((auth.METADATA_KEY, "job 1 2 3"),))
+    assert e.code() == grpc.StatusCode.UNAUTHENTICATED and "malformed credential" in e.details()
+
+
+def test_status_needs_a_credential_and_never_lists_other_jobs(secure):
+    with LighthouseClient(secure.address, "job", "0", key=auth.job_key(SECRET, "job")) as c:
+        c.heartbeat(0)
+        assert [j.job_id for j in c.status()] == ["job"]  # a job's secret reads its own job
+        with pytest.raises(NotAuthorized, match="reads that job only"):
+            c.status("")
+        with pytest.raises(NotAuthorized, match="does not verify"):
+            c.status("secret-other-job")
+    with LighthouseClient(secure.address, "x", "x", status_key=auth.status_key(SECRET)) as reader:
+        assert [j.job_id for j in reader.status("")] == ["job"]
+        with pytest.raises(JobNotFound) as ei:
+            reader.status("nope")
+        assert "'job'" not in str(ei.value)  # the fuzzer's finding: no list of job ids
+    hb = pb2.HeartbeatRequest(protocol_version=V, job_id="job", replica_id="9", step=1)
+    body, md = signed(auth.status_key(SECRET), "Heartbeat", hb, kind="status")
+    e = refused(secure.address, "Heartbeat", body, md)
+    assert e.code() == grpc.StatusCode.PERMISSION_DENIED and "read-only status key" in e.details()
+    e = refused(secure.address, "Status", pb2.StatusRequest(protocol_version=V).SerializeToString())
+    assert e.code() == grpc.StatusCode.UNAUTHENTICATED
+
+
+def test_a_body_that_is_not_protobuf_is_invalid_argument(secure):
+    for method in ("GetQuorum", "Heartbeat", "Leave", "Status"):
+        e = refused(secure.address, method, b"\xff\xff\xff\xff not protobuf")
+        assert e.code() == grpc.StatusCode.INVALID_ARGUMENT, (method, e.code())
+        assert "not a valid" in e.details()
+    assert secure.server.port  # still serving
+
+
+def test_a_replica_id_is_bound_to_the_process_that_registered_it(secure):
+    key = auth.job_key(SECRET, "job")
+    a = LighthouseClient(secure.address, "job", "0", key=key)
+    b = LighthouseClient(secure.address, "job", "0", key=key)  # a second process, same id and secret
+    try:
+        a.heartbeat(3)
+        with pytest.raises(ReplicaIdHeld, match="held by another live process"):
+            b.heartbeat(1000)
+        a.heartbeat(4)  # the holder is unaffected
+        # the holder goes silent: after the detection window the id may be taken over
+        time.sleep(0.8)
+        b.heartbeat(5)
+        with pytest.raises(ReplicaIdHeld):  # and now the old process is the stranger
+            a.heartbeat(6)
+        assert b.leave(5, finished=False)  # Leave releases the id
+        a.heartbeat(7)
+    finally:
+        a.close()
+        b.close()
+
+
+def test_job_and_replica_limits_and_the_dead_list_are_bounded():
+    lim = guard.Limits(max_replicas_per_job=4, max_jobs=2, max_dead_listed=2, new_ids_burst=100)
+    with LighthouseThread(LighthouseConfig(limits=lim, detect_s=0.3, join_timeout_s=0.1)) as lh:
+        clients = [LighthouseClient(lh.address, "job", str(i)) for i in range(5)]
+        try:
+            for c in clients[:4]:
+                c.heartbeat(0)
+            with pytest.raises(Exception) as ei:
+                clients[4].heartbeat(0)
+            assert "this lighthouse's limit" in str(ei.value) and "RESOURCE_EXHAUSTED" in str(ei.value)
+            with LighthouseClient(lh.address, "second", "0") as c2, LighthouseClient(lh.address, "third", "0") as c3:
+                c2.heartbeat(0)
+                with pytest.raises(Exception, match="serves 2 jobs, its limit"):
+                    c3.heartbeat(0)
+            time.sleep(0.6)  # the four go silent: dead ...
+            clients[0].heartbeat(1)
+            time.sleep(0.1)
+            reply = clients[0].heartbeat(1)
+            assert len(reply.dead_replica_ids) <= 2  # ... but at most 2 listed, the oldest forgotten
+            assert lh.server.stats["forgotten_dead"] >= 1
+        finally:
+            for c in clients:
+                c.close()
+    with LighthouseThread(LighthouseConfig(limits=guard.Limits(new_ids_burst=3, new_ids_per_s=1.0))) as lh:
+        cs = [LighthouseClient(lh.address, "job", str(i)) for i in range(4)]
+        try:
+            for c in cs[:3]:
+                c.heartbeat(0)
+            with pytest.raises(Exception, match="too many new replica ids"):
+                cs[3].heartbeat(0)
+            cs[0].heartbeat(1)  # known ids are not charged
+        finally:
+            for c in cs:
+                c.close()
+
+
+def test_tls_with_a_self_signed_certificate(tmp_path):
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj",
+                    "/CN=localhost", "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1",
+                    "-keyout", str(key), "-out", str(cert)], check=True, capture_output=True, timeout=60)
+    cfg = LighthouseConfig(secret=SECRET, tls_cert_file=str(cert), tls_key_file=str(key), join_timeout_s=0.1)
+    with LighthouseThread(cfg) as lh:
+        with LighthouseClient(lh.address, "job", "0", key=auth.job_key(SECRET, "job"), tls_ca_file=str(cert)) as c:
+            q = c.get_quorum(0, ftar_addresses=["127.0.0.1:7000"], timeout_s=10)
+            assert q.member_ids == ("0",)
+        # plain TCP to a TLS port gets nowhere
+        with LighthouseClient(lh.address, "job", "1", key=auth.job_key(SECRET, "job"), rpc_timeout_s=2) as plain:
+            with pytest.raises(Exception):
+                plain.heartbeat(0)
+
+
+def test_the_cli_needs_a_secret_or_an_explicit_insecure_loopback_choice(tmp_path):
+    def lighthouse(*args, env=None):
+        return subprocess.run([sys.executable, "-m", "fthsdp.control.lighthouse", *args], cwd=REPO, timeout=60,
+                              capture_output=True, text=True, env={**os.environ, **(env or {})})
+
+    p = lighthouse("--bind", "127.0.0.1:0")
+    assert p.returncode == 2 and "--secret-file" in p.stderr and "--insecure" in p.stderr
+    p = lighthouse("--bind", "0.0.0.0:0", "--insecure")
+    assert p.returncode == 2 and "without authentication beyond loopback" in p.stderr
+    f = tmp_path / "lh.secret"
+    auth.write_secret(str(f), SECRET)
+    p = lighthouse("--print-job-secret", "job", env={auth.LIGHTHOUSE_SECRET_FILE_ENV: str(f)})
+    assert p.returncode == 0 and bytes.fromhex(p.stdout.strip()) == auth.job_key(SECRET, "job")
+    p = lighthouse("--print-status-key", "--secret-file", str(f))
+    assert bytes.fromhex(p.stdout.strip()) == auth.status_key(SECRET)
+
+
+# -- the issue's attacks, replayed against a real job -----------------------------------
+
+def attack(address: str, lighthouse_secret: bytes, job: str, stop: threading.Event, killed) -> dict[str, list]:
+    """Every lighthouse attack of issue 13, as a stranger (no secret) and as insiders (another job's
+    secret; this job's secret in a second process). Returns the status codes each attack got."""
+    got: dict[str, list] = {}
+    channel = grpc.insecure_channel(address)
+    calls = {m: channel.unary_unary(f"/fthsdp.v1.Lighthouse/{m}", request_serializer=None,
+                                    response_deserializer=None)
+             for m in ("GetQuorum", "Heartbeat", "Leave", "Status")}
+
+    def note(name: str, method: str, body: bytes, metadata=None) -> None:
+        try:
+            calls[method](body, timeout=10, metadata=metadata)
+            got.setdefault(name, []).append("OK")
+        except grpc.RpcError as e:
+            got.setdefault(name, []).append(e.code().name)
+
+    def qreq(**over):
+        return quorum_req(job_id=job, **over)
+
+    # first the insiders, while every replica is surely live
+    # an insider of another job (its own secret from the same lighthouse) acts for this job
+    other = auth.derive(auth.job_key(lighthouse_secret, "other-job"), "lighthouse")
+    hb = pb2.HeartbeatRequest(protocol_version=V, job_id=job, replica_id="0", step=10**6, incarnation="evil")
+    note("another job's secret", "Heartbeat", *signed(other, "Heartbeat", hb))
+    # this job's secret in a second process: may not take the id of a live replica
+    mine = auth.derive(auth.job_key(lighthouse_secret, job), "lighthouse")
+    for _ in range(3):
+        req = qreq(replica_id="0", step=10**12, ftar_addresses=["127.0.0.9:1"], incarnation="second-process")
+        note("second process for a live id", "GetQuorum", *signed(mine, "GetQuorum", req))
+        stop.wait(0.2)
+    # a stranger impersonates replica 1 with its own addresses and a huge step (to supersede it)
+    note("impersonate", "GetQuorum", qreq(replica_id="1", step=10**12, ftar_addresses=["127.0.0.9:1"])
+         .SerializeToString())
+    # forged heartbeats with ghost ids (to block every quorum), and as replica 1 (killed meanwhile)
+    for _ in range(3):
+        for rid in ("ghost-0", "ghost-1", "ghost-2", "1"):
+            note("forged heartbeat", "Heartbeat", pb2.HeartbeatRequest(
+                protocol_version=V, job_id=job, replica_id=rid, step=10**6).SerializeToString())
+    note("3 MB job id", "Heartbeat", pb2.HeartbeatRequest(
+        protocol_version=V, job_id="j" * 3_000_000, replica_id="0").SerializeToString())
+    note("junk address", "GetQuorum", qreq(replica_id="9", ftar_addresses=["not an address \0\n; rm -rf /"])
+         .SerializeToString())
+    note("step 2**63-1", "GetQuorum", qreq(replica_id="9", step=2**63 - 1).SerializeToString())
+    note("not protobuf", "GetQuorum", b"\x08\x96\x01\xff\xff\xff garbage")
+    note("status without credential", "Status", pb2.StatusRequest(protocol_version=V).SerializeToString())
+    # last the flood: 2,000 ids of 10 KB
+    for i in range(2000):
+        note("10 KB ids", "Heartbeat", pb2.HeartbeatRequest(
+            protocol_version=V, job_id=job, replica_id=f"{i}".rjust(10_000, "x")).SerializeToString())
+    # heartbeats as replica 1 once it was SIGKILLed (to keep a dead replica "live")
+    deadline = time.monotonic() + 60
+    while not killed() and time.monotonic() < deadline and not stop.is_set():
+        stop.wait(0.1)
+    assert killed(), "the job's kill of replica 1 never fired"
+    for _ in range(10):
+        note("heartbeat as the dead replica", "Heartbeat", pb2.HeartbeatRequest(
+            protocol_version=V, job_id=job, replica_id="1", step=10**6).SerializeToString())
+        stop.wait(0.1)
+    channel.close()
+    return got
+
+
+@pytest.mark.multiprocess
+def test_attacks_are_refused_and_a_real_job_beside_them_is_unharmed(tmp_path):
+    from fthsdp.launch import report
+    from fthsdp.launch.faults import plan
+    from fthsdp.launch.local import LocalJob
+
+    from test_fault_tolerance import TINY, assert_identical_after_every_commit
+    from test_launcher import exactly_once
+
+    steps = 40
+    job = LocalJob(config="base", overrides=TINY + ["launch.replicas=3", "launch.devices_per_replica=1",
+                                                    f"train.steps={steps}", "train.min_step_s=0.15"],
+                   out_dir=tmp_path, replicas=3, steps=steps, faults=plan(("1@8",), (), 3), restart=True,
+                   detect_s=0.8, join_timeout_s=0.5, deadline_s=300, progress=False)
+    result: dict = {}
+    runner = threading.Thread(target=lambda: result.update(summary=job.run()), daemon=True)
+    runner.start()
+    stop = threading.Event()
+    reader = None
+    try:
+        deadline = time.monotonic() + 240
+        while not job.lighthouse_addr and time.monotonic() < deadline:
+            time.sleep(0.1)
+        reader = LighthouseClient(job.lighthouse_addr, "x", "x",
+                                  status_key=auth.load_secret(str(tmp_path / "status.key")))
+        # attack once the job trains (a replica at step >= 3)
+        while time.monotonic() < deadline and runner.is_alive():
+            try:
+                if max((r.step for j in reader.status(job.job_id) for r in j.replicas), default=0) >= 3:
+                    break
+            except JobNotFound:
+                pass
+            time.sleep(0.2)
+        got = attack(job.lighthouse_addr, job.lighthouse_secret, job.job_id, stop,
+                     killed=lambda: any(f.get("kind") == "kill" for f in job.fired))
+        [st] = reader.status(job.job_id)
+        assert {r.replica_id for r in st.replicas} <= {"0", "1", "2"}, st.replicas  # no ghost ever registered
+    finally:
+        stop.set()
+        runner.join(300)
+        if reader is not None:
+            reader.close()
+    assert not runner.is_alive(), "the job did not finish"
+    expected = {
+        "impersonate": {"UNAUTHENTICATED"},
+        "forged heartbeat": {"UNAUTHENTICATED"},
+        "heartbeat as the dead replica": {"UNAUTHENTICATED"},
+        "10 KB ids": {"INVALID_ARGUMENT"},
+        "3 MB job id": {"INVALID_ARGUMENT"},
+        "junk address": {"INVALID_ARGUMENT"},
+        "step 2**63-1": {"INVALID_ARGUMENT"},
+        "not protobuf": {"INVALID_ARGUMENT"},
+        "status without credential": {"UNAUTHENTICATED"},
+        "another job's secret": {"UNAUTHENTICATED"},
+        "second process for a live id": {"PERMISSION_DENIED"},
+    }
+    assert {k: set(v) for k, v in got.items()} == expected
+    s = result["summary"]
+    assert s["identical_final_state"], s
+    assert not s["failed_replicas"], s
+    run = report.load_run(tmp_path)
+    assert_identical_after_every_commit(run)
+    exactly_once(tmp_path, run)
+    log = (tmp_path / "lighthouse.log").read_text()
+    assert "ghost" not in log and "xxxxxxxx" not in log and "new job 'other-job'" not in log
