@@ -253,3 +253,9 @@ def test_phase_tracker_compute_time_is_a_median_so_one_hiccup_is_not_slow():
     for s in (0.6, 0.6, 0.6):  # slow for good (train.min_step_s)
         t.computed(s)
     assert t.report("0").compute_s == 0.6
+
+
+def test_a_replica_named_like_the_virtual_quorum_node_is_ignored_not_fatal():
+    v = rc.analyse(snap(R("0", 0.05, "waiting-for-quorum", 7, 0.5, asking=True), R(rc.QUORUM, 0.05, "computing"),
+                        R("1", 0.9, "computing", 7, 0.1), members=("0", "1", rc.QUORUM)))
+    assert (v.kind, v.culprit) == (rc.DEAD, "1")

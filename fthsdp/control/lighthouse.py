@@ -614,7 +614,10 @@ class Lighthouse(pb2_grpc.LighthouseServicer):
         if job.quorum is not None and set(job.quorum.member_ids) - set(quorum.member_ids):
             # The quorum shrinks: who was lost, judged over the old members while
             # the survivors' requests are still open (they wait on the lost ones).
-            self._root_cause(job, now, job.quorum.member_ids)
+            try:
+                self._root_cause(job, now, job.quorum.member_ids)
+            except Exception:  # an analysis bug must never keep a quorum from its members
+                log.exception("job %r: root-cause analysis failed", job.job_id)
         job.quorum = quorum
         job.remember(quorum)
         job.excluded.clear()  # an exclusion lasts for exactly one quorum

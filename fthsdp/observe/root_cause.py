@@ -176,11 +176,11 @@ QUORUM = "\x00quorum"
 def wait_for_graph(snap: JobSnapshot, silent: set[str], wait_min_s: float = 0.0) -> _Graph:
     """Edges a -> b: a waits on b. Silent processes have none (their reports are stale)."""
     g = _Graph()
-    known = {r.replica for r in snap.reports}
+    known = {r.replica for r in snap.reports if r.replica != QUORUM}
     asking = {r.replica for r in snap.reports if r.asking}
     quorum_waiters = False
     for r in snap.reports:
-        if r.replica in silent:
+        if r.replica in silent or r.replica not in known:  # (a replica id that is the virtual node's name)
             continue
         if (r.phase == ALLREDUCE and r.waiting_on and r.waiting_on != r.replica and r.waiting_on in known
                 and r.waiting_s >= wait_min_s):
@@ -295,7 +295,7 @@ def _order_key(members: tuple[str, ...]):
     pos = {m: i for i, m in enumerate(members)}
 
     def key(r: str):
-        return (pos.get(r, len(pos)), int(r) if r.isdigit() else 0, r)
+        return (pos.get(r, len(pos)), int(r) if r.isascii() and r.isdigit() else 0, r)
 
     return key
 
