@@ -286,7 +286,7 @@ def test_prometheus_targets_group_by_labels_sorted():
         ReplicaView("1", 1, 2.0, True, False, "127.0.0.1:9201"),  # dead: not a target
         ReplicaView("2", 1, 0.1, False, False, "")), None, "", 3, 1),), 0.8, 1)  # not advertised
     assert status_targets(v, "127.0.0.1:9100") == [
-        {"targets": ["127.0.0.1:9200"], "labels": {"job": "j", "replica": "0", "role": "replica"}},
+        {"targets": ["127.0.0.1:9200"], "labels": {"job": "j", "process": "0", "replica": "0", "role": "replica"}},
         {"targets": ["127.0.0.1:9100"], "labels": {"role": "lighthouse"}},
     ]
     cfg = json.loads(scrape_config("/tmp/t.json", "1s"))

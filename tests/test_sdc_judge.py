@@ -103,3 +103,33 @@ def test_quorum_puts_a_condemned_replica_behind_with_sources_from_the_majority()
     # nobody clean at the top step: no quorum, and the reason says why
     q, why = qm.decide_quorum({"1": reqs["1"]}, {"1": 0.0}, None, qm.QuorumConfig(), 0.0, condemned={"1"})
     assert q is None and "condemned" in why
+
+
+def test_status_view_metrics_and_text_show_a_mismatch():
+    from fthsdp.control.lighthouse import _sdc_event
+    from fthsdp.control.lighthouse_client import JobStatus, ReplicaStatus, format_status
+    from fthsdp.observe.lighthouse_view import view_from_proto
+    from fthsdp.observe.metrics import LighthouseMetrics
+    from fthsdp.proto import lighthouse as stubs
+
+    pb2, _ = stubs()
+    v = sdc.judge(9, {"0": 7, "1": 8, "2": 7}, {"0", "1", "2"})
+    resp = pb2.StatusResponse(jobs=[pb2.JobStatus(
+        job_id="j", sdc_events=[_sdc_event(v)],
+        replicas=[pb2.ReplicaStatus(replica_id="1", step=9, fingerprint=8, fingerprint_step=9, condemned=v.reason,
+                                    metrics_addresses=["127.0.0.1:9100", "127.0.0.1:9101"])])])
+    view = view_from_proto(resp, 0.0)
+    (r,) = view.jobs[0].replicas
+    assert r.condemned == v.reason and r.fingerprint == "0000000000000008@9"
+    assert r.metrics_addresses == ("127.0.0.1:9100", "127.0.0.1:9101") and r.metrics_address == "127.0.0.1:9100"
+    (e,) = view.jobs[0].sdc_events
+    assert e.culprits == ("1",) and e.step == 9 and not e.fatal
+    m = LighthouseMetrics()
+    m.update(view)
+    m.update(view)  # the same event seen twice counts once
+    assert m.registry.get_sample_value("fthsdp_lighthouse_sdc_mismatches_total",
+                                       {"job": "j", "replica": "1", "fatal": "false"}) == 1.0
+    text = format_status([JobStatus("j", (ReplicaStatus("1", 9, 0.1, False, False, fingerprint=8, fingerprint_step=9,
+                                                        condemned=v.reason),), None, "", 1, 3,
+                                    sdc_events=tuple(resp.jobs[0].sdc_events))])
+    assert "CONDEMNED" in text and "fingerprint 0000000000000008@9" in text and "SDC: silent data corruption" in text

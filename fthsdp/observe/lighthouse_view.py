@@ -39,14 +39,29 @@ class ReplicaView:
     heartbeat_age_s: float  # < 0: never heard
     dead: bool
     waiting: bool
-    # Where the replica serves /metrics, once the protocol carries it
-    # (ReplicaStatus.metrics_address); "" until then.
+    # Where its process 0 serves /metrics ("" = not advertised); see metrics_addresses.
     metrics_address: str = ""
     # Its last phase report (root-cause analysis): "computing", "allreduce", ... ("" = none),
     # seconds in it, and in the all-reduce the replica whose data it waits for.
     phase: str = ""
     phase_s: float = 0.0
     waiting_on: str = ""
+    # Every process's /metrics address (index = process; ReplicaStatus.metrics_addresses).
+    metrics_addresses: tuple[str, ...] = ()
+    # Silent-data-corruption check: its last fingerprint (hex, "" = none) and why its
+    # state is condemned ("" = it is not).
+    fingerprint: str = ""
+    condemned: str = ""
+
+
+@dataclass(frozen=True)
+class SdcView:
+    """A fingerprint mismatch the lighthouse found (fthsdp/control/sdc.py)."""
+
+    step: int
+    culprits: tuple[str, ...]
+    fatal: bool  # no majority: the job was stopped
+    reason: str
 
 
 @dataclass(frozen=True)
@@ -82,6 +97,7 @@ class JobView:
     local_world_size: int
     root_cause: RootCauseView | None = None  # the verdict now
     last_stall: RootCauseView | None = None  # the last verdict that named a culprit
+    sdc_events: tuple[SdcView, ...] = ()  # fingerprint mismatches, oldest first
 
     def state_of(self, r: ReplicaView) -> str:
         """One word for a replica, from the lighthouse's point of view."""
@@ -129,12 +145,20 @@ def view_from_proto(resp: Any, now: float) -> LighthouseView:
         word = name.name.removeprefix("PHASE_").lower().replace("_", "-") if name is not None else ""
         return ("" if word == "unknown" else word), float(p.in_phase_s), p.waiting_on
 
+    def sdc_fields(r) -> dict:
+        addrs = tuple(str(a) for a in getattr(r, "metrics_addresses", ()))
+        fp = ""
+        if hasattr(r, "HasField") and "fingerprint" in r.DESCRIPTOR.fields_by_name and r.HasField("fingerprint"):
+            fp = f"{int(r.fingerprint):016x}@{int(r.fingerprint_step)}"
+        return {"metrics_addresses": addrs, "fingerprint": fp, "condemned": str(getattr(r, "condemned", ""))}
+
     jobs = tuple(
         JobView(
             job_id=j.job_id,
             replicas=tuple(ReplicaView(r.replica_id, int(r.step), float(r.last_heartbeat_age_s), bool(r.dead),
-                                       bool(getattr(r, "waiting", False)), str(getattr(r, "metrics_address", "")),
-                                       *phase(r))
+                                       bool(getattr(r, "waiting", False)),
+                                       next(iter(getattr(r, "metrics_addresses", ())), ""),
+                                       *phase(r), **sdc_fields(r))
                            for r in j.replicas),
             quorum=quorum(j),
             last_reason=str(getattr(j, "last_reason", "")),
@@ -142,6 +166,8 @@ def view_from_proto(resp: Any, now: float) -> LighthouseView:
             local_world_size=int(getattr(j, "local_world_size", 0)),
             root_cause=verdict(j, "root_cause"),
             last_stall=verdict(j, "last_stall"),
+            sdc_events=tuple(SdcView(int(e.step), tuple(e.culprits), bool(e.fatal), str(e.reason))
+                             for e in getattr(j, "sdc_events", ())),
         )
         for j in resp.jobs
     )
@@ -332,11 +358,13 @@ class History:
             "replicas": [
                 {"replica_id": r.replica_id, "step": r.step, "state": job.state_of(r),
                  "heartbeat_age_s": r.heartbeat_age_s, "step_s": self.step_seconds(job.job_id, r.replica_id),
-                 "phase": r.phase, "phase_s": r.phase_s, "waiting_on": r.waiting_on}
+                 "phase": r.phase, "phase_s": r.phase_s, "waiting_on": r.waiting_on,
+                 "fingerprint": r.fingerprint, "condemned": r.condemned}
                 for r in job.replicas
             ],
             "root_cause": None if job.root_cause is None else asdict(job.root_cause),
             "last_stall": None if job.last_stall is None else asdict(job.last_stall),
+            "sdc_events": [asdict(e) for e in job.sdc_events],
             "timeline": [
                 {"t": s.time, "quorum_id": s.quorum_id, "members": list(s.members), "states": s.states}
                 for s in changes(h.samples)[-max_samples:]

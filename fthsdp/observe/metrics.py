@@ -256,6 +256,11 @@ class LighthouseMetrics:
         self.stall = Histogram("fthsdp_lighthouse_stall_seconds",
                                "The job's progress gap around a loss: from its last step before to its first step "
                                "after (to within one poll)", ["job"], buckets=STALL_BUCKETS, registry=r)
+        self.sdc = Counter("fthsdp_lighthouse_sdc_mismatches",
+                           "Replicas whose state fingerprint disagreed with the others' after a commit (silent data "
+                           "corruption); fatal=true: no majority, the job was stopped", ["job", "replica", "fatal"],
+                           registry=r)
+        self._sdc_seen: set[tuple] = set()
         self._stall_pending: list = []  # failures whose stall has not ended yet
         self._decisions_seen: dict[str, int] = {}
         self._labels: dict[Any, set[tuple[str, ...]]] = {}
@@ -291,6 +296,14 @@ class LighthouseMetrics:
             if grew > 0:
                 self.decisions.labels(j).inc(grew)
             self._decisions_seen[j] = h.decisions
+        for job in view.jobs:
+            for e in job.sdc_events:
+                key = (job.job_id, e.step, e.culprits, e.fatal)
+                if key in self._sdc_seen:
+                    continue
+                self._sdc_seen.add(key)
+                for who in (e.culprits or ("-",)):  # a fatal mismatch names no culprit
+                    self.sdc.labels(job.job_id, who, "true" if e.fatal else "false").inc()
         for f in failures:
             job = f.job
             self.failures.labels(job, f.kind).inc()
@@ -397,17 +410,22 @@ def prometheus_targets(targets: Iterable[tuple[str, Mapping[str, str]]]) -> list
 
 
 def status_targets(view: LighthouseView, lighthouse_metrics: str = "") -> list[dict]:
-    """The scrape targets of everything a lighthouse knows: each live replica's
-    advertised metrics address (labelled job, replica) and, if given, the
-    address serving the lighthouse's own metrics. What ``fthsdp status
-    --prometheus-targets`` prints once replicas advertise their address."""
+    """The scrape targets of everything a lighthouse knows: every process of each
+    live replica that advertised its metrics address (with its heartbeats;
+    labelled job, replica, process) and, if given, the address serving the
+    lighthouse's own metrics. What ``fthsdp status --prometheus-targets`` prints."""
     pairs: list[tuple[str, Mapping[str, str]]] = []
     if lighthouse_metrics:
         pairs.append((lighthouse_metrics, {"role": "lighthouse"}))
     for job in view.jobs:
         for r in job.replicas:
-            if r.metrics_address and not r.dead:
-                pairs.append((r.metrics_address, {"role": "replica", "job": job.job_id, "replica": r.replica_id}))
+            if r.dead:
+                continue
+            addresses = r.metrics_addresses or ((r.metrics_address,) if r.metrics_address else ())
+            for p, address in enumerate(addresses):
+                if address:
+                    pairs.append((address, {"role": "replica", "job": job.job_id, "replica": r.replica_id,
+                                            "process": str(p)}))
     return prometheus_targets(pairs)
 
 

@@ -82,6 +82,17 @@ function renderRootCause(job) {
   return box;
 }
 
+// Silent data corruption: fingerprint mismatches between replicas that committed the same step.
+function renderSdc(job) {
+  if (!job.sdc_events || !job.sdc_events.length) return [];
+  const box = el("div", { class: "sdc" });
+  for (const e of job.sdc_events.slice(-5)) {
+    box.append(el("div", { class: `sdc-event${e.fatal ? " fatal" : ""}`, dataset: { step: e.step, culprits: e.culprits.join(",") } },
+      el("b", {}, e.fatal ? "SDC, job stopped: " : `SDC: replica ${e.culprits.join(", ")} condemned: `), e.reason));
+  }
+  return [el("h3", {}, "silent data corruption"), box];
+}
+
 function phaseText(r) {
   if (!r.phase) return "—";
   return `${r.phase} ${seconds(r.phase_s)}${r.waiting_on ? ` (waits on ${r.waiting_on})` : ""}`;
@@ -193,6 +204,7 @@ function render(data) {
     el("div", { class: "reason", title: "why the lighthouse formed the current quorum" },
       `last decision: ${job.last_reason || "—"}`),
     el("h3", {}, "who is stalling the job"), renderRootCause(job),
+    ...renderSdc(job),
     el("h3", {}, "replicas"), renderReplicas(job),
     el("h3", {}, "membership timeline"), renderTimeline(job, data.time),
     el("h3", {}, "recent failures"), renderFailures(job)));
