@@ -18,7 +18,7 @@ pytestmark = pytest.mark.multiprocess
 
 def start_lighthouse(tmp_path) -> tuple[subprocess.Popen, str]:
     port_file = tmp_path / "lighthouse.port"
-    p = subprocess.Popen([sys.executable, "-m", "fthsdp.cli", "lighthouse", "--bind", "127.0.0.1:0",
+    p = subprocess.Popen([sys.executable, "-m", "fthsdp.cli", "lighthouse", "--bind", "127.0.0.1:0", "--insecure",
                           "--port-file", str(port_file)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 60
     while not port_file.exists():
