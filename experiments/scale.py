@@ -385,22 +385,28 @@ def tempfile_dir():
     return tempfile.TemporaryDirectory(prefix="fthsdp-scale-")
 
 
-def lighthouse_profile(n: int, rounds: int) -> dict:
-    """cProfile of the lighthouse process over a flat run of ``n`` replicas: its busy
-    time split into the decision, reply building, the RPC handlers, gRPC's own
-    machinery (time inside its Cython callbacks) and asyncio, plus the top functions."""
+def lighthouse_profile(n: int, rounds: int, ranks_per_replica: int = 1, processes: int = 1,
+                       heartbeat_s: float = 0.0) -> dict:
+    """cProfile of the lighthouse process over a run of ``n`` replicas (flat: one rank
+    each, no heartbeats; or a hierarchical shape): its busy time split into the decision,
+    reply building, the RPC handlers, gRPC's own machinery (time inside its Cython
+    callbacks) and asyncio, the number of calls of each RPC handler, plus the top functions."""
     import pstats
     import tempfile
 
     with tempfile.TemporaryDirectory(prefix="fthsdp-scale-prof-") as d:
         path = os.path.join(d, "lighthouse.prof")
-        row = fthsdp_row("fthsdp-flat", n, 1, rounds, heartbeat_s=0.0, profile=path)
+        system = "fthsdp-flat" if ranks_per_replica == 1 and processes == 1 else "fthsdp-hierarchical"
+        row = fthsdp_row(system, n, ranks_per_replica, rounds, heartbeat_s=heartbeat_s, profile=path,
+                         processes=processes)
         st = pstats.Stats(path)
     total = idle = 0.0
     buckets = {"decision (fthsdp/control/quorum.py)": 0.0, "reply building (quorum_to_proto, replies)": 0.0,
                "RPC handlers and bookkeeping (fthsdp/control/lighthouse.py)": 0.0,
                "gRPC machinery (Cython callbacks, C-core)": 0.0, "asyncio event loop": 0.0,
+               "root-cause and SDC analysis (fthsdp/observe, fthsdp/control/sdc.py)": 0.0,
                "start-up (imports)": 0.0, "other": 0.0}
+    handler_calls: dict[str, int] = {}
     top = []
     for (fname, line, func), (cc, nc, tt, ct, callers) in st.stats.items():
         total += tt
@@ -411,12 +417,16 @@ def lighthouse_profile(n: int, rounds: int) -> dict:
         if fname.startswith("<frozen") or func in ("<built-in method marshal.loads>", "<built-in method builtins.exec>",
                                                     "<built-in method _imp.create_dynamic>") or "enum.py" in fname:
             b = "start-up (imports)"
-        elif fname.endswith(os.path.join("fthsdp", "quorum.py")):
+        elif fname.endswith(os.path.join("control", "quorum.py")):
             b = "decision (fthsdp/control/quorum.py)"
-        elif func in ("quorum_to_proto", "quorum_reply", "quorum_proto", "heartbeat_reply"):
+        elif func in ("quorum_to_proto", "quorum_reply", "quorum_proto", "heartbeat_reply", "view_reply"):
             b = "reply building (quorum_to_proto, replies)"
-        elif fname.endswith(os.path.join("fthsdp", "lighthouse.py")):
+        elif fname.endswith(os.path.join("control", "lighthouse.py")):
             b = "RPC handlers and bookkeeping (fthsdp/control/lighthouse.py)"
+            if func in ("GetQuorum", "Heartbeat", "GetView", "Leave", "Status"):
+                handler_calls[func] = nc  # coroutines: one call per resumption (GetQuorum: 2 per request)
+        elif os.path.join("fthsdp", "observe") in fname or fname.endswith(os.path.join("control", "sdc.py")):
+            b = "root-cause and SDC analysis (fthsdp/observe, fthsdp/control/sdc.py)"
         elif "_contextvars.Context" in func or "grpc" in fname:
             b = "gRPC machinery (Cython callbacks, C-core)"
         elif "asyncio" in fname or "selectors" in fname:
@@ -426,8 +436,11 @@ def lighthouse_profile(n: int, rounds: int) -> dict:
         buckets[b] += tt
         top.append((tt, where, nc))
     top.sort(reverse=True)
-    return {"replicas": n, "rounds": rounds, "p50_s": row["p50_s"], "profiled_s": total, "idle_in_epoll_s": idle,
-            "busy_s_by_part": buckets, "top": [{"where": w, "tottime_s": t, "calls": c} for t, w, c in top[:15]]}
+    return {"replicas": n, "ranks_per_replica": ranks_per_replica, "processes_per_replica": processes,
+            "heartbeat_interval_s": heartbeat_s, "rounds": rounds, "p50_s": row["p50_s"], "p99_s": row["p99_s"],
+            "complete_rounds": row["complete_rounds"], "loadavg": row["loadavg"], "profiled_s": total,
+            "idle_in_epoll_s": idle, "busy_s_by_part": buckets, "handler_calls": handler_calls,
+            "top": [{"where": w, "tottime_s": t, "calls": c} for t, w, c in top[:15]]}
 
 
 # -- report ----------------------------------------------------------------------
@@ -528,25 +541,34 @@ def main(argv: list[str] | None = None) -> int:
                     help="hierarchical leaders' heartbeat interval in s (default 0.1, ft's default; 0 = none)")
     ap.add_argument("--profile", type=int, nargs="*", default=None,
                     help="replica counts for the time breakdown and the lighthouse cProfile (default 1024 8192; quick 256)")
+    ap.add_argument("--replot", action="store_true",
+                    help="measure nothing: redraw the plot and the verdict from what --out holds")
     ap.add_argument("--append", action="store_true",
                     help="keep what --out already holds and replace only the rows (and parts) this run measures")
+    ap.add_argument("--profile-shapes", nargs="*", default=None,
+                    help="hierarchical shapes RxG[/P] to profile the lighthouse at, with heartbeats (default 512x196)")
     ap.add_argument("--torchft-timeout", type=float, default=120.0, help="per-call deadline for torchft (s)")
     args = ap.parse_args(argv)
     rounds = args.rounds or (4 if args.quick else 20)
+    def parse_shape(text: str) -> tuple[int, int, int]:
+        rg, _, nproc = text.lower().partition("/")
+        parts = rg.split("x") + [nproc or "1"]
+        if len(parts) != 3 or not all(p.isdigit() and int(p) > 0 for p in parts) or int(parts[1]) % int(parts[2]):
+            ap.error(f"--shapes takes RxG or RxG/P (replicas x ranks per replica, P processes per replica "
+                     f"dividing G, e.g. 16x6250 or 16x6250/10), got {text!r}")
+        return int(parts[0]), int(parts[1]), int(parts[2])
+
+    prof_shapes = [parse_shape(x) for x in (args.profile_shapes if args.profile_shapes is not None else
+                                            ([] if args.quick else ["512x196"]))]
     if args.shapes is not None:
-        shapes = []
-        for s in args.shapes:
-            rg, _, nproc = s.lower().partition("/")
-            parts = rg.split("x") + [nproc or "1"]
-            if len(parts) != 3 or not all(p.isdigit() and int(p) > 0 for p in parts) or int(parts[1]) % int(parts[2]):
-                ap.error(f"--shapes takes RxG or RxG/P (replicas x ranks per replica, P processes per replica "
-                         f"dividing G, e.g. 16x6250 or 16x6250/10), got {s!r}")
-            shapes.append((int(parts[0]), int(parts[1]), int(parts[2])))
+        shapes = [parse_shape(x) for x in args.shapes]
     elif args.quick:
         shapes = [(16, 63, 1), (512, 2, 1), (16, 625, 1), (512, 20, 1), (16, 624, 8)]
     else:
-        shapes = [(16, 63, 1), (512, 2, 1), (16, 625, 1), (16, 625, 5), (512, 20, 1), (512, 20, 4),
-                  (16, 6250, 1), (16, 6250, 10), (512, 196, 1), (512, 196, 4)]
+        # 512 x G with P > 1 is 2,048+ heartbeating processes: measure it apart, with few
+        # rounds (--shapes 512x196/4 --rounds 5 --append): this machine cannot carry it.
+        shapes = [(16, 63, 1), (512, 2, 1), (16, 625, 1), (16, 625, 5), (512, 20, 1),
+                  (16, 6250, 1), (16, 6250, 10), (512, 196, 1)]
     flat_ns = args.flat if args.flat is not None else ([16, 64, 256] if args.quick else
                                                       [16, 64, 256, 1024, 2048, 4096, 8192])
     tft_ns = args.torchft if args.torchft is not None else ([16, 64, 256] if args.quick else
@@ -563,6 +585,13 @@ def main(argv: list[str] | None = None) -> int:
         "paper": PAPER, "rows": [], "torchft": {},
     }
 
+    if args.replot:
+        d = json.loads(out_path.read_text())
+        d["verdict"] = verdict(d["rows"], d.get("where_time_goes", {}).get("decision"))
+        out_path.write_text(json.dumps(d, indent=2))
+        plot(d["rows"], out_path.with_suffix(".png"))
+        print(json.dumps(d["verdict"], indent=1))
+        return 0
     if args.append and out_path.exists():
         old = json.loads(out_path.read_text())
         result["rows"] = old.get("rows", [])
@@ -611,7 +640,9 @@ def main(argv: list[str] | None = None) -> int:
         save()
     if "profile" not in args.skip:
         prof_ns = args.profile if args.profile is not None else ([256] if args.quick else [1024, 8192])
-        result.setdefault("where_time_goes", {}).update({"breakdown": [], "lighthouse_profile": None})
+        result.setdefault("where_time_goes", {})
+        if prof_ns:
+            result["where_time_goes"].update({"breakdown": [], "lighthouse_profile": None})
         for n in prof_ns:
             b = breakdown(n, calls=min(n, 1024))
             result["where_time_goes"]["breakdown"].append(b)
@@ -627,6 +658,15 @@ def main(argv: list[str] | None = None) -> int:
             print(f"lighthouse profile at {n}: busy {lp['profiled_s'] - lp['idle_in_epoll_s']:.2f}s of "
                   f"{lp['profiled_s']:.2f}s: " + ", ".join(f"{k} {v:.2f}s" for k, v in lp["busy_s_by_part"].items()),
                   flush=True)
+            save()
+        if prof_shapes:
+            result["where_time_goes"]["hierarchical_profiles"] = []
+        for rpr, g, nproc in prof_shapes:
+            hp = lighthouse_profile(rpr, max(3, rounds // 4), g, nproc, heartbeat_s=args.heartbeat)
+            result["where_time_goes"]["hierarchical_profiles"].append(hp)
+            print(f"lighthouse profile at {rpr}x{g}/{nproc}: busy {hp['profiled_s'] - hp['idle_in_epoll_s']:.2f}s "
+                  f"of {hp['profiled_s']:.2f}s; handler calls {hp['handler_calls']}: "
+                  + ", ".join(f"{k} {v:.2f}s" for k, v in hp["busy_s_by_part"].items()), flush=True)
             save()
     if "torchft" not in args.skip:
         ok, why = torchft_available(peer_python)

@@ -16,7 +16,7 @@ def test_scale_quick_rows(tmp_path):
     out = tmp_path / "scale.json"
     cmd = [sys.executable, str(REPO / "experiments" / "scale.py"), "--quick", "--rounds", "3",
            "--shapes", "4x25", "2x6/2", "--flat", "4", "16", "--torchft", "4", "--profile", "16",
-           "--decision", "64", "256", "--out", str(out)]
+           "--decision", "64", "256", "--profile-shapes", "2x4/2", "--out", str(out)]
     r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     d = json.loads(out.read_text())
@@ -52,6 +52,9 @@ def test_scale_quick_rows(tmp_path):
                                                              "serialize_view_s"}
     lp = w["lighthouse_profile"]
     assert lp["replicas"] == 16 and lp["profiled_s"] > 0 and lp["top"]
+    assert lp["busy_s_by_part"]["decision (fthsdp/control/quorum.py)"] > 0  # the buckets find the modules
+    (hp,) = w["hierarchical_profiles"]
+    assert hp["processes_per_replica"] == 2 and hp["handler_calls"].get("Heartbeat", 0) > 0
 
 
 def test_scale_refuses_bad_shapes(tmp_path):

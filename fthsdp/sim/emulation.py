@@ -208,7 +208,10 @@ class LighthouseProcess:
                 self.proc.wait(10)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
-                self.proc.wait(10)
+                try:  # a process holding thousands of connections on a saturated machine can take a while
+                    self.proc.wait(120)
+                except subprocess.TimeoutExpired:
+                    log.warning("lighthouse process %d did not exit within 120 s of SIGKILL", self.proc.pid)
         if self.proc is not None and self.proc.stdout is not None:
             self.proc.stdout.close()
         self.proc = None
