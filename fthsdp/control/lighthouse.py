@@ -215,10 +215,14 @@ def _server_options(config: LighthouseConfig) -> list[tuple[str, int]]:
     such a burst: that was the flat lighthouse's lost requests at >= 2,048
     replicas. Both limits are set to ``max_pending_rpcs`` (a replica has at
     most a quorum call and a heartbeat in flight), so the queue is bounded
-    and, below the bound, nothing is refused.
+    and, below the bound, nothing is refused. The core also cancels a call
+    left untaken for ``grpc.server_max_unrequested_time_in_server`` (30 s by
+    default), which an overloaded lighthouse reaches at 8,192 replicas; the
+    caller's own deadline is the bound that matters, so that one is an hour.
     """
     n = config.max_pending_rpcs
-    return [("grpc.server.max_pending_requests", n), ("grpc.server.max_pending_requests_hard_limit", n)]
+    return [("grpc.server.max_pending_requests", n), ("grpc.server.max_pending_requests_hard_limit", n),
+            ("grpc.server_max_unrequested_time_in_server", 3600)]
 
 
 class _Superseded(Exception):
