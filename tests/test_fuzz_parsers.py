@@ -102,6 +102,10 @@ def test_http09_and_malformed_request_lines_are_refused_with_the_reason():
     r = parse_head(b"GET /v1/manifest.\n HTTP/1.1\r\nHost: a\r\n\r\n", lim)
     assert isinstance(r, Refusal) and r.status == 400 and "target" in r.error
     assert isinstance(parse_route("/v1/snapshot/7/manifest\n"), Refusal)
+    # another: a lone surrogate outside U+DC80..U+DCFF made signing raise
+    cache = ReplayCache(CLOCK_WINDOW_S)
+    odd = "/v1/manifes\udd73p"
+    assert check_request(sign(_KEY, "GET", _AUTHORITY, odd), _KEY, "GET", _AUTHORITY, odd, time.time(), cache) is None
     r = parse_head(b"GET /x HTTP/1.1\r\nHost: a\r\nContent-Length: 5\r\n\r\n", lim)
     assert isinstance(r, Refusal) and r.status == 413
     r = parse_head(b"GET /x HTTP/1.1\r\n" + b"X: y\r\n" * 40 + b"Host: a\r\n\r\n", lim)

@@ -7,8 +7,8 @@ never leaves the process; each request carries
 
     Authorization: FTHSDP-HMAC-SHA256 ts=<unix ms>,nonce=<32 hex>,mac=<64 hex>
 
-with ``mac = HMAC-SHA256(peer_key, "fthsdp-peer-v1\\n" METHOD "\\n" HOST "\\n"
-TARGET "\\n" ts "\\n" nonce)``. HOST is the server's own address as the
+with ``mac = HMAC-SHA256(peer_key, "fthsdp-peer-v1\\n" || METHOD || HOST ||
+TARGET || ts || nonce)``, each field prefixed with its length. HOST is the server's own address as the
 fetcher dialled it (the ``Host`` header, which the server must recognise as
 itself) and TARGET the request path, so a captured request cannot be
 replayed for another piece, another step or another server; the timestamp
@@ -63,9 +63,11 @@ class Credential:
 
 
 def _message(method: str, host: str, target: str, ts_ms: int, nonce: str) -> bytes:
-    text = f"{method}\n{host.lower()}\n{target}\n{ts_ms}\n{nonce}"
-    # surrogateescape: a target that is not valid text still signs (and compares), never raises.
-    return _DOMAIN + text.encode("utf-8", "surrogateescape")
+    # Length-prefixed fields: no two different requests give the same bytes, whatever they contain.
+    # surrogatepass: text with lone surrogates (not valid Unicode) still signs and compares, never
+    # raises (a fuzzer finding: surrogateescape raised on surrogates outside U+DC80..U+DCFF).
+    parts = [p.encode("utf-8", "surrogatepass") for p in (method, host.lower(), target, str(ts_ms), nonce)]
+    return _DOMAIN + b"".join(len(p).to_bytes(4, "big") + p for p in parts)
 
 
 def sign(key: bytes, method: str, host: str, target: str, ts_ms: int | None = None, nonce: str | None = None) -> str:
