@@ -83,6 +83,12 @@ def test_two_processes_form_one_replica_bitwise_equal_to_one_process(tmp_path):
         assert g["committed"] and g["compilations"] == [1, 1]
         assert g["quorum"] == {"quorum_id": 7, "members": ["0", "3"]}  # the leader's decision, replayed
     assert group[0]["gathered"] == [["ftar-of-0"], ["ftar-of-1"]] and group[1]["gathered"] is None
+    # per-shard recovery: each process's own shards are about half the state, and put back onto its
+    # devices they rebuild the same state bitwise (the one-process replica's parts are the whole state)
+    assert ref["local_bytes"] == ref["state_bytes"] and ref["rebuilt_hash"] == ref["hash2"]
+    for g in group:
+        assert g["like_matches"] and g["rebuilt_hash"] == ref["hash2"]
+        assert 0.45 < g["local_bytes"] / g["state_bytes"] < 0.6, (g["local_bytes"], g["state_bytes"])
     assert "the leader is dead or hung" in group[1]["timeout"] and 0.9 <= group[1]["timeout_s"] < 10
 
 
@@ -98,3 +104,44 @@ def test_a_follower_whose_leader_died_fails_within_its_deadline(tmp_path):
         assert follower["error"] and "no 'quorum' decision" in follower["error"], follower
         assert follower["waited_s"] < 10, follower
     assert took < 120, f"the follower outlived its dead leader by {took:.0f}s"
+
+
+@pytest.mark.multiprocess
+def test_per_shard_recovery_between_two_replicas_of_two_processes(tmp_path):
+    """Replica 1's process p fetches only its own shards, and only from process p of replica 0,
+    over real peer servers: about half of the state per process, and the whole state rebuilt
+    bitwise on replica 1 (its own initial state was different)."""
+    worker = pathlib.Path(__file__).parent / "group_workers" / "peer_shards.py"
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    coords = {r: f"127.0.0.{2 + r}:{_free_port(f'127.0.0.{2 + r}')}" for r in (0, 1)}
+    procs = {}
+    for r in (0, 1):
+        (tmp_path / "shared").mkdir(exist_ok=True)
+        for i in (0, 1):
+            procs[(r, i)] = subprocess.Popen(
+                [sys.executable, str(worker), str(tmp_path / f"r{r}p{i}.json"), str(r), str(i), coords[r],
+                 str(tmp_path / "shared")], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                start_new_session=True)
+    outs = {}
+    try:
+        for k, p in procs.items():
+            outs[k] = p.communicate(timeout=300)[0]
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.kill()
+                p.wait(30)
+    res = {}
+    for r in (0, 1):
+        for i in (0, 1):
+            path = tmp_path / f"r{r}p{i}.json"
+            assert path.exists(), outs.get((r, i), "")[-3000:]
+            res[(r, i)] = json.loads(path.read_text())
+    assert res[(0, 0)]["hash"] != res[(1, 0)]["hash"]  # replica 1 started elsewhere
+    for i in (0, 1):
+        got, served = res[(1, i)], res[(0, i)]
+        assert got["fetched_hash"] == res[(0, 0)]["hash"]  # the whole state, bitwise, from the two halves
+        assert got["source"] == served["url"]  # process i fetched from process i of replica 0
+        assert 0.45 < got["fetched_bytes"] / got["state_bytes"] < 0.6, got
+        assert served["served"]["bytes_served"] >= 0.45 * got["state_bytes"], served
+        assert served["served"]["bytes_served"] < 0.6 * got["state_bytes"], served

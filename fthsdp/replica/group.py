@@ -308,7 +308,11 @@ class FollowerQuorumSource:
                 raise ViewUnavailable(f"the lighthouse's quorum {q.quorum_id} (members {list(v.member_ids)} at step "
                                       f"{v.max_step}) is not the one the leader handed over (members "
                                       f"{list(q.member_ids)} at step {q.max_step}); the replica fails as a unit")
-        return dataclasses.replace(q, members=v.members, rings=v.rings, first_shard=v.first_shard,
+        # the leader's members (this step's steps), with the state servers of this process's view
+        servers = {m.replica_id: m.state_server_address for m in v.members}
+        members = tuple(dataclasses.replace(m, state_server_address=servers.get(m.replica_id, ""),
+                                            state_server_addresses=()) for m in q.members)
+        return dataclasses.replace(q, members=members, rings=v.rings, first_shard=v.first_shard,
                                    sources=v.sources if q.recovery else (),
                                    recovery=v.recovery if q.recovery else {})
 

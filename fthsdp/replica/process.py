@@ -156,7 +156,10 @@ class ReplicaProcess:
         # the run's ledger, loader positions, metrics and status are the leader's alone.
         files = out if self.leader else out / "followers" / self.group.label
         self.files = files
-        self.ckpt = PersistentCheckpointer(files / "checkpoints", every=cfg.ft.checkpoint_every)
+        # The job's checkpoints are one directory: every process of the writer replica saves its own
+        # shards into it (Orbax's multi-process save: its process 0 alone writes the metadata and
+        # the JSON items), and every process restores its own shards from it.
+        self.ckpt = PersistentCheckpointer(out / "checkpoints", every=cfg.ft.checkpoint_every)
         self.ledger = Ledger(files / "ledger" / f"replica_{self.rid}.jsonl", args.replica_id)
         self.loader_store = LoaderStateStore(files / "loader_state")
         # Only this replica's torn temporaries: another live replica may be mid-write
@@ -260,8 +263,12 @@ class ReplicaProcess:
     # -- state from peers -------------------------------------------------------
 
     def recover(self, q, step: int):
-        """The healthy replicas' state at `step`: assigned sources first, then any healthy peer."""
-        from fthsdp.checkpoint import orbax_peer
+        """The healthy replicas' state at `step`: assigned sources first, then any healthy peer.
+
+        A process of a replica of several fetches only its own shards (its local parts, see
+        fthsdp/checkpoint/local_shards.py) from the processes that hold the same shards in the
+        healthy replicas (its view's sources), and puts them onto its own devices."""
+        from fthsdp.checkpoint import local_shards, orbax_peer
         from fthsdp.errors import PeerFetchError
 
         assigned = ([s.state_server_address for s in q.sources] if q.sources else
@@ -269,7 +276,9 @@ class ReplicaProcess:
         others = [q.member(h).state_server_address for h in q.healthy]
         first = list(dict.fromkeys(a for a in assigned if a))
         tries = [first, [a for a in dict.fromkeys(others) if a and a not in first] + first]
-        like = {"train": self.abstract, "data": self.mgr.data_state()}
+        per_shard = self.group.num_processes > 1
+        like = {"train": local_shards.local_like(self.abstract) if per_shard else self.abstract,
+                "data": self.mgr.data_state()}
         last: Exception | None = None
         deadline = time.monotonic() + self.cfg.ft.allreduce_timeout_s
         while True:
@@ -286,8 +295,13 @@ class ReplicaProcess:
                     continue
                 log.info("fetched state of step %d from %s: %s", step, sources, info.detail)
                 self.prom.observe_fetch(info.detail)
+                self.metrics.write(kind="fetch", replica=self.rid, process=self.group.process_index, step=step,
+                                   bytes=int(info.detail.get("bytes", 0)) if isinstance(info.detail, dict) else 0,
+                                   state_bytes=local_shards.parts_bytes(self.abstract), sources=sources,
+                                   per_shard=per_shard)
                 self.backfill_ledger(tree["data"])
-                return tree["train"], tree["data"]
+                train = local_shards.assemble(tree["train"], self.abstract) if per_shard else tree["train"]
+                return train, tree["data"]
             # With on-demand snapshots the peers start copying when they see the
             # same quorum we do: a source may not serve this step for a few ms yet.
             if time.monotonic() > deadline:
@@ -318,14 +332,11 @@ class ReplicaProcess:
         if self._snapshot_step != step:
             train = self.mgr.state
             if self.group.num_processes > 1:
-                import jax
+                # A replica of several processes: each process serves only its own shards (no
+                # gather across the replica); a rejoiner's process p fetches them from process p.
+                from fthsdp.checkpoint.local_shards import local_parts
 
-                # A replica of several processes: each process gathers the whole state to host (a
-                # collective of the replica, reached by all its processes at the same quorum or
-                # commit) and serves all of it; a peer may fetch from any of them.
-                from fthsdp.replica.manager import _on_host
-
-                train = jax.tree.map(_on_host, train)
+                train = local_parts(train)
             self.snapshots.begin(step, {"train": train, "data": self.mgr.data_state()})
             self._snapshot_step = step
 
@@ -346,8 +357,8 @@ class ReplicaProcess:
         if rec.healthy:
             self.ledger.commit(committed, rec.position)
         self.loader_store.save(mgr.loader, committed)
-        if (self.ckpt.should_save(committed) and self.rid == min(mgr.quorum.healthy, key=int)
-                and self.group.num_processes == 1):  # multi-process replicas: no persistent checkpoints yet
+        # Every process of the writer replica (the same decision on each: replayed quorum) calls save.
+        if self.ckpt.should_save(committed) and self.rid == min(mgr.quorum.healthy, key=int):
             self.phases.set(Phase.CHECKPOINTING)
             try:
                 self.ckpt.save(committed, mgr.state, {i: int(p) for i, p in enumerate(mgr.positions)},

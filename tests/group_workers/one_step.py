@@ -62,6 +62,17 @@ res["loss"] = float(np.asarray(m["loss"]))
 res["committed"] = bool(np.asarray(m2["committed"]))
 res["compilations"] = [ts.compute_grads._cache_size(), ts.apply_grads._cache_size()]
 
+# per-shard recovery's pieces: this process's own shards to host and back (no gather across processes)
+from fthsdp.checkpoint import local_shards  # noqa: E402
+
+abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
+host = jax.tree.map(np.asarray, local_shards.local_parts(state))
+like = local_shards.local_like(abstract)
+res["like_matches"] = jax.tree.structure(like) == jax.tree.structure(host) and all(
+    tuple(a.shape) == tuple(b.shape) for a, b in zip(jax.tree.leaves(like), jax.tree.leaves(host)))
+res["local_bytes"], res["state_bytes"] = local_shards.parts_bytes(host), local_shards.parts_bytes(abstract)
+res["rebuilt_hash"] = state_hash(local_shards.assemble(host, abstract))
+
 ch = replica_group.DecisionChannel(spec)
 res["quorum"] = ch.share("quorum", {"quorum_id": 7, "members": ["0", "3"]} if spec.is_leader else None, 30)
 res["gathered"] = ch.gather("addresses", [f"ftar-of-{index}"], 30)
