@@ -98,3 +98,34 @@ def test_two_replicas_that_disagree_stop_the_job_with_a_clear_error(tmp_path):
         assert max(r["step"] for r in run.steps[rid]) == FLIP_STEP + 1
     # the launcher's output carries the whole reason
     assert f"silent data corruption after step {FLIP_STEP + 2}" in out and "rather than guess" in out, out[-3000:]
+
+
+@pytest.mark.slow
+def test_multi_process_replicas_find_and_repair_a_flipped_bit(tmp_path):
+    """3 replicas x 2 processes x 1 device (each replica's state sharded over two processes): the
+    fingerprint is one in-graph reduction over both processes' shards, the same on both; the
+    flipped replica is found at the next commit and rejoins as a group; all end identical."""
+    from test_launcher import fthsdp_run
+
+    steps = 14
+    out = tmp_path / "run"
+    p = fthsdp_run(out, "--config", "base", "--replicas", "3", "--processes-per-replica", "2",
+                   "--devices-per-replica", "1", *TINY, f"train.steps={steps}", "train.min_step_s=0.05",
+                   f"ft.test_flip_bit=1@{FLIP_STEP}")
+    assert p.returncode == 0, p.stderr[-3000:]
+    run = report.load_run(out)
+    lh = (out / "lighthouse.log").read_text()
+    found = re.findall(r"silent data corruption after step (\d+): replica\(s\) (\S+) disagree", lh)
+    assert found == [(str(FLIP_STEP + 2), "1")], lh[-3000:]
+    by_step = hashes_by_step(run)
+    assert by_step[FLIP_STEP + 1]["1"] != by_step[FLIP_STEP + 1]["0"] == by_step[FLIP_STEP + 1]["2"]
+    for step in range(FLIP_STEP + 2, steps):
+        assert len(set(by_step[step].values())) == 1, (step, by_step[step])
+    # each follower computed the same fingerprint as its leader at every step
+    from fthsdp.logs import read_metrics
+
+    for r in ("0", "1", "2"):
+        lead = {d["step"]: d["fingerprint"] for d in read_metrics(out / f"metrics-{r}.jsonl") if d.get("kind") == "step"}
+        follow = {d["step"]: d["fingerprint"] for d in read_metrics(out / "followers" / f"{r}.1" / f"metrics-{r}.jsonl")
+                  if d.get("kind") == "step"}
+        assert lead and lead == follow, r
