@@ -14,8 +14,13 @@ n concurrent senders. A system that is not installed is recorded under
 passes), busbw_gbps_best, times_s. `targets` evaluates the issue's targets at
 >= 64 MiB (FTAR = the better of its two stream settings), and `auth_cost`
 the authenticated FTAR's bus bandwidth over the unauthenticated one's at the
-same n, size and streams (target: within 2%, i.e. ratio >= 0.98). A PNG plot
-is written beside the JSON.
+same n, size and streams (target: within 2%, i.e. ratio >= 0.98). Because
+separate process groups a round apart see different load on a shared machine,
+`--paired-auth N` also measures the two side by side in one process: a ring
+of two with a key and one without, their all-reduces alternated op by op (N
+pairs per size, host API, the same native path), reported under
+`auth_paired` with the median of the per-pair time ratios. A PNG plot is
+written beside the JSON.
 
 Side environment (see experiments/setup_peers.sh; ~/.cache/fthsdp/peers311 by default) with torch
 2.13 (CPU) and mpi4py; override with --peer-python.
@@ -210,6 +215,66 @@ def auth_cost(result: dict) -> dict:
     return out
 
 
+def paired_auth(sizes: list[int], pairs: int, streams: int, chunk_bytes: int, chunks: int) -> dict:
+    """Authenticated and unauthenticated rings of two in this process, all-reduces alternated
+    op by op, so both see the same load; per size the medians and the median per-pair ratio."""
+    import threading
+
+    import numpy as np
+
+    from fthsdp.collective import ftar
+
+    def ring(key: bytes):
+        kw = dict(timeout_s=120.0, key=key, streams=streams, chunk_bytes=chunk_bytes, chunks=chunks)
+        a, b = ftar.Communicator(**kw), ftar.Communicator(**kw)
+        members = [a.address, b.address]
+        a.configure("paired", 1, 0, members, timeout_s=60, wait=False)
+        b.configure("paired", 1, 1, members, timeout_s=60, wait=False)
+        assert a.wait_configured(61) and b.wait_configured(61)
+        return a, b
+
+    def op(a, b, xa, xb) -> float:
+        out = {}
+        t = threading.Thread(target=lambda: out.setdefault("b", b.allreduce_host(xb, quorum_id=1, rank=1, n=2)))
+        t.start()
+        t0 = time.perf_counter()
+        ra = a.allreduce_host(xa, quorum_id=1, rank=0, n=2)
+        t.join()
+        took = time.perf_counter() - t0
+        assert ra[0] == 0 and out["b"][0] == 0, (ra, out)
+        return took
+
+    rings = {"plain": ring(b""), "auth": ring(secrets.token_bytes(32))}
+    res = {}
+    try:
+        for nbytes in sizes:
+            xs = {k: (np.ones(nbytes // 4, np.float32), np.ones(nbytes // 4, np.float32)) for k in rings}
+            for k, (a, b) in rings.items():  # warm-up
+                for _ in range(2):
+                    op(a, b, *xs[k])
+            ts: dict[str, list[float]] = {k: [] for k in rings}
+            for i in range(pairs):
+                order = list(rings) if i % 2 == 0 else list(reversed(list(rings)))  # neither always first
+                for k in order:
+                    ts[k].append(op(*rings[k], *xs[k]))
+            ratios = [p / a for p, a in zip(ts["plain"], ts["auth"])]  # > 1: auth faster
+            med = {k: statistics.median(v) for k, v in ts.items()}
+            res[f"MiB={nbytes // MIB}"] = {
+                "pairs": pairs, "plain_median_s": med["plain"], "auth_median_s": med["auth"],
+                "bw_ratio_of_medians": med["plain"] / med["auth"],
+                "bw_ratio_median_of_pairs": statistics.median(ratios),
+                "within_2pct": statistics.median(ratios) >= 0.98,
+                "plain_times_s": ts["plain"], "auth_times_s": ts["auth"]}
+            print(f"paired auth vs plain, {nbytes // MIB} MiB: median plain {med['plain']:.4f}s auth "
+                  f"{med['auth']:.4f}s, bandwidth ratio (median of pairs) {statistics.median(ratios):.3f}",
+                  flush=True)
+    finally:
+        for a, b in rings.values():
+            a.close()
+            b.close()
+    return res
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="sizes 8 and 64 MiB, fewer iterations")
@@ -226,6 +291,8 @@ def main(argv=None) -> int:
     p.add_argument("--group-timeout", type=float, default=600.0)
     p.add_argument("--loopback-runs", type=int, default=2, help="loopback runs per round")
     p.add_argument("--rounds", type=int, default=None, help="interleaved passes over the systems (default 2, quick 1)")
+    p.add_argument("--paired-auth", type=int, default=0,
+                   help="N: also time authenticated vs unauthenticated rings op by op in one process, N pairs per size")
     args = p.parse_args(argv)
     sizes_mib = [8, 64] if args.quick else [8, 16, 32, 64, 128, 256]
     if args.sizes_mib:
@@ -296,6 +363,9 @@ def main(argv=None) -> int:
 
         result["chunk_tag_s"] = native.module().chunk_tag_seconds(100_000)  # tag or check one chunk header
     result["auth_cost"] = auth_cost(result)
+    if args.paired_auth:
+        result["auth_paired"] = paired_auth(sizes, args.paired_auth, streams=1, chunk_bytes=args.chunk_bytes,
+                                            chunks=args.chunks)
     out_path.write_text(json.dumps(result, indent=1))
     if result["rows"]:
         plot(result, out_path.with_suffix(".png"))
