@@ -117,14 +117,10 @@ class ReplicaProcess:
         if args.allreduce == "ftar":
             from fthsdp.collective import ftar
 
-            # The ring proves the job's shared secret (the launcher's per-job peer token, passed to every
-            # replica in the environment); without one the ring is explicitly insecure (a warning says so).
-            secret = os.environ.get("FTHSDP_PEER_TOKEN", "")
             ftar.scope_test_hooks(self.rid)
             self.comm = ftar.Communicator(num_shards=len(self.mesh.local_devices), streams=cfg.ft.streams_per_peer,
                                           timeout_s=cfg.ft.allreduce_timeout_s, listen_host=cfg.ft.bind_host,
-                                          advertise_host=cfg.ft.advertise_host,
-                                          key=ftar.key_from_secret(secret) if secret else b"")
+                                          advertise_host=cfg.ft.advertise_host, key=self.load_ring_key())
             allreduce = ftar.allreduce
             native_comm = self.comm
         else:
@@ -235,6 +231,22 @@ class ReplicaProcess:
             # A follower registers its addresses from the start (its heartbeats alone never make
             # its replica known to the lighthouse, nor bring a dead one back: its leader's do).
             self.client.start_heartbeats(on_dead=self.mgr.on_dead)
+
+    @staticmethod
+    def load_ring_key() -> bytes:
+        """The key FTAR's ring handshake and chunk tags prove: derived from the job's secret
+        ($FTHSDP_JOB_SECRET / $FTHSDP_JOB_SECRET_FILE, set by the launchers) for the purpose
+        "ftar"; without one (a lighthouse run --insecure) from the launcher's per-job
+        $FTHSDP_PEER_TOKEN; with neither the ring is explicitly insecure (a warning says so)."""
+        from fthsdp.collective import ftar
+        from fthsdp.control import auth
+
+        try:
+            job_key = auth.load_secret()
+        except auth.SecretError as e:
+            raise SystemExit(f"fthsdp replica: {e}") from None
+        secret = job_key if job_key is not None else os.environ.get("FTHSDP_PEER_TOKEN", "").encode()
+        return ftar.key_from_secret(secret) if secret else b""
 
     @staticmethod
     def load_peer_key(cfg) -> bytes:
