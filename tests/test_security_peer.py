@@ -393,8 +393,8 @@ def test_rejoin_fetches_through_survivors_held_by_an_attacker(tmp_path, scheme, 
             d = request.getfixturevalue("certs")
             tls = [f"ft.peer_tls_cert={d / 'cert.pem'}", f"ft.peer_tls_key={d / 'key.pem'}",
                    f"ft.peer_tls_ca={d / 'cert.pem'}"]
-        # 200 steps: room for a slow restart on a loaded machine
-        s = job(tmp_path / "run", steps=200, kills=["1@10"], extra=tls).run()
+        # 200 steps of >= 0.2 s after a kill at step 10: room for a slow restart on a loaded machine
+        s = job(tmp_path / "run", steps=200, kills=["1@10"], extra=[*tls, "train.min_step_s=0.2"]).run()
     finally:
         attacker.stop.set()
         attacker.join(10)
