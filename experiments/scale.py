@@ -670,7 +670,9 @@ def main(argv: list[str] | None = None) -> int:
             save()
     if "torchft" not in args.skip:
         ok, why = torchft_available(peer_python)
-        result["torchft"] = {"available": ok, "version" if ok else "why_not": why, "python": peer_python}
+        result["torchft"] = {"available": ok, "version" if ok else "why_not": why,
+                             # which interpreter, not where it lives on this machine
+                             "python": "the side environment of experiments/setup_peers.sh (experiments/peer_env.py)"}
         if ok:
             for n in tft_ns:
                 r = torchft_row(peer_python, n, max(3, rounds // 4) if n > 1024 else max(3, rounds // 2),
