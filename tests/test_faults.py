@@ -136,6 +136,20 @@ def test_fallback_only_when_nobody_holds_or_can_regain_the_state():
     assert supervise.healthy([V(0, "running", 3), V(1, "running", mode="rejoin"), V(2, "stopped", 3)]) == {0}
 
 
+def test_a_job_fatal_exit_is_not_worth_a_restart():
+    from fthsdp.errors import EXIT_JOB_FATAL, EXIT_REPLICA_FATAL
+
+    def F(rid, rc):
+        return supervise.ReplicaView(rid, "failed", None, returncode=rc)
+
+    assert supervise.job_fatal([F(0, EXIT_JOB_FATAL), F(1, EXIT_JOB_FATAL)]) == [0, 1]
+    assert supervise.job_fatal([F(0, 1), V(1, "killed")]) == []  # an unclassified error: the fallback may help
+    assert supervise.job_fatal([F(0, EXIT_REPLICA_FATAL), V(1, "running", 3)]) == []
+    # a replica that is running again is judged by its live process, not its last exit
+    again = supervise.ReplicaView(0, "running", 4, returncode=EXIT_JOB_FATAL)
+    assert supervise.job_fatal([again]) == []
+
+
 def test_resume_shape_check_names_the_difference_and_keeps_overrides():
     from fthsdp import config as config_lib
 

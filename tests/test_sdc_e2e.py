@@ -79,11 +79,13 @@ def test_two_replicas_that_disagree_stop_the_job_with_a_clear_error(tmp_path):
     steps = 14
     args = [sys.executable, "-m", "fthsdp.cli", "run", "--config", "base", "--replicas", "2",
             "--devices-per-replica", "2", "--out-dir", str(tmp_path), "--no-progress", *TINY,
-            f"train.steps={steps}", f"ft.test_flip_bit=1@{FLIP_STEP}", "train.min_step_s=0.05",
-            "launch.max_job_restarts=0"]  # no automatic restart from a checkpoint: the job ends here
+            f"train.steps={steps}", f"ft.test_flip_bit=1@{FLIP_STEP}", "train.min_step_s=0.05"]
     p = subprocess.run(args, capture_output=True, text=True, timeout=240)
     out = p.stdout + p.stderr
-    assert p.returncode != 0, out[-3000:]
+    # job-fatal: the launcher does not fall back to the checkpoint (max_job_restarts is left at its default)
+    assert p.returncode == 4, out[-3000:]
+    assert "exited job-fatal (exit code 78): a restart would fail the same way" in out, out[-3000:]
+    assert json.loads((tmp_path / "summary.json").read_text())["job_restarts"] == []
     run = report.load_run(tmp_path)
     assert run.done == {}
     fps = {rid: next(r["fingerprint"] for r in recs if r["step"] == FLIP_STEP + 1) for rid, recs in run.steps.items()}

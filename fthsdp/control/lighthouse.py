@@ -1373,6 +1373,9 @@ async def _serve(config: LighthouseConfig, port_file: str | None) -> None:
 
 def cli(argv: list[str]) -> int:
     """``fthsdp lighthouse ...``: serve until SIGTERM/SIGINT; returns the exit code."""
+    from fthsdp.launch.lifetime import die_with_launcher
+
+    die_with_launcher()  # started by `fthsdp run`: never outlive it
     parser = _parser()
     args = parser.parse_args(argv)
     try:

@@ -11,7 +11,11 @@ It supervises everything it started:
   replicas reconnect;
 * when no healthy replica is left, it restarts the whole job from the latest
   persistent checkpoint (as `--resume` does), at most `launch.max_job_restarts`
-  times.
+  times, and never after a replica's job-fatal verdict (exit 78: a bad
+  config, replicas disagreeing on their state), which a restart would repeat;
+* nothing it started outlives it (fthsdp/launch/lifetime.py): SIGTERM or
+  SIGHUP stop the job as Ctrl-C does, and the kernel kills its children if it
+  is SIGKILLed.
 
 The decisions are plain functions (faults.due, supervise.*); this module
 turns them into processes and signals. The run directory's bookkeeping
@@ -34,8 +38,9 @@ import time
 from dataclasses import dataclass, field
 
 from fthsdp.addresses import family, join_host_port, split_host_port
+from fthsdp.errors import EXIT_JOB_FATAL
 from fthsdp.launch import rundir as rundir_lib
-from fthsdp.launch import supervise
+from fthsdp.launch import lifetime, supervise
 from fthsdp.launch.faults import Fault, choose_sources, due, plan
 
 log = logging.getLogger("fthsdp.launch")
@@ -59,6 +64,7 @@ class ReplicaProc:
     # Processes 1..P-1 of a multi-process replica (`proc` is process 0, its leader).
     followers: list[subprocess.Popen] = field(default_factory=list)
     stopped_process: int = 0  # which process a stop fault froze (SIGCONT goes to it)
+    returncode: int | None = None  # how its last process ended (None while one runs)
 
 
 @dataclass
@@ -180,11 +186,12 @@ class LocalJob:
 
     def views(self) -> list[supervise.ReplicaView]:
         prog = self.progress_by_replica()
-        return [supervise.ReplicaView(rid, rp.state, prog[rid], rp.mode, rp.progressed, rp.last_step)
+        return [supervise.ReplicaView(rid, rp.state, prog[rid], rp.mode, rp.progressed, rp.last_step,
+                                      rp.returncode)
                 for rid, rp in sorted(self.procs.items())]
 
     def _env(self) -> dict:
-        env = dict(os.environ)
+        env = lifetime.child_env(dict(os.environ))  # its processes die with the launcher
         env.setdefault("FTHSDP_COMPILATION_CACHE", str(pathlib.Path.home() / ".cache" / "fthsdp" / "xla"))
         env["PYTHONUNBUFFERED"] = "1"
         env["FTHSDP_PEER_TOKEN"] = self.token
@@ -302,7 +309,7 @@ class LocalJob:
                 rp.proc = proc
             else:
                 rp.followers.append(proc)
-        rp.state, rp.mode, rp.progressed = "running", mode, False
+        rp.state, rp.mode, rp.progressed, rp.returncode = "running", mode, False, None
         rp.restart_at = rp.cont_at = None
 
     def host_flags(self, rid: int) -> list[str]:
@@ -473,6 +480,7 @@ class LocalJob:
                         rp.restart_at = time.time() + self.restart_delay_s
                     continue
                 rp.state = "done" if rc == 0 else "failed"
+                rp.returncode = rc
                 self.event("exit", rp.rid, returncode=rc)
                 if rc != 0:
                     tail = rp.log_path.read_text().splitlines()[-15:] if rp.log_path else []
@@ -480,6 +488,9 @@ class LocalJob:
                               "\n".join(tail))
 
     # -- whole-job fallback -----------------------------------------------------------
+
+    def log_names(self, rids: list[int]) -> str:
+        return ", ".join(self.procs[r].log_path.name for r in rids if self.procs[r].log_path is not None) or "the logs"
 
     def latest_checkpoint(self) -> int | None:
         steps = [int(p.name) for p in (self.out_dir / "checkpoints").glob("*") if p.name.isdigit()]
@@ -495,12 +506,19 @@ class LocalJob:
         dead["latest step"] = front
         ckpt = self.latest_checkpoint()
         where = f"the checkpoint of step {ckpt}" if ckpt is not None else "step 0 (no finished checkpoint yet)"
-        if len(self.job_restarts) >= self.max_job_restarts:
-            self.gave_up = (f"no healthy replica is left ({dead}) and launch.max_job_restarts="
-                            f"{self.max_job_restarts} automatic restart(s) are used up; resume the job from "
-                            f"{where} with: {self.resume_hint()}")
+        fatal = supervise.job_fatal(self.views())
+        if fatal or len(self.job_restarts) >= self.max_job_restarts:
+            if fatal:  # its own verdict: a restart would fail the same way (a bad config, corrupt data, ...)
+                self.gave_up = (f"no healthy replica is left ({dead}) and replica(s) {fatal} exited job-fatal "
+                                f"(exit code {EXIT_JOB_FATAL}): a restart would fail the same way, so the job is "
+                                f"not restarted; the reason is at the end of {self.log_names(fatal)}; fix it, then "
+                                f"resume from {where} with: {self.resume_hint()}")
+            else:
+                self.gave_up = (f"no healthy replica is left ({dead}) and launch.max_job_restarts="
+                                f"{self.max_job_restarts} automatic restart(s) are used up; resume the job from "
+                                f"{where} with: {self.resume_hint()}")
             log.error("%s", self.gave_up)
-            self.event("gave_up", reason="max_job_restarts", replicas=dead)
+            self.event("gave_up", reason="job_fatal" if fatal else "max_job_restarts", replicas=dead)
             for rp in self.procs.values():
                 self.kill_replica(rp.rid)
                 rp.restart_at = None
@@ -784,7 +802,13 @@ def cli(argv: list[str]) -> int:
     log.info("job: %d replicas x %d devices, %d steps, faults (from %s) %s; logs in %s", cfg.launch.replicas,
              cfg.launch.devices_per_replica, cfg.train.steps, sources.origin,
              [f.label() for f in faults] or "none", out)
-    summary = job.run()
+    lifetime.exit_on_termination_signals()  # a SIGTERM'd launcher still stops its replicas
+    try:
+        summary = job.run()
+    except lifetime.Terminated as e:
+        log.warning("the launcher was stopped by a signal (exit %s); its replicas and lighthouse were stopped; "
+                    "resume with: %s", e.code, job.resume_hint())
+        raise
     if job.killed_all:
         log.info("every process was killed at step %s; resume with: %s",
                  job.fired[-1].get("at_step") if job.fired else "?", job.resume_hint())

@@ -18,7 +18,7 @@ from __future__ import annotations
 import signal
 from dataclasses import dataclass
 
-from fthsdp.errors import EXIT_REPLICA_FATAL
+from fthsdp.errors import EXIT_JOB_FATAL, EXIT_REPLICA_FATAL
 
 
 @dataclass(frozen=True)
@@ -29,6 +29,7 @@ class ReplicaView:
     mode: str = "start"  # start (a job's start or resume: begins with the others) / rejoin (alone, from peers)
     progressed: bool = False  # its live process committed at least once (also true while it is stopped)
     last_step: int | None = None  # the last step its live process reported (kept while it is stopped)
+    returncode: int | None = None  # how its last process ended, once it has
 
 
 def at_frontier(v: ReplicaView, frontier: int | None) -> bool:
@@ -73,6 +74,14 @@ def needs_fallback(views: list[ReplicaView]) -> bool:
     having rejoined. Then only the persistent checkpoint can save the job."""
     front = frontier(views)
     return bool(views) and not job_done(views) and not any(can_progress(v, front) for v in views)
+
+
+def job_fatal(views: list[ReplicaView]) -> list[int]:
+    """Replicas that failed with their own job-fatal verdict (EXIT_JOB_FATAL: a bad
+    config, a version mismatch, replicas disagreeing on their state with no
+    majority to trust). Falling back to the checkpoint would only fail again
+    (or, for corrupt state, guess), so the launcher stops instead."""
+    return [v.rid for v in views if v.state == "failed" and v.returncode == EXIT_JOB_FATAL]
 
 
 def restart_allowed(views: list[ReplicaView], rid: int) -> bool:

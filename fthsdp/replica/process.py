@@ -526,6 +526,9 @@ class ReplicaProcess:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from fthsdp.launch.lifetime import die_with_launcher
+
+    die_with_launcher()  # started by `fthsdp run`: never outlive it
     args = parse_args(sys.argv[1:] if argv is None else argv)
     from fthsdp import config as config_lib
     from fthsdp import logs
