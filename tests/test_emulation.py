@@ -95,6 +95,35 @@ def test_the_invariant_checks_can_fail():
     assert _report(ok, problems=["rank 3 disagrees"]).violations() == ["rank 3 disagrees"]
 
 
+def test_rank_groups_replay_once_per_distinct_state_and_catch_a_diverged_rank():
+    """A process's ranks replay the leader's decisions once per distinct state (exact: the
+    step machine is pure) and each rank takes its own result: one rank whose state diverged
+    is replayed on its own and counted, the others keep sharing the leader's state object."""
+    from fthsdp.control import quorum as qm
+    from fthsdp.replica import fsm
+    from fthsdp.sim.emulation import RankGroup
+
+    q = qm.Quorum(quorum_id=4, members=(qm.Member("0", 2), qm.Member("1", 2)), max_step=2,
+                  healthy=("0", "1"), behind=(), num_healthy=2)
+    state = fsm.initial(2, 3)
+    g = RankGroup(first=8, size=5, state=state)
+    g.quorum = q
+    leader = fsm.plan(state, q, "0")
+    assert g.disagree(state) == 0 and g.plan("0", leader) == 0
+    new = fsm.after_attempt(state, leader, fsm.Outcome.COMMITTED)
+    assert g.after(fsm.Outcome.COMMITTED, True, new) == 0
+    assert all(s is new for s in g.states) and new.step == 3
+    g.states[3] = dataclasses.replace(new, step=1)  # one rank's state diverged (a bug the check must see)
+    assert g.disagree(new) == 1
+    assert g.plan("0", fsm.plan(new, dataclasses.replace(q, max_step=3), "0")) == 5  # all differ: q is at step 2
+    g.quorum = dataclasses.replace(q, max_step=3)
+    leader = fsm.plan(new, g.quorum, "0")
+    assert g.plan("0", leader) == 1  # the diverged rank plans to give up; the other 4 train
+    after = fsm.after_attempt(new, leader, fsm.Outcome.COMMITTED)
+    assert g.after(fsm.Outcome.COMMITTED, True, after) == 1
+    assert sum(s is after for s in g.states) == 4 and g.states[3].action is fsm.Action.GIVE_UP
+
+
 def test_fabric_rendezvous_completes_fails_on_kill_and_on_deadline():
     async def main():
         fab = MockFabric(FabricConfig(latency_s=1e-3, bandwidth_Bps=1e9))

@@ -131,6 +131,28 @@ def test_a_well_formed_request_passes_every_limit():
     assert guard.request_problem("Status", pb2.StatusRequest(protocol_version=V), guard.Limits()) is None
 
 
+def test_known_addresses_skip_only_what_was_found_good():
+    """Endpoints found well-formed are not parsed again (the lighthouse's per-request cost at
+    6,250 endpoints a request), a bad one among known ones is still refused, and the set
+    empties itself at its bound instead of growing."""
+    known = guard.KnownAddresses(max_chars=40)
+    good = [f"127.0.0.1:{7000 + k}" for k in range(2)]  # 14 characters each
+    req = quorum_req(ftar_addresses=good, local_world_size=2)
+    assert guard.request_problem("GetQuorum", req, guard.Limits(), known) is None
+    assert all(a in known for a in good) and known.cover(good)
+    bad = quorum_req(ftar_addresses=[good[0], "127.0.0.1:0"], local_world_size=2)
+    err = guard.request_problem("GetQuorum", bad, guard.Limits(), known)
+    assert err is not None and "ftar_addresses[1]" in err and "port 0" in err
+    assert "127.0.0.1:0" not in known
+    hb = pb2.HeartbeatRequest(protocol_version=V, job_id="job", replica_id="0", step=5, local_world_size=2,
+                              ftar_addresses=[good[1], "bad host:1"])
+    assert "spaces or control" in guard.request_problem("Heartbeat", hb, guard.Limits(), known)
+    known.add("127.0.0.1:7002")  # 14 + 14 + 14 > 40: emptied first, then holds the new one
+    assert len(known) == 1 and good[0] not in known and "127.0.0.1:7002" in known
+    with pytest.raises(ValueError, match="max_chars"):
+        guard.KnownAddresses(max_chars=0)
+
+
 def test_takeover_rule():
     assert guard.incarnation_problem("0", "j", None, "a", holder_live=True) is None  # first registration
     assert guard.incarnation_problem("0", "j", "a", "a", holder_live=True) is None  # the holder itself

@@ -33,8 +33,8 @@ from fthsdp.control import auth
 
 log = logging.getLogger("fthsdp.control.lighthouse")
 
-__all__ = ["Limits", "Refusal", "request_problem", "CallAuthenticator", "NewIdRate", "incarnation_problem",
-           "generic_handler", "METADATA_KEY"]
+__all__ = ["Limits", "Refusal", "request_problem", "KnownAddresses", "CallAuthenticator", "NewIdRate",
+           "incarnation_problem", "generic_handler", "METADATA_KEY"]
 
 METADATA_KEY = auth.METADATA_KEY
 
@@ -110,6 +110,45 @@ def _step_problem(limits: Limits, what: str, value: int, who: str) -> str | None
     return None
 
 
+class KnownAddresses:
+    """Addresses already found well-formed under one :class:`Limits` (a set of strings).
+
+    A replica's leader sends every one of its shards' FTAR endpoints with each
+    quorum request: 6,250 per request at 16 replicas x 6,250 ranks. Parsing each
+    of them again on every request cost the lighthouse ~0.1 s per request, 1.6 s
+    of one core per round, and was most of the round's latency
+    (experiments/scale.py, its ``where_time_goes``). Whether an address is
+    well-formed depends only on its text and the limits, so an address seen
+    before is known good by a set lookup. Bounded by the characters it holds
+    (``max_chars``): when full it is emptied and refills from the requests that
+    follow, so a flood of distinct addresses costs memory it cannot grow past.
+    """
+
+    def __init__(self, max_chars: int = 16 << 20) -> None:
+        if max_chars < 1:
+            raise ValueError(f"max_chars must be >= 1, got {max_chars}")
+        self.max_chars = max_chars
+        self._known: set[str] = set()
+        self._chars = 0
+
+    def __contains__(self, address: str) -> bool:
+        return address in self._known
+
+    def cover(self, addresses) -> bool:
+        """Whether every one of ``addresses`` is known good (one C-level pass: the common case)."""
+        return self._known.issuperset(addresses)
+
+    def __len__(self) -> int:
+        return len(self._known)
+
+    def add(self, address: str) -> None:
+        if self._chars + len(address) > self.max_chars:
+            self._known.clear()
+            self._chars = 0
+        self._known.add(address)
+        self._chars += len(address)
+
+
 def _address_problem(limits: Limits, what: str, address: str, who: str) -> str | None:
     if not address:
         return f"{what} is an empty address ({who}): give host:port"
@@ -122,11 +161,13 @@ def _address_problem(limits: Limits, what: str, address: str, who: str) -> str |
     return None
 
 
-def request_problem(method: str, req, limits: Limits) -> str | None:
+def request_problem(method: str, req, limits: Limits, known: KnownAddresses | None = None) -> str | None:
     """Why ``req`` (a parsed request of ``method``) is malformed, or None.
 
     Only what needs no job state: a request passing this cannot make the
     lighthouse hold or send more than :class:`Limits` allows per replica.
+    ``known``: FTAR endpoints already found well-formed under ``limits`` (not parsed
+    again; the ones found well-formed here are added).
     """
     if method == "Status":
         return _ids_problem(limits, req.job_id, None) if req.job_id else None
@@ -149,12 +190,12 @@ def request_problem(method: str, req, limits: Limits) -> str | None:
     if err:
         return err
     if method == "Heartbeat":
-        return _heartbeat_problem(req, limits, who)
+        return _heartbeat_problem(req, limits, who, known)
     for r in req.accused_replica_ids:
         err = _text_problem("an accused_replica_ids id", r, limits.max_id_len, f" ({who})")
         if err:
             return err
-    return _endpoints_problem(req, limits, who, required=True) or _quorum_fields_problem(req, limits, who)
+    return _endpoints_problem(req, limits, who, True, known) or _quorum_fields_problem(req, limits, who)
 
 
 def _processes_problem(limits: Limits, index: int, count: int, who: str, index_only: bool = False) -> str | None:
@@ -165,8 +206,8 @@ def _processes_problem(limits: Limits, index: int, count: int, who: str, index_o
     return None
 
 
-def _heartbeat_problem(req, limits: Limits, who: str) -> str | None:
-    err = _endpoints_problem(req, limits, who, required=False)
+def _heartbeat_problem(req, limits: Limits, who: str, known: KnownAddresses | None = None) -> str | None:
+    err = _endpoints_problem(req, limits, who, False, known)
     if err:
         return err
     if req.metrics_address:
@@ -184,7 +225,8 @@ def _heartbeat_problem(req, limits: Limits, who: str) -> str | None:
     return None
 
 
-def _endpoints_problem(req, limits: Limits, who: str, required: bool) -> str | None:
+def _endpoints_problem(req, limits: Limits, who: str, required: bool,
+                       known: KnownAddresses | None = None) -> str | None:
     """A process's own FTAR endpoints and state server (QuorumRequest; a Heartbeat that registers them)."""
     if not required and not req.ftar_addresses and not req.state_server_address:
         return None
@@ -194,10 +236,15 @@ def _endpoints_problem(req, limits: Limits, who: str, required: bool) -> str | N
     if len(req.ftar_addresses) > req.local_world_size:
         return (f"ftar_addresses has {len(req.ftar_addresses)} entries but local_world_size is "
                 f"{req.local_world_size} ({who}): send one FTAR endpoint (host:port) per shard of this process")
-    for k, a in enumerate(req.ftar_addresses):
+    fresh = known is None or not known.cover(req.ftar_addresses)
+    for k, a in enumerate(req.ftar_addresses if fresh else ()):
+        if known is not None and a in known:
+            continue
         err = _address_problem(limits, f"ftar_addresses[{k}] {a[:64]!r}", a, who)
         if err:
             return err
+        if known is not None:
+            known.add(a)
     if req.state_server_address:  # a URL (http://host:port) or host:port
         a = req.state_server_address
         hostport = a.split("://", 1)[1] if "://" in a else a
@@ -368,6 +415,7 @@ def generic_handler(pb2, servicer, authenticator: CallAuthenticator, limits: Lim
     incarnations, live in the servicer, which holds that state).
     """
     service = pb2.DESCRIPTOR.services_by_name["Lighthouse"]
+    known = KnownAddresses()  # FTAR endpoints found well-formed (the same ones arrive with every request)
 
     def refuse(context, code: grpc.StatusCode, reason: str) -> bytes:
         # Set the status and return, instead of context.abort: abort raises through grpc's
@@ -384,7 +432,7 @@ def generic_handler(pb2, servicer, authenticator: CallAuthenticator, limits: Lim
                     f"the {name} request body is not a valid {type_name} protobuf message "
                     f"({raw.error}): send fthsdp's lighthouse protocol (fthsdp/proto/lighthouse.proto)"))
             req = raw.message
-            err = request_problem(name, req, limits)
+            err = request_problem(name, req, limits, known)
             if err:
                 return refuse(context, INVALID, err)
             refusal = authenticator.check(name, context.invocation_metadata() or (), req.job_id,

@@ -418,8 +418,10 @@ class _Job:
         key = (first, per, behind, lean)
         raw = self.view_cache.get(key)
         if raw is None:
-            view = qm.process_view(q, rid, first, per)
-            proto = quorum_to_proto(dataclasses.replace(view, rings=()) if lean else view)
+            # A lean view is cut with no shards at all: building its rings only to drop
+            # them cost 28 ms per decision at 16 x 6,250 (behind is None: no sources either).
+            view = qm.process_view(q, rid, first, 0 if lean else per)
+            proto = quorum_to_proto(view)
             proto.rings_omitted = lean
             raw = pb2.QuorumResponse(protocol_version=LIGHTHOUSE_PROTOCOL_VERSION, quorum=proto).SerializeToString()
             if key[2] is None:
