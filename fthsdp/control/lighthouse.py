@@ -387,6 +387,9 @@ class _Job:
     # fthsdp.control.quorum.admit_accusation) and each accuser's last admitted accusation.
     excluded: set[str] = field(default_factory=set)
     accused_at: dict[str, int] = field(default_factory=dict)
+    # Which quorum last decided each step: a requester whose state forked from it is
+    # fenced (behind) by the decision (rule 6 of fthsdp.control.quorum).
+    lineage: qm.Lineage = field(default_factory=qm.Lineage)
 
     def quorum_proto(self, q: qm.Quorum) -> pb2.Quorum:
         if self.proto_cache is None or self.proto_cache[0] is not q:
@@ -607,7 +610,7 @@ class Lighthouse(pb2_grpc.LighthouseServicer):
         quorum, reason = qm.decide_quorum(
             requests, self._liveness(job, now), job.quorum, self._decision_config(job), now,
             quorum_id_floor=job.qid_floor, reported_quorum_ids=job.reported_qids,
-            condemned=job.sdc.condemned, excluded=job.excluded,
+            condemned=job.sdc.condemned, excluded=job.excluded, lineage=job.lineage,
         )
         job.last_eval_at, job.last_eval_cost_s = now, time.perf_counter() - t0
         self.stats["evaluations"] += 1
@@ -624,7 +627,10 @@ class Lighthouse(pb2_grpc.LighthouseServicer):
                 self._root_cause(job, now, job.quorum.member_ids)
             except Exception:  # an analysis bug must never keep a quorum from its members
                 log.exception("job %r: root-cause analysis failed", job.job_id)
+        if "fenced, behind" in reason:
+            log.warning("job %r: %s", job.job_id, reason)
         job.quorum = quorum
+        job.lineage = job.lineage.after(quorum.quorum_id, quorum.max_step)
         job.remember(quorum)
         job.excluded.clear()  # an exclusion lasts for exactly one quorum
         self.stats["decisions"] += 1

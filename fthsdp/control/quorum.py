@@ -43,6 +43,32 @@ Rules, in the order they are checked (see :func:`decide_quorum`):
    ``quorum_id_floor``) unless it is that very quorum: a restarted lighthouse,
    which remembers nothing, continues the job's ids instead of reusing them.
 
+6. **Lineage fence.** A replica whose state forked from the job's lineage is
+   *behind* whatever step it reports, and fetches the lineage's state. The
+   split-brain guard (rule 4) counts *live* replicas, so it cannot stop this
+   sequence, which the emulation caught at 512 x 196 ranks on an overloaded
+   machine (its starved event loop silenced replicas' heartbeats; a real job
+   gets the same from SIGSTOP, a hung host or a partition between replicas and
+   the lighthouse that leaves their FTAR links up): quorum A = {0, 1} forms at
+   step s while replica 2 is silent past the detection window; 0 and 1 commit
+   step s; then 0 and 1 go silent mid-step s+1 and 2 comes back asking at step
+   s; 0 and 1 are dead now, so 2 alone is a majority of the live and forms
+   quorum B at step s, retraining it with other batches. Both groups hold a
+   "step s+1" state, and when they meet again every one of them is at the top
+   step, so each would be called healthy: the replicas are no longer identical
+   and batches are trained twice or never. Neither commit can be prevented
+   (a commit needs no lighthouse, and a silent replica may be dead or only
+   slow), but the fork can be refused at the next decision: the lighthouse
+   keeps the job's :class:`Lineage` (which quorum last decided each step), and
+   a requester whose last quorum was followed by a quorum that re-decided a
+   step it had already committed (:func:`forked_at`) is fenced: behind, even
+   above the others' step (it then goes back to the lineage's step). The
+   top step is the highest among the unfenced; if no unfenced requester holds
+   the state of the step that forked the others, there is no quorum (the
+   lineage may yet come back; only its holders can say what it trained).
+   A restarted lighthouse remembers no lineage: across its restart the fence
+   is off, as before.
+
 Members are in ring order (:func:`ring_key`); replicas at the highest step are
 *healthy*, the rest *behind*: they contribute zero gradients and fetch state
 from healthy replicas, one source per local shard, spread round-robin.
@@ -78,6 +104,7 @@ corrupt chunk in between costs only a retried all-reduce.
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -97,6 +124,8 @@ __all__ = [
     "Accusation",
     "admit_accusation",
     "ACCUSATION_COOLDOWN_QUORUMS",
+    "Lineage",
+    "forked_at",
 ]
 
 # One admitted accusation per accuser per this many quorum ids (see the module docstring).
@@ -280,6 +309,67 @@ def process_view(q: Quorum, replica_id: str, first_shard: int, num_shards: int) 
                   q.num_configured, q.reason, q.left_out, rings, first_shard, sources)
 
 
+@dataclass(frozen=True)
+class Lineage:
+    """Which quorum last decided each step of a job, as much as the fence needs
+    (rule 6 of the module docstring).
+
+    ``entries`` are ``(quorum_id, step)``: quorum ``quorum_id`` was decided to
+    train ``step`` (its max step). Only what :func:`forked_at` asks is kept:
+    the smallest step decided by any quorum after a given one. An entry is
+    dropped when a later quorum decides the same or an earlier step (it can
+    never be that smallest step again), so the entries rise in both quorum id
+    and step, the lookup is a binary search, and a job that never forks keeps
+    one entry per quorum id change, at most ``limit`` (older ones are dropped
+    and recorded in ``dropped_through``: a replica whose last quorum is that
+    old is fenced, as its state cannot be checked; it is far behind anyway).
+    """
+
+    entries: tuple[tuple[int, int], ...] = ()
+    dropped_through: int = 0  # quorum ids <= this were forgotten (0: none)
+    limit: int = 1024
+
+    def __post_init__(self) -> None:
+        if self.limit < 1:
+            raise ValueError(f"Lineage limit must be >= 1 (entries kept), got {self.limit}")
+
+    def after(self, quorum_id: int, step: int) -> "Lineage":
+        """The lineage once quorum ``quorum_id`` is decided at max step ``step``."""
+        entries = list(self.entries)
+        if entries and entries[-1][0] == quorum_id and entries[-1][1] <= step:
+            return self  # the same quorum going on: it decided its first step already
+        while entries and entries[-1][1] >= step:
+            entries.pop()
+        entries.append((quorum_id, step))
+        dropped = self.dropped_through
+        if len(entries) > self.limit:
+            dropped = entries[len(entries) - self.limit - 1][0]
+            entries = entries[len(entries) - self.limit:]
+        return Lineage(tuple(entries), dropped, self.limit)
+
+    def first_decided_after(self, quorum_id: int) -> tuple[int, int] | None:
+        """``(quorum id, step)``: the smallest step decided by a quorum later than ``quorum_id``."""
+        i = bisect.bisect_right(self.entries, (quorum_id, math.inf))
+        return self.entries[i] if i < len(self.entries) else None
+
+
+def forked_at(lineage: Lineage, last_quorum_id: int, step: int) -> tuple[int, int] | None:
+    """Whether a replica at ``step`` (it committed steps < ``step``) whose last quorum was
+    ``last_quorum_id`` holds a state the job's lineage no longer contains: ``(quorum id,
+    step)`` of the later quorum that re-decided a step it had committed, else None.
+    ``(0, 0)`` when its last quorum is older than the lineage remembers. A replica that
+    was never in a quorum (``last_quorum_id`` 0: a fresh or restarted process) is judged
+    by its step alone, as before."""
+    if last_quorum_id <= 0 or step <= 0:
+        return None
+    if last_quorum_id <= lineage.dropped_through:
+        return (0, 0)
+    hit = lineage.first_decided_after(last_quorum_id)
+    if hit is not None and hit[1] <= step - 1:
+        return hit
+    return None
+
+
 def dead_replicas(heartbeats: Mapping[str, float], now: float, window: float) -> list[str]:
     """Replicas last heard from more than ``window`` seconds before ``now`` (ring order)."""
     return sorted((r for r, t in heartbeats.items() if now - t > window), key=ring_key)
@@ -387,6 +477,7 @@ def decide_quorum(
     reported_quorum_ids: Mapping[str, int] | None = None,
     condemned: Iterable[str] = (),
     excluded: Collection[str] = frozenset(),
+    lineage: Lineage | None = None,
 ) -> tuple[Quorum | None, str]:
     """Decide the quorum of one job, or explain why there is none yet.
 
@@ -400,7 +491,9 @@ def decide_quorum(
     state a fingerprint mismatch condemned (:mod:`fthsdp.control.sdc`): listed
     behind even at the top step, so they fetch the majority's state. ``excluded``:
     replicas left out of this decision entirely (accused of breaking FTAR's
-    protocol; see the module docstring). Returns ``(quorum, reason)`` with
+    protocol; see the module docstring). ``lineage``: which quorum last decided
+    each step (rule 6: a requester whose state forked from it is fenced, i.e.
+    behind). Returns ``(quorum, reason)`` with
     ``quorum`` None while the rules in the module docstring say wait.
     """
     excluded_note = ""
@@ -483,6 +576,31 @@ def decide_quorum(
             f"{stale_note}"
         )
 
+    # Rule 6: lineage fence. A requester whose last quorum is the newest decided one
+    # (every member of a running quorum) is skipped in O(1).
+    fenced: dict[str, tuple[int, int]] = {}
+    if lineage is not None and (lineage.entries or lineage.dropped_through):
+        newest = lineage.entries[-1][0] if lineage.entries else 0
+        for c in candidates:
+            if 0 < c.last_quorum_id < newest or 0 < c.last_quorum_id <= lineage.dropped_through:
+                hit = forked_at(lineage, c.last_quorum_id, c.step)
+                if hit is not None:
+                    fenced[c.replica_id] = hit
+    fence_note = ""
+    if fenced:
+        top = max((c.step for c in candidates if c.replica_id not in fenced), default=None)
+        need = max(h[1] for h in fenced.values())
+        by = min(fenced.values())
+        what = (f"quorum {by[0]} re-decided step {by[1]}" if by[0] else
+                "their last quorum is older than the lineage kept")
+        if top is None or top < need:
+            return None, (
+                f"lineage fence: {len(fenced)} requester(s) {_fmt(fenced)} hold a state that forked from the "
+                f"job's lineage ({what} after their last quorum); waiting for a replica holding the lineage's "
+                f"state at step >= {need} (the fenced fetch it; {'none asks' if top is None else f'the others are at step {top}'})"
+                f"{stale_note}")
+        fence_note = f"; fenced, behind: {_fmt(fenced)} (state forked from the job's lineage: {what})"
+
     # Form it.
     ordered = sorted(candidates, key=lambda c: ring_key(c.replica_id))
     members = tuple(
@@ -490,9 +608,10 @@ def decide_quorum(
                c.num_processes, tuple(c.state_server_addresses))
         for c in ordered
     )
-    max_step = max(m.step for m in members)
+    max_step = max(m.step for m in members if m.replica_id not in fenced)
     condemned = set(condemned) & cand_ids
-    healthy = tuple(m.replica_id for m in members if m.step == max_step and m.replica_id not in condemned)
+    healthy = tuple(m.replica_id for m in members
+                    if m.step == max_step and m.replica_id not in condemned and m.replica_id not in fenced)
     if not healthy:
         return None, (
             f"every requester at the top step {max_step} is condemned by a fingerprint mismatch "
@@ -538,7 +657,7 @@ def decide_quorum(
         how = "every live replica asking"
     reason = (
         f"quorum {quorum_id} ({why_id}): {len(members)} members at max step {max_step}, "
-        f"{len(healthy)} healthy, {len(behind)} behind; {how}{stale_note}{excluded_note}"
+        f"{len(healthy)} healthy, {len(behind)} behind; {how}{stale_note}{excluded_note}{fence_note}"
     )
     if condemned:
         reason += f"; condemned by a fingerprint mismatch (rejoin from the majority): {_fmt(condemned)}"

@@ -228,13 +228,32 @@ class DataState:
     an emulation artefact counted as quorum latency). Every replica that
     commits the same quorum from the same state reaches the same next state, so
     it is computed once and shared, as an answer is decoded once (DecodeCache).
+
+    Each state also knows the commit that made it (``parent``, ``step``,
+    ``quorum_id``, ``batches``): its :meth:`history` is the lineage a replica
+    holding it trained, which is what exactly-once is checked on. Two replicas
+    that committed the same step in different quorums hold different
+    lineages; that is harmless only while one of them is abandoned (its holder
+    fetches the other's state), which the report checks at the end.
     """
 
-    __slots__ = ("positions", "_after")
+    __slots__ = ("positions", "_after", "parent", "step", "quorum_id", "batches")
 
-    def __init__(self, positions: dict[str, int] | None = None) -> None:
+    def __init__(self, positions: dict[str, int] | None = None, parent: "DataState | None" = None,
+                 step: int = -1, quorum_id: int = 0, batches: tuple = ()) -> None:
         self.positions: dict[str, int] = positions if positions is not None else {}
         self._after: tuple[qm.Quorum, tuple, "DataState"] | None = None  # the last commit from this state
+        self.parent, self.step, self.quorum_id, self.batches = parent, step, quorum_id, batches
+
+    def history(self) -> list["DataState"]:
+        """The commits that made this state, oldest first (one per committed step)."""
+        out: list[DataState] = []
+        s: DataState | None = self
+        while s is not None and s.parent is not None:
+            out.append(s)
+            s = s.parent
+        out.reverse()
+        return out
 
     def commit(self, q: qm.Quorum) -> tuple[tuple[tuple[str, int], ...], "DataState"]:
         """``(batches trained, next state)`` when ``q``'s healthy replicas each train their next batch."""
@@ -245,7 +264,7 @@ class DataState:
         nxt = dict(self.positions)
         for h in q.healthy:
             nxt[h] = nxt.get(h, 0) + 1
-        new = DataState(nxt)
+        new = DataState(nxt, self, q.max_step, q.quorum_id, batches)
         self._after = (q, batches, new)
         return batches, new
 
@@ -347,8 +366,10 @@ class EmulationReport:
     config: EmulationConfig
     wall_s: float
     quorum_records: list[QuorumRecord]
-    commits: dict[int, CommitRecord]  # step -> what its committers agreed on
-    committers: dict[int, set[str]]  # step -> replicas that committed it
+    # step -> what its committers agreed on, along the lineage the replicas finished with
+    # (commits of an abandoned fork are counted in `superseded`, not here)
+    commits: dict[int, CommitRecord]
+    committers: dict[int, set[str]]  # step -> replicas that committed it (in that lineage's quorum)
     final_steps: dict[str, int]  # replica -> committed steps of its last incarnation
     qids_seen: dict[str, list[int]]
     waits: list[tuple[str, float, float]]  # (what, waited, deadline)
@@ -361,6 +382,7 @@ class EmulationReport:
     decode: tuple[int, int]  # answers decoded, cache hits
     unfinished: list[str]
     views_fetched: int = 0  # followers' GetView answers (a new quorum id, replicas of P > 1 processes)
+    superseded: int = 0  # commits of a forked lineage that its holders abandoned (fetched the job's state)
     answer_bytes: int = 0  # the largest quorum answer (a leader's view) on the wire
 
     def violations(self, deadline_slack_s: float = 2.0) -> list[str]:
@@ -537,6 +559,7 @@ class EmulatedReplica:
             for t in self.hb_tasks:
                 t.cancel()
             emu.final_steps[self.rid] = self.state.step
+            emu.final_data[self.rid] = self.data
             if self.state.step >= c.steps:
                 self.finished = True
                 await self.client.leave(self.state.step, finished=True)
@@ -580,6 +603,9 @@ class EmulatedReplica:
             await asyncio.sleep(c.rebuild_s)
         outcome: fsm.Outcome | None = None
         if p.action is fsm.Action.CATCH_UP:
+            if "fenced, behind" in q.reason:
+                emu.events.append(f"replica {self.rid}: behind at step {state.step} in quorum {q.quorum_id} (max step "
+                                  f"{q.max_step}): {q.reason.partition('; fenced, behind: ')[2]}")
             await asyncio.sleep(c.catch_up_s)
             src = p.sources[0]
             snap = emu.snapshots.get(src)
@@ -672,8 +698,12 @@ class Emulation:
         self.decode_cache = DecodeCache()
         self.replicas: dict[int, EmulatedReplica] = {}
         self.quorum_records: list[QuorumRecord] = []
-        self.commits: dict[int, CommitRecord] = {}
-        self.committers: dict[int, set[str]] = collections.defaultdict(set)
+        # (step, quorum id) -> what its committers agreed on, and who they are: one step
+        # may be committed in two quorums when the lighthouse re-decided it (a lineage fork;
+        # see fthsdp.control.quorum, rule 6); the report keeps the lineage that survived.
+        self.commit_log: dict[tuple[int, int], CommitRecord] = {}
+        self.committers: dict[tuple[int, int], set[str]] = collections.defaultdict(set)
+        self.final_data: dict[str, DataState] = {}
         self.snapshots: dict[str, tuple[int, DataState]] = {}
         self.initial_data = DataState()  # every replica starts from it (one object: see DataState)
         self.final_steps: dict[str, int] = {}
@@ -746,18 +776,44 @@ class Emulation:
         return self._hangs.pop((rep.index, step))
 
     def record_commit(self, rep: EmulatedReplica, step: int, q: qm.Quorum, batches: tuple) -> None:
-        first = self.commits.get(step)
-        if first is not None and first.quorum_id == q.quorum_id and first.batches is batches:
+        key = (step, q.quorum_id)
+        first = self.commit_log.get(key)
+        if first is not None and first.batches is batches:
             rec = first  # the same shared state and quorum: equal without an O(R) comparison
         else:
             rec = CommitRecord(step, q.quorum_id, tuple(fsm.membership(q)[0]), q.healthy, batches)
-            first = self.commits.setdefault(step, rec)
-        if first != rec:
-            self.problems.append(f"step {step}: replica {rep.rid} committed {rec.quorum_id}/{list(rec.healthy)[:8]} "
-                                 f"but another replica committed {first.quorum_id}/{list(first.healthy)[:8]}")
-        if rep.rid in self.committers[step]:
-            self.problems.append(f"step {step}: replica {rep.rid} committed it twice")
-        self.committers[step].add(rep.rid)
+            first = self.commit_log.setdefault(key, rec)
+        if first != rec:  # members of one quorum holding different states: a fork nobody fenced
+            self.problems.append(f"step {step} in quorum {q.quorum_id}: replica {rep.rid} committed from a different "
+                                 f"state than another member (batches {list(rec.batches)[:4]} vs "
+                                 f"{list(first.batches)[:4]}): split brain")
+        if rep.rid in self.committers[key]:
+            self.problems.append(f"step {step}: replica {rep.rid} committed it twice in quorum {q.quorum_id}")
+        self.committers[key].add(rep.rid)
+
+    def lineage_commits(self) -> tuple[dict[int, CommitRecord], dict[int, set[str]], int]:
+        """``(commits, committers, superseded)`` along the lineage the replicas ended with
+        (those that finished the job, else the furthest); a problem if they ended with
+        different lineages (split brain)."""
+        if not self.final_data:
+            return {}, {}, len(self.commit_log)
+        top = max(self.final_steps.get(r, 0) for r in self.final_data)
+        ends = {r: d for r, d in self.final_data.items() if self.final_steps.get(r, 0) == top}
+        ref_rid, ref = min(ends.items(), key=lambda kv: qm.ring_key(kv[0]))
+        ref_hist = [(d.step, d.quorum_id, d.batches) for d in ref.history()]
+        for rid, d in sorted(ends.items(), key=lambda kv: qm.ring_key(kv[0])):
+            if d is not ref and [(x.step, x.quorum_id, x.batches) for x in d.history()] != ref_hist:
+                self.problems.append(f"replicas {ref_rid} and {rid} ended at step {top} with different states "
+                                     "(split brain: their lineages forked and neither was abandoned)")
+                break
+        commits: dict[int, CommitRecord] = {}
+        committers: dict[int, set[str]] = {}
+        for step, qid, batches in ref_hist:
+            rec = self.commit_log.get((step, qid))
+            commits[step] = rec if rec is not None else CommitRecord(step, qid, (), (), batches)
+            committers[step] = set(self.committers.get((step, qid), ()))
+        kept = {(step, qid) for step, qid, _ in ref_hist}
+        return commits, committers, sum(1 for k in self.commit_log if k not in kept)
 
     def replica_fatal(self, rep: EmulatedReplica) -> None:
         """The replica process exits (replica-fatal): its supervisor restarts it, as after a kill."""
@@ -819,9 +875,14 @@ class Emulation:
             await asyncio.sleep(0)
         finally:
             await asyncio.to_thread(self.lighthouse.stop)
+        commits, committers, superseded = self.lineage_commits()
+        if superseded:
+            self.events.append(f"{superseded} commit(s) of a forked lineage superseded (their holders fetched "
+                               "the job's state or stopped)")
         return EmulationReport(
-            config=c, wall_s=time.perf_counter() - t0, quorum_records=self.quorum_records, commits=self.commits,
-            committers=dict(self.committers), final_steps=dict(self.final_steps), qids_seen=dict(self.qids_seen),
+            config=c, wall_s=time.perf_counter() - t0, quorum_records=self.quorum_records, commits=commits,
+            committers=committers, superseded=superseded, final_steps=dict(self.final_steps),
+            qids_seen=dict(self.qids_seen),
             waits=self.waits, events=self.events, problems=self.problems, lighthouse_starts=self.lighthouse.starts,
             rank_replays=self.rank_replays, fabric_completed=self.fabric.completed,
             fabric_failed=self.fabric.failed, decode=(self.decode_cache.decoded, self.decode_cache.hits),

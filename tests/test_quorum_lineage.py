@@ -1,0 +1,102 @@
+"""The lineage fence (rule 6 of fthsdp.control.quorum), as pure decisions: the split
+brain the emulation caught at 512 x 196 ranks, replayed step by step over plain data."""
+
+from __future__ import annotations
+
+import pytest
+
+from fthsdp.control.quorum import Lineage, QuorumConfig, QuorumRequest, decide_quorum, forked_at
+
+CFG = QuorumConfig(min_replicas=1, join_timeout_s=0.5, heartbeat_window_s=1.0)
+
+
+def req(rid: str, step: int, at: float, last_qid: int = 0, failed: bool = False) -> QuorumRequest:
+    return QuorumRequest(replica_id=rid, step=step, arrived_at=at, ftar_addresses=(f"127.0.0.1:{20000 + int(rid)}",),
+                         state_server_address=f"127.0.0.1:{21000 + int(rid)}", commit_failed=failed,
+                         last_quorum_id=last_qid)
+
+
+def by_id(*rs: QuorumRequest) -> dict[str, QuorumRequest]:
+    return {r.replica_id: r for r in rs}
+
+
+def test_lineage_keeps_the_smallest_step_decided_after_each_quorum():
+    lin = Lineage()
+    lin = lin.after(1, 0).after(1, 5)  # quorum 1 goes on: nothing new to remember
+    assert lin.entries == ((1, 0),)
+    lin = lin.after(2, 7).after(3, 9)
+    assert lin.entries == ((1, 0), (2, 7), (3, 9))
+    assert lin.first_decided_after(1) == (2, 7) and lin.first_decided_after(3) is None
+    lin = lin.after(4, 7)  # quorum 4 re-decides step 7: quorums 2 and 3 can no longer be the answer
+    assert lin.entries == ((1, 0), (4, 7))
+    assert lin.first_decided_after(2) == (4, 7)
+    # A replica at step 9 whose last quorum was 3 committed steps 7 and 8 there: quorum 4 re-decided 7.
+    assert forked_at(lin, 3, 9) == (4, 7)
+    assert forked_at(lin, 3, 7) is None  # it had not committed step 7: its state is step 7's input
+    assert forked_at(lin, 4, 12) is None  # a member of the newest quorum
+    assert forked_at(lin, 0, 12) is None  # never in a quorum (fresh or restarted process): judged by its step
+    # Bounded: the oldest entries are forgotten, and a replica that old is fenced (its state cannot be checked).
+    small = Lineage(limit=2).after(1, 0).after(2, 1).after(3, 2)
+    assert small.entries == ((2, 1), (3, 2)) and small.dropped_through == 1
+    assert forked_at(small, 1, 5) == (0, 0) and forked_at(small, 2, 2) is None
+
+
+def test_split_brain_sequence_is_fenced():
+    """Replicas 0, 1, 2 (detection window 1 s). Replica 2 goes silent in step 1, so 0 and 1
+    form quorum 2 and commit step 1; then 0 and 1 go silent in step 2 and 2 comes back at
+    step 1: alone, it is a majority of the live and forms quorum 3, retraining step 1. When
+    all three meet at step 3, 0 and 1 hold a forked state: without the lineage all three
+    would be healthy (three replicas, two different models); with it 0 and 1 are behind."""
+    lin = Lineage()
+    q1, _ = decide_quorum(by_id(req("0", 0, 0.0), req("1", 0, 0.0), req("2", 0, 0.0)),
+                          {"0": 0.0, "1": 0.0, "2": 0.0}, None, CFG, 0.0, lineage=lin)
+    assert q1 is not None and q1.quorum_id == 1
+    lin = lin.after(q1.quorum_id, q1.max_step)
+    # t=3: 2 silent since t=1.5 (dead); 0 and 1 failed step 1 (aborted) and ask again.
+    beats = {"0": 3.0, "1": 3.0, "2": 1.5}
+    q2, why = decide_quorum(by_id(req("0", 1, 3.0, 1, failed=True), req("1", 1, 3.0, 1, failed=True)),
+                            beats, q1, CFG, 3.0, lineage=lin)
+    assert q2 is not None and q2.member_ids == ("0", "1") and q2.max_step == 1, why
+    lin = lin.after(q2.quorum_id, q2.max_step)
+    # They commit step 1 and go silent in step 2 (t=3.1). At t=5, replica 2 asks at step 1.
+    beats = {"0": 3.1, "1": 3.1, "2": 5.0}
+    q3, why = decide_quorum(by_id(req("2", 1, 5.0, 1, failed=True)), beats, q2, CFG, 5.0, lineage=lin)
+    assert q3 is not None and q3.member_ids == ("2",) and q3.max_step == 1 and q3.healthy == ("2",), why
+    lin = lin.after(q3.quorum_id, q3.max_step)
+    # Replica 2 commits steps 1 and 2 (quorum 3); 0 and 1 wake up, commit step 2 in quorum 2,
+    # and everybody asks at step 3.
+    meet = by_id(req("0", 3, 7.0, 2), req("1", 3, 7.0, 2), req("2", 3, 7.0, 3))
+    beats = {"0": 7.0, "1": 7.0, "2": 7.0}
+    unfenced, _ = decide_quorum(meet, beats, q3, CFG, 7.0)
+    assert unfenced is not None and unfenced.healthy == ("0", "1", "2")  # the split brain, as it was
+    q4, why = decide_quorum(meet, beats, q3, CFG, 7.0, lineage=lin)
+    assert q4 is not None, why
+    assert q4.healthy == ("2",) and q4.behind == ("0", "1") and q4.max_step == 3
+    assert q4.sources_for("0") == ("2",) and "fenced" in why and "quorum 3 re-decided step 1" in why
+    # Once they caught up in quorum 4 (their last quorum), they are members of the lineage again.
+    lin = lin.after(q4.quorum_id, q4.max_step)
+    assert forked_at(lin, q4.quorum_id, 4) is None
+
+
+def test_fenced_replicas_above_the_lineage_go_back_to_it_and_wait_without_it():
+    lin = Lineage().after(1, 0).after(2, 4).after(3, 4)  # quorum 3 re-decided step 4 without 0 and 1
+    beats = {"0": 9.0, "1": 9.0, "2": 9.0}
+    # 0 and 1 committed steps 4 and 5 in quorum 2; 2 failed step 4 in quorum 3: the lineage's state
+    # is step 4's input, so 0 and 1 go back to step 4 (behind) instead of leading the quorum.
+    q, why = decide_quorum(by_id(req("0", 6, 9.0, 2), req("1", 6, 9.0, 2), req("2", 4, 9.0, 3, failed=True)),
+                           beats, None, CFG, 9.0, lineage=lin)
+    assert q is not None and q.max_step == 4 and q.healthy == ("2",) and q.behind == ("0", "1"), why
+    # Nobody unfenced asks (2 is silent): no quorum, and the reason says why.
+    q, why = decide_quorum(by_id(req("0", 6, 9.0, 2), req("1", 6, 9.0, 2)), {"0": 9.0, "1": 9.0, "2": 0.0},
+                           None, CFG, 9.0, lineage=lin)
+    assert q is None and "lineage fence" in why and "none asks" in why
+    # An unfenced replica below the forking step does not hold the lineage's state either: wait.
+    q, why = decide_quorum(by_id(req("0", 6, 9.0, 2), req("1", 6, 9.0, 2), req("2", 0, 9.0)), beats, None, CFG,
+                           9.0, lineage=lin)
+    assert q is None and "step >= 4" in why and "the others are at step 0" in why
+
+
+@pytest.mark.parametrize("limit", [0, -1])
+def test_lineage_limit_must_be_positive(limit):
+    with pytest.raises(ValueError, match="limit"):
+        Lineage(limit=limit)
