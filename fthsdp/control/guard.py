@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import math
+import re
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -81,13 +82,36 @@ class Refusal:
     reason: str
 
 
+# A control character (< 32, 127) or any character str.isspace() calls a space (re's \s is
+# exactly that set for str patterns): one C-level search instead of a Python loop per character.
+_BAD_CHAR = re.compile(r"[\x00-\x1f\x7f\s]")
+
+
 def _text_problem(what: str, value: str, max_len: int, ctx: str = "") -> str | None:
     if len(value) > max_len:
         return (f"{what} is {len(value)} characters long{ctx}; at most {max_len} are allowed "
                 f"(it starts {value[:32]!r})")
-    bad = next((c for c in value if ord(c) < 32 or ord(c) == 127 or c.isspace()), None)
+    bad = _BAD_CHAR.search(value)
     if bad is not None:
-        return f"{what} {value[:64]!r}{ctx} contains a space or control character ({bad!r}): use printable characters"
+        return (f"{what} {value[:64]!r}{ctx} contains a space or control character ({bad.group()!r}): "
+                "use printable characters")
+    return None
+
+
+def _texts_problem(what: str, values, max_len: int, ctx: str = "") -> str | None:
+    """:func:`_text_problem` of each of ``values``, in two C-level passes while all are good.
+
+    A quorum request lists every member of the replica's last quorum: checking them one
+    by one in Python cost 8 ms per request at 1,024 replicas (a round: 8 s of the
+    lighthouse's CPU, O(N^2)), the flat lighthouse's regression after limits were added."""
+    if not values:
+        return None
+    if max(map(len, values)) <= max_len and _BAD_CHAR.search("/".join(values)) is None:
+        return None
+    for v in values:
+        err = _text_problem(what, v, max_len, ctx)
+        if err:
+            return err
     return None
 
 
@@ -191,10 +215,9 @@ def request_problem(method: str, req, limits: Limits, known: KnownAddresses | No
         return err
     if method == "Heartbeat":
         return _heartbeat_problem(req, limits, who, known)
-    for r in req.accused_replica_ids:
-        err = _text_problem("an accused_replica_ids id", r, limits.max_id_len, f" ({who})")
-        if err:
-            return err
+    err = _texts_problem("an accused_replica_ids id", req.accused_replica_ids, limits.max_id_len, f" ({who})")
+    if err:
+        return err
     return _endpoints_problem(req, limits, who, True, known) or _quorum_fields_problem(req, limits, who)
 
 
@@ -218,10 +241,10 @@ def _heartbeat_problem(req, limits: Limits, who: str, known: KnownAddresses | No
         ph = req.phase
         if len(ph.streams) > limits.max_replicas_per_job:
             return f"phase.streams has {len(ph.streams)} entries ({who}); at most {limits.max_replicas_per_job}"
-        for text in (ph.waiting_on, *(s.to_replica for s in ph.streams)):
-            err = _text_problem("a replica id in phase", text, limits.max_id_len, f" ({who})")
-            if err:
-                return err
+        err = _texts_problem("a replica id in phase", [ph.waiting_on, *(s.to_replica for s in ph.streams)],
+                             limits.max_id_len, f" ({who})")
+        if err:
+            return err
     return None
 
 
@@ -262,11 +285,7 @@ def _quorum_fields_problem(req, limits: Limits, who: str) -> str | None:
                 "(0 = not stated)")
     if len(req.last_members) > limits.max_replicas_per_job:
         return f"last_members lists {len(req.last_members)} replicas ({who}); at most {limits.max_replicas_per_job}"
-    for m in req.last_members:
-        err = _text_problem("a last_members id", m, limits.max_id_len, f" ({who})")
-        if err:
-            return err
-    return None
+    return _texts_problem("a last_members id", req.last_members, limits.max_id_len, f" ({who})")
 
 
 def incarnation_problem(rid: str, job_id: str, holder: str | None, incoming: str, holder_live: bool) -> str | None:

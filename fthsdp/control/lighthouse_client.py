@@ -557,7 +557,8 @@ class LighthouseClient:
             commit_failed=commit_failed,
             num_replicas=num_replicas,
             last_quorum_id=last.quorum_id if last is not None else 0,
-            last_members=list(last.member_ids) if last is not None else [],
+            last_members=list(last.member_ids) if last is not None and qm.sends_last_members(last, self.replica_id)
+            else [],
             rejoin=self.rejoin,
             fresh_start=last is None and not self.rejoin,
             process_index=self.process_index,

@@ -126,10 +126,15 @@ __all__ = [
     "ACCUSATION_COOLDOWN_QUORUMS",
     "Lineage",
     "forked_at",
+    "LAST_MEMBERS_SENDERS",
+    "sends_last_members",
 ]
 
 # One admitted accusation per accuser per this many quorum ids (see the module docstring).
 ACCUSATION_COOLDOWN_QUORUMS = 10
+
+# Members of a quorum (the first in ring order) that list its members in their quorum requests.
+LAST_MEMBERS_SENDERS = 3
 
 
 def ring_key(replica_id: str) -> tuple[int, int, str]:
@@ -400,6 +405,21 @@ def _fmt(ids: Iterable[str], limit: int = 8) -> str:
     ids = sorted(ids, key=ring_key)
     shown = ", ".join(ids[:limit])
     return f"[{shown}{', ...' if len(ids) > limit else ''}]"
+
+
+def sends_last_members(q: Quorum, replica_id: str) -> bool:
+    """Whether ``replica_id``, a member of ``q``, lists ``q``'s members (``last_members``) in
+    its quorum requests: only the first :data:`LAST_MEMBERS_SENDERS` in ring order do.
+
+    Only a lighthouse that does not remember the job's quorum (restarted) reads the list
+    (:func:`incumbents_of`: the members it must wait for), and one requester's list is
+    all it needs. Every member sending it made each request O(N) bytes and a round O(N^2):
+    at 4,096 replicas 67 MB per round to parse and check, most of the flat lighthouse's
+    time beside gRPC's per-call cost. Three senders, so that the list still arrives when
+    one or two of them died with the lighthouse; if all three did, the restarted
+    lighthouse knows the members only from their own reports (``last_quorum_id``) and
+    does not wait for those it never hears from."""
+    return any(m.replica_id == replica_id for m in q.members[:LAST_MEMBERS_SENDERS])
 
 
 def incumbents_of(

@@ -184,7 +184,8 @@ class AioLighthouseClient:
     def _request(self, step: int, ftar: Sequence[str], state_server: str, commit_failed: bool,
                  num_replicas: int, local_world_size: int) -> bytes:
         """The QuorumRequest, serialized. Its ``last_members`` (every member id of the last
-        quorum, identical for all its members) is serialized once per quorum and appended:
+        quorum, identical for all its members; sent by its first few members only, see
+        :func:`fthsdp.control.quorum.sends_last_members`) is serialized once per quorum and appended:
         protobuf concatenation is a merge, so the bytes on the wire are exactly the real
         client's, without each of R leaders of one process rebuilding an R-long list."""
         last = self.last_quorum
@@ -196,7 +197,8 @@ class AioLighthouseClient:
             rejoin=self.rejoin, fresh_start=last is None and not self.rejoin,
             process_index=self.process_index, num_processes=self.num_processes,
         ).SerializeToString()
-        return head + (_members_wire(last) if last is not None else b"")
+        return head + (_members_wire(last) if last is not None and qm.sends_last_members(last, self.replica_id)
+                       else b"")
 
     def _decode(self, raw: bytes) -> tuple[qm.Quorum, bool] | int:
         if self.decode_cache is not None:

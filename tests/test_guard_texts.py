@@ -1,0 +1,31 @@
+"""The lighthouse's checks of id lists (fthsdp.control.guard): one C-level pass while every
+id is good, the same answer as checking each id when one is not."""
+
+from __future__ import annotations
+
+from fthsdp.control import guard
+
+
+def test_a_list_of_ids_is_checked_like_each_id():
+    good = [str(i) for i in range(5000)]
+    assert guard._texts_problem("a last_members id", good, 128) is None
+    assert guard._texts_problem("a last_members id", [], 128) is None
+    for bad, word in (("m\n", "control character"), ("a b", "space"), ("x\u00a0y", "space"), ("z\x7f", "control"),
+                      ("q" * 129, "129 characters long")):
+        ids = good[:100] + [bad] + good[100:]
+        err = guard._texts_problem("a last_members id", ids, 128, " (replica '3')")
+        assert err == guard._text_problem("a last_members id", bad, 128, " (replica '3')")
+        assert err is not None and word in err and "(replica '3')" in err
+    # The separator joining the ids is no character of an id: "/" is allowed in ids.
+    assert guard._texts_problem("id", ["a/b", "c"], 128) is None
+
+
+def test_only_the_first_members_list_the_last_quorum():
+    """Each quorum request listed every member of the last quorum: O(N) bytes per request,
+    O(N^2) per round. Only the first LAST_MEMBERS_SENDERS members in ring order do now."""
+    from fthsdp.control import quorum as qm
+
+    q = qm.Quorum(quorum_id=4, members=tuple(qm.Member(str(i), 9) for i in (0, 2, 5, 10, 11)), max_step=9,
+                  healthy=("0", "2", "5", "10", "11"), behind=())
+    assert [r for r in ("0", "2", "5", "10", "11") if qm.sends_last_members(q, r)] == ["0", "2", "5"]
+    assert qm.LAST_MEMBERS_SENDERS == 3 and not qm.sends_last_members(q, "7")
