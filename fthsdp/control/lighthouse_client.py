@@ -357,6 +357,25 @@ def keep_rings(q: qm.Quorum, held: qm.Quorum | None) -> qm.Quorum:
     return dataclasses.replace(q, rings=held.rings, first_shard=held.first_shard)
 
 
+def keep_members(q: qm.Quorum, held: qm.Quorum | None) -> qm.Quorum:
+    """``q`` (a compact answer: ``members_omitted``) completed from ``held``, this
+    process's view of the same quorum id: the same members, all at ``q.max_step`` and
+    healthy, with ``held``'s rings. The lighthouse sends it only when every member is
+    healthy and the request reported that id as its last quorum; anything else is a
+    protocol error, raised as such."""
+    if held is None or held.quorum_id != q.quorum_id or not held.rings:
+        raise LighthouseError(f"the lighthouse left out the members of quorum {q.quorum_id} but this process holds "
+                              f"{'no view' if held is None else f'the view of quorum {held.quorum_id}'}: "
+                              "mismatched lighthouse and client versions?")
+    if q.num_healthy != len(held.members):
+        raise LighthouseError(f"the lighthouse left out the members of quorum {q.quorum_id} with {q.num_healthy} "
+                              f"healthy of the {len(held.members)} this process holds: a compact answer lists all "
+                              "members healthy (mismatched lighthouse and client versions?)")
+    members = tuple(m if m.step == q.max_step else dataclasses.replace(m, step=q.max_step) for m in held.members)
+    return dataclasses.replace(q, members=members, healthy=held.member_ids, behind=(), recovery={},
+                               rings=held.rings, first_shard=held.first_shard, sources=())
+
+
 def quorum_from_proto(p: pb2.Quorum) -> qm.Quorum:
     """A quorum answer (a process's view) or a Status quorum (every endpoint) from the wire."""
     return qm.Quorum(
@@ -566,6 +585,7 @@ class LighthouseClient:
             **self._fingerprint_fields(),
             accused_replica_ids=list(accused),
             incarnation=self.incarnation,
+            accepts_members_omitted=True,
         )
         down_since: float | None = None
         delays = backoff_delays()
@@ -604,7 +624,9 @@ class LighthouseClient:
                 f"job {self.job_id!r} already finished at step {resp.finished_step} (lighthouse {self.address}); "
                 f"replica {self.replica_id!r} at step {step} has nothing left to train", resp.finished_step)
         q = quorum_from_proto(resp.quorum)
-        if resp.quorum.rings_omitted:
+        if resp.quorum.members_omitted:
+            q = keep_members(q, self.last_quorum)
+        elif resp.quorum.rings_omitted:
             q = keep_rings(q, self.last_quorum)
         if self.replica_id in q.member_ids:
             self.last_quorum = q

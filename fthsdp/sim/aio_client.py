@@ -38,6 +38,7 @@ from fthsdp.control.lighthouse_client import (
     LighthouseUnavailable,
     QuorumTimeout,
     backoff_delays,
+    keep_members,
     keep_rings,
     quorum_from_proto,
 )
@@ -73,15 +74,16 @@ def _members_wire(q: qm.Quorum) -> bytes:
 _KEPT: dict[tuple[int, int], tuple[qm.Quorum, tuple, qm.Quorum]] = {}
 
 
-def _kept_rings(q: qm.Quorum, held: qm.Quorum | None) -> qm.Quorum:
-    """:func:`keep_rings`, once per (answer, held rings) for the leaders of one process:
-    they hold the same decoded objects, so they keep sharing one (the step machine's
-    and the data state's caches are keyed by the quorum object)."""
-    rings = held.rings if held is not None else ()
+def _kept_rings(q: qm.Quorum, held: qm.Quorum | None, members_omitted: bool = False) -> qm.Quorum:
+    """:func:`keep_rings` (or :func:`keep_members` for a compact answer), once per (answer,
+    held view) for the leaders of one process: they hold the same decoded objects, so they
+    keep sharing one (the step machine's and the data state's caches are keyed by the
+    quorum object; completing a compact answer per leader would be O(N^2) a round)."""
+    rings = (held if members_omitted else held.rings) if held is not None else ()
     hit = _KEPT.get((id(q), id(rings)))
     if hit is not None and hit[0] is q and hit[1] is rings:
         return hit[2]
-    merged = keep_rings(q, held)
+    merged = keep_members(q, held) if members_omitted else keep_rings(q, held)
     if len(_KEPT) >= 16:
         _KEPT.pop(next(iter(_KEPT)))
     _KEPT[(id(q), id(rings))] = (q, rings, merged)
@@ -104,20 +106,20 @@ class DecodeCache:
         # The last few (answer bytes, decoded) pairs, newest first. Matched by equality
         # (a memcmp), not by hashing: hashing each leader's copy of a 1.45 MB answer cost
         # the emulator ~1 ms per leader, 0.5 s a round at 512 leaders.
-        self._recent: list[tuple[bytes, tuple[qm.Quorum, bool] | int]] = []
+        self._recent: list[tuple[bytes, tuple[qm.Quorum, bool, bool] | int]] = []
         self.decoded = 0
         self.hits = 0
 
     @staticmethod
-    def parse(raw: bytes) -> tuple[qm.Quorum, bool] | int:
-        """The answer: (the Quorum, whether its rings were left out), or the finished step
-        (an int) when the job finished."""
+    def parse(raw: bytes) -> tuple[qm.Quorum, bool, bool] | int:
+        """The answer: (the Quorum, whether its rings were left out, whether its members
+        were), or the finished step (an int) when the job finished."""
         resp = pb2.QuorumResponse.FromString(raw)
         if resp.job_finished:
             return int(resp.finished_step)
-        return quorum_from_proto(resp.quorum), resp.quorum.rings_omitted
+        return quorum_from_proto(resp.quorum), resp.quorum.rings_omitted, resp.quorum.members_omitted
 
-    def decode(self, raw: bytes) -> tuple[qm.Quorum, bool] | int:
+    def decode(self, raw: bytes) -> tuple[qm.Quorum, bool, bool] | int:
         n = len(raw)
         for known, q in self._recent:
             if len(known) == n and known == raw:
@@ -195,12 +197,12 @@ class AioLighthouseClient:
             local_world_size=local_world_size, commit_failed=commit_failed, num_replicas=num_replicas,
             last_quorum_id=last.quorum_id if last is not None else 0,
             rejoin=self.rejoin, fresh_start=last is None and not self.rejoin,
-            process_index=self.process_index, num_processes=self.num_processes,
+            process_index=self.process_index, num_processes=self.num_processes, accepts_members_omitted=True,
         ).SerializeToString()
         return head + (_members_wire(last) if last is not None and qm.sends_last_members(last, self.replica_id)
                        else b"")
 
-    def _decode(self, raw: bytes) -> tuple[qm.Quorum, bool] | int:
+    def _decode(self, raw: bytes) -> tuple[qm.Quorum, bool, bool] | int:
         if self.decode_cache is not None:
             return self.decode_cache.decode(raw)
         return DecodeCache.parse(raw)
@@ -252,9 +254,9 @@ class AioLighthouseClient:
         got = self._decode(raw)
         if isinstance(got, int):
             raise JobFinished(f"job {self.job_id!r} finished at step {got}", got)
-        q, lean = got
+        q, lean, compact = got
         if lean:
-            q = _kept_rings(q, self.last_quorum)
+            q = _kept_rings(q, self.last_quorum, compact)
         if self.replica_id in membership(q)[0]:
             self.last_quorum = q
         return QuorumReply(q, sent, received, outage)
