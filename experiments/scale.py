@@ -74,9 +74,79 @@ def percentile(xs: list[float], q: float) -> float | None:
 # -- fthsdp (emulation) ------------------------------------------------------
 
 
+BREAKDOWN_PARTS = {
+    "request_build_s": "the last leader builds and sends its request (emulator)",
+    "to_lighthouse_s": "until the lighthouse starts checking it: loopback and the lighthouse's queue of earlier calls",
+    "checks_s": "the lighthouse's request checks (fthsdp.control.guard)",
+    "until_decision_s": "from its handler to the end of the deciding evaluation",
+    "decide_s": "of which the evaluation itself (decide_quorum and bookkeeping)",
+    "replies_s": "from the decision to the last reply built (every waiting call answered)",
+    "to_leaders_s": "from the last reply built to the last leader holding it: gRPC send, loopback, the emulator's receive",
+    "fanout_s": "the leaders hand the answer to their ranks (and followers fetch their views)",
+}
+
+
+def round_breakdown(rep, trace: dict) -> dict:
+    """Where one round's latency goes, per measured round: the last request's path through
+    the lighthouse (timestamps of fthsdp.sim.lighthouse_trace, the same monotonic clock as
+    the emulator's) and the emulator's parts; plus the lighthouse's CPU and heartbeats per
+    round and the emulated ranks' own Python work (not in the latency: it precedes the
+    requests)."""
+    ev = trace.get("events", [])
+    by_step: dict[int, list] = {}
+    for r in rep.quorum_records:
+        if r.attempt == 1:
+            by_step.setdefault(r.step, []).append(r)
+    rounds = []
+    prev_cpu = prev_hb = None
+    for step in sorted(by_step):
+        rs = by_step[step]
+        last = max(rs, key=lambda r: r.last_rank_request)
+        t0, hold, recv = last.last_rank_request, max(r.all_ranks_hold for r in rs), max(r.received for r in rs)
+
+        def first(kind, after, pred=lambda e: True):
+            return next((e for e in ev if e[0] == kind and e[1] >= after and pred(e)), None)
+
+        mine = lambda e: e[4] == last.replica_id and e[5] == step  # noqa: E731
+        chk0 = first("checks_start", last.sent - 1.0, mine)
+        chk1 = first("checks_end", last.sent - 1.0, mine)
+        enter = first("handler_enter", last.sent - 1.0, mine)
+        dec = first("evaluate", t0 - 1.0, lambda e: e[6] > 0 and e[8] == step and e[1] >= (enter[1] if enter else 0))
+        replies = [e for e in ev if e[0] == "reply" and e[7] == step and dec and dec[1] <= e[1] <= hold]
+        if not (chk0 and chk1 and enter and dec and replies) or len(rs) < rep.config.replicas:
+            continue
+        last_reply = max(replies, key=lambda e: e[1])
+        cpu, hb = last_reply[2], last_reply[3]
+        row = {
+            "step": step, "latency_s": hold - t0,
+            "request_build_s": last.sent - t0, "to_lighthouse_s": chk0[1] - last.sent, "checks_s": chk1[1] - chk0[1],
+            "until_decision_s": dec[1] - enter[1], "decide_s": dec[4], "replies_s": last_reply[1] - dec[1],
+            "to_leaders_s": recv - last_reply[1], "fanout_s": hold - recv,
+            "replies_built": len(replies), "reply_build_s_total": sum(e[4] for e in replies),
+            "reply_bytes_max": max(e[8] for e in replies),
+            "lighthouse_cpu_s_this_round": None if prev_cpu is None else cpu - prev_cpu,
+            "heartbeats_this_round": None if prev_hb is None else hb - prev_hb,
+            "rank_work_s_this_round": rep.rank_work_s.get(step, 0.0),
+        }
+        prev_cpu, prev_hb = cpu, hb
+        rounds.append(row)
+    measured = rounds[1:]  # round 0 connects and forms the first quorum
+    keys = list(BREAKDOWN_PARTS) + ["latency_s", "reply_build_s_total", "lighthouse_cpu_s_this_round",
+                                    "heartbeats_this_round", "rank_work_s_this_round"]
+    median = {k: percentile([r[k] for r in measured if r[k] is not None], 0.5) for k in keys}
+    return {"parts": BREAKDOWN_PARTS, "median": median, "rounds": [{k: (round(v, 6) if isinstance(v, float) else v)
+                                                                    for k, v in r.items()} for r in measured],
+            "emulator_cpu_s_per_round": rep.emulator_cpu_s / max(1, len(by_step))}
+
+
 def fthsdp_row(system: str, replicas: int, ranks_per_replica: int, rounds: int, heartbeat_s: float,
-               profile: str = "", processes: int = 1) -> dict:
-    """``heartbeat_s``: the leaders' heartbeat interval (0: no heartbeats)."""
+               profile: str = "", processes: int = 1, trace: bool = False) -> dict:
+    """``heartbeat_s``: the leaders' heartbeat interval (0: no heartbeats). ``trace``: run the
+    lighthouse under fthsdp.sim.lighthouse_trace and add each round's breakdown."""
+    import tempfile
+
+    tmp = tempfile.TemporaryDirectory(prefix="fthsdp-scale-trace-") if trace else None
+    trace_path = os.path.join(tmp.name, "trace.json") if tmp else ""
     load = os.getloadavg()
     heartbeats = heartbeat_s > 0
     # Without heartbeats the lighthouse judges a replica by its requests alone, so the
@@ -90,8 +160,16 @@ def fthsdp_row(system: str, replicas: int, ranks_per_replica: int, rounds: int, 
         replicas=replicas, ranks_per_replica=ranks_per_replica, steps=rounds + 1,
         model=ModelShape(params=8_000_000_000, step_s=0.02), timeouts=t, heartbeats=heartbeats,
         round_barrier=True, run_timeout_s=max(120.0, rounds * 30.0), job_id=f"scale-{replicas}x{ranks_per_replica}",
-        lighthouse_profile=profile, processes_per_replica=processes)
+        lighthouse_profile=profile, processes_per_replica=processes, lighthouse_trace=trace_path)
     rep = run_emulation(cfg)
+    where = None
+    if tmp is not None:
+        try:
+            with open(trace_path) as f:
+                where = round_breakdown(rep, json.load(f))
+        except (OSError, ValueError) as e:
+            where = {"error": f"no lighthouse trace: {e}"}
+        tmp.cleanup()
     rounds_ = [r for r in rep.rounds() if r["attempt"] == 1]
     measured = rounds_[1:]
     complete = [r for r in measured if r["replicas"] == replicas and len(r["quorum_ids"]) == 1]
@@ -113,6 +191,7 @@ def fthsdp_row(system: str, replicas: int, ranks_per_replica: int, rounds: int, 
         # A lost request shows here (a failed call, or one re-sent after UNAVAILABLE), never hidden by a retry.
         "quorum_request_errors": sum(1 for e in rep.events if "quorum request failed" in e),
         "requests_resent_after_unavailable": sum(1 for r in rep.quorum_records if r.outage_s > 0),
+        **({"breakdown": where} if where is not None else {}),
     }
 
 
@@ -537,6 +616,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--shapes", nargs="*", default=None,
                     help="hierarchical shapes RxG or RxG/P (replicas x ranks per replica, P processes per replica; "
                          "e.g. 16x6250 16x6250/10 512x196/4)")
+    ap.add_argument("--no-breakdown", action="store_true",
+                    help="hierarchical rows without the per-round breakdown (the lighthouse runs untraced)")
     ap.add_argument("--heartbeat", type=float, default=0.1,
                     help="hierarchical leaders' heartbeat interval in s (default 0.1, ft's default; 0 = none)")
     ap.add_argument("--profile", type=int, nargs="*", default=None,
@@ -620,9 +701,17 @@ def main(argv: list[str] | None = None) -> int:
 
     if "hierarchical" not in args.skip:
         for rpr, g, nproc in shapes:
-            r = fthsdp_row("fthsdp-hierarchical", rpr, g, rounds, heartbeat_s=args.heartbeat, processes=nproc)
+            r = fthsdp_row("fthsdp-hierarchical", rpr, g, rounds, heartbeat_s=args.heartbeat, processes=nproc,
+                           trace=not args.no_breakdown)
             add(r)
             show(r)
+            b = r.get("breakdown", {}).get("median")
+            if b:
+                print("  median round: " + ", ".join(f"{k[:-2]} {v * 1e3:.1f} ms" for k, v in b.items()
+                                                      if k in BREAKDOWN_PARTS and v is not None)
+                      + f"; per round: lighthouse CPU {(b['lighthouse_cpu_s_this_round'] or 0) * 1e3:.0f} ms, "
+                        f"{b['heartbeats_this_round']} heartbeats, ranks' own work "
+                        f"{(b['rank_work_s_this_round'] or 0) * 1e3:.1f} ms", flush=True)
             save()
     if "flat" not in args.skip:
         for n in flat_ns:

@@ -19,7 +19,7 @@ import pytest
 
 from fthsdp.control import quorum as qm
 from fthsdp.control.lighthouse import LighthouseConfig, LighthouseThread
-from fthsdp.control.lighthouse_client import LighthouseClient, LighthouseError
+from fthsdp.control.lighthouse_client import LighthouseClient, LighthouseError, Registration
 from fthsdp.proto import LIGHTHOUSE_PROTOCOL_VERSION, lighthouse as load_stubs
 
 pb2, pb2_grpc = load_stubs()
@@ -98,13 +98,37 @@ def ask(cs: dict, replicas: int, d: int, step: int = 0, timeout_s: float = 10.0)
         return [f.result() for f in futs]
 
 
+def test_registration_goes_out_until_held_and_again_when_forgotten():
+    """The one registration rule both heartbeating clients use (the synchronous client and
+    the emulation's asyncio one): endpoints ride the heartbeats until a reply says held, go
+    out again when a reply says not held (a restarted lighthouse), and a reply to a request
+    that carried an older registration does not mark a newer one held."""
+    reg = Registration()
+    req = pb2.HeartbeatRequest()
+    assert reg.fill(req) is None and not req.ftar_addresses  # nothing given: nothing sent
+    reg.give(["127.0.0.1:7000", "127.0.0.1:7001"], "http://127.0.0.1:7100", 4)
+    req = pb2.HeartbeatRequest()
+    sent = reg.fill(req)
+    assert list(req.ftar_addresses) == ["127.0.0.1:7000", "127.0.0.1:7001"] and req.local_world_size == 4
+    reg.heard(sent, True)
+    req = pb2.HeartbeatRequest()
+    assert reg.fill(req) == sent and not req.ftar_addresses and not req.state_server_address  # held: not sent
+    reg.heard(sent, False)  # a restarted lighthouse forgot them
+    req = pb2.HeartbeatRequest()
+    sent = reg.fill(req)
+    assert len(req.ftar_addresses) == 2
+    reg.give(["127.0.0.1:7002"], "http://127.0.0.1:7101", 2)  # new endpoints while that beat was in flight
+    reg.heard(sent, True)
+    assert not reg.held  # the reply spoke for the old registration
+
+
 def test_every_process_registers_and_gets_its_own_view(lighthouse):
     cs = clients(lighthouse.address, "mp", 2, 2, 2)
     try:
         for c in cs.values():
             c.start_heartbeats()
         deadline = time.monotonic() + 5
-        while not all(c._registered for c in cs.values()):  # every heartbeat carried its addresses once
+        while not all(c.registration.held for c in cs.values()):  # every heartbeat carried its addresses once
             assert time.monotonic() < deadline, "a process never registered"
             time.sleep(0.02)
         q0, q1 = ask(cs, 2, 2)

@@ -27,6 +27,14 @@ def test_scale_quick_rows(tmp_path):
     hier = [row for row in rows if row["system"] == "fthsdp-hierarchical"]
     assert [(h["replicas"], h["ranks"], h["processes_per_replica"]) for h in hier] == [(4, 100, 1), (2, 12, 2)]
     assert hier[1]["follower_views_fetched"] >= 2 and hier[0]["leader_answer_bytes"] > 0
+    for h in hier:  # each round's latency split along the last request's path, in order
+        bd = h["breakdown"]
+        assert len(bd["rounds"]) == h["rounds"] and set(bd["parts"]) <= set(bd["median"])
+        for r in bd["rounds"]:
+            parts = [r[k] for k in bd["parts"] if k != "decide_s"]
+            assert all(x >= 0 for x in parts) and 0 <= r["decide_s"] <= r["until_decision_s"], r
+            assert sum(parts) <= r["latency_s"] + 1e-6, r  # successive stretches of the same clock
+            assert r["replies_built"] >= h["replicas"] and r["lighthouse_cpu_s_this_round"] > 0, r
     flat = [row for row in rows if row["system"] == "fthsdp-flat"]
     assert [(f["replicas"], f["ranks"]) for f in flat] == [(4, 4), (16, 16)]
     for row in hier + flat:

@@ -58,6 +58,7 @@ log = logging.getLogger("fthsdp.control.lighthouse_client")
 __all__ = [
     "LighthouseClient",
     "HeartbeatReply",
+    "Registration",
     "ReplicaStatus",
     "JobStatus",
     "LighthouseError",
@@ -138,6 +139,46 @@ def backoff_delays(first_s: float = 0.05, cap_s: float = 0.5, factor: float = 2.
     while True:
         yield d
         d = min(cap_s, d * factor)
+
+
+@dataclass
+class Registration:
+    """One process's own shards' endpoints, and whether the lighthouse holds them.
+
+    A process of a replica of several registers its FTAR endpoints, its state
+    server and the replica's shard count by sending them with its heartbeats
+    until a reply says the lighthouse holds them (``addresses_registered``); a
+    reply saying it does not (a restarted lighthouse, which remembers nothing)
+    makes them go out again. One rule for both clients that heartbeat: the
+    synchronous :class:`LighthouseClient` (its heartbeat thread) and the
+    emulation's asyncio client (:mod:`fthsdp.sim.aio_client`).
+
+    ``endpoints`` is replaced whole (one tuple) so that a heartbeat thread reading
+    it never sees half of a new registration; :meth:`heard` counts a reply only
+    for the registration that request carried.
+    """
+
+    endpoints: tuple[tuple[str, ...], str, int] | None = None  # (ftar addresses, state server, shards per replica)
+    held: bool = False  # the lighthouse said it holds ``endpoints``
+
+    def give(self, ftar_addresses: Sequence[str], state_server_address: str, local_world_size: int) -> None:
+        """New endpoints: sent with the next heartbeats until held."""
+        self.endpoints = (tuple(ftar_addresses), state_server_address, int(local_world_size))
+        self.held = False
+
+    def fill(self, req: pb2.HeartbeatRequest) -> tuple[tuple[str, ...], str, int] | None:
+        """Add the endpoints to heartbeat ``req`` unless the lighthouse holds them; returns
+        the registration the request speaks for (pass it to :meth:`heard`)."""
+        ep = self.endpoints
+        if ep is not None and not self.held:
+            req.ftar_addresses.extend(ep[0])
+            req.state_server_address, req.local_world_size = ep[1], ep[2]
+        return ep
+
+    def heard(self, sent: tuple[tuple[str, ...], str, int] | None, addresses_registered: bool) -> None:
+        """A heartbeat reply: held stops the sending, not held starts it again."""
+        if sent is not None and sent is self.endpoints:
+            self.held = addresses_registered
 
 
 @dataclass(frozen=True)
@@ -449,10 +490,9 @@ class LighthouseClient:
         self.rejoin = rejoin
         self.process_index = process_index
         self.num_processes = num_processes
-        # This process's own shards' endpoints, state server and the replica's shard count,
-        # sent with heartbeats while the lighthouse does not hold them (see register).
-        self._endpoints: tuple[tuple[str, ...], str, int] | None = None
-        self._registered = False
+        # This process's own shards' endpoints, sent with heartbeats while the lighthouse
+        # does not hold them (see register).
+        self.registration = Registration()
         self._call_key = auth.derive(key, "lighthouse") if key is not None else None
         self._status_key = status_key
         self.incarnation = os.urandom(16).hex()  # this process's claim on its (replica id, process)
@@ -636,8 +676,7 @@ class LighthouseClient:
         """This process's own shards' endpoints: sent with the heartbeats until the
         lighthouse holds them (a replica of several processes; the leader's go with
         its quorum requests too)."""
-        self._endpoints = (tuple(ftar_addresses), state_server_address, int(local_world_size))
-        self._registered = False
+        self.registration.give(ftar_addresses, state_server_address, local_world_size)
 
     def get_view(self, quorum_id: int, *, timeout_s: float | None = None) -> qm.Quorum:
         """This process's view of quorum ``quorum_id`` (which its leader got): its shards'
@@ -694,10 +733,7 @@ class LighthouseClient:
             process_index=self.process_index, num_processes=self.num_processes,
             metrics_address=self.metrics_address, **self._fingerprint_fields(), incarnation=self.incarnation,
         )
-        ep = self._endpoints
-        if ep is not None and not self._registered:
-            req.ftar_addresses.extend(ep[0])
-            req.state_server_address, req.local_world_size = ep[1], ep[2]
+        sent = self.registration.fill(req)
         if self.phase_source is not None:
             try:
                 req.phase.CopyFrom(phase_to_proto(self.phase_source()))
@@ -708,7 +744,7 @@ class LighthouseClient:
         except grpc.RpcError as e:
             raise self._error("heartbeat", e, self.heartbeat_timeout_s) from None
         # Sent and held: stop sending them; not held (a restarted lighthouse): send again.
-        self._registered = resp.addresses_registered and ep is not None
+        self.registration.heard(sent, resp.addresses_registered)
         reply = HeartbeatReply(tuple(resp.dead_replica_ids), resp.quorum_id, tuple(resp.dead_members))
         self.last_heartbeat = reply
         return reply

@@ -37,6 +37,7 @@ from fthsdp.control.lighthouse_client import (
     LighthouseError,
     LighthouseUnavailable,
     QuorumTimeout,
+    Registration,
     backoff_delays,
     keep_members,
     keep_rings,
@@ -156,10 +157,9 @@ class AioLighthouseClient:
         self.rejoin = rejoin
         self.process_index = process_index
         self.num_processes = num_processes
-        # This process's own shards' endpoints, state server and the replica's shard count:
-        # sent with heartbeats until a reply says the lighthouse holds them.
-        self._endpoints: tuple[tuple[str, ...], str, int] | None = None
-        self._registered = False
+        # This process's own shards' endpoints: sent with heartbeats until a reply says the
+        # lighthouse holds them (the same Registration the synchronous client uses).
+        self.registration = Registration()
         self._owns_channel = channel_of is None
         self._channel = grpc.aio.insecure_channel(address, options=_OPTIONS) if channel_of is None \
             else channel_of._channel
@@ -180,8 +180,7 @@ class AioLighthouseClient:
 
     def register(self, ftar_addresses: Sequence[str], state_server_address: str, local_world_size: int) -> None:
         """This process's own shards' endpoints, sent with its heartbeats until held."""
-        self._endpoints = (tuple(ftar_addresses), state_server_address, int(local_world_size))
-        self._registered = False
+        self.registration.give(ftar_addresses, state_server_address, local_world_size)
 
     def _request(self, step: int, ftar: Sequence[str], state_server: str, commit_failed: bool,
                  num_replicas: int, local_world_size: int) -> bytes:
@@ -275,15 +274,12 @@ class AioLighthouseClient:
                                    replica_id=self.replica_id, step=step,
                                    last_quorum_id=last.quorum_id if last is not None else 0,
                                    process_index=self.process_index, num_processes=self.num_processes)
-        ep = self._endpoints
-        if ep is not None and not self._registered:
-            req.ftar_addresses.extend(ep[0])
-            req.state_server_address, req.local_world_size = ep[1], ep[2]
+        sent = self.registration.fill(req)
         try:
             resp = await self._stub.Heartbeat(req, timeout=self.heartbeat_timeout_s)
         except grpc.aio.AioRpcError as e:
             raise LighthouseError(f"heartbeat: {e.code()}: {e.details()}", e.code()) from None
-        self._registered = resp.addresses_registered and ep is not None
+        self.registration.heard(sent, resp.addresses_registered)
         return HeartbeatReply(tuple(resp.dead_replica_ids), resp.quorum_id, tuple(resp.dead_members))
 
     async def leave(self, step: int, *, finished: bool, timeout_s: float = 5.0) -> bool:

@@ -123,6 +123,9 @@ class EmulationConfig:
     round_barrier: bool = False
     # Run the lighthouse under cProfile and write its stats here (where its time goes).
     lighthouse_profile: str = ""
+    # Run it under fthsdp.sim.lighthouse_trace and write its stages' timestamps here
+    # (experiments/scale.py's per-round breakdown; the lighthouse is unchanged).
+    lighthouse_trace: str = ""
     # Processes per replica (P; the replica's G ranks are P x D devices, D = G / P):
     # as in the real protocol (version 2), every process heartbeats under (replica,
     # process) and registers its own D shards' endpoints, the leader asks for the
@@ -172,7 +175,9 @@ class LighthouseProcess:
         prof = ["-m", "cProfile", "-o", self.config.lighthouse_profile] if self.config.lighthouse_profile else []
         # --insecure: the emulated replicas do not sign their calls (the emulation measures the
         # lighthouse's scale; experiments/quorum_scale.py measures what authentication costs).
-        cmd = [sys.executable, *prof, "-m", "fthsdp.control.lighthouse", "--bind", f"127.0.0.1:{self.port}", "--insecure",
+        server = ["-m", "fthsdp.sim.lighthouse_trace", "--trace-out", self.config.lighthouse_trace] \
+            if self.config.lighthouse_trace else ["-m", "fthsdp.control.lighthouse"]
+        cmd = [sys.executable, *prof, *server, "--bind", f"127.0.0.1:{self.port}", "--insecure",
                "--detect", str(t.detect_s), "--join-timeout", str(t.join_timeout_s),
                "--replicas", str(self.config.replicas), "--tick", str(self.config.lighthouse_tick_s),
                "--log-level", "WARNING"]
@@ -384,6 +389,10 @@ class EmulationReport:
     views_fetched: int = 0  # followers' GetView answers (a new quorum id, replicas of P > 1 processes)
     superseded: int = 0  # commits of a forked lineage that its holders abandoned (fetched the job's state)
     answer_bytes: int = 0  # the largest quorum answer (a leader's view) on the wire
+    # The emulated ranks' own Python work per step (gather check and replays, every replica),
+    # and this process's CPU time over the run: the emulator's cost, not the system's.
+    rank_work_s: dict[int, float] = field(default_factory=dict)
+    emulator_cpu_s: float = 0.0
 
     def violations(self, deadline_slack_s: float = 2.0) -> list[str]:
         """Every broken invariant, in words (empty = all hold)."""
@@ -493,7 +502,9 @@ class EmulatedReplica:
         self.emu.problems.append(f"replica {self.rid}.{self.incarnation}: {what}")
 
     def _replay_after(self, p: fsm.Plan | None, outcome: fsm.Outcome, new: fsm.StepState) -> None:
+        t_work = time.perf_counter()
         bad = sum(g.after(outcome, p is not None, new) for g in self.groups)
+        self.emu.rank_work(self.state.step, time.perf_counter() - t_work)
         self.emu.rank_replays += self.emu.config.ranks_per_replica
         if bad:
             self._violation(f"{bad} rank(s) disagree with the leader after {outcome.value}")
@@ -513,7 +524,9 @@ class EmulatedReplica:
                 if state.attempt == 1 and self.incarnation == 0:
                     await emu.fire_faults(self, state.step)
                 # Gather: every rank asks its leader for the quorum of its step.
+                t_work = time.perf_counter()
                 bad = sum(g.disagree(state) for g in self.groups)
+                emu.rank_work(state.step, time.perf_counter() - t_work)
                 if bad:
                     self._violation(f"{bad} rank(s) ask for a different step state than the leader")
                 last_req = time.perf_counter()
@@ -590,7 +603,9 @@ class EmulatedReplica:
         emu, c = self.emu, self.emu.config
         p = fsm.plan(state, q, self.rid)
         # Every rank replays the leader's decision on the answer it holds (RankGroup.plan).
+        t_work = time.perf_counter()
         bad = sum(g.plan(self.rid, p) for g in self.groups)
+        emu.rank_work(state.step, time.perf_counter() - t_work)
         emu.rank_replays += c.ranks_per_replica
         if bad:
             self._violation(f"{bad} rank(s) planned differently from the leader on quorum {q.quorum_id}")
@@ -719,6 +734,7 @@ class Emulation:
         self._side_tasks: list[asyncio.Task] = []
         self._barriers: dict[tuple[int, int], list] = {}
         self._member_sets: dict[int, tuple[qm.Quorum, frozenset[str]]] = {}
+        self._rank_work: dict[int, float] = collections.defaultdict(float)
         for f in config.faults:
             if f.kind == "ring":
                 self.fabric.inject_ring_fault(f.step, f.rank)
@@ -759,6 +775,9 @@ class Emulation:
             await asyncio.wait_for(ev[1].wait(), 1.0)
         except TimeoutError:
             pass
+
+    def rank_work(self, step: int, seconds: float) -> None:
+        self._rank_work[step] += seconds
 
     def member_set(self, q: qm.Quorum) -> frozenset[str]:
         """The members of ``q`` as a set, built once per quorum (not once per replica)."""
@@ -849,7 +868,7 @@ class Emulation:
 
     async def run_async(self) -> EmulationReport:
         c = self.config
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), time.process_time()
         await asyncio.to_thread(self.lighthouse.start)
         unfinished: list[str] = []
         try:
@@ -886,7 +905,8 @@ class Emulation:
             waits=self.waits, events=self.events, problems=self.problems, lighthouse_starts=self.lighthouse.starts,
             rank_replays=self.rank_replays, fabric_completed=self.fabric.completed,
             fabric_failed=self.fabric.failed, decode=(self.decode_cache.decoded, self.decode_cache.hits),
-            unfinished=unfinished, views_fetched=self.views_fetched, answer_bytes=self.answer_bytes)
+            unfinished=unfinished, views_fetched=self.views_fetched, answer_bytes=self.answer_bytes,
+            rank_work_s=dict(self._rank_work), emulator_cpu_s=time.process_time() - cpu0)
 
     def run(self) -> EmulationReport:
         try:
