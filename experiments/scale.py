@@ -159,7 +159,10 @@ def fthsdp_row(system: str, replicas: int, ranks_per_replica: int, rounds: int, 
     cfg = EmulationConfig(
         replicas=replicas, ranks_per_replica=ranks_per_replica, steps=rounds + 1,
         model=ModelShape(params=8_000_000_000, step_s=0.02), timeouts=t, heartbeats=heartbeats,
-        round_barrier=True, run_timeout_s=max(120.0, rounds * 30.0), job_id=f"scale-{replicas}x{ranks_per_replica}",
+        # The run's cap (a row past it reports its incomplete rounds): 30 s a round, more for
+        # large flat rows, whose round on this shared machine is seconds of gRPC calls.
+        round_barrier=True, run_timeout_s=max(120.0, (rounds + 1) * max(30.0, 0.03 * replicas)),
+        job_id=f"scale-{replicas}x{ranks_per_replica}",
         lighthouse_profile=profile, processes_per_replica=processes, lighthouse_trace=trace_path)
     rep = run_emulation(cfg)
     where = None
@@ -484,6 +487,7 @@ def lighthouse_profile(n: int, rounds: int, ranks_per_replica: int = 1, processe
                "RPC handlers and bookkeeping (fthsdp/control/lighthouse.py)": 0.0,
                "gRPC machinery (Cython callbacks, C-core)": 0.0, "asyncio event loop": 0.0,
                "root-cause and SDC analysis (fthsdp/observe, fthsdp/control/sdc.py)": 0.0,
+               "limits and credentials (fthsdp/control/guard.py, auth.py)": 0.0,
                "start-up (imports)": 0.0, "other": 0.0}
     handler_calls: dict[str, int] = {}
     top = []
@@ -504,6 +508,8 @@ def lighthouse_profile(n: int, rounds: int, ranks_per_replica: int = 1, processe
             b = "RPC handlers and bookkeeping (fthsdp/control/lighthouse.py)"
             if func in ("GetQuorum", "Heartbeat", "GetView", "Leave", "Status"):
                 handler_calls[func] = nc  # coroutines: one call per resumption (GetQuorum: 2 per request)
+        elif fname.endswith((os.path.join("control", "guard.py"), os.path.join("control", "auth.py"))):
+            b = "limits and credentials (fthsdp/control/guard.py, auth.py)"
         elif os.path.join("fthsdp", "observe") in fname or fname.endswith(os.path.join("control", "sdc.py")):
             b = "root-cause and SDC analysis (fthsdp/observe, fthsdp/control/sdc.py)"
         elif "_contextvars.Context" in func or "grpc" in fname:
@@ -602,6 +608,23 @@ def verdict(rows: list[dict], decision: dict | None = None) -> dict:
     return out
 
 
+def raise_open_files_limit() -> tuple[int, int]:
+    """Raise this process's soft limit on open files to its hard limit (the lighthouse and
+    torchft's, started from here, inherit it): every flat replica is a channel, a socket
+    on each side, and 2,048 of them passed a soft limit of 1,024 ("Too many open files").
+    Returns the (soft, hard) limits now."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or soft < hard:
+        want = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20)
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+        except (ValueError, OSError) as e:
+            print(f"could not raise the open-files limit from {soft} to {want}: {e}", file=sys.stderr)
+    return resource.getrlimit(resource.RLIMIT_NOFILE)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="small sizes, few rounds (CI)")
@@ -662,7 +685,7 @@ def main(argv: list[str] | None = None) -> int:
         "definition": ("latency per round = from the last request (last rank to its leader; flat: last replica) "
                        "to every rank holding the answer; p50/p99 over the measured rounds (round 0 excluded)"),
         "host": {"cpus": os.cpu_count(), "python": platform.python_version(), "grpc": grpc.__version__,
-                 "loadavg_at_start": os.getloadavg()},
+                 "loadavg_at_start": os.getloadavg(), "open_files_limit": raise_open_files_limit()},
         "paper": PAPER, "rows": [], "torchft": {},
     }
 
