@@ -97,3 +97,11 @@ class Timeouts:
         """Deadline of one heartbeat RPC: a lost one is retried at the next interval,
         and a few lost in a row must still fit in the detection window."""
         return max(0.05, min(0.5, self.detect_s / 2))
+
+
+# The lighthouse holds a call over its connection's or job's budget (fthsdp/control/admission.py)
+# at most this long, and never more than half the call's own remaining deadline: a legitimate
+# call is held for milliseconds at most; a flood's calls wait here, idle, instead of being
+# answered and sent again at once. Shorter than a heartbeat's RPC deadline would be useless
+# (the half-deadline rule already covers it); longer only keeps a flood's calls parked longer.
+LIGHTHOUSE_MAX_HOLD_S = 1.0

@@ -20,6 +20,7 @@ deserializer answered ``UNKNOWN``), and runs the checks before the servicer.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 import re
@@ -31,6 +32,8 @@ import grpc
 
 from fthsdp.addresses import split_host_port
 from fthsdp.control import auth
+from fthsdp.control.admission import Admission
+from fthsdp.timeouts import LIGHTHOUSE_MAX_HOLD_S
 
 log = logging.getLogger("fthsdp.control.lighthouse")
 
@@ -374,7 +377,11 @@ class CallAuthenticator:
         if self.secret is None:
             return None
         now = time.time() if now is None else now
-        value = next((v for k, v in metadata if k == METADATA_KEY), None)
+        value = None
+        for k, v in metadata:
+            if k == METADATA_KEY:
+                value = v
+                break
         where = f"{method} of job {job_id!r}" + (f" replica {replica_id!r}" if replica_id else "")
         if value is None:
             return Refusal(UNAUTHENTICATED, (
@@ -412,26 +419,51 @@ class CallAuthenticator:
 # -- transport ------------------------------------------------------------------
 
 class _Raw:
-    """A request as received: its bytes (what the credential signs) and the parsed message."""
+    """A request as received: its bytes (what the credential signs), parsed only when asked
+    (a call held or refused by its connection's budget is never parsed)."""
 
-    __slots__ = ("data", "message", "error")
+    __slots__ = ("data", "_parse", "_message", "error")
 
     def __init__(self, data: bytes, parse) -> None:
         self.data = data
-        self.message = None
+        self._parse = parse
+        self._message = None
         self.error = ""
+
+    @property
+    def message(self):
+        if self._message is None and not self.error:
+            try:
+                self._message = self._parse(self.data)
+            except Exception as e:  # noqa: BLE001 - any garbage from the network
+                self.error = f"{type(e).__name__}: {str(e)[:200]}"
+        return self._message
+
+
+def _hold_bound(context) -> float:
+    """How long a call may be held back: LIGHTHOUSE_MAX_HOLD_S, at most half its remaining deadline."""
+    remaining = context.time_remaining()
+    return LIGHTHOUSE_MAX_HOLD_S if remaining is None else min(LIGHTHOUSE_MAX_HOLD_S, 0.5 * remaining)
+
+
+async def _hold(admission: Admission, decision, held) -> None:
+    if decision.wait_s > 0:
         try:
-            self.message = parse(data)
-        except Exception as e:  # noqa: BLE001 - any garbage from the network
-            self.error = f"{type(e).__name__}: {str(e)[:200]}"
+            await asyncio.sleep(decision.wait_s)
+        finally:
+            admission.release(held)
 
 
-def generic_handler(pb2, servicer, authenticator: CallAuthenticator, limits: Limits, response_serializer):
+def generic_handler(pb2, servicer, authenticator: CallAuthenticator, limits: Limits, response_serializer,
+                    admission: Admission | None = None, job_size=lambda job_id: 0):
     """The Lighthouse service's handlers with the checks in front of each method.
 
-    ``servicer.<Method>(request, context)`` then only sees well-formed,
-    authenticated requests (the job-state checks: replicas per job, jobs,
-    incarnations, live in the servicer, which holds that state).
+    In order, each cheaper than the next: the connection's budget (``admission``, before
+    the body is parsed: a call over it is held, idle, or refused), the body's shape
+    (:func:`request_problem`), the credential, then the job's budget (``job_size(job_id)``:
+    its registered replicas). ``servicer.<Method>(request, context)`` then only sees
+    well-formed, authenticated requests within budget (the job-state checks: replicas per
+    job, jobs, incarnations, live in the servicer, which holds that state).
     """
     service = pb2.DESCRIPTOR.services_by_name["Lighthouse"]
     known = KnownAddresses()  # FTAR endpoints found well-formed (the same ones arrive with every request)
@@ -446,18 +478,36 @@ def generic_handler(pb2, servicer, authenticator: CallAuthenticator, limits: Lim
 
     def guarded(name: str, type_name: str, inner):
         async def handle(raw: _Raw, context: grpc.aio.ServicerContext):
-            if raw.message is None:
+            peer = context.peer() or ""
+            if admission is not None:
+                decision, held = admission.connection(peer, time.monotonic(), _hold_bound(context))
+                await _hold(admission, decision, held)
+                if decision.refusal:
+                    return refuse(context, EXHAUSTED, decision.refusal)
+            req = raw.message
+            if req is None:
+                if admission is not None:
+                    admission.refused(peer, time.monotonic())
                 return refuse(context, INVALID, (
                     f"the {name} request body is not a valid {type_name} protobuf message "
                     f"({raw.error}): send fthsdp's lighthouse protocol (fthsdp/proto/lighthouse.proto)"))
-            req = raw.message
             err = request_problem(name, req, limits, known)
             if err:
+                if admission is not None:
+                    admission.refused(peer, time.monotonic())
                 return refuse(context, INVALID, err)
             refusal = authenticator.check(name, context.invocation_metadata() or (), req.job_id,
                                           getattr(req, "replica_id", ""), raw.data)
             if refusal is not None:
+                if admission is not None:
+                    admission.refused(peer, time.monotonic())
                 return refuse(context, refusal.code, refusal.reason)
+            if admission is not None and req.job_id:
+                decision, held = admission.job(req.job_id, job_size(req.job_id), time.monotonic(),
+                                               _hold_bound(context))
+                await _hold(admission, decision, held)
+                if decision.refusal:
+                    return refuse(context, EXHAUSTED, decision.refusal)
             return await inner(req, context)
         return handle
 

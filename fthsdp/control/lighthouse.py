@@ -69,7 +69,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from fthsdp.addresses import split_host_port
-from fthsdp.control import auth, guard, quorum as qm
+from fthsdp.control import admission, auth, guard, quorum as qm
 from fthsdp.observe import root_cause as rc
 from fthsdp.control import sdc
 from fthsdp.proto import LIGHTHOUSE_PROTOCOL_VERSION, lighthouse as _load_stubs
@@ -105,6 +105,9 @@ class LighthouseConfig:
     tls_cert_file: str = ""  # PEM certificate chain and key: serve TLS instead of plain TCP
     tls_key_file: str = ""
     limits: guard.Limits = field(default_factory=guard.Limits)
+    # Per-connection, per-host and per-job budgets (fthsdp/control/admission.py): a flood of one
+    # client is held back on its own connections instead of slowing every job. None: no budgets.
+    fairness: admission.FairnessLimits | None = field(default_factory=admission.FairnessLimits)
 
     def __post_init__(self) -> None:
         qm.QuorumConfig(self.min_replicas, self.join_timeout_s, self.detect_s, self.num_replicas)
@@ -519,6 +522,7 @@ class Lighthouse(pb2_grpc.LighthouseServicer):
                       "sdc_mismatches": 0, "refused": 0, "forgotten_dead": 0}
         self._auth = guard.CallAuthenticator(self.config.secret)
         self._new_ids = guard.NewIdRate(self.config.limits.new_ids_per_s, self.config.limits.new_ids_burst)
+        self._admission = admission.Admission(self.config.fairness) if self.config.fairness is not None else None
 
     # -- lifecycle ---------------------------------------------------------
 
@@ -534,7 +538,8 @@ class Lighthouse(pb2_grpc.LighthouseServicer):
                                                  ("grpc.max_receive_message_length", c.limits.max_request_bytes)])
         # Limits and credentials are checked in front of every handler (fthsdp.control.guard);
         # _wire is every response serializer (a reply built once arrives as bytes).
-        self._server.add_generic_rpc_handlers((guard.generic_handler(pb2, self, self._auth, c.limits, _wire),))
+        self._server.add_generic_rpc_handlers((guard.generic_handler(pb2, self, self._auth, c.limits, _wire,
+                                                                self._admission, self._job_size),))
         if c.secret is None:
             log.warning("lighthouse on %s serves WITHOUT authentication (loopback only): anyone on this machine "
                         "can join, steer or read its jobs", c.bind)
@@ -571,6 +576,13 @@ class Lighthouse(pb2_grpc.LighthouseServicer):
         await self._server.wait_for_termination()
 
     # -- state ---------------------------------------------------------------
+
+    def _job_size(self, job_id: str) -> int:
+        """Processes registered by job ``job_id`` (its budget in fthsdp.control.admission follows it)."""
+        job = self._jobs.get(job_id)
+        if job is None:
+            return 0
+        return len(job.last_seen) + sum(g.num_processes - 1 for g in job.groups.values())
 
     def _job(self, job_id: str) -> _Job:
         job = self._jobs.get(job_id)
@@ -1390,6 +1402,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-replicas-per-job", type=int, default=lim.max_replicas_per_job,
                    help="refuse replicas beyond this many per job (default %(default)s)")
     p.add_argument("--max-jobs", type=int, default=lim.max_jobs, help="refuse jobs beyond this many (default %(default)s)")
+    fair = admission.FairnessLimits()
+    p.add_argument("--connection-calls-per-s", type=float, default=fair.connection_calls_per_s,
+                   help="calls per second one client connection may make before the rest are held back "
+                        "(a replica process makes ~10-50; default %(default)s)")
+    p.add_argument("--no-fairness", action="store_true",
+                   help="no per-connection, per-host or per-job budgets: one client's flood then slows every job "
+                        "(for measuring what the budgets buy; experiments/auth_cost.py)")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     return p
 
@@ -1446,6 +1465,8 @@ def cli(argv: list[str]) -> int:
             tls_cert_file=args.tls_cert,
             tls_key_file=args.tls_key,
             limits=guard.Limits(max_replicas_per_job=args.max_replicas_per_job, max_jobs=args.max_jobs),
+            fairness=None if args.no_fairness else admission.FairnessLimits(
+                connection_calls_per_s=args.connection_calls_per_s),
             rca_interval_s=args.rca_interval,
         )
     except ValueError as e:

@@ -125,6 +125,9 @@ class SilentDataCorruption(LighthouseError, JobFatalError):
 # reconnect backoff grows to minutes, far past a restart).
 _SERVICE = "/fthsdp.v1.Lighthouse/"
 _CHANNEL_OPTIONS = [
+    # A connection of its own: the lighthouse budgets calls per connection (fthsdp/control/admission.py),
+    # so clients of one process (tests, tools) must not pool theirs into one.
+    ("grpc.use_local_subchannel_pool", 1),
     ("grpc.max_receive_message_length", 256 * 1024 * 1024),  # a quorum answer of the largest job admitted
     ("grpc.initial_reconnect_backoff_ms", 100),
     ("grpc.min_reconnect_backoff_ms", 100),

@@ -14,10 +14,12 @@ and registers its own shards' endpoints with its heartbeats until the
 lighthouse holds them; the leader (process 0) asks for quorums, the other
 processes fetch their own view of their leader's quorum (``get_view``).
 
-Each replica owns its own channel on a local subchannel pool, so each replica
-has its own TCP connection to the lighthouse, as separate hosts would; the
-processes of one emulated replica share it (``channel_of``): the lighthouse
-sees the same calls, and the emulator saves a socket and a channel per process.
+Each client owns its own channel on a local subchannel pool, so each process
+of each replica has its own TCP connection to the lighthouse, as separate hosts
+would: the lighthouse budgets calls per connection
+(fthsdp/control/admission.py), so processes sharing one would be held back
+as one. (``channel_of`` still lets clients share a channel, for a caller that
+wants to save sockets and keeps under that budget.)
 """
 
 from __future__ import annotations

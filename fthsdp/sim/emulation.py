@@ -482,8 +482,7 @@ class EmulatedReplica:
             cl = AioLighthouseClient(emu.lighthouse.address, c.job_id, self.rid,
                                      outage_s=c.timeouts.lighthouse_outage_s,
                                      heartbeat_timeout_s=c.timeouts.heartbeat_rpc_s, rejoin=rejoin,
-                                     process_index=p, num_processes=nproc,
-                                     channel_of=self.clients[0] if self.clients else None)
+                                     process_index=p, num_processes=nproc)
             cl.decode_cache = emu.decode_cache
             if nproc > 1:
                 cl.register(self.ftar[p], self.servers[p], c.ranks_per_replica)

@@ -1,0 +1,209 @@
+"""Per-connection and per-job fairness of the lighthouse: who may use its one event loop, how fast.
+
+**Why.** The lighthouse is one asyncio event loop. gRPC hands it calls in the
+order they arrive, so a client that keeps many calls in flight (a flood: a
+stranger without credentials, or a holder of one job's secret gone rogue)
+fills the queue ahead of every other job's calls, and each of them waits for
+the whole queue: measured, a 16-call flood slowed another job's heartbeats
+x7 (experiments/auth_cost.py). Refusing the flood faster does not help much,
+since a refused client just sends again at once. What helps is *back-pressure*:
+a call over its principal's budget is **held** (an idle coroutine, no CPU)
+until the budget allows it, so a client with N calls in flight ends up with
+N calls parked and sends nothing more; the loop serves the flood at its
+budgeted rate and everyone else at theirs. Only a client that piles up more
+than ``max_held`` parked calls (or one that would wait longer than the hold
+bound) is refused, with ``RESOURCE_EXHAUSTED`` and the reason.
+
+Principals and budgets (token buckets; a call takes one token, a refused call
+of a connection costs ``failure_cost`` tokens more):
+
+* the **connection** (gRPC's peer string, ``ipv4:host:port``): every call is
+  charged to it *before* its body is parsed or its credential checked, so a
+  flood costs the lighthouse its connection's budget and no more. One
+  process of a replica uses one connection and sends ~10-60 calls per second
+  (heartbeats at 10 Hz, a quorum per step); the default budget is 100/s.
+  A connection whose calls fail (no or a bad credential, a malformed body)
+  burns its budget ``failure_cost`` times faster: a stranger gets a few dozen
+  refusals a second, never thousands.
+  A new connection starts with a small part of its burst
+  (``new_connection_tokens``: one refused call spends it), so opening a
+  fresh connection per call buys a stranger one refusal per TCP and HTTP/2
+  handshake, and it then waits like the rest. (Budgets are per connection,
+  not per host: a stranger must never be able to hold back a replica that
+  starts or restarts on its host; tried, and it kept a restarted replica
+  from rejoining beside a flood, tests/test_security_lighthouse.py.)
+* the **job**, after its credential checked: a budget that scales with the
+  job's registered size (``job_calls_per_s + replica_calls_per_s`` x its
+  replicas), so a 16,384-replica job's heartbeats are its normal load, while
+  one job (even with its valid secret, over many connections) cannot take
+  the loop from the others.
+
+Everything here is pure (times in, decisions out) and unit-tested without a
+server; :mod:`fthsdp.control.guard` applies it to gRPC calls.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from dataclasses import dataclass
+
+__all__ = ["FairnessLimits", "Bucket", "Admission", "Decision"]
+
+
+@dataclass(frozen=True)
+class FairnessLimits:
+    """Budgets of :class:`Admission` (calls per second, bursts in calls)."""
+
+    # Per gRPC connection. A replica process sends ~10-60 calls/s (heartbeats at 10 Hz, a quorum per
+    # step); an emulated replica of P processes shares one connection (10 P + a quorum per step).
+    # Measured on 2 loaded cores, a lighthouse serves ~1,000-3,000 calls/s in all: one connection
+    # at this rate takes a fraction of that, never the loop (experiments/auth_cost.py, flood).
+    connection_calls_per_s: float = 100.0
+    connection_burst: int = 200
+    new_connection_tokens: int = 20  # what a new connection starts with (its bucket fills to the burst)
+    failure_cost: float = 20.0  # a refused call costs its connection this many tokens (1 + this)
+    job_calls_per_s: float = 2000.0  # per job, plus ...
+    replica_calls_per_s: float = 100.0  # ... this much per replica the job has registered
+    max_held: int = 64  # calls one principal may have parked; more are refused at once
+    max_held_total: int = 65536  # parked calls over all principals
+    max_principals: int = 65536  # connections / jobs remembered (least recently used forgotten)
+
+    def __post_init__(self) -> None:
+        for k, v in self.__dict__.items():
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+                raise ValueError(f"FairnessLimits.{k}={v!r}: must be a finite number > 0")
+
+
+class Bucket:
+    """A token bucket that may go into debt: :meth:`reserve` books a call and says how
+    long it must wait for its token (0: now), so that held calls leave at the bucket's rate
+    in arrival order."""
+
+    __slots__ = ("rate", "burst", "tokens", "at", "held")
+
+    def __init__(self, rate: float, burst: float, now: float, tokens: float | None = None) -> None:
+        self.rate, self.burst, self.at, self.held = rate, float(burst), now, 0
+        self.tokens = float(burst) if tokens is None else min(float(tokens), float(burst))
+
+    def _refill(self, now: float) -> None:
+        if now > self.at:
+            self.tokens = min(self.burst, self.tokens + (now - self.at) * self.rate)
+            self.at = now
+
+    def wait_s(self, now: float, cost: float = 1.0) -> float:
+        """How long a call of ``cost`` tokens would wait if booked now."""
+        self._refill(now)
+        return max(0.0, (cost - self.tokens) / self.rate)
+
+    def reserve(self, now: float, cost: float = 1.0) -> float:
+        """Book ``cost`` tokens (the bucket may go into debt); the wait until they exist."""
+        w = self.wait_s(now, cost)
+        self.tokens -= cost
+        return w
+
+    def charge(self, now: float, cost: float) -> None:
+        """Take ``cost`` tokens after the fact (a refused call's extra price)."""
+        self._refill(now)
+        self.tokens = max(self.tokens - cost, -self.burst - self.rate * 60.0)  # debt of at most a minute
+
+    def set_rate(self, rate: float, burst: float) -> None:
+        self.rate, self.burst = rate, float(burst)
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What to do with a call: hold it ``wait_s`` (>= 0), then serve it, or refuse it with
+    ``refusal`` when one is given."""
+
+    wait_s: float = 0.0
+    refusal: str = ""
+
+
+def _lru_get(table: OrderedDict, key: str, make, cap: int):
+    b = table.get(key)
+    if b is None:
+        b = table[key] = make()
+        while len(table) > cap:
+            old_key, old = next(iter(table.items()))
+            if old.held:  # never forget a principal with calls parked (its count must come back to 0)
+                table.move_to_end(old_key)
+                break
+            table.popitem(last=False)
+    else:
+        table.move_to_end(key)
+    return b
+
+
+class Admission:
+    """The lighthouse's budgets: call :meth:`connection` before a call's body is looked at,
+    :meth:`job` once its credential checked, :meth:`refused` when it was refused;
+    :meth:`release` after a held call's wait."""
+
+    def __init__(self, limits: FairnessLimits | None = None) -> None:
+        self.limits = limits or FairnessLimits()
+        self._connections: OrderedDict[str, Bucket] = OrderedDict()
+        self._jobs: OrderedDict[str, Bucket] = OrderedDict()
+        self.held_total = 0
+        self.stats = {"held": 0, "refused": 0}
+
+    def _decide(self, b: Bucket, now: float, max_wait_s: float, who: str, budget: str) -> Decision:
+        lim = self.limits
+        if b.held >= lim.max_held or self.held_total >= lim.max_held_total:
+            self.stats["refused"] += 1
+            return Decision(refusal=(
+                f"{who} has {b.held} calls held back already (at most {lim.max_held}; {budget}): this call is "
+                "refused; send fewer calls at once, or retry after the ones in flight are answered"))
+        w = b.wait_s(now)
+        if w > max_wait_s:
+            # Held for the whole bound, then refused: answered at once, a flooding client would
+            # just send again, and the refusals alone would take the loop.
+            self.stats["refused"] += 1
+            b.held += 1
+            self.held_total += 1
+            return Decision(wait_s=max_wait_s, refusal=(
+                f"{who} is over its budget ({budget}): the call would have waited {w:.2f} s, longer than "
+                f"{max_wait_s:.2f} s: it is refused; slow down and retry later"))
+        b.reserve(now)
+        if w > 0:
+            b.held += 1
+            self.held_total += 1
+            self.stats["held"] += 1
+        return Decision(wait_s=w)
+
+    def connection(self, peer: str, now: float, max_wait_s: float) -> tuple[Decision, object]:
+        """The decision for a call arriving on connection ``peer``, and a token to hand back to
+        :meth:`release` if it was held. Charged before any parsing."""
+        lim = self.limits
+        b = _lru_get(self._connections, peer,
+                     lambda: Bucket(lim.connection_calls_per_s, lim.connection_burst, now, lim.new_connection_tokens),
+                     lim.max_principals)
+        d = self._decide(b, now, max_wait_s, f"connection {peer}",
+                         f"{lim.connection_calls_per_s:g} calls/s per connection, a refused call counts "
+                         f"{1 + lim.failure_cost:g}")
+        return d, (b if d.wait_s > 0 else None)
+
+    def job(self, job_id: str, replicas: int, now: float, max_wait_s: float) -> tuple[Decision, object]:
+        """The decision for an authenticated call of ``job_id``, a job of ``replicas`` registered
+        replicas (its budget follows its size)."""
+        lim = self.limits
+        rate = lim.job_calls_per_s + lim.replica_calls_per_s * max(0, replicas)
+        b = _lru_get(self._jobs, job_id, lambda: Bucket(rate, rate, now), lim.max_principals)
+        if b.rate != rate:
+            b.set_rate(rate, rate)
+        d = self._decide(b, now, max_wait_s, f"job {job_id!r}",
+                         f"{lim.job_calls_per_s:g} calls/s + {lim.replica_calls_per_s:g} per registered replica "
+                         f"= {rate:g} calls/s")
+        return d, (b if d.wait_s > 0 else None)
+
+    def release(self, held: object) -> None:
+        """A held call's wait is over (served, refused or cancelled)."""
+        if isinstance(held, Bucket) and held.held > 0:
+            held.held -= 1
+            self.held_total -= 1
+
+    def refused(self, peer: str, now: float) -> None:
+        """A call of connection ``peer`` was refused (malformed, unauthenticated, not allowed)."""
+        b = self._connections.get(peer)
+        if b is not None:
+            b.charge(now, self.limits.failure_cost)
