@@ -49,12 +49,13 @@ def install(trace: Trace) -> None:
     """Wrap the lighthouse's stages (in this process) so that they record into ``trace``."""
     checks = guard.request_problem
 
-    def request_problem(method, req, limits, known=None):
+    # Every wrapper passes its arguments on as given: the wrapped signatures may grow.
+    def request_problem(method, req, *args, **kwargs):
         if method != "GetQuorum":
-            return checks(method, req, limits, known)
+            return checks(method, req, *args, **kwargs)
         trace.mark("checks_start", req.replica_id, req.step)
         try:
-            return checks(method, req, limits, known)
+            return checks(method, req, *args, **kwargs)
         finally:
             trace.mark("checks_end", req.replica_id, req.step)
 
@@ -95,9 +96,9 @@ def install(trace: Trace) -> None:
 
     view_reply = lh._Job.view_reply
 
-    def _view_reply(self, q, rid, process, stats, holds_view=False):
+    def _view_reply(self, q, rid, process, *args, **kwargs):
         t0 = time.perf_counter()
-        raw = view_reply(self, q, rid, process, stats, holds_view)
+        raw = view_reply(self, q, rid, process, *args, **kwargs)
         trace.mark("reply", time.perf_counter() - t0, rid, process, q.max_step, len(raw))
         return raw
 
