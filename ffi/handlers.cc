@@ -4,6 +4,7 @@
 #include <string>
 #include <vector>
 
+#include "fingerprint.h"
 #include "ftar.h"
 #include "reduce.h"
 #include "xla/ffi/api/ffi.h"
@@ -96,6 +97,67 @@ ffi::Error FtarImpl(ffi::Buffer<ffi::S32> comm, ffi::Buffer<ffi::S32> shard,
   return ffi::Error::Success();
 }
 
+// Byte size of a fingerprintable element type, or 0.
+int fingerprint_elem_bytes(ffi::DataType t) {
+  switch (t) {
+    case ffi::DataType::PRED: case ffi::DataType::S8: case ffi::DataType::U8: return 1;
+    case ffi::DataType::F16: case ffi::DataType::BF16: case ffi::DataType::S16: case ffi::DataType::U16: return 2;
+    case ffi::DataType::F32: case ffi::DataType::S32: case ffi::DataType::U32: return 4;
+    case ffi::DataType::F64: case ffi::DataType::S64: case ffi::DataType::U64: return 8;
+    default: return 0;
+  }
+}
+
+// meta: uint32, per leaf [counted (0/1), offset of each axis...] (this device's block);
+// attrs: leaf_ids, ranks, global_dims (all leaves' dims, concatenated).
+ffi::Error FingerprintImpl(ffi::Buffer<ffi::U32> meta, ffi::RemainingArgs leaves,
+                           ffi::Span<const int64_t> leaf_ids, ffi::Span<const int64_t> ranks,
+                           ffi::Span<const int64_t> global_dims, ffi::Result<ffi::Buffer<ffi::U32>> out) {
+  const std::string what = "fthsdp fingerprint: ";
+  if (out->element_count() != 2) return ffi::Error::InvalidArgument(what + "the output must hold two uint32 words");
+  if (leaf_ids.size() != leaves.size() || ranks.size() != leaves.size()) {
+    return ffi::Error::InvalidArgument(what + std::to_string(leaves.size()) + " leaves but " +
+                                       std::to_string(leaf_ids.size()) + " leaf ids and " +
+                                       std::to_string(ranks.size()) + " ranks");
+  }
+  std::vector<FpBlock> blocks;
+  size_t m = 0, g = 0;
+  const uint32_t* mv = meta.typed_data();
+  for (size_t i = 0; i < leaves.size(); ++i) {
+    auto a = leaves.get<ffi::AnyBuffer>(i);
+    if (a.has_error()) return a.error();
+    const auto dims = a.value().dimensions();
+    const int64_t rank = ranks[i];
+    if (rank != static_cast<int64_t>(dims.size()) || g + rank > global_dims.size() ||
+        m + 1 + rank > meta.element_count()) {
+      return ffi::Error::InvalidArgument(what + "leaf " + std::to_string(i) + " has rank " +
+                                         std::to_string(dims.size()) + ", its description does not match");
+    }
+    const int bytes = fingerprint_elem_bytes(a.value().element_type());
+    if (bytes == 0) return ffi::Error::InvalidArgument(what + "leaf " + std::to_string(i) + " has an unsupported dtype");
+    const bool counted = mv[m] != 0;
+    FpBlock b;
+    b.data = a.value().untyped_data();
+    b.elem_bytes = bytes;
+    b.leaf = static_cast<uint32_t>(leaf_ids[i]);
+    for (int64_t d = 0; d < rank; ++d) {
+      b.local_dims.push_back(dims[d]);
+      b.global_dims.push_back(global_dims[g + d]);
+      b.offsets.push_back(mv[m + 1 + d]);
+      if (b.offsets.back() + dims[d] > global_dims[g + d]) {
+        return ffi::Error::InvalidArgument(what + "leaf " + std::to_string(i) + ": a block past its global shape");
+      }
+    }
+    m += 1 + rank;
+    g += rank;
+    if (counted) blocks.push_back(std::move(b));
+  }
+  uint32_t* o = out->typed_data();
+  o[0] = o[1] = 0;
+  fingerprint_blocks(blocks, o);
+  return ffi::Error::Success();
+}
+
 }  // namespace
 }  // namespace fthsdp
 
@@ -115,3 +177,12 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FthsdpFtar, fthsdp::FtarImpl,
                                   .RemainingArgs()
                                   .Ret<ffi::Buffer<ffi::S32>>()  // status
                                   .RemainingRets());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(FthsdpFingerprint, fthsdp::FingerprintImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::U32>>()  // meta
+                                  .RemainingArgs()               // the leaves' local blocks
+                                  .Attr<ffi::Span<const int64_t>>("leaf_ids")
+                                  .Attr<ffi::Span<const int64_t>>("ranks")
+                                  .Attr<ffi::Span<const int64_t>>("global_dims")
+                                  .Ret<ffi::Buffer<ffi::U32>>());

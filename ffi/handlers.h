@@ -12,4 +12,7 @@ XLA_FFI_Error* FthsdpReduceSum(XLA_FFI_CallFrame* call_frame);
 //   -> (status: int32[1], sums...). Sums every buffer over the ring of `shard`
 // of communicator `comm`; status 0 OK, 1 RECOVERABLE; fatal errors raise.
 XLA_FFI_Error* FthsdpFtar(XLA_FFI_CallFrame* call_frame);
+// State fingerprint of one device's blocks: (meta: uint32[], leaves...) -> uint32[2]
+// (attrs leaf_ids, ranks, global_dims; fthsdp/step/fingerprint.py builds the call).
+XLA_FFI_Error* FthsdpFingerprint(XLA_FFI_CallFrame* call_frame);
 }

@@ -36,6 +36,7 @@ NB_MODULE(_ffi, m) {
     nb::dict d;
     d["fthsdp_reduce_sum"] = as_capsule(FthsdpReduceSum);
     d["fthsdp_ftar"] = as_capsule(FthsdpFtar);
+    d["fthsdp_fingerprint"] = as_capsule(FthsdpFingerprint);
     return d;
   }, "Map of FFI target name -> handler capsule, for jax.ffi.register_ffi_target.");
   m.def("host_api_address", []() { return reinterpret_cast<uintptr_t>(fthsdp_host_api()); },

@@ -190,7 +190,7 @@ def make_train_step(
             "status": status,
         }
         if fingerprint:  # of the state returned (the committed one when ok): silent-data-corruption check
-            metrics["fingerprint"] = state_fingerprint(out)
+            metrics["fingerprint"] = state_fingerprint(out, state_shardings)
         return out, metrics
 
     def step(state, inputs, targets, quorum):
