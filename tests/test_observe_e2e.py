@@ -1,6 +1,9 @@
 """Observability of a real job (issue 16): `fthsdp run` with 2 replicas x 1
 device and a SIGKILL of replica 1, watched by the dashboard in headless
 Chromium and scraped by a real Prometheus server, queried over its HTTP API.
+Prometheus also scrapes what `fthsdp status --prometheus-targets` lists (its
+output fed to a file_sd_configs file as is): every replica process's own
+/metrics and the lighthouse's, whose root-cause verdict series it must hold.
 
 One job serves both tests (module fixture) to spare the shared CPUs: the
 dashboard test watches it live (replica 1 dead, then back), the Prometheus test
@@ -159,7 +162,19 @@ class ObservedJob:
         targets += [(s.address, {"role": "replica"}) for s in self.rep_servers.values()]
         sd = write_targets(self.out.parent / "targets.json", targets)
         cfg = self.out.parent / "prometheus.yml"
-        cfg.write_text(scrape_config(sd, scrape_interval="500ms"))
+        config = json.loads(scrape_config(sd, scrape_interval="500ms"))
+        # A second scrape job over `fthsdp status --prometheus-targets` (refreshed by
+        # status_targets()): its series carry sd="status", and of what the replicas serve only
+        # the verdict series are kept, so the first job's series are not counted twice.
+        self.status_sd = self.out.parent / "status-targets.json"
+        self.status_sd.write_text("[]")
+        status_job = json.loads(scrape_config(self.status_sd, scrape_interval="500ms",
+                                              job_name="fthsdp-status"))["scrape_configs"][0]
+        status_job["relabel_configs"] = [{"target_label": "sd", "replacement": "status"}]
+        status_job["metric_relabel_configs"] = [{"source_labels": ["__name__"], "regex": "fthsdp_root_cause_.*",
+                                                 "action": "keep"}]
+        config["scrape_configs"].append(status_job)
+        cfg.write_text(json.dumps(config, indent=1))
         port = free_port()
         self.prom_log = open(self.out.parent / "prometheus.log", "w")
         self.prom = subprocess.Popen(
@@ -186,6 +201,18 @@ class ObservedJob:
             self.prom.kill()
             self.prom.wait(10)
         self.prom_log.close()
+
+    def status_targets(self) -> list[dict]:
+        """Runs `fthsdp status --prometheus-targets` against the job's lighthouse and hands its
+        output to Prometheus unchanged (file_sd: re-read within a second)."""
+        p = subprocess.run([sys.executable, "-m", "fthsdp.cli", "status", "--lighthouse", self.lighthouse,
+                            "--prometheus-targets", "--status-key-file", str(self.out / "status.key")],
+                           capture_output=True, text=True, timeout=120, cwd=REPO)
+        assert p.returncode == 0, p.stderr[-2000:]
+        tmp = self.status_sd.with_name(".status-targets.tmp")
+        tmp.write_text(p.stdout)
+        tmp.replace(self.status_sd)
+        return json.loads(p.stdout)
 
     def job_view(self) -> dict | None:
         jobs = self.dashboard.snapshot()["jobs"]
@@ -319,11 +346,29 @@ def test_prometheus_scrapes_the_job_and_sees_the_kill(observed):
     # the rejoined replica committed a few steps, and Prometheus scraped them
     wait_until(lambda: (scalar(url, f'fthsdp_commits_total{{job="{JOB}",replica="1"}}') or 0) > KILL_STEP + 3,
                START_S, "replica 1 to commit steps after rejoining")
+
+    # `fthsdp status --prometheus-targets`, fed to Prometheus as is: every replica process it lists
+    # (replica 1: its restarted process) and the lighthouse are scraped and up, and the lighthouse's
+    # root-cause series are there: one current verdict, and the kill's dead/frozen verdict counted.
+    groups = observed.status_targets()
+    listed = {(g["labels"]["replica"], g["labels"]["process"]) for g in groups if g["labels"]["role"] == "replica"}
+    assert listed == {("0", "0"), ("1", "0")}, groups
+    assert [g for g in groups if g["labels"]["role"] == "lighthouse"], groups
+    up = wait_until(lambda: (u := prom_query(url, 'up{sd="status"}')) and len(u) == 3
+                    and all(x["value"][1] == "1" for x in u) and u, 30, "every listed target scraped and up")
+    assert {(u["metric"].get("replica"), u["metric"].get("process")) for u in up
+            if u["metric"].get("role") == "replica"} == listed, up
+    info = wait_until(lambda: prom_query(url, f'fthsdp_root_cause_info{{job="{JOB}",sd="status"}}'), 30,
+                      "the lighthouse's verdict series in Prometheus")
+    assert len(info) == 1 and info[0]["value"][1] == "1", info
+    assert info[0]["metric"]["kind"] in ("none", "dead", "frozen", "slow", "slow_link", "unknown"), info
+    stalls = scalar(url, f'sum(fthsdp_root_cause_changes_total{{job="{JOB}",sd="status",kind=~"dead|frozen"}})')
+    assert stalls is not None and stalls >= 1, stalls  # the SIGKILL of replica 1 was a verdict
     observed.stop_job()
     steps = {r: f.poll() or f.steps for r, f in observed.followers.items()}
     time.sleep(1.5)  # three scrape intervals: the final values are in Prometheus
 
-    ups = prom_query(url, "up")
+    ups = prom_query(url, 'up{sd=""}')  # the first job's targets (the status job's: above)
     assert len(ups) == 3 and all(u["value"][1] == "1" for u in ups), ups
     # commits: what Prometheus holds is exactly what the replicas recorded
     for r, f in observed.followers.items():

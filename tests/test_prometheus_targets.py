@@ -1,6 +1,7 @@
 """`fthsdp status --prometheus-targets` against a real job: every replica process advertises
 its /metrics address with its heartbeats, the lighthouse keeps it, and the command prints a
-Prometheus file_sd list whose targets really serve that replica's metrics."""
+Prometheus file_sd list whose targets really serve that replica's metrics, and the
+lighthouse's own (`fthsdp lighthouse --metrics-bind`: the root-cause verdict series)."""
 
 import json
 import signal
@@ -19,7 +20,7 @@ pytestmark = pytest.mark.multiprocess
 def start_lighthouse(tmp_path) -> tuple[subprocess.Popen, str]:
     port_file = tmp_path / "lighthouse.port"
     p = subprocess.Popen([sys.executable, "-m", "fthsdp.cli", "lighthouse", "--bind", "127.0.0.1:0", "--insecure",
-                          "--port-file", str(port_file)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                          "--port-file", str(port_file), "--metrics-bind", "127.0.0.1:0"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 60
     while not port_file.exists():
         assert p.poll() is None and time.monotonic() < deadline, "the lighthouse did not start"
@@ -47,12 +48,17 @@ def test_status_prints_the_scrape_targets_of_a_running_job(tmp_path):
         while time.monotonic() < deadline:
             rc, out, err = targets(address)
             assert rc == 0, err
-            found = json.loads(out)
+            listed = json.loads(out)
+            found = [g for g in listed if g["labels"]["role"] == "replica"]
             if len(found) == 2:
                 break
             assert job.poll() is None, "the job ended before both replicas were listed"
             time.sleep(0.5)
         assert sorted(g["labels"]["replica"] for g in found) == ["0", "1"], found
+        # the job's lighthouse (started by `fthsdp run`) names where it serves its own metrics
+        (lh_group,) = [g for g in listed if g["labels"]["role"] == "lighthouse"]
+        assert "fthsdp_root_cause" in urllib.request.urlopen(f"http://{lh_group['targets'][0]}/metrics",
+                                                             timeout=10).read().decode()
         for g in found:
             assert g["labels"]["job"] == "fthsdp" and g["labels"]["process"] == "0"
             assert g["labels"]["role"] == "replica" and len(g["targets"]) == 1
@@ -63,7 +69,7 @@ def test_status_prints_the_scrape_targets_of_a_running_job(tmp_path):
             assert f'replica="{g["labels"]["replica"]}"' in text and "fthsdp_step_seconds" in text
         # one job only, and a job the lighthouse does not know: a clear error
         rc, out, _ = targets(address, "--job", "fthsdp")
-        assert rc == 0 and len(json.loads(out)) == 2
+        assert rc == 0 and len([g for g in json.loads(out) if g["labels"]["role"] == "replica"]) == 2
         rc, _, err = targets(address, "--job", "nope")
         assert rc == 1 and "no job 'nope'" in err
     finally:

@@ -259,3 +259,74 @@ def test_a_replica_named_like_the_virtual_quorum_node_is_ignored_not_fatal():
     v = rc.analyse(snap(R("0", 0.05, "waiting-for-quorum", 7, 0.5, asking=True), R(rc.QUORUM, 0.05, "computing"),
                         R("1", 0.9, "computing", 7, 0.1), members=("0", "1", rc.QUORUM)))
     assert (v.kind, v.culprit) == (rc.DEAD, "1")
+
+
+# -- replicas of several processes (merge_processes) -------------------------------------------
+
+
+def test_a_followers_ftar_wait_is_its_replicas_edge_and_names_the_busy_process():
+    # replica 1: its leader is idle, its follower waits in its own ring on replica 2, whose
+    # follower computes far longer than its leader
+    one = rc.merge_processes([R("1", 0.05, "idle", 7, 0.4, process=0),
+                              R("1", 0.05, "allreduce", 7, 0.9, waiting_on="2", waiting_s=0.9, process=1)])
+    two = rc.merge_processes([R("2", 0.05, "computing", 7, 0.3, compute_s=0.05, process=0),
+                              R("2", 0.05, "computing", 7, 1.9, compute_s=0.06, process=1)])
+    assert (one.waiting_on, one.process) == ("2", 1) and (two.process, two.compute_s) == (1, 0.06)
+    v = rc.analyse(snap(R("0", 0.05, "idle", 7, 0.1, compute_s=0.05), one, two))
+    assert (v.kind, v.culprit, v.process, v.chain) == (rc.SLOW, "2", 1, ("1", "2"))
+    assert "replica 2 process 1 has been computing" in v.evidence and "replica 2 process 1" in v.describe()
+
+
+def test_processes_a_little_apart_do_not_flap_the_verdict():
+    """Two processes of one replica in the same phase report a little apart: the lower one is
+    kept unless another is PROCESS_MARGIN_S longer, so the verdict does not alternate."""
+    for lead, follow in ((1.00, 1.05), (1.05, 1.00)):
+        m = rc.merge_processes([R("2", 0.05, "computing", 7, lead, process=0),
+                                R("2", 0.05, "computing", 7, follow, process=1)])
+        assert m.process == 0
+
+
+def test_a_frozen_follower_under_a_live_leader_is_named_by_process():
+    one = rc.merge_processes([R("1", 0.6, "idle", 7, 0.1, silent_processes=(1,), process=0),
+                              R("1", 0.6, "allreduce", 7, 0.5, waiting_on="2", waiting_s=0.5, process=1)])
+    v = rc.analyse(snap(R("0", 0.05, "allreduce", 7, 0.5, waiting_on="1", waiting_s=0.5), one,
+                        R("2", 0.05, "idle", 7, 0.5)))
+    assert (v.kind, v.culprit, v.process) == (rc.FROZEN, "1", 1)
+
+
+def test_a_followers_slow_stream_names_its_process():
+    fast = [StreamRate("0", 50e6, 0.5)]
+    one = rc.merge_processes([R("1", 0.05, "idle", 7, 0.1, streams=(StreamRate("2", 50e6, 0.5),), process=0),
+                              R("1", 0.05, "idle", 7, 0.1, streams=(StreamRate("2", 1e6, 0.9),), process=1)])
+    v = rc.analyse(snap(R("0", 0.05, "idle", 7, 0.1, streams=(StreamRate("1", 50e6, 0.5),)), one,
+                        R("2", 0.05, "idle", 7, 0.1, streams=tuple(fast))))
+    assert (v.kind, v.culprit, v.peer, v.process) == (rc.SLOW_LINK, "1", "2", 1)
+    assert "1 (process 1) -> 2" in v.evidence
+
+
+def test_merge_of_no_reports_is_refused():
+    with pytest.raises(ValueError, match="no reports"):
+        rc.merge_processes([])
+
+
+def test_verdict_metrics_keep_one_series_per_job_and_count_changes():
+    from fthsdp.observe.verdict_metrics import RootCauseMetrics
+
+    m = RootCauseMetrics()
+    get = m.registry.get_sample_value
+    assert m.observe("j", rc.Verdict(rc.NONE, confidence=1.0))
+    assert get("fthsdp_root_cause_info", {"job": "j", "kind": "none", "replica": "", "process": "", "peer": ""}) == 1
+    assert not m.observe("j", rc.Verdict(rc.NONE, confidence=1.0))  # the same verdict: nothing changes
+    assert m.observe("j", rc.Verdict(rc.FROZEN, "1", confidence=0.9, process=1))
+    assert get("fthsdp_root_cause_info", {"job": "j", "kind": "none", "replica": "", "process": "", "peer": ""}) is None
+    assert get("fthsdp_root_cause_info", {"job": "j", "kind": "frozen", "replica": "1", "process": "1", "peer": ""}) == 1
+    assert get("fthsdp_root_cause_confidence", {"job": "j"}) == 0.9
+    m.observe("j", rc.Verdict(rc.SLOW_LINK, "1", "2", confidence=0.7, process=0))
+    assert get("fthsdp_root_cause_info", {"job": "j", "kind": "slow_link", "replica": "1", "process": "0",
+                                          "peer": "2"}) == 1
+    m.observe("j", rc.Verdict(rc.FROZEN, "1", confidence=0.9, process=1))
+    assert get("fthsdp_root_cause_changes_total", {"job": "j", "kind": "frozen"}) == 2
+    assert get("fthsdp_root_cause_changes_total", {"job": "j", "kind": "none"}) == 1
+    m.forget("j")
+    assert get("fthsdp_root_cause_info", {"job": "j", "kind": "frozen", "replica": "1", "process": "1", "peer": ""}) is None
+    assert get("fthsdp_root_cause_changes_total", {"job": "j", "kind": "frozen"}) is None

@@ -71,6 +71,7 @@ import grpc
 from fthsdp.addresses import split_host_port
 from fthsdp.control import admission, auth, guard, quorum as qm
 from fthsdp.observe import root_cause as rc
+from fthsdp.observe.verdict_metrics import RootCauseMetrics
 from fthsdp.control import sdc
 from fthsdp.proto import LIGHTHOUSE_PROTOCOL_VERSION, lighthouse as _load_stubs
 
@@ -108,6 +109,10 @@ class LighthouseConfig:
     # Per-connection, per-host and per-job budgets (fthsdp/control/admission.py): a flood of one
     # client is held back on its own connections instead of slowing every job. None: no budgets.
     fairness: admission.FairnessLimits | None = field(default_factory=admission.FairnessLimits)
+    # HOST:PORT where the lighthouse serves its own Prometheus metrics (the root-cause
+    # verdicts, fthsdp/observe/verdict_metrics.py); "" = none. Unauthenticated like every
+    # /metrics endpoint: it names jobs and replicas, so loopback unless decided otherwise.
+    metrics_bind: str = ""
 
     def __post_init__(self) -> None:
         qm.QuorumConfig(self.min_replicas, self.join_timeout_s, self.detect_s, self.num_replicas)
@@ -127,6 +132,13 @@ class LighthouseConfig:
         if self.secret is None and not is_loopback(host):
             raise ValueError(f"the lighthouse at {self.bind} would serve without authentication beyond loopback: "
                              "give it a secret (--secret-file, $FTHSDP_LIGHTHOUSE_SECRET_FILE)")
+        if self.metrics_bind:
+            from fthsdp.observe.metrics import parse_bind
+
+            try:
+                parse_bind(self.metrics_bind)
+            except ValueError as e:
+                raise ValueError(f"metrics_bind: {e}") from None
         if bool(self.tls_cert_file) != bool(self.tls_key_file):
             raise ValueError("TLS needs both a certificate file and its key file (--tls-cert, --tls-key)")
 
@@ -174,30 +186,49 @@ def quorum_to_proto(q: qm.Quorum) -> pb2.Quorum:
 
 def verdict_to_proto(v: rc.Verdict, at: float, step: int, now: float) -> pb2.RootCause:
     return pb2.RootCause(kind=v.kind, culprit=v.culprit, peer=v.peer, evidence=v.evidence,
-                         confidence=v.confidence, wait_chain=list(v.chain), step=step, age_s=max(0.0, now - at))
+                         confidence=v.confidence, wait_chain=list(v.chain), step=step, age_s=max(0.0, now - at),
+                         process=v.process)
 
 
 _PHASE_NAMES = {n: n.removeprefix("PHASE_").lower().replace("_", "-") for n in pb2.Phase.keys()}
 
 
+def _process_report(r: str, age_s: float, p, process: int, asking: bool, dead: bool,
+                    silent: tuple[int, ...]) -> rc.ProcessReport:
+    """One process's report (``p``: its last PhaseReport, None = none yet) as plain data."""
+    if p is None:
+        return rc.ProcessReport(r, age_s, asking=asking, declared_dead=dead, silent_processes=silent, process=process)
+    phase = _PHASE_NAMES.get(pb2.Phase.Name(p.phase), "") if p.phase in pb2.Phase.values() else ""
+    return rc.ProcessReport(
+        r, age_s, "" if phase == "unknown" else phase, p.step, p.in_phase_s, p.waiting_on, p.waiting_s,
+        p.ring_step, p.ring_steps, p.compute_s,
+        tuple(rc.StreamRate(s.to_replica, s.bytes_per_s, s.busy_fraction, process) for s in p.streams),
+        asking=asking, declared_dead=dead, silent_processes=silent, process=process)
+
+
 def rca_snapshot(phases: dict, last_seen: dict[str, float], now: float, asking, dead, members, detect_s: float,
-                 step: int, groups: dict | None = None, frozen_after_s: float = 0.0) -> rc.JobSnapshot:
-    """The root-cause analysis's plain input from the lighthouse's state of one job."""
+                 step: int, groups: dict | None = None, frozen_after_s: float = 0.0,
+                 process_phases: dict | None = None) -> rc.JobSnapshot:
+    """The root-cause analysis's plain input from the lighthouse's state of one job.
+
+    ``phases``: each replica's leader's last phase report; ``process_phases``: the
+    followers' (replica -> process -> report), merged into their replica's
+    (root_cause.merge_processes)."""
     reports = []
     groups = groups or {}
+    process_phases = process_phases or {}
     for r, seen in last_seen.items():
-        p = phases.get(r)
-        silent = tuple(groups[r].silent(now, frozen_after_s)) if r in groups else ()
-        if p is None:
-            reports.append(rc.ProcessReport(r, now - seen, asking=r in asking, declared_dead=r in dead,
-                                            silent_processes=silent))
-            continue
-        phase = _PHASE_NAMES.get(pb2.Phase.Name(p.phase), "") if p.phase in pb2.Phase.values() else ""
-        reports.append(rc.ProcessReport(
-            r, now - seen, "" if phase == "unknown" else phase, p.step, p.in_phase_s, p.waiting_on, p.waiting_s,
-            p.ring_step, p.ring_steps, p.compute_s,
-            tuple(rc.StreamRate(s.to_replica, s.bytes_per_s, s.busy_fraction) for s in p.streams),
-            asking=r in asking, declared_dead=r in dead, silent_processes=silent))
+        silent: tuple[int, ...] = ()
+        g = groups.get(r)
+        if g is not None:  # the longest silent first
+            silent = tuple(sorted(g.silent(now, frozen_after_s), key=lambda q: (g.seen.get(q, g.since), q)))
+        lead = _process_report(r, now - seen, phases.get(r), 0, r in asking, r in dead, silent)
+        followers = process_phases.get(r)
+        if followers and g is not None:
+            procs = [lead] + [_process_report(r, now - seen, p, q, r in asking, r in dead, silent)
+                              for q, p in sorted(followers.items()) if 0 < q < g.num_processes]
+            lead = rc.merge_processes(procs)
+        reports.append(lead)
     return rc.JobSnapshot(tuple(reports), tuple(members), detect_s, step)
 
 
@@ -382,6 +413,8 @@ class _Job:
     # Root-cause analysis: each process's last phase report, the verdict now
     # and the last one that named a culprit, as (verdict, monotonic time, step).
     phases: dict[str, pb2.PhaseReport] = field(default_factory=dict)
+    # The followers' (process index > 0 of a replica of several): replica -> process -> report.
+    process_phases: dict[str, dict[int, pb2.PhaseReport]] = field(default_factory=dict)
     verdict: tuple[rc.Verdict, float, int] | None = None
     last_stall: tuple[rc.Verdict, float, int] | None = None
     last_rca_at: float = 0.0
@@ -521,6 +554,9 @@ class Lighthouse(pb2_grpc.LighthouseServicer):
                       "replies_sent": 0, "replies_rings_omitted": 0, "replies_members_omitted": 0, "stalls": 0, "rca_runs": 0, "rca_s": 0.0,
                       "sdc_mismatches": 0, "refused": 0, "forgotten_dead": 0}
         self._auth = guard.CallAuthenticator(self.config.secret)
+        # The verdicts as Prometheus series, served on config.metrics_bind (start()).
+        self.rca_metrics = RootCauseMetrics()
+        self.metrics_server = None
         self._new_ids = guard.NewIdRate(self.config.limits.new_ids_per_s, self.config.limits.new_ids_burst)
         self._admission = admission.Admission(self.config.fairness) if self.config.fairness is not None else None
 
@@ -555,6 +591,16 @@ class Lighthouse(pb2_grpc.LighthouseServicer):
         if self.port == 0:
             raise OSError(f"lighthouse cannot bind {self.config.bind} (is the port in use?)")
         await self._server.start()
+        if c.metrics_bind:
+            from fthsdp.observe.metrics import serve as serve_metrics
+
+            try:
+                self.metrics_server = serve_metrics(self.rca_metrics.registry, c.metrics_bind)
+            except OSError as e:
+                await self._server.stop(0)
+                self._server = None
+                raise OSError(f"lighthouse cannot serve its metrics on {c.metrics_bind}: {e} (is the port in use?)") from e
+            log.info("lighthouse metrics on http://%s/metrics", self.metrics_server.address)
         self._tick_task = asyncio.get_running_loop().create_task(self._tick_loop())
         log.info("lighthouse serving on %s (%s)", self.address, self.config)
         return self.port
@@ -570,6 +616,9 @@ class Lighthouse(pb2_grpc.LighthouseServicer):
         if self._server is not None:
             await self._server.stop(grace_s)
             self._server = None
+        if self.metrics_server is not None:
+            self.metrics_server.close()
+            self.metrics_server = None
 
     async def wait_for_termination(self) -> None:
         assert self._server is not None
@@ -738,12 +787,13 @@ class Lighthouse(pb2_grpc.LighthouseServicer):
             members = job.quorum.member_ids if job.quorum is not None else ()
         frozen_after_s = self.config.detect_s / 2
         snap = rca_snapshot(job.phases, view, now, job.pending, job.dead, members, self.config.detect_s,
-                            max(job.steps.values(), default=0), job.groups, frozen_after_s)
+                            max(job.steps.values(), default=0), job.groups, frozen_after_s, job.process_phases)
         verdict = rc.analyse(snap, rc.Thresholds(frozen_after_s=frozen_after_s))
         job.last_rca_at, job.last_rca_cost_s = now, time.perf_counter() - t0
         self.stats["rca_runs"] += 1
         self.stats["rca_s"] += job.last_rca_cost_s
         old = job.verdict[0] if job.verdict is not None else None
+        self.rca_metrics.observe(job.job_id, verdict)
         if old is None or old.key != verdict.key:
             job.verdict = (verdict, now, snap.step)
             if verdict.kind == rc.NONE:
@@ -885,6 +935,7 @@ class Lighthouse(pb2_grpc.LighthouseServicer):
                         now - t > self.config.forget_after_s for t in job.last_seen.values()):
                     log.info("job %r: silent for %gs, forgotten", job.job_id, self.config.forget_after_s)
                     del self._jobs[job.job_id]
+                    self.rca_metrics.forget(job.job_id)
                     continue
                 try:
                     version = job.dead_version
@@ -1113,7 +1164,9 @@ class Lighthouse(pb2_grpc.LighthouseServicer):
         self._heard(job, rid, now, proc, nproc)
         if request.metrics_address:
             job.metrics_addresses.setdefault(rid, {})[proc] = request.metrics_address
-        if proc != 0:  # a follower: its liveness and addresses only; its leader speaks for the replica
+        if proc != 0:  # a follower: its liveness, addresses and phase; its leader speaks for the replica
+            if request.HasField("phase") and nproc > 1:
+                job.process_phases.setdefault(rid, {})[proc] = request.phase  # analysed with its leader's
             return job.heartbeat_reply(registered)
         job.heartbeating.add(rid)
         job.last_heartbeat[rid] = now
@@ -1178,7 +1231,7 @@ class Lighthouse(pb2_grpc.LighthouseServicer):
         """Everything the job holds of replica ``rid`` but its pending request (Leave; the oldest
         dead beyond the limit). Its id is free again: Leave releases every process's claim."""
         job.incarnations.pop(rid, None)
-        for d in (job.last_seen, job.steps, job.phases):
+        for d in (job.last_seen, job.steps, job.phases, job.process_phases):
             d.pop(rid, None)
         job.heartbeating.discard(rid)
         job.last_heartbeat.pop(rid, None)
@@ -1256,6 +1309,7 @@ class Lighthouse(pb2_grpc.LighthouseServicer):
             join_timeout_s=c.join_timeout_s,
             detect_s=c.detect_s,
             jobs_omitted=max(0, len(names) - lim.max_status_jobs),
+            metrics_address=self.metrics_server.address if self.metrics_server is not None else "",
         )
 
 
@@ -1383,6 +1437,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="calls gRPC may queue before the server takes them; more are refused (default %(default)s)")
     p.add_argument("--rca-interval", type=float, default=d.rca_interval_s,
                    help="root-cause analysis period per job, seconds (also run when a quorum shrinks; default %(default)s)")
+    p.add_argument("--metrics-bind", default=d.metrics_bind, metavar="HOST:PORT",
+                   help="serve the lighthouse's Prometheus metrics (root-cause verdicts) here; port 0 = any free "
+                        "port, listed by `fthsdp status --prometheus-targets` (default: none)")
     p.add_argument("--port-file", default=None, help="write the bound port to this file (atomically) once listening")
     p.add_argument("--secret-file", default=None,
                    help="the lighthouse secret (64 hex digits, e.g. `openssl rand -hex 32`); default "
@@ -1468,6 +1525,7 @@ def cli(argv: list[str]) -> int:
             fairness=None if args.no_fairness else admission.FairnessLimits(
                 connection_calls_per_s=args.connection_calls_per_s),
             rca_interval_s=args.rca_interval,
+            metrics_bind=args.metrics_bind,
         )
     except ValueError as e:
         parser.error(str(e))

@@ -219,11 +219,14 @@ class RootCauseStatus:
     wait_chain: tuple[str, ...]
     step: int
     age_s: float
+    process: int = -1  # which process of the culprit replica (-1: none named)
 
     def describe(self) -> str:
         if self.kind == "none":
             return f"no stall ({self.evidence})"
-        who = f"link {self.culprit} -> {self.peer}" if self.kind == "slow_link" else f"replica {self.culprit}"
+        proc = f" process {self.process}" if self.process > 0 else ""
+        who = (f"link {self.culprit}{proc} -> {self.peer}" if self.kind == "slow_link"
+               else f"replica {self.culprit}{proc}")
         return f"{self.kind.upper()} {who} (confidence {self.confidence:.2f}, step {self.step}): {self.evidence}"
 
 
@@ -254,7 +257,8 @@ def phase_from_proto(p: "pb2.PhaseReport") -> PhaseSnapshot | None:
 
 
 def root_cause_from_proto(r: "pb2.RootCause") -> RootCauseStatus:
-    return RootCauseStatus(r.kind, r.culprit, r.peer, r.evidence, r.confidence, tuple(r.wait_chain), r.step, r.age_s)
+    return RootCauseStatus(r.kind, r.culprit, r.peer, r.evidence, r.confidence, tuple(r.wait_chain), r.step, r.age_s,
+                           r.process)
 
 
 @dataclass(frozen=True)
@@ -384,7 +388,7 @@ def _print_targets(address: str, job: str, status_key: bytes | None = None) -> i
             print(f"fthsdp status: no job {job!r} on lighthouse {address}; known jobs: "
                   f"{[j.job_id for j in view.jobs]}", file=sys.stderr)
             return 1
-        view = type(view)(view.time, (view.job(job),), view.detect_s, view.min_replicas)
+        view = type(view)(view.time, (view.job(job),), view.detect_s, view.min_replicas, view.metrics_address)
     print(json.dumps(status_targets(view), indent=1), flush=True)
     return 0
 

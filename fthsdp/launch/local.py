@@ -230,7 +230,10 @@ class LocalJob:
             [sys.executable, "-m", "fthsdp.control.lighthouse", "--bind",
              join_host_port(bind_host, self.lighthouse_port or bind_port),
              "--port-file", str(port_file), "--detect", str(self.detect_s),
-             "--join-timeout", str(self.join_timeout_s), "--replicas", str(self.replicas)],
+             "--join-timeout", str(self.join_timeout_s), "--replicas", str(self.replicas),
+             # its own /metrics (root-cause verdicts) on any free port of its bind host, named in
+             # its Status answers: `fthsdp status --prometheus-targets` lists it
+             "--metrics-bind", join_host_port(bind_host, 0)],
             stdout=logf, stderr=subprocess.STDOUT, env=self._lighthouse_env(), start_new_session=True)
         logf.close()
         deadline = time.monotonic() + LIGHTHOUSE_START_S

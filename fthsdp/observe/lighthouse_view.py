@@ -75,6 +75,7 @@ class RootCauseView:
     confidence: float
     step: int
     age_s: float
+    process: int = -1  # which process of the culprit replica (-1: none named)
 
 
 @dataclass(frozen=True)
@@ -115,6 +116,7 @@ class LighthouseView:
     jobs: tuple[JobView, ...]
     detect_s: float
     min_replicas: int
+    metrics_address: str = ""  # where the lighthouse serves its own /metrics ("" = it does not)
 
     def job(self, job_id: str) -> JobView | None:
         return next((j for j in self.jobs if j.job_id == job_id), None)
@@ -135,7 +137,8 @@ def view_from_proto(resp: Any, now: float) -> LighthouseView:
         if not (hasattr(j, "HasField") and name in j.DESCRIPTOR.fields_by_name and j.HasField(name)):
             return None
         v = getattr(j, name)
-        return RootCauseView(v.kind, v.culprit, v.peer, v.evidence, float(v.confidence), int(v.step), float(v.age_s))
+        return RootCauseView(v.kind, v.culprit, v.peer, v.evidence, float(v.confidence), int(v.step), float(v.age_s),
+                             int(getattr(v, "process", -1)))
 
     def phase(r) -> tuple[str, float, str]:
         if not (hasattr(r, "HasField") and "phase" in r.DESCRIPTOR.fields_by_name and r.HasField("phase")):
@@ -171,7 +174,8 @@ def view_from_proto(resp: Any, now: float) -> LighthouseView:
         )
         for j in resp.jobs
     )
-    return LighthouseView(now, jobs, float(getattr(resp, "detect_s", 0.0)), int(getattr(resp, "min_replicas", 0)))
+    return LighthouseView(now, jobs, float(getattr(resp, "detect_s", 0.0)), int(getattr(resp, "min_replicas", 0)),
+                          str(getattr(resp, "metrics_address", "")))
 
 
 class StatusPoller:

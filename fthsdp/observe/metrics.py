@@ -413,8 +413,10 @@ def status_targets(view: LighthouseView, lighthouse_metrics: str = "") -> list[d
     """The scrape targets of everything a lighthouse knows: every process of each
     live replica that advertised its metrics address (with its heartbeats;
     labelled job, replica, process) and, if given, the address serving the
-    lighthouse's own metrics. What ``fthsdp status --prometheus-targets`` prints."""
+    lighthouse's own metrics (default: where the lighthouse says it serves them,
+    ``fthsdp lighthouse --metrics-bind``). What ``fthsdp status --prometheus-targets`` prints."""
     pairs: list[tuple[str, Mapping[str, str]]] = []
+    lighthouse_metrics = lighthouse_metrics or view.metrics_address
     if lighthouse_metrics:
         pairs.append((lighthouse_metrics, {"role": "lighthouse"}))
     for job in view.jobs:

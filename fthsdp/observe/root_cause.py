@@ -32,6 +32,15 @@ the confidence drops. Cycles (every rank waiting on its left neighbour, the
 normal state of a slow ring) have no root; a slow link or a slow compute then
 explains them, else the verdict is ``unknown``.
 
+**Replicas of several processes.** Every process reports its own phase (the
+leader's and each follower's heartbeats): the process that waits longest in
+FTAR gives its replica's edge (a follower's ring can stall while its leader's
+is done), else the one busy longest; its replica's compute time is its slowest
+process's. The verdict names the culprit as (replica, process): the silent
+process of a silent replica (a frozen follower under a live leader), the busy
+or waiting process of a busy one, the sending process of a slow link. ``-1``
+where no single process is meant (``none``, ``unknown``).
+
 This module is pure: no clocks, no sockets, no logging. The lighthouse runs it
 (fthsdp/control/lighthouse.py); the unit tests drive it with plain data.
 """
@@ -60,6 +69,7 @@ class StreamRate:
     to: str
     bytes_per_s: float
     busy_fraction: float = 1.0
+    process: int = 0  # which process of the sending replica owns the stream
 
 
 @dataclass(frozen=True)
@@ -79,8 +89,58 @@ class ProcessReport:
     streams: tuple[StreamRate, ...] = ()
     asking: bool = False  # a quorum request of it is open at the lighthouse
     declared_dead: bool = False
-    # A replica of several processes is as fresh as its stalest process: which went silent.
+    # A replica of several processes is as fresh as its stalest process: which went silent
+    # (the longest silent first).
     silent_processes: tuple[int, ...] = ()
+    process: int = 0  # whose phase report this is (see merge_processes)
+
+
+# Another process is preferred to a lower-numbered one only when it has waited (or been
+# busy) this much longer: the processes of a replica step together, their reports arrive
+# at different moments, and a verdict must not flap between them on that jitter alone.
+PROCESS_MARGIN_S = 0.5
+
+
+def _longest(reports: list[ProcessReport], seconds) -> ProcessReport:
+    best = None
+    for r in sorted(reports, key=lambda r: r.process):
+        if best is None or seconds(r) > seconds(best) + PROCESS_MARGIN_S:
+            best = r
+    assert best is not None
+    return best
+
+
+def _representative(reports: list[ProcessReport], wait_min_s: float) -> ProcessReport:
+    waiting = [r for r in reports if r.phase == ALLREDUCE and r.waiting_on and r.waiting_s >= wait_min_s]
+    if waiting:
+        return _longest(waiting, lambda r: r.waiting_s)
+    busy = [r for r in reports if r.phase in BUSY_PHASES]
+    if busy:
+        return _longest(busy, lambda r: r.in_phase_s)
+    return min(reports, key=lambda r: r.process)
+
+
+def merge_processes(reports: list[ProcessReport], wait_min_s: float = 0.1) -> ProcessReport:
+    """One replica's report from its processes' (each with its ``process`` set; the
+    replica-level fields -- heartbeat age, asking, declared dead, silent processes --
+    taken from the leader's, process 0, or the first). The graph has one node per replica
+    and one outgoing edge per node, so the process that explains the most is kept: the
+    one waiting longest in FTAR, else the one busy longest (by more than PROCESS_MARGIN_S,
+    else the lowest-numbered: no flapping), else the leader; compute time
+    is the slowest process's, and every process's streams are kept (tagged)."""
+    if not reports:
+        raise ValueError("merge_processes: no reports")
+    if len(reports) == 1:
+        return reports[0]
+    base = min(reports, key=lambda r: r.process)
+    pick = _representative(reports, wait_min_s)
+    computes = [r.compute_s for r in reports if r.compute_s >= 0]
+    streams = tuple(s if s.process == r.process else StreamRate(s.to, s.bytes_per_s, s.busy_fraction, r.process)
+                    for r in sorted(reports, key=lambda r: r.process) for s in r.streams)
+    return ProcessReport(
+        base.replica, base.heartbeat_age_s, pick.phase, pick.step, pick.in_phase_s, pick.waiting_on, pick.waiting_s,
+        pick.ring_step, pick.ring_steps, max(computes) if computes else -1.0, streams, asking=base.asking,
+        declared_dead=base.declared_dead, silent_processes=base.silent_processes, process=pick.process)
 
 
 @dataclass(frozen=True)
@@ -137,16 +197,18 @@ class Verdict:
     evidence: str = ""
     confidence: float = 0.0
     chain: tuple[str, ...] = ()  # a waiter -> ... -> culprit
+    process: int = -1  # which process of the culprit replica (-1: no culprit)
 
     @property
-    def key(self) -> tuple[str, str, str]:
+    def key(self) -> tuple[str, str, str, int]:
         """What "the verdict changed" means (log once per change)."""
-        return self.kind, self.culprit, self.peer
+        return self.kind, self.culprit, self.peer, self.process
 
     def describe(self) -> str:
         if self.kind == NONE:
             return f"no stall: {self.evidence}"
-        who = f"{self.culprit} -> {self.peer}" if self.kind == SLOW_LINK else f"replica {self.culprit}"
+        proc = f" process {self.process}" if self.process > 0 else ""
+        who = f"{self.culprit}{proc} -> {self.peer}" if self.kind == SLOW_LINK else f"replica {self.culprit}{proc}"
         return f"{self.kind.upper()} {who} (confidence {self.confidence:.2f}): {self.evidence}"
 
 
@@ -320,7 +382,7 @@ def _names(ids: list[str], most: int = 8) -> str:
 
 
 def _slow_link(snap: JobSnapshot, th: Thresholds) -> Verdict | None:
-    links = [(r.replica, s.to, s.bytes_per_s, s.busy_fraction) for r in snap.reports for s in r.streams
+    links = [(r.replica, s.to, s.bytes_per_s, s.busy_fraction, s.process) for r in snap.reports for s in r.streams
              if s.bytes_per_s > 0 and (not snap.members or r.replica in snap.member_set)]
     if len(links) < 2:
         return None
@@ -331,12 +393,18 @@ def _slow_link(snap: JobSnapshot, th: Thresholds) -> Verdict | None:
     if worst[2] * th.link_factor > median or worst[3] < th.link_min_busy:
         return None
     ratio = median / worst[2]
+    sender = f"{worst[0]} (process {worst[4]})" if worst[4] > 0 else worst[0]
     return Verdict(
         SLOW_LINK, worst[0], worst[1],
-        f"FTAR stream {worst[0]} -> {worst[1]} carries {_rate(worst[2])} while busy, and is busy "
+        f"FTAR stream {sender} -> {worst[1]} carries {_rate(worst[2])} while busy, and is busy "
         f"{worst[3]:.0%} of the time; the other {len(others)} stream(s) carry {_rate(median)} (median), "
         f"{ratio:.0f}x more",
-        confidence=min(1.0, 0.5 + ratio / (4 * th.link_factor)))
+        confidence=min(1.0, 0.5 + ratio / (4 * th.link_factor)), process=worst[4])
+
+
+def _silent_process(rep: ProcessReport) -> int:
+    """The process of a silent replica to name: its longest-silent process, else its own."""
+    return rep.silent_processes[0] if rep.silent_processes else rep.process
 
 
 def analyse(snap: JobSnapshot, th: Thresholds | None = None) -> Verdict:
@@ -375,7 +443,8 @@ def analyse(snap: JobSnapshot, th: Thresholds | None = None) -> Verdict:
             evidence.append(f"also silent and waited on: {_names(others)}")
             if reach[others[0]].count == len(waiters):
                 confidence = 0.5
-        return Verdict(DEAD if dead else FROZEN, root, "", "; ".join(e for e in evidence if e), confidence, chain)
+        return Verdict(DEAD if dead else FROZEN, root, "", "; ".join(e for e in evidence if e), confidence, chain,
+                       _silent_process(rep))
 
     # A silent quorum member nobody is shown waiting on yet (e.g. every survivor
     # still computing): still the likeliest culprit once they reach the ring.
@@ -398,13 +467,14 @@ def analyse(snap: JobSnapshot, th: Thresholds | None = None) -> Verdict:
         waiters = sorted(r.waiters, key=key)
         chain = r.chain(root, key)
         base = f"the others' median compute is {_fmt(med)}" if med is not None else "no compute time of the others yet"
-        evidence = [f"replica {root} has been {rep.phase} for {_fmt(rep.in_phase_s)} at step {rep.step} ({base})",
+        busy = f"replica {root} process {rep.process}" if rep.process > 0 else f"replica {root}"
+        evidence = [f"{busy} has been {rep.phase} for {_fmt(rep.in_phase_s)} at step {rep.step} ({base})",
                     f"{len(waiters)} process(es) wait on it ({_names(waiters)})", _why(g, chain, root)]
         confidence = 0.9 if med is not None else 0.6
         if len(busy_roots) > 1:
             evidence.append(f"also busy and waited on: {_names([b[0] for b in busy_roots[1:]])}")
             confidence = min(confidence, 0.5)
-        return Verdict(SLOW, root, "", "; ".join(e for e in evidence if e), confidence, chain)
+        return Verdict(SLOW, root, "", "; ".join(e for e in evidence if e), confidence, chain, rep.process)
 
     if silent_members:
         root = silent_members[0]
@@ -413,7 +483,7 @@ def analyse(snap: JobSnapshot, th: Thresholds | None = None) -> Verdict:
         return Verdict(DEAD if dead else FROZEN, root, "",
                        f"quorum member {root}: no heartbeat for {_fmt(rep.heartbeat_age_s)} (detection window "
                        f"{_fmt(snap.detect_s)}); nobody reports waiting on it yet",
-                       0.8 if dead else 0.6, (root,))
+                       0.8 if dead else 0.6, (root,), _silent_process(rep))
 
     if link is not None:
         return link
@@ -429,7 +499,7 @@ def analyse(snap: JobSnapshot, th: Thresholds | None = None) -> Verdict:
             return Verdict(SLOW, worst.replica, "",
                            f"replica {worst.replica}'s forward+backward takes {_fmt(worst.compute_s)}, "
                            f"{ratio:.1f}x the others' median {_fmt(med)}: every all-reduce waits for it",
-                           0.8, (worst.replica,))
+                           0.8, (worst.replica,), worst.process)
 
     if cyclic:
         ring = sorted(cyclic, key=key)

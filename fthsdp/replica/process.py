@@ -201,6 +201,9 @@ class ReplicaProcess:
         if self.group.num_processes > 1:
             client.register(self.comm.addresses, self.server.url,
                             len(self.comm.addresses) * self.group.num_processes)
+        # Every process's heartbeats carry where it is (root-cause analysis): a follower's own
+        # ring can stall, or the follower itself, while its leader looks fine.
+        client.phase_source = lambda: self.phases.report(self.rid)
         if not self.leader:
             from fthsdp.replica.group import FollowerQuorumSource
 
@@ -209,8 +212,6 @@ class ReplicaProcess:
                 client)
         else:
             self.client = client
-            # The leader speaks for the replica: its heartbeats carry where it is (root-cause analysis).
-            client.phase_source = lambda: self.phases.report(self.rid)
             if self.group.num_processes > 1:
                 from fthsdp.replica.group import LeaderQuorumSource
 
