@@ -86,7 +86,7 @@ BREAKDOWN_PARTS = {
 }
 
 
-def round_breakdown(rep, trace: dict) -> dict:
+def round_breakdown(rep, trace: dict, warmup: int = 1) -> dict:
     """Where one round's latency goes, per measured round: the last request's path through
     the lighthouse (timestamps of fthsdp.sim.lighthouse_trace, the same monotonic clock as
     the emulator's) and the emulator's parts; plus the lighthouse's CPU and heartbeats per
@@ -130,7 +130,7 @@ def round_breakdown(rep, trace: dict) -> dict:
         }
         prev_cpu, prev_hb = cpu, hb
         rounds.append(row)
-    measured = rounds[1:]  # round 0 connects and forms the first quorum
+    measured = [r for r in rounds if r["step"] >= warmup]  # round 0 connects and forms the first quorum
     keys = list(BREAKDOWN_PARTS) + ["latency_s", "reply_build_s_total", "lighthouse_cpu_s_this_round",
                                     "heartbeats_this_round", "rank_work_s_this_round"]
     median = {k: percentile([r[k] for r in measured if r[k] is not None], 0.5) for k in keys}
@@ -140,9 +140,10 @@ def round_breakdown(rep, trace: dict) -> dict:
 
 
 def fthsdp_row(system: str, replicas: int, ranks_per_replica: int, rounds: int, heartbeat_s: float,
-               profile: str = "", processes: int = 1, trace: bool = False) -> dict:
+               profile: str = "", processes: int = 1, trace: bool = False, warmup: int = 1) -> dict:
     """``heartbeat_s``: the leaders' heartbeat interval (0: no heartbeats). ``trace``: run the
-    lighthouse under fthsdp.sim.lighthouse_trace and add each round's breakdown."""
+    lighthouse under fthsdp.sim.lighthouse_trace and add each round's breakdown. ``warmup``:
+    rounds run first and not measured (round 0 connects and forms the first quorum)."""
     import tempfile
 
     tmp = tempfile.TemporaryDirectory(prefix="fthsdp-scale-trace-") if trace else None
@@ -157,7 +158,7 @@ def fthsdp_row(system: str, replicas: int, ranks_per_replica: int, rounds: int, 
                  join_timeout_s=30.0,
                  allreduce_timeout_s=60.0, quorum_timeout_s=120.0, lighthouse_outage_s=60.0)
     cfg = EmulationConfig(
-        replicas=replicas, ranks_per_replica=ranks_per_replica, steps=rounds + 1,
+        replicas=replicas, ranks_per_replica=ranks_per_replica, steps=rounds + warmup,
         model=ModelShape(params=8_000_000_000, step_s=0.02), timeouts=t, heartbeats=heartbeats,
         # The run's cap (a row past it reports its incomplete rounds): 30 s a round, more for
         # large flat rows, whose round on this shared machine is seconds of gRPC calls.
@@ -169,12 +170,12 @@ def fthsdp_row(system: str, replicas: int, ranks_per_replica: int, rounds: int, 
     if tmp is not None:
         try:
             with open(trace_path) as f:
-                where = round_breakdown(rep, json.load(f))
+                where = round_breakdown(rep, json.load(f), warmup)
         except (OSError, ValueError) as e:
             where = {"error": f"no lighthouse trace: {e}"}
         tmp.cleanup()
     rounds_ = [r for r in rep.rounds() if r["attempt"] == 1]
-    measured = rounds_[1:]
+    measured = rounds_[warmup:]
     complete = [r for r in measured if r["replicas"] == replicas and len(r["quorum_ids"]) == 1]
     lat = [r["latency_s"] for r in complete]
     return {
@@ -183,7 +184,7 @@ def fthsdp_row(system: str, replicas: int, ranks_per_replica: int, rounds: int, 
         "processes_per_replica": processes, "shards_per_process": ranks_per_replica // processes,
         "leader_answer_bytes": rep.answer_bytes, "follower_views_fetched": rep.views_fetched,
         "p50_s": percentile(lat, 0.5), "p99_s": percentile(lat, 0.99), "max_s": max(lat) if lat else None,
-        "complete_rounds": len(complete), "rounds": rounds,
+        "complete_rounds": len(complete), "rounds": rounds, "warmup_rounds": warmup,
         "lighthouse_p50_s": percentile([r["lighthouse_s"] for r in complete], 0.5),
         "fanout_p50_s": percentile([r["fanout_s"] for r in complete], 0.5),
         "round_latencies_s": [round(x, 6) for x in lat],
@@ -577,6 +578,42 @@ def plot(rows: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
+def plot_breakdown(rows: list[dict], path: Path) -> bool:
+    """One stacked bar per hierarchical row with a breakdown: its median round split along
+    the last request's path (BREAKDOWN_PARTS), beside the 70 ms target. False if none."""
+    hier = sorted((r for r in rows if r["system"] == "fthsdp-hierarchical" and r.get("breakdown", {}).get("median")
+                   and r["breakdown"]["median"].get("latency_s")), key=lambda r: (r["ranks"], r["replicas"]))
+    if not hier:
+        return False
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    parts = [k for k in BREAKDOWN_PARTS if k != "decide_s"]  # decide_s is inside until_decision_s
+    fig, ax = plt.subplots(figsize=(9, 4.8))
+    labels = [f"{r['replicas']}x{r['ranks_per_replica']}/{r.get('processes_per_replica', 1)}\n"
+              f"load {r['loadavg'][0]:.0f}" for r in hier]
+    bottom = [0.0] * len(hier)
+    colors = plt.get_cmap("tab10")
+    for i, k in enumerate(parts):
+        vals = [(r["breakdown"]["median"].get(k) or 0.0) * 1e3 for r in hier]
+        ax.bar(labels, vals, bottom=bottom, color=colors(i), label=k[:-2].replace("_", " "))
+        bottom = [b + v for b, v in zip(bottom, vals)]
+    ax.plot(labels, [(r["breakdown"]["median"]["latency_s"]) * 1e3 for r in hier], "k_", ms=30, mew=2,
+            label="median round latency")
+    ax.plot(labels, [(r["p99_s"] or 0) * 1e3 for r in hier], "rv", label="p99 latency")
+    ax.axhline(PAPER["target_p99_s_100k"] * 1e3, color="black", lw=0.8, ls="-.", label="target: 70 ms p99")
+    ax.set_ylabel("ms: each part's median over the rounds, stacked\nalong the last request's path")
+    ax.set_title("Where a hierarchical round's latency goes (replicas x ranks/processes)")
+    ax.legend(fontsize=7, loc="upper left")
+    ax.grid(alpha=0.3, axis="y", which="both")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
 def verdict(rows: list[dict], decision: dict | None = None) -> dict:
     out: dict = {}
     if decision and len(decision["points"]) >= 2:
@@ -639,6 +676,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--shapes", nargs="*", default=None,
                     help="hierarchical shapes RxG or RxG/P (replicas x ranks per replica, P processes per replica; "
                          "e.g. 16x6250 16x6250/10 512x196/4)")
+    ap.add_argument("--warmup", type=int, default=2,
+                    help="hierarchical rows: rounds run before the measured ones (default 2: round 0 forms the "
+                         "first quorum, round 1 is the first with every leader holding its view)")
     ap.add_argument("--no-breakdown", action="store_true",
                     help="hierarchical rows without the per-round breakdown (the lighthouse runs untraced)")
     ap.add_argument("--heartbeat", type=float, default=0.1,
@@ -694,6 +734,7 @@ def main(argv: list[str] | None = None) -> int:
         d["verdict"] = verdict(d["rows"], d.get("where_time_goes", {}).get("decision"))
         out_path.write_text(json.dumps(d, indent=2))
         plot(d["rows"], out_path.with_suffix(".png"))
+        plot_breakdown(d["rows"], out_path.with_name(out_path.stem + "_breakdown.png"))
         print(json.dumps(d["verdict"], indent=1))
         return 0
     if args.append and out_path.exists():
@@ -725,7 +766,7 @@ def main(argv: list[str] | None = None) -> int:
     if "hierarchical" not in args.skip:
         for rpr, g, nproc in shapes:
             r = fthsdp_row("fthsdp-hierarchical", rpr, g, rounds, heartbeat_s=args.heartbeat, processes=nproc,
-                           trace=not args.no_breakdown)
+                           trace=not args.no_breakdown, warmup=args.warmup)
             add(r)
             show(r)
             b = r.get("breakdown", {}).get("median")
@@ -801,6 +842,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"torchft: not measured: {why}", flush=True)
     save()
     plot(result["rows"], out_path.with_suffix(".png"))
+    if plot_breakdown(result["rows"], out_path.with_name(out_path.stem + "_breakdown.png")):
+        print(f"wrote {out_path.with_name(out_path.stem + '_breakdown.png')}")
     print(json.dumps(result["verdict"], indent=1))
     print(f"wrote {out_path} and {out_path.with_suffix('.png')}")
     return 0

@@ -49,6 +49,7 @@ def test_scale_quick_rows(tmp_path):
         assert "setup_peers.sh" in tft["why_not"] or "torchft" in tft["why_not"]
     assert d["verdict"]["flat_every_round_complete"] == {"4": True, "16": True}
     assert (tmp_path / "scale.png").stat().st_size > 10_000
+    assert (tmp_path / "scale_breakdown.png").stat().st_size > 10_000
     assert all(row["quorum_request_errors"] == 0 and row["requests_resent_after_unavailable"] == 0
                for row in hier + flat)  # no request lost
     w = d["where_time_goes"]
