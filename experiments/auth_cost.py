@@ -1,39 +1,54 @@
-"""What authenticating the lighthouse costs a quorum (issue 13 benchmark).
+"""What authenticating the lighthouse costs, and what a flood of one client costs another job
+(issue 13: the benchmark, and item 2's bound).
 
-    python experiments/auth_cost.py [--quick] --out results/auth_cost.json
+    python experiments/auth_cost.py [--quick] [--parts paired,flood,cpu] --out results/auth_cost.json
 
-The same measurements with the lighthouse's per-call credentials off (the
-lighthouse run ``--insecure``) and on (a lighthouse secret; every request
-signed with its job's key: HMAC-SHA256 over the method, ids, the request
-bytes, a timestamp and a nonce, in gRPC metadata; the lighthouse checks it in
-constant time and remembers the nonce), alternating off/on ``--pairs`` times
-in one run so both see the same machine load. Both modes send the same
-pre-serialized request bytes, so the difference is the credential alone.
+* ``paired``: two lighthouse processes run side by side, one without
+  authentication (``--insecure``) and one with a secret (every request
+  signed with its job's key: HMAC-SHA256 over the method, ids, the request
+  bytes, a timestamp and a nonce, in gRPC metadata; checked in constant time,
+  the nonce remembered). The same clients alternate between them call by call
+  (heartbeats) or round by round (quorums), in ABBA order, so both see the
+  same machine load at the same moment, and each *pair* gives a ratio
+  (authenticated over not). Reported: the median of the paired ratios, its
+  interquartile range and a distribution-free 95% confidence interval, and
+  the verdict on the issue's target (within 10%): "met" when the whole
+  interval is <= 1.10, "not met" when it is wholly above, else "undecided".
+  Both send the same pre-serialized request bytes, so the difference is the
+  credential alone. Both lighthouses run with a per-connection budget far
+  above what the benchmark sends (the budgets are measured by ``flood``).
 
-* ``quorum``: N replicas emulated as asyncio tasks over a few client
-  processes (one TCP connection each) ask a real lighthouse process for the
-  quorum of the same step, round after round (round 0 is a warm-up):
-  per-request p50 and the round time, medians over rounds and pairs.
-* ``heartbeat``: one client's sequential heartbeats to a lighthouse process:
-  the round trip of the cheapest call, where a fixed per-call cost shows most.
-* ``flood``: one job's heartbeat round trip while another client floods
-  the same lighthouse from its own process (16 calls in flight, as fast as
-  it can): a stranger's unsigned heartbeats with new ids, and an insider's
-  (another job's secret) signed heartbeats with new ids; the ratio to the
-  same job's round trip without the flood. Issue 13's bound is 2x; on a
-  2-core machine the flooder, the lighthouse and the victim share the cores,
-  so the figure is an upper bound of what the lighthouse alone adds.
-* ``credential_cpu_us``: CPU time to sign (client) and check (lighthouse) one
-  credential, in this process after a warm-up.
+  - heartbeat: one client's sequential heartbeats (the cheapest call, where
+    a fixed per-call cost shows most), in blocks of 50 per lighthouse; a
+    block pair's ratio of medians.
+  - quorum: N replicas emulated as asyncio tasks over a few client processes
+    (one TCP connection per replica and lighthouse) ask for the quorum of the
+    same step, round after round; a round pair's ratio of the request p50
+    and of the round time.
 
-Target: quorum latency with authentication within 10% of without
-(``within_10_percent`` per N, on the medians). Why here and not in
-experiments/failure_stall.py or quorum_scale.py: a failure's stall is
-dominated by detection (0.8 s) and FTAR, which bury a cost of tens of
-microseconds; quorum_scale.py measures replicas of several processes and is
-left to that purpose. Every process shares this machine's cores: on a loaded
-2-core machine the off/on figures of one pair can differ by 2x either way, so
-only the medians over pairs are compared.
+* ``flood``: a victim job (8 replicas in one process, a connection each)
+  heartbeats (the replicas in turn, one call every 10 ms) and asks for
+  quorums (rounds 50 ms apart) without a pause, while another client floods
+  the same lighthouse from its own process (16 calls in flight, as fast as it
+  can): a *stranger* (unsigned heartbeats with new ids) or an *insider*
+  (another job's secret: signed heartbeats with new ids). The flooder is
+  stopped (SIGSTOP) and let go (SIGCONT) in 0.6 s blocks in ABBA order, so
+  "alone" and "flooded" blocks alternate under the same machine load; each
+  pair of blocks gives a ratio of the victim's medians, and the p99s are
+  compared over all blocks of each kind. Done on a lighthouse with the
+  per-connection/per-job budgets (fthsdp/control/admission.py, the default)
+  and, in the same run, one without (``--no-fairness``): what the budgets
+  buy. Issue 13's bound: the flood slows the victim <= 2x. On a 2-core
+  machine the flooder, the lighthouse and the victim share the cores, so the
+  figure includes the flooder's own CPU use.
+* ``cpu``: CPU time to sign (client) and check (lighthouse) one credential,
+  in this process after a warm-up (best of several repeats).
+
+Why here and not in experiments/failure_stall.py or quorum_scale.py: a
+failure's stall is dominated by detection (0.8 s) and FTAR, which bury a cost
+of microseconds (failure_stall.py --auth both measures it anyway);
+quorum_scale.py measures replicas of several processes and is left to that
+purpose.
 """
 
 from __future__ import annotations
@@ -43,9 +58,11 @@ import asyncio
 import json
 import os
 import platform
+import signal
 import statistics
 import subprocess
 import sys
+import threading
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -59,15 +76,16 @@ from fthsdp.proto import LIGHTHOUSE_PROTOCOL_VERSION, lighthouse as load_stubs  
 pb2, _ = load_stubs()
 V = LIGHTHOUSE_PROTOCOL_VERSION
 SERVICE = "/fthsdp.v1.Lighthouse/"
+OPTS = [("grpc.use_local_subchannel_pool", 1)]  # one TCP connection per channel
 
 
-def start_lighthouse(secret: bytes | None) -> tuple[subprocess.Popen, str]:
+def start_lighthouse(secret: bytes | None, *extra: str) -> tuple[subprocess.Popen, str]:
     env = auth.replica_env(dict(os.environ), None)
     if secret is not None:
         env[auth.LIGHTHOUSE_SECRET_ENV] = secret.hex()
     p = subprocess.Popen(
         [sys.executable, "-m", "fthsdp.control.lighthouse", "--bind", "127.0.0.1:0", "--join-timeout", "60",
-         "--detect", "60", "--log-level", "ERROR", *([] if secret is not None else ["--insecure"])],
+         "--detect", "60", "--log-level", "ERROR", *([] if secret is not None else ["--insecure"]), *extra],
         cwd=REPO, stdout=subprocess.PIPE, text=True, env=env)
     line = p.stdout.readline()
     if not line.startswith("lighthouse listening on "):
@@ -85,116 +103,179 @@ def stop(p: subprocess.Popen) -> None:
         p.wait(10)
 
 
-# -- quorum rounds ------------------------------------------------------------------------
+def summary(ratios: list[float], bound: float) -> dict:
+    """Median, interquartile range and a distribution-free 95% confidence interval of the median
+    of paired ratios (order statistics of Binomial(n, 1/2)); the verdict on ``median <= bound``."""
+    xs = sorted(ratios)
+    n = len(xs)
+    if n == 0:
+        return {"n": 0}
+    q = statistics.quantiles(xs, n=4) if n >= 2 else [xs[0]] * 3
+    k = max(0, int((n - 1.96 * n ** 0.5) / 2) - 1)
+    lo, hi = xs[k], xs[n - 1 - k]
+    return {"n": n, "median": statistics.median(xs), "iqr": [q[0], q[2]], "median_ci95": [lo, hi],
+            "verdict": "met" if hi <= bound else ("not met" if lo > bound else "undecided")}
 
-def client_main(address: str, job: str, lo: int, hi: int, n: int, rounds: int, timeout_s: float) -> None:
-    """Child process: replicas lo..hi-1 ask for steps 0..rounds; prints JSON records
-    [replica, step, sent, answered, "ok" | error]. Signs with $FTHSDP_JOB_SECRET when set."""
-    job_key = auth.load_secret()
-    key = auth.derive(job_key, "lighthouse") if job_key is not None else None
+
+def pct(xs: list[float], q: float) -> float | None:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else None
+
+
+# -- paired: quorum rounds ------------------------------------------------------------------
+
+def client_main(addresses: list[str], jobs: list[str], lo: int, hi: int, n: int, rounds: int,
+                timeout_s: float) -> None:
+    """Child process: replicas lo..hi-1 ask both lighthouses (0: off, 1: on) for steps 0..rounds,
+    in ABBA order; prints JSON records [mode, replica, step, sent, answered, "ok" | error]. The
+    authenticated one is signed with $FTHSDP_JOB_SECRET."""
+    key = auth.derive(auth.load_secret(), "lighthouse")
 
     async def main() -> list:
-        opts = [("grpc.use_local_subchannel_pool", 1)]  # one TCP connection per replica
-        channels = [grpc.aio.insecure_channel(address, options=opts) for _ in range(hi - lo)]
+        chans = [[grpc.aio.insecure_channel(a, options=OPTS) for _ in range(hi - lo)] for a in addresses]
+        calls = [[c.unary_unary(SERVICE + "GetQuorum", request_serializer=None,
+                                response_deserializer=pb2.QuorumResponse.FromString) for c in cs] for cs in chans]
         records: list = []
+        failed = False
 
-        async def replica(i: int, channel) -> None:
-            call = channel.unary_unary(SERVICE + "GetQuorum", request_serializer=None,
-                                       response_deserializer=pb2.QuorumResponse.FromString)
-            for step in range(rounds + 1):
-                body = pb2.QuorumRequest(
-                    protocol_version=V, job_id=job, replica_id=str(i), step=step,
-                    ftar_addresses=[f"127.0.0.1:{20000 + i}"], state_server_address=f"127.0.0.1:{40000 + i}",
-                    local_world_size=1, num_replicas=n, incarnation=f"{i:032x}").SerializeToString()
-                sent = time.perf_counter()
-                md = auth.call_metadata(key, "GetQuorum", job, str(i), body) if key is not None else None
-                try:
-                    resp = await call(body, timeout=timeout_s, metadata=md)
-                except grpc.RpcError as e:
-                    records.append([i, step, sent, time.perf_counter(), f"{e.code().name}: {e.details()}"])
-                    return
-                ok = len(resp.quorum.members) == n
-                records.append([i, step, sent, time.perf_counter(), "ok" if ok else "short quorum"])
-                if not ok:
-                    return
+        async def ask(mode: int, k: int, step: int) -> None:
+            nonlocal failed
+            i = lo + k
+            body = pb2.QuorumRequest(
+                protocol_version=V, job_id=jobs[mode], replica_id=str(i), step=step,
+                ftar_addresses=[f"127.0.0.1:{20000 + i}"], state_server_address=f"127.0.0.1:{40000 + i}",
+                local_world_size=1, num_replicas=n, incarnation=f"{i:032x}").SerializeToString()
+            sent = time.perf_counter()
+            md = auth.call_metadata(key, "GetQuorum", jobs[mode], str(i), body) if mode == 1 else None
+            try:
+                resp = await calls[mode][k](body, timeout=timeout_s, metadata=md)
+            except grpc.RpcError as e:
+                records.append([mode, i, step, sent, time.perf_counter(), f"{e.code().name}: {e.details()}"])
+                failed = True
+                return
+            ok = len(resp.quorum.members) == n
+            records.append([mode, i, step, sent, time.perf_counter(), "ok" if ok else "short quorum"])
+            failed = failed or not ok
 
         try:
-            await asyncio.gather(*(replica(lo + k, c) for k, c in enumerate(channels)))
+            for step in range(rounds + 1):
+                order = (0, 1) if step % 4 in (0, 3) else (1, 0)  # ABBA: neither mode always first
+                for mode in order:
+                    await asyncio.gather(*(ask(mode, k, step) for k in range(hi - lo)))
+                    if failed:
+                        return records
         finally:
-            await asyncio.gather(*(c.close() for c in channels))
+            await asyncio.gather(*(c.close() for cs in chans for c in cs))
         return records
 
     print(json.dumps(asyncio.run(main())), flush=True)
 
 
-def quorum_rounds(n: int, rounds: int, procs: int, timeout_s: float, secret: bytes | None) -> dict:
-    lh, address = start_lighthouse(secret)
-    job = f"auth-cost-{n}-{time.monotonic_ns()}"
-    env = auth.replica_env(dict(os.environ), auth.job_key(secret, job) if secret is not None else None)
+def quorum_paired(n: int, rounds: int, procs: int, timeout_s: float, secret: bytes, budget: list[str]) -> dict:
+    (lh_off, a_off), (lh_on, a_on) = start_lighthouse(None, *budget), start_lighthouse(secret, *budget)
+    jobs = [f"auth-cost-{n}-off", f"auth-cost-{n}-on"]
+    env = auth.replica_env(dict(os.environ), auth.job_key(secret, jobs[1]))
     try:
         procs = max(1, min(procs, n))
         kids = [subprocess.Popen(
-            [sys.executable, os.path.abspath(__file__), "--client", address, job, str(k * n // procs),
-             str((k + 1) * n // procs), str(n), str(rounds), str(timeout_s)],
+            [sys.executable, os.path.abspath(__file__), "--client", json.dumps([a_off, a_on]), json.dumps(jobs),
+             str(k * n // procs), str((k + 1) * n // procs), str(n), str(rounds), str(timeout_s)],
             cwd=REPO, stdout=subprocess.PIPE, text=True, env=env) for k in range(procs)]
         records = []
         for k in kids:
-            out, _ = k.communicate(timeout=(rounds + 1) * timeout_s + 60)
+            out, _ = k.communicate(timeout=2 * (rounds + 1) * timeout_s + 60)
             records += json.loads(out.strip().splitlines()[-1])
     finally:
-        stop(lh)
-    errors = sorted({r[4] for r in records if r[4] != "ok"})
-    per_round = []
-    for step in range(1, rounds + 1):
-        rs = [r for r in records if r[1] == step]
-        if len(rs) != n or any(r[4] != "ok" for r in rs):
+        stop(lh_off)
+        stop(lh_on)
+    errors = sorted({r[5] for r in records if r[5] != "ok"})
+    per = {0: [], 1: []}
+    for step in range(1, rounds + 1):  # round 0: warm-up
+        rows = {}
+        for mode in (0, 1):
+            rs = [r for r in records if r[0] == mode and r[2] == step]
+            if len(rs) != n or any(r[5] != "ok" for r in rs):
+                break
+            lat = sorted(r[4] - r[3] for r in rs)
+            rows[mode] = {"request_p50_s": lat[len(lat) // 2], "round_s": max(r[4] for r in rs) - min(r[3] for r in rs)}
+        if len(rows) < 2:
             break
-        lat = sorted(r[3] - r[2] for r in rs)
-        per_round.append({"request_p50_s": lat[len(lat) // 2],
-                          "round_s": max(r[3] for r in rs) - min(r[2] for r in rs)})
-    out = {"replicas": n, "authenticated": secret is not None, "rounds_ok": len(per_round), "errors": errors[:5]}
-    if per_round:
-        out.update({k: statistics.median(r[k] for r in per_round) for k in per_round[0]})
+        per[0].append(rows[0])
+        per[1].append(rows[1])
+    out = {"replicas": n, "rounds_ok": len(per[0]), "errors": errors[:5]}
+    for k in ("request_p50_s", "round_s"):
+        if per[0]:
+            out[k] = {"off_median": statistics.median(r[k] for r in per[0]),
+                      "on_median": statistics.median(r[k] for r in per[1]),
+                      "paired_on_over_off": summary([b[k] / a[k] for a, b in zip(per[0], per[1])], 1.10)}
+    out["rounds"] = {"off": per[0], "on": per[1]}
     return out
 
 
-# -- heartbeat round trip -----------------------------------------------------------------
+# -- paired: heartbeat round trips -----------------------------------------------------------
 
-def heartbeat_rtt(calls: int, secret: bytes | None) -> dict:
-    lh, address = start_lighthouse(secret)
-    key = auth.derive(auth.job_key(secret, "hb"), "lighthouse") if secret is not None else None
-    lat = []
+def heartbeat_paired(blocks: int, block: int, secret: bytes, budget: list[str]) -> dict:
+    (lh_off, a_off), (lh_on, a_on) = start_lighthouse(None, *budget), start_lighthouse(secret, *budget)
+    key = auth.derive(auth.job_key(secret, "hb"), "lighthouse")
+    lat: dict[int, list[list[float]]] = {0: [], 1: []}
     try:
-        with grpc.insecure_channel(address) as ch:
-            call = ch.unary_unary(SERVICE + "Heartbeat", request_serializer=None, response_deserializer=None)
-            for i in range(calls + 200):  # the first 200: warm-up
-                body = pb2.HeartbeatRequest(protocol_version=V, job_id="hb", replica_id="0", step=i,
+        chans = [grpc.insecure_channel(a, options=OPTS) for a in (a_off, a_on)]
+        calls = [c.unary_unary(SERVICE + "Heartbeat", request_serializer=None, response_deserializer=None)
+                 for c in chans]
+        step = 0
+
+        def run(mode: int, count: int) -> list[float]:
+            nonlocal step
+            out = []
+            for _ in range(count):
+                step += 1
+                body = pb2.HeartbeatRequest(protocol_version=V, job_id="hb", replica_id="0", step=step,
                                             incarnation="0" * 32).SerializeToString()
                 t0 = time.perf_counter()
-                md = auth.call_metadata(key, "Heartbeat", "hb", "0", body) if key is not None else None
-                call(body, timeout=10, metadata=md)
-                if i >= 200:
-                    lat.append(time.perf_counter() - t0)
+                md = auth.call_metadata(key, "Heartbeat", "hb", "0", body) if mode == 1 else None
+                calls[mode](body, timeout=10, metadata=md)
+                out.append(time.perf_counter() - t0)
+            return out
+
+        for mode in (0, 1):  # warm-up
+            run(mode, 300)
+        for b in range(blocks):
+            for mode in ((0, 1) if b % 4 in (0, 3) else (1, 0)):
+                lat[mode].append(run(mode, block))
+        for c in chans:
+            c.close()
     finally:
-        stop(lh)
-    lat.sort()
-    return {"authenticated": secret is not None, "calls": calls, "p50_s": lat[len(lat) // 2],
-            "p90_s": lat[int(0.9 * len(lat))]}
+        stop(lh_off)
+        stop(lh_on)
+    flat = {m: [x for blk in lat[m] for x in blk] for m in lat}
+    return {"blocks": blocks, "calls_per_block": block,
+            "p50_s": {"off": pct(flat[0], 0.5), "on": pct(flat[1], 0.5)},
+            "p99_s": {"off": pct(flat[0], 0.99), "on": pct(flat[1], 0.99)},
+            "paired_p50_on_over_off": summary([statistics.median(b) / statistics.median(a)
+                                               for a, b in zip(lat[0], lat[1])], 1.10)}
 
 
-def flood_main(address: str, mode: str, seconds: float, key_hex: str) -> None:
-    """Child process: floods ``address`` for ``seconds``; prints the calls sent and their status codes."""
+# -- flood ------------------------------------------------------------------------------------
+
+def flood_main(address: str, mode: str, key_hex: str) -> None:
+    """Child process: floods ``address`` until its stdin closes; prints the calls' status codes."""
     key = auth.derive(bytes.fromhex(key_hex), "lighthouse") if key_hex else None
     codes: dict[str, int] = {}
+    done = threading.Event()
+    threading.Thread(target=lambda: (sys.stdin.read(), done.set()), daemon=True).start()
 
     async def main() -> None:
-        async with grpc.aio.insecure_channel(address) as ch:
+        async with grpc.aio.insecure_channel(address, options=OPTS) as ch:
             call = ch.unary_unary(SERVICE + "Heartbeat", request_serializer=None, response_deserializer=None)
-            end = time.monotonic() + seconds
+            try:  # a first call, then tell the parent the flood starts (its interpreter's start-up is over)
+                await call(b"", timeout=5)
+            except grpc.RpcError:
+                pass
+            print("flooding", flush=True)
 
             async def worker(w: int) -> None:
                 i = 0
-                while time.monotonic() < end:
+                while not done.is_set():
                     rid = f"ghost-{w}-{i}"
                     i += 1
                     body = pb2.HeartbeatRequest(protocol_version=V, job_id="flood", replica_id=rid, step=1,
@@ -212,42 +293,136 @@ def flood_main(address: str, mode: str, seconds: float, key_hex: str) -> None:
     print(json.dumps(codes), flush=True)
 
 
-def flood(seconds: float, calls: int) -> dict:
-    """The victim job's heartbeat p50 alone, then under each kind of flood, on one lighthouse."""
-    secret = auth.new_secret()
-    lh, address = start_lighthouse(secret)
-    key = auth.derive(auth.job_key(secret, "victim"), "lighthouse")
-    out: dict = {}
-    try:
-        with grpc.insecure_channel(address) as ch:
-            call = ch.unary_unary(SERVICE + "Heartbeat", request_serializer=None, response_deserializer=None)
+KEYS = ("heartbeat_p50_s", "heartbeat_p99_s", "quorum_p50_s", "quorum_p99_s")
 
-            def victim(n: int) -> float:
-                lat = []
-                for i in range(n):
-                    body = pb2.HeartbeatRequest(protocol_version=V, job_id="victim", replica_id="0", step=i,
-                                                incarnation="v" * 32).SerializeToString()
+
+def victim_run(address: str, key: bytes, flooder: subprocess.Popen, pairs: int, block_s: float) -> dict:
+    """The victim job (8 replicas, a connection each) heartbeats (the replicas in turn, one call
+    every 10 ms: each every 80 ms, as a replica does every 100 ms) and asks for quorums (rounds
+    50 ms apart, a quick training step) without a pause, while the flooder is
+    stopped (SIGSTOP: "alone") and let go (SIGCONT: "flooded") in blocks of ``block_s``, in ABBA
+    order, ``pairs`` pairs. Each sample is tagged with the block it was sent in; samples sent in
+    the first 0.1 s of a block (the flood starting or draining) are left out."""
+    job, n = "victim", 8
+    samples: list[tuple[int, str, float]] = []  # (block, "heartbeat" | "quorum", seconds)
+    state = {"block": -1, "since": 0.0, "flooded": False}
+    order = [(i // 2) % 2 == (i % 2) for i in range(2 * pairs)]  # F A A F F A ... : ABBA pairs
+
+    async def main() -> None:
+        chans = [grpc.aio.insecure_channel(address, options=OPTS) for _ in range(n)]
+        hb = [c.unary_unary(SERVICE + "Heartbeat", request_serializer=None, response_deserializer=None)
+              for c in chans]
+        gq = [c.unary_unary(SERVICE + "GetQuorum", request_serializer=None,
+                            response_deserializer=pb2.QuorumResponse.FromString) for c in chans]
+        stop_at = asyncio.Event()
+
+        def inc(r: int) -> str:
+            return f"{r + 10:x}" * 16
+
+        def tag() -> int | None:
+            return state["block"] if time.monotonic() - state["since"] >= 0.1 and state["block"] >= 0 else None
+
+        async def heartbeats() -> None:
+            i = 0
+            while not stop_at.is_set():
+                r = i % n
+                i += 1
+                body = pb2.HeartbeatRequest(protocol_version=V, job_id=job, replica_id=str(r), step=i,
+                                            incarnation=inc(r)).SerializeToString()
+                b, t0 = tag(), time.perf_counter()
+                await hb[r](body, timeout=10, metadata=auth.call_metadata(key, "Heartbeat", job, str(r), body))
+                if b is not None and tag() == b:
+                    samples.append((b, "heartbeat", time.perf_counter() - t0))
+                await asyncio.sleep(0.01)
+
+        async def quorums() -> None:
+            step = 0
+            while not stop_at.is_set():
+                step += 1
+
+                async def ask(r: int) -> float:
+                    body = pb2.QuorumRequest(protocol_version=V, job_id=job, replica_id=str(r), step=step,
+                                             ftar_addresses=[f"127.0.0.1:{21000 + r}"], local_world_size=1,
+                                             state_server_address=f"127.0.0.1:{41000 + r}", num_replicas=n,
+                                             incarnation=inc(r)).SerializeToString()
                     t0 = time.perf_counter()
-                    call(body, timeout=10, metadata=auth.call_metadata(key, "Heartbeat", "victim", "0", body))
-                    lat.append(time.perf_counter() - t0)
-                return statistics.median(lat)
+                    resp = await gq[r](body, timeout=10,
+                                       metadata=auth.call_metadata(key, "GetQuorum", job, str(r), body))
+                    assert len(resp.quorum.members) == n, resp
+                    return time.perf_counter() - t0
 
-            victim(200)  # warm-up
-            out["alone_p50_s"] = victim(calls)
-            for mode, key_hex in (("stranger", ""), ("insider", auth.job_key(secret, "flood").hex())):
-                kid = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--flood", address, mode,
-                                        str(seconds), key_hex], cwd=REPO, stdout=subprocess.PIPE, text=True)
-                time.sleep(min(1.0, seconds / 4))  # the flood is under way
-                p50 = victim(calls)
-                got, _ = kid.communicate(timeout=seconds + 60)
-                out[mode] = {"victim_p50_s": p50, "over_alone": p50 / out["alone_p50_s"],
-                             "flood_codes": json.loads(got.strip().splitlines()[-1])}
+                b = tag()
+                lat = await asyncio.gather(*(ask(r) for r in range(n)))
+                if b is not None and tag() == b:
+                    samples.extend((b, "quorum", x) for x in lat)
+                await asyncio.sleep(0.05)
+
+        async def conductor() -> None:
+            await asyncio.sleep(1.0)  # warm-up, flooder stopped
+            for blk, flooded in enumerate(order):
+                os.kill(flooder.pid, signal.SIGCONT if flooded else signal.SIGSTOP)
+                state.update(block=blk, since=time.monotonic(), flooded=flooded)
+                await asyncio.sleep(block_s)
+            os.kill(flooder.pid, signal.SIGCONT)
+            stop_at.set()
+
+        try:
+            await asyncio.gather(heartbeats(), quorums(), conductor())
+        finally:
+            await asyncio.gather(*(c.close() for c in chans))
+
+    os.kill(flooder.pid, signal.SIGSTOP)
+    try:
+        asyncio.run(main())
     finally:
-        stop(lh)
+        os.kill(flooder.pid, signal.SIGCONT)
+    per_block = {}
+    for blk, kind, x in samples:
+        per_block.setdefault(blk, {}).setdefault(kind, []).append(x)
+    out: dict = {"pairs": pairs, "block_s": block_s}
+    for kind in ("heartbeat", "quorum"):
+        pooled = {f: [x for blk, k, x in samples if k == kind and order[blk] == f] for f in (False, True)}
+        ratios = []
+        for pr in range(pairs):
+            blocks = {order[b]: per_block.get(b, {}).get(kind) for b in (2 * pr, 2 * pr + 1)}
+            if blocks.get(True) and blocks.get(False):
+                ratios.append(statistics.median(blocks[True]) / statistics.median(blocks[False]))
+        out[kind] = {"alone_p50_s": pct(pooled[False], 0.5), "flooded_p50_s": pct(pooled[True], 0.5),
+                     "alone_p99_s": pct(pooled[False], 0.99), "flooded_p99_s": pct(pooled[True], 0.99),
+                     "p99_ratio": (pct(pooled[True], 0.99) / pct(pooled[False], 0.99)
+                                   if pooled[True] and pooled[False] else None),
+                     "samples": {"alone": len(pooled[False]), "flooded": len(pooled[True])},
+                     "paired_p50_ratio": summary(ratios, 2.0)}
     return out
 
 
-def credential_cpu_us(calls: int = 20_000) -> dict:
+def flood(pairs: int, block_s: float, fairness: bool) -> dict:
+    """The victim job beside each kind of flooder, on a lighthouse with or without budgets."""
+    secret = auth.new_secret()
+    key = auth.derive(auth.job_key(secret, "victim"), "lighthouse")
+    out: dict = {"fairness": fairness}
+    for mode, key_hex in (("stranger", ""), ("insider", auth.job_key(secret, "flood").hex())):
+        lh, address = start_lighthouse(secret, *([] if fairness else ["--no-fairness"]))
+        try:
+            kid = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--flood", address, mode, key_hex],
+                                   cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+            assert kid.stdout.readline().strip() == "flooding"
+            r = victim_run(address, key, kid, pairs, block_s)
+            kid.stdin.close()  # the flooder stops, lets its calls in flight finish and prints its tally
+            got = kid.stdout.read()
+            kid.wait(60)
+        finally:
+            stop(lh)
+        r["flood_codes"] = json.loads(got.strip().splitlines()[-1])
+        out[mode] = r
+        print(f"  {'budgets' if fairness else 'no budgets'}, {mode}: " + "; ".join(
+            f"{k} p50 x{r[k]['paired_p50_ratio'].get('median', float('nan')):.2f} "
+            f"({r[k]['paired_p50_ratio']['n']} pairs) p99 x{r[k]['p99_ratio'] or float('nan'):.2f}"
+            for k in ("heartbeat", "quorum")) + f"; flood answers {r['flood_codes']}", flush=True)
+    return out
+
+
+def credential_cpu_us(calls: int = 5_000, repeats: int = 7) -> dict:
     secret = auth.new_secret()
     checker = guard.CallAuthenticator(secret)
     key = auth.derive(auth.job_key(secret, "job"), "lighthouse")
@@ -256,97 +431,107 @@ def credential_cpu_us(calls: int = 20_000) -> dict:
                              local_world_size=1).SerializeToString()
     for _ in range(1000):  # warm-up
         checker.check("GetQuorum", auth.call_metadata(key, "GetQuorum", "job", "7", body), "job", "7", body)
-    t0 = time.perf_counter()
-    mds = [auth.call_metadata(key, "GetQuorum", "job", "7", body) for _ in range(calls)]
-    t1 = time.perf_counter()
-    for md in mds:
-        assert checker.check("GetQuorum", md, "job", "7", body) is None
-    t2 = time.perf_counter()
-    return {"sign_us": (t1 - t0) / calls * 1e6, "check_us": (t2 - t1) / calls * 1e6, "calls": calls}
-
-
-def ratios(rows: list[dict], keys: tuple[str, ...]) -> dict:
-    out = {}
-    for k in keys:
-        off = [r[k] for r in rows if not r["authenticated"] and k in r]
-        on = [r[k] for r in rows if r["authenticated"] and k in r]
-        if off and on:
-            a, b = statistics.median(off), statistics.median(on)
-            out[k] = {"off": a, "on": b, "on_over_off": b / a}
-    return out
+    sign, check = [], []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        mds = [auth.call_metadata(key, "GetQuorum", "job", "7", body) for _ in range(calls)]
+        t1 = time.perf_counter()
+        for md in mds:
+            assert checker.check("GetQuorum", md, "job", "7", body) is None
+        t2 = time.perf_counter()
+        sign.append((t1 - t0) / calls * 1e6)
+        check.append((t2 - t1) / calls * 1e6)
+    return {"sign_us": min(sign), "check_us": min(check), "sign_us_median": statistics.median(sign),
+            "check_us_median": statistics.median(check), "calls": calls, "repeats": repeats}
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "--client":
         a = argv[1:]
-        client_main(a[0], a[1], int(a[2]), int(a[3]), int(a[4]), int(a[5]), float(a[6]))
+        client_main(json.loads(a[0]), json.loads(a[1]), int(a[2]), int(a[3]), int(a[4]), int(a[5]), float(a[6]))
         return 0
     if argv and argv[0] == "--flood":
-        flood_main(argv[1], argv[2], float(argv[3]), argv[4] if len(argv) > 4 else "")
+        flood_main(argv[1], argv[2], argv[3] if len(argv) > 3 else "")
         return 0
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="16 and 64 replicas, 2 pairs (CI-sized)")
+    ap.add_argument("--quick", action="store_true", help="16 and 64 replicas, few rounds and reps (CI-sized)")
+    ap.add_argument("--parts", default="paired,flood,cpu", help="comma-separated: paired, flood, cpu")
     ap.add_argument("--replicas", type=int, nargs="*", help="replica counts (default 16 64 256)")
-    ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--pairs", type=int, default=None, help="off/on alternations (default 3; --quick 2)")
+    ap.add_argument("--rounds", type=int, default=None, help="paired quorum rounds per N (default 40; --quick 6)")
     ap.add_argument("--procs", type=int, default=4, help="client processes the replicas are spread over")
-    ap.add_argument("--heartbeats", type=int, default=2000, help="sequential heartbeats per mode and pair")
+    ap.add_argument("--heartbeat-blocks", type=int, default=None,
+                    help="paired heartbeat blocks of 50 calls per lighthouse (default 60; --quick 8)")
+    ap.add_argument("--flood-pairs", type=int, default=None, help="alone/flooded block pairs per flooder (default "
+                    "40; --quick 6)")
     ap.add_argument("--timeout", type=float, default=20.0, help="per-call deadline (s)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
+    parts = set(args.parts.split(","))
+    if not parts <= {"paired", "flood", "cpu"} or not parts:
+        ap.error(f"--parts {args.parts!r}: choose among paired, flood, cpu")
     counts = args.replicas or ([16, 64] if args.quick else [16, 64, 256])
-    pairs = args.pairs or (2 if args.quick else 3)
-    heartbeats = min(args.heartbeats, 500) if args.quick else args.heartbeats
-    secret = auth.new_secret()
-    quorum, hb = [], []
-    for p in range(pairs):
-        for s in (None, secret):
-            hb.append(heartbeat_rtt(heartbeats, s))
-            print(f"pair {p} heartbeat auth {'on ' if s else 'off'}: p50 {hb[-1]['p50_s'] * 1e6:7.0f} us", flush=True)
-            for n in counts:
-                r = quorum_rounds(n, args.rounds, args.procs, args.timeout, s)
-                quorum.append(r)
-                print(f"pair {p} {n:4d} replicas auth {'on ' if s else 'off'}: "
-                      + (f"request p50 {r['request_p50_s'] * 1e3:7.2f} ms, round {r['round_s'] * 1e3:7.2f} ms"
-                         if r["rounds_ok"] else f"no complete round {r['errors']}"), flush=True)
-    per_n = []
-    for n in counts:
-        rows = [r for r in quorum if r["replicas"] == n and r["rounds_ok"]]
-        row = {"replicas": n, **ratios(rows, ("request_p50_s", "round_s"))}
-        row["within_10_percent"] = all(v["on_over_off"] <= 1.10 for k, v in row.items() if isinstance(v, dict)) \
-            if len(row) > 1 else None
-        per_n.append(row)
+    rounds = args.rounds or (6 if args.quick else 40)
+    blocks = args.heartbeat_blocks or (8 if args.quick else 60)
     out = {
         "experiment": "auth_cost",
-        "setup": (f"real lighthouse process, loopback; quorum: N replicas over {args.procs} client processes, "
-                  f"{args.rounds} rounds (+1 warm-up); heartbeat: one client, {heartbeats} sequential calls; "
-                  f"credentials off/on alternated {pairs} times; every process shares this machine's cores"),
         "host": {"cpus": os.cpu_count(), "python": platform.python_version(), "grpc": grpc.__version__},
-        "target": "quorum latency with authentication within 10% of without",
-        "quorum": per_n,
-        "heartbeat": ratios(hb, ("p50_s", "p90_s")),
-        "credential_cpu_us": credential_cpu_us(),
-        "flood": flood(seconds=4.0 if args.quick else 8.0, calls=300 if args.quick else 1000),
-        "runs": {"quorum": quorum, "heartbeat": hb},
+        "load_average_before": list(os.getloadavg()),
+        "targets": {"paired": "quorum (and heartbeat) latency with authentication within 10% of without",
+                    "flood": "a flood of another client slows a job's heartbeats and quorums <= 2x"},
     }
+    secret = auth.new_secret()
+    # The benchmark's clients send faster than a replica ever does: budgets far above them.
+    budget = ["--connection-calls-per-s", "1000000"]
+    if "paired" in parts:
+        out["setup_paired"] = (f"two real lighthouse processes (off: --insecure, on: a secret) side by side, loopback; "
+                               f"heartbeat: one client, {blocks} ABBA blocks of 50 sequential calls per lighthouse; "
+                               f"quorum: N replicas over {args.procs} client processes, {rounds} rounds (+1 warm-up) "
+                               "per lighthouse in ABBA order; every process shares this machine's cores")
+        out["heartbeat"] = heartbeat_paired(blocks, 50, secret, budget)
+        h = out["heartbeat"]
+        print(f"heartbeat p50 off {h['p50_s']['off'] * 1e6:.0f} us, on {h['p50_s']['on'] * 1e6:.0f} us; paired "
+              f"ratio {h['paired_p50_on_over_off']['median']:.3f} (IQR {h['paired_p50_on_over_off']['iqr'][0]:.3f}.."
+              f"{h['paired_p50_on_over_off']['iqr'][1]:.3f}, CI {h['paired_p50_on_over_off']['median_ci95']}): "
+              f"{h['paired_p50_on_over_off']['verdict']}", flush=True)
+        out["quorum"] = []
+        for n in counts:
+            r = quorum_paired(n, rounds, args.procs, args.timeout, secret, budget)
+            out["quorum"].append(r)
+            if not r["rounds_ok"]:
+                print(f"{n:4d} replicas: no complete round pair {r['errors']}", flush=True)
+                continue
+            for k in ("request_p50_s", "round_s"):
+                s_ = r[k]["paired_on_over_off"]
+                print(f"{n:4d} replicas {k}: off {r[k]['off_median'] * 1e3:.2f} ms on {r[k]['on_median'] * 1e3:.2f} ms; "
+                      f"paired ratio {s_['median']:.3f} (IQR {s_['iqr'][0]:.3f}..{s_['iqr'][1]:.3f}, CI "
+                      f"{s_['median_ci95'][0]:.3f}..{s_['median_ci95'][1]:.3f}, {s_['n']} pairs): {s_['verdict']}",
+                      flush=True)
+    if "cpu" in parts:
+        out["credential_cpu_us"] = credential_cpu_us()
+        c = out["credential_cpu_us"]
+        print(f"credential: sign {c['sign_us']:.1f} us, check {c['check_us']:.1f} us per call (best of repeats)")
+    if "flood" in parts:
+        fpairs, block_s = args.flood_pairs or (6 if args.quick else 40), 0.6
+        out["setup_flood"] = (f"one lighthouse process with a secret per (budgets, flooder); victim: 8 replicas in one "
+                              "process heartbeating in turn every 10 ms and asking quorums in rounds 50 ms apart, "
+                              f"without a pause; flooder: its own process, 16 calls in flight, stopped (SIGSTOP) "
+                              f"and let go (SIGCONT) in {block_s} s blocks, {fpairs} ABBA pairs; samples of a "
+                              "block's first 0.1 s left out; with budgets and without, one after the other")
+        out["flood"] = {"budgets": flood(fpairs, block_s, True), "no_budgets": flood(fpairs, block_s, False)}
+        for name, f in out["flood"].items():
+            for mode in ("stranger", "insider"):
+                r = f[mode]
+                r["within_2x"] = all(r[k]["paired_p50_ratio"].get("median", float("inf")) <= 2.0
+                                     and (r[k]["p99_ratio"] or float("inf")) <= 2.0 for k in ("heartbeat", "quorum"))
+                print(f"flood by a {mode} ({name}): " + ", ".join(
+                    f"{k} p50 x{r[k]['paired_p50_ratio'].get('median', float('nan')):.2f} "
+                    f"p99 x{r[k]['p99_ratio'] or float('nan'):.2f}" for k in ("heartbeat", "quorum"))
+                    + f"; within 2x: {r['within_2x']}")
+    out["load_average_after"] = list(os.getloadavg())
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(out, f, indent=2)
-    for row in per_n:
-        print(f"{row['replicas']:4d} replicas: " + ", ".join(
-            f"{k} on/off {v['on_over_off']:.2f}" for k, v in row.items() if isinstance(v, dict))
-              + f" (within 10%: {row['within_10_percent']})")
-    h = out["heartbeat"].get("p50_s")
-    if h:
-        print(f"heartbeat p50 on/off {h['on_over_off']:.2f} ({h['off'] * 1e6:.0f} -> {h['on'] * 1e6:.0f} us)")
-    c = out["credential_cpu_us"]
-    print(f"credential: sign {c['sign_us']:.1f} us, check {c['check_us']:.1f} us per call")
-    f = out["flood"]
-    for mode in ("stranger", "insider"):
-        print(f"flood by a {mode}: the other job's heartbeat p50 x{f[mode]['over_alone']:.2f} "
-              f"({f['alone_p50_s'] * 1e6:.0f} -> {f[mode]['victim_p50_s'] * 1e6:.0f} us; flood answers "
-              f"{f[mode]['flood_codes']})")
     print(f"wrote {args.out}")
     return 0
 

@@ -215,7 +215,23 @@ def auth_cost(result: dict) -> dict:
     return out
 
 
-def paired_auth(sizes: list[int], pairs: int, streams: int, chunk_bytes: int, chunks: int) -> dict:
+def ratio_summary(ratios: list[float], floor: float) -> dict:
+    """Median, interquartile range and a distribution-free 95% confidence interval of the
+    median of paired ratios, and the verdict on ``median >= floor``: "met" when the whole
+    interval is at or above it, "not met" when it is wholly below, else "undecided" (the
+    noise is larger than the effect: more pairs are needed)."""
+    xs = sorted(ratios)
+    n = len(xs)
+    q = statistics.quantiles(xs, n=4) if n >= 2 else [xs[0]] * 3
+    # Order statistics k, n-1-k bracket the median with >= 95% (normal approximation of Binomial(n, 1/2)).
+    k = max(0, int((n - 1.96 * n ** 0.5) / 2) - 1)
+    lo, hi = xs[k], xs[n - 1 - k]
+    verdict = "met" if lo >= floor else ("not met" if hi < floor else "undecided")
+    return {"median": statistics.median(xs), "iqr": [q[0], q[2]], "median_ci95": [lo, hi], "verdict": verdict,
+            "n": n}
+
+
+def paired_auth(sizes: list[int], pairs_by_size: dict[int, int], streams: int, chunk_bytes: int, chunks: int) -> dict:
     """Authenticated and unauthenticated rings of two in this process, all-reduces alternated
     op by op, so both see the same load; per size the medians and the median per-pair ratio."""
     import threading
@@ -253,20 +269,24 @@ def paired_auth(sizes: list[int], pairs: int, streams: int, chunk_bytes: int, ch
                 for _ in range(2):
                     op(a, b, *xs[k])
             ts: dict[str, list[float]] = {k: [] for k in rings}
+            pairs = pairs_by_size[nbytes]
             for i in range(pairs):
                 order = list(rings) if i % 2 == 0 else list(reversed(list(rings)))  # neither always first
                 for k in order:
                     ts[k].append(op(*rings[k], *xs[k]))
             ratios = [p / a for p, a in zip(ts["plain"], ts["auth"])]  # > 1: auth faster
             med = {k: statistics.median(v) for k, v in ts.items()}
+            summary = ratio_summary(ratios, 0.98)
             res[f"MiB={nbytes // MIB}"] = {
                 "pairs": pairs, "plain_median_s": med["plain"], "auth_median_s": med["auth"],
                 "bw_ratio_of_medians": med["plain"] / med["auth"],
-                "bw_ratio_median_of_pairs": statistics.median(ratios),
-                "within_2pct": statistics.median(ratios) >= 0.98,
+                "bw_ratio_median_of_pairs": summary["median"], "bw_ratio_iqr": summary["iqr"],
+                "bw_ratio_median_ci95": summary["median_ci95"], "within_2pct": summary["verdict"],
                 "plain_times_s": ts["plain"], "auth_times_s": ts["auth"]}
-            print(f"paired auth vs plain, {nbytes // MIB} MiB: median plain {med['plain']:.4f}s auth "
-                  f"{med['auth']:.4f}s, bandwidth ratio (median of pairs) {statistics.median(ratios):.3f}",
+            print(f"paired auth vs plain, {nbytes // MIB} MiB, {pairs} pairs: median plain {med['plain']:.4f}s "
+                  f"auth {med['auth']:.4f}s, bandwidth ratio (median of pairs) {summary['median']:.4f}, "
+                  f"IQR {summary['iqr'][0]:.3f}..{summary['iqr'][1]:.3f}, 95% CI of the median "
+                  f"{summary['median_ci95'][0]:.4f}..{summary['median_ci95'][1]:.4f}: 2% {summary['verdict']}",
                   flush=True)
     finally:
         for a, b in rings.values():
@@ -291,8 +311,11 @@ def main(argv=None) -> int:
     p.add_argument("--group-timeout", type=float, default=600.0)
     p.add_argument("--loopback-runs", type=int, default=2, help="loopback runs per round")
     p.add_argument("--rounds", type=int, default=None, help="interleaved passes over the systems (default 2, quick 1)")
-    p.add_argument("--paired-auth", type=int, default=0,
-                   help="N: also time authenticated vs unauthenticated rings op by op in one process, N pairs per size")
+    p.add_argument("--paired-auth", default="0",
+                   help="N (or N1,N2,... one per size): also time authenticated vs unauthenticated rings op by op "
+                        "in one process, N pairs per size")
+    p.add_argument("--paired-only", action="store_true",
+                   help="with --paired-auth: only the paired measurement (no process groups, no other systems)")
     args = p.parse_args(argv)
     sizes_mib = [8, 64] if args.quick else [8, 16, 32, 64, 128, 256]
     if args.sizes_mib:
@@ -302,11 +325,21 @@ def main(argv=None) -> int:
     args.rounds = args.rounds or (1 if args.quick else 2)
     procs = [int(x) for x in args.procs.split(",")]
     sizes = [m * MIB for m in sizes_mib]
+    try:
+        paired = [int(x) for x in args.paired_auth.split(",")]
+    except ValueError:
+        p.error(f"--paired-auth {args.paired_auth!r}: give a number of pairs, or one per size (comma-separated)")
+    if len(paired) not in (1, len(sizes)) or min(paired) < 0:
+        p.error(f"--paired-auth {args.paired_auth!r}: one count >= 0, or one per size ({len(sizes)})")
+    args.paired_auth = dict(zip(sizes, paired * len(sizes) if len(paired) == 1 else paired))
+    if not any(args.paired_auth.values()):
+        args.paired_auth = None
     out_path = pathlib.Path(args.out)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     work = pathlib.Path(tempfile.mkdtemp(prefix="ftar-bw-"))
 
     result = {"rows": [], "skipped": [], "failed": [], "loopback_gbps": None, "loopback_gbps_by_n": {},
+              "load_average_before": list(os.getloadavg()),
               "config": {"procs": procs, "sizes": sizes, "iters": args.iters, "warmup": args.warmup,
                          "chunk_bytes": args.chunk_bytes, "chunks": args.chunks, "cpus": os.cpu_count(),
                          "rounds": args.rounds}}
@@ -319,7 +352,11 @@ def main(argv=None) -> int:
                     print(f"loopback, {n} concurrent senders: {gbps:.2f} GB/s", flush=True)
 
         systems = []
-        for system in args.systems.split(","):
+        if args.paired_only:
+            if not args.paired_auth:
+                p.error("--paired-only needs --paired-auth N")
+            args.systems, args.rounds = "", 0
+        for system in filter(None, args.systems.split(",")):
             why = availability(system, args)
             if why:
                 result["skipped"].append({"system": system, "reason": why})
@@ -358,14 +395,15 @@ def main(argv=None) -> int:
     finally:
         shutil.rmtree(work, ignore_errors=True)
     result["targets"] = targets(result)
-    if any(s.endswith("_auth") for s in args.systems.split(",")):
+    if args.paired_only or any(s.endswith("_auth") for s in args.systems.split(",")):
         from fthsdp.collective import native
 
         result["chunk_tag_s"] = native.module().chunk_tag_seconds(100_000)  # tag or check one chunk header
     result["auth_cost"] = auth_cost(result)
     if args.paired_auth:
-        result["auth_paired"] = paired_auth(sizes, args.paired_auth, streams=1, chunk_bytes=args.chunk_bytes,
+        result["auth_paired"] = paired_auth([b for b in sizes if args.paired_auth[b]], args.paired_auth, streams=1, chunk_bytes=args.chunk_bytes,
                                             chunks=args.chunks)
+    result["load_average_after"] = list(os.getloadavg())
     out_path.write_text(json.dumps(result, indent=1))
     if result["rows"]:
         plot(result, out_path.with_suffix(".png"))

@@ -69,6 +69,12 @@ def test_refused_calls_cost_their_connection_more_and_a_new_connection_starts_ne
     assert a.connection("stranger:2", 0.0, 1.0)[0].wait_s == 0
     a.refused("stranger:2", 0.0)
     assert a.connection("stranger:2", 0.0, 1.0)[0].wait_s > 0
+    # registering new replica ids costs more too (a process registers one, once)
+    assert a.connection("insider:1", 0.0, 1.0)[0].wait_s == 0
+    a.new_id("insider:1", 0.0)
+    assert a.connection("insider:1", 0.0, 1.0)[0].wait_s == 0  # 20 - 1 - 10 - 1: still in budget
+    a.new_id("insider:1", 0.0)
+    assert a.connection("insider:1", 0.0, 1.0)[0].wait_s > 0
     # a replica's connection that is never refused fills up to its burst and keeps a steady 100/s
     assert all(a.connection("replica:1", t / 100, 1.0)[0].wait_s == 0 for t in range(1000))
 

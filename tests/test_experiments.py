@@ -38,3 +38,29 @@ def test_recovery_rejoin_quick(tmp_path):
     assert 0 < res["restart_to_commit_s"] < 120
     (r,) = res["rejoin_runs"]
     assert r["identical_final_state"] and r["catch_up_fetch_s"] > 0
+
+
+def test_auth_cost_small(tmp_path):
+    """experiments/auth_cost.py's three parts at their smallest: the schema, and that the budgets
+    held the stranger's flood back (fewer of its calls answered than without them, the same run)."""
+    out = tmp_path / "ac.json"
+    run("auth_cost.py", "--quick", "--replicas", "4", "--rounds", "2", "--heartbeat-blocks", "2",
+        "--flood-pairs", "2", "--out", str(out))
+    res = json.loads(out.read_text())
+    assert res["heartbeat"]["paired_p50_on_over_off"]["n"] == 2
+    (q,) = res["quorum"]
+    assert q["rounds_ok"] == 2 and q["request_p50_s"]["paired_on_over_off"]["verdict"] in (
+        "met", "not met", "undecided")
+    assert res["credential_cpu_us"]["sign_us"] > 0 and res["credential_cpu_us"]["check_us"] > 0
+    samples = 0
+    for name in ("budgets", "no_budgets"):
+        for mode in ("stranger", "insider"):
+            r = res["flood"][name][mode]
+            samples += r["heartbeat"]["samples"]["alone"] + r["heartbeat"]["samples"]["flooded"]
+            assert isinstance(r["within_2x"], bool)
+    assert samples > 0  # (a 0.6 s block of a loaded machine may see none of its calls answered within it)
+    with_budgets = sum(res["flood"]["budgets"]["stranger"]["flood_codes"].values())
+    without = sum(res["flood"]["no_budgets"]["stranger"]["flood_codes"].values())
+    assert with_budgets < without, (with_budgets, without)
+    assert set(res["flood"]["budgets"]["stranger"]["flood_codes"]) <= {"UNAUTHENTICATED", "RESOURCE_EXHAUSTED",
+                                                                     "INVALID_ARGUMENT"}

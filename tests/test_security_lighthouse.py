@@ -344,8 +344,8 @@ def test_a_flooding_connection_is_held_to_its_budget_while_another_job_is_served
                     i = 0
                     while time.monotonic() < end:
                         i += 1
-                        req = pb2.HeartbeatRequest(protocol_version=V, job_id="flood", replica_id=f"{w}",
-                                                   step=i, incarnation=f"w{w}")
+                        req = pb2.HeartbeatRequest(protocol_version=V, job_id="flood", replica_id="flooder",
+                                                   step=i, incarnation="w")
                         body, md = signed(insider, "Heartbeat", req)
                         try:
                             await call(body, timeout=5, metadata=md)

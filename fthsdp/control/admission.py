@@ -23,8 +23,10 @@ of a connection costs ``failure_cost`` tokens more):
   process of a replica uses one connection and sends ~10-60 calls per second
   (heartbeats at 10 Hz, a quorum per step); the default budget is 100/s.
   A connection whose calls fail (no or a bad credential, a malformed body)
-  burns its budget ``failure_cost`` times faster: a stranger gets a few dozen
-  refusals a second, never thousands.
+  burns its budget ``failure_cost`` times faster: a stranger gets a few
+  refusals a second, never thousands. A call that registers a new replica id
+  costs ``new_id_cost`` more (a process registers its id once; an insider
+  inventing ids gets ~10 a second per connection).
   A new connection starts with a small part of its burst
   (``new_connection_tokens``: one refused call spends it), so opening a
   fresh connection per call buys a stranger one refusal per TCP and HTTP/2
@@ -63,6 +65,7 @@ class FairnessLimits:
     connection_burst: int = 200
     new_connection_tokens: int = 20  # what a new connection starts with (its bucket fills to the burst)
     failure_cost: float = 20.0  # a refused call costs its connection this many tokens (1 + this)
+    new_id_cost: float = 10.0  # so does a call that registers a new replica id (a process does it once)
     job_calls_per_s: float = 2000.0  # per job, plus ...
     replica_calls_per_s: float = 100.0  # ... this much per replica the job has registered
     max_held: int = 64  # calls one principal may have parked; more are refused at once
@@ -201,6 +204,13 @@ class Admission:
         if isinstance(held, Bucket) and held.held > 0:
             held.held -= 1
             self.held_total -= 1
+
+    def new_id(self, peer: str, now: float) -> None:
+        """A call of connection ``peer`` registered a new replica id: the dearest accepted call
+        (bookkeeping kept for the detection window and more), which a process makes once."""
+        b = self._connections.get(peer)
+        if b is not None:
+            b.charge(now, self.limits.new_id_cost)
 
     def refused(self, peer: str, now: float) -> None:
         """A call of connection ``peer`` was refused (malformed, unauthenticated, not allowed)."""

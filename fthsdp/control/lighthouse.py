@@ -1018,6 +1018,8 @@ class Lighthouse(pb2_grpc.LighthouseServicer):
                 return guard.Refusal(grpc.StatusCode.RESOURCE_EXHAUSTED, (
                     f"too many new replica ids from {context.peer()} (limit {lim.new_ids_per_s:g}/s after a burst "
                     f"of {lim.new_ids_burst}): replica {rid!r} of job {request.job_id!r} is refused; retry later"))
+            if self._admission is not None:  # registering an id costs more than a call (fthsdp/control/admission.py)
+                self._admission.new_id(context.peer() or "", now)
         if job is not None:
             proc = getattr(request, "process_index", 0)  # Leave: the replica's leader
             holder = job.incarnations.get(rid, {}).get(proc)
