@@ -554,9 +554,10 @@ def plot(rows: list[dict], path: Path) -> None:
                     key=lambda r: r["ranks"])
         color = colors.get(rpr, "tab:gray")
         ls = "-" if nproc == 1 else "--"
-        ax.plot([r["ranks"] for r in rs], [r["p50_s"] for r in rs], "^" + ls, color=color,
+        mk = {1: "^", 2: "v", 4: "<", 5: "D", 8: ">", 10: "s"}.get(nproc, "o")  # one marker per process count
+        ax.plot([r["ranks"] for r in rs], [r["p50_s"] for r in rs], mk + ls, color=color,
                 label=f"fthsdp-hierarchical {rpr} replicas x {nproc} process(es) p50")
-        ax.plot([r["ranks"] for r in rs], [r["p99_s"] for r in rs], "^", color=color, alpha=0.4, mfc="none",
+        ax.plot([r["ranks"] for r in rs], [r["p99_s"] for r in rs], mk, color=color, alpha=0.4, mfc="none",
                 label=f"fthsdp-hierarchical {rpr} replicas x {nproc} process(es) p99")
     flat = sorted((r for r in rows if r["system"] == "fthsdp-flat" and r["p50_s"]), key=lambda r: r["ranks"])
     if flat:
