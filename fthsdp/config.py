@@ -107,6 +107,11 @@ class FTConfig:
     # state on its devices (fthsdp/step/fingerprint.py) and reports it to the
     # lighthouse, which compares the replicas (fthsdp/control/sdc.py).
     fingerprint: bool = True
+    # Fingerprint (and compare) the state after every K-th committed step only (1: after
+    # every commit). A K > 1 divides the fingerprint's cost by K but lets a corrupted replica
+    # contribute gradients for up to K steps before it is found (experiments/fingerprint_cost.py
+    # measures the per-commit cost, and the K that would bring it under 1% of a step).
+    fingerprint_every: int = 1
     # A test hook, off by default: "REPLICA@STEP[:BIT]" flips bit BIT of one parameter
     # of replica REPLICA right after it commits step STEP (fthsdp.step.fingerprint.FlipSpec).
     test_flip_bit: str = ""

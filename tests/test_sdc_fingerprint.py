@@ -116,24 +116,31 @@ def test_native_kernel_equals_the_reference_under_every_layout(layout):
     assert fpm.to_int(fpm.make_fingerprint(shs)(changed)) != want
 
 
-def test_train_step_reports_the_reference_fingerprint():
+@pytest.mark.parametrize("every", [1, 3])
+def test_train_step_reports_the_reference_fingerprint(every):
     """The fingerprint apply_grads returns (native, inside the step) is the reference's value of
-    the state it returns."""
+    the state it returns; with ft.fingerprint_every=K only after every K-th step (zeros between)."""
     from fthsdp import config as config_lib
     from fthsdp.step.functional import make_train_step
     from fthsdp.step.quorum_inputs import local_allreduce, make_quorum_inputs
     from fthsdp.step.sharding import replica_mesh
 
     cfg = config_lib.load("base", ["model.d_model=32", "model.num_layers=1", "model.num_heads=2", "model.max_seq_len=16",
-                                   "data.seq_len=16", "data.batch_size=8"])
+                                   "data.seq_len=16", "data.batch_size=8", f"ft.fingerprint_every={every}"])
     ts = make_train_step(cfg, replica_mesh(2), allreduce=local_allreduce, fingerprint=True)
     state = ts.init(0)
     x = np.zeros((cfg.data.batch_size, cfg.data.seq_len), np.int32)
-    grads, _ = ts.compute_grads(state, *ts.shard_batch(x, x))
     quorum = make_quorum_inputs(contribute=True, num_contributing=1, num_members=1, num_configured=1, lr_mode=0)
-    new, m = ts.apply_grads(state, grads, quorum)
-    assert fpm.to_int(m["fingerprint"]) == fpm.to_int(jax.jit(fpm.reference)(new))
-    assert fpm.to_int(m["fingerprint"]) != fpm.to_int(jax.jit(fpm.reference)(state))
+    for step in range(1, every + 1):
+        grads, _ = ts.compute_grads(state, *ts.shard_batch(x, x))
+        new, m = ts.apply_grads(state, grads, quorum)
+        assert int(new.step) == step
+        if step % every:
+            assert fpm.to_int(m["fingerprint"]) == 0
+        else:
+            assert fpm.to_int(m["fingerprint"]) == fpm.to_int(jax.jit(fpm.reference)(new))
+            assert fpm.to_int(m["fingerprint"]) != fpm.to_int(jax.jit(fpm.reference)(state))
+        state = new
 
 
 def test_flip_bit_hook_changes_one_word_and_keeps_the_layout():

@@ -401,8 +401,8 @@ class Manager:
         host), handed to the lighthouse client, which sends it with the next quorum request
         and heartbeats so the lighthouse can compare the replicas (silent data corruption)."""
         fp = m.get("fingerprint")
-        if fp is None:
-            return None
+        if fp is None or int(self.state.step) % self.cfg.ft.fingerprint_every:
+            return None  # not computed this step (ft.fingerprint_every)
         from fthsdp.step.fingerprint import to_int
 
         value = to_int(fp)
