@@ -41,10 +41,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import json
 import math
 import os
 import platform
+import re
 import statistics
 import subprocess
 import sys
@@ -154,9 +156,15 @@ def fthsdp_row(system: str, replicas: int, ranks_per_replica: int, rounds: int, 
     # window must outlast the emulator's own turnaround between two requests (seconds at
     # 8,192 replicas on a loaded machine): 5 s let every replica be declared dead between
     # rounds, and the first requester then formed a quorum of one.
-    t = Timeouts(heartbeat_interval_s=heartbeat_s if heartbeats else 0.1, detect_s=5.0 if heartbeats else 30.0,
-                 join_timeout_s=30.0,
-                 allreduce_timeout_s=60.0, quorum_timeout_s=120.0, lighthouse_outage_s=60.0)
+    # Above 2,048 flat replicas every limit grows with N: on this shared machine the first round
+    # (8,192 connections, first answers of 0.5 MB each) outlasted a 30 s join limit, the
+    # late replicas joined behind, each change of membership sent every member the full
+    # answer again, and no round completed. The limits bound waits; a steady round (nobody
+    # new, nobody dead) never waits on them, so they do not change what is measured.
+    f = 1.0 if heartbeats else max(1.0, replicas / 2048)
+    t = Timeouts(heartbeat_interval_s=heartbeat_s if heartbeats else 0.1, detect_s=5.0 if heartbeats else 30.0 * f,
+                 join_timeout_s=30.0 * f,
+                 allreduce_timeout_s=60.0 * f, quorum_timeout_s=120.0 * f, lighthouse_outage_s=60.0 * f)
     cfg = EmulationConfig(
         replicas=replicas, ranks_per_replica=ranks_per_replica, steps=rounds + warmup,
         model=ModelShape(params=8_000_000_000, step_s=0.02), timeouts=t, heartbeats=heartbeats,
@@ -182,6 +190,8 @@ def fthsdp_row(system: str, replicas: int, ranks_per_replica: int, rounds: int, 
         "system": system, "replicas": replicas, "ranks": replicas * ranks_per_replica,
         "ranks_per_replica": ranks_per_replica, "heartbeat_interval_s": heartbeat_s,
         "processes_per_replica": processes, "shards_per_process": ranks_per_replica // processes,
+        "timeouts_s": {"detect": t.detect_s, "join": t.join_timeout_s, "allreduce": t.allreduce_timeout_s,
+                       "quorum": t.quorum_timeout_s},
         "leader_answer_bytes": rep.answer_bytes, "follower_views_fetched": rep.views_fetched,
         "p50_s": percentile(lat, 0.5), "p99_s": percentile(lat, 0.99), "max_s": max(lat) if lat else None,
         "complete_rounds": len(complete), "rounds": rounds, "warmup_rounds": warmup,
@@ -194,6 +204,10 @@ def fthsdp_row(system: str, replicas: int, ranks_per_replica: int, rounds: int, 
         "final_steps": sorted(set(rep.final_steps.values())), "events_head": rep.events[:5],
         # A lost request shows here (a failed call, or one re-sent after UNAVAILABLE), never hidden by a retry.
         "quorum_request_errors": sum(1 for e in rep.events if "quorum request failed" in e),
+        # What they were (digits blanked, so that one kind counts once): the first place to look.
+        "quorum_request_error_kinds": collections.Counter(
+            re.sub(r"\d+", "N", e.partition("quorum request failed: ")[2])[:160]
+            for e in rep.events if "quorum request failed" in e).most_common(5),
         "requests_resent_after_unavailable": sum(1 for r in rep.quorum_records if r.outage_s > 0),
         **({"breakdown": where} if where is not None else {}),
     }
@@ -460,6 +474,42 @@ def decision_benchmark(ns: list[int], repeats: int = 3) -> dict:
     return {"points": points, "n_log_n_slope": _n_log_n_slope(xs),
             "slopes": {k: _slope([(p["replicas"], p[k]) for p in points])
                        for k in ("decide_first_s", "decide_next_s", "view_s", "serialize_view_s")}}
+
+
+def guard_cost(ns: list[int], repeats: int = 5) -> dict:
+    """What checking one quorum request's ``last_members`` (n ids) costs the lighthouse:
+    the check as it was (a Python test per character of every id, measured here as the
+    baseline) and fthsdp.control.guard's (one regex search over the joined ids), side by
+    side in this process, best of ``repeats``. Every request carried the list until only
+    the first members sent it (fthsdp.control.quorum.sends_last_members), so a round paid
+    n times this."""
+    from fthsdp.control import guard
+
+    def per_char(ids) -> str | None:  # the check before: one generator step per character
+        for v in ids:
+            if len(v) > 128:
+                return "long"
+            if next((c for c in v if ord(c) < 32 or ord(c) == 127 or c.isspace()), None) is not None:
+                return "bad"
+        return None
+
+    def best(f) -> float:
+        f()
+        t = math.inf
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            f()
+            t = min(t, time.perf_counter() - t0)
+        return t
+
+    out = []
+    for n in ns:
+        ids = [str(i) for i in range(n)]
+        old = best(lambda: per_char(ids))
+        new = best(lambda: guard._texts_problem("a last_members id", ids, 128))
+        out.append({"replicas": n, "per_character_s": old, "guard_s": new, "ratio": old / new if new else None,
+                    "round_before_s": old * n})
+    return {"points": out, "note": "one request's last_members check; a round before the fix paid it per replica"}
 
 
 def tempfile_dir():
@@ -793,6 +843,10 @@ def main(argv: list[str] | None = None) -> int:
               + f"; log-log slopes {d['slopes']} (N log N: {d['n_log_n_slope']:.3f})", flush=True)
         save()
     if "profile" not in args.skip:
+        g = guard_cost([1024, 4096, 8192])
+        result.setdefault("where_time_goes", {})["guard_last_members"] = g
+        print("guard: " + ", ".join(f"{p['replicas']}: {p['per_character_s'] * 1e3:.2f} ms -> {p['guard_s'] * 1e3:.3f} ms"
+                                    for p in g["points"]), flush=True)
         prof_ns = args.profile if args.profile is not None else ([256] if args.quick else [1024, 8192])
         result.setdefault("where_time_goes", {})
         if prof_ns:
