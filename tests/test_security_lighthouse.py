@@ -59,6 +59,15 @@ def test_a_signature_covers_every_field():
     assert not auth.verify(auth.new_secret(), c, "GetQuorum", "j", "r0", b"body")
 
 
+def test_the_cached_pad_hmac_is_hmac_sha256():
+    import hashlib
+    import hmac
+
+    for key in (b"k" * 16, os.urandom(32), os.urandom(64), os.urandom(100)):
+        for msg in (b"", b"x", os.urandom(1000), os.urandom(5000)):
+            assert auth.hmac_sha256(key, msg) == hmac.new(key, msg, hashlib.sha256).digest()
+
+
 def test_replay_cache_refuses_replays_stale_calls_and_stays_bounded():
     r = auth.ReplayCache(window_s=30.0, capacity=100)
     assert r.check_and_add("n1", 1000.0, 1000.0) is None

@@ -168,14 +168,53 @@ class Credential(NamedTuple):
 _U32 = struct.Struct(">I").pack
 
 
+class _Pads:
+    """HMAC-SHA256's two keyed SHA-256 states, computed once per key and copied per call.
+
+    The same bytes as ``hmac.new(key, msg, sha256)``, without a key schedule per call; and
+    unlike OpenSSL's one-shot ``hmac.digest``, which gives the GIL up around every call,
+    SHA-256 updates this small keep it. With one other Python thread running (every gRPC
+    process has some), a 150-byte hmac.digest took 10.4 us and these pads 2.5 us (measured
+    here, same process); after the switch a signed heartbeat's round trip went from x1.11 and
+    x1.20 of an unsigned one's (two runs) to x0.98 (experiments/auth_cost.py, paired).
+    """
+
+    def __init__(self, cap: int = 4096) -> None:
+        self._pads: dict[bytes, tuple] = {}
+        self._cap = cap
+
+    def get(self, key: bytes) -> tuple:
+        p = self._pads.get(key)
+        if p is None:
+            k = hashlib.sha256(key).digest() if len(key) > 64 else bytes(key)
+            k = k.ljust(64, b"\0")
+            p = (hashlib.sha256(bytes(x ^ 0x36 for x in k)), hashlib.sha256(bytes(x ^ 0x5C for x in k)))
+            if len(self._pads) >= self._cap:
+                self._pads.clear()
+            self._pads[bytes(key)] = p
+        return p
+
+
+_PADS = _Pads()
+
+
+def hmac_sha256(key: bytes, msg: bytes) -> bytes:
+    """HMAC-SHA256(key, msg) (RFC 2104), from the key's cached pads."""
+    inner, outer = _PADS.get(key)
+    i = inner.copy()
+    i.update(msg)
+    o = outer.copy()
+    o.update(i.digest())
+    return o.digest()
+
+
 def _mac(key: bytes, method: str, job_id: str, replica_id: str, body: bytes, ts: str, nonce: str) -> str:
     # Length-prefixed fields (the ids are arbitrary text): no two different calls give the same bytes.
-    # hmac.digest is OpenSSL's one-shot HMAC: no Python HMAC object per call (half the cost of hmac.new).
     m, j, r, d, t, n = (method.encode(), job_id.encode(), replica_id.encode(), hashlib.sha256(body).digest(),
                         ts.encode(), nonce.encode())
     msg = b"".join((b"fthsdp call v1", _U32(len(m)), m, _U32(len(j)), j, _U32(len(r)), r, _U32(len(d)), d,
                     _U32(len(t)), t, _U32(len(n)), n))
-    return hmac.digest(key, msg, "sha256").hex()
+    return hmac_sha256(key, msg).hex()
 
 
 class _Nonces:
