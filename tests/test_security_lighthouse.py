@@ -80,6 +80,14 @@ def test_replay_cache_refuses_replays_stale_calls_and_stays_bounded():
     # ... and a replay of a nonce it had to drop is still refused (too old to be checked)
     assert r.check_and_add("f0", 1000.0, 1001.0) is not None
     assert r.check_and_add("fresh", 1001.5, 1001.5) is None
+    # a flood far beyond the capacity within one timestamp slice (~0.12 s) still accepts each
+    # fresh call once (found by the peer server's fuzzer, whose cache holds 256 nonces)
+    r = auth.ReplayCache(window_s=30.0, capacity=256)
+    for i in range(5000):
+        t = 2000.0 + i * 1e-5
+        assert r.check_and_add(f"n{i}", t, t) is None, i
+        assert "replayed" in r.check_and_add(f"n{i}", t, t)
+    assert len(r) <= 256
 
 
 def test_secrets_load_from_file_or_environment_and_say_what_is_wrong(tmp_path):

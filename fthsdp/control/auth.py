@@ -36,6 +36,7 @@ import os
 import secrets
 import struct
 import time
+from collections import OrderedDict
 from typing import NamedTuple
 
 __all__ = [
@@ -265,28 +266,29 @@ def call_metadata(key: bytes, method: str, job_id: str, replica_id: str, body: b
 class ReplayCache:
     """Nonces seen within the clock window, bounded: refuses a nonce seen before.
 
-    Nonces are kept in sets by their call's *timestamp* (slices of 1/256 of the
-    window, ~0.12 s): a replay carries the same signed timestamp, so one set lookup
-    decides, and a slice whose every timestamp is outside the window is
-    dropped whole (such a call is refused by its timestamp anyway). Keyed by
-    timestamp rather than arrival, a call stamped ahead of the lighthouse's
-    clock stays remembered as long as it could be replayed. When more than
-    ``capacity`` nonces are held, the oldest slices are dropped early and, to
-    stay safe, every call stamped before the end of the newest dropped slice
-    is refused as possibly replayed (``floor``): a flood can make old-but-valid
-    calls retry, never let a replay through.
+    Nonces are kept by their call's *timestamp*, in slices of 1/256 of the
+    window (~0.12 s), each in arrival order: a replay carries the same signed
+    timestamp, so one lookup in one slice decides, and a slice whose every
+    timestamp is outside the window is dropped whole (such a call is refused
+    by its timestamp anyway). Keyed by timestamp rather than arrival, a call
+    stamped ahead of the lighthouse's clock stays remembered as long as it
+    could be replayed. When more than ``capacity`` nonces are held, the
+    oldest are dropped one by one, oldest slice first, and, to stay safe,
+    every call stamped at or before the latest dropped timestamp is refused
+    as possibly replayed (``floor``): a flood can make old-but-valid calls
+    retry, never let a replay through, and a fresh call stays accepted.
     """
 
-    SLICES = 256  # fine enough that dropping one under a flood refuses only calls ~0.1 s older than it
+    SLICES = 256
 
     def __init__(self, window_s: float = CLOCK_WINDOW_S, capacity: int = 200_000) -> None:
         self.window_s = window_s
         self.capacity = capacity
         self._width = window_s / self.SLICES
-        self._slices: dict[int, set[str]] = {}  # slice index (timestamp // width) -> nonces
+        self._slices: dict[int, OrderedDict[str, float]] = {}  # slice (timestamp // width) -> nonce -> timestamp
         self._count = 0
-        self._oldest = None  # the smallest slice index held
-        self.floor = -float("inf")  # calls with timestamp < floor are refused
+        self._oldest: int | None = None  # the smallest slice index held
+        self.floor = -float("inf")  # calls with timestamp <= floor are refused
 
     def __len__(self) -> int:
         return self._count
@@ -303,24 +305,31 @@ class ReplayCache:
         if self._oldest is not None and (self._oldest + 1) * self._width < now - self.window_s:
             for i in [i for i in self._slices if (i + 1) * self._width < now - self.window_s]:
                 self._drop(i)  # wholly outside the window
-        if timestamp < self.floor:
-            return "the call is too old to be checked for replay while the lighthouse is flooded: retry it (a fresh nonce and timestamp)"
+        too_old = ("the call is too old to be checked for replay while the lighthouse is flooded: retry it "
+                   "(a fresh nonce and timestamp)")
+        if timestamp <= self.floor:
+            return too_old
         index = int(timestamp // self._width)
         seen = self._slices.get(index)
         if seen is None:
-            seen = self._slices[index] = set()
+            seen = self._slices[index] = OrderedDict()
             if self._oldest is None or index < self._oldest:
                 self._oldest = index
         elif nonce in seen:
             return "nonce already used: a replayed call (each call must carry a fresh nonce)"
-        seen.add(nonce)
+        seen[nonce] = timestamp
         self._count += 1
+        dropped_self = False
         while self._count > self.capacity:
-            oldest = self._oldest
-            self.floor = max(self.floor, (oldest + 1) * self._width)
-            self._drop(oldest)
-            if oldest == index:  # this very call's slice went: refuse it, as any call that old
-                return "the call is too old to be checked for replay while the lighthouse is flooded: retry it (a fresh nonce and timestamp)"
+            oldest = self._slices[self._oldest]
+            n, t = oldest.popitem(last=False)
+            self._count -= 1
+            self.floor = max(self.floor, t)
+            dropped_self = dropped_self or n == nonce
+            if not oldest:
+                self._drop(self._oldest)
+        if dropped_self or timestamp <= self.floor:
+            return too_old
         return None
 
 
