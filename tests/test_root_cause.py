@@ -230,7 +230,7 @@ def test_dashboard_view_carries_the_verdict_and_each_replicas_phase():
             pb2.ReplicaStatus(replica_id="1", step=5, last_heartbeat_age_s=0.9, dead=True)],
         root_cause=pb2.RootCause(kind="none", evidence="fine"),
         last_stall=pb2.RootCause(kind="dead", culprit="1", evidence="no heartbeat for 0.90s", confidence=1.0,
-                                 step=5, age_s=3.0))])
+                                 step=5, age_s=3.0, process=1))])
     view = view_from_proto(resp, 1000.0)
     job = view.job("j")
     assert job.root_cause.kind == "none" and (job.last_stall.kind, job.last_stall.culprit) == ("dead", "1")
@@ -238,6 +238,7 @@ def test_dashboard_view_carries_the_verdict_and_each_replicas_phase():
     h.update(view)
     data = h.job_json(job)
     assert data["last_stall"]["culprit"] == "1" and data["last_stall"]["evidence"].startswith("no heartbeat")
+    assert data["last_stall"]["process"] == 1  # the dashboard shows "replica 1 process 1"
     rows = {r["replica_id"]: r for r in data["replicas"]}
     assert (rows["0"]["phase"], rows["0"]["waiting_on"]) == ("allreduce", "1") and rows["1"]["phase"] == ""
     # an older lighthouse without these fields still gives a view

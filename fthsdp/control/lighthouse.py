@@ -601,6 +601,9 @@ class Lighthouse(pb2_grpc.LighthouseServicer):
                 self._server = None
                 raise OSError(f"lighthouse cannot serve its metrics on {c.metrics_bind}: {e} (is the port in use?)") from e
             log.info("lighthouse metrics on http://%s/metrics", self.metrics_server.address)
+            if not is_loopback(self.metrics_server.host):
+                log.warning("lighthouse metrics on %s are served without authentication beyond loopback: anyone "
+                            "who reaches it reads the job and replica names and the verdicts", c.metrics_bind)
         self._tick_task = asyncio.get_running_loop().create_task(self._tick_loop())
         log.info("lighthouse serving on %s (%s)", self.address, self.config)
         return self.port

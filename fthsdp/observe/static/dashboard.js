@@ -65,8 +65,11 @@ function renderSummary(job) {
 function renderRootCause(job) {
   const box = el("div", { class: "rootcause" });
   const one = (label, v, cls) => {
-    const who = v.kind === "slow_link" ? `link ${v.culprit} → ${v.peer}` : v.culprit ? `replica ${v.culprit}` : "";
-    return el("div", { class: `verdict ${cls} kind-${v.kind}`, dataset: { kind: v.kind, culprit: v.culprit, peer: v.peer } },
+    // a replica of several processes: the culprit's process (0 / -1 / absent: not shown)
+    const proc = v.process > 0 ? ` process ${v.process}` : "";
+    const who = v.kind === "slow_link" ? `link ${v.culprit}${proc} → ${v.peer}` : v.culprit ? `replica ${v.culprit}${proc}` : "";
+    return el("div", { class: `verdict ${cls} kind-${v.kind}`,
+                       dataset: { kind: v.kind, culprit: v.culprit, peer: v.peer, process: v.process ?? -1 } },
       el("span", { class: "label" }, label), " ",
       el("b", { class: "kind" }, v.kind === "none" ? "no stall" : v.kind.replace("_", " ").toUpperCase()), " ",
       el("b", { class: "culprit" }, who), " ",
