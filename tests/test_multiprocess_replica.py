@@ -167,11 +167,15 @@ def test_replicas_of_two_processes_checkpoint_and_resume_bit_for_bit(tmp_path):
 
 def test_a_frozen_follower_gets_its_replica_declared_dead(tmp_path):
     """SIGSTOP of a non-leader process: its leader stops hearing it within the detection
-    window and takes the replica out (replica-fatal); the others go on within the deadline."""
+    window and takes the replica out (replica-fatal); the others go on within the deadline;
+    the lighthouse's root-cause verdict names process 1 of replica 1."""
     out, p = _run(tmp_path, 3, 30, "--stop", "1.1@8", "--stop-seconds", "10", "--no-restart")
     run = report.load_run(out)
     status = json.loads((out / "status-1.json").read_text())
     assert "process 1 of replica 1 silent" in status.get("fault", ""), status
+    # the lighthouse's root cause names the frozen follower itself, as (replica, process)
+    verdicts = [ln for ln in (out / "lighthouse.log").read_text().splitlines() if "root cause:" in ln]
+    assert any(k in ln for ln in verdicts for k in ("FROZEN replica 1 process 1", "DEAD replica 1 process 1")), verdicts
     assert {r for r, d in run.done.items() if d.get("step") == 30} == {"0", "2"}, run.done.keys()
     from test_fault_tolerance import assert_identical_after_every_commit
 
