@@ -1,6 +1,6 @@
 # Two commands do all the set-up on a fresh machine:
 #   make run    the main job (see README)
-#   make test   the test suite
+#   make test   the test suite (what CI runs; `make test-all` adds the slow end-to-end variants)
 # Both create .venv (Python >= 3.12), install the dependencies and build the
 # native extension first, once.
 
@@ -10,7 +10,7 @@ STAMP    := $(VENV)/.fthsdp-installed
 NATIVE   := $(wildcard ffi/*.h ffi/*.cc ffi/*/*.h ffi/*/*.cc ffi/cuda/*.cu fthsdp/proto/*.proto) CMakeLists.txt pyproject.toml
 PYTEST_ARGS ?=
 
-.PHONY: install run train test clean study
+.PHONY: install run train test test-all clean study
 
 install: $(STAMP)
 
@@ -29,6 +29,9 @@ train: run
 
 test: $(STAMP)
 	$(PYBIN) -m pytest $(PYTEST_ARGS)
+
+test-all: $(STAMP)
+	FTHSDP_RUN_SLOW=1 $(PYBIN) -m pytest $(PYTEST_ARGS)
 
 study: $(STAMP)
 	$(PYBIN) experiments/lr_intervention.py --quick --out results/lr_quick.json

@@ -285,6 +285,11 @@ def test_a_job_over_ipv6_loopback_with_an_external_lighthouse(tmp_path):
         events = [json.loads(x) for x in (out / "events.jsonl").read_text().splitlines()]
         assert [e["address"] for e in events if e["kind"] == "lighthouse"] == [address]
         assert assert_identical_after_every_commit(report.load_run(out)) >= 15
+        # every advertised address was accepted (the metrics address once went out unbracketed,
+        # every heartbeat was refused and the job started only after the start-up barrier gave up)
+        for r in (0, 1):
+            log = (out / f"replica-{r}.log").read_text()
+            assert "heartbeat rejected" not in log and "starting without the rest" not in log, log[-3000:]
     finally:
         lh.kill()
         lh.wait(30)

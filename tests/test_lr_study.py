@@ -3,7 +3,6 @@
 import importlib.util
 import json
 import math
-import os
 import pathlib
 import subprocess
 import sys
@@ -99,8 +98,7 @@ def test_quick_mode_end_to_end_writes_a_complete_json(tmp_path):
     assert {pathlib.Path(p).name for p in res["plots"]} == {"lr_full.png", "lr_zoom.png"}
 
 
-@pytest.mark.slow
-@pytest.mark.skipif(not os.environ.get("FTHSDP_RUN_SLOW"), reason="the real quick study (~2 min): set FTHSDP_RUN_SLOW=1")
+@pytest.mark.slow  # the real quick study (~2 min): FTHSDP_RUN_SLOW=1 (tests/conftest.py)
 def test_the_quick_study_itself(tmp_path):
     """Acceptance: the shipped quick study runs here and states its conclusion from its numbers."""
     out = tmp_path / "quick.json"

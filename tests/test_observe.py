@@ -259,6 +259,26 @@ def test_exporter_serves_the_registry_on_an_ephemeral_loopback_port():
         srv.close()
 
 
+def test_ipv6_listeners_advertise_bracketed_addresses():
+    """An address a process advertises must parse back as HOST:PORT: the lighthouse refuses
+    heartbeats whose metrics address does not (an IPv6 job once lost every heartbeat to it)."""
+    from fthsdp.addresses import split_host_port
+
+    srv = serve(ReplicaMetrics("j", "0").registry, "[::1]:0")
+    try:
+        assert srv.address == f"[::1]:{srv.port}" and split_host_port(srv.address) == ("::1", srv.port)
+        text = urllib.request.urlopen(f"http://{srv.address}/metrics", timeout=10).read().decode()
+        assert "fthsdp_commits_total" in text
+    finally:
+        srv.close()
+    board = dash_mod.Dashboard("127.0.0.1:1", bind="[::1]:0")
+    try:
+        host, port = split_host_port(board.address)
+        assert host == "::1" and port > 0 and board.url == f"http://[::1]:{port}/"
+    finally:
+        board._httpd.server_close()
+
+
 @pytest.mark.parametrize("bad", ["127.0.0.1:x", "host:70000", "a:b:"])
 def test_bad_bind_address_says_what_is_expected(bad):
     with pytest.raises(ValueError, match="HOST:PORT"):

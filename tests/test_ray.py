@@ -155,6 +155,7 @@ def test_ray_kill_and_worker_sigkill_replicas_are_replaced_and_rejoin(tmp_path, 
     assert "kill of replica 1 (at step 15): detected in" in p.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_lighthouse_actor_killed_is_restarted_on_its_address(tmp_path, short_tmp):
     out = tmp_path / "run"
@@ -189,6 +190,7 @@ def test_ray_replace_experiment_quick(tmp_path):
     assert out.with_suffix(".png").stat().st_size > 5_000
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_multi_process_replica_is_one_actor_per_process_and_replaced_as_a_group(tmp_path, short_tmp):
     """2 replicas x 2 processes x 1 device: one placement group of two bundles per replica, one actor

@@ -34,6 +34,7 @@ from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from fthsdp.addresses import family, join_host_port
 from fthsdp.observe.lighthouse_view import History, LighthouseUnreachable, LighthouseView, StatusPoller
 from fthsdp.observe.metrics import LighthouseMetrics, parse_bind
 
@@ -79,14 +80,15 @@ class Dashboard:
         self._slots = threading.BoundedSemaphore(max_concurrent)
         self._static = {name: static_dir().joinpath(name).read_bytes() for name in STATIC_FILES}
         host, port = parse_bind(bind)
-        self._httpd = ThreadingHTTPServer((host, port), self._handler_class(socket_timeout_s))
+        server_class = type("DashboardHTTPServer", (ThreadingHTTPServer,), {"address_family": family(host)})
+        self._httpd = server_class((host, port), self._handler_class(socket_timeout_s))
         self._httpd.daemon_threads = True
         self._threads: list[threading.Thread] = []
 
     @property
     def address(self) -> str:
         host, port = self._httpd.server_address[:2]
-        return f"{host}:{port}"
+        return join_host_port(host, port)
 
     @property
     def url(self) -> str:

@@ -30,6 +30,7 @@ from typing import Any, Iterable, Mapping, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
+from fthsdp.addresses import join_host_port
 from fthsdp.observe.lighthouse_view import (
     STATES,
     History,
@@ -373,7 +374,8 @@ class MetricsServer:
 
     @property
     def address(self) -> str:
-        return f"{self.host}:{self.port}"
+        """``HOST:PORT`` as the lighthouse and Prometheus read it (IPv6 in brackets)."""
+        return join_host_port(self.host, self.port)
 
     def close(self) -> None:
         self._server.shutdown()
