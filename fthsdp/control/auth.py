@@ -176,8 +176,9 @@ class _Pads:
     unlike OpenSSL's one-shot ``hmac.digest``, which gives the GIL up around every call,
     SHA-256 updates this small keep it. With one other Python thread running (every gRPC
     process has some), a 150-byte hmac.digest took 10.4 us and these pads 2.5 us (measured
-    here, same process); after the switch a signed heartbeat's round trip went from x1.11 and
-    x1.20 of an unsigned one's (two runs) to x0.98 (experiments/auth_cost.py, paired).
+    here, same process). End to end the change is within the noise of
+    experiments/auth_cost.py (a signed heartbeat x1.11 and x1.20 of an unsigned one's before
+    it, x0.98, x1.19 and x1.15 after).
     """
 
     def __init__(self, cap: int = 4096) -> None:
