@@ -150,9 +150,12 @@ def test_a_burst_of_requests_is_queued_not_dropped():
     lighthouse's max_pending_rpcs: at gRPC's old default a burst of 1,100 loses calls;
     at the lighthouse's default it loses none."""
     n = 1100
-    old = _burst_while_frozen(LighthouseConfig(max_pending_rpcs=1000), n, 1.5)
+    # Fairness budgets off (fairness=None): 1,100 new ids over 4 connections exceed the
+    # per-connection budget (RESOURCE_EXHAUSTED, fthsdp/control/admission.py, tested there);
+    # this test is about gRPC's queue of calls the server has not taken yet.
+    old = _burst_while_frozen(LighthouseConfig(max_pending_rpcs=1000, fairness=None), n, 1.5)
     assert old.count("CANCELLED") > 0 and old.count("CANCELLED") + old.count("ok") == n, sorted(set(old))
-    new = _burst_while_frozen(LighthouseConfig(), n, 1.5)
+    new = _burst_while_frozen(LighthouseConfig(fairness=None), n, 1.5)
     assert new == ["ok"] * n, sorted(set(new))
 
 
