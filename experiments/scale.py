@@ -435,6 +435,17 @@ def _n_log_n_slope(ns: list[int]) -> float | None:
     return _slope([(n, n * math.log2(n)) for n in ns if n > 1])
 
 
+def _best(f, repeats: int) -> float:
+    """The fastest of ``repeats`` timed calls of ``f``, after one untimed warm-up call."""
+    f()
+    t = math.inf
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        f()
+        t = min(t, time.perf_counter() - t0)
+    return t
+
+
 def decision_benchmark(ns: list[int], repeats: int = 3) -> dict:
     """The quorum decision over plain data, no server: ``decide_quorum`` for n replicas all
     asking (the first quorum, and the next round given the previous one), then one member's
@@ -444,15 +455,6 @@ def decision_benchmark(ns: list[int], repeats: int = 3) -> dict:
     from fthsdp.control import quorum as qm
     from fthsdp.control.lighthouse import pb2, quorum_to_proto
     from fthsdp.proto import LIGHTHOUSE_PROTOCOL_VERSION
-
-    def best(f) -> float:
-        f()
-        t = math.inf
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            f()
-            t = min(t, time.perf_counter() - t0)
-        return t
 
     points = []
     for n in ns:
@@ -464,11 +466,12 @@ def decision_benchmark(ns: list[int], repeats: int = 3) -> dict:
         view = qm.process_view(first, "0", 0, 1)
         points.append({
             "replicas": n,
-            "decide_first_s": best(lambda: qm.decide_quorum(reqs, beats, None, cfg, 0.1)),
-            "decide_next_s": best(lambda: qm.decide_quorum(reqs, beats, first, cfg, 0.1)),
-            "view_s": best(lambda: qm.process_view(first, "0", 0, 1)),
-            "serialize_view_s": best(lambda: pb2.QuorumResponse(protocol_version=LIGHTHOUSE_PROTOCOL_VERSION,
-                                                                quorum=quorum_to_proto(view)).SerializeToString()),
+            "decide_first_s": _best(lambda: qm.decide_quorum(reqs, beats, None, cfg, 0.1), repeats),
+            "decide_next_s": _best(lambda: qm.decide_quorum(reqs, beats, first, cfg, 0.1), repeats),
+            "view_s": _best(lambda: qm.process_view(first, "0", 0, 1), repeats),
+            "serialize_view_s": _best(lambda: pb2.QuorumResponse(protocol_version=LIGHTHOUSE_PROTOCOL_VERSION,
+                                                                 quorum=quorum_to_proto(view)).SerializeToString(),
+                                      repeats),
         })
     xs = [p["replicas"] for p in points]
     return {"points": points, "n_log_n_slope": _n_log_n_slope(xs),
@@ -493,20 +496,11 @@ def guard_cost(ns: list[int], repeats: int = 5) -> dict:
                 return "bad"
         return None
 
-    def best(f) -> float:
-        f()
-        t = math.inf
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            f()
-            t = min(t, time.perf_counter() - t0)
-        return t
-
     out = []
     for n in ns:
         ids = [str(i) for i in range(n)]
-        old = best(lambda: per_char(ids))
-        new = best(lambda: guard._texts_problem("a last_members id", ids, 128))
+        old = _best(lambda: per_char(ids), repeats)
+        new = _best(lambda: guard._texts_problem("a last_members id", ids, 128), repeats)
         out.append({"replicas": n, "per_character_s": old, "guard_s": new, "ratio": old / new if new else None,
                     "round_before_s": old * n})
     return {"points": out, "note": "one request's last_members check; a round before the fix paid it per replica"}
