@@ -96,6 +96,10 @@ class FTConfig:
     peer_tls_cert: str = ""
     peer_tls_key: str = ""
     peer_tls_ca: str = ""
+    # The PEM CA the replicas trust when they reach the lighthouse over TLS (the launcher's own,
+    # served with launch.lighthouse_tls_cert/key, or an external one run with --tls-cert). For a
+    # self-signed certificate, the certificate itself. Empty: plain gRPC (calls are signed either way).
+    lighthouse_tls_ca: str = ""
     # Where a replica's listeners (FTAR ring endpoints, peer state server,
     # metrics) bind, and the host its peers are told to connect to (empty: the
     # bind host; required when binding every interface, 0.0.0.0 or ::). IPv4
@@ -128,6 +132,11 @@ class LaunchConfig:
     # A file holding the secret (fthsdp.control.auth.launcher_keys): the launcher's own lighthouse's
     # secret (empty: a fresh one per job), or with `lighthouse` set, the job's secret.
     secret_file: str = ""
+    # TLS for the launcher's own lighthouse (PEM certificate chain and key, both or neither); the
+    # replicas then need ft.lighthouse_tls_ca. The files must exist where the lighthouse runs (with
+    # Ray: the driver's node; the CA on every node).
+    lighthouse_tls_cert: str = ""
+    lighthouse_tls_key: str = ""
     # Emulated hosts: replica r's listeners bind (and advertise) hosts[r % len(hosts)],
     # e.g. 127.0.0.2,127.0.0.3 so that each replica acts as its own machine on
     # loopback; empty: every replica uses ft.bind_host / ft.advertise_host.

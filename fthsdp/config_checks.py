@@ -278,6 +278,8 @@ RULES: dict[str, Rule] = {
     "ft.peer_tls_cert": Parsed(_readable_or_empty, "empty (plain HTTP) or this replica's PEM certificate file"),
     "ft.peer_tls_key": Parsed(_readable_or_empty, "empty or the PEM private key of ft.peer_tls_cert"),
     "ft.peer_tls_ca": Parsed(_readable_or_empty, "empty or the PEM CA file that signed the replicas' certificates"),
+    "ft.lighthouse_tls_ca": Parsed(_readable_or_empty, "empty (plain gRPC) or the PEM CA file that signed the "
+                                   "lighthouse's certificate (a self-signed one: the certificate itself)"),
     "ft.bind_host": Parsed(_host, "an IPv4/IPv6 literal or a host name (0.0.0.0 or :: = every interface)"),
     "ft.advertise_host": Parsed(_host_or_empty, "empty (the bind host) or the host peers connect to"),
     "ft.fingerprint": Anything("true or false"),
@@ -292,6 +294,9 @@ RULES: dict[str, Rule] = {
     "launch.lighthouse_advertise": Parsed(_host_or_empty, "empty (the bind host) or the host replicas connect to"),
     "launch.secret_file": Parsed(_secret_file_or_empty, "empty (a fresh secret per job) or a readable file "
                                  "holding the secret (64 hex digits)"),
+    "launch.lighthouse_tls_cert": Parsed(_readable_or_empty, "empty (plain gRPC) or the PEM certificate chain the "
+                                         "launcher's own lighthouse serves TLS with"),
+    "launch.lighthouse_tls_key": Parsed(_readable_or_empty, "empty or the PEM private key of launch.lighthouse_tls_cert"),
     "launch.hosts": Parsed(_advertisable_hosts, "comma-separated hosts, one per emulated machine (empty: ft.bind_host)"),
     "launch.kill": Parsed(_fault_specs("kill"), "comma-separated REPLICA@STEP"),
     "launch.restart": Anything("true or false"),
@@ -376,6 +381,20 @@ def check(cfg: Any) -> None:
         given = ", ".join(k for k, v in tls.items() if v)
         raise ConfigError(f"{given} given without the rest: HTTPS for the peer state server needs all of "
                           f"{', '.join(tls)} (or none of them, for plain HTTP)")
+
+    lh_tls = {k: getattr(cfg.launch, k) for k in ("lighthouse_tls_cert", "lighthouse_tls_key")}
+    if bool(lh_tls["lighthouse_tls_cert"]) != bool(lh_tls["lighthouse_tls_key"]):
+        given = next(k for k, v in lh_tls.items() if v)
+        raise ConfigError(f"launch.{given} given without its pair: the lighthouse's TLS needs both "
+                          "launch.lighthouse_tls_cert and launch.lighthouse_tls_key (or neither, for plain gRPC)")
+    if lh_tls["lighthouse_tls_cert"] and cfg.launch.lighthouse:
+        raise ConfigError(f"launch.lighthouse_tls_cert is for the launcher's own lighthouse, but the job uses the "
+                          f"external lighthouse launch.lighthouse={cfg.launch.lighthouse}: give that lighthouse "
+                          "--tls-cert/--tls-key and the replicas ft.lighthouse_tls_ca")
+    if lh_tls["lighthouse_tls_cert"] and not cfg.ft.lighthouse_tls_ca:
+        raise ConfigError("launch.lighthouse_tls_cert is set but ft.lighthouse_tls_ca is empty: the replicas need "
+                          "the CA that signed the lighthouse's certificate to reach it (for a self-signed "
+                          "certificate, the certificate file itself)")
 
     m, d, launch = cfg.model, cfg.data, cfg.launch
     if m.d_model % m.num_heads:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+import re
 import subprocess
 import sys
 import threading
@@ -403,10 +404,7 @@ def test_a_flooding_connection_is_held_to_its_budget_while_another_job_is_served
 
 
 def test_tls_with_a_self_signed_certificate(tmp_path):
-    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj",
-                    "/CN=localhost", "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1",
-                    "-keyout", str(key), "-out", str(cert)], check=True, capture_output=True, timeout=60)
+    cert, key = _self_signed(tmp_path)
     cfg = LighthouseConfig(secret=SECRET, tls_cert_file=str(cert), tls_key_file=str(key), join_timeout_s=0.1)
     with LighthouseThread(cfg) as lh:
         with LighthouseClient(lh.address, "job", "0", key=auth.job_key(SECRET, "job"), tls_ca_file=str(cert)) as c:
@@ -416,6 +414,42 @@ def test_tls_with_a_self_signed_certificate(tmp_path):
         with LighthouseClient(lh.address, "job", "1", key=auth.job_key(SECRET, "job"), rpc_timeout_s=2) as plain:
             with pytest.raises(Exception):
                 plain.heartbeat(0)
+
+
+def _self_signed(tmp_path: pathlib.Path) -> tuple[pathlib.Path, pathlib.Path]:
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj",
+                    "/CN=localhost", "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1",
+                    "-keyout", str(key), "-out", str(cert)], check=True, capture_output=True, timeout=60)
+    return cert, key
+
+
+@pytest.mark.multiprocess
+def test_fthsdp_run_serves_its_own_lighthouse_over_tls(tmp_path):
+    """launch.lighthouse_tls_cert/key: the launcher's lighthouse speaks only TLS, and the replicas
+    reach it with ft.lighthouse_tls_ca. Either half unwired fails the job: a TLS client cannot talk
+    to a plain lighthouse, nor a plain client to a TLS one."""
+    from fthsdp import config as config_lib
+    from test_launcher import fthsdp_run, job_args, summary
+
+    cert, key = _self_signed(tmp_path)
+    out = tmp_path / "run"
+    p = fthsdp_run(out, *job_args(2, 12, "--lighthouse-tls-cert", str(cert), "--lighthouse-tls-key", str(key),
+                                  "--lighthouse-tls-ca", str(cert)), timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert summary(out)["identical_final_state"]
+    for r in (0, 1):
+        log = (out / f"replica-{r}.log").read_text()
+        assert "heartbeat failure" not in log, log[-2000:]
+    # misconfigurations are refused before anything starts, naming the field and what to do
+    for overrides, says in ((["launch.lighthouse_tls_cert=" + str(cert)], "given without its pair"),
+                            ([f"launch.lighthouse_tls_cert={cert}", f"launch.lighthouse_tls_key={key}"],
+                             "ft.lighthouse_tls_ca is empty"),
+                            ([f"launch.lighthouse_tls_cert={cert}", f"launch.lighthouse_tls_key={key}",
+                              f"ft.lighthouse_tls_ca={cert}", "launch.lighthouse=127.0.0.1:1"], "--tls-cert/--tls-key"),
+                            ([f"ft.lighthouse_tls_ca={tmp_path / 'missing.pem'}"], "ft.lighthouse_tls_ca")):
+        with pytest.raises(ValueError, match=re.escape(says)):
+            config_lib.load("base", overrides)
 
 
 def test_the_cli_needs_a_secret_or_an_explicit_insecure_loopback_choice(tmp_path):

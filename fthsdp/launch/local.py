@@ -100,6 +100,8 @@ class LocalJob:
     # The operator's secret (launch.secret_file; fthsdp.control.auth.launcher_keys): with our own
     # lighthouse its secret (default: a fresh one per job), with launch.lighthouse the job's secret.
     secret_file: str = ""
+    # TLS for our own lighthouse (launch.lighthouse_tls_cert/key): PEM files, both or neither.
+    lighthouse_tls: tuple[str, str] = ("", "")
 
     def __post_init__(self) -> None:
         self.out_dir = pathlib.Path(self.out_dir)
@@ -233,7 +235,9 @@ class LocalJob:
              "--join-timeout", str(self.join_timeout_s), "--replicas", str(self.replicas),
              # its own /metrics (root-cause verdicts) on any free port of its bind host, named in
              # its Status answers: `fthsdp status --prometheus-targets` lists it
-             "--metrics-bind", join_host_port(bind_host, 0)],
+             "--metrics-bind", join_host_port(bind_host, 0),
+             *(["--tls-cert", self.lighthouse_tls[0], "--tls-key", self.lighthouse_tls[1]]
+               if self.lighthouse_tls[0] else [])],
             stdout=logf, stderr=subprocess.STDOUT, env=self._lighthouse_env(), start_new_session=True)
         logf.close()
         deadline = time.monotonic() + LIGHTHOUSE_START_S
@@ -710,6 +714,14 @@ def cli(argv: list[str]) -> int:
                    help="the lighthouse secret for the launcher's own lighthouse (default: a fresh one per job), or "
                         "with --lighthouse the job's secret (`fthsdp lighthouse --print-job-secret JOB`); "
                         "also $FTHSDP_JOB_SECRET_FILE (launch.secret_file)")
+    p.add_argument("--lighthouse-tls-cert", default=None, metavar="PEM",
+                   help="serve the launcher's own lighthouse over TLS with this certificate chain "
+                        "(launch.lighthouse_tls_cert; needs --lighthouse-tls-key and --lighthouse-tls-ca)")
+    p.add_argument("--lighthouse-tls-key", default=None, metavar="PEM",
+                   help="the private key of --lighthouse-tls-cert (launch.lighthouse_tls_key)")
+    p.add_argument("--lighthouse-tls-ca", default=None, metavar="PEM",
+                   help="the CA the replicas trust to reach the lighthouse over TLS; a self-signed certificate "
+                        "is its own CA (ft.lighthouse_tls_ca)")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("overrides", nargs="*", help="section.field=value")
     args = p.parse_args(argv)
@@ -721,7 +733,9 @@ def cli(argv: list[str]) -> int:
     for flag, key in (("lighthouse", "launch.lighthouse"), ("lighthouse_bind", "launch.lighthouse_bind"),
                       ("lighthouse_advertise", "launch.lighthouse_advertise"), ("bind_host", "ft.bind_host"),
                       ("advertise_host", "ft.advertise_host"), ("hosts", "launch.hosts"),
-                      ("secret_file", "launch.secret_file")):
+                      ("secret_file", "launch.secret_file"), ("lighthouse_tls_cert", "launch.lighthouse_tls_cert"),
+                      ("lighthouse_tls_key", "launch.lighthouse_tls_key"),
+                      ("lighthouse_tls_ca", "ft.lighthouse_tls_ca")):
         if getattr(args, flag) is not None:
             new_overrides.append(f"{key}={getattr(args, flag)}")
     config_name, overrides = args.config or "ft_local", new_overrides
@@ -801,6 +815,7 @@ def cli(argv: list[str]) -> int:
                    external_lighthouse=cfg.launch.lighthouse, lighthouse_bind=cfg.launch.lighthouse_bind,
                    lighthouse_advertise=cfg.launch.lighthouse_advertise, hosts=tuple(cfg.launch.hosts),
                    processes=cfg.launch.processes_per_replica, secret_file=cfg.launch.secret_file,
+                   lighthouse_tls=(cfg.launch.lighthouse_tls_cert, cfg.launch.lighthouse_tls_key),
                    progress=not args.no_progress and sys.stderr.isatty())
     log.info("job: %d replicas x %d devices, %d steps, faults (from %s) %s; logs in %s", cfg.launch.replicas,
              cfg.launch.devices_per_replica, cfg.train.steps, sources.origin,

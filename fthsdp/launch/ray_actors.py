@@ -49,13 +49,14 @@ class LighthouseActor:
     """
 
     def __init__(self, host: str, port: int, detect_s: float, join_timeout_s: float, replicas: int,
-                 secret: bytes | None = None) -> None:
+                 secret: bytes | None = None, tls: tuple[str, str] = ("", "")) -> None:
         from fthsdp.control.lighthouse import LighthouseConfig, LighthouseThread
 
         self.host = host
         self.lh = LighthouseThread(LighthouseConfig(bind=f"{self.host}:{port}", detect_s=detect_s,
                                                     join_timeout_s=join_timeout_s, num_replicas=replicas,
-                                                    secret=secret))
+                                                    secret=secret, tls_cert_file=tls[0],
+                                                    tls_key_file=tls[1]))
         self.lh.start()
         self._stop = threading.Event()
 
