@@ -324,6 +324,28 @@ def test_restarted_lighthouse_gives_unheard_reported_members_two_windows_then_go
     assert q is not None and q.member_ids == ("0", "1") and q.quorum_id == 8, reason
 
 
+def test_restarted_lighthouse_does_not_let_a_slow_replica_form_a_quorum_alone_without_the_member_list():
+    # Only the first members list the quorum's members (sends_last_members). Replica 3 hung past
+    # a lighthouse restart: it asks at step 12 reporting quorum 4, while the others, at step 18 in
+    # quorum 5 of the old lighthouse, have not heartbeat to the new one yet. Without the list the
+    # lighthouse must not take 3's word for the job: it gives the others two windows to be heard.
+    r = reqs(req("3", 12, at=0.0, last_qid=4))
+    q, reason = decide(r, {"3": 0.1}, now=0.1)
+    assert q is None and "the members of quorum 4 (no requester listed them)" in reason, reason
+    # The others' heartbeats report quorum 5: they are its members, mid-step, waited for; 3 is not one.
+    rep = {"0": 5, "1": 5, "2": 5, "3": 4}
+    q, reason = decide_quorum(r, {k: 0.5 for k in rep}, None, CFG, 0.5, reported_quorum_ids=rep)
+    assert q is None and "member(s) of quorum 5 not asking yet" in reason, reason
+    for rid in ("0", "1", "2"):
+        r[rid] = req(rid, 18, at=0.6, last_qid=5)
+    q, reason = decide_quorum(r, {k: 2.1 for k in rep}, None, CFG, 2.1, reported_quorum_ids=rep)
+    assert q is not None and q.quorum_id == 6 and q.max_step == 18, reason
+    assert q.behind == ("3",) and q.healthy == ("0", "1", "2")  # 3 fetches; it never trained alone
+    # A requester that lists the members lets the restarted lighthouse decide at once, as before.
+    q, reason = decide(reqs(req("0", 7, at=0.0, last_qid=4, last_members=("0",))), {"0": 0.1}, now=0.1)
+    assert q is not None and q.quorum_id == 5, reason
+
+
 def test_quorum_id_never_at_or_below_a_reported_one():
     q, reason = decide(reqs(req("0"), req("1")), {"0": 0.0, "1": 0.0}, now=0.0, floor=12)
     assert q is not None and q.quorum_id == 13 and "above quorum 12" in reason

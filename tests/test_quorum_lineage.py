@@ -10,10 +10,11 @@ from fthsdp.control.quorum import Lineage, QuorumConfig, QuorumRequest, decide_q
 CFG = QuorumConfig(min_replicas=1, join_timeout_s=0.5, heartbeat_window_s=1.0)
 
 
-def req(rid: str, step: int, at: float, last_qid: int = 0, failed: bool = False) -> QuorumRequest:
+def req(rid: str, step: int, at: float, last_qid: int = 0, failed: bool = False,
+        members: tuple[str, ...] = ()) -> QuorumRequest:
     return QuorumRequest(replica_id=rid, step=step, arrived_at=at, ftar_addresses=(f"127.0.0.1:{20000 + int(rid)}",),
                          state_server_address=f"127.0.0.1:{21000 + int(rid)}", commit_failed=failed,
-                         last_quorum_id=last_qid)
+                         last_quorum_id=last_qid, last_members=members)
 
 
 def by_id(*rs: QuorumRequest) -> dict[str, QuorumRequest]:
@@ -83,16 +84,20 @@ def test_fenced_replicas_above_the_lineage_go_back_to_it_and_wait_without_it():
     beats = {"0": 9.0, "1": 9.0, "2": 9.0}
     # 0 and 1 committed steps 4 and 5 in quorum 2; 2 failed step 4 in quorum 3: the lineage's state
     # is step 4's input, so 0 and 1 go back to step 4 (behind) instead of leading the quorum.
-    q, why = decide_quorum(by_id(req("0", 6, 9.0, 2), req("1", 6, 9.0, 2), req("2", 4, 9.0, 3, failed=True)),
+    # (no previous quorum in memory here, so the requesters list their last quorum's members,
+    # as the first members of a quorum do: rule 3a after a lighthouse restart)
+    q, why = decide_quorum(by_id(req("0", 6, 9.0, 2, members=("0", "1")), req("1", 6, 9.0, 2, members=("0", "1")),
+                                 req("2", 4, 9.0, 3, failed=True, members=("2",))),
                            beats, None, CFG, 9.0, lineage=lin)
     assert q is not None and q.max_step == 4 and q.healthy == ("2",) and q.behind == ("0", "1"), why
     # Nobody unfenced asks (2 is silent): no quorum, and the reason says why.
-    q, why = decide_quorum(by_id(req("0", 6, 9.0, 2), req("1", 6, 9.0, 2)), {"0": 9.0, "1": 9.0, "2": 0.0},
+    q, why = decide_quorum(by_id(req("0", 6, 9.0, 2, members=("0", "1")), req("1", 6, 9.0, 2, members=("0", "1"))),
+                           {"0": 9.0, "1": 9.0, "2": 0.0},
                            None, CFG, 9.0, lineage=lin)
     assert q is None and "lineage fence" in why and "none asks" in why
     # An unfenced replica below the forking step does not hold the lineage's state either: wait.
-    q, why = decide_quorum(by_id(req("0", 6, 9.0, 2), req("1", 6, 9.0, 2), req("2", 0, 9.0)), beats, None, CFG,
-                           9.0, lineage=lin)
+    q, why = decide_quorum(by_id(req("0", 6, 9.0, 2, members=("0", "1")), req("1", 6, 9.0, 2, members=("0", "1")),
+                                 req("2", 0, 9.0)), beats, None, CFG, 9.0, lineage=lin)
     assert q is None and "step >= 4" in why and "the others are at step 0" in why
 
 

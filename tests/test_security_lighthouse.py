@@ -548,7 +548,9 @@ def test_attacks_are_refused_and_a_real_job_beside_them_is_unharmed(tmp_path):
     from test_fault_tolerance import TINY, assert_identical_after_every_commit
     from test_launcher import exactly_once
 
-    steps = 40
+    # long enough that the attacks (~7 s, paced by the lighthouse's budgets) end while it trains:
+    # on an idle machine 40 steps finished first and the closing Status read found no lighthouse
+    steps = 90
     job = LocalJob(config="base", overrides=TINY + ["launch.replicas=3", "launch.devices_per_replica=1",
                                                     f"train.steps={steps}", "train.min_step_s=0.15"],
                    out_dir=tmp_path, replicas=3, steps=steps, faults=plan(("1@8",), (), 3), restart=True,
@@ -574,6 +576,7 @@ def test_attacks_are_refused_and_a_real_job_beside_them_is_unharmed(tmp_path):
             time.sleep(0.2)
         got = attack(job.lighthouse_addr, job.lighthouse_secret, job.job_id, stop,
                      killed=lambda: any(f.get("kind") == "kill" for f in job.fired))
+        assert runner.is_alive(), "the job finished before the attacks did: make it longer"
         [st] = reader.status(job.job_id)
         assert {r.replica_id for r in st.replicas} <= {"0", "1", "2"}, st.replicas  # no ghost ever registered
     finally:

@@ -561,13 +561,22 @@ def decide_quorum(
     # After a lighthouse restart, reported incumbents it has not heard from yet are
     # probably reconnecting (their heartbeats resume within a reconnect backoff):
     # give them two detection windows from the round's first request, once.
+    # Only the first members send the list (sends_last_members): when none of them asked,
+    # the members of quorum prev_qid are not known, and a requester that was only slow
+    # (hung, its last quorum older than the others') could otherwise form a quorum alone
+    # before the others' heartbeats report the newer one -- and reuse its id. Found by the
+    # emulation: a replica hung past a lighthouse restart got a one-member "quorum 5"
+    # while the others held the old lighthouse's quorum 5.
     unheard_incumbents = incumbents - live - set(heartbeats) - set(excluded)
+    members_unknown = rebuilt and not any(c.last_members for c in candidates if c.last_quorum_id == prev_qid)
     round_start = min(c.arrived_at for c in candidates)
-    if rebuilt and unheard_incumbents and now - round_start < 2 * window:
+    if rebuilt and (unheard_incumbents or members_unknown) and now - round_start < 2 * window:
+        missing = (f"{len(unheard_incumbents)} member(s) of quorum {prev_qid} not heard from yet "
+                   f"{_fmt(unheard_incumbents)}" if unheard_incumbents else
+                   f"the members of quorum {prev_qid} (no requester listed them)")
         return None, (
             f"lighthouse restarted: waiting up to {2 * window - (now - round_start):.2f}s more for "
-            f"{len(unheard_incumbents)} member(s) of quorum {prev_qid} not heard from yet "
-            f"{_fmt(unheard_incumbents)}; {len(candidates)} asking{stale_note}"
+            f"{missing}; {len(candidates)} asking{stale_note}"
         )
     # Rule 3b: newcomers are waited for at most join_timeout_s after the last incumbent asked.
     already_left_out = set(previous.left_out) if previous is not None else set()
