@@ -30,7 +30,11 @@ Rules, in the order they are checked (see :func:`decide_quorum`):
    After a lighthouse restart (no previous quorum in memory) the incumbents
    are the members of the highest quorum the requesters report
    (``last_quorum_id``, ``last_members``); those it has not heard from at
-   all yet are given two detection windows to reconnect, once.
+   all yet are given two detection windows to reconnect, once. The same two
+   windows are given when no requester listed the members (only the first
+   few send the list): a replica that was merely slow, reporting an older
+   quorum than the others hold, must not form a quorum alone before their
+   heartbeats report the newer one.
 4. **Split-brain guard.** The members must be a strict majority of the replicas
    live now (requesters included). We count against *live* replicas, not the
    configured total: after losing 2 of 4 replicas the 2 survivors must go on
