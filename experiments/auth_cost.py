@@ -75,6 +75,7 @@ sys.path.insert(0, REPO)
 import grpc  # noqa: E402
 
 from fthsdp.control import auth, guard  # noqa: E402
+from fthsdp.launch.lifetime import stop_process  # noqa: E402
 from fthsdp.proto import LIGHTHOUSE_PROTOCOL_VERSION, lighthouse as load_stubs  # noqa: E402
 
 pb2, _ = load_stubs()
@@ -96,15 +97,6 @@ def start_lighthouse(secret: bytes | None, *extra: str) -> tuple[subprocess.Pope
         p.kill()
         raise RuntimeError(f"lighthouse did not start: {line!r}")
     return p, line.split()[-1]
-
-
-def stop(p: subprocess.Popen) -> None:
-    p.terminate()
-    try:
-        p.wait(10)
-    except subprocess.TimeoutExpired:
-        p.kill()
-        p.wait(10)
 
 
 def summary(ratios: list[float], bound: float) -> dict:
@@ -211,8 +203,8 @@ def quorum_paired_once(n: int, rounds: int, procs: int, timeout_s: float, secret
             out, _ = k.communicate(timeout=2 * (rounds + 1) * timeout_s + 60)
             records += json.loads(out.strip().splitlines()[-1])
     finally:
-        stop(lh_off)
-        stop(lh_on)
+        stop_process(lh_off)
+        stop_process(lh_on)
     errors = sorted({r[5] for r in records if r[5] != "ok"})
     per = {0: [], 1: []}
     for step in range(1, rounds + 1):  # round 0: warm-up
@@ -289,8 +281,8 @@ def heartbeat_paired_once(blocks: int, block: int, secret: bytes, budget: list[s
         for c in chans:
             c.close()
     finally:
-        stop(lh_off)
-        stop(lh_on)
+        stop_process(lh_off)
+        stop_process(lh_on)
     return lat
 
 
@@ -451,7 +443,7 @@ def flood(pairs: int, block_s: float, fairness: bool) -> dict:
             got = kid.stdout.read()
             kid.wait(60)
         finally:
-            stop(lh)
+            stop_process(lh)
         r["flood_codes"] = json.loads(got.strip().splitlines()[-1])
         out[mode] = r
         print(f"  {'budgets' if fairness else 'no budgets'}, {mode}: " + "; ".join(

@@ -54,6 +54,7 @@ from fthsdp import logs  # noqa: E402
 from fthsdp.control import auth  # noqa: E402
 from fthsdp.launch import report  # noqa: E402
 from fthsdp.launch.faults import plan  # noqa: E402
+from fthsdp.launch.lifetime import stop_process  # noqa: E402
 from fthsdp.launch.local import LocalJob  # noqa: E402
 
 SMALL = ["train.eval_every=0", "ft.allreduce_timeout_s=10", "model.d_model=64", "model.num_layers=2",
@@ -103,12 +104,7 @@ def one_run(out: pathlib.Path, replicas: int, devices: int, steps: int, kill_ste
         summary = job.run()
     finally:
         if lighthouse is not None:
-            lighthouse.terminate()
-            try:
-                lighthouse.wait(10)
-            except subprocess.TimeoutExpired:
-                lighthouse.kill()
-                lighthouse.wait(10)
+            stop_process(lighthouse)
     run = report.load_run(out)
     (failure,) = report.analyse_failures(run)
     survivors = [rid for rid in run.steps if rid != str(victim)]

@@ -22,6 +22,7 @@ import ctypes
 import ctypes.util
 import os
 import signal
+import subprocess
 import sys
 import types
 
@@ -70,3 +71,14 @@ def exit_on_termination_signals() -> None:
 
     for sig in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, handler)
+
+
+def stop_process(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
+    """SIGTERM ``proc`` and give it ``grace_s`` to exit cleanly (a lighthouse closes its
+    listeners, a job writes its report); then SIGKILL it and reap it (at most ``grace_s`` more)."""
+    proc.terminate()
+    try:
+        proc.wait(grace_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(grace_s)

@@ -635,12 +635,7 @@ class LocalJob:
                 self.kill_replica(rp.rid)
         self._lighthouse_down_ok = True
         if self.lighthouse is not None and self.lighthouse.poll() is None:
-            self.lighthouse.terminate()
-            try:
-                self.lighthouse.wait(10)
-            except subprocess.TimeoutExpired:
-                self.lighthouse.kill()
-                self.lighthouse.wait(10)
+            lifetime.stop_process(self.lighthouse)
         self._events.close()
         if self._log_handler is not None:
             logging.getLogger("fthsdp").removeHandler(self._log_handler)
