@@ -6,16 +6,16 @@
 * ``paired``: two lighthouse processes run side by side, one without
   authentication (``--insecure``) and one with a secret (every request
   signed with its job's key: HMAC-SHA256 over the method, ids, the request
-  bytes, a timestamp and a nonce, in gRPC metadata; checked in constant time,
-  the nonce remembered). The same clients alternate between them call by call
+  bytes, a timestamp and a nonce, appended to the request as its
+  ``credential`` field; checked in constant time, the nonce remembered). The same clients alternate between them call by call
   (heartbeats) or round by round (quorums), in ABBA order, so both see the
   same machine load at the same moment, and each *pair* gives a ratio
   (authenticated over not). Reported: the median of the paired ratios, its
   interquartile range and a distribution-free 95% confidence interval, and
   the verdict on the issue's target (within 10%): "met" when the whole
   interval is <= 1.10, "not met" when it is wholly above, else "undecided".
-  Both send the same pre-serialized request bytes, so the difference is the
-  credential alone. The pairs are spread over ``--restarts`` fresh pairs of
+  Both send the same pre-serialized request bytes (the authenticated one
+  with its credential appended), so the difference is the credential alone. The pairs are spread over ``--restarts`` fresh pairs of
   lighthouse processes (default 4): runs with one pair each gave heartbeat
   ratios from x0.98 to x1.20, more than their intervals allow, i.e. a
   process's own luck (its core, its memory layout) moved a whole run; each
@@ -24,7 +24,10 @@
 
   - heartbeat: one client's sequential heartbeats (the cheapest call, where
     a fixed per-call cost shows most), in blocks of 50 per lighthouse; a
-    block pair's ratio of medians.
+    block pair's ratio of medians. A third arm, ``metadata_only``, sends the
+    unauthenticated lighthouse a credential-sized gRPC metadata entry (which
+    it ignores): what carrying the credential in metadata, as fthsdp did
+    before, cost by itself.
   - quorum: N replicas emulated as asyncio tasks over a few client processes
     (one TCP connection per replica and lighthouse) ask for the quorum of the
     same step, round after round; a round pair's ratio of the request p50
@@ -142,9 +145,10 @@ def client_main(addresses: list[str], jobs: list[str], lo: int, hi: int, n: int,
                 ftar_addresses=[f"127.0.0.1:{20000 + i}"], state_server_address=f"127.0.0.1:{40000 + i}",
                 local_world_size=1, num_replicas=n, incarnation=f"{i:032x}").SerializeToString()
             sent = time.perf_counter()
-            md = auth.call_metadata(key, "GetQuorum", jobs[mode], str(i), body) if mode == 1 else None
+            if mode == 1:
+                body = auth.signed_request(key, "GetQuorum", jobs[mode], str(i), body)
             try:
-                resp = await calls[mode][k](body, timeout=timeout_s, metadata=md)
+                resp = await calls[mode][k](body, timeout=timeout_s)
             except grpc.RpcError as e:
                 records.append([mode, i, step, sent, time.perf_counter(), f"{e.code().name}: {e.details()}"])
                 failed = True
@@ -231,31 +235,41 @@ def quorum_paired_once(n: int, rounds: int, procs: int, timeout_s: float, secret
 
 # -- paired: heartbeat round trips -----------------------------------------------------------
 
+# The heartbeat's arms: 0 unauthenticated, 1 authenticated (the credential in the body, as
+# fthsdp sends it), 2 unauthenticated carrying a dummy credential of the same size in gRPC
+# metadata (how it travelled before; the unauthenticated lighthouse ignores it): what that
+# transport alone cost.
+ARMS = ("off", "on", "metadata_only")
+ORDERS = ((0, 1, 2), (2, 1, 0), (1, 2, 0), (0, 2, 1), (2, 0, 1), (1, 0, 2))  # each arm first, middle, last
+
+
 def heartbeat_paired(blocks: int, block: int, secret: bytes, budget: list[str], restarts: int = 1) -> dict:
-    """``blocks`` block pairs over ``restarts`` fresh pairs of lighthouse processes."""
-    lat: dict[int, list[list[float]]] = {0: [], 1: []}
+    """``blocks`` block triples over ``restarts`` fresh pairs of lighthouse processes."""
+    lat: dict[int, list[list[float]]] = {m: [] for m in range(len(ARMS))}
     per_restart = []
     for k in range(restarts):
         part = heartbeat_paired_once(blocks // restarts + (1 if k < blocks % restarts else 0), block, secret, budget)
         per_restart.append(statistics.median(statistics.median(b) / statistics.median(a)
                                              for a, b in zip(part[0], part[1])))
-        for m in (0, 1):
+        for m in lat:
             lat[m] += part[m]
     flat = {m: [x for blk in lat[m] for x in blk] for m in lat}
     return {"blocks": blocks, "calls_per_block": block, "restarts": restarts,
-            "p50_s": {"off": pct(flat[0], 0.5), "on": pct(flat[1], 0.5)},
-            "p99_s": {"off": pct(flat[0], 0.99), "on": pct(flat[1], 0.99)},
+            "p50_s": {ARMS[m]: pct(flat[m], 0.5) for m in lat},
+            "p99_s": {ARMS[m]: pct(flat[m], 0.99) for m in lat},
             "paired_p50_on_over_off": summary([statistics.median(b) / statistics.median(a)
                                                for a, b in zip(lat[0], lat[1])], 1.10),
+            "paired_p50_metadata_only_over_off": summary([statistics.median(b) / statistics.median(a)
+                                                          for a, b in zip(lat[0], lat[2])], 1.10),
             "per_restart_median": per_restart}
 
 
 def heartbeat_paired_once(blocks: int, block: int, secret: bytes, budget: list[str]) -> dict[int, list[list[float]]]:
     (lh_off, a_off), (lh_on, a_on) = start_lighthouse(None, *budget), start_lighthouse(secret, *budget)
     key = auth.derive(auth.job_key(secret, "hb"), "lighthouse")
-    lat: dict[int, list[list[float]]] = {0: [], 1: []}
+    lat: dict[int, list[list[float]]] = {m: [] for m in range(len(ARMS))}
     try:
-        chans = [grpc.insecure_channel(a, options=OPTS) for a in (a_off, a_on)]
+        chans = [grpc.insecure_channel(a, options=OPTS) for a in (a_off, a_on, a_off)]
         calls = [c.unary_unary(SERVICE + "Heartbeat", request_serializer=None, response_deserializer=None)
                  for c in chans]
         step = 0
@@ -268,15 +282,20 @@ def heartbeat_paired_once(blocks: int, block: int, secret: bytes, budget: list[s
                 body = pb2.HeartbeatRequest(protocol_version=V, job_id="hb", replica_id="0", step=step,
                                             incarnation="0" * 32).SerializeToString()
                 t0 = time.perf_counter()
-                md = auth.call_metadata(key, "Heartbeat", "hb", "0", body) if mode == 1 else None
+                md = None
+                if mode == 1:
+                    body = auth.signed_request(key, "Heartbeat", "hb", "0", body)
+                elif mode == 2:
+                    c = auth.sign(key, "Heartbeat", "hb", "0", body, time.time())
+                    md = ((auth.LEGACY_METADATA_KEY, c.text()),)
                 calls[mode](body, timeout=10, metadata=md)
                 out.append(time.perf_counter() - t0)
             return out
 
-        for mode in (0, 1):  # warm-up
+        for mode in lat:  # warm-up
             run(mode, 300)
         for b in range(blocks):
-            for mode in ((0, 1) if b % 4 in (0, 3) else (1, 0)):
+            for mode in ORDERS[b % len(ORDERS)]:
                 lat[mode].append(run(mode, block))
         for c in chans:
             c.close()
@@ -311,9 +330,10 @@ def flood_main(address: str, mode: str, key_hex: str) -> None:
                     i += 1
                     body = pb2.HeartbeatRequest(protocol_version=V, job_id="flood", replica_id=rid, step=1,
                                                 incarnation="f" * 32).SerializeToString()
-                    md = auth.call_metadata(key, "Heartbeat", "flood", rid, body) if key is not None else None
+                    if key is not None:
+                        body = auth.signed_request(key, "Heartbeat", "flood", rid, body)
                     try:
-                        await call(body, timeout=5, metadata=md)
+                        await call(body, timeout=5)
                         codes["OK"] = codes.get("OK", 0) + 1
                     except grpc.RpcError as e:
                         codes[e.code().name] = codes.get(e.code().name, 0) + 1
@@ -361,7 +381,7 @@ def victim_run(address: str, key: bytes, flooder: subprocess.Popen, pairs: int, 
                 body = pb2.HeartbeatRequest(protocol_version=V, job_id=job, replica_id=str(r), step=i,
                                             incarnation=inc(r)).SerializeToString()
                 b, t0 = tag(), time.perf_counter()
-                await hb[r](body, timeout=10, metadata=auth.call_metadata(key, "Heartbeat", job, str(r), body))
+                await hb[r](auth.signed_request(key, "Heartbeat", job, str(r), body), timeout=10)
                 if b is not None and tag() == b:
                     samples.append((b, "heartbeat", time.perf_counter() - t0))
                 await asyncio.sleep(0.01)
@@ -377,8 +397,7 @@ def victim_run(address: str, key: bytes, flooder: subprocess.Popen, pairs: int, 
                                              state_server_address=f"127.0.0.1:{41000 + r}", num_replicas=n,
                                              incarnation=inc(r)).SerializeToString()
                     t0 = time.perf_counter()
-                    resp = await gq[r](body, timeout=10,
-                                       metadata=auth.call_metadata(key, "GetQuorum", job, str(r), body))
+                    resp = await gq[r](auth.signed_request(key, "GetQuorum", job, str(r), body), timeout=10)
                     assert len(resp.quorum.members) == n, resp
                     return time.perf_counter() - t0
 
@@ -454,26 +473,34 @@ def flood(pairs: int, block_s: float, fairness: bool) -> dict:
 
 
 def credential_cpu_us(calls: int = 5_000, repeats: int = 7) -> dict:
+    """Sign (client: HMAC and append the field) and check (lighthouse: find the signed part,
+    parse, verify, replay cache) one credential, per call, in this process."""
     secret = auth.new_secret()
     checker = guard.CallAuthenticator(secret)
     key = auth.derive(auth.job_key(secret, "job"), "lighthouse")
     body = pb2.QuorumRequest(protocol_version=V, job_id="job", replica_id="7", step=1234,
                              ftar_addresses=["127.0.0.1:20007"], state_server_address="127.0.0.1:40007",
                              local_world_size=1).SerializeToString()
+
+    def check(data: bytes) -> guard.Refusal | None:
+        cred = pb2.QuorumRequest.FromString(data).credential
+        return checker.check("GetQuorum", cred, "job", "7", auth.signed_part(data, cred))
+
     for _ in range(1000):  # warm-up
-        checker.check("GetQuorum", auth.call_metadata(key, "GetQuorum", "job", "7", body), "job", "7", body)
-    sign, check = [], []
+        check(auth.signed_request(key, "GetQuorum", "job", "7", body))
+    sign, chk = [], []
     for _ in range(repeats):
         t0 = time.perf_counter()
-        mds = [auth.call_metadata(key, "GetQuorum", "job", "7", body) for _ in range(calls)]
+        signed = [auth.signed_request(key, "GetQuorum", "job", "7", body) for _ in range(calls)]
         t1 = time.perf_counter()
-        for md in mds:
-            assert checker.check("GetQuorum", md, "job", "7", body) is None
+        for data in signed:
+            assert check(data) is None
         t2 = time.perf_counter()
         sign.append((t1 - t0) / calls * 1e6)
-        check.append((t2 - t1) / calls * 1e6)
-    return {"sign_us": min(sign), "check_us": min(check), "sign_us_median": statistics.median(sign),
-            "check_us_median": statistics.median(check), "calls": calls, "repeats": repeats}
+        chk.append((t2 - t1) / calls * 1e6)
+    return {"sign_us": min(sign), "check_us": min(chk), "sign_us_median": statistics.median(sign),
+            "check_us_median": statistics.median(chk), "calls": calls, "repeats": repeats,
+            "note": "check includes parsing the request (the lighthouse parses it anyway)"}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -519,7 +546,8 @@ def main(argv: list[str] | None = None) -> int:
     budget = ["--connection-calls-per-s", "1000000"]
     if "paired" in parts:
         out["setup_paired"] = (f"two real lighthouse processes (off: --insecure, on: a secret) side by side, loopback; "
-                               f"heartbeat: one client, {blocks} ABBA blocks of 50 sequential calls per lighthouse; "
+                               f"heartbeat: one client, {blocks} blocks of 50 sequential calls per arm (off, on, off with a dummy "
+                               f"metadata credential), the arms' order rotated; "
                                f"quorum: N replicas over {args.procs} client processes, {rounds} rounds (+1 warm-up) "
                                f"per lighthouse in ABBA order; both over {restarts} fresh lighthouse pairs; every "
                                "process shares this machine's cores")
@@ -528,7 +556,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"heartbeat p50 off {h['p50_s']['off'] * 1e6:.0f} us, on {h['p50_s']['on'] * 1e6:.0f} us; paired "
               f"ratio {h['paired_p50_on_over_off']['median']:.3f} (IQR {h['paired_p50_on_over_off']['iqr'][0]:.3f}.."
               f"{h['paired_p50_on_over_off']['iqr'][1]:.3f}, CI {h['paired_p50_on_over_off']['median_ci95']}): "
-              f"{h['paired_p50_on_over_off']['verdict']}", flush=True)
+              f"{h['paired_p50_on_over_off']['verdict']}; metadata alone "
+              f"x{h['paired_p50_metadata_only_over_off']['median']:.3f} "
+              f"(CI {h['paired_p50_metadata_only_over_off']['median_ci95']})", flush=True)
         out["quorum"] = []
         for n in counts:
             r = quorum_paired(n, rounds, args.procs, args.timeout, secret, budget, restarts)

@@ -16,10 +16,12 @@ passes), busbw_gbps_best, times_s. `targets` evaluates the issue's targets at
 the authenticated FTAR's bus bandwidth over the unauthenticated one's at the
 same n, size and streams (target: within 2%, i.e. ratio >= 0.98). Because
 separate process groups a round apart see different load on a shared machine,
-`--paired-auth N` also measures the two side by side in one process: a ring
-of two with a key and one without, their all-reduces alternated op by op (N
-pairs per size, host API, the same native path), reported under
-`auth_paired` with the median of the per-pair time ratios. A PNG plot is
+`--paired-auth N` also measures the two side by side in one process: rings
+of two with a key and without (and a second keyless one, an A/A control),
+their all-reduces alternated in blocks (N ops per ring and size, host API,
+the same native path) over several fresh sets of rings, reported under
+`auth_paired` with the median of the block ratios and its 95% interval
+(`paired_auth` says why this design). A PNG plot is
 written beside the JSON.
 
 Side environment (see experiments/setup_peers.sh; ~/.cache/fthsdp/peers311 by default) with torch
@@ -231,9 +233,31 @@ def ratio_summary(ratios: list[float], floor: float) -> dict:
             "n": n}
 
 
-def paired_auth(sizes: list[int], pairs_by_size: dict[int, int], streams: int, chunk_bytes: int, chunks: int) -> dict:
-    """Authenticated and unauthenticated rings of two in this process, all-reduces alternated
-    op by op, so both see the same load; per size the medians and the median per-pair ratio."""
+PAIRED_ARMS = ("plain", "auth", "plain_b")
+# The arms' order in successive blocks: each arm first, middle and last equally often.
+PAIRED_ORDERS = ((0, 1, 2), (2, 1, 0), (1, 2, 0), (0, 2, 1), (2, 0, 1), (1, 0, 2))
+
+
+def paired_auth(sizes: list[int], ops_by_size: dict[int, int], streams: int, chunk_bytes: int, chunks: int,
+                restarts: int = 4, block: int = 10, tag_s: float | None = None) -> dict:
+    """Authenticated and unauthenticated rings of two in this process, side by side.
+
+    Three rings (arms): ``plain`` and ``plain_b`` without a key, ``auth`` with one (its
+    handshake is done at set-up, as in a job, whose rings live as long as their quorum).
+    Per size, ``ops_by_size[size]`` all-reduces per arm in blocks of ``block`` consecutive
+    ops, the arms' blocks in rotating order (:data:`PAIRED_ORDERS`), so all three see the
+    same load; one sample is the ratio of two arms' block medians (a block's median shrugs
+    off the single slow ops of a loaded machine that made op-by-op ratios spread +-25%).
+    All three use the same input arrays (zeros: the sum stays finite), so neither memory
+    placement nor values differ. The rings are built afresh ``restarts`` times (the ops
+    spread over them): a ring's own threads and sockets can make it a little faster or
+    slower for its whole life, which one pair of rings would report as an effect of the
+    key; ``plain_b`` over ``plain`` (A/A: the same code) shows how large that is. Reported
+    per size: the median of the block ratios auth/plain (bandwidth: plain time over auth
+    time, < 1 = authentication slower) with a distribution-free 95% interval and the verdict
+    on >= 0.98, the same for plain_b/plain, each restart's median, and the bound the measured
+    per-chunk MAC puts on the slowdown (every chunk's tag and check counted as if neither
+    overlapped the transfer)."""
     import threading
 
     import numpy as np
@@ -260,38 +284,55 @@ def paired_auth(sizes: list[int], pairs_by_size: dict[int, int], streams: int, c
         assert ra[0] == 0 and out["b"][0] == 0, (ra, out)
         return took
 
-    rings = {"plain": ring(b""), "auth": ring(secrets.token_bytes(32))}
     res = {}
-    try:
-        for nbytes in sizes:
-            xs = {k: (np.ones(nbytes // 4, np.float32), np.ones(nbytes // 4, np.float32)) for k in rings}
-            for k, (a, b) in rings.items():  # warm-up
-                for _ in range(2):
-                    op(a, b, *xs[k])
-            ts: dict[str, list[float]] = {k: [] for k in rings}
-            pairs = pairs_by_size[nbytes]
-            for i in range(pairs):
-                order = list(rings) if i % 2 == 0 else list(reversed(list(rings)))  # neither always first
-                for k in order:
-                    ts[k].append(op(*rings[k], *xs[k]))
-            ratios = [p / a for p, a in zip(ts["plain"], ts["auth"])]  # > 1: auth faster
-            med = {k: statistics.median(v) for k, v in ts.items()}
-            summary = ratio_summary(ratios, 0.98)
-            res[f"MiB={nbytes // MIB}"] = {
-                "pairs": pairs, "plain_median_s": med["plain"], "auth_median_s": med["auth"],
-                "bw_ratio_of_medians": med["plain"] / med["auth"],
-                "bw_ratio_median_of_pairs": summary["median"], "bw_ratio_iqr": summary["iqr"],
-                "bw_ratio_median_ci95": summary["median_ci95"], "within_2pct": summary["verdict"],
-                "plain_times_s": ts["plain"], "auth_times_s": ts["auth"]}
-            print(f"paired auth vs plain, {nbytes // MIB} MiB, {pairs} pairs: median plain {med['plain']:.4f}s "
-                  f"auth {med['auth']:.4f}s, bandwidth ratio (median of pairs) {summary['median']:.4f}, "
-                  f"IQR {summary['iqr'][0]:.3f}..{summary['iqr'][1]:.3f}, 95% CI of the median "
-                  f"{summary['median_ci95'][0]:.4f}..{summary['median_ci95'][1]:.4f}: 2% {summary['verdict']}",
-                  flush=True)
-    finally:
-        for a, b in rings.values():
-            a.close()
-            b.close()
+    for nbytes in sizes:
+        xa, xb = np.zeros(nbytes // 4, np.float32), np.zeros(nbytes // 4, np.float32)
+        blocks_total = max(restarts, -(-ops_by_size[nbytes] // block))
+        times: dict[str, list[list[float]]] = {k: [] for k in PAIRED_ARMS}  # per arm: blocks of op times
+        per_restart = []
+        for r in range(restarts):
+            keys = {"plain": b"", "auth": secrets.token_bytes(32), "plain_b": b""}
+            build = list(PAIRED_ARMS) if r % 2 == 0 else list(reversed(PAIRED_ARMS))  # creation order alternates
+            rings = {k: ring(keys[k]) for k in build}
+            first = len(times["plain"])
+            try:
+                for k in PAIRED_ARMS:  # warm-up
+                    for _ in range(3):
+                        op(*rings[k], xa, xb)
+                for i in range(blocks_total // restarts + (1 if r < blocks_total % restarts else 0)):
+                    for m in PAIRED_ORDERS[i % len(PAIRED_ORDERS)]:
+                        k = PAIRED_ARMS[m]
+                        times[k].append([op(*rings[k], xa, xb) for _ in range(block)])
+            finally:
+                for a, b in rings.values():
+                    a.close()
+                    b.close()
+            per_restart.append({
+                f"{k}_over_plain": statistics.median(statistics.median(p) / statistics.median(q) for p, q in
+                                                     zip(times["plain"][first:], times[k][first:]))
+                for k in ("auth", "plain_b")})
+        med = {k: statistics.median(x for blk in v for x in blk) for k, v in times.items()}
+        ratio = {k: ratio_summary([statistics.median(p) / statistics.median(q)
+                                   for p, q in zip(times["plain"], times[k])], 0.98) for k in ("auth", "plain_b")}
+        # n = 2: each rank sends and receives 2(n-1)/n of the message, nbytes / chunk_bytes chunks each way,
+        # tagging each it sends and checking each it receives; both ranks' MACs counted, as if on one core.
+        macs = 4 * -(-nbytes // chunk_bytes)
+        mac_bound = (macs * tag_s / med["plain"]) if tag_s else None
+        res[f"MiB={nbytes // MIB}"] = {
+            "ops_per_arm": sum(len(b) for b in times["plain"]), "blocks_per_arm": len(times["plain"]),
+            "block": block, "restarts": restarts,
+            **{f"{k}_median_s": v for k, v in med.items()},
+            "bw_ratio_of_medians": med["plain"] / med["auth"],
+            "auth_bw_ratio": ratio["auth"], "aa_control_bw_ratio": ratio["plain_b"],
+            "within_2pct": ratio["auth"]["verdict"], "per_restart_median": per_restart,
+            "mac_bound_fraction": mac_bound,
+            "times_s": times}
+        a, c = ratio["auth"], ratio["plain_b"]
+        print(f"paired, {nbytes // MIB} MiB, {len(times['plain'])} blocks of {block} per arm over {restarts} ring "
+              f"sets: auth/plain bandwidth {a['median']:.4f} (95% CI {a['median_ci95'][0]:.4f}..{a['median_ci95'][1]:.4f}"
+              f"): 2% {a['verdict']}; A/A plain_b/plain {c['median']:.4f} (CI {c['median_ci95'][0]:.4f}.."
+              f"{c['median_ci95'][1]:.4f}); MAC bound {mac_bound if mac_bound is None else f'{mac_bound:.2%}'}",
+              flush=True)
     return res
 
 
@@ -312,8 +353,12 @@ def main(argv=None) -> int:
     p.add_argument("--loopback-runs", type=int, default=2, help="loopback runs per round")
     p.add_argument("--rounds", type=int, default=None, help="interleaved passes over the systems (default 2, quick 1)")
     p.add_argument("--paired-auth", default="0",
-                   help="N (or N1,N2,... one per size): also time authenticated vs unauthenticated rings op by op "
-                        "in one process, N pairs per size")
+                   help="N (or N1,N2,... one per size): also time authenticated vs unauthenticated rings side by "
+                        "side in one process, N ops per ring and size (see paired_auth)")
+    p.add_argument("--paired-restarts", type=int, default=4,
+                   help="with --paired-auth: fresh sets of rings the paired ops are spread over")
+    p.add_argument("--paired-block", type=int, default=10,
+                   help="with --paired-auth: consecutive ops per arm in one block (a sample is a ratio of block medians)")
     p.add_argument("--paired-only", action="store_true",
                    help="with --paired-auth: only the paired measurement (no process groups, no other systems)")
     args = p.parse_args(argv)
@@ -401,8 +446,10 @@ def main(argv=None) -> int:
         result["chunk_tag_s"] = native.module().chunk_tag_seconds(100_000)  # tag or check one chunk header
     result["auth_cost"] = auth_cost(result)
     if args.paired_auth:
-        result["auth_paired"] = paired_auth([b for b in sizes if args.paired_auth[b]], args.paired_auth, streams=1, chunk_bytes=args.chunk_bytes,
-                                            chunks=args.chunks)
+        result["auth_paired"] = paired_auth([b for b in sizes if args.paired_auth[b]], args.paired_auth, streams=1,
+                                            chunk_bytes=args.chunk_bytes, chunks=args.chunks,
+                                            restarts=args.paired_restarts, block=args.paired_block,
+                                            tag_s=result.get("chunk_tag_s"))
     result["load_average_after"] = list(os.getloadavg())
     out_path.write_text(json.dumps(result, indent=1))
     if result["rows"]:

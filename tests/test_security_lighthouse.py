@@ -60,6 +60,49 @@ def test_a_signature_covers_every_field():
     assert not auth.verify(auth.new_secret(), c, "GetQuorum", "j", "r0", b"body")
 
 
+def test_the_credential_travels_last_in_the_request_and_signs_what_precedes_it():
+    key = auth.derive(auth.job_key(auth.new_secret(), "j"), "lighthouse")
+    req = pb2.QuorumRequest(protocol_version=V, job_id="j", replica_id="r0", step=7, ftar_addresses=["h:1"] * 300)
+    body = req.SerializeToString()
+    data = auth.signed_request(key, "GetQuorum", "j", "r0", body, now=1000.0)
+    parsed = pb2.QuorumRequest.FromString(data)  # a valid message: the request with its credential set
+    assert parsed.credential and parsed.step == 7 and list(parsed.ftar_addresses) == ["h:1"] * 300
+    part = auth.signed_part(data, parsed.credential)
+    assert bytes(part) == body
+    cred = auth.Credential.parse(parsed.credential)
+    assert auth.verify(key, cred, "GetQuorum", "j", "r0", part)
+    # the encoding is protobuf's own: the same bytes as the field set and serialized last
+    assert auth.credential_field(parsed.credential) == pb2.StatusRequest(credential=parsed.credential).SerializeToString()
+    assert auth.credential_field("x" * 300)[:2] == b"\x92\x08"  # field 130, two-byte length after
+    # not last (a field after it), or another credential text: no signed part
+    assert auth.signed_part(data + b"\x20\x01", parsed.credential) is None
+    assert auth.signed_part(data, parsed.credential[:-1] + "0") is None
+
+
+def test_the_authenticator_refuses_each_bad_credential_with_its_reason():
+    secret = auth.new_secret()
+    checker = guard.CallAuthenticator(secret)
+    key = auth.derive(auth.job_key(secret, "j"), "lighthouse")
+    body = pb2.HeartbeatRequest(protocol_version=V, job_id="j", replica_id="0", step=1).SerializeToString()
+
+    def check(data: bytes, method: str = "Heartbeat", job: str = "j", **kw):
+        cred = pb2.HeartbeatRequest.FromString(data).credential
+        return checker.check(method, cred, job, "0", auth.signed_part(data, cred) if cred else None, **kw)
+
+    good = auth.signed_request(key, "Heartbeat", "j", "0", body)
+    assert check(good) is None
+    assert "replayed" in check(good).reason
+    assert "carries no credential" in check(body).reason
+    assert "gRPC metadata" in check(body, legacy_metadata=True).reason
+    assert "does not verify" in check(auth.signed_request(key, "Heartbeat", "k", "0", body), job="k").reason
+    assert "does not verify" in check(auth.signed_request(key, "GetQuorum", "j", "0", body)).reason
+    assert "malformed" in check(body + auth.credential_field("job x y z")).reason
+    r = check(auth.signed_request(auth.status_key(secret), "Heartbeat", "j", "0", body, kind="status"))
+    assert r.code == guard.DENIED and "read-only status key" in r.reason
+    assert "NTP" in check(auth.signed_request(key, "Heartbeat", "j", "0", body, now=time.time() - 600)).reason
+    assert guard.CallAuthenticator(None).check("Heartbeat", "", "j", "0", None) is None  # off: anything goes
+
+
 def test_the_cached_pad_hmac_is_hmac_sha256():
     import hashlib
     import hmac
@@ -216,8 +259,9 @@ def refused(address: str, method: str, body: bytes, metadata=None) -> grpc.RpcEr
 
 
 def signed(key: bytes, method: str, req, **kw):
+    """(the request's bytes with its credential appended, no metadata): what a client sends."""
     body = req.SerializeToString()
-    return body, auth.call_metadata(key, method, req.job_id, getattr(req, "replica_id", ""), body, **kw)
+    return auth.signed_request(key, method, req.job_id, getattr(req, "replica_id", ""), body, **kw), None
 
 
 def call_key(job: str) -> bytes:
@@ -233,11 +277,16 @@ def test_calls_without_a_valid_credential_are_refused_with_what_to_do(secure):
     body, md = signed(call_key("other"), "Heartbeat", hb)
     e = refused(secure.address, "Heartbeat", body, md)
     assert e.code() == grpc.StatusCode.UNAUTHENTICATED and "does not verify" in e.details()
-    # a valid credential for another body (the attacker changed the step)
+    # a valid credential for another body (the attacker changed the step, kept the credential)
     body, md = signed(call_key("job"), "Heartbeat", hb)
+    credential = pb2.HeartbeatRequest.FromString(body).credential
     tampered = pb2.HeartbeatRequest(protocol_version=V, job_id="job", replica_id="0", step=10**9,
-                                    incarnation="x").SerializeToString()
-    assert refused(secure.address, "Heartbeat", tampered, md).code() == grpc.StatusCode.UNAUTHENTICATED
+                                    incarnation="x").SerializeToString() + auth.credential_field(credential)
+    e = refused(secure.address, "Heartbeat", tampered)
+    assert e.code() == grpc.StatusCode.UNAUTHENTICATED and "does not verify" in e.details()
+    # ... or moved a field after the credential (only what precedes it is signed)
+    e = refused(secure.address, "Heartbeat", body + pb2.HeartbeatRequest(step=10**9).SerializeToString())
+    assert e.code() == grpc.StatusCode.UNAUTHENTICATED and "malformed credential" in e.details()
     # the right key: accepted once ...
     raw_call(secure.address, "Heartbeat", body, md)
     # ... and its replay refused
@@ -248,8 +297,16 @@ def test_calls_without_a_valid_credential_are_refused_with_what_to_do(secure):
     e = refused(secure.address, "Heartbeat", body, md)
     assert e.code() == grpc.StatusCode.UNAUTHENTICATED and "NTP" in e.details()
     # garbage in the credential
-    e = refused(secure.address, "Heartbeat", body, ((auth.METADATA_KEY, "job 1 2 3"),))
+    garbage = hb.SerializeToString() + auth.credential_field("job 1 2 3")
+    e = refused(secure.address, "Heartbeat", garbage)
     assert e.code() == grpc.StatusCode.UNAUTHENTICATED and "malformed credential" in e.details()
+    # an older client's credential, in gRPC metadata: told to upgrade (and the lighthouse still serves)
+    plain = hb.SerializeToString()
+    old = auth.sign(call_key("job"), "Heartbeat", "job", "0", plain, time.time())
+    e = refused(secure.address, "Heartbeat", plain, ((auth.LEGACY_METADATA_KEY, old.text()),))
+    assert e.code() == grpc.StatusCode.UNAUTHENTICATED and "gRPC metadata" in e.details()
+    assert "upgrade fthsdp" in e.details()
+    raw_call(secure.address, "Heartbeat", *signed(call_key("job"), "Heartbeat", hb))
 
 
 def test_status_needs_a_credential_and_never_lists_other_jobs(secure):
@@ -366,7 +423,7 @@ def test_a_flooding_connection_is_held_to_its_budget_while_another_job_is_served
                                                    step=i, incarnation="w")
                         body, md = signed(insider, "Heartbeat", req)
                         try:
-                            await call(body, timeout=5, metadata=md)
+                            await call(body, timeout=5)
                             answered["OK"] = answered.get("OK", 0) + 1
                         except grpc.RpcError as e:
                             answered[e.code().name] = answered.get(e.code().name, 0) + 1
@@ -384,7 +441,7 @@ def test_a_flooding_connection_is_held_to_its_budget_while_another_job_is_served
                     body, md = signed(victim, "Heartbeat", req)
                     t0 = time.monotonic()
                     ch.unary_unary("/fthsdp.v1.Lighthouse/Heartbeat", request_serializer=None,
-                                   response_deserializer=None)(body, timeout=5, metadata=md)
+                                   response_deserializer=None)(body, timeout=5)
                     victim_lat.append(time.monotonic() - t0)
                     time.sleep(0.05)
 

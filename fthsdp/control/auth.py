@@ -19,7 +19,9 @@ A job key is never sent: the per-call credential (:func:`sign`) is an HMAC over
 the method, job id, replica id, a digest of the request body, a timestamp and
 a nonce; the lighthouse recomputes it, compares in constant time, refuses a
 timestamp outside :data:`CLOCK_WINDOW_S` and a nonce it saw in that window
-(:class:`ReplayCache`).
+(:class:`ReplayCache`). It travels inside the request, as its last field
+(:func:`signed_request`, :func:`signed_part`), not in gRPC metadata: Python
+gRPC's metadata path cost more per call than the HMAC (experiments/auth_cost.py).
 
 Everything here is pure (bytes in, bytes out) and unit-tested without servers;
 :mod:`fthsdp.control.lighthouse` and :mod:`fthsdp.control.lighthouse_client`
@@ -142,7 +144,8 @@ def write_secret(path: str, secret: bytes) -> None:
 # -- per-call credentials ------------------------------------------------------
 
 class Credential(NamedTuple):
-    """What a call carries besides its body (in gRPC metadata: :meth:`text`). A named tuple:
+    """What a call carries besides what it asks (as :meth:`text`, in the request's
+    ``credential`` field: :func:`signed_request`). A named tuple:
     built for every call the lighthouse checks, at a fraction of a frozen dataclass's cost."""
 
     kind: str  # "job" (a job's replica) or "status" (read-only)
@@ -254,14 +257,57 @@ def verify(key: bytes, cred: Credential, method: str, job_id: str, replica_id: s
     return hmac.compare_digest(expected, cred.signature)
 
 
-METADATA_KEY = "fthsdp-auth"  # the gRPC metadata a credential travels in: "KIND TIMESTAMP NONCE SIGNATURE"
+# -- the credential inside the request ------------------------------------------
+
+# A call's credential travels in its request message, in the string field of this
+# number (``credential`` in every request of fthsdp/proto/lighthouse.proto), encoded
+# *last*: the signature covers the request's bytes before it. Older clients sent it
+# in gRPC metadata (``LEGACY_METADATA_KEY``); Python gRPC spends more on one metadata
+# entry, on both ends, than the HMAC itself costs (experiments/auth_cost.py), so the
+# body carries it now.
+CREDENTIAL_FIELD = 130
+LEGACY_METADATA_KEY = "fthsdp-auth"  # where older clients sent it: refused with a reason saying so
 
 
-def call_metadata(key: bytes, method: str, job_id: str, replica_id: str, body: bytes, kind: str = "job",
-                  now: float | None = None) -> tuple[tuple[str, str], ...]:
-    """The gRPC metadata that signs one call whose serialized request is ``body``."""
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while n > 0x7F:
+        out.append(n & 0x7F | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
+_CREDENTIAL_TAG = _varint(CREDENTIAL_FIELD << 3 | 2)  # field 130, length-delimited
+
+
+def credential_field(text: str) -> bytes:
+    """The protobuf encoding of ``credential = text`` (field :data:`CREDENTIAL_FIELD`)."""
+    data = text.encode()
+    return _CREDENTIAL_TAG + _varint(len(data)) + data
+
+
+def signed_request(key: bytes, method: str, job_id: str, replica_id: str, body: bytes, kind: str = "job",
+                   now: float | None = None) -> bytes:
+    """``body`` (a serialized request without a credential) with its credential appended.
+
+    The credential signs ``body`` exactly as it travels; appending a field to a
+    serialized protobuf message is a valid encoding of the message with that field
+    set, so the lighthouse parses the whole and checks the signature over what
+    precedes the field (:func:`signed_part`)."""
     c = sign(key, method, job_id, replica_id, body, time.time() if now is None else now, kind=kind)
-    return ((METADATA_KEY, c.text()),)
+    return body + credential_field(c.text())
+
+
+def signed_part(data: bytes, credential_text: str) -> memoryview | None:
+    """The bytes a request's credential signs: ``data`` before its trailing credential
+    field, or None when the credential ``credential_text`` (as parsed from ``data``) is not
+    encoded last (a request fthsdp did not sign). A view, not a copy: a quorum request of a
+    large replica is megabytes."""
+    tail = credential_field(credential_text)
+    if not data.endswith(tail):
+        return None
+    return memoryview(data)[:len(data) - len(tail)]
 
 
 class ReplayCache:

@@ -13,7 +13,8 @@ credential that may not do this).
 The checks are pure functions over plain values and protobuf messages
 (:func:`request_problem`, :class:`CallAuthenticator`, :class:`NewIdRate`,
 :func:`incarnation_problem`); :func:`generic_handler` is the only piece that
-touches gRPC: it keeps each request's raw bytes (the credential signs them),
+touches gRPC: it keeps each request's raw bytes (the credential, the request's
+last field, signs the bytes before it),
 turns a body that is not protobuf into ``INVALID_ARGUMENT`` (grpc's own
 deserializer answered ``UNKNOWN``), and runs the checks before the servicer.
 """
@@ -38,9 +39,7 @@ from fthsdp.timeouts import LIGHTHOUSE_MAX_HOLD_S
 log = logging.getLogger("fthsdp.control.lighthouse")
 
 __all__ = ["Limits", "Refusal", "request_problem", "KnownAddresses", "CallAuthenticator", "NewIdRate",
-           "incarnation_problem", "generic_handler", "METADATA_KEY"]
-
-METADATA_KEY = auth.METADATA_KEY
+           "incarnation_problem", "generic_handler"]
 
 INVALID = grpc.StatusCode.INVALID_ARGUMENT
 EXHAUSTED = grpc.StatusCode.RESOURCE_EXHAUSTED
@@ -372,27 +371,36 @@ class CallAuthenticator:
                 self._keys.popitem(last=False)
         return key
 
-    def check(self, method: str, metadata, job_id: str, replica_id: str, body: bytes,
-              now: float | None = None) -> Refusal | None:
+    def check(self, method: str, credential: str, job_id: str, replica_id: str, signed: bytes | memoryview | None,
+              now: float | None = None, legacy_metadata: bool = False) -> Refusal | None:
+        """Why a call may not go on, or None.
+
+        ``credential``: the request's ``credential`` field ("" if unset); ``signed``: the
+        bytes it signs (:func:`auth.signed_part`; None when the credential was not encoded
+        last); ``legacy_metadata``: the call has no credential field but carries one in gRPC
+        metadata, as older clients sent it (refused, saying so)."""
         if self.secret is None:
             return None
         now = time.time() if now is None else now
-        value = None
-        for k, v in metadata:
-            if k == METADATA_KEY:
-                value = v
-                break
         where = f"{method} of job {job_id!r}" + (f" replica {replica_id!r}" if replica_id else "")
-        if value is None:
+        if not credential:
+            if legacy_metadata:
+                return Refusal(UNAUTHENTICATED, (
+                    f"{where} is signed in gRPC metadata ({auth.LEGACY_METADATA_KEY}), as older fthsdp clients "
+                    "did: this lighthouse takes the credential in the request's credential field (field "
+                    f"{auth.CREDENTIAL_FIELD}): upgrade fthsdp on the replicas (or status reader) to the "
+                    "lighthouse's version"))
             return Refusal(UNAUTHENTICATED, (
                 f"{where} carries no credential: this lighthouse requires one. Replicas: give the launcher the "
                 f"job's secret (fthsdp run generates it; --secret-file, ${auth.SECRET_FILE_ENV}); fthsdp status: "
                 "--status-key-file or --secret-file (see the README's Security section)"))
         try:
-            cred = auth.Credential.parse(value.decode() if isinstance(value, bytes) else value)
-        except (ValueError, UnicodeDecodeError):
-            return Refusal(UNAUTHENTICATED, f"{where}: malformed credential (metadata {METADATA_KEY}): "
-                                            "use fthsdp's LighthouseClient to sign calls")
+            if signed is None:
+                raise ValueError("not last")
+            cred = auth.Credential.parse(credential)
+        except ValueError:
+            return Refusal(UNAUTHENTICATED, f"{where}: malformed credential (field credential, encoded last): "
+                                            "use fthsdp's LighthouseClient (fthsdp.control.auth.signed_request)")
         if cred.kind == "status":
             if method != "Status":
                 return Refusal(DENIED, f"{where} is signed with the read-only status key, which may call Status "
@@ -405,7 +413,7 @@ class CallAuthenticator:
             key = self.job_call_key(job_id)
         else:
             return Refusal(UNAUTHENTICATED, f"{where}: unknown credential kind {cred.kind[:16]!r} (job or status)")
-        if not auth.verify(key, cred, method, job_id, replica_id, body):
+        if not auth.verify(key, cred, method, job_id, replica_id, signed):
             return Refusal(UNAUTHENTICATED, (
                 f"{where}: the credential does not verify: the caller's secret is not this lighthouse's key for "
                 f"this job (another lighthouse's secret, another job's, or a stale one): give the replicas the "
@@ -438,6 +446,12 @@ class _Raw:
             except Exception as e:  # noqa: BLE001 - any garbage from the network
                 self.error = f"{type(e).__name__}: {str(e)[:200]}"
         return self._message
+
+
+def _has_legacy_credential(context) -> bool:
+    """Whether the call carries a credential in gRPC metadata (older clients): read only for a
+    call without one in its body, so a signed call never pays for Python gRPC's metadata."""
+    return any(k == auth.LEGACY_METADATA_KEY for k, _ in (context.invocation_metadata() or ()))
 
 
 def _hold_bound(context) -> float:
@@ -496,8 +510,13 @@ def generic_handler(pb2, servicer, authenticator: CallAuthenticator, limits: Lim
                 if admission is not None:
                     admission.refused(peer, time.monotonic())
                 return refuse(context, INVALID, err)
-            refusal = authenticator.check(name, context.invocation_metadata() or (), req.job_id,
-                                          getattr(req, "replica_id", ""), raw.data)
+            refusal = None
+            if authenticator.enabled:
+                credential = req.credential
+                refusal = authenticator.check(
+                    name, credential, req.job_id, getattr(req, "replica_id", ""),
+                    auth.signed_part(raw.data, credential) if credential else None,
+                    legacy_metadata=not credential and _has_legacy_credential(context))
             if refusal is not None:
                 if admission is not None:
                     admission.refused(peer, time.monotonic())

@@ -26,7 +26,8 @@ process's view: ``Quorum.rings`` (its shards' rings) and ``Quorum.sources``.
 
 **Credentials.** Given the job's secret (``key``), every call is signed
 (:mod:`fthsdp.control.auth`: an HMAC over the method, ids, the exact request
-bytes, a timestamp and a nonce, in gRPC metadata), and carries this process's
+bytes, a timestamp and a nonce, appended to the request as its ``credential``
+field), and carries this process's
 *incarnation*, a random token that binds its (replica id, process) to this
 process (see :func:`fthsdp.control.guard.incarnation_problem`).
 ``status_key`` signs Status calls only. ``tls_ca_file`` connects over TLS,
@@ -509,7 +510,7 @@ class LighthouseClient:
             self._channel = grpc.secure_channel(address, creds, options=_CHANNEL_OPTIONS)
         else:
             self._channel = grpc.insecure_channel(address, options=_CHANNEL_OPTIONS)
-        # Requests go as bytes: the credential signs exactly the bytes sent.
+        # Requests go as bytes: the credential signs exactly the bytes before it.
         self._rpc = {
             name: self._channel.unary_unary(_SERVICE + name, request_serializer=None,
                                             response_deserializer=getattr(pb2, reply).FromString)
@@ -557,9 +558,9 @@ class LighthouseClient:
             key, kind = self._status_key, "status"
         else:
             key, kind = self._call_key, "job"
-        md = (auth.call_metadata(key, method, req.job_id, getattr(req, "replica_id", ""), body, kind)
-              if key is not None else None)
-        return self._rpc[method](body, timeout=timeout, metadata=md)
+        if key is not None:
+            body = auth.signed_request(key, method, req.job_id, getattr(req, "replica_id", ""), body, kind)
+        return self._rpc[method](body, timeout=timeout)
 
     # -- errors --------------------------------------------------------------
 

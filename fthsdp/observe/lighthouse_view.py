@@ -205,9 +205,10 @@ class StatusPoller:
         from fthsdp.control import auth
 
         body = self._pb2.StatusRequest(protocol_version=self._version).SerializeToString()
-        md = auth.call_metadata(self._key, "Status", "", "", body, kind="status") if self._key else None
+        if self._key:
+            body = auth.signed_request(self._key, "Status", "", "", body, kind="status")
         try:
-            resp = self._status(body, timeout=self.rpc_timeout_s, metadata=md)
+            resp = self._status(body, timeout=self.rpc_timeout_s)
         except self._grpc.RpcError as e:
             raise LighthouseUnreachable(
                 f"lighthouse {self.address}: Status failed ({e.code().name}: {e.details()}); "
