@@ -48,6 +48,7 @@ def test_auth_cost_small(tmp_path):
         "--flood-pairs", "2", "--out", str(out))
     res = json.loads(out.read_text())
     assert res["heartbeat"]["paired_p50_on_over_off"]["n"] == 2
+    assert res["heartbeat"]["paired_p50_metadata_only_over_off"]["n"] == 2  # the old transport's cost alone
     (q,) = res["quorum"]
     assert q["rounds_ok"] == 2 and q["request_p50_s"]["paired_on_over_off"]["verdict"] in (
         "met", "not met", "undecided")

@@ -20,7 +20,7 @@ def test_quick_benchmark_writes_rows_and_skips_missing_peers(tmp_path, repo_root
     r = subprocess.run(
         [sys.executable, str(root / "experiments" / "ftar_bandwidth.py"), "--quick", "--out", str(out),
          "--procs", "2", "--sizes-mib", "8", "--iters", "2", "--warmup", "1", "--loopback-runs", "1",
-         "--systems", "ftar_1stream,ftar_1stream_auth,gloo", "--paired-auth", "2", "--peer-python", str(tmp_path / "no-such-python")],
+         "--systems", "ftar_1stream,ftar_1stream_auth,gloo", "--paired-auth", "4", "--paired-restarts", "1", "--paired-block", "2", "--peer-python", str(tmp_path / "no-such-python")],
         capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
     res = json.loads(out.read_text())
@@ -35,8 +35,10 @@ def test_quick_benchmark_writes_rows_and_skips_missing_peers(tmp_path, repo_root
     (cost,) = res["auth_cost"].values()  # authenticated beside unauthenticated, same run
     assert cost["ratio"] == pytest.approx(rows[1]["busbw_gbps"] / rows[0]["busbw_gbps"])
     assert 0 < res["chunk_tag_s"] < 1e-3 and cost["mac_bound_fraction"] > 0
-    paired = res["auth_paired"]["MiB=8"]  # the same comparison op by op in one process
-    assert paired["pairs"] == 2 and len(paired["plain_times_s"]) == len(paired["auth_times_s"]) == 2
-    assert paired["bw_ratio_median_of_pairs"] > 0
+    paired = res["auth_paired"]["MiB=8"]  # the same comparison side by side in one process, in blocks
+    assert paired["ops_per_arm"] == 4 and paired["blocks_per_arm"] == 2
+    assert [len(paired["times_s"][k]) for k in ("plain", "auth", "plain_b")] == [2, 2, 2]
+    assert paired["auth_bw_ratio"]["n"] == paired["aa_control_bw_ratio"]["n"] == 2
+    assert paired["auth_bw_ratio"]["median"] > 0 and 0 < paired["mac_bound_fraction"] < 1
     assert [s["system"] for s in res["skipped"]] == ["gloo"] and "not found" in res["skipped"][0]["reason"]
     assert out.with_suffix(".png").stat().st_size > 1000
