@@ -9,7 +9,8 @@ import time
 
 import pytest
 
-from fthsdp.data.ledger import Ledger, LedgerError, Restore, check_exactly_once, read_ledger
+from fthsdp.data.ledger import (Ledger, LedgerError, Restore, Rollback, check_exactly_once, discarded_commits,
+                                live_commits, live_positions, read_ledger)
 
 
 def _run(tmp_path, script):
@@ -71,6 +72,51 @@ def test_full_restart_rolls_back_commits_after_the_checkpoint(tmp_path):
         led.commit(4, 3)
     rep2 = check_exactly_once(paths2.values(), {0: 4, 1: 4})
     assert rep2.gaps == {1: [2, 3]} and not rep2.duplicates
+
+
+def test_a_fenced_replica_rolls_back_its_discarded_commits(tmp_path):
+    """The split brain of rule 6 (fthsdp.control.quorum): replicas 0 and 1 commit steps 3..5
+    in a quorum that replica 2 (alone) later re-decides from step 3 on; 0 and 1 are fenced
+    and install 2's state of step 6, which holds their batches 0 and 1 only, then train
+    batches 2, 3 ... again. Without a rollback their batches 2..4 count twice."""
+    fork = [("commit", 1, 0), ("commit", 2, 1), ("commit", 3, 2), ("commit", 4, 3), ("commit", 5, 4)]
+    paths = _run(tmp_path, {0: fork, 1: fork, 2: [("commit", s, s - 1) for s in range(1, 3)]})
+    for r in (0, 1):
+        with Ledger(paths[r], r) as led:
+            for s in (7, 8, 9):
+                led.commit(s, s - 5)  # batches 2, 3, 4 again, on the lineage's state
+    with Ledger(paths[2], 2) as led:
+        for s in range(3, 10):
+            led.commit(s, s - 1)
+    rep = check_exactly_once(paths.values(), {0: 5, 1: 5, 2: 9})
+    assert rep.duplicates and not rep.ok  # the over-count this fixes
+    assert rep.duplicates[(0, 2)] == [3, 7]
+    # The same, with the rollback each fenced replica writes when it installs the lineage's state.
+    paths = _run(tmp_path / "b", {0: fork, 1: fork, 2: [("commit", s, s - 1) for s in range(1, 3)]})
+    for r in (0, 1):
+        with Ledger(paths[r], r) as led:
+            gone = discarded_commits(read_ledger(paths[r]), 2)
+            assert [c.step for c in gone] == [3, 4, 5]
+            led.rollback(6, min(c.step for c in gone), max(c.step for c in gone))
+            for s in (7, 8, 9):
+                led.commit(s, s - 5)
+    with Ledger(paths[2], 2) as led:
+        for s in range(3, 10):
+            led.commit(s, s - 1)
+    rep = check_exactly_once(paths.values(), {0: 5, 1: 5, 2: 9})
+    assert rep.ok and rep.rolled_back == 6 and rep.counted == 19, rep.summary()
+    (rb,) = [r for r in read_ledger(paths[0]).records if isinstance(r, Rollback)]
+    assert (rb.step, rb.first, rb.last, rb.replica) == (6, 3, 5, 0)
+    # The rollback voids its own replica's commits only, and only those recorded before it.
+    assert live_positions(read_ledger(paths[0])) == {0, 1, 2, 3, 4}
+    assert [c.step for c in live_commits(read_ledger(paths[0]))] == [1, 2, 7, 8, 9]
+
+
+def test_rollback_arguments_are_checked(tmp_path):
+    with Ledger(tmp_path / "l.jsonl", 0) as led:
+        for bad in ((5, 0, 2), (5, 4, 3), (-1, 1, 2)):
+            with pytest.raises(ValueError, match="rollback"):
+                led.rollback(*bad)
 
 
 def test_replicas_disagreeing_on_a_restart_is_an_error(tmp_path):

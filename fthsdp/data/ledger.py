@@ -11,8 +11,20 @@ included: a job killed before its first checkpoint was durable starts over.
 (Wall-clock order: the replicas' clocks must agree to well within the time a
 restart takes, as they do on one host or under NTP.)
 
-`check_exactly_once` replays the ledgers and reports, relative to the final
-model, every batch trained twice (duplicates), every expected batch never
+A replica that finds its own commits missing from the state it installed
+appends a `rollback` line naming the steps of the discarded commits: it was
+fenced (its state forked from the job's lineage, rule 6 of
+fthsdp.control.quorum: another quorum re-decided a step it had committed) and
+fetched the lineage's state, or its last commit succeeded while its peers'
+failed and they went on without it. The model it holds no longer contains
+those batches, and it trains them again from the positions it fetched. A
+rollback voids only that replica's own commits, recorded before it, at the
+steps it names (its batches are in its ledger alone); it is written before
+the replica commits anything on the installed state, so no clock comparison
+across replicas is involved.
+
+`check_exactly_once` replays the ledgers (honouring restores and rollbacks)
+and reports, relative to the final model, every batch trained twice (duplicates), every expected batch never
 trained (gaps), batches past the expected end, and replicas recording two
 batches for one step.
 
@@ -48,6 +60,21 @@ class Commit:
 
 
 @dataclass(frozen=True)
+class Rollback:
+    """The replica's commits at steps ``first``..``last`` recorded before this line were
+    discarded: it installed a state of step ``step`` that does not contain them."""
+
+    step: int  # the step of the state it installed (the job's lineage)
+    first: int  # the discarded commits' steps (ledger steps: committed steps after the commit)
+    last: int
+    replica: int
+    t_ns: int
+
+    def voids(self, c: Commit) -> bool:
+        return c.replica == self.replica and c.t_ns < self.t_ns and self.first <= c.step <= self.last
+
+
+@dataclass(frozen=True)
 class Restore:
     step: int  # the checkpoint step the job resumed from
     replica: int
@@ -60,7 +87,10 @@ def _line(doc: dict) -> bytes:
     return f'{body[:-1]},"crc":{zlib.crc32(body.encode()) & 0xFFFFFFFF}}}\n'.encode()
 
 
-def _parse(raw: bytes, where: str) -> Commit | Restore:
+Record = Commit | Restore | Rollback
+
+
+def _parse(raw: bytes, where: str) -> Record:
     doc = json.loads(raw)
     crc = doc.pop("crc")
     body = json.dumps(doc, sort_keys=True, separators=(",", ":"))
@@ -72,13 +102,15 @@ def _parse(raw: bytes, where: str) -> Commit | Restore:
         return Commit(int(doc["step"]), int(doc["replica"]), int(doc["position"]), int(doc["t"]))
     if doc["kind"] == "restore":
         return Restore(int(doc["step"]), int(doc["replica"]), int(doc["t"]), str(doc["restart"]))
+    if doc["kind"] == "rollback":
+        return Rollback(int(doc["step"]), int(doc["first"]), int(doc["last"]), int(doc["replica"]), int(doc["t"]))
     raise ValueError(f"unknown record kind {doc['kind']!r}")
 
 
 @dataclass
 class LedgerContents:
     path: str
-    records: list[Commit | Restore]
+    records: list[Record]
     torn_tail: bool = False  # the last line was cut short by a crash and was skipped
 
 
@@ -86,7 +118,7 @@ def read_ledger(path: str | os.PathLike) -> LedgerContents:
     p = Path(path)
     data = p.read_bytes()
     lines = data.split(b"\n")
-    records: list[Commit | Restore] = []
+    records: list[Record] = []
     torn = False
     for i, raw in enumerate(lines):
         if not raw:
@@ -164,6 +196,17 @@ class Ledger:
             raise ValueError("restore needs a non-empty restart id (the same on every replica of the restart)")
         self._append({"kind": "restore", "step": int(step), "restart": str(restart)})
 
+    def rollback(self, step: int, first: int, last: int) -> None:
+        """This replica installed the state of step ``step``, which does not contain its
+        commits at steps ``first``..``last`` recorded so far: they are void (see the module
+        docstring). Written before anything is committed on the installed state."""
+        if not 1 <= first <= last:
+            raise ValueError(f"rollback needs 1 <= first <= last (the discarded commits' steps), got "
+                             f"first={first} last={last}")
+        if step < 0:
+            raise ValueError(f"rollback step (of the installed state) must be >= 0, got {step}")
+        self._append({"kind": "rollback", "step": int(step), "first": int(first), "last": int(last)})
+
     def close(self) -> None:
         self._f.close()
 
@@ -174,11 +217,26 @@ class Ledger:
         self.close()
 
 
-def live_positions(contents: LedgerContents) -> set[int]:
-    """Positions of one ledger's commits that no later restore in it rolled back."""
+def live_commits(contents: LedgerContents) -> list[Commit]:
+    """One ledger's commits that no later restore or rollback in it voided."""
     restores = [r for r in contents.records if isinstance(r, Restore)]
-    return {c.position for c in contents.records if isinstance(c, Commit)
-            and not any(r.t_ns > c.t_ns and r.step < c.step for r in restores)}
+    rollbacks = [r for r in contents.records if isinstance(r, Rollback)]
+    return [c for c in contents.records if isinstance(c, Commit)
+            and not any(r.t_ns > c.t_ns and r.step < c.step for r in restores)
+            and not any(r.voids(c) for r in rollbacks)]
+
+
+def live_positions(contents: LedgerContents) -> set[int]:
+    """Positions of one ledger's commits that no later restore or rollback in it voided."""
+    return {c.position for c in live_commits(contents)}
+
+
+def discarded_commits(contents: LedgerContents, kept_positions: int) -> list[Commit]:
+    """The live commits of one replica's ledger whose batches a state holding only its
+    positions ``0 .. kept_positions - 1`` lacks (each replica's stream is trained in
+    order, so those are its latest commits): what a rollback must void when the replica
+    installs that state."""
+    return [c for c in live_commits(contents) if c.position >= kept_positions]
 
 
 @dataclass
@@ -188,13 +246,13 @@ class ExactlyOnceReport:
     gaps: dict[int, list[int]] = field(default_factory=dict)  # replica -> positions never trained
     unexpected: dict[int, list[int]] = field(default_factory=dict)  # replica -> positions past the expected end
     step_conflicts: dict[tuple[int, int], list[int]] = field(default_factory=dict)  # (replica, step) -> positions
-    rolled_back: int = 0  # commits voided by restores
+    rolled_back: int = 0  # commits voided by restores and rollbacks
     torn_tails: list[str] = field(default_factory=list)
     counted: int = 0
 
     def summary(self) -> str:
         if self.ok:
-            return f"exactly once: {self.counted} batches, {self.rolled_back} rolled back by restores"
+            return f"exactly once: {self.counted} batches, {self.rolled_back} rolled back by restores or rollbacks"
         parts = []
         if self.duplicates:
             parts.append(f"{len(self.duplicates)} duplicated, e.g. " + ", ".join(
@@ -228,9 +286,15 @@ def check_exactly_once(
     contents = [c if isinstance(c, LedgerContents) else read_ledger(c) for c in ledgers]
     commits: list[Commit] = []
     restores: list[Restore] = []
+    rollbacks: dict[int, list[Rollback]] = {}  # replica -> its rollbacks (they void its own commits only)
     for c in contents:
         for rec in c.records:
-            (commits if isinstance(rec, Commit) else restores).append(rec)
+            if isinstance(rec, Commit):
+                commits.append(rec)
+            elif isinstance(rec, Restore):
+                restores.append(rec)
+            else:
+                rollbacks.setdefault(rec.replica, []).append(rec)
     report = ExactlyOnceReport(ok=True, torn_tails=[c.path for c in contents if c.torn_tail])
 
     restarts: dict[str, tuple[int, int]] = {}  # restart id -> (first time logged, step)
@@ -244,7 +308,8 @@ def check_exactly_once(
         restarts[r.restart] = (min(t, r.t_ns), step)
 
     def rolled_back(c: Commit) -> bool:
-        return any(t > c.t_ns and step < c.step for t, step in restarts.values())
+        return (any(t > c.t_ns and step < c.step for t, step in restarts.values())
+                or any(r.voids(c) for r in rollbacks.get(c.replica, ())))
 
     live = [c for c in commits if not rolled_back(c)]
     report.rolled_back = len(commits) - len(live)

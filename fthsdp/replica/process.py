@@ -313,7 +313,7 @@ class ReplicaProcess:
                                    bytes=int(info.detail.get("bytes", 0)) if isinstance(info.detail, dict) else 0,
                                    state_bytes=local_shards.parts_bytes(self.abstract), sources=sources,
                                    per_shard=per_shard)
-                self.backfill_ledger(tree["data"])
+                self.backfill_ledger(tree["data"], step)
                 train = local_shards.assemble(tree["train"], self.abstract) if per_shard else tree["train"]
                 return train, tree["data"]
             # With on-demand snapshots the peers start copying when they see the
@@ -322,19 +322,39 @@ class ReplicaProcess:
                 raise PeerFetchError(f"could not fetch the state of step {step} from any healthy peer: {last}")
             time.sleep(0.05)
 
-    def backfill_ledger(self, data: dict) -> None:
-        """Record our batch that the peers' model contains but our ledger lacks.
+    def backfill_ledger(self, data: dict, step: int) -> None:
+        """Make our ledger say what the state we are installing (of step ``step``) contains.
 
-        That happens when the all-reduce of a step completed on the peers but not
-        here (we died, or failed the commit vote, right after contributing): the
-        replicated positions say the batch is in the model, so it is recorded now,
-        at the step that trained it (last_step), not trained again.
+        Our batches in it are positions ``0 .. positions[me] - 1`` (the replicated data
+        state travels with the model). Two things can differ from what we recorded:
+
+        * The peers committed a step whose all-reduce completed on them but not here (we
+          died, or failed the commit vote, right after contributing): the model holds our
+          batch ``positions[me] - 1`` but the ledger lacks it. It is recorded now, at the
+          step that trained it (``last_step[me] + 1``), not trained again.
+        * We committed batches the state lacks: we were fenced (our state forked from the
+          job's lineage: another quorum re-decided a step we had committed; rule 6 of
+          fthsdp.control.quorum), or our commit succeeded while the peers' failed and
+          they went on without it. Those commits are discarded with our old state: a
+          ``rollback`` line names their steps, and we train those batches again from
+          the fetched positions. Without it the exactly-once check counts them twice.
         """
-        from fthsdp.data.ledger import live_positions, read_ledger
+        from fthsdp.data.ledger import discarded_commits, live_positions, read_ledger
 
         me = self.args.replica_id
         pos, last = int(data["positions"][me]), int(data["last_step"][me])
-        if pos > 0 and last >= 0 and pos - 1 not in live_positions(read_ledger(self.ledger.path)):
+        contents = read_ledger(self.ledger.path)
+        gone = discarded_commits(contents, pos)
+        if gone:
+            first, final = min(c.step for c in gone), max(c.step for c in gone)
+            self.ledger.rollback(step, first, final)
+            log.warning("ledger: the state of step %d we install lacks our %d commit(s) of steps %d..%d (batches "
+                        "%d..%d): our state forked from the job's lineage; they are rolled back and trained again",
+                        step, len(gone), first, final, min(c.position for c in gone), max(c.position for c in gone))
+            self.metrics.write(kind="rollback", replica=self.rid, step=step, first=first, last=final,
+                               positions=sorted(c.position for c in gone))
+            contents = read_ledger(self.ledger.path)
+        if pos > 0 and last >= 0 and pos - 1 not in live_positions(contents):
             self.ledger.commit(last + 1, pos - 1)
             log.info("ledger: batch %d was committed by the peers at step %d before we recorded it", pos - 1, last + 1)
 
