@@ -105,3 +105,45 @@ def test_fenced_replicas_above_the_lineage_go_back_to_it_and_wait_without_it():
 def test_lineage_limit_must_be_positive(limit):
     with pytest.raises(ValueError, match="limit"):
         Lineage(limit=limit)
+
+
+def test_a_fork_is_not_judged_as_silent_data_corruption():
+    """Found by the real-process fork (tests/test_lineage_fork.py): 0 and 1 committed step 5
+    in quorum 2 and reported their state of step 6; replica 2 then re-decided step 5 alone
+    (quorum 3) and reported its own, different, state of step 6. Compared as one step, 2 of
+    3 agree and the lineage's only holder was condemned: fenced 0 and 1 and condemned 2
+    left nobody to rejoin from, and the job hung. A quorum decided at step 5 drops what was
+    reported for later steps (the lighthouse also ignores reports of forked states)."""
+    from fthsdp.control.sdc import MISMATCH, SdcTracker
+
+    sdc = SdcTracker()
+    sdc.set_voters(6, ("0", "1"))  # quorum 2, decided at step 5
+    sdc.record("0", 6, 0xA)
+    sdc.record("1", 6, 0xA)
+    sdc.update({"0", "1", "2"})
+    sdc.forget_after(5)  # quorum 3 re-decides step 5
+    sdc.set_voters(6, ("2",))
+    sdc.record("2", 6, 0xB)
+    assert sdc.update({"0", "1", "2"}) == [] and sdc.condemned == {}
+    # Without forgetting, the lineage's holder is the culprit (what the fork test hit).
+    old = SdcTracker()
+    old.set_voters(6, ("0", "1"))
+    for rid, fp in (("0", 0xA), ("1", 0xA)):
+        old.record(rid, 6, fp)
+    old.update({"0", "1", "2"})
+    old.set_voters(6, ("2",))
+    old.record("2", 6, 0xB)
+    (v,) = old.update({"0", "1", "2"})
+    assert v.kind == MISMATCH and v.culprits == ("2",)
+    # A condemnation made from a forked step is lifted too; earlier steps are kept.
+    sdc = SdcTracker()
+    for rid, fp in (("0", 1), ("1", 1), ("2", 2)):
+        sdc.record(rid, 4, 0)
+        sdc.record(rid, 7, fp)
+    sdc.update({"0", "1", "2"})
+    assert set(sdc.condemned) == {"2"}
+    sdc.forget_after(5)
+    assert sdc.condemned == {} and set(sdc.reports) == {4}
+    # The reports of a forked state are recognised by the lineage: 0 reports step 7 with last quorum 2.
+    lin = Lineage().after(1, 0).after(2, 5).after(3, 5)
+    assert forked_at(lin, 2, 7) == (3, 5) and forked_at(lin, 3, 7) is None and forked_at(lin, 2, 5) is None

@@ -714,6 +714,7 @@ class Lighthouse(pb2_grpc.LighthouseServicer):
         job.remember(quorum)
         job.excluded.clear()  # an exclusion lasts for exactly one quorum
         self.stats["decisions"] += 1
+        job.sdc.forget_after(quorum.max_step)  # reports of later steps are of a forked lineage (rule 6)
         job.sdc.set_voters(quorum.max_step + 1, quorum.member_ids)  # who will hold the state it commits
         for rid in quorum.member_ids:
             p = job.pending.pop(rid)
@@ -1090,8 +1091,9 @@ class Lighthouse(pb2_grpc.LighthouseServicer):
         if request.accused_replica_ids:
             self._accuse(job, rid, request.last_quorum_id, request.accused_replica_ids)
         job.steps[rid] = request.step
-        if request.HasField("fingerprint"):
-            job.sdc.record(rid, request.fingerprint_step, request.fingerprint)
+        if request.HasField("fingerprint") and not qm.forked_at(job.lineage, request.last_quorum_id,
+                                                                request.fingerprint_step):
+            job.sdc.record(rid, request.fingerprint_step, request.fingerprint)  # a forked state is fenced, not judged
         job.local_world_size.set(rid, request.local_world_size)
         job.stated_replicas.set(rid, request.num_replicas or None)
         job.processes.set(rid, nproc)
@@ -1181,7 +1183,8 @@ class Lighthouse(pb2_grpc.LighthouseServicer):
             job.phases[rid] = request.phase  # kept as sent: analysed only every rca_interval_s
         if request.last_quorum_id > job.qid_floor:
             job.qid_floor = request.last_quorum_id
-        if request.HasField("fingerprint"):
+        if request.HasField("fingerprint") and not qm.forked_at(job.lineage, request.last_quorum_id,
+                                                                request.fingerprint_step):
             job.sdc.record(rid, request.fingerprint_step, request.fingerprint)  # judged at the next evaluation
         # The dead set is recomputed each tick (tick_s adds to detection time;
         # per-heartbeat recomputation would cost O(replicas) per heartbeat), and

@@ -369,8 +369,8 @@ def forked_at(lineage: Lineage, last_quorum_id: int, step: int) -> tuple[int, in
     ``(0, 0)`` when its last quorum is older than the lineage remembers. A replica that
     was never in a quorum (``last_quorum_id`` 0: a fresh or restarted process) is judged
     by its step alone, as before."""
-    if last_quorum_id <= 0 or step <= 0:
-        return None
+    if last_quorum_id <= 0 or step <= 0 or (lineage.entries and last_quorum_id >= lineage.entries[-1][0]):
+        return None  # never in a quorum, or a member of the newest decided one (O(1))
     if last_quorum_id <= lineage.dropped_through:
         return (0, 0)
     hit = lineage.first_decided_after(last_quorum_id)

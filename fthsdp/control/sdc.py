@@ -145,6 +145,21 @@ class SdcTracker:
         self.voters[step] = frozenset(members)
         self._dirty.add(step)
 
+    def forget_after(self, step: int) -> None:
+        """A quorum was decided at ``step``: states of later steps reported so far belong to a
+        lineage the job no longer continues (rule 6 of fthsdp.control.quorum: that quorum
+        re-decided a step they had committed), not to this one. Their reports, voters and
+        verdicts are dropped, and the condemnations they made lifted: comparing a fork with
+        the lineage is no evidence of corruption (the fork's holders are fenced instead)."""
+        if max(self.reports, default=step) <= step and max(self.voters, default=step) <= step:
+            return  # the common case: nothing reported or expected past this step
+        for table in (self.reports, self.voters, self.verdicts):
+            for s in [s for s in table if s > step]:
+                del table[s]
+        self._dirty = {s for s in self._dirty if s <= step}
+        for r in [r for r, v in self.condemned.items() if v.step > step]:
+            del self.condemned[r]
+
     def forget(self, replica: str) -> None:
         """A replica left on purpose: it is no longer condemned (a restarted one rejoins from its peers)."""
         self.condemned.pop(replica, None)

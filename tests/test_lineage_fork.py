@@ -1,0 +1,82 @@
+"""A split brain made with real processes and real signals (`fthsdp run`, SIGSTOP/SIGCONT):
+two quorums both commit the same steps, and the lineage fence (rule 6 of
+fthsdp.control.quorum) sends the forked replicas back to a lower step.
+
+Replica 2 is stopped in step 5: 0 and 1 abort, form quorum 2 without it and commit
+steps 5 and 6. Then 0 and 1 are stopped and 2 wakes up: 0 and 1 are silent past the
+detection window, so 2 alone is a majority of the live, forms a quorum at step 5 and
+trains steps 5, 6, ... again with other batches. When 0 and 1 wake up they finish
+their step in quorum 2 and ask at step 7 or 8, below or above 2: either way they are
+fenced (behind), fetch 2's state, roll their discarded commits back in their ledgers
+and train those batches again. The job must end with one model and every batch
+trained exactly once."""
+
+from __future__ import annotations
+
+import collections
+
+import pytest
+
+from fthsdp.data.ledger import Rollback, read_ledger
+from fthsdp.launch import report
+
+from test_launcher import exactly_once, fthsdp_run, job_args
+
+pytestmark = pytest.mark.multiprocess
+
+
+def lineage_hashes(run: report.RunFiles, rollbacks: dict[str, list[dict]]) -> dict[int, dict[str, str]]:
+    """Per committed step, each replica's state hash, leaving out the commits a replica
+    later rolled back (its metrics say which: kind "rollback", steps first..last, written
+    before it committed anything on the state it installed)."""
+    by_step: dict[int, dict[str, str]] = collections.defaultdict(dict)
+    for rid, recs in run.steps.items():
+        for r in recs:
+            committed = r["step"] + 1
+            if "hash" not in r:
+                continue
+            if any(rb["first"] <= committed <= rb["last"] and r["time"] < rb["time"] for rb in rollbacks.get(rid, ())):
+                continue
+            by_step[committed][rid] = r["hash"]
+    return by_step
+
+
+def test_a_forked_replica_goes_back_to_the_lineage_with_an_exactly_once_ledger(tmp_path):
+    out = tmp_path / "run"
+    p = fthsdp_run(out, *job_args(3, 24, "--stop", "2@5", "--stop", "0@7", "--stop", "1@7", "--stop-seconds", "5",
+                                  "train.min_step_s=0.15"), timeout=240)
+    assert p.returncode == 0, p.stderr[-3000:]
+    run = report.load_run(out)
+    from fthsdp.logs import read_metrics
+
+    rollbacks = {rid: [r for r in read_metrics(out / f"metrics-{rid}.jsonl") if r.get("kind") == "rollback"]
+                 for rid in ("0", "1", "2")}
+    # The fork happened: replica 2 re-trained step 5 in a quorum of its own after 0 and 1 had
+    # committed it (and 6) in theirs.
+    committed_by = collections.defaultdict(set)
+    for rid, recs in run.steps.items():
+        for r in recs:
+            if r["healthy"]:
+                committed_by[(r["step"], r["quorum_id"])].add(rid)
+    fork = {q for (s, q), who in committed_by.items() if s == 5}
+    assert len(fork) == 2, f"step 5 was not committed by two quorums: {dict(committed_by)}"
+    # 0 and 1 were fenced: they rolled back exactly their commits from step 5 on (ledger steps
+    # 6..), and fetched replica 2's state; 2 rolled back nothing.
+    for rid in ("0", "1"):
+        (rb,) = rollbacks[rid]
+        assert rb["first"] == 6 and rb["last"] >= 7 and rb["step"] >= 7, rb
+        (led,) = [r for r in read_ledger(out / "ledger" / f"replica_{rid}.jsonl").records if isinstance(r, Rollback)]
+        assert (led.first, led.last, led.step) == (rb["first"], rb["last"], rb["step"])
+        fetches = [r for r in read_metrics(out / f"metrics-{rid}.jsonl") if r.get("kind") == "fetch"]
+        assert any(f["step"] == rb["step"] for f in fetches), fetches
+    assert rollbacks["2"] == []
+    log0 = (out / "replica-0.log").read_text()
+    assert "fenced, behind" in log0 and "re-decided step 5" in log0, log0[-3000:]
+    # One model: along the lineage every replica that committed a step holds the same bytes,
+    # and the final states are bitwise identical.
+    for step, hashes in lineage_hashes(run, rollbacks).items():
+        assert len(set(hashes.values())) == 1, f"replicas diverged after step {step}: {hashes}"
+    assert len({d["hash"] for d in run.done.values()}) == 1 and len(run.done) == 3, run.done
+    # Every batch exactly once in the surviving lineage: without the rollbacks 0's and 1's
+    # batches of steps 5 and 6 would count twice.
+    exactly_once(out, run)
