@@ -54,7 +54,7 @@ def test_a_signature_covers_every_field():
     for args in (("Heartbeat", "j", "r0", b"body"), ("GetQuorum", "k", "r0", b"body"),
                  ("GetQuorum", "j", "r1", b"body"), ("GetQuorum", "j", "r0", b"bodz")):
         assert not auth.verify(key, c, *args), args
-    for field, value in (("timestamp_text", "1001.000000"), ("nonce", "0" * 32)):
+    for field, value in (("timestamp_us", 1001_000_000), ("nonce", b"0" * 16), ("kind", "status")):
         forged = c._replace(**{field: value})
         assert not auth.verify(key, forged, "GetQuorum", "j", "r0", b"body")
     assert not auth.verify(auth.new_secret(), c, "GetQuorum", "j", "r0", b"body")
@@ -65,18 +65,29 @@ def test_the_credential_travels_last_in_the_request_and_signs_what_precedes_it()
     req = pb2.QuorumRequest(protocol_version=V, job_id="j", replica_id="r0", step=7, ftar_addresses=["h:1"] * 300)
     body = req.SerializeToString()
     data = auth.signed_request(key, "GetQuorum", "j", "r0", body, now=1000.0)
+    assert len(data) == len(body) + auth.TAIL_BYTES
     parsed = pb2.QuorumRequest.FromString(data)  # a valid message: the request with its credential set
-    assert parsed.credential and parsed.step == 7 and list(parsed.ftar_addresses) == ["h:1"] * 300
-    part = auth.signed_part(data, parsed.credential)
-    assert bytes(part) == body
-    cred = auth.Credential.parse(parsed.credential)
+    assert len(parsed.credential) == auth.CREDENTIAL_BYTES and parsed.step == 7
+    assert list(parsed.ftar_addresses) == ["h:1"] * 300
+    # protobuf's own encoding of the field, appended
+    assert data[len(body):] == pb2.StatusRequest(credential=parsed.credential).SerializeToString()
+    part, cred = auth.split_signed(data)
+    assert bytes(part) == body and cred == auth.Credential.decode(parsed.credential)
+    assert cred.kind == "job" and cred.timestamp == 1000.0 and len(cred.nonce) == 16
     assert auth.verify(key, cred, "GetQuorum", "j", "r0", part)
-    # the encoding is protobuf's own: the same bytes as the field set and serialized last
-    assert auth.credential_field(parsed.credential) == pb2.StatusRequest(credential=parsed.credential).SerializeToString()
-    assert auth.credential_field("x" * 300)[:2] == b"\x92\x08"  # field 130, two-byte length after
-    # not last (a field after it), or another credential text: no signed part
-    assert auth.signed_part(data + b"\x20\x01", parsed.credential) is None
-    assert auth.signed_part(data, parsed.credential[:-1] + "0") is None
+    # no credential, one not last, or of an unknown kind: nothing to check
+    assert auth.split_signed(body) is None
+    assert auth.split_signed(data + b"\x20\x01") is None
+    unknown = bytearray(data)
+    unknown[len(body) + 3] = ord("x")
+    assert auth.split_signed(bytes(unknown)) is None
+    with pytest.raises(ValueError, match="unknown credential kind"):
+        auth.Credential.decode(bytes(unknown[len(body) + 3:]))
+    with pytest.raises(ValueError, match="57 bytes"):
+        auth.Credential.decode(b"j" * 10)
+    # nonces are unique per call
+    assert len({auth.split_signed(auth.signed_request(key, "Heartbeat", "j", "r0", b""))[1].nonce
+                for _ in range(1000)}) == 1000
 
 
 def test_the_authenticator_refuses_each_bad_credential_with_its_reason():
@@ -86,21 +97,23 @@ def test_the_authenticator_refuses_each_bad_credential_with_its_reason():
     body = pb2.HeartbeatRequest(protocol_version=V, job_id="j", replica_id="0", step=1).SerializeToString()
 
     def check(data: bytes, method: str = "Heartbeat", job: str = "j", **kw):
-        cred = pb2.HeartbeatRequest.FromString(data).credential
-        return checker.check(method, cred, job, "0", auth.signed_part(data, cred) if cred else None, **kw)
+        return checker.check(method, job, "0", auth.split_signed(data), **kw)
 
     good = auth.signed_request(key, "Heartbeat", "j", "0", body)
     assert check(good) is None
     assert "replayed" in check(good).reason
     assert "carries no credential" in check(body).reason
     assert "gRPC metadata" in check(body, legacy_metadata=True).reason
+    assert "malformed" in check(body, malformed=True).reason
     assert "does not verify" in check(auth.signed_request(key, "Heartbeat", "k", "0", body), job="k").reason
     assert "does not verify" in check(auth.signed_request(key, "GetQuorum", "j", "0", body)).reason
-    assert "malformed" in check(body + auth.credential_field("job x y z")).reason
+    flipped = bytearray(auth.signed_request(key, "Heartbeat", "j", "0", body))
+    flipped[5] ^= 1  # one bit of the request
+    assert "does not verify" in check(bytes(flipped)).reason
     r = check(auth.signed_request(auth.status_key(secret), "Heartbeat", "j", "0", body, kind="status"))
     assert r.code == guard.DENIED and "read-only status key" in r.reason
     assert "NTP" in check(auth.signed_request(key, "Heartbeat", "j", "0", body, now=time.time() - 600)).reason
-    assert guard.CallAuthenticator(None).check("Heartbeat", "", "j", "0", None) is None  # off: anything goes
+    assert guard.CallAuthenticator(None).check("Heartbeat", "j", "0", None) is None  # off: anything goes
 
 
 def test_the_cached_pad_hmac_is_hmac_sha256():
@@ -279,12 +292,11 @@ def test_calls_without_a_valid_credential_are_refused_with_what_to_do(secure):
     assert e.code() == grpc.StatusCode.UNAUTHENTICATED and "does not verify" in e.details()
     # a valid credential for another body (the attacker changed the step, kept the credential)
     body, md = signed(call_key("job"), "Heartbeat", hb)
-    credential = pb2.HeartbeatRequest.FromString(body).credential
     tampered = pb2.HeartbeatRequest(protocol_version=V, job_id="job", replica_id="0", step=10**9,
-                                    incarnation="x").SerializeToString() + auth.credential_field(credential)
+                                    incarnation="x").SerializeToString() + body[-auth.TAIL_BYTES:]
     e = refused(secure.address, "Heartbeat", tampered)
     assert e.code() == grpc.StatusCode.UNAUTHENTICATED and "does not verify" in e.details()
-    # ... or moved a field after the credential (only what precedes it is signed)
+    # ... or put a field after the credential (only what precedes it is signed)
     e = refused(secure.address, "Heartbeat", body + pb2.HeartbeatRequest(step=10**9).SerializeToString())
     assert e.code() == grpc.StatusCode.UNAUTHENTICATED and "malformed credential" in e.details()
     # the right key: accepted once ...
@@ -297,13 +309,14 @@ def test_calls_without_a_valid_credential_are_refused_with_what_to_do(secure):
     e = refused(secure.address, "Heartbeat", body, md)
     assert e.code() == grpc.StatusCode.UNAUTHENTICATED and "NTP" in e.details()
     # garbage in the credential
-    garbage = hb.SerializeToString() + auth.credential_field("job 1 2 3")
+    garbage = hb.SerializeToString() + pb2.HeartbeatRequest(credential=b"job 1 2 3").SerializeToString()
     e = refused(secure.address, "Heartbeat", garbage)
     assert e.code() == grpc.StatusCode.UNAUTHENTICATED and "malformed credential" in e.details()
     # an older client's credential, in gRPC metadata: told to upgrade (and the lighthouse still serves)
     plain = hb.SerializeToString()
     old = auth.sign(call_key("job"), "Heartbeat", "job", "0", plain, time.time())
-    e = refused(secure.address, "Heartbeat", plain, ((auth.LEGACY_METADATA_KEY, old.text()),))
+    text = f"job {old.timestamp:.6f} {old.nonce.hex()} {old.signature.hex()}"  # the old format
+    e = refused(secure.address, "Heartbeat", plain, ((auth.LEGACY_METADATA_KEY, text),))
     assert e.code() == grpc.StatusCode.UNAUTHENTICATED and "gRPC metadata" in e.details()
     assert "upgrade fthsdp" in e.details()
     raw_call(secure.address, "Heartbeat", *signed(call_key("job"), "Heartbeat", hb))

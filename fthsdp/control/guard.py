@@ -371,19 +371,24 @@ class CallAuthenticator:
                 self._keys.popitem(last=False)
         return key
 
-    def check(self, method: str, credential: str, job_id: str, replica_id: str, signed: bytes | memoryview | None,
-              now: float | None = None, legacy_metadata: bool = False) -> Refusal | None:
+    def check(self, method: str, job_id: str, replica_id: str,
+              signed: tuple[memoryview, auth.Credential] | None, now: float | None = None, *,
+              malformed: bool = False, legacy_metadata: bool = False) -> Refusal | None:
         """Why a call may not go on, or None.
 
-        ``credential``: the request's ``credential`` field ("" if unset); ``signed``: the
-        bytes it signs (:func:`auth.signed_part`; None when the credential was not encoded
-        last); ``legacy_metadata``: the call has no credential field but carries one in gRPC
-        metadata, as older clients sent it (refused, saying so)."""
+        ``signed``: the request's signed bytes and credential (:func:`auth.split_signed`),
+        None when it does not end with one; then ``malformed``: it has a credential field
+        all the same (not last, or not fthsdp's layout), and ``legacy_metadata``: it has
+        none but carries a credential in gRPC metadata, as older clients sent it."""
         if self.secret is None:
             return None
-        now = time.time() if now is None else now
         where = f"{method} of job {job_id!r}" + (f" replica {replica_id!r}" if replica_id else "")
-        if not credential:
+        if signed is None:
+            if malformed:
+                return Refusal(UNAUTHENTICATED, (
+                    f"{where}: malformed credential (the credential field must be the request's last field, "
+                    f"{auth.CREDENTIAL_BYTES} bytes of a known kind): use fthsdp's LighthouseClient "
+                    "(fthsdp.control.auth.signed_request)"))
             if legacy_metadata:
                 return Refusal(UNAUTHENTICATED, (
                     f"{where} is signed in gRPC metadata ({auth.LEGACY_METADATA_KEY}), as older fthsdp clients "
@@ -394,31 +399,23 @@ class CallAuthenticator:
                 f"{where} carries no credential: this lighthouse requires one. Replicas: give the launcher the "
                 f"job's secret (fthsdp run generates it; --secret-file, ${auth.SECRET_FILE_ENV}); fthsdp status: "
                 "--status-key-file or --secret-file (see the README's Security section)"))
-        try:
-            if signed is None:
-                raise ValueError("not last")
-            cred = auth.Credential.parse(credential)
-        except ValueError:
-            return Refusal(UNAUTHENTICATED, f"{where}: malformed credential (field credential, encoded last): "
-                                            "use fthsdp's LighthouseClient (fthsdp.control.auth.signed_request)")
+        body, cred = signed
         if cred.kind == "status":
             if method != "Status":
                 return Refusal(DENIED, f"{where} is signed with the read-only status key, which may call Status "
                                        "only: a replica needs its job's secret")
             key = self._status_key
-        elif cred.kind == "job":
+        else:  # "job" (split_signed knows no other kind)
             if not job_id:
                 return Refusal(DENIED, f"{where}: a job's secret reads that job only: name it (--job), or use the "
                                        "lighthouse's status key to list every job")
             key = self.job_call_key(job_id)
-        else:
-            return Refusal(UNAUTHENTICATED, f"{where}: unknown credential kind {cred.kind[:16]!r} (job or status)")
-        if not auth.verify(key, cred, method, job_id, replica_id, signed):
+        if not auth.verify(key, cred, method, job_id, replica_id, body):
             return Refusal(UNAUTHENTICATED, (
                 f"{where}: the credential does not verify: the caller's secret is not this lighthouse's key for "
                 f"this job (another lighthouse's secret, another job's, or a stale one): give the replicas the "
                 "secret of this lighthouse and job"))
-        why = self.replays.check_and_add(cred.nonce, cred.timestamp, now)
+        why = self.replays.check_and_add(cred.nonce, cred.timestamp, time.time() if now is None else now)
         if why is not None:
             return Refusal(UNAUTHENTICATED, f"{where}: {why}")
         return None
@@ -512,11 +509,11 @@ def generic_handler(pb2, servicer, authenticator: CallAuthenticator, limits: Lim
                 return refuse(context, INVALID, err)
             refusal = None
             if authenticator.enabled:
-                credential = req.credential
+                signed = auth.split_signed(raw.data)
                 refusal = authenticator.check(
-                    name, credential, req.job_id, getattr(req, "replica_id", ""),
-                    auth.signed_part(raw.data, credential) if credential else None,
-                    legacy_metadata=not credential and _has_legacy_credential(context))
+                    name, req.job_id, getattr(req, "replica_id", ""), signed,
+                    malformed=signed is None and bool(req.credential),
+                    legacy_metadata=signed is None and not req.credential and _has_legacy_credential(context))
             if refusal is not None:
                 if admission is not None:
                     admission.refused(peer, time.monotonic())
