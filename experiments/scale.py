@@ -142,10 +142,13 @@ def round_breakdown(rep, trace: dict, warmup: int = 1) -> dict:
 
 
 def fthsdp_row(system: str, replicas: int, ranks_per_replica: int, rounds: int, heartbeat_s: float,
-               profile: str = "", processes: int = 1, trace: bool = False, warmup: int = 1) -> dict:
+               profile: str = "", processes: int = 1, trace: bool = False, warmup: int = 1,
+               transport: str = "session") -> dict:
     """``heartbeat_s``: the leaders' heartbeat interval (0: no heartbeats). ``trace``: run the
     lighthouse under fthsdp.sim.lighthouse_trace and add each round's breakdown. ``warmup``:
-    rounds run first and not measured (round 0 connects and forms the first quorum)."""
+    rounds run first and not measured (round 0 connects and forms the first quorum). ``transport``:
+    ``session`` (heartbeats and quorum requests on one stream per process, fthsdp.control.session)
+    or ``unary`` (a call each)."""
     import tempfile
 
     tmp = tempfile.TemporaryDirectory(prefix="fthsdp-scale-trace-") if trace else None
@@ -172,7 +175,8 @@ def fthsdp_row(system: str, replicas: int, ranks_per_replica: int, rounds: int, 
         # large flat rows, whose round on this shared machine is seconds of gRPC calls.
         round_barrier=True, run_timeout_s=max(120.0, (rounds + 1) * max(30.0, 0.03 * replicas)),
         job_id=f"scale-{replicas}x{ranks_per_replica}",
-        lighthouse_profile=profile, processes_per_replica=processes, lighthouse_trace=trace_path)
+        lighthouse_profile=profile, processes_per_replica=processes, lighthouse_trace=trace_path,
+        lighthouse_session=transport == "session")
     rep = run_emulation(cfg)
     where = None
     if tmp is not None:
@@ -187,7 +191,7 @@ def fthsdp_row(system: str, replicas: int, ranks_per_replica: int, rounds: int, 
     complete = [r for r in measured if r["replicas"] == replicas and len(r["quorum_ids"]) == 1]
     lat = [r["latency_s"] for r in complete]
     return {
-        "system": system, "replicas": replicas, "ranks": replicas * ranks_per_replica,
+        "system": system, "transport": transport, "replicas": replicas, "ranks": replicas * ranks_per_replica,
         "ranks_per_replica": ranks_per_replica, "heartbeat_interval_s": heartbeat_s,
         "processes_per_replica": processes, "shards_per_process": ranks_per_replica // processes,
         "timeouts_s": {"detect": t.detect_s, "join": t.join_timeout_s, "allreduce": t.allreduce_timeout_s,
@@ -530,6 +534,7 @@ def lighthouse_profile(n: int, rounds: int, ranks_per_replica: int = 1, processe
     total = idle = 0.0
     buckets = {"decision (fthsdp/control/quorum.py)": 0.0, "reply building (quorum_to_proto, replies)": 0.0,
                "RPC handlers and bookkeeping (fthsdp/control/lighthouse.py)": 0.0,
+               "session stream transport (fthsdp/control/session.py)": 0.0,
                "gRPC machinery (Cython callbacks, C-core)": 0.0, "asyncio event loop": 0.0,
                "root-cause and SDC analysis (fthsdp/observe, fthsdp/control/sdc.py)": 0.0,
                "limits and credentials (fthsdp/control/guard.py, auth.py)": 0.0,
@@ -551,8 +556,14 @@ def lighthouse_profile(n: int, rounds: int, ranks_per_replica: int = 1, processe
             b = "reply building (quorum_to_proto, replies)"
         elif fname.endswith(os.path.join("control", "lighthouse.py")):
             b = "RPC handlers and bookkeeping (fthsdp/control/lighthouse.py)"
-            if func in ("GetQuorum", "Heartbeat", "GetView", "Leave", "Status"):
-                handler_calls[func] = nc  # coroutines: one call per resumption (GetQuorum: 2 per request)
+            # Requests by kind, whatever carried them (a unary call or a session message, which
+            # both reach the accept_* cores); GetView, Leave and Status are unary calls only.
+            name = {"accept_quorum_request": "GetQuorum", "accept_heartbeat": "Heartbeat"}.get(func, func)
+            if name in ("GetQuorum", "Heartbeat", "GetView", "Leave", "Status") and func not in (
+                    "GetQuorum", "Heartbeat"):
+                handler_calls[name] = nc
+        elif fname.endswith(os.path.join("control", "session.py")):
+            b = "session stream transport (fthsdp/control/session.py)"
         elif fname.endswith((os.path.join("control", "guard.py"), os.path.join("control", "auth.py"))):
             b = "limits and credentials (fthsdp/control/guard.py, auth.py)"
         elif os.path.join("fthsdp", "observe") in fname or fname.endswith(os.path.join("control", "sdc.py")):
@@ -593,16 +604,20 @@ def plot(rows: list[dict], path: Path) -> None:
                     label=f"{system} p99")
     hier = [r for r in rows if r["system"] == "fthsdp-hierarchical" and r["p50_s"]]
     colors = {16: "tab:green", 512: "tab:purple"}
-    for rpr, nproc in sorted({(r["replicas"], r.get("processes_per_replica", 1)) for r in hier}):
-        rs = sorted((r for r in hier if r["replicas"] == rpr and r.get("processes_per_replica", 1) == nproc),
-                    key=lambda r: r["ranks"])
+    def tr(r: dict) -> str:
+        return r.get("transport", "unary")  # rows measured before sessions existed were unary
+
+    for rpr, nproc, t in sorted({(r["replicas"], r.get("processes_per_replica", 1), tr(r)) for r in hier}):
+        rs = sorted((r for r in hier if r["replicas"] == rpr and r.get("processes_per_replica", 1) == nproc
+                     and tr(r) == t), key=lambda r: r["ranks"])
         color = colors.get(rpr, "tab:gray")
-        ls = "-" if nproc == 1 else "--"
+        ls = ("-" if nproc == 1 else "--") if t == "session" else ":"
         mk = {1: "^", 2: "v", 4: "<", 5: "D", 8: ">", 10: "s"}.get(nproc, "o")  # one marker per process count
         ax.plot([r["ranks"] for r in rs], [r["p50_s"] for r in rs], mk + ls, color=color,
-                label=f"fthsdp-hierarchical {rpr} replicas x {nproc} process(es) p50")
+                alpha=1.0 if t == "session" else 0.5,
+                label=f"fthsdp-hierarchical {rpr} replicas x {nproc} process(es), {t}, p50")
         ax.plot([r["ranks"] for r in rs], [r["p99_s"] for r in rs], mk, color=color, alpha=0.4, mfc="none",
-                label=f"fthsdp-hierarchical {rpr} replicas x {nproc} process(es) p99")
+                label=f"fthsdp-hierarchical {rpr} replicas x {nproc} process(es), {t}, p99")
     flat = sorted((r for r in rows if r["system"] == "fthsdp-flat" and r["p50_s"]), key=lambda r: r["ranks"])
     if flat:
         n0, t0 = flat[0]["ranks"], flat[0]["p50_s"]
@@ -638,7 +653,7 @@ def plot_breakdown(rows: list[dict], path: Path) -> bool:
     parts = [k for k in BREAKDOWN_PARTS if k != "decide_s"]  # decide_s is inside until_decision_s
     fig, ax = plt.subplots(figsize=(9, 4.8))
     labels = [f"{r['replicas']}x{r['ranks_per_replica']}/{r.get('processes_per_replica', 1)}\n"
-              f"load {r['loadavg'][0]:.0f}" for r in hier]
+              f"{r.get('transport', 'unary')}, load {r['loadavg'][0]:.0f}" for r in hier]
     bottom = [0.0] * len(hier)
     colors = plt.get_cmap("tab10")
     for i, k in enumerate(parts):
@@ -669,7 +684,8 @@ def verdict(rows: list[dict], decision: dict | None = None) -> dict:
                                                                for v in decision["slopes"].values())}
     big = [r for r in rows if r["system"] == "fthsdp-hierarchical" and r["ranks"] >= 100_000]
     if big:
-        key = lambda r: f"{r['replicas']}x{r['ranks_per_replica']}/{r.get('processes_per_replica', 1)}"  # noqa: E731
+        key = lambda r: (f"{r['replicas']}x{r['ranks_per_replica']}/{r.get('processes_per_replica', 1)}"  # noqa: E731
+                         + ("" if r.get("transport", "unary") == "session" else " unary"))
         out["p99_s_at_100k_ranks"] = {key(r): r["p99_s"] for r in big}
         out["meets_70ms_p99_at_100k"] = {key(r): r["p99_s"] is not None and r["p99_s"] <= 0.07 for r in big}
     flat = sorted((r for r in rows if r["system"] == "fthsdp-flat"), key=lambda r: r["replicas"])
@@ -737,6 +753,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile-shapes", nargs="*", default=None,
                     help="hierarchical shapes RxG[/P] to profile the lighthouse at, with heartbeats (default 512x196)")
     ap.add_argument("--torchft-timeout", type=float, default=120.0, help="per-call deadline for torchft (s)")
+    ap.add_argument("--transport", nargs="+", default=["session"], choices=["session", "unary"],
+                    help="how fthsdp's replicas reach the lighthouse: session (one stream per process, the "
+                         "default) and/or unary (a call each, the earlier transport): each row is measured with "
+                         "each, one after the other (default: session)")
     args = ap.parse_args(argv)
     rounds = args.rounds or (4 if args.quick else 20)
     def parse_shape(text: str) -> tuple[int, int, int]:
@@ -791,7 +811,8 @@ def main(argv: list[str] | None = None) -> int:
         result["earlier_runs"] = old.get("earlier_runs", []) + [old.get("host", {})]
 
     def row_key(r: dict) -> tuple:
-        return (r["system"], r["replicas"], r["ranks"], r.get("processes_per_replica", 1))
+        return (r["system"], r["replicas"], r["ranks"], r.get("processes_per_replica", 1),
+                r.get("transport", "unary"))
 
     def add(r: dict) -> None:
         result["rows"] = [x for x in result["rows"] if row_key(x) != row_key(r)] + [r]
@@ -805,13 +826,13 @@ def main(argv: list[str] | None = None) -> int:
         p50 = "-" if r["p50_s"] is None else f"{r['p50_s'] * 1e3:8.1f} ms"
         p99 = "-" if r["p99_s"] is None else f"{r['p99_s'] * 1e3:8.1f} ms"
         procs = f"{r['processes_per_replica']} proc" if "processes_per_replica" in r else ""
-        print(f"{r['system']:20s} {procs:8s} {r['replicas']:5d} replicas {r['ranks']:7d} ranks: p50 {p50} p99 {p99} "
+        print(f"{r['system']:20s} {r.get('transport', 'unary'):7s} {procs:8s} {r['replicas']:5d} replicas {r['ranks']:7d} ranks: p50 {p50} p99 {p99} "
               f"({r['complete_rounds']}/{r['rounds']} rounds; load {r['loadavg'][0]:.1f})", flush=True)
 
     if "hierarchical" not in args.skip:
-        for rpr, g, nproc in shapes:
+        for (rpr, g, nproc), transport in ((x, t) for x in shapes for t in args.transport):
             r = fthsdp_row("fthsdp-hierarchical", rpr, g, rounds, heartbeat_s=args.heartbeat, processes=nproc,
-                           trace=not args.no_breakdown, warmup=args.warmup)
+                           trace=not args.no_breakdown, warmup=args.warmup, transport=transport)
             add(r)
             show(r)
             b = r.get("breakdown", {}).get("median")
@@ -823,8 +844,9 @@ def main(argv: list[str] | None = None) -> int:
                         f"{(b['rank_work_s_this_round'] or 0) * 1e3:.1f} ms", flush=True)
             save()
     if "flat" not in args.skip:
-        for n in flat_ns:
-            r = fthsdp_row("fthsdp-flat", n, 1, max(3, rounds // 2) if n > 1024 else rounds, heartbeat_s=0.0)
+        for n, transport in ((n, t) for n in flat_ns for t in args.transport):
+            r = fthsdp_row("fthsdp-flat", n, 1, max(3, rounds // 2) if n > 1024 else rounds, heartbeat_s=0.0,
+                           transport=transport)
             add(r)
             show(r)
             save()

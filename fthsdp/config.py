@@ -100,6 +100,10 @@ class FTConfig:
     # served with launch.lighthouse_tls_cert/key, or an external one run with --tls-cert). For a
     # self-signed certificate, the certificate itself. Empty: plain gRPC (calls are signed either way).
     lighthouse_tls_ca: str = ""
+    # Heartbeats and quorum requests as messages of one long-lived stream per process
+    # (fthsdp/control/session.py: a fraction of a unary call's cost to the lighthouse); false, or
+    # a lighthouse that offers no sessions: one unary call each.
+    lighthouse_session: bool = True
     # Where a replica's listeners (FTAR ring endpoints, peer state server,
     # metrics) bind, and the host its peers are told to connect to (empty: the
     # bind host; required when binding every interface, 0.0.0.0 or ::). IPv4

@@ -283,6 +283,7 @@ RULES: dict[str, Rule] = {
     "ft.bind_host": Parsed(_host, "an IPv4/IPv6 literal or a host name (0.0.0.0 or :: = every interface)"),
     "ft.advertise_host": Parsed(_host_or_empty, "empty (the bind host) or the host peers connect to"),
     "ft.fingerprint": Anything("true or false"),
+    "ft.lighthouse_session": Anything("true or false"),
     "ft.fingerprint_every": _int(1, why="fingerprint the state after every K-th committed step (1: every commit)"),
     "ft.test_flip_bit": Parsed(_flip_spec, "empty (off) or REPLICA@STEP[:BIT] (a test hook)"),
     # launch

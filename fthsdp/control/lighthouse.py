@@ -69,7 +69,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from fthsdp.addresses import split_host_port
-from fthsdp.control import admission, auth, guard, quorum as qm
+from fthsdp.control import admission, auth, guard, quorum as qm, session
 from fthsdp.observe import root_cause as rc
 from fthsdp.observe.verdict_metrics import RootCauseMetrics
 from fthsdp.control import sdc
@@ -261,6 +261,27 @@ def _server_options(config: LighthouseConfig) -> list[tuple[str, int]]:
 
 class _Superseded(Exception):
     pass
+
+
+class Refused(Exception):
+    """A request refused with a gRPC status code and the reason: the unary call aborts with
+    them, a session message is answered with them (fthsdp.control.session)."""
+
+    def __init__(self, code: grpc.StatusCode, reason: str) -> None:
+        super().__init__(reason)
+        self.code, self.reason = code, reason
+
+
+def answer_wait_s(remaining_s: float) -> float:
+    """How long a quorum request with ``remaining_s`` left of its deadline is waited on: a
+    little less, so that the caller gets the lighthouse's reason rather than a bare
+    DEADLINE_EXCEEDED from its own timer."""
+    return max(0.0, remaining_s - min(0.1, 0.1 * remaining_s))
+
+
+def _finished_reply(step: int) -> bytes:
+    return pb2.QuorumResponse(protocol_version=LIGHTHOUSE_PROTOCOL_VERSION, job_finished=True,
+                              finished_step=step).SerializeToString()
 
 
 class _SdcStop(Exception):
@@ -552,7 +573,8 @@ class Lighthouse(pb2_grpc.LighthouseServicer):
         # Where the time goes (tests and experiments read these counters).
         self.stats = {"decisions": 0, "evaluations": 0, "evaluation_s": 0.0, "replies_serialized": 0,
                       "replies_sent": 0, "replies_rings_omitted": 0, "replies_members_omitted": 0, "stalls": 0, "rca_runs": 0, "rca_s": 0.0,
-                      "sdc_mismatches": 0, "refused": 0, "forgotten_dead": 0}
+                      "sdc_mismatches": 0, "refused": 0, "forgotten_dead": 0,
+                      "sessions_opened": 0, "session_messages": 0}
         self._auth = guard.CallAuthenticator(self.config.secret)
         # The verdicts as Prometheus series, served on config.metrics_bind (start()).
         self.rca_metrics = RootCauseMetrics()
@@ -574,8 +596,11 @@ class Lighthouse(pb2_grpc.LighthouseServicer):
                                                  ("grpc.max_receive_message_length", c.limits.max_request_bytes)])
         # Limits and credentials are checked in front of every handler (fthsdp.control.guard);
         # _wire is every response serializer (a reply built once arrives as bytes).
+        # The session stream (fthsdp.control.session): the same calls as messages of one stream per process.
         self._server.add_generic_rpc_handlers((guard.generic_handler(pb2, self, self._auth, c.limits, _wire,
-                                                                self._admission, self._job_size),))
+                                                                self._admission, self._job_size),
+                                               session.generic_handler(self, self._auth, c.limits,
+                                                                       self._admission, self._job_size)))
         if c.secret is None:
             log.warning("lighthouse on %s serves WITHOUT authentication (loopback only): anyone on this machine "
                         "can join, steer or read its jobs", c.bind)
@@ -1003,7 +1028,7 @@ class Lighthouse(pb2_grpc.LighthouseServicer):
                 )
         return None
 
-    def _admit(self, request, context, now: float) -> guard.Refusal | None:
+    def _admit(self, request, peer: str, now: float) -> guard.Refusal | None:
         """The checks that need job state: jobs per lighthouse, replicas per job, new ids
         per client host, and the (replica, process)'s incarnation (guard.incarnation_problem)."""
         lim = self.config.limits
@@ -1018,12 +1043,12 @@ class Lighthouse(pb2_grpc.LighthouseServicer):
                 return guard.Refusal(grpc.StatusCode.RESOURCE_EXHAUSTED, (
                     f"job {request.job_id!r} already has {len(job.last_seen)} replicas, this lighthouse's limit: "
                     f"replica {rid!r} is refused (raise --max-replicas-per-job if the job is really that large)"))
-            if not self._new_ids.take(guard.peer_host(context.peer() or ""), now):
+            if not self._new_ids.take(guard.peer_host(peer), now):
                 return guard.Refusal(grpc.StatusCode.RESOURCE_EXHAUSTED, (
-                    f"too many new replica ids from {context.peer()} (limit {lim.new_ids_per_s:g}/s after a burst "
+                    f"too many new replica ids from {peer} (limit {lim.new_ids_per_s:g}/s after a burst "
                     f"of {lim.new_ids_burst}): replica {rid!r} of job {request.job_id!r} is refused; retry later"))
             if self._admission is not None:  # registering an id costs more than a call (fthsdp/control/admission.py)
-                self._admission.new_id(context.peer() or "", now)
+                self._admission.new_id(peer, now)
         if job is not None:
             proc = getattr(request, "process_index", 0)  # Leave: the replica's leader
             holder = job.incarnations.get(rid, {}).get(proc)
@@ -1035,10 +1060,16 @@ class Lighthouse(pb2_grpc.LighthouseServicer):
         return None
 
     async def _refuse_unless_admitted(self, request, context, now: float) -> None:
-        refusal = self._admit(request, context, now)
+        refusal = self._admit(request, context.peer() or "", now)
         if refusal is not None:
             self.stats["refused"] += 1
             await context.abort(refusal.code, refusal.reason)
+
+    def _admitted(self, request, peer: str, now: float) -> None:
+        refusal = self._admit(request, peer, now)
+        if refusal is not None:
+            self.stats["refused"] += 1
+            raise Refused(refusal.code, refusal.reason)
 
     @staticmethod
     def _bind(job: _Job, request) -> None:
@@ -1050,12 +1081,42 @@ class Lighthouse(pb2_grpc.LighthouseServicer):
                             "was dead)", job.job_id, rid, proc)
             held[proc] = request.incarnation
 
-    async def GetQuorum(self, request: pb2.QuorumRequest, context: grpc.aio.ServicerContext) -> pb2.QuorumResponse:
-        now = time.monotonic()
+    async def GetQuorum(self, request: pb2.QuorumRequest, context: grpc.aio.ServicerContext) -> bytes:
+        """The unary call: :meth:`accept_quorum_request`, then wait for the decision (the
+        session stream, fthsdp.control.session, waits for it its own way)."""
+        try:
+            got = self.accept_quorum_request(request, context.peer() or "", time.monotonic())
+        except Refused as e:
+            await context.abort(e.code, e.reason)
+        if isinstance(got, bytes):
+            return got
+        job, entry = got
+        remaining = context.time_remaining()
+        # Answer a little before the caller's deadline so it gets our reason,
+        # not a bare DEADLINE_EXCEEDED from its own timer.
+        wait = None if remaining is None else answer_wait_s(remaining)
+        try:
+            result = await asyncio.wait_for(entry.future, wait)
+        except TimeoutError:
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, self.no_quorum_reason(job))
+        except (_SdcStop, _Superseded) as e:
+            err = self.quorum_error(request, e)
+            await context.abort(err.code, err.reason)
+        finally:
+            self.withdraw(job, entry)
+        return self.quorum_answer(job, request, result)
+
+    def accept_quorum_request(self, request: pb2.QuorumRequest, peer: str,
+                              now: float) -> bytes | tuple[_Job, _Pending]:
+        """Everything a quorum request does before it waits, whatever carried it (a unary
+        call, a session message): the checks that need job state, the bookkeeping, and
+        its pending entry, whose future the decision completes (a quorum, a
+        :class:`_Finished`, or an exception: :meth:`quorum_error`). Returns the answer at
+        once (bytes) when there is nothing to wait for; raises :class:`Refused`."""
         err = self._check_quorum_request(request, now)
         if err:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, err)
-        await self._refuse_unless_admitted(request, context, now)
+            raise Refused(grpc.StatusCode.INVALID_ARGUMENT, err)
+        self._admitted(request, peer, now)
         job = self._job(request.job_id)
         self._bind(job, request)
         rid = request.replica_id
@@ -1069,12 +1130,11 @@ class Lighthouse(pb2_grpc.LighthouseServicer):
                      job.job_id, rid)
             job.sdc.reset()
         if job.sdc.fatal is not None:
-            await context.abort(grpc.StatusCode.DATA_LOSS, job.sdc.fatal.reason)
+            raise Refused(grpc.StatusCode.DATA_LOSS, job.sdc.fatal.reason)
         if job.finished_step is not None:
             log.info("job %r: replica %s asks at step %d but the job finished at step %d",
                      job.job_id, rid, request.step, job.finished_step)
-            return pb2.QuorumResponse(protocol_version=LIGHTHOUSE_PROTOCOL_VERSION, job_finished=True,
-                                      finished_step=job.finished_step)
+            return _finished_reply(job.finished_step)
         if request.last_quorum_id > job.qid_floor:
             job.qid_floor = request.last_quorum_id
         nproc = request.num_processes or 1
@@ -1122,42 +1182,53 @@ class Lighthouse(pb2_grpc.LighthouseServicer):
         job.pending[rid] = entry
         if len(job.pending) >= self._expected(job):
             self._schedule_evaluation(job)
-        remaining = context.time_remaining()
-        # Answer a little before the caller's deadline so it gets our reason,
-        # not a bare DEADLINE_EXCEEDED from its own timer.
-        wait = None if remaining is None else max(0.0, remaining - min(0.1, 0.1 * remaining))
-        try:
-            quorum = await asyncio.wait_for(future, wait)
-        except TimeoutError:
-            await context.abort(
-                grpc.StatusCode.DEADLINE_EXCEEDED,
-                f"no quorum for job {request.job_id!r} within the call's deadline; last decision: {job.last_reason}",
-            )
-        except _SdcStop as e:
-            await context.abort(grpc.StatusCode.DATA_LOSS, str(e))
-        except _Superseded:
-            await context.abort(
-                grpc.StatusCode.ABORTED,
-                f"superseded by a newer quorum request from replica {rid!r} of job {request.job_id!r}",
-            )
-        finally:
-            if job.pending.get(rid) is entry:
-                del job.pending[rid]
-        if isinstance(quorum, _Finished):
-            return pb2.QuorumResponse(protocol_version=LIGHTHOUSE_PROTOCOL_VERSION, job_finished=True,
-                                      finished_step=quorum.step)
-        return job.view_reply(quorum, rid, 0, self.stats, holds_view=request.last_quorum_id == quorum.quorum_id,
+        return job, entry
+
+    @staticmethod
+    def withdraw(job: _Job, entry: _Pending) -> None:
+        """``entry`` is no longer waited for (answered, timed out, or its caller gone)."""
+        rid = entry.request.replica_id
+        if job.pending.get(rid) is entry:
+            del job.pending[rid]
+
+    @staticmethod
+    def no_quorum_reason(job: _Job) -> str:
+        return f"no quorum for job {job.job_id!r} within the call's deadline; last decision: {job.last_reason}"
+
+    @staticmethod
+    def quorum_error(request: pb2.QuorumRequest, e: BaseException) -> guard.Refusal:
+        """How a pending request that ended in ``e`` is refused."""
+        if isinstance(e, _SdcStop):
+            return guard.Refusal(grpc.StatusCode.DATA_LOSS, str(e))
+        if isinstance(e, _Superseded):
+            return guard.Refusal(grpc.StatusCode.ABORTED, f"superseded by a newer quorum request from replica "
+                                                          f"{request.replica_id!r} of job {request.job_id!r}")
+        return guard.Refusal(grpc.StatusCode.INTERNAL, f"the lighthouse failed to answer: {type(e).__name__}: {e}")
+
+    def quorum_answer(self, job: _Job, request: pb2.QuorumRequest, result) -> bytes:
+        """The serialized answer to ``request`` once its entry's future holds ``result``."""
+        if isinstance(result, _Finished):
+            return _finished_reply(result.step)
+        return job.view_reply(result, request.replica_id, 0, self.stats,
+                              holds_view=request.last_quorum_id == result.quorum_id,
                               compact_ok=request.accepts_members_omitted)
 
-    async def Heartbeat(self, request: pb2.HeartbeatRequest, context: grpc.aio.ServicerContext) -> pb2.HeartbeatResponse:
+    async def Heartbeat(self, request: pb2.HeartbeatRequest, context: grpc.aio.ServicerContext) -> bytes:
+        try:
+            return self.accept_heartbeat(request, context.peer() or "", time.monotonic())
+        except Refused as e:
+            await context.abort(e.code, e.reason)
+
+    def accept_heartbeat(self, request: pb2.HeartbeatRequest, peer: str, now: float) -> bytes:
+        """A heartbeat, whatever carried it (a unary call, a session message): the serialized
+        reply, or :class:`Refused`."""
         err = _version_error(request.protocol_version)
         who = f"process {request.process_index} of replica {request.replica_id!r} of job {request.job_id!r}"
         err = err or _endpoints_error(who, request.num_processes, request.process_index, request.local_world_size,
                                       request.ftar_addresses, required=False)
         if err:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, err)
-        now = time.monotonic()
-        await self._refuse_unless_admitted(request, context, now)
+            raise Refused(grpc.StatusCode.INVALID_ARGUMENT, err)
+        self._admitted(request, peer, now)
         job = self._job(request.job_id)
         self._bind(job, request)
         rid = request.replica_id

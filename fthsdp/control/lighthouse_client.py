@@ -49,6 +49,8 @@ from dataclasses import dataclass
 import grpc
 
 from fthsdp.control import auth, quorum as qm
+from fthsdp.control.session import SESSION_METHODS
+from fthsdp.control.session_client import SessionUnsupported, SyncSession
 from fthsdp.observe.phase import Phase, PhaseSnapshot, StreamReport
 from fthsdp.errors import JobFatalError
 from fthsdp.proto import LIGHTHOUSE_PROTOCOL_VERSION, lighthouse as _load_stubs
@@ -134,6 +136,9 @@ _CHANNEL_OPTIONS = [
     ("grpc.min_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 500),
 ]
+
+
+_REPLY_TYPES = {"GetQuorum": pb2.QuorumResponse, "Heartbeat": pb2.HeartbeatResponse}
 
 
 def backoff_delays(first_s: float = 0.05, cap_s: float = 0.5, factor: float = 2.0):
@@ -469,6 +474,7 @@ class LighthouseClient:
         key: bytes | None = None,
         status_key: bytes | None = None,
         tls_ca_file: str = "",
+        session: bool = True,
     ) -> None:
         """``outage_s``: how long ``get_quorum`` retries an unreachable lighthouse
         (0 = fail at once). ``rejoin``: this process was restarted to rejoin a
@@ -476,7 +482,9 @@ class LighthouseClient:
         ``process_index``/``num_processes``: which process of its replica this is.
         ``key``: the job's secret (None: unsigned calls, for a lighthouse run with
         ``--insecure``); ``status_key``: the read-only key, for Status only;
-        ``tls_ca_file``: a PEM certificate to trust, connecting over TLS."""
+        ``tls_ca_file``: a PEM certificate to trust, connecting over TLS. ``session``: send
+        heartbeats and quorum requests as messages of one long-lived stream
+        (:mod:`fthsdp.control.session`; unary calls when the lighthouse offers none)."""
         if num_processes < 1 or not 0 <= process_index < num_processes:
             raise ValueError(f"process_index {process_index} must be in 0..num_processes-1 (num_processes "
                              f"{num_processes} >= 1)")
@@ -518,6 +526,8 @@ class LighthouseClient:
                                 ("GetView", "QuorumResponse"), ("Leave", "LeaveResponse"),
                                 ("Status", "StatusResponse"))
         }
+        # Heartbeats and quorum requests as messages of one stream (None: unary calls).
+        self._session: SyncSession | None = SyncSession(self._channel) if session else None
         self._step = 0
         self._hb_thread: threading.Thread | None = None
         self._hb_stop = threading.Event()
@@ -560,6 +570,14 @@ class LighthouseClient:
             key, kind = self._call_key, "job"
         if key is not None:
             body = auth.signed_request(key, method, req.job_id, getattr(req, "replica_id", ""), body, kind)
+        s = self._session
+        if s is not None and method in SESSION_METHODS:
+            try:
+                return _REPLY_TYPES[method].FromString(s.request(method, body, timeout))
+            except SessionUnsupported as e:
+                log.info("lighthouse %s: %s; using unary calls", self.address, e.details())
+                self._session = None
+                s.close()
         return self._rpc[method](body, timeout=timeout)
 
     # -- errors --------------------------------------------------------------
@@ -857,6 +875,8 @@ class LighthouseClient:
 
     def close(self) -> None:
         self.stop_heartbeats()
+        if self._session is not None:
+            self._session.close()
         self._channel.close()
 
     def __enter__(self) -> LighthouseClient:

@@ -194,7 +194,7 @@ class ReplicaProcess:
                 "no job secret ($%s / $%s): lighthouse calls are unsigned, which only a lighthouse run "
                 "with --insecure accepts", auth.SECRET_FILE_ENV, auth.SECRET_ENV)
         client = LighthouseClient(args.lighthouse, args.job, self.rid, key=job_key,
-                                  tls_ca_file=cfg.ft.lighthouse_tls_ca,
+                                  tls_ca_file=cfg.ft.lighthouse_tls_ca, session=cfg.ft.lighthouse_session,
                                   heartbeat_interval_s=cfg.ft.heartbeat_interval_s,
                                   heartbeat_timeout_s=cfg.timeouts.heartbeat_rpc_s,
                                   outage_s=cfg.timeouts.lighthouse_outage_s, rejoin=args.rejoin,

@@ -25,13 +25,15 @@ wants to save sockets and keeps under that budget.)
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import grpc
 
-from fthsdp.control import quorum as qm
+from fthsdp.control import quorum as qm, session as sess
+from fthsdp.control.session_client import SessionError, SessionUnsupported, parse_reply, stream_error
 from fthsdp.replica.fsm import membership
 from fthsdp.control.lighthouse_client import (
     HeartbeatReply,
@@ -135,6 +137,94 @@ class DecodeCache:
         return q
 
 
+class AioSession:
+    """The session stream (fthsdp.control.session) from asyncio: one stream per client, its
+    requests' replies matched by ``seq`` (the same protocol as the threaded
+    :class:`fthsdp.control.session_client.SyncSession`)."""
+
+    def __init__(self, channel) -> None:
+        self._open = channel.stream_stream(sess.METHOD, request_serializer=None, response_deserializer=None)
+        self._seq = itertools.count(1)
+        self._call = None
+        self._reader: asyncio.Task | None = None
+        self._write_lock = asyncio.Lock()  # gRPC takes one write at a time per stream
+        self._waiters: dict[int, asyncio.Future] = {}
+
+    async def request(self, method: str, body: bytes, timeout_s: float) -> bytes:
+        """``body``'s reply body; raises SessionError (the unary call's status)."""
+        if self._call is None:
+            self._call = self._open()
+            self._reader = asyncio.get_running_loop().create_task(self._read(self._call))
+        call = self._call
+        seq = next(self._seq)
+        fut = asyncio.get_running_loop().create_future()
+        self._waiters[seq] = fut
+        try:
+            async with asyncio.timeout(timeout_s):
+                async with self._write_lock:
+                    await call.write(sess.envelope(seq, method, body, timeout_s))
+                rep = await fut
+        except TimeoutError:
+            raise SessionError(grpc.StatusCode.DEADLINE_EXCEEDED,
+                               f"no reply to {method} on the session stream within {timeout_s:g}s") from None
+        except grpc.aio.AioRpcError as e:  # the write found the stream broken
+            self._waiters.pop(seq, None)
+            self._broken(call)
+            raise stream_error(e) from None
+        except (grpc.aio.UsageError, asyncio.InvalidStateError) as e:
+            self._waiters.pop(seq, None)
+            self._broken(call)
+            raise stream_error(RuntimeError(str(e))) from None
+        finally:
+            self._waiters.pop(seq, None)
+        if rep.code != 0:
+            raise SessionError(sess.status_code(rep.code), rep.details)
+        return rep.body
+
+    async def _read(self, call) -> None:
+        error: SessionError
+        try:
+            while True:
+                raw = await call.read()
+                if raw is grpc.aio.EOF:
+                    error = stream_error(RuntimeError("the lighthouse closed it"))
+                    break
+                rep = parse_reply(raw)
+                fut = self._waiters.pop(rep.seq, None)
+                if fut is not None and not fut.done():
+                    fut.set_result(rep)
+        except grpc.aio.AioRpcError as e:
+            error = stream_error(e)
+        except SessionError as e:
+            error = e
+        except asyncio.CancelledError:
+            error = SessionError(grpc.StatusCode.CANCELLED, "the session is closed")
+        self._broken(call, error)
+
+    def _broken(self, call, error: SessionError | None = None) -> None:
+        if self._call is not call:
+            return
+        self._call = None
+        call.cancel()
+        error = error or SessionError(grpc.StatusCode.UNAVAILABLE, "session stream broken")
+        waiters, self._waiters = self._waiters, {}
+        for fut in waiters.values():
+            if not fut.done():
+                fut.set_exception(error)
+
+    async def close(self) -> None:
+        call, reader = self._call, self._reader
+        self._call = None
+        if call is not None:
+            call.cancel()
+        if reader is not None:
+            reader.cancel()
+            try:
+                await reader
+            except asyncio.CancelledError:
+                pass
+
+
 @dataclass(frozen=True)
 class QuorumReply:
     quorum: qm.Quorum
@@ -148,7 +238,8 @@ class AioLighthouseClient:
 
     def __init__(self, address: str, job_id: str, replica_id: str, *, outage_s: float,
                  heartbeat_timeout_s: float, rejoin: bool = False, process_index: int = 0,
-                 num_processes: int = 1, channel_of: "AioLighthouseClient | None" = None) -> None:
+                 num_processes: int = 1, channel_of: "AioLighthouseClient | None" = None,
+                 session: bool = True) -> None:
         if num_processes < 1 or not 0 <= process_index < num_processes:
             raise ValueError(f"process_index {process_index} must be in 0..num_processes-1 ({num_processes})")
         self.address = address
@@ -169,9 +260,16 @@ class AioLighthouseClient:
         # GetQuorum with the answer left as bytes: decoded through decode_cache.
         self._get_quorum_raw = self._channel.unary_unary(
             "/fthsdp.v1.Lighthouse/GetQuorum", request_serializer=None, response_deserializer=None)
+        self._heartbeat_raw = self._channel.unary_unary(
+            "/fthsdp.v1.Lighthouse/Heartbeat", request_serializer=pb2.HeartbeatRequest.SerializeToString,
+            response_deserializer=None)
         self._get_view_raw = self._channel.unary_unary(
             "/fthsdp.v1.Lighthouse/GetView", request_serializer=pb2.ViewRequest.SerializeToString,
             response_deserializer=None)
+        # Heartbeats and quorum requests as messages of one stream (None: unary calls; also once
+        # the lighthouse said it offers no sessions). A shared channel shares its owner's stream.
+        self.session: AioSession | None = (None if not session else AioSession(self._channel) if channel_of is None
+                                           else channel_of.session)
         self.last_quorum: qm.Quorum | None = None
         self.step = 0
         self.outages: list[float] = []
@@ -217,7 +315,7 @@ class AioLighthouseClient:
         self.step = step
         lws = len(ftar_addresses) * self.num_processes if local_world_size is None else local_world_size
         req = self._request(step, ftar_addresses, state_server_address, commit_failed, num_replicas, lws)
-        return await self._call(self._get_quorum_raw, req, f"get_quorum(step={step})", timeout_s)
+        return await self._call(self._get_quorum_raw, req, f"get_quorum(step={step})", timeout_s, "GetQuorum")
 
     async def get_view(self, quorum_id: int, *, timeout_s: float) -> QuorumReply:
         """This (follower) process's view of quorum ``quorum_id``, which its leader got."""
@@ -225,15 +323,26 @@ class AioLighthouseClient:
                               replica_id=self.replica_id, process_index=self.process_index, quorum_id=quorum_id)
         return await self._call(self._get_view_raw, req, f"get_view(quorum {quorum_id})", timeout_s)
 
-    async def _call(self, method, req, what: str, timeout_s: float) -> QuorumReply:
+    async def _send(self, method, req, timeout_s: float, name: str) -> bytes:
+        """One request: on the session when there is one and it carries ``name``, else unary."""
+        s = self.session
+        if s is not None and name in sess.SESSION_METHODS:
+            try:
+                return await s.request(name, req if isinstance(req, bytes) else req.SerializeToString(), timeout_s)
+            except SessionUnsupported:
+                self.session = None
+                await s.close()
+        return await method(req, timeout=timeout_s)
+
+    async def _call(self, method, req, what: str, timeout_s: float, name: str = "") -> QuorumReply:
         down_since: float | None = None
         delays = backoff_delays()
         while True:
             sent = time.perf_counter()
             try:
-                raw = await method(req, timeout=timeout_s)
+                raw = await self._send(method, req, timeout_s, name)
                 break
-            except grpc.aio.AioRpcError as e:
+            except (grpc.aio.AioRpcError, SessionError) as e:
                 code = e.code()
                 where = f"lighthouse {self.address} (replica {self.replica_id}, process {self.process_index})"
                 if code == grpc.StatusCode.DEADLINE_EXCEEDED:
@@ -278,8 +387,9 @@ class AioLighthouseClient:
                                    process_index=self.process_index, num_processes=self.num_processes)
         sent = self.registration.fill(req)
         try:
-            resp = await self._stub.Heartbeat(req, timeout=self.heartbeat_timeout_s)
-        except grpc.aio.AioRpcError as e:
+            raw = await self._send(self._heartbeat_raw, req, self.heartbeat_timeout_s, "Heartbeat")
+            resp = pb2.HeartbeatResponse.FromString(raw)
+        except (grpc.aio.AioRpcError, SessionError) as e:
             raise LighthouseError(f"heartbeat: {e.code()}: {e.details()}", e.code()) from None
         self.registration.heard(sent, resp.addresses_registered)
         return HeartbeatReply(tuple(resp.dead_replica_ids), resp.quorum_id, tuple(resp.dead_members))
@@ -295,4 +405,6 @@ class AioLighthouseClient:
 
     async def close(self) -> None:
         if self._owns_channel:
+            if self.session is not None:
+                await self.session.close()
             await self._channel.close()

@@ -132,6 +132,9 @@ class EmulationConfig:
     # quorum and gets its view (the members and its D shards' rings: O(R x D)), and
     # the other processes fetch their own views (GetView) when the quorum id changes.
     processes_per_replica: int = 1
+    # Heartbeats and quorum requests on one session stream per process (fthsdp.control.session),
+    # as the real client does by default; False: a unary call each (the earlier transport).
+    lighthouse_session: bool = True
 
     def __post_init__(self) -> None:
         if self.replicas < 1 or self.ranks_per_replica < 1 or self.steps < 1:
@@ -490,7 +493,7 @@ class EmulatedReplica:
             cl = AioLighthouseClient(emu.lighthouse.address, c.job_id, self.rid,
                                      outage_s=c.timeouts.lighthouse_outage_s,
                                      heartbeat_timeout_s=c.timeouts.heartbeat_rpc_s, rejoin=rejoin,
-                                     process_index=p, num_processes=nproc)
+                                     process_index=p, num_processes=nproc, session=c.lighthouse_session)
             cl.decode_cache = emu.decode_cache
             if nproc > 1:
                 cl.register(self.ftar[p], self.servers[p], c.ranks_per_replica)

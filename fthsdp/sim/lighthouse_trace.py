@@ -61,24 +61,25 @@ def install(trace: Trace) -> None:
 
     guard.request_problem = request_problem  # generic_handler looks it up at call time
 
-    get_quorum = lh.Lighthouse.GetQuorum
+    # The transport-free cores, which a unary call and a session message both reach.
+    accept = lh.Lighthouse.accept_quorum_request
 
-    async def GetQuorum(self, request, context):  # noqa: N802 - the RPC's name
+    def accept_quorum_request(self, request, *args, **kwargs):
         trace.mark("handler_enter", request.replica_id, request.step)
         try:
-            return await get_quorum(self, request, context)
+            return accept(self, request, *args, **kwargs)
         finally:
             trace.mark("handler_return", request.replica_id, request.step)
 
-    lh.Lighthouse.GetQuorum = GetQuorum
+    lh.Lighthouse.accept_quorum_request = accept_quorum_request
 
-    heartbeat = lh.Lighthouse.Heartbeat
+    heartbeat = lh.Lighthouse.accept_heartbeat
 
-    async def Heartbeat(self, request, context):  # noqa: N802
+    def accept_heartbeat(self, request, *args, **kwargs):
         trace.heartbeats += 1
-        return await heartbeat(self, request, context)
+        return heartbeat(self, request, *args, **kwargs)
 
-    lh.Lighthouse.Heartbeat = Heartbeat
+    lh.Lighthouse.accept_heartbeat = accept_heartbeat
 
     evaluate = lh.Lighthouse._evaluate
 

@@ -1,0 +1,168 @@
+"""The client end of the session stream (:mod:`fthsdp.control.session`), for threads.
+
+:class:`SyncSession` carries one process's ``GetQuorum`` and ``Heartbeat``
+requests on one long-lived stream: callers (the heartbeat thread, the step
+that asks for a quorum) hand it a request's bytes and wait, each with its own
+deadline, for the reply of the same ``seq``, which a reader thread matches.
+Errors come back as :class:`SessionError`, a ``grpc.RpcError`` with the code
+and details the unary call would have ended with, so a caller handles both
+transports alike. A stream that breaks (the lighthouse died or restarted)
+fails every open request with ``UNAVAILABLE`` and is opened again by the next
+request. A lighthouse that does not offer sessions answers ``UNIMPLEMENTED``:
+:class:`SessionUnsupported`, after which the caller uses unary calls.
+"""
+
+from __future__ import annotations
+
+import itertools
+import queue
+import threading
+
+import grpc
+
+from fthsdp.control import session
+from fthsdp.proto import lighthouse as _load_stubs
+
+pb2, _ = _load_stubs()
+
+__all__ = ["SessionError", "SessionUnsupported", "SyncSession", "parse_reply"]
+
+
+class SessionError(grpc.RpcError):
+    """A session request ended with a non-OK status (as a unary call's ``grpc.RpcError``)."""
+
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(f"{code.name}: {details}")
+        self._code, self._details = code, details
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str:
+        return self._details
+
+    def debug_error_string(self) -> str:
+        return f"session stream: {self._code.name}: {self._details}"
+
+
+class SessionUnsupported(SessionError):
+    """The lighthouse offers no session stream (an older one): use unary calls."""
+
+
+def parse_reply(raw: bytes):
+    """A ``SessionReply`` from the wire; a reply that cannot be read is a protocol error."""
+    try:
+        return pb2.SessionReply.FromString(raw)
+    except Exception as e:  # noqa: BLE001 - whatever the bytes were
+        raise SessionError(grpc.StatusCode.INTERNAL, f"unreadable session reply from the lighthouse: {e}") from None
+
+
+def stream_error(e: BaseException) -> SessionError:
+    """What a broken stream means for its open requests."""
+    code = e.code() if isinstance(e, grpc.RpcError) and hasattr(e, "code") else grpc.StatusCode.UNAVAILABLE
+    details = (e.details() if isinstance(e, grpc.RpcError) and hasattr(e, "details") else "") or str(e)
+    if code == grpc.StatusCode.UNIMPLEMENTED:
+        return SessionUnsupported(code, f"the lighthouse offers no session stream: {details}")
+    if code in (grpc.StatusCode.CANCELLED, grpc.StatusCode.OK):
+        code = grpc.StatusCode.UNAVAILABLE  # the stream ended under its requests: as if unreachable
+    return SessionError(code, f"session stream ended: {details}")
+
+
+class _Waiter:
+    __slots__ = ("event", "reply", "error")
+
+    def __init__(self) -> None:
+        self.event = threading.Event()
+        self.reply = None
+        self.error: SessionError | None = None
+
+
+class SyncSession:
+    """One stream of ``channel`` to the lighthouse's session service (thread-safe)."""
+
+    def __init__(self, channel: grpc.Channel) -> None:
+        self._open = channel.stream_stream(session.METHOD, request_serializer=None, response_deserializer=None)
+        self._lock = threading.Lock()
+        self._seq = itertools.count(1)
+        self._outgoing: queue.SimpleQueue | None = None
+        self._call = None
+        self._waiters: dict[int, _Waiter] = {}
+        self._closed = False
+
+    def request(self, method: str, body: bytes, timeout_s: float) -> bytes:
+        """Send request ``body`` of ``method`` and wait at most ``timeout_s`` for its reply's body.
+        Raises :class:`SessionError` (the status the unary call would have had; ``DEADLINE_EXCEEDED``
+        when nothing came back in time, ``UNAVAILABLE`` when the stream broke)."""
+        w = _Waiter()
+        with self._lock:
+            if self._closed:
+                raise SessionError(grpc.StatusCode.CANCELLED, "the session is closed")
+            if self._call is None:
+                self._start()
+            seq = next(self._seq)
+            self._waiters[seq] = w
+            self._outgoing.put(session.envelope(seq, method, body, timeout_s))
+        if not w.event.wait(timeout_s):
+            with self._lock:
+                self._waiters.pop(seq, None)
+            raise SessionError(grpc.StatusCode.DEADLINE_EXCEEDED,
+                               f"no reply to {method} on the session stream within {timeout_s:g}s")
+        if w.error is not None:
+            raise w.error
+        rep = w.reply
+        if rep.code != 0:
+            raise SessionError(session.status_code(rep.code), rep.details)
+        return rep.body
+
+    def _start(self) -> None:
+        """Open a stream (under the lock): a generator feeds it from a queue; a thread reads it."""
+        out: queue.SimpleQueue = queue.SimpleQueue()
+
+        def requests():
+            while True:
+                item = out.get()
+                if item is None:
+                    return
+                yield item
+
+        call = self._open(requests())
+        self._outgoing, self._call = out, call
+        threading.Thread(target=self._read, args=(call, out), name="fthsdp-lighthouse-session",
+                         daemon=True).start()
+
+    def _read(self, call, out: queue.SimpleQueue) -> None:
+        error: SessionError
+        try:
+            for raw in call:
+                rep = parse_reply(raw)
+                with self._lock:
+                    w = self._waiters.pop(rep.seq, None)
+                if w is not None:
+                    w.reply = rep
+                    w.event.set()
+            error = stream_error(RuntimeError("the lighthouse closed it"))
+        except grpc.RpcError as e:
+            error = stream_error(e)
+        except SessionError as e:
+            error = e
+            call.cancel()
+        with self._lock:
+            if self._call is call:
+                self._call, self._outgoing = None, None
+                waiters, self._waiters = self._waiters, {}
+            else:
+                waiters = {}
+        out.put(None)  # ends the request generator
+        for w in waiters.values():
+            w.error = error
+            w.event.set()
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            call, out = self._call, self._outgoing
+            self._call = self._outgoing = None
+        if out is not None:
+            out.put(None)
+        if call is not None:
+            call.cancel()
