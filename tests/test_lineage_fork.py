@@ -80,3 +80,32 @@ def test_a_forked_replica_goes_back_to_the_lineage_with_an_exactly_once_ledger(t
     # Every batch exactly once in the surviving lineage: without the rollbacks 0's and 1's
     # batches of steps 5 and 6 would count twice.
     exactly_once(out, run)
+
+
+def test_a_fork_in_the_last_steps_ends_with_one_final_state(tmp_path):
+    """The same fork, in a job of 8 steps: replica 2 re-decides step 5 and trains to the end
+    while 0 and 1 are stopped in step 6. When they wake up, no quorum may follow to fence
+    them (2 finished, or is finishing). Whatever the race, the job must end with one final
+    state: 0 and 1 either catch up from 2 (fenced) or are told at their Leave that their
+    state forked (the lighthouse judges the leavers against its lineage), roll back their
+    discarded commits and claim no final state; every batch is in the final model once."""
+    from fthsdp.logs import read_metrics
+
+    out = tmp_path / "run"
+    p = fthsdp_run(out, *job_args(3, 8, "--stop", "2@5", "--stop", "0@6", "--stop", "1@6", "--stop-seconds", "5",
+                                  "train.min_step_s=0.15"), timeout=240)
+    assert p.returncode == 0, p.stderr[-3000:]
+    run = report.load_run(out)
+    quorums_of_5 = {r["quorum_id"] for recs in run.steps.values() for r in recs if r["step"] == 5 and r["healthy"]}
+    assert len(quorums_of_5) == 2, "step 5 was not committed by two quorums"
+    assert len({d["hash"] for d in run.done.values()}) == 1 and "2" in run.done, run.done
+    for rid in ("0", "1"):
+        recs = read_metrics(out / f"metrics-{rid}.jsonl")
+        ends = [r for r in recs if r.get("kind") in ("done", "forked", "job_finished")]
+        assert ends, f"replica {rid} ended without saying how"
+        if rid not in run.done:  # not repaired: the lighthouse's verdict, and the discarded commits rolled back
+            (forked,) = [r for r in recs if r.get("kind") == "forked"]
+            assert forked["forked_step"] == 5 and "re-decided step 5" in forked["reason"], forked
+            assert any(isinstance(r, Rollback) and r.first == 6
+                       for r in read_ledger(out / "ledger" / f"replica_{rid}.jsonl").records)
+    exactly_once(out, run)

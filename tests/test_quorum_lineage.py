@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from fthsdp.control.quorum import Lineage, QuorumConfig, QuorumRequest, decide_quorum, forked_at
+from fthsdp.control.quorum import (LINEAGE_REPORTED, Lineage, QuorumConfig, QuorumRequest, decide_quorum,
+                                   fork_reason, forked_at, lineage_report, parse_lineage_report)
 
 CFG = QuorumConfig(min_replicas=1, join_timeout_s=0.5, heartbeat_window_s=1.0)
 
@@ -147,3 +148,58 @@ def test_a_fork_is_not_judged_as_silent_data_corruption():
     # The reports of a forked state are recognised by the lineage: 0 reports step 7 with last quorum 2.
     lin = Lineage().after(1, 0).after(2, 5).after(3, 5)
     assert forked_at(lin, 2, 7) == (3, 5) and forked_at(lin, 3, 7) is None and forked_at(lin, 2, 5) is None
+
+
+def test_merging_reported_lineages_gives_the_lineage_of_all_decisions():
+    """A restarted lighthouse rebuilds the lineage from the replicas' reports: each holds the
+    stack of the quorums it was answered; merged in any order they give the stack of every
+    decision (what the lighthouse had before it restarted)."""
+    import itertools
+    import random
+
+    rng = random.Random(7)
+    for _ in range(200):
+        decisions, step = [], 0
+        for qid in range(1, rng.randrange(2, 12)):
+            step = max(0, step + rng.randrange(-3, 4))  # a later quorum may re-decide earlier steps
+            decisions.append((qid, step))
+        full = Lineage()
+        for q, s in decisions:
+            full = full.after(q, s)
+        # Each replica saw a random subset of the quorums (the ones it was a member of).
+        seen = [[d for d in decisions if rng.random() < 0.6] for _ in range(3)]
+        seen[rng.randrange(3)] = decisions  # someone held every quorum: the union is complete
+        stacks = []
+        for ds in seen:
+            lin = Lineage()
+            for q, s in ds:
+                lin = lin.after(q, s)
+            stacks.append(lin.entries)
+        for order in itertools.permutations(stacks):
+            got = Lineage()
+            for st in order:
+                got = got.merged(st)
+            assert got.entries == full.entries, (decisions, seen)
+    lin = Lineage().after(1, 0).after(3, 5)
+    assert lin.merged([(1, 0), (3, 5)]) is lin  # nothing new: the same object (a repeated report costs nothing)
+    # The split brain's reports: 0 and 1 were answered quorums 1 and 2, replica 2 quorums 1 and 3.
+    merged = Lineage().merged([(1, 0), (2, 1)]).merged([(1, 0), (3, 1)])
+    assert merged.entries == ((1, 0), (3, 1)) and forked_at(merged, 2, 3) == (3, 1)
+
+
+def test_lineage_reports_are_bounded_and_checked():
+    lin = Lineage()
+    for q, s in ((1, 0), (2, 3), (4, 7), (5, 9), (8, 12), (9, 15)):
+        lin = lin.after(q, s)
+    values = lineage_report(lin)
+    assert values == [2, 3, 4, 7, 5, 9, 8, 12, 9, 15][-2 * LINEAGE_REPORTED:]
+    assert parse_lineage_report(values) == ((4, 7), (5, 9), (8, 12), (9, 15))
+    assert parse_lineage_report([]) == ()
+    for bad, what in (([1, 0, 2], "pairs"), ([1, 0] * (LINEAGE_REPORTED + 1), "at most"),
+                      ([0, 1], "quorum ids must be > 0"), ([1, -1], "steps >= 0"),
+                      ([3, 5, 2, 7], "rise in quorum id and step"), ([2, 5, 3, 5], "rise in quorum id and step")):
+        with pytest.raises(ValueError, match=what):
+            parse_lineage_report(bad)
+    assert "quorum 3 re-decided step 5 after its last quorum 2" in fork_reason("0", 8, 2, (3, 5))
+    assert "steps 5..7 are not in the job's model" in fork_reason("0", 8, 2, (3, 5))
+    assert "older than the lineage kept" in fork_reason("0", 8, 1, (0, 0))

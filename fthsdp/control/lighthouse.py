@@ -451,6 +451,11 @@ class _Job:
     # Which quorum last decided each step: a requester whose state forked from it is
     # fenced (behind) by the decision (rule 6 of fthsdp.control.quorum).
     lineage: qm.Lineage = field(default_factory=qm.Lineage)
+    # The first quorum id this lighthouse decided for the job (0: none yet). Entries the
+    # replicas report below it are from before a lighthouse restart: merged into the
+    # lineage (and each replica's last report kept, so a repeated one costs one compare).
+    lineage_from: int = 0
+    lineage_reports: dict[str, tuple[int, ...]] = field(default_factory=dict)
 
     def quorum_proto(self, q: qm.Quorum) -> pb2.Quorum:
         if self.proto_cache is None or self.proto_cache[0] is not q:
@@ -736,6 +741,8 @@ class Lighthouse(pb2_grpc.LighthouseServicer):
             log.warning("job %r: %s", job.job_id, reason)
         job.quorum = quorum
         job.lineage = job.lineage.after(quorum.quorum_id, quorum.max_step)
+        if job.lineage_from == 0:
+            job.lineage_from = quorum.quorum_id
         job.remember(quorum)
         job.excluded.clear()  # an exclusion lasts for exactly one quorum
         self.stats["decisions"] += 1
@@ -998,6 +1005,11 @@ class Lighthouse(pb2_grpc.LighthouseServicer):
             return err
         if req.num_replicas < 0:
             return f"num_replicas is {req.num_replicas} ({who}): it must be >= 0 (0 = not stated)"
+        if req.lineage:
+            try:
+                qm.parse_lineage_report(req.lineage)
+            except ValueError as e:
+                return f"{e} ({who}): send the newest entries of the replica's own lineage (quorum.lineage_report)"
         if len(req.accused_replica_ids) > MAX_ACCUSED:
             return (f"accused_replica_ids has {len(req.accused_replica_ids)} entries ({who}): at most "
                     f"{MAX_ACCUSED} (the members that broke FTAR's protocol against this replica)")
@@ -1150,6 +1162,8 @@ class Lighthouse(pb2_grpc.LighthouseServicer):
         self._heard(job, rid, now, 0, nproc)
         if request.accused_replica_ids:
             self._accuse(job, rid, request.last_quorum_id, request.accused_replica_ids)
+        if request.lineage and (job.lineage_from == 0 or request.lineage[0] < job.lineage_from):
+            self._merge_lineage(job, rid, request.lineage)
         job.steps[rid] = request.step
         if request.HasField("fingerprint") and not qm.forked_at(job.lineage, request.last_quorum_id,
                                                                 request.fingerprint_step):
@@ -1297,6 +1311,17 @@ class Lighthouse(pb2_grpc.LighthouseServicer):
         if old is not None and not old.future.done():
             old.future.set_exception(_Superseded())
         job.live_hint = max(0, job.live_hint - (1 if known else 0))
+        forked = qm.forked_at(job.lineage, request.last_quorum_id, request.step)
+        if forked is not None:
+            # Its last steps were re-decided by a quorum it was not in, and no request of it
+            # followed to fence it (the job's last step): its state is not the job's, and its
+            # `finished` must not end the job while the lineage's holders may still train.
+            why = qm.fork_reason(rid, request.step, request.last_quorum_id, forked)
+            log.warning("job %r: %s", job.job_id, why)
+            if job.pending:
+                self._schedule_evaluation(job)
+            return pb2.LeaveResponse(protocol_version=LIGHTHOUSE_PROTOCOL_VERSION, forked=why,
+                                     forked_step=forked[1])
         if request.finished:
             job.finished_step = max(job.finished_step or 0, request.step)
         log.info("job %r: replica %s left at step %d (%s)", job.job_id, rid, request.step,
@@ -1304,6 +1329,22 @@ class Lighthouse(pb2_grpc.LighthouseServicer):
         if job.pending:  # someone may have been waiting for it
             self._schedule_evaluation(job)
         return pb2.LeaveResponse(protocol_version=LIGHTHOUSE_PROTOCOL_VERSION)
+
+    @staticmethod
+    def _merge_lineage(job: _Job, rid: str, values) -> None:
+        """A replica's lineage entries from before this lighthouse decided the job's first
+        quorum (it restarted): merged into the job's lineage (rule 6 of fthsdp.control.quorum)."""
+        report = tuple(values)
+        if job.lineage_reports.get(rid) == report:
+            return
+        job.lineage_reports[rid] = report
+        pairs = qm.parse_lineage_report(report)
+        old = [p for p in pairs if job.lineage_from == 0 or p[0] < job.lineage_from]
+        merged = job.lineage.merged(old)
+        if merged is not job.lineage:
+            log.info("job %r: lineage entries (quorum, step) %s reported by replica %s (from before this "
+                     "lighthouse's first quorum) merged: %s", job.job_id, old, rid, list(merged.entries[-8:]))
+            job.lineage = merged
 
     @staticmethod
     def _forget(job: _Job, rid: str) -> None:

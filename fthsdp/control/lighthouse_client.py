@@ -538,6 +538,13 @@ class LighthouseClient:
         # The last quorum this replica was a member of: reported with every
         # request so a restarted lighthouse can rebuild the job.
         self.last_quorum: qm.Quorum | None = None
+        # Which quorum first decided which step, over the quorums this replica was
+        # answered (its newest entries go with every request: a restarted lighthouse
+        # rebuilds the job's lineage fence from them, rule 6 of fthsdp.control.quorum).
+        self.lineage = qm.Lineage(limit=qm.LINEAGE_REPORTED)
+        # Set by leave() when the lighthouse found this replica's final state forked from
+        # the job's lineage: (the step the lineage re-decided, why).
+        self.forked: tuple[int, str] | None = None
         self.outages: list[tuple[float, float]] = []  # (start, seconds) of each outage get_quorum rode out
         # Where this process is, sent with every heartbeat (root-cause analysis);
         # None: heartbeats carry no phase report.
@@ -652,6 +659,7 @@ class LighthouseClient:
             accused_replica_ids=list(accused),
             incarnation=self.incarnation,
             accepts_members_omitted=True,
+            lineage=qm.lineage_report(self.lineage),
         )
         down_since: float | None = None
         delays = backoff_delays()
@@ -695,6 +703,9 @@ class LighthouseClient:
         elif resp.quorum.rings_omitted:
             q = keep_rings(q, self.last_quorum)
         if self.replica_id in q.member_ids:
+            newest = self.lineage.entries[-1][0] if self.lineage.entries else 0
+            if q.quorum_id > newest:  # ids only rise; an older one would make the report invalid
+                self.lineage = self.lineage.after(q.quorum_id, q.max_step)
             self.last_quorum = q
         return q
 
@@ -735,14 +746,22 @@ class LighthouseClient:
         """Say goodbye (stop heartbeats first): the lighthouse forgets this replica at
         once instead of declaring it dead, and with ``finished`` remembers that the
         job finished at ``step``. Best effort: returns False if the lighthouse could
-        not be told (it then detects the silence as usual)."""
+        not be told (it then detects the silence as usual).
+
+        When the lighthouse finds this replica's state forked from the job's lineage (a
+        later quorum re-decided a step it had committed: its last steps, which no request
+        of it followed), :attr:`forked` is set to ``(the step re-decided, why)``: its
+        commits after that step are not in the job's model."""
         self.stop_heartbeats()
+        last = self.last_quorum
         req = pb2.LeaveRequest(protocol_version=LIGHTHOUSE_PROTOCOL_VERSION, job_id=self.job_id,
                                replica_id=self.replica_id, step=step, finished=finished,
-                               incarnation=self.incarnation)
+                               incarnation=self.incarnation, last_quorum_id=last.quorum_id if last else 0)
         t = self.rpc_timeout_s if timeout_s is None else timeout_s
         try:
-            self._call("Leave", req, t)
+            resp = self._call("Leave", req, t)
+            if resp.forked:
+                self.forked = (resp.forked_step, resp.forked)
             return True
         except grpc.RpcError as e:
             log.warning("%s", self._error("leave", e, t))

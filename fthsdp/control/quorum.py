@@ -70,8 +70,21 @@ Rules, in the order they are checked (see :func:`decide_quorum`):
    top step is the highest among the unfenced; if no unfenced requester holds
    the state of the step that forked the others, there is no quorum (the
    lineage may yet come back; only its holders can say what it trained).
-   A restarted lighthouse remembers no lineage: across its restart the fence
-   is off, as before.
+   A restarted lighthouse rebuilds the lineage from the replicas: each one
+   keeps the lineage of the quorums it was answered (the same stack, over the
+   quorums it saw) and reports its last :data:`LINEAGE_REPORTED` entries with
+   every quorum request; the lighthouse merges the entries older than the
+   first quorum it decided itself (:meth:`Lineage.merged`: the stack of a
+   union is the stack of the union of stacks, so the order of the reports
+   does not matter). The replicas that re-decided a step hold its entry, and
+   rule 3a makes the restarted lighthouse wait for the members of the highest
+   reported quorum, so the fence holds across a restart unless every holder
+   of the re-deciding quorum is gone (then the others' state is the only one
+   left) or more than :data:`LINEAGE_REPORTED` quorum changes passed since.
+   A fork in the job's last steps is followed by no request that a decision
+   could fence; the lighthouse judges each Leave with :func:`forked_at`
+   instead: a forked leaver is told (:func:`fork_reason`) and its ``finished``
+   does not end the job (the lineage's holders may still be training).
 
 Members are in ring order (:func:`ring_key`); replicas at the highest step are
 *healthy*, the rest *behind*: they contribute zero gradients and fetch state
@@ -110,7 +123,7 @@ from __future__ import annotations
 
 import bisect
 import math
-from collections.abc import Collection, Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 __all__ = [
@@ -131,6 +144,10 @@ __all__ = [
     "Lineage",
     "forked_at",
     "LAST_MEMBERS_SENDERS",
+    "LINEAGE_REPORTED",
+    "fork_reason",
+    "lineage_report",
+    "parse_lineage_report",
     "sends_last_members",
 ]
 
@@ -139,6 +156,10 @@ ACCUSATION_COOLDOWN_QUORUMS = 10
 
 # Members of a quorum (the first in ring order) that list its members in their quorum requests.
 LAST_MEMBERS_SENDERS = 3
+
+# Lineage entries each replica reports with its quorum requests (its newest ones): what a
+# restarted lighthouse rebuilds the lineage fence from (rule 6). Four pairs, ~30 bytes a request.
+LINEAGE_REPORTED = 4
 
 
 def ring_key(replica_id: str) -> tuple[int, int, str]:
@@ -356,6 +377,21 @@ class Lineage:
             entries = entries[len(entries) - self.limit:]
         return Lineage(tuple(entries), dropped, self.limit)
 
+    def merged(self, reported: Iterable[tuple[int, int]]) -> "Lineage":
+        """This lineage with ``reported`` entries added: what a restarted lighthouse learns
+        from the replicas (each reports the newest entries of its own lineage, the quorums
+        it was answered). An entry is dropped exactly when a later entry of the union
+        decided the same or an earlier step, so merging stacks gives the stack of all their
+        decisions, in any order. Returns ``self`` when nothing is new."""
+        have = set(self.entries)
+        new = {(int(q), int(s)) for q, s in reported} - have
+        if not new:
+            return self
+        out = Lineage(limit=self.limit)
+        for q, s in sorted(have | new):
+            out = out.after(q, s)
+        return Lineage(out.entries, max(self.dropped_through, out.dropped_through), self.limit)
+
     def first_decided_after(self, quorum_id: int) -> tuple[int, int] | None:
         """``(quorum id, step)``: the smallest step decided by a quorum later than ``quorum_id``."""
         i = bisect.bisect_right(self.entries, (quorum_id, math.inf))
@@ -377,6 +413,39 @@ def forked_at(lineage: Lineage, last_quorum_id: int, step: int) -> tuple[int, in
     if hit is not None and hit[1] <= step - 1:
         return hit
     return None
+
+
+def fork_reason(replica_id: str, step: int, last_quorum_id: int, hit: tuple[int, int]) -> str:
+    """Why replica ``replica_id`` at ``step`` (last quorum ``last_quorum_id``) holds a forked
+    state, given :func:`forked_at`'s answer ``hit``."""
+    if hit[0] == 0:
+        return (f"replica {replica_id} at step {step} holds a state forked from the job's lineage: its last "
+                f"quorum {last_quorum_id} is older than the lineage kept, so its state cannot be checked")
+    return (f"replica {replica_id} at step {step} holds a state forked from the job's lineage: quorum {hit[0]} "
+            f"re-decided step {hit[1]} after its last quorum {last_quorum_id}, so its commits of steps "
+            f"{hit[1]}..{step - 1} are not in the job's model")
+
+
+def lineage_report(lineage: Lineage) -> list[int]:
+    """What a replica sends (QuorumRequest.lineage): its newest :data:`LINEAGE_REPORTED`
+    entries, oldest first, flattened to ``[quorum_id, step, quorum_id, step, ...]``."""
+    return [v for e in lineage.entries[-LINEAGE_REPORTED:] for v in e]
+
+
+def parse_lineage_report(values: Sequence[int]) -> tuple[tuple[int, int], ...]:
+    """The entries of a QuorumRequest.lineage (see :func:`lineage_report`); ValueError saying
+    what is wrong when it is not pairs of increasing quorum ids > 0 and steps >= 0."""
+    if len(values) % 2:
+        raise ValueError(f"lineage has {len(values)} values: it must be (quorum_id, step) pairs")
+    if len(values) > 2 * LINEAGE_REPORTED:
+        raise ValueError(f"lineage has {len(values) // 2} entries: at most {LINEAGE_REPORTED} (the newest)")
+    pairs = tuple((int(values[i]), int(values[i + 1])) for i in range(0, len(values), 2))
+    for i, (q, s) in enumerate(pairs):
+        if q <= 0 or s < 0:
+            raise ValueError(f"lineage entry {i} is (quorum {q}, step {s}): quorum ids must be > 0, steps >= 0")
+        if i and (q <= pairs[i - 1][0] or s <= pairs[i - 1][1]):
+            raise ValueError(f"lineage entries must rise in quorum id and step (oldest first), got {list(pairs)}")
+    return pairs
 
 
 def dead_replicas(heartbeats: Mapping[str, float], now: float, window: float) -> list[str]:

@@ -503,12 +503,16 @@ class ReplicaProcess:
             self.ckpt.wait()
             step = int(mgr.state.step)
             self.client.leave(step, finished=step >= cfg.train.steps)  # a normal exit is not a death
+            forked = self.roll_back_fork(step)
+            if forked is not None:
+                return self.end_forked(step, forked[1])
         except JobFinished as e:
             # Restarted (or woken) after the others finished: nothing is left to train,
             # and the replicas that finished hold the result.
             log.warning("replica %s: %s; exiting normally (the replicas that finished hold the job's final state)",
                         self.rid, e)
             self.client.leave(int(mgr.state.step), finished=False)
+            self.roll_back_fork(int(mgr.state.step))  # woken after the end with a forked state
             self.metrics.write(kind="job_finished", replica=self.rid, step=int(mgr.state.step),
                                finished_step=e.step)
             self.write_status(step=int(mgr.state.step), state="job finished")
@@ -534,6 +538,36 @@ class ReplicaProcess:
                            platform=str(self.mesh.devices.flat[0].platform))
         self.write_status(step=int(mgr.state.step), state="done")
         log.info("replica %s done at step %d", self.rid, int(mgr.state.step))
+        return 0
+
+    def roll_back_fork(self, step: int) -> tuple[int, str] | None:
+        """After our Leave: did the lighthouse find our state forked from the job's lineage (a
+        quorum we were not in re-decided step ``forked_step`` after our last quorum, and no
+        quorum of ours followed that could have fenced us: the job's last steps, or a job
+        that finished while we were silent)? Then our commits after ``forked_step`` are not
+        in the job's model: they are rolled back in the ledger, and the verdict goes to the
+        metrics and the log. Returns ``(forked_step, why)``, or None."""
+        from fthsdp.data.ledger import live_commits, read_ledger
+
+        forked = getattr(self.client, "forked", None)
+        if forked is None:
+            return None
+        forked_step, why = forked
+        first = max(1, forked_step + 1)
+        mine = [c.step for c in live_commits(read_ledger(self.ledger.path)) if c.step >= first]
+        if mine:
+            self.ledger.rollback(forked_step, first, max(mine))
+        log.error("replica %s: %s; our state is discarded (the lineage's replicas hold the job's state)", self.rid, why)
+        self.metrics.write(kind="forked", replica=self.rid, step=step, forked_step=forked_step, reason=why,
+                           rolled_back=[first, max(mine)] if mine else None)
+        return forked
+
+    def end_forked(self, step: int, why: str) -> int:
+        """The end of a replica whose final state forked (see :meth:`roll_back_fork`): no
+        "done" record claims its state as a final one. Exits 0: the lineage's replicas hold
+        the job's final state."""
+        self.write_status(step=step, state="forked (final state discarded)", fault=why)
+        self.close()
         return 0
 
     def close(self) -> None:
