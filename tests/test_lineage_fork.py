@@ -25,22 +25,6 @@ from test_launcher import exactly_once, fthsdp_run, job_args
 pytestmark = pytest.mark.multiprocess
 
 
-def lineage_hashes(run: report.RunFiles, rollbacks: dict[str, list[dict]]) -> dict[int, dict[str, str]]:
-    """Per committed step, each replica's state hash, leaving out the commits a replica
-    later rolled back (its metrics say which: kind "rollback", steps first..last, written
-    before it committed anything on the state it installed)."""
-    by_step: dict[int, dict[str, str]] = collections.defaultdict(dict)
-    for rid, recs in run.steps.items():
-        for r in recs:
-            committed = r["step"] + 1
-            if "hash" not in r:
-                continue
-            if any(rb["first"] <= committed <= rb["last"] and r["time"] < rb["time"] for rb in rollbacks.get(rid, ())):
-                continue
-            by_step[committed][rid] = r["hash"]
-    return by_step
-
-
 def test_a_forked_replica_goes_back_to_the_lineage_with_an_exactly_once_ledger(tmp_path):
     out = tmp_path / "run"
     p = fthsdp_run(out, *job_args(3, 24, "--stop", "2@5", "--stop", "0@7", "--stop", "1@7", "--stop-seconds", "5",
@@ -74,7 +58,8 @@ def test_a_forked_replica_goes_back_to_the_lineage_with_an_exactly_once_ledger(t
     assert "fenced, behind" in log0 and "re-decided step 5" in log0, log0[-3000:]
     # One model: along the lineage every replica that committed a step holds the same bytes,
     # and the final states are bitwise identical.
-    for step, hashes in lineage_hashes(run, rollbacks).items():
+    assert {rid: len(rbs) for rid, rbs in run.rollbacks.items()} == {"0": 1, "1": 1}
+    for step, hashes in report.hashes_after_commits(run).items():
         assert len(set(hashes.values())) == 1, f"replicas diverged after step {step}: {hashes}"
     assert len({d["hash"] for d in run.done.values()}) == 1 and len(run.done) == 3, run.done
     # Every batch exactly once in the surviving lineage: without the rollbacks 0's and 1's

@@ -16,7 +16,8 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from fthsdp.control.lighthouse import LighthouseConfig, LighthouseThread
-from fthsdp.control.lighthouse_client import JobFinished, LighthouseClient
+from fthsdp.control.lighthouse_client import InvalidLighthouseRequest, JobFinished, LighthouseClient
+from fthsdp.control.quorum import Lineage
 
 from test_resilience_lighthouse import addrs, free_port
 
@@ -108,3 +109,13 @@ def test_a_fork_in_the_last_step_ends_with_the_verdict_not_two_final_states():
         finally:
             for c in clients:
                 c.close()
+
+
+def test_a_malformed_lineage_report_is_refused_with_the_reason():
+    with LighthouseThread(LighthouseConfig(join_timeout_s=0.2, detect_s=DETECT_S)) as lh:
+        with LighthouseClient(lh.address, "job", 0) as c:
+            c.lineage = Lineage(entries=((3, 5), (2, 7)))  # not rising: no replica's lineage looks like this
+            with pytest.raises(InvalidLighthouseRequest, match="rise in quorum id and step"):
+                c.get_quorum(0, ftar_addresses=addrs(0), num_replicas=1, timeout_s=5)
+            c.lineage = Lineage()
+            assert c.get_quorum(0, ftar_addresses=addrs(0), num_replicas=1, timeout_s=5).quorum_id == 1

@@ -527,6 +527,16 @@ class _Job:
         return self.hb_cache[1]
 
 
+def _reads_lineage(job: "_Job", rid: str, values) -> bool:
+    """Whether a quorum request's lineage entries are news to ``job``: entries from before
+    this lighthouse decided the job's first quorum (it restarted) that this replica did not
+    report already. O(1) on a lighthouse that decided the job's quorum 1 itself (the common
+    case: it never reads them) and for a report repeated as it was."""
+    if job.lineage_from != 0 and values[0] >= job.lineage_from:
+        return False
+    return job.lineage_reports.get(rid) != tuple(values)
+
+
 def _version_error(v: int) -> str | None:
     if v == LIGHTHOUSE_PROTOCOL_VERSION:
         return None
@@ -1005,15 +1015,15 @@ class Lighthouse(pb2_grpc.LighthouseServicer):
             return err
         if req.num_replicas < 0:
             return f"num_replicas is {req.num_replicas} ({who}): it must be >= 0 (0 = not stated)"
-        if req.lineage:
-            try:
-                qm.parse_lineage_report(req.lineage)
-            except ValueError as e:
-                return f"{e} ({who}): send the newest entries of the replica's own lineage (quorum.lineage_report)"
         if len(req.accused_replica_ids) > MAX_ACCUSED:
             return (f"accused_replica_ids has {len(req.accused_replica_ids)} entries ({who}): at most "
                     f"{MAX_ACCUSED} (the members that broke FTAR's protocol against this replica)")
         job = self._jobs.get(req.job_id)
+        if req.lineage and (job is None or _reads_lineage(job, req.replica_id, req.lineage)):
+            try:
+                qm.parse_lineage_report(req.lineage)
+            except ValueError as e:
+                return f"{e} ({who}): send the newest entries of the replica's own lineage (quorum.lineage_report)"
         if job is None:
             return None
         def is_live(r: str) -> bool:
@@ -1162,7 +1172,7 @@ class Lighthouse(pb2_grpc.LighthouseServicer):
         self._heard(job, rid, now, 0, nproc)
         if request.accused_replica_ids:
             self._accuse(job, rid, request.last_quorum_id, request.accused_replica_ids)
-        if request.lineage and (job.lineage_from == 0 or request.lineage[0] < job.lineage_from):
+        if request.lineage and _reads_lineage(job, rid, request.lineage):
             self._merge_lineage(job, rid, request.lineage)
         job.steps[rid] = request.step
         if request.HasField("fingerprint") and not qm.forked_at(job.lineage, request.last_quorum_id,
@@ -1333,10 +1343,9 @@ class Lighthouse(pb2_grpc.LighthouseServicer):
     @staticmethod
     def _merge_lineage(job: _Job, rid: str, values) -> None:
         """A replica's lineage entries from before this lighthouse decided the job's first
-        quorum (it restarted): merged into the job's lineage (rule 6 of fthsdp.control.quorum)."""
+        quorum (it restarted): merged into the job's lineage (rule 6 of fthsdp.control.quorum).
+        Checked already (``_check_quorum_request``)."""
         report = tuple(values)
-        if job.lineage_reports.get(rid) == report:
-            return
         job.lineage_reports[rid] = report
         pairs = qm.parse_lineage_report(report)
         old = [p for p in pairs if job.lineage_from == 0 or p[0] < job.lineage_from]

@@ -22,6 +22,9 @@ class RunFiles:
     detections: list[dict]
     done: dict[str, dict]
     events: list[dict]  # launcher: kill / stop / cont / restart / exit
+    # replica -> its rollbacks: commits of steps first..last recorded before `time` were
+    # discarded with a forked state (fthsdp.control.quorum, rule 6), kind "rollback" / "forked"
+    rollbacks: dict[str, list[dict]] = field(default_factory=dict)
 
 
 def load_run(out_dir: str | pathlib.Path) -> RunFiles:
@@ -29,6 +32,7 @@ def load_run(out_dir: str | pathlib.Path) -> RunFiles:
     steps: dict[str, list[dict]] = {}
     detections: list[dict] = []
     done: dict[str, dict] = {}
+    rollbacks: dict[str, list[dict]] = {}
     for path in sorted(out.glob("metrics-*.jsonl")):
         for r in read_metrics(path):
             kind = r.get("kind")
@@ -38,8 +42,27 @@ def load_run(out_dir: str | pathlib.Path) -> RunFiles:
                 detections.append(r)
             elif kind == "done":
                 done[r["replica"]] = r
+            elif kind == "rollback" or (kind == "forked" and r.get("rolled_back")):
+                first, last = (r["first"], r["last"]) if kind == "rollback" else r["rolled_back"]
+                rollbacks.setdefault(r["replica"], []).append({"first": first, "last": last, "time": r["time"]})
     events = read_metrics(out / "events.jsonl") if (out / "events.jsonl").exists() else []
-    return RunFiles(steps, detections, done, events)
+    return RunFiles(steps, detections, done, events, rollbacks)
+
+
+def hashes_after_commits(run: RunFiles) -> dict[int, dict[str, str]]:
+    """Per committed step (the step record's ``step``), each replica's state hash after it,
+    leaving out the commits that replica later rolled back (a forked state it discarded when
+    it was fenced: those commits are not in the job's lineage). Invariant 1 says every value
+    of one step is the same."""
+    by_step: dict[int, dict[str, str]] = {}
+    for rid, recs in run.steps.items():
+        rbs = run.rollbacks.get(rid, ())
+        for r in recs:
+            if "hash" not in r or any(rb["first"] <= r["step"] + 1 <= rb["last"] and r.get("time", r["end"]) < rb["time"]
+                                      for rb in rbs):
+                continue
+            by_step.setdefault(r["step"], {})[rid] = r["hash"]
+    return by_step
 
 
 def median_step_s(records: list[dict], skip: int = 2) -> float:
