@@ -14,6 +14,7 @@ trained exactly once."""
 from __future__ import annotations
 
 import collections
+import json
 
 import pytest
 
@@ -28,7 +29,7 @@ pytestmark = pytest.mark.multiprocess
 def test_a_forked_replica_goes_back_to_the_lineage_with_an_exactly_once_ledger(tmp_path):
     out = tmp_path / "run"
     p = fthsdp_run(out, *job_args(3, 24, "--stop", "2@5", "--stop", "0@7", "--stop", "1@7", "--stop-seconds", "5",
-                                  "train.min_step_s=0.15"), timeout=240)
+                                  "train.min_step_s=0.15", "ft.checkpoint_every=2"), timeout=240)
     assert p.returncode == 0, p.stderr[-3000:]
     run = report.load_run(out)
     from fthsdp.logs import read_metrics
@@ -65,6 +66,13 @@ def test_a_forked_replica_goes_back_to_the_lineage_with_an_exactly_once_ledger(t
     # Every batch exactly once in the surviving lineage: without the rollbacks 0's and 1's
     # batches of steps 5 and 6 would count twice.
     exactly_once(out, run)
+    # No persistent checkpoint holds the forked state: replica 0 (the lowest of quorum 2)
+    # saved its steps 6 and 8 there, over replica 2's if 2 had saved them first; it deletes
+    # what it wrote when it rolls back, so a restart cannot bring the discarded commits back.
+    forked_qid = next(q for q in fork if committed_by[(5, q)] == {"0", "1"})
+    for d in (out / "checkpoints").iterdir():
+        meta = json.loads((d / "meta" / "metadata").read_text()) if (d / "meta" / "metadata").exists() else {}
+        assert not (meta.get("quorum_id") == forked_qid and meta.get("step", 0) > 5), (d.name, meta)
 
 
 def test_a_fork_in_the_last_steps_ends_with_one_final_state(tmp_path):

@@ -246,3 +246,28 @@ def test_rejoin_from_a_training_peer_process(states):
 
 if __name__ == "__main__" and len(sys.argv) > 1 and sys.argv[1] == "train":
     _train_and_serve(int(sys.argv[2]))
+
+
+def test_a_forked_writer_discards_its_own_checkpoints_of_the_discarded_steps(tmp_path):
+    """Two writers in one directory, as in a split brain (rule 6 of fthsdp.control.quorum):
+    replica 0 saved steps 4, 6, 8 in the quorum that forked, the lineage's writer 2 saved
+    step 6 over it. When 0 learns that its steps 6..8 were discarded it deletes what it
+    wrote there (step 8), and keeps step 4 (before the fork) and 2's step 6."""
+    import numpy as np
+
+    st = {"w": np.zeros(3, np.float32)}
+    forked = PersistentCheckpointer(tmp_path / "ckpt", every=2, max_to_keep=None)
+    lineage = PersistentCheckpointer(tmp_path / "ckpt", every=2, max_to_keep=None)
+    try:
+        for step in (4, 6, 8):
+            forked.save(step, st, {0: step}, metadata={"writer": "0", "quorum_id": 2})
+        forked.wait()
+        lineage.save(6, {"w": np.ones(3, np.float32)}, {0: 5}, metadata={"writer": "2", "quorum_id": 3})
+        lineage.wait()
+        assert forked.discard_written_by("0", 6, 8) == [8]
+        assert forked.all_steps() == [4, 6]
+        assert lineage.metadata(6)["writer"] == "2" and forked.metadata(4)["writer"] == "0"
+        assert forked.discard_written_by("0", 6, 8) == []
+    finally:
+        forked.close()
+        lineage.close()

@@ -133,6 +133,31 @@ class PersistentCheckpointer:
         )
         return Restored(int(step), out["state"], positions_from_json(out["loader"], self.step_dir(step)), dict(out["meta"]))
 
+    def metadata(self, step: int) -> dict:
+        """The ``meta`` item of checkpoint ``step`` (writer, quorum id, time ...)."""
+        out = self._mngr.restore(int(step), args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
+        return dict(out["meta"])
+
+    def discard_written_by(self, writer: str, first: int, last: int) -> list[int]:
+        """Delete the checkpoints of steps ``first``..``last`` whose metadata names ``writer``;
+        returns their steps. For a replica whose state forked from the job's lineage (rule 6
+        of fthsdp.control.quorum): as the lowest healthy replica of its quorum it saved the
+        forked state, and a later restart restoring it would bring back commits its ledger
+        rolled back. A step the lineage's writer saved since (the same directory, its own
+        metadata) is kept. Waits for this process's own save in flight first."""
+        self.wait()
+        gone = []
+        for step in self.all_steps():
+            if first <= step <= last:
+                try:
+                    mine = str(self.metadata(step).get("writer")) == str(writer)
+                except Exception:  # noqa: BLE001 - a step being rewritten or removed by another process
+                    continue
+                if mine:
+                    self._mngr.delete(step)
+                    gone.append(step)
+        return gone
+
     def close(self) -> None:
         self._mngr.wait_until_finished()
         self._mngr.close()

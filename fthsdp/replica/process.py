@@ -353,6 +353,7 @@ class ReplicaProcess:
                         step, len(gone), first, final, min(c.position for c in gone), max(c.position for c in gone))
             self.metrics.write(kind="rollback", replica=self.rid, step=step, first=first, last=final,
                                positions=sorted(c.position for c in gone))
+            self.discard_forked_checkpoints(first, final)
             contents = read_ledger(self.ledger.path)
         if pos > 0 and last >= 0 and pos - 1 not in live_positions(contents):
             self.ledger.commit(last + 1, pos - 1)
@@ -560,7 +561,23 @@ class ReplicaProcess:
         log.error("replica %s: %s; our state is discarded (the lineage's replicas hold the job's state)", self.rid, why)
         self.metrics.write(kind="forked", replica=self.rid, step=step, forked_step=forked_step, reason=why,
                            rolled_back=[first, max(mine)] if mine else None)
+        self.discard_forked_checkpoints(first, step)
         return forked
+
+    def discard_forked_checkpoints(self, first: int, last: int) -> None:
+        """Our persistent checkpoints of the discarded steps ``first``..``last`` hold the forked
+        state (we were the lowest healthy replica of our quorum): deleted, so that a restart
+        never restores commits our ledger rolled back. The leader alone (one deleter)."""
+        if not self.leader:
+            return
+        try:
+            gone = self.ckpt.discard_written_by(self.rid, first, last)
+        except Exception as e:  # noqa: BLE001 - the fence must go on; say it loudly
+            log.error("could not discard the forked persistent checkpoints of steps %d..%d: %s", first, last, e)
+            return
+        if gone:
+            log.warning("discarded our persistent checkpoint(s) of step(s) %s: they hold the forked state", gone)
+            self.metrics.write(kind="checkpoint_discarded", replica=self.rid, steps=gone)
 
     def end_forked(self, step: int, why: str) -> int:
         """The end of a replica whose final state forked (see :meth:`roll_back_fork`): no
