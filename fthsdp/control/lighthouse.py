@@ -453,9 +453,9 @@ class _Job:
     lineage: qm.Lineage = field(default_factory=qm.Lineage)
     # The first quorum id this lighthouse decided for the job (0: none yet). Entries the
     # replicas report below it are from before a lighthouse restart: merged into the
-    # lineage (and each replica's last report kept, so a repeated one costs one compare).
+    # lineage (each replica's last quorum id at its report kept: a repeated one is not read).
     lineage_from: int = 0
-    lineage_reports: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    lineage_reports: dict[str, int] = field(default_factory=dict)  # replica -> its last quorum id when it reported
 
     def quorum_proto(self, q: qm.Quorum) -> pb2.Quorum:
         if self.proto_cache is None or self.proto_cache[0] is not q:
@@ -527,14 +527,14 @@ class _Job:
         return self.hb_cache[1]
 
 
-def _reads_lineage(job: "_Job", rid: str, values) -> bool:
-    """Whether a quorum request's lineage entries are news to ``job``: entries from before
-    this lighthouse decided the job's first quorum (it restarted) that this replica did not
-    report already. O(1) on a lighthouse that decided the job's quorum 1 itself (the common
-    case: it never reads them) and for a report repeated as it was."""
-    if job.lineage_from != 0 and values[0] >= job.lineage_from:
-        return False
-    return job.lineage_reports.get(rid) != tuple(values)
+def _reads_lineage(job: "_Job", rid: str, last_quorum_id: int) -> bool:
+    """Whether a quorum request's lineage entries may be news to ``job``: it was not decided
+    by this lighthouse from its quorum 1 (``lineage_from != 1``: it restarted, or has decided
+    nothing yet), and the replica's last quorum id changed since it last reported (its
+    entries change only when it is answered a new quorum id, which becomes its last one).
+    Two int compares, without touching the request's entries: the common case, a lighthouse
+    that decided the job's quorum 1 itself, never reads them."""
+    return job.lineage_from != 1 and job.lineage_reports.get(rid) != last_quorum_id
 
 
 def _version_error(v: int) -> str | None:
@@ -1019,7 +1019,7 @@ class Lighthouse(pb2_grpc.LighthouseServicer):
             return (f"accused_replica_ids has {len(req.accused_replica_ids)} entries ({who}): at most "
                     f"{MAX_ACCUSED} (the members that broke FTAR's protocol against this replica)")
         job = self._jobs.get(req.job_id)
-        if req.lineage and (job is None or _reads_lineage(job, req.replica_id, req.lineage)):
+        if (job is None or _reads_lineage(job, req.replica_id, req.last_quorum_id)) and req.lineage:
             try:
                 qm.parse_lineage_report(req.lineage)
             except ValueError as e:
@@ -1172,8 +1172,10 @@ class Lighthouse(pb2_grpc.LighthouseServicer):
         self._heard(job, rid, now, 0, nproc)
         if request.accused_replica_ids:
             self._accuse(job, rid, request.last_quorum_id, request.accused_replica_ids)
-        if request.lineage and _reads_lineage(job, rid, request.lineage):
-            self._merge_lineage(job, rid, request.lineage)
+        if _reads_lineage(job, rid, request.last_quorum_id):
+            job.lineage_reports[rid] = request.last_quorum_id
+            if request.lineage and (job.lineage_from == 0 or request.lineage[0] < job.lineage_from):
+                self._merge_lineage(job, rid, request.lineage)
         job.steps[rid] = request.step
         if request.HasField("fingerprint") and not qm.forked_at(job.lineage, request.last_quorum_id,
                                                                 request.fingerprint_step):
@@ -1345,9 +1347,7 @@ class Lighthouse(pb2_grpc.LighthouseServicer):
         """A replica's lineage entries from before this lighthouse decided the job's first
         quorum (it restarted): merged into the job's lineage (rule 6 of fthsdp.control.quorum).
         Checked already (``_check_quorum_request``)."""
-        report = tuple(values)
-        job.lineage_reports[rid] = report
-        pairs = qm.parse_lineage_report(report)
+        pairs = qm.parse_lineage_report(values)
         old = [p for p in pairs if job.lineage_from == 0 or p[0] < job.lineage_from]
         merged = job.lineage.merged(old)
         if merged is not job.lineage:
