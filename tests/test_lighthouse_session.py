@@ -262,3 +262,52 @@ def test_a_killed_or_stopped_leader_on_a_session_is_declared_dead_in_the_detecti
                 p.kill()
             p.wait(10)
             p.stdout.close()
+
+
+def test_a_quorum_request_counts_as_its_leaders_heartbeat():
+    """Judged by the time of its last request or beat: silent 0.3 s after a heartbeat, then
+    asking, a leader is not dead 0.35 s after asking (0.65 s after its beat, past the window),
+    and is dead a window after its request."""
+    with LighthouseThread(LighthouseConfig(min_replicas=2, join_timeout_s=0.3, detect_s=DETECT)) as lh:
+        a, watcher = _client(lh.address, 0), _client(lh.address, "w")
+        try:
+            a.heartbeat(0)
+            time.sleep(0.3)
+            t1 = time.monotonic()
+            asking = threading.Thread(target=lambda: pytest.raises(QuorumTimeout, a.get_quorum, 0,
+                                                                   ftar_addresses=["127.0.0.1:9000"], timeout_s=1.5),
+                                      daemon=True)
+            asking.start()
+            time.sleep(0.35)
+
+            def dead() -> bool:
+                return any(r.replica_id == "0" and r.dead for r in watcher.status()[0].replicas)
+
+            assert not dead()
+            while not dead() and time.monotonic() - t1 < 3 * DETECT:
+                time.sleep(0.02)
+            assert DETECT <= time.monotonic() - t1 < DETECT + 0.4
+            asking.join(5)
+        finally:
+            a.close()
+            watcher.close()
+
+
+def test_the_heartbeat_thread_skips_beats_while_its_leader_asks_more_often(lighthouse):
+    c = _client(lighthouse.address, 0)
+    try:
+        c.get_quorum(0, ftar_addresses=["127.0.0.1:9000"], num_replicas=1, timeout_s=5)
+        c.start_heartbeats()
+        before = lighthouse.server.stats["session_messages"]
+        asked, t0 = 0, time.monotonic()
+        while time.monotonic() - t0 < 1.0:  # a request every ~40 ms, a beat due every 100 ms
+            c.get_quorum(asked + 1, ftar_addresses=["127.0.0.1:9000"], num_replicas=1, timeout_s=5)
+            asked += 1
+            time.sleep(0.03)
+        beats = lighthouse.server.stats["session_messages"] - before - asked
+        assert asked >= 10 and 0 <= beats <= 3, (asked, beats)
+        time.sleep(0.35)  # stepping stops: the beats resume
+        beats_idle = lighthouse.server.stats["session_messages"] - before - asked - beats
+        assert beats_idle >= 2
+    finally:
+        c.close()

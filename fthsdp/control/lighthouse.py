@@ -571,7 +571,7 @@ def _endpoints_error(who: str, num_processes: int, process_index: int, local_wor
             f"ftar_addresses has {len(ftar_addresses)} entries but local_world_size is {local_world_size} over "
             f"{n} process(es) ({who}): send one FTAR endpoint (host:port) per shard of this process"
         )
-    if any(not a for a in ftar_addresses):
+    if "" in ftar_addresses:  # one C-level scan (a tuple: the leader's are converted once per request)
         return f"ftar_addresses contains an empty address ({who}): every shard needs host:port"
     return None
 
@@ -1000,7 +1000,7 @@ class Lighthouse(pb2_grpc.LighthouseServicer):
 
     # -- RPCs ----------------------------------------------------------------
 
-    def _check_quorum_request(self, req: pb2.QuorumRequest, now: float) -> str | None:
+    def _check_quorum_request(self, req: pb2.QuorumRequest, now: float, ftar: tuple[str, ...] = ()) -> str | None:
         # Lengths, characters, addresses and ranges were checked in front (fthsdp.control.guard).
         err = _version_error(req.protocol_version)
         if err:
@@ -1010,7 +1010,7 @@ class Lighthouse(pb2_grpc.LighthouseServicer):
             return (f"process {req.process_index} of {who} asked for a quorum: only a replica's leader "
                     "(process 0) asks; the other processes get its quorum id from it and call GetView")
         err = _endpoints_error(who, req.num_processes, req.process_index, req.local_world_size,
-                               req.ftar_addresses, required=True)
+                               ftar or tuple(req.ftar_addresses), required=True)
         if err:
             return err
         if req.num_replicas < 0:
@@ -1135,7 +1135,8 @@ class Lighthouse(pb2_grpc.LighthouseServicer):
         its pending entry, whose future the decision completes (a quorum, a
         :class:`_Finished`, or an exception: :meth:`quorum_error`). Returns the answer at
         once (bytes) when there is nothing to wait for; raises :class:`Refused`."""
-        err = self._check_quorum_request(request, now)
+        ftar = tuple(request.ftar_addresses)  # converted from the message once per request
+        err = self._check_quorum_request(request, now, ftar)
         if err:
             raise Refused(grpc.StatusCode.INVALID_ARGUMENT, err)
         self._admitted(request, peer, now)
@@ -1160,7 +1161,6 @@ class Lighthouse(pb2_grpc.LighthouseServicer):
         if request.last_quorum_id > job.qid_floor:
             job.qid_floor = request.last_quorum_id
         nproc = request.num_processes or 1
-        ftar = tuple(request.ftar_addresses)
         held = job.endpoints.get(rid)
         if held == ftar:
             ftar = held
@@ -1170,6 +1170,12 @@ class Lighthouse(pb2_grpc.LighthouseServicer):
             g = self._group(job, rid, nproc, now)
             g.ftar[0], g.server[0] = ftar, request.state_server_address
         self._heard(job, rid, now, 0, nproc)
+        if rid in job.heartbeating:
+            # A leader that heartbeats may skip a beat right after asking (its heartbeat thread
+            # does, lighthouse_client): its request is as good a sign of life as a heartbeat sent
+            # now, and it is judged by these times alone (a stopped leader is still detected one
+            # detection window after its last request or beat).
+            job.last_heartbeat[rid] = now
         if request.accused_replica_ids:
             self._accuse(job, rid, request.last_quorum_id, request.accused_replica_ids)
         if _reads_lineage(job, rid, request.last_quorum_id):

@@ -39,6 +39,7 @@ from __future__ import annotations
 import dataclasses
 
 import logging
+import math
 import os
 import sys
 import threading
@@ -528,6 +529,7 @@ class LighthouseClient:
         }
         # Heartbeats and quorum requests as messages of one stream (None: unary calls).
         self._session: SyncSession | None = SyncSession(self._channel) if session else None
+        self._asked_at = -math.inf  # when get_quorum last sent a request (monotonic)
         self._step = 0
         self._hb_thread: threading.Thread | None = None
         self._hb_stop = threading.Event()
@@ -636,6 +638,7 @@ class LighthouseClient:
         lighthouse may leave them out of the next quorum).
         """
         self._step = step
+        self._asked_at = time.monotonic()
         last = self.last_quorum
         req = pb2.QuorumRequest(
             protocol_version=LIGHTHOUSE_PROTOCOL_VERSION,
@@ -768,9 +771,43 @@ class LighthouseClient:
             return False
 
     def heartbeat(self, step: int | None = None) -> HeartbeatReply:
-        """One heartbeat now (the background thread calls this)."""
+        """One heartbeat now, and its reply."""
         if step is not None:
             self._step = step
+        req, sent = self._heartbeat_request()
+        try:
+            resp = self._call("Heartbeat", req, self.heartbeat_timeout_s)
+        except grpc.RpcError as e:
+            raise self._error("heartbeat", e, self.heartbeat_timeout_s) from None
+        return self._heard_beat(sent, resp)
+
+    def _beat(self) -> HeartbeatReply | None:
+        """The heartbeat thread's beat, and its reply; None when skipped: a leader (one process,
+        registering nothing) on a session whose quorum request went out less than an interval
+        ago, which the lighthouse counts as this beat (fewer messages while steps are fast;
+        a stopped leader is still judged by the time of its last request or beat)."""
+        s = self._session
+        if (s is not None and s.confirmed and self.process_index == 0 and self.registration.endpoints is None
+                and time.monotonic() - self._asked_at < self.heartbeat_interval_s):
+            return None
+        return self.heartbeat()
+
+    def _heard_beat(self, sent, resp) -> HeartbeatReply:
+        # Sent and held: stop sending them; not held (a restarted lighthouse): send again.
+        self.registration.heard(sent, resp.addresses_registered)
+        reply = HeartbeatReply(tuple(resp.dead_replica_ids), resp.quorum_id, tuple(resp.dead_members))
+        self.last_heartbeat = reply
+        return reply
+
+    def _dead_news(self, reply: HeartbeatReply) -> None:
+        if reply.dead_members and self._on_dead is not None:
+            try:
+                self._on_dead(reply.dead_members, reply.quorum_id)
+            except Exception:
+                log.exception("on_dead callback raised")
+
+    def _heartbeat_request(self):
+        """This process's HeartbeatRequest now, and the registration it carries."""
         last = self.last_quorum
         req = pb2.HeartbeatRequest(
             protocol_version=LIGHTHOUSE_PROTOCOL_VERSION, job_id=self.job_id, replica_id=self.replica_id,
@@ -784,15 +821,7 @@ class LighthouseClient:
                 req.phase.CopyFrom(phase_to_proto(self.phase_source()))
             except Exception as e:  # noqa: BLE001 - a failed report must not silence the heartbeat
                 log.debug("phase report failed: %s", e)
-        try:
-            resp = self._call("Heartbeat", req, self.heartbeat_timeout_s)
-        except grpc.RpcError as e:
-            raise self._error("heartbeat", e, self.heartbeat_timeout_s) from None
-        # Sent and held: stop sending them; not held (a restarted lighthouse): send again.
-        self.registration.heard(sent, resp.addresses_registered)
-        reply = HeartbeatReply(tuple(resp.dead_replica_ids), resp.quorum_id, tuple(resp.dead_members))
-        self.last_heartbeat = reply
-        return reply
+        return req, sent
 
     def status(self, job_id: str | None = None) -> list[JobStatus]:
         """Introspection: every job (``job_id=""``) or one (default: this client's job)."""
@@ -868,15 +897,13 @@ class LighthouseClient:
         next_at = time.monotonic()
         while not self._hb_stop.is_set():
             try:
-                reply = self.heartbeat()
-                if self.heartbeat_failures:
-                    log.info("heartbeats to %s resumed after %d failures", self.address, self.heartbeat_failures)
-                self.heartbeat_failures = 0
-                if reply.dead_members and self._on_dead is not None:
-                    try:
-                        self._on_dead(reply.dead_members, reply.quorum_id)
-                    except Exception:
-                        log.exception("on_dead callback raised")
+                reply = self._beat()
+                if reply is not None:
+                    if self.heartbeat_failures:
+                        log.info("heartbeats to %s resumed after %d failures", self.address,
+                                 self.heartbeat_failures)
+                    self.heartbeat_failures = 0
+                    self._dead_news(reply)
             except Exception as e:  # noqa: BLE001 - the thread must outlive any error: its silence is a death
                 if not isinstance(e, LighthouseError):
                     e = LighthouseError(f"heartbeat: unexpected {type(e).__name__}: {e}")

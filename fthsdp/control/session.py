@@ -105,7 +105,6 @@ class _Session:
         self.closed = False
         # seq -> (job, pending entry, deadline timer) of each open quorum request
         self.open: dict[int, tuple] = {}
-        self.heartbeats_open = 0
 
     def send(self, raw: bytes) -> None:
         if self.closed:
@@ -135,6 +134,7 @@ def generic_handler(lighthouse, authenticator: guard.CallAuthenticator, limits: 
     from fthsdp.control.lighthouse import Refused, answer_wait_s  # the servicer's module imports this one
 
     known = guard.KnownAddresses()
+    stats = lighthouse.stats
     parsers = {m: getattr(pb2, t).FromString for m, t in SESSION_METHODS.items()}
     loop_time = time.monotonic
 
@@ -249,7 +249,6 @@ def generic_handler(lighthouse, authenticator: guard.CallAuthenticator, limits: 
 
     async def open_session(request_iterator, context: grpc.aio.ServicerContext) -> None:
         s = _Session(context, context.peer() or "")
-        stats = lighthouse.stats
         stats["sessions_opened"] += 1
         writer = asyncio.get_running_loop().create_task(s.writer())
         try:

@@ -15,6 +15,7 @@ request. A lighthouse that does not offer sessions answers ``UNIMPLEMENTED``:
 from __future__ import annotations
 
 import itertools
+import logging
 import queue
 import threading
 
@@ -24,6 +25,7 @@ from fthsdp.control import session
 from fthsdp.proto import lighthouse as _load_stubs
 
 pb2, _ = _load_stubs()
+log = logging.getLogger("fthsdp.control.lighthouse_client")
 
 __all__ = ["SessionError", "SessionUnsupported", "SyncSession", "parse_reply"]
 
@@ -88,6 +90,8 @@ class SyncSession:
         self._call = None
         self._waiters: dict[int, _Waiter] = {}
         self._closed = False
+        self.confirmed = False  # a reply came back on the current stream (it is up, sessions are offered)
+        self.unsupported = False  # the lighthouse answered UNIMPLEMENTED
 
     def request(self, method: str, body: bytes, timeout_s: float) -> bytes:
         """Send request ``body`` of ``method`` and wait at most ``timeout_s`` for its reply's body.
@@ -126,7 +130,7 @@ class SyncSession:
                 yield item
 
         call = self._open(requests())
-        self._outgoing, self._call = out, call
+        self._outgoing, self._call, self.confirmed = out, call, False
         threading.Thread(target=self._read, args=(call, out), name="fthsdp-lighthouse-session",
                          daemon=True).start()
 
@@ -137,6 +141,8 @@ class SyncSession:
                 rep = parse_reply(raw)
                 with self._lock:
                     w = self._waiters.pop(rep.seq, None)
+                    if self._call is call:
+                        self.confirmed = True
                 if w is not None:
                     w.reply = rep
                     w.event.set()
@@ -147,8 +153,10 @@ class SyncSession:
             error = e
             call.cancel()
         with self._lock:
+            if isinstance(error, SessionUnsupported):
+                self.unsupported = True
             if self._call is call:
-                self._call, self._outgoing = None, None
+                self._call, self._outgoing, self.confirmed = None, None, False
                 waiters, self._waiters = self._waiters, {}
             else:
                 waiters = {}

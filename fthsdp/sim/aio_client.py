@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -140,46 +141,55 @@ class DecodeCache:
 class AioSession:
     """The session stream (fthsdp.control.session) from asyncio: one stream per client, its
     requests' replies matched by ``seq`` (the same protocol as the threaded
-    :class:`fthsdp.control.session_client.SyncSession`)."""
+    :class:`fthsdp.control.session_client.SyncSession`). Messages go out through one writer
+    task: a caller's deadline never cancels a write, because gRPC cancels the whole stream
+    (every request open on it) when a write is cancelled."""
 
     def __init__(self, channel) -> None:
         self._open = channel.stream_stream(sess.METHOD, request_serializer=None, response_deserializer=None)
         self._seq = itertools.count(1)
         self._call = None
-        self._reader: asyncio.Task | None = None
-        self._write_lock = asyncio.Lock()  # gRPC takes one write at a time per stream
+        self._tasks: tuple[asyncio.Task, ...] = ()
+        self._outbox: asyncio.Queue | None = None
         self._waiters: dict[int, asyncio.Future] = {}
+        self.confirmed = False  # a reply came back on the current stream
+
+    def _put(self, raw: bytes) -> None:
+        if self._call is None:
+            self._call = self._open()
+            self.confirmed = False
+            self._outbox = asyncio.Queue()
+            loop = asyncio.get_running_loop()
+            self._tasks = (loop.create_task(self._read(self._call)),
+                           loop.create_task(self._write(self._call, self._outbox)))
+        self._outbox.put_nowait(raw)
 
     async def request(self, method: str, body: bytes, timeout_s: float) -> bytes:
         """``body``'s reply body; raises SessionError (the unary call's status)."""
-        if self._call is None:
-            self._call = self._open()
-            self._reader = asyncio.get_running_loop().create_task(self._read(self._call))
-        call = self._call
         seq = next(self._seq)
         fut = asyncio.get_running_loop().create_future()
         self._waiters[seq] = fut
         try:
+            self._put(sess.envelope(seq, method, body, timeout_s))
             async with asyncio.timeout(timeout_s):
-                async with self._write_lock:
-                    await call.write(sess.envelope(seq, method, body, timeout_s))
                 rep = await fut
         except TimeoutError:
             raise SessionError(grpc.StatusCode.DEADLINE_EXCEEDED,
                                f"no reply to {method} on the session stream within {timeout_s:g}s") from None
-        except grpc.aio.AioRpcError as e:  # the write found the stream broken
-            self._waiters.pop(seq, None)
-            self._broken(call)
-            raise stream_error(e) from None
-        except (grpc.aio.UsageError, asyncio.InvalidStateError) as e:
-            self._waiters.pop(seq, None)
-            self._broken(call)
-            raise stream_error(RuntimeError(str(e))) from None
         finally:
             self._waiters.pop(seq, None)
         if rep.code != 0:
             raise SessionError(sess.status_code(rep.code), rep.details)
         return rep.body
+
+    async def _write(self, call, outbox: asyncio.Queue) -> None:
+        try:
+            while True:
+                await call.write(await outbox.get())
+        except grpc.aio.AioRpcError as e:
+            self._broken(call, stream_error(e))
+        except (grpc.aio.UsageError, asyncio.InvalidStateError) as e:
+            self._broken(call, stream_error(RuntimeError(str(e))))
 
     async def _read(self, call) -> None:
         error: SessionError
@@ -190,6 +200,7 @@ class AioSession:
                     error = stream_error(RuntimeError("the lighthouse closed it"))
                     break
                 rep = parse_reply(raw)
+                self.confirmed = True
                 fut = self._waiters.pop(rep.seq, None)
                 if fut is not None and not fut.done():
                     fut.set_result(rep)
@@ -198,30 +209,35 @@ class AioSession:
         except SessionError as e:
             error = e
         except asyncio.CancelledError:
-            error = SessionError(grpc.StatusCode.CANCELLED, "the session is closed")
+            error = SessionError(grpc.StatusCode.UNAVAILABLE, "the session stream was cancelled")
         self._broken(call, error)
 
-    def _broken(self, call, error: SessionError | None = None) -> None:
+    def _broken(self, call, error: SessionError) -> None:
+        """``call`` ended: fail its open requests (a new stream opens with the next request)."""
         if self._call is not call:
             return
-        self._call = None
+        self._call, self._outbox, self.confirmed = None, None, False
         call.cancel()
-        error = error or SessionError(grpc.StatusCode.UNAVAILABLE, "session stream broken")
+        me = asyncio.current_task()
+        for t in self._tasks:
+            if t is not me:
+                t.cancel()
+        self._tasks = ()
         waiters, self._waiters = self._waiters, {}
         for fut in waiters.values():
             if not fut.done():
                 fut.set_exception(error)
+                fut.exception()  # its request may be gone (cancelled) before it reads this: no warning
 
     async def close(self) -> None:
-        call, reader = self._call, self._reader
-        self._call = None
+        call, tasks = self._call, self._tasks
         if call is not None:
-            call.cancel()
-        if reader is not None:
-            reader.cancel()
+            self._broken(call, SessionError(grpc.StatusCode.CANCELLED, "the session is closed"))
+        for t in tasks:
+            t.cancel()
             try:
-                await reader
-            except asyncio.CancelledError:
+                await t
+            except (asyncio.CancelledError, Exception):  # noqa: BLE001 - closing
                 pass
 
 
@@ -271,6 +287,7 @@ class AioLighthouseClient:
         self.session: AioSession | None = (None if not session else AioSession(self._channel) if channel_of is None
                                            else channel_of.session)
         self.last_quorum: qm.Quorum | None = None
+        self.asked_at = -math.inf  # when get_quorum last sent a request (perf_counter)
         self.step = 0
         self.outages: list[float] = []
         self.last_reply_bytes = 0  # size of the last quorum answer or view on the wire
@@ -313,6 +330,7 @@ class AioLighthouseClient:
         ``local_world_size``: the replica's shards over all its processes (default: this
         process's ``ftar_addresses`` times ``num_processes``)."""
         self.step = step
+        self.asked_at = time.perf_counter()
         lws = len(ftar_addresses) * self.num_processes if local_world_size is None else local_world_size
         req = self._request(step, ftar_addresses, state_server_address, commit_failed, num_replicas, lws)
         return await self._call(self._get_quorum_raw, req, f"get_quorum(step={step})", timeout_s, "GetQuorum")
@@ -379,7 +397,14 @@ class AioLighthouseClient:
         except TimeoutError:
             return False
 
-    async def heartbeat(self, step: int) -> HeartbeatReply:
+    async def heartbeat(self, step: int, *, skip_within_s: float = 0.0) -> HeartbeatReply | None:
+        """One heartbeat and its reply. A leader on a session that sent a quorum request less than
+        ``skip_within_s`` ago skips the beat and returns None (the lighthouse counts the request
+        as one; the synchronous client's heartbeat thread does the same)."""
+        s = self.session
+        if (s is not None and s.confirmed and self.process_index == 0 and self.registration.endpoints is None
+                and time.perf_counter() - self.asked_at < skip_within_s):
+            return None
         last = self.last_quorum
         req = pb2.HeartbeatRequest(protocol_version=LIGHTHOUSE_PROTOCOL_VERSION, job_id=self.job_id,
                                    replica_id=self.replica_id, step=step,

@@ -695,17 +695,21 @@ class EmulatedReplica:
             if self.hung:
                 continue
             try:
-                reply = await client.heartbeat(self.state.step)
+                reply = await client.heartbeat(self.state.step, skip_within_s=interval)
             except LighthouseError:
                 continue  # the lighthouse is down or slow: keep trying every interval
-            if process:
-                continue  # a follower's beat: its liveness and addresses; the leader watches the quorum
-            q = self.inflight
-            if q is not None and reply.dead_members and reply.quorum_id == q.quorum_id:
-                ranks_of = fsm.membership(q)[0]
-                ours = [d for d in reply.dead_members if d != self.rid and d in ranks_of]
-                if ours and self.emu.fabric.abort(q.quorum_id, f"lighthouse declared {ours} dead"):
-                    self.emu.events.append(f"replica {self.rid}: aborted quorum {q.quorum_id} ({ours} dead)")
+            if process or reply is None:
+                continue  # a follower's beat: its liveness and addresses; or a beat skipped
+            self._heard_beat(reply)
+
+    def _heard_beat(self, reply) -> None:
+        """The leader's heartbeat answer: dead members of the quorum in flight abort its all-reduce."""
+        q = self.inflight
+        if q is not None and reply.dead_members and reply.quorum_id == q.quorum_id:
+            ranks_of = fsm.membership(q)[0]
+            ours = [d for d in reply.dead_members if d != self.rid and d in ranks_of]
+            if ours and self.emu.fabric.abort(q.quorum_id, f"lighthouse declared {ours} dead"):
+                self.emu.events.append(f"replica {self.rid}: aborted quorum {q.quorum_id} ({ours} dead)")
 
 
 class Emulation:
