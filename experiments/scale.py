@@ -84,6 +84,8 @@ BREAKDOWN_PARTS = {
     "decide_s": "of which the evaluation itself (decide_quorum and bookkeeping)",
     "replies_s": "from the decision to the last reply built (every waiting call answered)",
     "to_leaders_s": "from the last reply built to the last leader holding it: gRPC send, loopback, the emulator's receive",
+    "of_which_writes_s": ("of which the lighthouse's own writes (session transport: from the last reply built to the "
+                          "last session write of the round completed; unary: not traced)"),
     "fanout_s": "the leaders hand the answer to their ranks (and followers fetch their views)",
 }
 
@@ -124,6 +126,8 @@ def round_breakdown(rep, trace: dict, warmup: int = 1) -> dict:
             "request_build_s": last.sent - t0, "to_lighthouse_s": chk0[1] - last.sent, "checks_s": chk1[1] - chk0[1],
             "until_decision_s": dec[1] - enter[1], "decide_s": dec[4], "replies_s": last_reply[1] - dec[1],
             "to_leaders_s": recv - last_reply[1], "fanout_s": hold - recv,
+            "of_which_writes_s": max((e[1] for e in ev if e[0] == "written" and last_reply[1] <= e[1] <= recv),
+                                     default=last_reply[1]) - last_reply[1],
             "replies_built": len(replies), "reply_build_s_total": sum(e[4] for e in replies),
             "reply_bytes_max": max(e[8] for e in replies),
             "lighthouse_cpu_s_this_round": None if prev_cpu is None else cpu - prev_cpu,
@@ -650,7 +654,7 @@ def plot_breakdown(rows: list[dict], path: Path) -> bool:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    parts = [k for k in BREAKDOWN_PARTS if k != "decide_s"]  # decide_s is inside until_decision_s
+    parts = [k for k in BREAKDOWN_PARTS if k not in ("decide_s", "of_which_writes_s")]  # inside other parts
     fig, ax = plt.subplots(figsize=(9, 4.8))
     labels = [f"{r['replicas']}x{r['ranks_per_replica']}/{r.get('processes_per_replica', 1)}\n"
               f"{r.get('transport', 'unary')}, load {r['loadavg'][0]:.0f}" for r in hier]

@@ -31,8 +31,9 @@ def test_scale_quick_rows(tmp_path):
         bd = h["breakdown"]
         assert len(bd["rounds"]) == h["rounds"] and set(bd["parts"]) <= set(bd["median"])
         for r in bd["rounds"]:
-            parts = [r[k] for k in bd["parts"] if k != "decide_s"]
+            parts = [r[k] for k in bd["parts"] if k not in ("decide_s", "of_which_writes_s")]
             assert all(x >= 0 for x in parts) and 0 <= r["decide_s"] <= r["until_decision_s"], r
+            assert 0 <= r["of_which_writes_s"] <= r["to_leaders_s"], r
             assert sum(parts) <= r["latency_s"] + 1e-6, r  # successive stretches of the same clock
             assert r["replies_built"] >= h["replicas"] and r["lighthouse_cpu_s_this_round"] > 0, r
     flat = [row for row in rows if row["system"] == "fthsdp-flat"]

@@ -23,7 +23,7 @@ import json
 import sys
 import time
 
-from fthsdp.control import guard
+from fthsdp.control import guard, session
 from fthsdp.control import lighthouse as lh
 
 __all__ = ["install", "main"]
@@ -80,6 +80,21 @@ def install(trace: Trace) -> None:
         return heartbeat(self, request, *args, **kwargs)
 
     lh.Lighthouse.accept_heartbeat = accept_heartbeat
+
+    # Every session write, when it completed (the fan-out's lighthouse side: the breakdown tells
+    # the lighthouse's writes from the emulator's receive by the last one of a round).
+    async def writer(self):  # the same loop as fthsdp.control.session._Session.writer, marked
+        while True:
+            await self.wake.wait()
+            self.wake.clear()
+            while self.outbox:
+                await self.context.write(self.outbox.popleft())
+                trace.mark("written")
+            self.drained.set()
+            if self.closed:
+                return
+
+    session._Session.writer = writer
 
     evaluate = lh.Lighthouse._evaluate
 
