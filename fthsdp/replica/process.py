@@ -313,7 +313,7 @@ class ReplicaProcess:
                                    bytes=int(info.detail.get("bytes", 0)) if isinstance(info.detail, dict) else 0,
                                    state_bytes=local_shards.parts_bytes(self.abstract), sources=sources,
                                    per_shard=per_shard)
-                self.backfill_ledger(tree["data"], step)
+                self.reconcile_ledger(tree["data"], step)
                 train = local_shards.assemble(tree["train"], self.abstract) if per_shard else tree["train"]
                 return train, tree["data"]
             # With on-demand snapshots the peers start copying when they see the
@@ -322,7 +322,7 @@ class ReplicaProcess:
                 raise PeerFetchError(f"could not fetch the state of step {step} from any healthy peer: {last}")
             time.sleep(0.05)
 
-    def backfill_ledger(self, data: dict, step: int) -> None:
+    def reconcile_ledger(self, data: dict, step: int) -> None:
         """Make our ledger say what the state we are installing (of step ``step``) contains.
 
         Our batches in it are positions ``0 .. positions[me] - 1`` (the replicated data
@@ -349,7 +349,8 @@ class ReplicaProcess:
             first, final = min(c.step for c in gone), max(c.step for c in gone)
             self.ledger.rollback(step, first, final)
             log.warning("ledger: the state of step %d we install lacks our %d commit(s) of steps %d..%d (batches "
-                        "%d..%d): our state forked from the job's lineage; they are rolled back and trained again",
+                        "%d..%d): our state forked from the job's lineage (or our last commit succeeded while the "
+                        "peers' failed); they are rolled back and trained again",
                         step, len(gone), first, final, min(c.position for c in gone), max(c.position for c in gone))
             self.metrics.write(kind="rollback", replica=self.rid, step=step, first=first, last=final,
                                positions=sorted(c.position for c in gone))
