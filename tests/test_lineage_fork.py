@@ -66,6 +66,7 @@ def test_a_forked_replica_goes_back_to_the_lineage_with_an_exactly_once_ledger(t
     # Every batch exactly once in the surviving lineage: without the rollbacks 0's and 1's
     # batches of steps 5 and 6 would count twice.
     exactly_once(out, run)
+    assert "replica 0 was fenced (its state forked from the job's lineage): its commits of steps 5.." in p.stderr
     # No persistent checkpoint holds the forked state: replica 0 (the lowest of quorum 2)
     # saved its steps 6 and 8 there, over replica 2's if 2 had saved them first; it deletes
     # what it wrote when it rolls back, so a restart cannot bring the discarded commits back.
@@ -99,6 +100,7 @@ def test_a_fork_in_the_last_steps_ends_with_one_final_state(tmp_path):
         if rid not in run.done:  # not repaired: the lighthouse's verdict, and the discarded commits rolled back
             (forked,) = [r for r in recs if r.get("kind") == "forked"]
             assert forked["forked_step"] == 5 and "re-decided step 5" in forked["reason"], forked
+            assert f"replica {rid}: final state discarded: replica {rid} at step" in p.stderr
             assert any(isinstance(r, Rollback) and r.first == 6
                        for r in read_ledger(out / "ledger" / f"replica_{rid}.jsonl").records)
     exactly_once(out, run)

@@ -25,6 +25,8 @@ class RunFiles:
     # replica -> its rollbacks: commits of steps first..last recorded before `time` were
     # discarded with a forked state (fthsdp.control.quorum, rule 6), kind "rollback" / "forked"
     rollbacks: dict[str, list[dict]] = field(default_factory=dict)
+    # replica -> the lighthouse's verdict at its Leave: its final state forked (kind "forked")
+    forked: dict[str, dict] = field(default_factory=dict)
 
 
 def load_run(out_dir: str | pathlib.Path) -> RunFiles:
@@ -33,6 +35,7 @@ def load_run(out_dir: str | pathlib.Path) -> RunFiles:
     detections: list[dict] = []
     done: dict[str, dict] = {}
     rollbacks: dict[str, list[dict]] = {}
+    forked: dict[str, dict] = {}
     for path in sorted(out.glob("metrics-*.jsonl")):
         for r in read_metrics(path):
             kind = r.get("kind")
@@ -42,11 +45,14 @@ def load_run(out_dir: str | pathlib.Path) -> RunFiles:
                 detections.append(r)
             elif kind == "done":
                 done[r["replica"]] = r
-            elif kind == "rollback" or (kind == "forked" and r.get("rolled_back")):
+            if kind == "forked":
+                forked[r["replica"]] = r
+            if kind == "rollback" or (kind == "forked" and r.get("rolled_back")):
                 first, last = (r["first"], r["last"]) if kind == "rollback" else r["rolled_back"]
-                rollbacks.setdefault(r["replica"], []).append({"first": first, "last": last, "time": r["time"]})
+                rollbacks.setdefault(r["replica"], []).append({"first": first, "last": last, "time": r["time"],
+                                                               "kind": kind})
     events = read_metrics(out / "events.jsonl") if (out / "events.jsonl").exists() else []
-    return RunFiles(steps, detections, done, events, rollbacks)
+    return RunFiles(steps, detections, done, events, rollbacks, forked)
 
 
 def hashes_after_commits(run: RunFiles) -> dict[int, dict[str, str]]:
@@ -145,6 +151,10 @@ def summarize(out_dir: str | pathlib.Path) -> dict:
         "final_hashes": hashes,
         "final_steps": finals,
         "identical_final_state": bool(hashes) and len(set(hashes.values())) == 1 and len(set(finals.values())) == 1,
+        # split brain (fthsdp.control.quorum, rule 6): commits each replica discarded with a
+        # forked state, and the replicas whose final state forked (no "done": not a final state)
+        "rolled_back": {rid: [[rb["first"], rb["last"]] for rb in rbs] for rid, rbs in sorted(run.rollbacks.items())},
+        "forked": {rid: f["reason"] for rid, f in sorted(run.forked.items())},
         "events": run.events,
     }
 
@@ -170,6 +180,13 @@ def describe(summary: dict) -> list[str]:
         lines.append(f"replica {rid}: {r['committed_steps']} commits, median step {r['median_step_s'] * 1e3:.0f} ms, "
                      f"loss {r['first_loss'] or float('nan'):.3f} -> {r['last_loss'] or float('nan'):.3f}, "
                      f"{r['retried_steps']} retried, {r['catch_up_steps']} catch-up")
+    for rid, spans in (summary.get("rolled_back") or {}).items():
+        if rid not in (summary.get("forked") or {}):
+            # ledger steps count committed steps: the step trained is one less (as in step records)
+            lines.append(f"replica {rid} was fenced (its state forked from the job's lineage): its commits of steps "
+                         + ", ".join(f"{a - 1}..{b - 1}" for a, b in spans) + " rolled back, fetched the lineage's state")
+    for rid, why in (summary.get("forked") or {}).items():
+        lines.append(f"replica {rid}: final state discarded: {why}")
     if not summary["final_hashes"]:
         lines.append("no replica finished the run")
     else:
