@@ -655,7 +655,7 @@ def plot_breakdown(rows: list[dict], path: Path) -> bool:
     import matplotlib.pyplot as plt
 
     parts = [k for k in BREAKDOWN_PARTS if k not in ("decide_s", "of_which_writes_s")]  # inside other parts
-    fig, ax = plt.subplots(figsize=(9, 4.8))
+    fig, ax = plt.subplots(figsize=(11, 5.5))
     labels = [f"{r['replicas']}x{r['ranks_per_replica']}/{r.get('processes_per_replica', 1)}\n"
               f"{r.get('transport', 'unary')}, load {r['loadavg'][0]:.0f}" for r in hier]
     bottom = [0.0] * len(hier)
@@ -670,6 +670,7 @@ def plot_breakdown(rows: list[dict], path: Path) -> bool:
     ax.axhline(PAPER["target_p99_s_100k"] * 1e3, color="black", lw=0.8, ls="-.", label="target: 70 ms p99")
     ax.set_ylabel("ms: each part's median over the rounds, stacked\nalong the last request's path")
     ax.set_title("Where a hierarchical round's latency goes (replicas x ranks/processes)")
+    ax.tick_params(axis="x", labelrotation=60, labelsize=7)
     ax.legend(fontsize=7, loc="upper left")
     ax.grid(alpha=0.3, axis="y", which="both")
     fig.tight_layout()
