@@ -1,7 +1,9 @@
 """atheris harness: a real in-process lighthouse (gRPC server) fed arbitrary requests.
 
 Each input picks one of the lighthouse's four methods and sends it, over a
-real gRPC channel to a real ``LighthouseThread`` on loopback, either
+real gRPC channel to a real ``LighthouseThread`` on loopback (``GetQuorum`` and
+``Heartbeat`` either as a unary call or as a message of one long-lived session
+stream, fthsdp.control.session; or arbitrary bytes as a session message), either
 arbitrary bytes as the request body (what a stranger on the network can send)
 or a request message with arbitrary field values (ids of any length and
 content, steps anywhere in int64, unknown protocol versions, address lists that
@@ -24,13 +26,17 @@ from __future__ import annotations
 import collections
 import json
 import os
+import queue
 import sys
+import threading
+import time
 
 import atheris
 import grpc
 
 from fthsdp.control import lighthouse as lh_mod
 from fthsdp.control import quorum as qm
+from fthsdp.control import session
 
 from fthsdp.proto import LIGHTHOUSE_PROTOCOL_VERSION  # noqa: E402
 from fthsdp.proto import lighthouse as _stubs  # noqa: E402
@@ -63,6 +69,9 @@ class _State:
         self.thread.start()
         self.channel = grpc.insecure_channel(self.thread.address)
         self.calls = {m: self.channel.unary_unary(f"/fthsdp.v1.Lighthouse/{m}") for m in METHODS}
+        self.stream = _Stream(self.channel)
+        self.seq = 0
+        self.session_codes: collections.Counter[str] = collections.Counter()
         self.codes: collections.Counter[str] = collections.Counter()
         self.by_method: dict[str, collections.Counter[str]] = {m: collections.Counter() for m in METHODS}
         self.examples: dict[str, list[str]] = collections.defaultdict(list)
@@ -77,11 +86,53 @@ class _State:
         with open(tmp, "w") as f:
             json.dump({"inputs": self.inputs, "status_codes": dict(self.codes),
                        "status_codes_by_method": {m: dict(c) for m, c in self.by_method.items()},
+                       "session_reply_codes": dict(self.session_codes),
                        "examples": dict(self.examples)}, f, indent=1)
         os.replace(tmp, self.stats_path)
 
 
 STATE: _State | None = None
+
+
+class _Stream:
+    """One session stream (raw bytes both ways); a thread reads its replies into a queue."""
+
+    def __init__(self, channel: grpc.Channel) -> None:
+        self.out: queue.SimpleQueue = queue.SimpleQueue()
+        self.replies: queue.Queue = queue.Queue()
+
+        def requests():
+            while True:
+                yield self.out.get()
+
+        self.call = channel.stream_stream(session.METHOD)(requests())
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        try:
+            for raw in self.call:
+                self.replies.put(pb2.SessionReply.FromString(raw))  # a reply must be well-formed
+        except grpc.RpcError as e:
+            self.replies.put(e)
+        except Exception as e:  # noqa: BLE001 - recorded as a finding below
+            self.replies.put(e)
+
+    def ask(self, raw: bytes, seq: int | None, timeout_s: float):
+        """Send ``raw``; the reply of ``seq`` (None: the first reply, if any comes within
+        ``timeout_s``; a late reply of an earlier message is skipped). Raises if the stream ended."""
+        self.out.put(raw)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                rep = self.replies.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                if seq is None:
+                    return None
+                raise AssertionError(f"no reply to session message {seq} within {timeout_s}s") from None
+            if isinstance(rep, Exception):
+                raise AssertionError(f"the session stream ended: {rep}")
+            if seq is None or rep.seq in (seq, 0):
+                return rep
 
 
 def _text(fdp: atheris.FuzzedDataProvider, known: tuple[str, ...]) -> str:
@@ -141,13 +192,38 @@ def _call(state: _State, method: str, body: bytes) -> grpc.StatusCode:
     return code
 
 
+def _session_call(state: _State, method: str, body: bytes) -> None:
+    """``body`` as a message of the session stream: one reply with a code a call may end with."""
+    state.seq += 1
+    raw = session.envelope(state.seq, method, body, CALL_TIMEOUT_S[method])
+    rep = state.stream.ask(raw, state.seq, CALL_TIMEOUT_S[method] + 5.0)
+    code = session.status_code(rep.code)
+    state.session_codes[code.name] += 1
+    state.codes[code.name] += 1
+    if code == grpc.StatusCode.OK:
+        RESPONSE[method].FromString(rep.body)
+    if code not in ANSWERS:
+        raise AssertionError(f"session {method} answered {code.name}: {rep.details[:200]}")
+
+
 def test_one_input(data: bytes) -> None:
     global STATE
     if STATE is None:
         STATE = _State()
     state = STATE
     fdp = atheris.FuzzedDataProvider(data)
+    transport = fdp.ConsumeIntInRange(0, 3)  # 0, 1: unary; 2: a session message; 3: raw bytes on the session
+    if transport == 3:
+        rep = state.stream.ask(fdp.ConsumeBytes(fdp.remaining_bytes()), None, 0.3)
+        # no reply yet: a well-formed quorum request without a deadline, waiting for its decision
+        name = session.status_code(rep.code).name if rep is not None else "NO_REPLY_YET"
+        state.session_codes[name] += 1
+        state.codes[name] += 1
+        state.inputs += 1
+        return
     method = METHODS[fdp.ConsumeIntInRange(0, len(METHODS) - 1)]
+    if transport == 2 and method not in session.SESSION_METHODS:
+        method = "Heartbeat"
     mode = fdp.ConsumeIntInRange(0, 2)
     if mode == 0:  # arbitrary bytes as the request body
         body = fdp.ConsumeBytes(fdp.remaining_bytes())
@@ -155,12 +231,18 @@ def test_one_input(data: bytes) -> None:
         body = _message(method, fdp).SerializeToString()
         if mode == 2:  # a valid message followed by junk
             body += fdp.ConsumeBytes(fdp.remaining_bytes())
-    _call(state, method, body)
+    if transport == 2:
+        _session_call(state, method, body)
+    else:
+        _call(state, method, body)
     state.inputs += 1
     if state.inputs % LIVENESS_EVERY == 0:
         probe = pb2.StatusRequest(protocol_version=LIGHTHOUSE_PROTOCOL_VERSION).SerializeToString()
         if _call(state, "Status", probe) != grpc.StatusCode.OK:
             raise AssertionError("the lighthouse stopped answering a well-formed Status call")
+        beat = pb2.HeartbeatRequest(protocol_version=LIGHTHOUSE_PROTOCOL_VERSION, job_id="probe",
+                                    replica_id="probe").SerializeToString()
+        _session_call(state, "Heartbeat", beat)  # the session stream is still served
     if state.inputs % 20 == 0 or state.inputs >= state.runs - 2:
         state.dump()
 
