@@ -121,6 +121,7 @@ ffi::Error FingerprintImpl(ffi::Buffer<ffi::U32> meta, ffi::RemainingArgs leaves
                                        std::to_string(ranks.size()) + " ranks");
   }
   std::vector<FpBlock> blocks;
+  blocks.reserve(leaves.size());
   size_t m = 0, g = 0;
   const uint32_t* mv = meta.typed_data();
   for (size_t i = 0; i < leaves.size(); ++i) {
@@ -128,6 +129,11 @@ ffi::Error FingerprintImpl(ffi::Buffer<ffi::U32> meta, ffi::RemainingArgs leaves
     if (a.has_error()) return a.error();
     const auto dims = a.value().dimensions();
     const int64_t rank = ranks[i];
+    if (rank > kFpMaxRank) {
+      return ffi::Error::InvalidArgument(what + "leaf " + std::to_string(i) + " has rank " + std::to_string(rank) +
+                                         ", more than the kernel's " + std::to_string(kFpMaxRank) +
+                                         " (fingerprint it with the jax reference instead)");
+    }
     if (rank != static_cast<int64_t>(dims.size()) || g + rank > global_dims.size() ||
         m + 1 + rank > meta.element_count()) {
       return ffi::Error::InvalidArgument(what + "leaf " + std::to_string(i) + " has rank " +
@@ -135,22 +141,24 @@ ffi::Error FingerprintImpl(ffi::Buffer<ffi::U32> meta, ffi::RemainingArgs leaves
     }
     const int bytes = fingerprint_elem_bytes(a.value().element_type());
     if (bytes == 0) return ffi::Error::InvalidArgument(what + "leaf " + std::to_string(i) + " has an unsupported dtype");
-    const bool counted = mv[m] != 0;
-    FpBlock b;
-    b.data = a.value().untyped_data();
-    b.elem_bytes = bytes;
-    b.leaf = static_cast<uint32_t>(leaf_ids[i]);
     for (int64_t d = 0; d < rank; ++d) {
-      b.local_dims.push_back(dims[d]);
-      b.global_dims.push_back(global_dims[g + d]);
-      b.offsets.push_back(mv[m + 1 + d]);
-      if (b.offsets.back() + dims[d] > global_dims[g + d]) {
+      if (dims[d] < 0 || global_dims[g + d] < 0 || mv[m + 1 + d] + dims[d] > global_dims[g + d]) {
         return ffi::Error::InvalidArgument(what + "leaf " + std::to_string(i) + ": a block past its global shape");
       }
     }
+    if (mv[m] != 0) {  // counted on this device (a replicated leaf: on one device only)
+      FpBlock b;
+      b.data = a.value().untyped_data();
+      b.elem_bytes = bytes;
+      b.leaf = static_cast<uint32_t>(leaf_ids[i]);
+      b.rank = static_cast<int>(rank);
+      b.local_dims = dims.begin();
+      b.global_dims = global_dims.begin() + g;
+      b.offsets = mv + m + 1;
+      blocks.push_back(b);
+    }
     m += 1 + rank;
     g += rank;
-    if (counted) blocks.push_back(std::move(b));
   }
   uint32_t* o = out->typed_data();
   o[0] = o[1] = 0;

@@ -65,3 +65,18 @@ def test_auth_cost_small(tmp_path):
     assert with_budgets < without, (with_budgets, without)
     assert set(res["flood"]["budgets"]["stranger"]["flood_codes"]) <= {"UNAUTHENTICATED", "RESOURCE_EXHAUSTED",
                                                                      "INVALID_ARGUMENT"}
+
+
+def test_fingerprint_cost_quick(tmp_path):
+    """experiments/fingerprint_cost.py at its smallest: the schema and the verdict's form (the
+    figure itself comes from the full run on a quiet machine, not from CI)."""
+    out = tmp_path / "fp.json"
+    run("fingerprint_cost.py", "--quick", "--out", str(out))
+    res = json.loads(out.read_text())
+    assert res["groups"] == 3 and len(res["ratios"]["in_step"]["cpu"]) == 3
+    for key in ("in_step_overhead_cpu", "in_step_overhead_wall", "every_k_overhead_cpu"):
+        d = res[key]
+        assert d["n"] == 3 and d["ci95"][0] <= d["median"] <= d["ci95"][1], key
+        assert d["verdict"] in ("met", "not met", "undecided")
+    assert res["target_met"] == res["in_step_overhead_cpu"]["verdict"]
+    assert 0 < res["work_fraction_of_step_cpu"]["median"] < 0.2 and res["state_bytes"] > 5e6

@@ -56,6 +56,7 @@ from fthsdp.data import LoaderState, ReplicaStream
 from fthsdp.observe.phase import Phase, PhaseTracker
 from fthsdp.step.intervention import Intervention
 from fthsdp.step.quorum_inputs import QuorumInputs, make_quorum_inputs
+from fthsdp.step.fingerprint import read_commit
 from fthsdp.step.functional import TrainState, TrainStep
 
 log = logging.getLogger("fthsdp.replica.manager")
@@ -322,7 +323,10 @@ class Manager:
                 t0 = time.perf_counter()
                 new_state, m = self.ts.apply_grads(self.state, grads if healthy else self.zero_grads(),
                                                    self._quorum_inputs(q, healthy))
-                committed = bool(m["committed"])
+                if "commit_words" in m:  # the flag and the fingerprint in one read
+                    committed, fingerprint = read_commit(m["commit_words"])
+                else:
+                    committed, fingerprint = bool(m["committed"]), None
                 allreduce_s = time.perf_counter() - t0
             except Exception as e:  # noqa: BLE001 - classified: RECOVERABLE retries, the rest propagates
                 c = classify(e)
@@ -341,7 +345,7 @@ class Manager:
                 continue
             if committed:
                 self.state = new_state
-                fingerprint = self._report_fingerprint(m)
+                fingerprint = self._report_fingerprint(fingerprint, step + 1)
                 for r in q.healthy:
                     self.positions[int(r)] += 1
                     self.last_step[int(r)] = step
@@ -396,20 +400,17 @@ class Manager:
         out, self._accused = self._accused, []
         return out
 
-    def _report_fingerprint(self, m: dict) -> int | None:
-        """The committed state's fingerprint (computed inside apply_grads: two words come to
-        host), handed to the lighthouse client, which sends it with the next quorum request
-        and heartbeats so the lighthouse can compare the replicas (silent data corruption)."""
-        fp = m.get("fingerprint")
-        if fp is None or int(self.state.step) % self.cfg.ft.fingerprint_every:
+    def _report_fingerprint(self, fingerprint: int | None, committed_steps: int) -> int | None:
+        """The committed state's fingerprint (computed inside apply_grads; read with the commit
+        flag), handed to the lighthouse client, which sends it with the next quorum request
+        and heartbeats so the lighthouse can compare the replicas (silent data corruption).
+        ``committed_steps``: the new state's step counter, known on the host (no device read)."""
+        if fingerprint is None or committed_steps % self.cfg.ft.fingerprint_every:
             return None  # not computed this step (ft.fingerprint_every)
-        from fthsdp.step.fingerprint import to_int
-
-        value = to_int(fp)
         report = getattr(self.lighthouse, "report_fingerprint", None)  # followers: their leader reports
         if report is not None:
-            report(int(self.state.step), value)
-        return value
+            report(committed_steps, fingerprint)
+        return fingerprint
 
     def blame(self, q: qm.Quorum, address: str | None) -> str | None:
         """The member of ``q`` whose FTAR or state-server address is ``address`` (a fault's source)."""

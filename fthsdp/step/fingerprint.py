@@ -74,7 +74,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
 
-__all__ = ["fingerprint", "reference", "make_fingerprint", "to_int", "to_hex", "flip_bit"]
+__all__ = ["fingerprint", "reference", "make_fingerprint", "to_int", "read_commit", "to_hex", "flip_bit"]
 
 log = logging.getLogger(__name__)
 
@@ -87,6 +87,7 @@ _LANES = (
 )
 _FOLD_SHIFT = 15
 _TARGET = "fthsdp_fingerprint"
+_MAX_RANK = 32  # the native kernel's highest leaf rank (kFpMaxRank, ffi/fingerprint.h)
 
 
 def _words(x: jax.Array) -> jax.Array:
@@ -237,7 +238,8 @@ def fingerprint(tree: Any, shardings: Any = None) -> jax.Array:
     if shardings is not None and _native_ready():
         shs = jax.tree.leaves(shardings, is_leaf=lambda x: x is None)
         if (len(shs) == len(leaves) and all(isinstance(sh, NamedSharding) for sh in shs)
-                and len({sh.mesh for sh in shs}) == 1 and _on_cpu(shs)):
+                and len({sh.mesh for sh in shs}) == 1 and _on_cpu(shs)
+                and all(jnp.ndim(x) <= _MAX_RANK for x in leaves)):
             return _sharded_native([jnp.asarray(x) for x in leaves], shs)
     return reference(tree)
 
@@ -259,6 +261,17 @@ def to_int(fp: Any) -> int:
         fp = fp.addressable_shards[0].data
     a, b = (int(v) for v in np.asarray(fp, np.uint32).reshape(2))
     return (a << 32) | b
+
+
+def read_commit(words: Any) -> tuple[bool, int]:
+    """``apply_grads``' ``metrics["commit_words"]`` (uint32[3]: the commit flag, then the
+    fingerprint's two words) on the host with one read: (committed, fingerprint).
+
+    Lean on purpose, it runs after every step: no jax attribute checks (each costs ~8 us; a
+    replicated array reads fine in every process of a multi-process replica), no numpy
+    arithmetic (``tolist`` gives Python ints at once): as cheap as ``bool(committed)``."""
+    ok, a, b = np.asarray(words).tolist()
+    return ok != 0, (a << 32) | b
 
 
 def to_hex(fp: int | None) -> str:

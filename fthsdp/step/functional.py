@@ -128,8 +128,9 @@ def make_train_step(
     """Builds the jitted step functions of one replica over `mesh`.
 
     ``fingerprint`` (default ``cfg.ft.fingerprint``): ``apply_grads`` also returns
-    ``metrics["fingerprint"]``, the state fingerprint (fthsdp/step/fingerprint.py) of
-    the state it returns, computed on the devices inside the same jitted call."""
+    ``metrics["commit_words"]``, uint32[3]: the commit flag, then the state fingerprint
+    (fthsdp/step/fingerprint.py) of the state it returns, computed on the devices inside
+    the same jitted call; ``fingerprint.read_commit`` reads both with one transfer."""
     cfg.validate()
     if fingerprint is None:
         fingerprint = cfg.ft.fingerprint
@@ -191,12 +192,15 @@ def make_train_step(
             "status": status,
         }
         if fingerprint:  # of the state returned (the committed one when ok): silent-data-corruption check
+            fp_of = lambda s: state_fingerprint(s, state_shardings)  # noqa: E731
             if every == 1:
-                metrics["fingerprint"] = state_fingerprint(out, state_shardings)
+                fp = fp_of(out)
             else:  # only when the state's step is a multiple of K (the Manager reports those only)
-                metrics["fingerprint"] = jax.lax.cond(
-                    out.step % every == 0, lambda s: state_fingerprint(s, state_shardings),
-                    lambda s: jnp.zeros((2,), jnp.uint32), out)
+                fp = jax.lax.cond(out.step % every == 0, fp_of, lambda s: jnp.zeros((2,), jnp.uint32), out)
+            # The commit flag and the fingerprint in one output, read with one transfer
+            # (fingerprint.read_commit): each read of a step output costs ~60 us of host time
+            # and each output ~10 us of dispatch, 0.2% and 0.03% of a make-run step.
+            metrics["commit_words"] = jnp.concatenate([ok.astype(jnp.uint32)[None], fp])
         return out, metrics
 
     def step(state, inputs, targets, quorum):
