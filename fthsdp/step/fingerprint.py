@@ -47,20 +47,23 @@ every replica that holds the same bytes.
 
 **How it is computed.** On CPU devices one native call per device
 (``ffi/fingerprint.cc``, the ``fthsdp_fingerprint`` FFI target) walks every
-local block of every leaf once, stepping the multipliers by addition along
-each contiguous row (no index arrays), inside ``shard_map`` over the state's
-mesh; the devices' two words are then summed with one ``psum``. A leaf held
-whole by several devices (replicated) is counted on the first of them only.
-Elsewhere (GPU), or when the native library is missing, :func:`reference`
-computes the same value with jax ops (tests check both agree bit for bit).
+local block of every leaf once, as runs of consecutive words (a block's axes
+merged while it spans them whole), stepping the multipliers by addition (no
+index arrays), inside ``shard_map`` over the state's mesh; the devices' two
+words are then summed with one ``psum``. A leaf held whole by several devices
+(replicated) is counted on the first of them only. Elsewhere (GPU), or when the
+native library is missing, :func:`reference` computes the same value with jax
+ops (tests check both agree bit for bit).
 
 Used inside the jitted ``apply_grads`` (after the update, no extra dispatch:
-see ``make_train_step(fingerprint=True)``; with ``ft.fingerprint_every=K`` only
-after every K-th step, under a ``lax.cond``) or on its own through
-:func:`make_fingerprint`; ``experiments/fingerprint_cost.py`` measures both.
-Its work is one pass over the state's bytes, two multiply-adds per word (the
-compiler vectorizes the loop; an AVX2 copy is picked at load time where the CPU
-has it).
+see ``make_train_step(fingerprint=True)``, which returns it beside the commit
+flag in ``metrics["commit_words"]``, read with :func:`read_commit` in one
+transfer; with ``ft.fingerprint_every=K`` only after every K-th step, under a
+``lax.cond``) or on its own through :func:`make_fingerprint`;
+``experiments/fingerprint_cost.py`` measures its cost per step. Its work is one
+pass over the state's bytes, two multiply-adds per word, in 16-, 8- or 4-lane
+vector sums (AVX-512, AVX2, or the baseline / NEON width: the copy is picked at
+each call from what the CPU has, so one build runs everywhere).
 """
 
 from __future__ import annotations
