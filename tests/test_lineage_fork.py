@@ -104,3 +104,84 @@ def test_a_fork_in_the_last_steps_ends_with_one_final_state(tmp_path):
             assert any(isinstance(r, Rollback) and r.first == 6
                        for r in read_ledger(out / "ledger" / f"replica_{rid}.jsonl").records)
     exactly_once(out, run)
+
+
+@pytest.mark.slow  # beside tests/test_lineage_lighthouse.py's restart test (real lighthouse, gRPC clients)
+def test_a_fork_is_fenced_by_a_lighthouse_restarted_after_it(tmp_path):
+    """The fork of the first test, then the lighthouse SIGKILLed and restarted on the same
+    port (empty memory) before the forked replicas wake up: the restarted lighthouse rebuilds
+    the lineage from the replicas' reports and fences them all the same. Replicas started
+    directly against the test's own lighthouse; every signal sent on what the status files
+    show, so the order of events does not depend on the machine's speed."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from fthsdp.data.ledger import check_exactly_once
+
+    from test_fault_tolerance import TINY
+    from test_resilience_lighthouse import REPO, free_port, start_lighthouse, step_of
+
+    port, steps = free_port(), 24
+    lh_log = tmp_path / "lighthouse.log"
+    lh = start_lighthouse(port, lh_log)
+    env = dict(os.environ, PYTHONUNBUFFERED="1", FTHSDP_PEER_TOKEN="lineage-restart-test")
+    procs = []
+
+    def wait(what, cond, limit=120.0):
+        deadline = time.monotonic() + limit
+        while not cond():
+            assert time.monotonic() < deadline, f"timed out waiting for {what}"
+            assert all(p.poll() is None for p in procs), f"a replica exited while waiting for {what}"
+            time.sleep(0.02)
+
+    def signal_replica(rid, sig):
+        os.killpg(procs[rid].pid, sig)
+
+    try:
+        for rid in range(3):
+            procs.append(subprocess.Popen(
+                [sys.executable, "-m", "fthsdp.replica.process", "--config", "base", "--replica-id", str(rid),
+                 "--lighthouse", f"127.0.0.1:{port}", "--job", "lineage-restart", "--out-dir", str(tmp_path),
+                 *TINY, "launch.replicas=3", "launch.devices_per_replica=1", f"train.steps={steps}",
+                 "train.min_step_s=0.1", "ft.checkpoint_every=1000", "ft.lighthouse_outage_s=60"],
+                cwd=REPO, env=env, stdout=open(tmp_path / f"replica-{rid}.out", "w"), stderr=subprocess.STDOUT,
+                start_new_session=True))
+        wait("step 5", lambda: min(step_of(tmp_path, r) for r in range(3)) >= 5)
+        signal_replica(2, signal.SIGSTOP)
+        wait("0 and 1 at step 8 without 2", lambda: min(step_of(tmp_path, r) for r in (0, 1)) >= 8)
+        signal_replica(0, signal.SIGSTOP)
+        signal_replica(1, signal.SIGSTOP)
+        signal_replica(2, signal.SIGCONT)
+        wait("2 retraining alone to step 11", lambda: step_of(tmp_path, 2) >= 11)
+        os.killpg(lh.pid, signal.SIGKILL)
+        lh.wait(10)
+        lh = start_lighthouse(port, lh_log)  # same port, empty memory: no lineage
+        wait("2 going on with the restarted lighthouse", lambda: step_of(tmp_path, 2) >= 13)
+        signal_replica(0, signal.SIGCONT)
+        signal_replica(1, signal.SIGCONT)
+        rcs = [p.wait(240) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGCONT)
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait(10)
+        os.killpg(lh.pid, signal.SIGTERM)
+        lh.wait(10)
+    logs = {r: (tmp_path / f"replica-{r}.out").read_text() for r in range(3)}
+    assert rcs == [0, 0, 0], {r: logs[r][-3000:] for r in range(3)}
+    text = lh_log.read_text()
+    assert "lighthouse restarted" in text and "merged" in text, text[-3000:]
+    assert "fenced, behind: [0, 1]" in text and "re-decided step 5" in text, text[-3000:]
+    run = report.load_run(tmp_path)
+    assert {rid: [(rb["first"], rb["kind"]) for rb in rbs] for rid, rbs in run.rollbacks.items()} == {
+        "0": [(6, "rollback")], "1": [(6, "rollback")]}
+    for step, hashes in report.hashes_after_commits(run).items():
+        assert len(set(hashes.values())) == 1, f"replicas diverged after step {step}: {hashes}"
+    assert len(run.done) == 3 and len({d["hash"] for d in run.done.values()}) == 1, run.done
+    (positions,) = {tuple(d["positions"]) for d in run.done.values()}
+    rep = check_exactly_once(sorted((tmp_path / "ledger").glob("*.jsonl")), dict(enumerate(positions)))
+    assert rep.ok, rep.summary()

@@ -1356,7 +1356,7 @@ class Lighthouse(pb2_grpc.LighthouseServicer):
         pairs = qm.parse_lineage_report(values)
         old = [p for p in pairs if job.lineage_from == 0 or p[0] < job.lineage_from]
         merged = job.lineage.merged(old)
-        if merged is not job.lineage:
+        if merged.entries != job.lineage.entries:  # (an entry may be new yet dominated by one held)
             log.info("job %r: lineage entries (quorum, step) %s reported by replica %s (from before this "
                      "lighthouse's first quorum) merged: %s", job.job_id, old, rid, list(merged.entries[-8:]))
             job.lineage = merged
