@@ -67,6 +67,11 @@ def test_follower_phases_and_a_frozen_follower_are_named_by_process():
             for i, c in enumerate(clients):
                 c.register([f"127.0.0.1:{9 + i}"], "", 2)
                 c.start_heartbeats()
+            # Every process heard first (its first beat opens its session stream, which may take a
+            # while on a loaded machine): asked before replica 1 was heard, replica 0 formed a
+            # quorum alone and replica 1 then waited for it in vain.
+            wait_for(lambda: len([r for j in r0.status() for r in j.replicas if not r.dead
+                                  and not r.silent_processes]) == 3, 10, "every process heard")
             # The analysis runs once the job has a quorum: replicas 0 and 1 ask (a majority; 2, live
             # but not asking, is left out after the join timeout); the FTAR waits need no membership.
             with ThreadPoolExecutor(2) as pool:
