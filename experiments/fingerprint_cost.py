@@ -83,7 +83,7 @@ def cpu_isa() -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--config", default="ft_local", help="config (default: ft_local, what `make run` trains)")
-    p.add_argument("--groups", type=int, default=60, help="groups (one ratio per variant each)")
+    p.add_argument("--groups", type=int, default=100, help="groups (one ratio per variant each)")
     p.add_argument("--block", type=int, default=12,
                    help="steps per variant per group (a multiple of --every: every group of every_k then "
                         "holds the same number of fingerprints)")

@@ -64,6 +64,15 @@ template <int N>
 struct Sums {
   typename Vec<N>::U32 v0 = {}, v1 = {};
   uint32_t s0 = 0, s1 = 0;
+  // Lane l's multiplier offset from the run's first word, l * d (built once per call: a
+  // run's start-up is then one broadcast add per lane, not N inserts; runs are short).
+  typename Vec<N>::U32 lane0, lane1;
+  Sums() {
+    for (int l = 0; l < N; ++l) {
+      lane0[l] = static_cast<uint32_t>(l) * (2u * kFpIndexMul[0]);
+      lane1[l] = static_cast<uint32_t>(l) * (2u * kFpIndexMul[1]);
+    }
+  }
 };
 
 // Adds `n` consecutive words (zero-extended elements) whose first has multipliers c0, c1.
@@ -73,11 +82,7 @@ inline __attribute__((always_inline)) void run_sums(const T* w, int64_t n, uint3
   const uint32_t d0 = 2u * kFpIndexMul[0], d1 = 2u * kFpIndexMul[1];
   int64_t j = 0;
   if (n >= N) {
-    U32 m0, m1;  // the multipliers of the next N words
-    for (int l = 0; l < N; ++l) {
-      m0[l] = c0 + static_cast<uint32_t>(l) * d0;
-      m1[l] = c1 + static_cast<uint32_t>(l) * d1;
-    }
+    U32 m0 = c0 + s->lane0, m1 = c1 + s->lane1;  // the multipliers of the next N words
     const uint32_t e0 = d0 * N, e1 = d1 * N;
     U32 a0 = s->v0, a1 = s->v1;
     U32 b0 = {}, b1 = {};
