@@ -7,11 +7,12 @@
 //   split along its first axis is one run of words, however many rows it has (the make-run
 //   state's blocks average 80-word rows otherwise, and a per-row start-up would cost more
 //   than the words).
-// * The sums are kept in 16-word vector accumulators for the whole call and reduced to two
-//   words once at the end, not once per row.
-// * The loop is written with GCC/Clang vector types: each target lowers them to its widest
-//   integer vectors (SSE2, NEON, AVX2, AVX-512), and on x86-64 the whole walk is compiled once
-//   per ISA below and picked at load time (one wheel, portable, no -march).
+// * The sums are kept in N-lane vector accumulators for the whole call and reduced to two
+//   words once at the end, not once per row; a run starts with one broadcast add.
+// * The loop is written with GCC/Clang vector types, one copy per width: N = 16 (AVX-512),
+//   8 (AVX2), 4 (SSE2's and NEON's width, any other CPU). On x86-64 the copy is picked at
+//   each call from what the CPU has (one wheel, portable, no -march); ffi/tests/
+//   fingerprint_test.cc checks every copy the CPU runs against the definition.
 #include "fingerprint.h"
 
 #include <cstring>
