@@ -15,7 +15,6 @@ request. A lighthouse that does not offer sessions answers ``UNIMPLEMENTED``:
 from __future__ import annotations
 
 import itertools
-import logging
 import queue
 import threading
 
@@ -25,7 +24,6 @@ from fthsdp.control import session
 from fthsdp.proto import lighthouse as _load_stubs
 
 pb2, _ = _load_stubs()
-log = logging.getLogger("fthsdp.control.lighthouse_client")
 
 __all__ = ["SessionError", "SessionUnsupported", "SyncSession", "parse_reply"]
 
@@ -91,7 +89,6 @@ class SyncSession:
         self._waiters: dict[int, _Waiter] = {}
         self._closed = False
         self.confirmed = False  # a reply came back on the current stream (it is up, sessions are offered)
-        self.unsupported = False  # the lighthouse answered UNIMPLEMENTED
 
     def request(self, method: str, body: bytes, timeout_s: float) -> bytes:
         """Send request ``body`` of ``method`` and wait at most ``timeout_s`` for its reply's body.
@@ -153,8 +150,6 @@ class SyncSession:
             error = e
             call.cancel()
         with self._lock:
-            if isinstance(error, SessionUnsupported):
-                self.unsupported = True
             if self._call is call:
                 self._call, self._outgoing, self.confirmed = None, None, False
                 waiters, self._waiters = self._waiters, {}
