@@ -243,31 +243,60 @@ ARMS = ("off", "on", "metadata_only")
 ORDERS = ((0, 1, 2), (2, 1, 0), (1, 2, 0), (0, 2, 1), (2, 0, 1), (1, 0, 2))  # each arm first, middle, last
 
 
+def cpu_ns(pid: int) -> int:
+    """CPU time a process's live threads have run (nanoseconds; /proc/PID/task/*/schedstat)."""
+    total = 0
+    for t in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{t}/schedstat") as f:
+                total += int(f.read().split()[0])
+        except (OSError, ValueError, IndexError):  # a thread that just exited
+            pass
+    return total
+
+
 def heartbeat_paired(blocks: int, block: int, secret: bytes, budget: list[str], restarts: int = 1) -> dict:
-    """``blocks`` block triples over ``restarts`` fresh pairs of lighthouse processes."""
+    """``blocks`` block triples over ``restarts`` fresh pairs of lighthouse processes.
+
+    Beside the latencies, each block's CPU time per call of the lighthouse that answered it
+    and of this client process (all threads, from the kernel's schedstat): what each arm
+    costs in CPU, which a loaded machine cannot inflate the way it inflates latency."""
     lat: dict[int, list[list[float]]] = {m: [] for m in range(len(ARMS))}
+    cpu: dict[int, list[tuple[float, float]]] = {m: [] for m in range(len(ARMS))}
     per_restart = []
     for k in range(restarts):
-        part = heartbeat_paired_once(blocks // restarts + (1 if k < blocks % restarts else 0), block, secret, budget)
+        part, part_cpu = heartbeat_paired_once(blocks // restarts + (1 if k < blocks % restarts else 0), block,
+                                               secret, budget)
         per_restart.append(statistics.median(statistics.median(b) / statistics.median(a)
                                              for a, b in zip(part[0], part[1])))
         for m in lat:
             lat[m] += part[m]
+            cpu[m] += part_cpu[m]
     flat = {m: [x for blk in lat[m] for x in blk] for m in lat}
-    return {"blocks": blocks, "calls_per_block": block, "restarts": restarts,
-            "p50_s": {ARMS[m]: pct(flat[m], 0.5) for m in lat},
-            "p99_s": {ARMS[m]: pct(flat[m], 0.99) for m in lat},
-            "paired_p50_on_over_off": summary([statistics.median(b) / statistics.median(a)
-                                               for a, b in zip(lat[0], lat[1])], 1.10),
-            "paired_p50_metadata_only_over_off": summary([statistics.median(b) / statistics.median(a)
-                                                          for a, b in zip(lat[0], lat[2])], 1.10),
-            "per_restart_median": per_restart}
+    out = {"blocks": blocks, "calls_per_block": block, "restarts": restarts,
+           "p50_s": {ARMS[m]: pct(flat[m], 0.5) for m in lat},
+           "p99_s": {ARMS[m]: pct(flat[m], 0.99) for m in lat},
+           "paired_p50_on_over_off": summary([statistics.median(b) / statistics.median(a)
+                                              for a, b in zip(lat[0], lat[1])], 1.10),
+           "paired_p50_metadata_only_over_off": summary([statistics.median(b) / statistics.median(a)
+                                                         for a, b in zip(lat[0], lat[2])], 1.10),
+           "per_restart_median": per_restart,
+           "cpu_us_per_call": {ARMS[m]: {"lighthouse": statistics.median(c[0] for c in cpu[m]),
+                                         "client": statistics.median(c[1] for c in cpu[m])} for m in cpu}}
+    for m in (1, 2):
+        out[f"cpu_us_per_call_{ARMS[m]}_minus_off"] = {
+            side: summary([b[i] - a[i] for a, b in zip(cpu[0], cpu[m])], float("inf"))
+            for i, side in enumerate(("lighthouse", "client"))}
+    return out
 
 
-def heartbeat_paired_once(blocks: int, block: int, secret: bytes, budget: list[str]) -> dict[int, list[list[float]]]:
+def heartbeat_paired_once(blocks: int, block: int, secret: bytes,
+                          budget: list[str]) -> tuple[dict[int, list[list[float]]], dict[int, list[tuple[float, float]]]]:
     (lh_off, a_off), (lh_on, a_on) = start_lighthouse(None, *budget), start_lighthouse(secret, *budget)
     key = auth.derive(auth.job_key(secret, "hb"), "lighthouse")
     lat: dict[int, list[list[float]]] = {m: [] for m in range(len(ARMS))}
+    cpu: dict[int, list[tuple[float, float]]] = {m: [] for m in range(len(ARMS))}
+    servers = (lh_off.pid, lh_on.pid, lh_off.pid)
     try:
         chans = [grpc.insecure_channel(a, options=OPTS) for a in (a_off, a_on, a_off)]
         calls = [c.unary_unary(SERVICE + "Heartbeat", request_serializer=None, response_deserializer=None)
@@ -281,28 +310,32 @@ def heartbeat_paired_once(blocks: int, block: int, secret: bytes, budget: list[s
                 step += 1
                 body = pb2.HeartbeatRequest(protocol_version=V, job_id="hb", replica_id="0", step=step,
                                             incarnation="0" * 32).SerializeToString()
-                t0 = time.perf_counter()
                 md = None
+                if mode == 2:  # the old text credential's size ("job TIMESTAMP NONCE SIGNATURE", hex), made
+                    c = auth.sign(key, "Heartbeat", "hb", "0", body, time.time())  # off the clock: the
+                    md = ((auth.LEGACY_METADATA_KEY,  # transport alone
+                           f"job {c.timestamp:.6f} {c.nonce.hex()} {c.signature.hex()}"),)
+                t0 = time.perf_counter()
                 if mode == 1:
                     body = auth.signed_request(key, "Heartbeat", "hb", "0", body)
-                elif mode == 2:  # the old text credential's size: "job TIMESTAMP NONCE SIGNATURE", hex
-                    c = auth.sign(key, "Heartbeat", "hb", "0", body, time.time())
-                    md = ((auth.LEGACY_METADATA_KEY, f"job {c.timestamp:.6f} {c.nonce.hex()} {c.signature.hex()}"),)
                 calls[mode](body, timeout=10, metadata=md)
                 out.append(time.perf_counter() - t0)
             return out
 
         for mode in lat:  # warm-up
             run(mode, 300)
+        me = os.getpid()
         for b in range(blocks):
             for mode in ORDERS[b % len(ORDERS)]:
+                s0, c0 = cpu_ns(servers[mode]), cpu_ns(me)
                 lat[mode].append(run(mode, block))
+                cpu[mode].append(((cpu_ns(servers[mode]) - s0) / block / 1e3, (cpu_ns(me) - c0) / block / 1e3))
         for c in chans:
             c.close()
     finally:
         stop_process(lh_off)
         stop_process(lh_on)
-    return lat
+    return lat, cpu
 
 
 # -- flood ------------------------------------------------------------------------------------
@@ -559,6 +592,13 @@ def main(argv: list[str] | None = None) -> int:
               f"{h['paired_p50_on_over_off']['verdict']}; metadata alone "
               f"x{h['paired_p50_metadata_only_over_off']['median']:.3f} "
               f"(CI {h['paired_p50_metadata_only_over_off']['median_ci95']})", flush=True)
+        cm = h["cpu_us_per_call_on_minus_off"]
+        print(f"heartbeat CPU per call, on minus off: lighthouse {cm['lighthouse']['median']:+.1f} us "
+              f"(CI {cm['lighthouse']['median_ci95'][0]:+.1f}..{cm['lighthouse']['median_ci95'][1]:+.1f}), client "
+              f"{cm['client']['median']:+.1f} us (CI {cm['client']['median_ci95'][0]:+.1f}.."
+              f"{cm['client']['median_ci95'][1]:+.1f}); off: lighthouse "
+              f"{h['cpu_us_per_call']['off']['lighthouse']:.0f} us, client {h['cpu_us_per_call']['off']['client']:.0f} us",
+              flush=True)
         out["quorum"] = []
         for n in counts:
             r = quorum_paired(n, rounds, args.procs, args.timeout, secret, budget, restarts)

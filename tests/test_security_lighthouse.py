@@ -71,10 +71,12 @@ def test_the_credential_travels_last_in_the_request_and_signs_what_precedes_it()
     assert list(parsed.ftar_addresses) == ["h:1"] * 300
     # protobuf's own encoding of the field, appended
     assert data[len(body):] == pb2.StatusRequest(credential=parsed.credential).SerializeToString()
-    part, cred = auth.split_signed(data)
-    assert bytes(part) == body and cred == auth.Credential.decode(parsed.credential)
+    covered, cred = auth.split_signed(data)  # the signature (the last 32 bytes) covers all before it
+    assert bytes(covered) == data[:-32] and cred == auth.Credential.decode(parsed.credential)
     assert cred.kind == "job" and cred.timestamp == 1000.0 and len(cred.nonce) == 16
-    assert auth.verify(key, cred, "GetQuorum", "j", "r0", part)
+    assert auth.verify_split(key, "GetQuorum", "j", "r0", covered, cred)
+    assert auth.verify(key, cred, "GetQuorum", "j", "r0", body)  # the same check from the unsigned request
+    assert not auth.verify_split(key, "GetQuorum", "j", "r1", covered, cred)
     # no credential, one not last, or of an unknown kind: nothing to check
     assert auth.split_signed(body) is None
     assert auth.split_signed(data + b"\x20\x01") is None

@@ -37,7 +37,6 @@ import os
 import secrets
 import struct
 import time
-from collections import OrderedDict
 from typing import NamedTuple
 
 __all__ = [
@@ -251,17 +250,16 @@ def hmac_sha256(key: bytes, msg: bytes) -> bytes:
     return o.digest()
 
 
-def _mac(key: bytes, method: str, job_id: str, replica_id: str, fields: bytes, body: bytes | memoryview) -> bytes:
-    # The ids, each prefixed with its length in characters (they are arbitrary text), the
-    # fixed-size signed fields, then the request's bytes (the rest): no two different calls
-    # give the same bytes. One f-string and three hash updates: this runs on the
-    # lighthouse's event loop for every call.
-    head = f"fthsdp call v2\0{len(method)}:{method}{len(job_id)}:{job_id}{len(replica_id)}:{replica_id}".encode()
+def _mac(key: bytes, method: str, job_id: str, replica_id: str, covered: bytes | memoryview) -> bytes:
+    # The ids, each prefixed with its length in characters (they are arbitrary text), then
+    # the request's bytes up to its signature (the rest: its fields, the credential field's
+    # head, kind, timestamp and nonce): no two different calls give the same bytes. Few
+    # calls on purpose: this runs on the lighthouse's event loop for every request, where
+    # each Python-level call costs far more than in a hot loop (experiments/auth_cost.py).
     inner, outer = _PADS.get(key)
     i = inner.copy()
-    i.update(head)
-    i.update(fields)
-    i.update(body)
+    i.update(f"fthsdp call v2\0{len(method)}:{method}{len(job_id)}:{job_id}{len(replica_id)}:{replica_id}".encode())
+    i.update(covered)
     o = outer.copy()
     o.update(i.digest())
     return o.digest()
@@ -296,15 +294,16 @@ def sign(key: bytes, method: str, job_id: str, replica_id: str, body: bytes | me
     key); ``body``: the request's bytes before the credential field."""
     nonce = nonce if nonce is not None else _NONCES.next()
     ts = round(timestamp * 1e6)
-    sig = _mac(key, method, job_id, replica_id, _SIGNED_FIELDS.pack(_KIND_BYTES[kind], ts, nonce), body)
-    return tuple.__new__(Credential, (kind, ts, nonce, sig))
+    covered = b"".join((body, _FIELD_HEAD, _SIGNED_FIELDS.pack(_KIND_BYTES[kind], ts, nonce)))
+    return tuple.__new__(Credential, (kind, ts, nonce, _mac(key, method, job_id, replica_id, covered)))
 
 
 def verify(key: bytes, cred: Credential, method: str, job_id: str, replica_id: str,
            body: bytes | memoryview) -> bool:
-    """Whether ``cred`` signs this call with ``key`` (constant-time comparison)."""
-    fields = _SIGNED_FIELDS.pack(_KIND_BYTES[cred.kind], cred.timestamp_us, cred.nonce)
-    return hmac.compare_digest(_mac(key, method, job_id, replica_id, fields, body), cred.signature)
+    """Whether ``cred`` signs this call, whose request's bytes before the credential field are
+    ``body``, with ``key`` (constant-time comparison)."""
+    covered = b"".join((body, _FIELD_HEAD, _SIGNED_FIELDS.pack(_KIND_BYTES[cred.kind], cred.timestamp_us, cred.nonce)))
+    return hmac.compare_digest(_mac(key, method, job_id, replica_id, covered), cred.signature)
 
 
 def signed_request(key: bytes, method: str, job_id: str, replica_id: str, body: bytes, kind: str = "job",
@@ -313,16 +312,21 @@ def signed_request(key: bytes, method: str, job_id: str, replica_id: str, body: 
 
     Appending a field to a serialized protobuf message is a valid encoding of the
     message with that field set, so the lighthouse parses the whole as usual and checks
-    the signature over what precedes the field (:func:`split_signed`)."""
-    c = sign(key, method, job_id, replica_id, body, time.time() if now is None else now, kind=kind)
-    return body + _FIELD_HEAD + c.encode()
+    the signature, the last 32 bytes, over what precedes it (:func:`split_signed`)."""
+    ts = round((time.time() if now is None else now) * 1e6)
+    covered = b"".join((body, _FIELD_HEAD, _SIGNED_FIELDS.pack(_KIND_BYTES[kind], ts, _NONCES.next())))
+    return covered + _mac(key, method, job_id, replica_id, covered)
+
+
+SIGNATURE_BYTES = 32
 
 
 def split_signed(data: bytes) -> tuple[memoryview, Credential] | None:
-    """``(the signed bytes, the credential)`` of a request as received, or None when it does
-    not end with a well-formed credential field (no credential, or one fthsdp did not
-    encode). The signed bytes are a view, not a copy: a large replica's quorum request is
-    megabytes."""
+    """``(the bytes the signature covers, the credential)`` of a request as received: the
+    request up to its last 32 bytes, which are the signature; None when it does not end
+    with a well-formed credential field (no credential, or one fthsdp did not encode).
+    A view, not a copy: a large replica's quorum request is megabytes. Check it with
+    :func:`verify_split`."""
     n = len(data) - TAIL_BYTES
     if n < 0 or data[n:n + len(_FIELD_HEAD)] != _FIELD_HEAD:
         return None
@@ -330,7 +334,13 @@ def split_signed(data: bytes) -> tuple[memoryview, Credential] | None:
     name = _KIND_NAMES.get(kind)
     if name is None:
         return None
-    return memoryview(data)[:n], tuple.__new__(Credential, (name, ts, nonce, sig))
+    return memoryview(data)[:-SIGNATURE_BYTES], tuple.__new__(Credential, (name, ts, nonce, sig))
+
+
+def verify_split(key: bytes, method: str, job_id: str, replica_id: str, covered: memoryview,
+                 cred: Credential) -> bool:
+    """:func:`verify` of a request as :func:`split_signed` split it (no bytes rebuilt)."""
+    return hmac.compare_digest(_mac(key, method, job_id, replica_id, covered), cred.signature)
 
 
 class ReplayCache:
@@ -355,7 +365,7 @@ class ReplayCache:
         self.window_s = window_s
         self.capacity = capacity
         self._width = window_s / self.SLICES
-        self._slices: dict[int, OrderedDict[str, float]] = {}  # slice (timestamp // width) -> nonce -> timestamp
+        self._slices: dict[int, dict] = {}  # slice (timestamp // width) -> nonce -> timestamp
         self._count = 0
         self._oldest: int | None = None  # the smallest slice index held
         self.floor = -float("inf")  # calls with timestamp <= floor are refused
@@ -367,39 +377,50 @@ class ReplayCache:
         self._count -= len(self._slices.pop(index))
         self._oldest = min(self._slices) if self._slices else None
 
-    def check_and_add(self, nonce: str, timestamp: float, now: float) -> str | None:
-        """None when fresh (and remembered); otherwise why it is refused."""
-        if abs(timestamp - now) > self.window_s:
+    _TOO_OLD = ("the call is too old to be checked for replay while the lighthouse is flooded: retry it "
+                "(a fresh nonce and timestamp)")
+
+    def check_and_add(self, nonce: bytes | str, timestamp: float, now: float) -> str | None:
+        """None when fresh (and remembered); otherwise why it is refused. (Every accepted call
+        runs this on the lighthouse's event loop: the common path is kept to few operations.)"""
+        if not -self.window_s <= timestamp - now <= self.window_s:
             return (f"timestamp is {timestamp - now:+.1f} s from the lighthouse's clock (window ±{self.window_s:g} s): "
                     "synchronise the clocks (NTP) of this host and the lighthouse's")
-        if self._oldest is not None and (self._oldest + 1) * self._width < now - self.window_s:
+        oldest = self._oldest
+        if oldest is not None and (oldest + 1) * self._width < now - self.window_s:
             for i in [i for i in self._slices if (i + 1) * self._width < now - self.window_s]:
                 self._drop(i)  # wholly outside the window
-        too_old = ("the call is too old to be checked for replay while the lighthouse is flooded: retry it "
-                   "(a fresh nonce and timestamp)")
         if timestamp <= self.floor:
-            return too_old
+            return self._TOO_OLD
         index = int(timestamp // self._width)
         seen = self._slices.get(index)
         if seen is None:
-            seen = self._slices[index] = OrderedDict()
+            seen = self._slices[index] = {}  # insertion-ordered: the oldest arrival first
             if self._oldest is None or index < self._oldest:
                 self._oldest = index
         elif nonce in seen:
             return "nonce already used: a replayed call (each call must carry a fresh nonce)"
         seen[nonce] = timestamp
         self._count += 1
+        if self._count > self.capacity:
+            return self._evict(nonce, timestamp)
+        return None
+
+    def _evict(self, nonce: bytes | str, timestamp: float) -> str | None:
+        """Drop the oldest nonces down to capacity, raising ``floor`` past them; refuses the call
+        just added if it was dropped or is now below the floor."""
         dropped_self = False
         while self._count > self.capacity:
             oldest = self._slices[self._oldest]
-            n, t = oldest.popitem(last=False)
+            n = next(iter(oldest))
+            t = oldest.pop(n)
             self._count -= 1
             self.floor = max(self.floor, t)
             dropped_self = dropped_self or n == nonce
             if not oldest:
                 self._drop(self._oldest)
         if dropped_self or timestamp <= self.floor:
-            return too_old
+            return self._TOO_OLD
         return None
 
 

@@ -341,6 +341,11 @@ def peer_host(peer: str) -> str:
     return peer
 
 
+def _where(method: str, job_id: str, replica_id: str) -> str:
+    """The call a refusal names (built only when refusing: an accepted call pays nothing for it)."""
+    return f"{method} of job {job_id!r}" + (f" replica {replica_id!r}" if replica_id else "")
+
+
 class CallAuthenticator:
     """Checks each call's credential against the lighthouse secret (None: authentication off).
 
@@ -382,8 +387,8 @@ class CallAuthenticator:
         none but carries a credential in gRPC metadata, as older clients sent it."""
         if self.secret is None:
             return None
-        where = f"{method} of job {job_id!r}" + (f" replica {replica_id!r}" if replica_id else "")
         if signed is None:
+            where = _where(method, job_id, replica_id)
             if malformed:
                 return Refusal(UNAUTHENTICATED, (
                     f"{where}: malformed credential (the credential field must be the request's last field, "
@@ -399,25 +404,25 @@ class CallAuthenticator:
                 f"{where} carries no credential: this lighthouse requires one. Replicas: give the launcher the "
                 f"job's secret (fthsdp run generates it; --secret-file, ${auth.SECRET_FILE_ENV}); fthsdp status: "
                 "--status-key-file or --secret-file (see the README's Security section)"))
-        body, cred = signed
+        covered, cred = signed
         if cred.kind == "status":
             if method != "Status":
-                return Refusal(DENIED, f"{where} is signed with the read-only status key, which may call Status "
-                                       "only: a replica needs its job's secret")
+                return Refusal(DENIED, f"{_where(method, job_id, replica_id)} is signed with the read-only status "
+                                       "key, which may call Status only: a replica needs its job's secret")
             key = self._status_key
         else:  # "job" (split_signed knows no other kind)
             if not job_id:
-                return Refusal(DENIED, f"{where}: a job's secret reads that job only: name it (--job), or use the "
-                                       "lighthouse's status key to list every job")
+                return Refusal(DENIED, f"{_where(method, job_id, replica_id)}: a job's secret reads that job only: "
+                                       "name it (--job), or use the lighthouse's status key to list every job")
             key = self.job_call_key(job_id)
-        if not auth.verify(key, cred, method, job_id, replica_id, body):
+        if not auth.verify_split(key, method, job_id, replica_id, covered, cred):
             return Refusal(UNAUTHENTICATED, (
-                f"{where}: the credential does not verify: the caller's secret is not this lighthouse's key for "
-                f"this job (another lighthouse's secret, another job's, or a stale one): give the replicas the "
-                "secret of this lighthouse and job"))
-        why = self.replays.check_and_add(cred.nonce, cred.timestamp, time.time() if now is None else now)
+                f"{_where(method, job_id, replica_id)}: the credential does not verify: the caller's secret is not "
+                "this lighthouse's key for this job (another lighthouse's secret, another job's, or a stale one): "
+                "give the replicas the secret of this lighthouse and job"))
+        why = self.replays.check_and_add(cred.nonce, cred.timestamp_us / 1e6, time.time() if now is None else now)
         if why is not None:
-            return Refusal(UNAUTHENTICATED, f"{where}: {why}")
+            return Refusal(UNAUTHENTICATED, f"{_where(method, job_id, replica_id)}: {why}")
         return None
 
 
