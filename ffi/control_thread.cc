@@ -181,6 +181,13 @@ std::vector<PeerViolation> RingEndpoint::take_violations() {
 RingStats RingEndpoint::stats() {
   std::lock_guard<std::mutex> lk(mu_);
   RingStats s = stats_;
+  constexpr auto relaxed = std::memory_order_relaxed;
+  s.chunk_mac_ns = p_check_mac_ns_.load(relaxed);
+  s.chunk_macs = p_check_macs_.load(relaxed);
+  for (const auto& c : p_out_) {
+    s.chunk_mac_ns += c.mac_ns.load(relaxed);
+    s.chunk_macs += c.macs.load(relaxed);
+  }
   switch (state_) {
     case State::kUnconfigured: s.state = "unconfigured"; break;
     case State::kConnecting: s.state = "connecting"; break;
@@ -831,7 +838,11 @@ void RingEndpoint::on_in(size_t i, short revents) {
       }
       const tcp::ChunkHeader& h = s.header;
       if (!key_.empty()) {
-        if (!wire::check_chunk_tag(s.conn_key, s.seq, h)) {
+        const int64_t mac_from = now_ns();
+        const bool tag_ok = wire::check_chunk_tag(s.conn_key, s.seq, h);
+        p_check_mac_ns_.fetch_add(now_ns() - mac_from, std::memory_order_relaxed);
+        p_check_macs_.fetch_add(1, std::memory_order_relaxed);
+        if (!tag_ok) {
           violation(left(), "unauthenticated chunk header (its MAC does not verify under this connection's key)");
           return;
         }
@@ -1072,7 +1083,14 @@ void RingEndpoint::Sender::loop() {
       if (cv_.wait_for(lk, delay_, [&] { return stop_; })) return;
     }
     // Tagged here, in the order chunks leave on this connection (the receiver counts the same).
-    if (!key_.empty()) wire::tag_chunk(key_, seq_++, &item.header);
+    if (!key_.empty()) {
+      const auto mac_from = Clock::now();
+      wire::tag_chunk(key_, seq_++, &item.header);
+      counters_->mac_ns.fetch_add(
+          std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - mac_from).count(),
+          std::memory_order_relaxed);
+      counters_->macs.fetch_add(1, std::memory_order_relaxed);
+    }
     if (wake_->corrupt_this_chunk()) item.header.magic ^= 0x1;  // test hook, off by default
     size_t sent = 0;
     const size_t total = sizeof(item.header) + item.bytes;

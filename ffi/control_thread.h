@@ -113,6 +113,10 @@ struct RingStats {
   int64_t configures = 0;
   int64_t refused_handshakes = 0;
   int64_t violations = 0;
+  // Time spent tagging (senders) and checking (receiver) chunk headers with a key, since
+  // creation: authentication's whole per-chunk cost, measured where it runs.
+  int64_t chunk_mac_ns = 0;
+  int64_t chunk_macs = 0;
   std::string state;
   std::string last_error;
 };
@@ -188,6 +192,8 @@ class RingEndpoint {
   struct StreamCounters {
     std::atomic<int64_t> bytes{0};
     std::atomic<int64_t> busy_ns{0};
+    std::atomic<int64_t> mac_ns{0};  // tagging chunk headers (with a key)
+    std::atomic<int64_t> macs{0};
   };
   class Sender {
    public:
@@ -358,6 +364,8 @@ class RingEndpoint {
   std::atomic<int64_t> p_op_start_ns_{0};
   std::atomic<int64_t> p_last_recv_ns_{0};
   std::array<StreamCounters, kMaxStreams> p_out_{};
+  std::atomic<int64_t> p_check_mac_ns_{0};  // checking received chunk headers (control thread)
+  std::atomic<int64_t> p_check_macs_{0};
   std::array<std::atomic<int64_t>, kMaxStreams> p_in_bytes_{};
 };
 

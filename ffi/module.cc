@@ -94,6 +94,8 @@ NB_MODULE(_ffi, m) {
       d["configures"] = s.configures;
       d["refused_handshakes"] = s.refused_handshakes;
       d["violations"] = s.violations;
+      d["chunk_mac_ns"] = s.chunk_mac_ns;
+      d["chunk_macs"] = s.chunk_macs;
       d["last_error"] = s.last_error;
       out.append(d);
     }

@@ -149,6 +149,15 @@ def test_authenticated_ring_sums_and_tags_every_chunk():
         for q in (1,):
             assert_ring_sums(a, b, q)
         assert a.stats()[0]["violations"] == b.stats()[0]["violations"] == 0
+        # every chunk tagged by its sender and checked by its receiver, timed where it ran
+        # (what experiments/ftar_bandwidth.py --paired-auth reports as authentication's cost)
+        sa, sb = a.stats()[0], b.stats()[0]
+        assert sa["chunk_macs"] == sb["chunk_macs"] > 0 and sa["chunk_mac_ns"] > 0 and sb["chunk_mac_ns"] > 0
+    c, d = pair(key=b"", chunk_bytes=256)
+    with c, d:
+        assert all(configure_both(c, d, 1))
+        assert_ring_sums(c, d, 1)
+        assert c.stats()[0]["chunk_macs"] == d.stats()[0]["chunk_mac_ns"] == 0  # no key: no MAC
 
 
 def test_slot_hijack_before_configure_is_refused_and_the_ring_forms():
