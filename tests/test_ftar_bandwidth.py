@@ -40,5 +40,7 @@ def test_quick_benchmark_writes_rows_and_skips_missing_peers(tmp_path, repo_root
     assert [len(paired["times_s"][k]) for k in ("plain", "auth", "plain_b")] == [2, 2, 2]
     assert paired["auth_bw_ratio"]["n"] == paired["aa_control_bw_ratio"]["n"] == 2
     assert paired["auth_bw_ratio"]["median"] > 0 and 0 < paired["mac_bound_fraction"] < 1
+    # 8 MiB in 1 MiB chunks between two ranks: each sends 8 and receives 8, all tagged and checked
+    assert paired["mac_in_situ"]["macs_per_op"] == 32 and 0 < paired["mac_in_situ"]["fraction_of_op"] < 1
     assert [s["system"] for s in res["skipped"]] == ["gloo"] and "not found" in res["skipped"][0]["reason"]
     assert out.with_suffix(".png").stat().st_size > 1000
