@@ -27,7 +27,11 @@
     block pair's ratio of medians. A third arm, ``metadata_only``, sends the
     unauthenticated lighthouse a credential-sized gRPC metadata entry (which
     it ignores): what carrying the credential in metadata, as fthsdp did
-    before, cost by itself.
+    before, cost by itself. Each block also records the CPU time per call of
+    the lighthouse that answered it and of the client process (the kernel's
+    schedstat, all threads): ``cpu_us_per_call`` and the paired differences
+    on minus off. On a loaded machine a call's Python code runs several times
+    slower than in a hot loop (``cpu`` below): this is what it costs there.
   - quorum: N replicas emulated as asyncio tasks over a few client processes
     (one TCP connection per replica and lighthouse) ask for the quorum of the
     same step, round after round; a round pair's ratio of the request p50
