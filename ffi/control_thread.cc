@@ -347,6 +347,10 @@ void RingEndpoint::fail(const std::string& reason, bool fatal) {
 }
 
 void RingEndpoint::finish_op(OpStatus status, bool fatal, const std::string& reason) {
+  // The progress view leaves the op before its waiter is woken: a caller that reads
+  // progress() right after its all-reduce returned must not still see it running.
+  p_in_op_.store(false, std::memory_order_relaxed);
+  p_sends_queued_.store(0, std::memory_order_relaxed);
   {
     std::lock_guard<std::mutex> lk(mu_);
     op_->done = true;
@@ -363,8 +367,6 @@ void RingEndpoint::finish_op(OpStatus status, bool fatal, const std::string& rea
     if (status != OpStatus::kOk || fatal) stats_.last_error = reason;
     op_->cv.notify_all();
   }
-  p_in_op_.store(false, std::memory_order_relaxed);
-  p_sends_queued_.store(0, std::memory_order_relaxed);
   op_.reset();
   sched_.reset();
   lanes_.clear();
