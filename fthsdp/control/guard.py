@@ -12,11 +12,13 @@ credential that may not do this).
 
 The checks are pure functions over plain values and protobuf messages
 (:func:`request_problem`, :class:`CallAuthenticator`, :class:`NewIdRate`,
-:func:`incarnation_problem`); :func:`generic_handler` is the only piece that
-touches gRPC: it keeps each request's raw bytes (the credential, the request's
-last field, signs the bytes before it),
-turns a body that is not protobuf into ``INVALID_ARGUMENT`` (grpc's own
-deserializer answered ``UNKNOWN``), and runs the checks before the servicer.
+:func:`incarnation_problem`). :class:`CallGate` runs them in their one order in
+front of every request, whatever carries it (a unary call here, a session
+message in :mod:`fthsdp.control.session`). :func:`generic_handler` is the only
+piece that touches gRPC: it keeps each request's raw bytes (the credential, the
+request's last field, signs the bytes before it), turns a body that is not
+protobuf into ``INVALID_ARGUMENT`` (grpc's own deserializer answered
+``UNKNOWN``), and runs the gate before the servicer.
 """
 
 from __future__ import annotations
@@ -27,7 +29,8 @@ import math
 import re
 import time
 from collections import OrderedDict
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import grpc
 
@@ -39,7 +42,7 @@ from fthsdp.timeouts import LIGHTHOUSE_MAX_HOLD_S
 log = logging.getLogger("fthsdp.control.lighthouse")
 
 __all__ = ["Limits", "Refusal", "request_problem", "KnownAddresses", "CallAuthenticator", "NewIdRate",
-           "incarnation_problem", "generic_handler"]
+           "incarnation_problem", "CallGate", "generic_handler"]
 
 INVALID = grpc.StatusCode.INVALID_ARGUMENT
 EXHAUSTED = grpc.StatusCode.RESOURCE_EXHAUSTED
@@ -470,65 +473,95 @@ async def _hold(admission: Admission, decision, held) -> None:
             admission.release(held)
 
 
-def generic_handler(pb2, servicer, authenticator: CallAuthenticator, limits: Limits, response_serializer,
-                    admission: Admission | None = None, job_size=lambda job_id: 0):
-    """The Lighthouse service's handlers with the checks in front of each method.
+@dataclass
+class CallGate:
+    """The checks in front of every request, in their one order, each cheaper than the next:
+    the connection's budget (before the body is parsed: a request over it is held, idle, or
+    refused), the body's shape (:func:`request_problem`), the credential, then the job's budget
+    (``job_size(job_id)``: its registered replicas). Transport-free: a unary call
+    (:func:`generic_handler`) and a session message (:mod:`fthsdp.control.session`) pass the
+    same gate, so the two paths cannot drift apart. A refusal of a malformed or
+    unauthenticated request is charged to its connection (:meth:`charge`)."""
 
-    In order, each cheaper than the next: the connection's budget (``admission``, before
-    the body is parsed: a call over it is held, idle, or refused), the body's shape
-    (:func:`request_problem`), the credential, then the job's budget (``job_size(job_id)``:
-    its registered replicas). ``servicer.<Method>(request, context)`` then only sees
-    well-formed, authenticated requests within budget (the job-state checks: replicas per
-    job, jobs, incarnations, live in the servicer, which holds that state).
+    authenticator: CallAuthenticator
+    limits: Limits
+    admission: Admission | None = None
+    job_size: Callable[[str], int] = lambda job_id: 0
+    known: KnownAddresses = field(default_factory=lambda: KnownAddresses())  # FTAR endpoints found well-formed
+
+    def charge(self, peer: str) -> None:
+        """A refused request costs its connection more than an accepted one (a flood of garbage parks)."""
+        if self.admission is not None:
+            self.admission.refused(peer, time.monotonic())
+
+    async def connection(self, peer: str, hold_bound: float) -> Refusal | None:
+        """The connection's budget: None, after holding the request if it must wait, or the refusal."""
+        if self.admission is None:
+            return None
+        decision, held = self.admission.connection(peer, time.monotonic(), hold_bound)
+        await _hold(self.admission, decision, held)
+        return Refusal(EXHAUSTED, decision.refusal) if decision.refusal else None
+
+    async def request(self, method: str, req, data: bytes, peer: str, hold_bound: Callable[[], float],
+                      legacy_metadata: Callable[[], bool] = lambda: False) -> Refusal | None:
+        """The parsed request ``req`` of ``method`` (its bytes ``data``, which the credential signs):
+        its limits, its credential, then its job's budget. ``legacy_metadata()`` is asked only for
+        a request without a credential in its body (whether it carries an older client's one in
+        gRPC metadata, for the refusal's advice)."""
+        err = request_problem(method, req, self.limits, self.known)  # a module global: traced by the emulation
+        if err:
+            self.charge(peer)
+            return Refusal(INVALID, err)
+        if self.authenticator.enabled:
+            signed = auth.split_signed(data)
+            refusal = self.authenticator.check(
+                method, req.job_id, getattr(req, "replica_id", ""), signed,
+                malformed=signed is None and bool(req.credential),
+                legacy_metadata=signed is None and not req.credential and legacy_metadata())
+            if refusal is not None:
+                self.charge(peer)
+                return refusal
+        if self.admission is not None and req.job_id:
+            decision, held = self.admission.job(req.job_id, self.job_size(req.job_id), time.monotonic(), hold_bound())
+            await _hold(self.admission, decision, held)
+            if decision.refusal:
+                return Refusal(EXHAUSTED, decision.refusal)
+        return None
+
+
+def generic_handler(pb2, servicer, gate: CallGate, response_serializer):
+    """The Lighthouse service's handlers with the :class:`CallGate` in front of each method.
+
+    ``servicer.<Method>(request, context)`` then only sees well-formed, authenticated requests
+    within budget (the job-state checks: replicas per job, jobs, incarnations, live in the
+    servicer, which holds that state).
     """
     service = pb2.DESCRIPTOR.services_by_name["Lighthouse"]
-    known = KnownAddresses()  # FTAR endpoints found well-formed (the same ones arrive with every request)
 
-    def refuse(context, code: grpc.StatusCode, reason: str) -> bytes:
+    def refuse(context, refusal: Refusal) -> bytes:
         # Set the status and return, instead of context.abort: abort raises through grpc's
         # handler machinery, which made each refusal several times dearer than an answer
         # (a flood of refused calls then slowed every other job far more; experiments/auth_cost.py).
-        context.set_code(code)
-        context.set_details(reason)
+        context.set_code(refusal.code)
+        context.set_details(refusal.reason)
         return b""
 
     def guarded(name: str, type_name: str, inner):
         async def handle(raw: _Raw, context: grpc.aio.ServicerContext):
             peer = context.peer() or ""
-            if admission is not None:
-                decision, held = admission.connection(peer, time.monotonic(), _hold_bound(context))
-                await _hold(admission, decision, held)
-                if decision.refusal:
-                    return refuse(context, EXHAUSTED, decision.refusal)
+            refusal = await gate.connection(peer, _hold_bound(context))
+            if refusal is not None:
+                return refuse(context, refusal)
             req = raw.message
             if req is None:
-                if admission is not None:
-                    admission.refused(peer, time.monotonic())
-                return refuse(context, INVALID, (
+                gate.charge(peer)
+                return refuse(context, Refusal(INVALID, (
                     f"the {name} request body is not a valid {type_name} protobuf message "
-                    f"({raw.error}): send fthsdp's lighthouse protocol (fthsdp/proto/lighthouse.proto)"))
-            err = request_problem(name, req, limits, known)
-            if err:
-                if admission is not None:
-                    admission.refused(peer, time.monotonic())
-                return refuse(context, INVALID, err)
-            refusal = None
-            if authenticator.enabled:
-                signed = auth.split_signed(raw.data)
-                refusal = authenticator.check(
-                    name, req.job_id, getattr(req, "replica_id", ""), signed,
-                    malformed=signed is None and bool(req.credential),
-                    legacy_metadata=signed is None and not req.credential and _has_legacy_credential(context))
+                    f"({raw.error}): send fthsdp's lighthouse protocol (fthsdp/proto/lighthouse.proto)")))
+            refusal = await gate.request(name, req, raw.data, peer, lambda: _hold_bound(context),
+                                         lambda: _has_legacy_credential(context))
             if refusal is not None:
-                if admission is not None:
-                    admission.refused(peer, time.monotonic())
-                return refuse(context, refusal.code, refusal.reason)
-            if admission is not None and req.job_id:
-                decision, held = admission.job(req.job_id, job_size(req.job_id), time.monotonic(),
-                                               _hold_bound(context))
-                await _hold(admission, decision, held)
-                if decision.refusal:
-                    return refuse(context, EXHAUSTED, decision.refusal)
+                return refuse(context, refusal)
             return await inner(req, context)
         return handle
 

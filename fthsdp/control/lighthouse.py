@@ -612,10 +612,9 @@ class Lighthouse(pb2_grpc.LighthouseServicer):
         # Limits and credentials are checked in front of every handler (fthsdp.control.guard);
         # _wire is every response serializer (a reply built once arrives as bytes).
         # The session stream (fthsdp.control.session): the same calls as messages of one stream per process.
-        self._server.add_generic_rpc_handlers((guard.generic_handler(pb2, self, self._auth, c.limits, _wire,
-                                                                self._admission, self._job_size),
-                                               session.generic_handler(self, self._auth, c.limits,
-                                                                       self._admission, self._job_size)))
+        gate = guard.CallGate(self._auth, c.limits, self._admission, self._job_size)  # one for both transports
+        self._server.add_generic_rpc_handlers((guard.generic_handler(pb2, self, gate, _wire),
+                                               session.generic_handler(self, gate)))
         if c.secret is None:
             log.warning("lighthouse on %s serves WITHOUT authentication (loopback only): anyone on this machine "
                         "can join, steer or read its jobs", c.bind)

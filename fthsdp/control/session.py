@@ -42,8 +42,7 @@ import time
 
 import grpc
 
-from fthsdp.control import auth, guard
-from fthsdp.control.admission import Admission
+from fthsdp.control import guard
 from fthsdp.proto import lighthouse as _load_stubs
 from fthsdp.timeouts import LIGHTHOUSE_MAX_HOLD_S
 
@@ -126,29 +125,19 @@ class _Session:
                 return
 
 
-def generic_handler(lighthouse, authenticator: guard.CallAuthenticator, limits: guard.Limits,
-                    admission: Admission | None = None, job_size=lambda job_id: 0) -> grpc.GenericRpcHandler:
+def generic_handler(lighthouse, gate: guard.CallGate) -> grpc.GenericRpcHandler:
     """The ``LighthouseSession`` service of ``lighthouse`` (a :class:`fthsdp.control.lighthouse.Lighthouse`):
-    each message checked as :func:`fthsdp.control.guard.generic_handler` checks a unary call,
-    then handed to the lighthouse's ``accept_quorum_request`` / ``accept_heartbeat``."""
+    each message passes the same :class:`fthsdp.control.guard.CallGate` as a unary call, then is
+    handed to the lighthouse's ``accept_quorum_request`` / ``accept_heartbeat``."""
     from fthsdp.control.lighthouse import Refused, answer_wait_s  # the servicer's module imports this one
 
-    known = guard.KnownAddresses()
     stats = lighthouse.stats
     parsers = {m: getattr(pb2, t).FromString for m, t in SESSION_METHODS.items()}
-    loop_time = time.monotonic
 
     def refused(s: _Session, seq: int, code: grpc.StatusCode, reason: str, charge: bool = True) -> None:
-        if charge and admission is not None:
-            admission.refused(s.peer, loop_time())
+        if charge:
+            gate.charge(s.peer)
         s.send(reply(seq, code=code, details=reason))
-
-    async def hold(decision, held) -> None:
-        if decision.wait_s > 0:
-            try:
-                await asyncio.sleep(decision.wait_s)
-            finally:
-                admission.release(held)
 
     def answered(s: _Session, seq: int, request, fut: asyncio.Future) -> None:
         """The decision completed ``fut``: push the answer (or the refusal) to the session."""
@@ -184,13 +173,10 @@ def generic_handler(lighthouse, authenticator: guard.CallAuthenticator, limits: 
 
     async def message(s: _Session, raw: bytes) -> None:
         """One message, checked in the unary call's order; its reply goes to the outbox."""
-        if admission is not None:
-            bound = LIGHTHOUSE_MAX_HOLD_S
-            decision, held = admission.connection(s.peer, loop_time(), bound)
-            await hold(decision, held)
-            if decision.refusal:
-                msg = _parse_envelope(raw)
-                return refused(s, msg.seq if msg is not None else 0, guard.EXHAUSTED, decision.refusal, False)
+        refusal = await gate.connection(s.peer, LIGHTHOUSE_MAX_HOLD_S)
+        if refusal is not None:
+            msg = _parse_envelope(raw)
+            return refused(s, msg.seq if msg is not None else 0, refusal.code, refusal.reason, False)
         msg = _parse_envelope(raw)
         if msg is None:
             return refused(s, 0, guard.INVALID, (
@@ -207,20 +193,10 @@ def generic_handler(lighthouse, authenticator: guard.CallAuthenticator, limits: 
             return refused(s, seq, guard.INVALID, (
                 f"the {name} body of session message {seq} is not a valid {SESSION_METHODS[name]} protobuf "
                 f"message ({type(e).__name__}: {str(e)[:200]}): send fthsdp's lighthouse protocol"))
-        err = guard.request_problem(name, req, limits, known)
-        if err:
-            return refused(s, seq, guard.INVALID, err)
-        if authenticator.enabled:  # the credential is the body's last field, as in a unary call
-            signed = auth.split_signed(msg.body)
-            refusal = authenticator.check(name, req.job_id, req.replica_id, signed,
-                                          malformed=signed is None and bool(req.credential))
-            if refusal is not None:
-                return refused(s, seq, refusal.code, refusal.reason)
-        if admission is not None and req.job_id:
-            decision, held = admission.job(req.job_id, job_size(req.job_id), loop_time(), LIGHTHOUSE_MAX_HOLD_S)
-            await hold(decision, held)
-            if decision.refusal:
-                return refused(s, seq, guard.EXHAUSTED, decision.refusal, False)
+        # The credential is the body's last field, as in a unary call (the gate charges its refusals).
+        refusal = await gate.request(name, req, msg.body, s.peer, lambda: LIGHTHOUSE_MAX_HOLD_S)
+        if refusal is not None:
+            return refused(s, seq, refusal.code, refusal.reason, False)
         if s.closed:
             return
         now = time.monotonic()
