@@ -106,6 +106,22 @@ def test_failed_allreduce_on_any_shard_leaves_state_bitwise_untouched(bad_shard)
     assert int(new.step) == 0
 
 
+def test_a_step_that_does_not_commit_returns_its_input_learning_rate_included():
+    """With a warm-up the rate differs at every step: a failed step must not leave the rate it
+    would have used in the state it returns (the optimizer's hyperparameters were once written
+    into the input state's dict while tracing, so the returned state carried the new rate)."""
+    import dataclasses
+
+    cfg = dataclasses.replace(CFG, optim=OptimConfig(lr=1e-2, warmup_steps=10, decay="constant"))
+    ok = make_train_step(cfg, replica_mesh(4))
+    state, _ = ok.step(ok.init(0), *_batch(ok), make_quorum_inputs())  # step 1: the state holds step 0's rate
+    failing = make_train_step(cfg, replica_mesh(4), allreduce=_failing_allreduce(1))
+    before = _tree_bytes(state)
+    new, m = failing.step(state, *_batch(failing, 1), make_quorum_inputs())
+    assert not bool(m["committed"]) and float(m["lr"]) != float(state.opt_state.hyperparams["learning_rate"])
+    assert _tree_bytes(new) == before
+
+
 def test_retrying_the_update_with_held_gradients_is_bitwise_identical(ts4):
     """Retrying only the all-reduce + update with held gradients == retraining the step.
 

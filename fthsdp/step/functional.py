@@ -177,8 +177,10 @@ def make_train_step(
 
         scale = intervention.lr_scale(quorum.lr_mode, quorum.num_contributing, quorum.num_configured, xp=jnp)
         lr = schedule(state.step) * scale
-        opt_state = state.opt_state
-        opt_state.hyperparams["learning_rate"] = jnp.asarray(lr, jnp.float32)
+        # A new hyperparams dict, not the input's written into: a step that does not commit
+        # must return its input state bit for bit, learning rate included.
+        opt_state = state.opt_state._replace(
+            hyperparams={**state.opt_state.hyperparams, "learning_rate": jnp.asarray(lr, jnp.float32)})
         updates, new_opt = tx.update(mean, opt_state, state.params)
         new_params = optax.apply_updates(state.params, updates)
         new_state = TrainState(state.step + 1, new_params, new_opt)
