@@ -1081,12 +1081,13 @@ class Lighthouse(pb2_grpc.LighthouseServicer):
         return None
 
     async def _refuse_unless_admitted(self, request, context, now: float) -> None:
-        refusal = self._admit(request, context.peer() or "", now)
-        if refusal is not None:
-            self.stats["refused"] += 1
-            await context.abort(refusal.code, refusal.reason)
+        try:
+            self._admitted(request, context.peer() or "", now)
+        except Refused as e:
+            await context.abort(e.code, e.reason)
 
     def _admitted(self, request, peer: str, now: float) -> None:
+        """:meth:`_admit`, counted and raised as :class:`Refused` when it refuses."""
         refusal = self._admit(request, peer, now)
         if refusal is not None:
             self.stats["refused"] += 1

@@ -51,7 +51,7 @@ import grpc
 
 from fthsdp.control import auth, quorum as qm
 from fthsdp.control.session import SESSION_METHODS
-from fthsdp.control.session_client import SessionUnsupported, SyncSession
+from fthsdp.control.session_client import SessionUnsupported, SyncSession, beat_covered
 from fthsdp.observe.phase import Phase, PhaseSnapshot, StreamReport
 from fthsdp.errors import JobFatalError
 from fthsdp.proto import LIGHTHOUSE_PROTOCOL_VERSION, lighthouse as _load_stubs
@@ -782,13 +782,10 @@ class LighthouseClient:
         return self._heard_beat(sent, resp)
 
     def _beat(self) -> HeartbeatReply | None:
-        """The heartbeat thread's beat, and its reply; None when skipped: a leader (one process,
-        registering nothing) on a session whose quorum request went out less than an interval
-        ago, which the lighthouse counts as this beat (fewer messages while steps are fast;
-        a stopped leader is still judged by the time of its last request or beat)."""
-        s = self._session
-        if (s is not None and s.confirmed and self.process_index == 0 and self.registration.endpoints is None
-                and time.monotonic() - self._asked_at < self.heartbeat_interval_s):
+        """The heartbeat thread's beat, and its reply; None when its last quorum request
+        counts as this beat (:func:`fthsdp.control.session_client.beat_covered`)."""
+        if beat_covered(self._session, self.process_index, self.registration.endpoints is not None,
+                        time.monotonic() - self._asked_at, self.heartbeat_interval_s):
             return None
         return self.heartbeat()
 

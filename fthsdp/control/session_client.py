@@ -25,7 +25,7 @@ from fthsdp.proto import lighthouse as _load_stubs
 
 pb2, _ = _load_stubs()
 
-__all__ = ["SessionError", "SessionUnsupported", "SyncSession", "parse_reply"]
+__all__ = ["SessionError", "SessionUnsupported", "SyncSession", "parse_reply", "beat_covered"]
 
 
 class SessionError(grpc.RpcError):
@@ -47,6 +47,16 @@ class SessionError(grpc.RpcError):
 
 class SessionUnsupported(SessionError):
     """The lighthouse offers no session stream (an older one): use unary calls."""
+
+
+def beat_covered(session, process_index: int, registers: bool, since_asked_s: float, interval_s: float) -> bool:
+    """Whether a heartbeat due now may be skipped: a replica's leader (process 0) on a confirmed
+    ``session`` (a reply came back on it), registering nothing, that sent a quorum request less
+    than ``interval_s`` ago, which the lighthouse counts as this beat (fewer messages while steps
+    are fast; a stopped leader is still judged by the time of its last request or beat). The one
+    rule of the threaded client and the emulation's asyncio client."""
+    return (session is not None and session.confirmed and process_index == 0 and not registers
+            and since_asked_s < interval_s)
 
 
 def parse_reply(raw: bytes):

@@ -34,7 +34,8 @@ from dataclasses import dataclass
 import grpc
 
 from fthsdp.control import quorum as qm, session as sess
-from fthsdp.control.session_client import SessionError, SessionUnsupported, parse_reply, stream_error
+from fthsdp.control.session_client import (SessionError, SessionUnsupported, beat_covered, parse_reply,
+                                           stream_error)
 from fthsdp.replica.fsm import membership
 from fthsdp.control.lighthouse_client import (
     HeartbeatReply,
@@ -401,9 +402,8 @@ class AioLighthouseClient:
         """One heartbeat and its reply. A leader on a session that sent a quorum request less than
         ``skip_within_s`` ago skips the beat and returns None (the lighthouse counts the request
         as one; the synchronous client's heartbeat thread does the same)."""
-        s = self.session
-        if (s is not None and s.confirmed and self.process_index == 0 and self.registration.endpoints is None
-                and time.perf_counter() - self.asked_at < skip_within_s):
+        if beat_covered(self.session, self.process_index, self.registration.endpoints is not None,
+                        time.perf_counter() - self.asked_at, skip_within_s):
             return None
         last = self.last_quorum
         req = pb2.HeartbeatRequest(protocol_version=LIGHTHOUSE_PROTOCOL_VERSION, job_id=self.job_id,
