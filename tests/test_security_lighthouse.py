@@ -16,11 +16,12 @@ import subprocess
 import sys
 import threading
 import time
+from concurrent import futures
 
 import grpc
 import pytest
 
-from fthsdp.control import auth, guard
+from fthsdp.control import auth, guard, lighthouse_client
 from fthsdp.control.lighthouse import LighthouseConfig, LighthouseThread, pb2
 from fthsdp.control.lighthouse_client import (InvalidLighthouseRequest, JobNotFound, LighthouseClient,
                                               NotAuthorized, ReplicaIdHeld)
@@ -679,3 +680,90 @@ def test_attacks_are_refused_and_a_real_job_beside_them_is_unharmed(tmp_path):
     exactly_once(tmp_path, run)
     log = (tmp_path / "lighthouse.log").read_text()
     assert "ghost" not in log and "xxxxxxxx" not in log and "new job 'other-job'" not in log
+
+
+# -- a client newer than its lighthouse -----------------------------------------------------
+
+# What a lighthouse from before the credential field answered a call without a credential in
+# gRPC metadata (fthsdp/control/guard.py before the field existed, word for word).
+OLDER_LIGHTHOUSE_REFUSAL = (
+    "Heartbeat of job 'job' replica '0' carries no credential: this lighthouse requires one. Replicas: give the "
+    "launcher the job's secret (fthsdp run generates it; --secret-file, $FTHSDP_JOB_SECRET_FILE); fthsdp status: "
+    "--status-key-file or --secret-file (see the README's Security section)")
+
+
+def test_the_older_lighthouse_advice_fires_only_for_a_signed_call_refused_for_lack_of_a_credential():
+    advice = lighthouse_client.older_lighthouse_advice
+    u = grpc.StatusCode.UNAUTHENTICATED
+    text = advice(True, u, OLDER_LIGHTHOUSE_REFUSAL)
+    assert "older than this client" in text and "upgrade fthsdp on the lighthouse" in text
+    assert f"({auth.CREDENTIAL_FIELD})" in text and OLDER_LIGHTHOUSE_REFUSAL in text  # its own words kept
+    assert advice(False, u, OLDER_LIGHTHOUSE_REFUSAL) is None  # unsigned: the refusal is right
+    assert advice(True, grpc.StatusCode.PERMISSION_DENIED, OLDER_LIGHTHOUSE_REFUSAL) is None
+    assert advice(True, u, "Heartbeat of job 'job': the credential does not verify: ...") is None
+    # a current lighthouse's refusal names the field: it read the request and found none there
+    current = guard.CallAuthenticator(auth.new_secret()).check("Heartbeat", "job", "0", None)
+    assert "carries no credential" in current.reason and advice(True, u, current.reason) is None
+
+
+def test_a_signed_client_told_no_credential_by_an_older_lighthouse_is_told_to_upgrade_it():
+    """A real gRPC server on loopback answering as a lighthouse from before field 130 did (it
+    skips the field as unknown and finds nothing in metadata); the session stream it does not
+    offer (UNIMPLEMENTED), so the client falls back to unary calls, as with that lighthouse."""
+    seen: list[bytes] = []
+
+    def heartbeat(data: bytes, context: grpc.ServicerContext) -> bytes:
+        seen.append(data)
+        context.abort(grpc.StatusCode.UNAUTHENTICATED, OLDER_LIGHTHOUSE_REFUSAL)
+
+    server = grpc.server(futures.ThreadPoolExecutor(2))
+    server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler("fthsdp.v1.Lighthouse", {
+        "Heartbeat": grpc.unary_unary_rpc_method_handler(heartbeat)})])
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        signed = LighthouseClient(f"127.0.0.1:{port}", "job", 0, key=auth.new_secret(), rpc_timeout_s=5.0)
+        unsigned = LighthouseClient(f"127.0.0.1:{port}", "job", 0, rpc_timeout_s=5.0)
+        try:
+            with pytest.raises(NotAuthorized, match="older than this client") as ei:
+                signed.heartbeat(0)
+            assert "upgrade fthsdp on the lighthouse" in str(ei.value)
+            assert auth.split_signed(seen[-1]) is not None  # the call did carry its credential
+            with pytest.raises(NotAuthorized) as ei:
+                unsigned.heartbeat(0)
+            assert "older than this client" not in str(ei.value) and "carries no credential" in str(ei.value)
+        finally:
+            signed.close()
+            unsigned.close()
+    finally:
+        server.stop(0)
+
+
+def test_the_one_step_check_of_a_job_signed_request_agrees_with_the_full_check():
+    secret = auth.new_secret()
+    key = auth.derive(auth.job_key(secret, "j"), "lighthouse")
+    req = pb2.HeartbeatRequest(protocol_version=V, job_id="j", replica_id="0", step=3)
+    body = req.SerializeToString()
+    good = auth.signed_request(key, "Heartbeat", "j", "0", body, now=1000.0)
+    ts, nonce = auth.verify_job_request(key, "Heartbeat", "j", "0", good)
+    cred = auth.split_signed(good)[1]
+    assert (ts, nonce) == (cred.timestamp_us, cred.nonce) == (1_000_000_000, cred.nonce)
+    flipped = bytearray(good)
+    flipped[4] ^= 1
+    assert auth.verify_job_request(key, "Heartbeat", "j", "0", bytes(flipped)) is False
+    assert auth.verify_job_request(key, "Heartbeat", "j", "1", good) is False  # another replica's
+    assert auth.verify_job_request(key, "GetQuorum", "j", "0", good) is False  # another method's
+    assert auth.verify_job_request(key, "Heartbeat", "j", "0", body) is None  # unsigned: the full check says why
+    status = auth.signed_request(auth.status_key(secret), "Heartbeat", "j", "0", body, kind="status")
+    assert auth.verify_job_request(key, "Heartbeat", "j", "0", status) is None
+    # through the authenticator: the same verdicts as check(), replay included
+    checker = guard.CallAuthenticator(secret)
+    fresh = auth.signed_request(key, "Heartbeat", "j", "0", body)
+    assert checker.check_request("Heartbeat", req, fresh) is None
+    assert "replayed" in checker.check_request("Heartbeat", req, fresh).reason
+    assert "does not verify" in checker.check_request("Heartbeat", req, bytes(flipped)).reason
+    assert "read-only status key" in checker.check_request("Heartbeat", req, status).reason
+    assert "carries no credential" in checker.check_request("Heartbeat", req, body).reason
+    other = pb2.HeartbeatRequest(protocol_version=V, job_id="k", replica_id="0", step=3)  # j's key, k's request
+    assert "does not verify" in checker.check_request(
+        "Heartbeat", other, auth.signed_request(key, "Heartbeat", "k", "0", other.SerializeToString())).reason

@@ -349,6 +349,13 @@ def _where(method: str, job_id: str, replica_id: str) -> str:
     return f"{method} of job {job_id!r}" + (f" replica {replica_id!r}" if replica_id else "")
 
 
+def _does_not_verify(method: str, job_id: str, replica_id: str) -> Refusal:
+    return Refusal(UNAUTHENTICATED, (
+        f"{_where(method, job_id, replica_id)}: the credential does not verify: the caller's secret is not "
+        "this lighthouse's key for this job (another lighthouse's secret, another job's, or a stale one): "
+        "give the replicas the secret of this lighthouse and job"))
+
+
 class CallAuthenticator:
     """Checks each call's credential against the lighthouse secret (None: authentication off).
 
@@ -379,6 +386,28 @@ class CallAuthenticator:
                 self._keys.popitem(last=False)
         return key
 
+    def check_request(self, method: str, req, data: bytes,
+                      legacy_metadata: Callable[[], bool] = lambda: False) -> Refusal | None:
+        """:meth:`check` of the parsed request ``req`` of ``method`` as received (``data``).
+
+        A replica's request signed with its job's key, the one every heartbeat and quorum
+        request is, is checked in one step (:func:`auth.verify_job_request`) and its nonce
+        remembered; anything else (no credential, the status key's, a malformed one, a bad
+        signature) goes through :meth:`check`, which says why. Same checks, same order."""
+        job_id = req.job_id
+        replica_id = getattr(req, "replica_id", "")
+        if job_id:
+            key = self._keys.get(job_id) or self.job_call_key(job_id)
+            ok = auth.verify_job_request(key, method, job_id, replica_id, data)
+            if ok:
+                why = self.replays.check_and_add(ok[1], ok[0] / 1e6, time.time())
+                return None if why is None else Refusal(UNAUTHENTICATED, f"{_where(method, job_id, replica_id)}: {why}")
+            if ok is False:
+                return _does_not_verify(method, job_id, replica_id)
+        signed = auth.split_signed(data)
+        return self.check(method, job_id, replica_id, signed, malformed=signed is None and bool(req.credential),
+                          legacy_metadata=signed is None and not req.credential and legacy_metadata())
+
     def check(self, method: str, job_id: str, replica_id: str,
               signed: tuple[memoryview, auth.Credential] | None, now: float | None = None, *,
               malformed: bool = False, legacy_metadata: bool = False) -> Refusal | None:
@@ -404,7 +433,8 @@ class CallAuthenticator:
                     f"{auth.CREDENTIAL_FIELD}): upgrade fthsdp on the replicas (or status reader) to the "
                     "lighthouse's version"))
             return Refusal(UNAUTHENTICATED, (
-                f"{where} carries no credential: this lighthouse requires one. Replicas: give the launcher the "
+                f"{where} carries no credential (none in the request's credential field "
+                f"{auth.CREDENTIAL_FIELD}): this lighthouse requires one. Replicas: give the launcher the "
                 f"job's secret (fthsdp run generates it; --secret-file, ${auth.SECRET_FILE_ENV}); fthsdp status: "
                 "--status-key-file or --secret-file (see the README's Security section)"))
         covered, cred = signed
@@ -419,10 +449,7 @@ class CallAuthenticator:
                                        "name it (--job), or use the lighthouse's status key to list every job")
             key = self.job_call_key(job_id)
         if not auth.verify_split(key, method, job_id, replica_id, covered, cred):
-            return Refusal(UNAUTHENTICATED, (
-                f"{_where(method, job_id, replica_id)}: the credential does not verify: the caller's secret is not "
-                "this lighthouse's key for this job (another lighthouse's secret, another job's, or a stale one): "
-                "give the replicas the secret of this lighthouse and job"))
+            return _does_not_verify(method, job_id, replica_id)
         why = self.replays.check_and_add(cred.nonce, cred.timestamp_us / 1e6, time.time() if now is None else now)
         if why is not None:
             return Refusal(UNAUTHENTICATED, f"{_where(method, job_id, replica_id)}: {why}")
@@ -512,12 +539,8 @@ class CallGate:
         if err:
             self.charge(peer)
             return Refusal(INVALID, err)
-        if self.authenticator.enabled:
-            signed = auth.split_signed(data)
-            refusal = self.authenticator.check(
-                method, req.job_id, getattr(req, "replica_id", ""), signed,
-                malformed=signed is None and bool(req.credential),
-                legacy_metadata=signed is None and not req.credential and legacy_metadata())
+        if self.authenticator.secret is not None:
+            refusal = self.authenticator.check_request(method, req, data, legacy_metadata)
             if refusal is not None:
                 self.charge(peer)
                 return refusal

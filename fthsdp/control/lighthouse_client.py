@@ -142,6 +142,24 @@ _CHANNEL_OPTIONS = [
 _REPLY_TYPES = {"GetQuorum": pb2.QuorumResponse, "Heartbeat": pb2.HeartbeatResponse}
 
 
+def older_lighthouse_advice(signed: bool, code: grpc.StatusCode | None, details: str) -> str | None:
+    """What to say instead when a lighthouse older than this client refused a signed call.
+
+    This client signs in the request's credential field (field 130, fthsdp.control.auth); a
+    lighthouse from before that field reads the credential from gRPC metadata, skips the field
+    as unknown and answers that the call "carries no credential", which sends an operator
+    hunting for a secret the replicas do have. A current lighthouse names the field in that
+    refusal, so a refusal of a signed call that does not is an older lighthouse's: None when
+    the refusal is anything else."""
+    if (signed and code == grpc.StatusCode.UNAUTHENTICATED and "carries no credential" in details
+            and f"field {auth.CREDENTIAL_FIELD}" not in details):
+        return (f"the lighthouse is older than this client: it looks for the credential in gRPC metadata and does "
+                f"not know the request's credential field ({auth.CREDENTIAL_FIELD}) that this client signs in, so it "
+                "found none (the secret is not the problem): upgrade fthsdp on the lighthouse to this client's "
+                f"version, or run the replicas with the lighthouse's version (it answered: {details})")
+    return None
+
+
 def backoff_delays(first_s: float = 0.05, cap_s: float = 0.5, factor: float = 2.0):
     """Retry delays: exponential from ``first_s``, capped at ``cap_s`` (a restart
     is noticed within ``cap_s``; an outage costs the lighthouse a few RPCs per second per replica)."""
@@ -606,7 +624,8 @@ class LighthouseClient:
         if code == grpc.StatusCode.PERMISSION_DENIED and "held by another live process" in details:
             return ReplicaIdHeld(f"{what} refused by {where}: {details}", code)
         if code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
-            return NotAuthorized(f"{what} refused by {where}: {details}", code)
+            older = older_lighthouse_advice(self._call_key is not None or self._status_key is not None, code, details)
+            return NotAuthorized(f"{what} refused by {where}: {older or details}", code)
         if code == grpc.StatusCode.UNAVAILABLE:
             return LighthouseUnavailable(
                 f"{what}: cannot reach {where}: {details}; is `fthsdp lighthouse` running at that address?", code
