@@ -26,8 +26,9 @@
     a fixed per-call cost shows most), in blocks of 50 per lighthouse; a
     block pair's ratio of medians. A third arm, ``metadata_only``, sends the
     unauthenticated lighthouse a credential-sized gRPC metadata entry (which
-    it ignores): what carrying the credential in metadata, as fthsdp did
-    before, cost by itself. Each block also records the CPU time per call of
+    it ignores; a fresh one per call, made before the block is timed, so
+    neither the clock nor the CPU columns include making it): what carrying
+    the credential in metadata, as fthsdp did before, cost by itself. Each block also records the CPU time per call of
     the lighthouse that answered it and of the client process (the kernel's
     schedstat, all threads): ``cpu_us_per_call`` and the paired differences
     on minus off. On a loaded machine a call's Python code runs several times
@@ -307,18 +308,25 @@ def heartbeat_paired_once(blocks: int, block: int, secret: bytes,
                  for c in chans]
         step = 0
 
-        def run(mode: int, count: int) -> list[float]:
+        def dummies(mode: int, count: int) -> list:
+            """The metadata arm's per-call entries, made before its block is timed (clock and CPU):
+            the old text credential's size and shape ("job TIMESTAMP NONCE SIGNATURE", hex), a
+            fresh one per call as before (a repeated value would be cheaper: HPACK indexes it)."""
+            if mode != 2:
+                return [None] * count
+            out = []
+            for k in range(count):
+                c = auth.sign(key, "Heartbeat", "hb", "0", b"%d" % k, time.time())
+                out.append(((auth.LEGACY_METADATA_KEY, f"job {c.timestamp:.6f} {c.nonce.hex()} {c.signature.hex()}"),))
+            return out
+
+        def run(mode: int, count: int, mds: list | None = None) -> list[float]:
             nonlocal step
             out = []
-            for _ in range(count):
+            for md in (mds if mds is not None else dummies(mode, count)):
                 step += 1
                 body = pb2.HeartbeatRequest(protocol_version=V, job_id="hb", replica_id="0", step=step,
                                             incarnation="0" * 32).SerializeToString()
-                md = None
-                if mode == 2:  # the old text credential's size ("job TIMESTAMP NONCE SIGNATURE", hex), made
-                    c = auth.sign(key, "Heartbeat", "hb", "0", body, time.time())  # off the clock: the
-                    md = ((auth.LEGACY_METADATA_KEY,  # transport alone
-                           f"job {c.timestamp:.6f} {c.nonce.hex()} {c.signature.hex()}"),)
                 t0 = time.perf_counter()
                 if mode == 1:
                     body = auth.signed_request(key, "Heartbeat", "hb", "0", body)
@@ -331,8 +339,9 @@ def heartbeat_paired_once(blocks: int, block: int, secret: bytes,
         me = os.getpid()
         for b in range(blocks):
             for mode in ORDERS[b % len(ORDERS)]:
+                mds = dummies(mode, block)
                 s0, c0 = cpu_ns(servers[mode]), cpu_ns(me)
-                lat[mode].append(run(mode, block))
+                lat[mode].append(run(mode, block, mds))
                 cpu[mode].append(((cpu_ns(servers[mode]) - s0) / block / 1e3, (cpu_ns(me) - c0) / block / 1e3))
         for c in chans:
             c.close()
