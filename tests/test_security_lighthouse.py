@@ -767,3 +767,26 @@ def test_the_one_step_check_of_a_job_signed_request_agrees_with_the_full_check()
     other = pb2.HeartbeatRequest(protocol_version=V, job_id="k", replica_id="0", step=3)  # j's key, k's request
     assert "does not verify" in checker.check_request(
         "Heartbeat", other, auth.signed_request(key, "Heartbeat", "k", "0", other.SerializeToString())).reason
+
+
+@pytest.mark.parametrize("size", [0, 100, 4000, 5000, 100_000])  # both sides of the native path's bound
+def test_native_and_hashlib_macs_sign_and_check_the_same_bytes(size, monkeypatch):
+    import hashlib
+    import hmac
+
+    key = auth.derive(auth.job_key(auth.new_secret(), "j"), "lighthouse")
+    body = pb2.HeartbeatRequest(protocol_version=V, job_id="j", replica_id="0", metrics_address="x" * size,
+                                step=1).SerializeToString()
+    prefix = b"fthsdp call v2\x009:Heartbeat1:j1:0"
+    assert auth._native_hmac is not None  # the extension is built with the package
+    native = auth.signed_request(key, "Heartbeat", "j", "0", body, now=5.0)
+    assert native[-32:] == hmac.new(key, prefix + native[:-32], hashlib.sha256).digest()
+    monkeypatch.setattr(auth, "_native_hmac", None)  # as without the extension
+    plain = auth.signed_request(key, "Heartbeat", "j", "0", body, now=5.0)
+    assert plain[-32:] == hmac.new(key, prefix + plain[:-32], hashlib.sha256).digest()
+    for data in (native, plain):
+        assert auth.verify_job_request(key, "Heartbeat", "j", "0", data)[0] == 5_000_000
+    monkeypatch.undo()
+    for data in (native, plain):
+        assert auth.verify_job_request(key, "Heartbeat", "j", "0", data)[0] == 5_000_000
+        assert auth.verify_job_request(key, "Heartbeat", "j", "1", data) is False
