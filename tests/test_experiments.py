@@ -80,3 +80,18 @@ def test_fingerprint_cost_quick(tmp_path):
         assert d["verdict"] in ("met", "not met", "undecided")
     assert res["target_met"] == res["in_step_overhead_cpu"]["verdict"]
     assert 0 < res["work_fraction_of_step_cpu"]["median"] < 0.2 and res["state_bytes"] > 5e6
+
+
+def test_fingerprint_parts_quick(tmp_path):
+    """experiments/fingerprint_parts.py at its smallest: every diagnostic variant runs, the jax
+    reference form gives the native kernel's value in the step, a device's own words (no psum)
+    do not, and the bare psum is timed."""
+    out = tmp_path / "parts.json"
+    run("fingerprint_parts.py", "--quick", "--out", str(out))
+    res = json.loads(out.read_text())
+    assert set(res["overhead_cpu"]) == {"in_step", "no_psum", "psum_only", "reference"}
+    for d in (*res["overhead_cpu"].values(), res["psum_minus_no_psum_cpu"]):
+        assert d["n"] == 3 and d["ci95"][0] <= d["median"] <= d["ci95"][1]
+    assert res["check"]["reference_equals_in_step"] is True
+    assert res["check"]["no_psum_fp_device0"] != res["check"]["in_step_fp"]
+    assert res["bare_psum"]["calls"] == 100 and res["bare_psum"]["wall_s"] > 0
