@@ -59,6 +59,21 @@ TARGET = 0.01
 sys.path.insert(0, str(REPO))
 
 
+
+def timed_step(ts, state, batch, quorum) -> tuple[object, float, float]:
+    """One committed step as the Manager runs it (gradients, update, the commit read):
+    (new state, wall s, CPU s). Shared with experiments/fingerprint_parts.py so that both
+    time exactly the same thing."""
+    from fthsdp.step import fingerprint as fpm  # lazily, as main() does (jax starts with it)
+
+    x, y = batch
+    t0, c0 = time.perf_counter(), time.process_time()
+    grads, _ = ts.compute_grads(state, x, y)
+    state, m = ts.apply_grads(state, grads, quorum)
+    committed = fpm.read_commit(m["commit_words"])[0] if "commit_words" in m else bool(m["committed"])
+    assert committed, "the timed step did not commit"
+    return state, time.perf_counter() - t0, time.process_time() - c0
+
 def median_ci(xs: list[float], bound: float) -> dict:
     """Median of ``xs`` with a distribution-free 95% confidence interval (order statistics of
     Binomial(n, 1/2)), and the verdict on ``median <= bound``."""
@@ -136,18 +151,8 @@ def main(argv: list[str] | None = None) -> int:
 
     def one(variant: str, i: int) -> tuple[float, float]:
         """One step as the Manager runs it: (wall, CPU) seconds."""
-        ts = steps[variant]
-        x, y = batches[i % len(batches)]
-        t0, c0 = time.perf_counter(), time.process_time()
-        grads, _ = ts.compute_grads(states[variant], x, y)
-        state, m = ts.apply_grads(states[variant], grads, quorum)
-        if "commit_words" in m:
-            committed, _ = fpm.read_commit(m["commit_words"])
-        else:
-            committed = bool(m["committed"])
-        assert committed
-        states[variant] = state
-        return time.perf_counter() - t0, time.process_time() - c0
+        states[variant], wall, cpu = timed_step(steps[variant], states[variant], batches[i % len(batches)], quorum)
+        return wall, cpu
 
     def fp_loop() -> tuple[float, float]:
         t0, c0 = time.perf_counter(), time.process_time()

@@ -60,7 +60,7 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "experiments"))
 
-from fingerprint_cost import TARGET, cpu_isa, median_ci  # noqa: E402
+from fingerprint_cost import TARGET, cpu_isa, median_ci, timed_step  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -129,15 +129,8 @@ def main(argv: list[str] | None = None) -> int:
     batches = None
 
     def one(variant: str, i: int) -> tuple[float, float]:
-        ts = steps[variant]
-        x, y = batches[i % len(batches)]
-        t0, c0 = time.perf_counter(), time.process_time()
-        grads, _ = ts.compute_grads(states[variant], x, y)
-        state, m = ts.apply_grads(states[variant], grads, quorum)
-        committed = fpm.read_commit(m["commit_words"])[0] if "commit_words" in m else bool(m["committed"])
-        assert committed
-        states[variant] = state
-        return time.perf_counter() - t0, time.process_time() - c0
+        states[variant], wall, cpu = timed_step(steps[variant], states[variant], batches[i % len(batches)], quorum)
+        return wall, cpu
 
     for v in variants:  # each variant traced with its own fingerprint function in place
         functional.state_fingerprint = fps[v] or real_fp
