@@ -161,7 +161,8 @@ NB_MODULE(_ffi, m) {
           const auto d = fthsdp::crypto::hmac_sha256(key.c_str(), key.size(), data.c_str(), data.size());
           return nb::bytes(reinterpret_cast<const char*>(d.data()), d.size());
         },
-        "HMAC-SHA256 of FTAR's own implementation (for cross-checks against hashlib).");
+        "HMAC-SHA256 with FTAR's own SHA-256: the lighthouse and its clients MAC requests up to 4 KiB with it "
+        "(fthsdp.control.auth; one native call is cheaper than hashlib's keyed state there).");
   m.def("ftar_allreduce_host",
         [](int32_t h, int32_t shard, int64_t quorum_id, int32_t rank, int32_t n,
            nb::ndarray<nb::c_contig, nb::device::cpu> a) {

@@ -87,6 +87,21 @@ class Refusal:
     reason: str
 
 
+class Refused(Exception):
+    """A request refused with a gRPC status code and the reason: the unary call aborts with
+    them, a session message is answered with them (fthsdp.control.session).
+
+    Defined here, not in the lighthouse's module: that module also runs as a program
+    (``python -m fthsdp.control.lighthouse``), and a class defined in a module run so
+    exists twice, so that the session handler's ``except`` missed the lighthouse's
+    refusals: each became an INTERNAL error with no sequence number, and the request it
+    refused waited for its deadline instead."""
+
+    def __init__(self, code: grpc.StatusCode, reason: str) -> None:
+        super().__init__(reason)
+        self.code, self.reason = code, reason
+
+
 # A control character (< 32, 127) or any character str.isspace() calls a space (re's \s is
 # exactly that set for str patterns): one C-level search instead of a Python loop per character.
 _BAD_CHAR = re.compile(r"[\x00-\x1f\x7f\s]")
@@ -264,6 +279,9 @@ def _endpoints_problem(req, limits: Limits, who: str, required: bool,
     if len(req.ftar_addresses) > req.local_world_size:
         return (f"ftar_addresses has {len(req.ftar_addresses)} entries but local_world_size is "
                 f"{req.local_world_size} ({who}): send one FTAR endpoint (host:port) per shard of this process")
+    if required and req.endpoints_held and (req.ftar_addresses or req.state_server_address):
+        return (f"endpoints_held is set but the request also carries ftar_addresses or state_server_address "
+                f"({who}): send the endpoints, or leave them out and set endpoints_held, not both")
     fresh = known is None or not known.cover(req.ftar_addresses)
     for k, a in enumerate(req.ftar_addresses if fresh else ()):
         if known is not None and a in known:

@@ -54,7 +54,7 @@ from fthsdp.control.session import SESSION_METHODS
 from fthsdp.control.session_client import SessionUnsupported, SyncSession, beat_covered
 from fthsdp.observe.phase import Phase, PhaseSnapshot, StreamReport
 from fthsdp.errors import JobFatalError
-from fthsdp.proto import LIGHTHOUSE_PROTOCOL_VERSION, lighthouse as _load_stubs
+from fthsdp.proto import ENDPOINTS_NOT_HELD, LIGHTHOUSE_PROTOCOL_VERSION, lighthouse as _load_stubs
 
 pb2, pb2_grpc = _load_stubs()
 log = logging.getLogger("fthsdp.control.lighthouse_client")
@@ -207,6 +207,49 @@ class Registration:
         """A heartbeat reply: held stops the sending, not held starts it again."""
         if sent is not None and sent is self.endpoints:
             self.held = addresses_registered
+
+
+@dataclass
+class HeldEndpoints:
+    """Whether a leader's quorum requests may leave its endpoints out (``endpoints_held``).
+
+    A leader sends its shards' FTAR endpoints and its state server with every quorum
+    request; at 196 shards per process that is 196 addresses the lighthouse read and
+    checked again each step, a fifth of its CPU per round at 512 replicas. Once a
+    lighthouse has answered a request that carried them with ``endpoints_omittable``,
+    it keeps them, and the next requests with the same endpoints set ``endpoints_held``
+    instead. A lighthouse that no longer holds them (restarted) refuses with
+    ``ENDPOINTS_NOT_HELD``; :meth:`lost` then makes the request go out whole again. An
+    older lighthouse never says ``endpoints_omittable``, so it always gets them. One rule
+    for the synchronous :class:`LighthouseClient` and the emulation's asyncio client.
+    """
+
+    held: tuple[tuple[str, ...], str] | None = None  # (ftar addresses, state server) the lighthouse keeps
+
+    def fill(self, req: pb2.QuorumRequest, ftar_addresses: Sequence[str], state_server_address: str
+             ) -> tuple[tuple[str, ...], str]:
+        """Put the endpoints into ``req``, or ``endpoints_held`` when the lighthouse keeps these
+        very ones; returns what the request speaks for (pass it to :meth:`heard`)."""
+        ep = (tuple(ftar_addresses), state_server_address)
+        if ep == self.held:
+            req.endpoints_held = True
+        else:
+            req.ftar_addresses.extend(ep[0])
+            req.state_server_address = ep[1]
+        return ep
+
+    def heard(self, sent: tuple[tuple[str, ...], str], endpoints_omittable: bool) -> None:
+        """An answer to a request that spoke for ``sent``."""
+        self.held = sent if endpoints_omittable else None
+
+    def lost(self) -> None:
+        """The lighthouse said it does not hold them: send them with the next request."""
+        self.held = None
+
+
+def endpoints_not_held(code, details: str | None) -> bool:
+    """Whether a refusal is the lighthouse's ``ENDPOINTS_NOT_HELD`` (send the endpoints again)."""
+    return code == grpc.StatusCode.FAILED_PRECONDITION and (details or "").startswith(ENDPOINTS_NOT_HELD)
 
 
 @dataclass(frozen=True)
@@ -562,6 +605,7 @@ class LighthouseClient:
         # answered (its newest entries go with every request: a restarted lighthouse
         # rebuilds the job's lineage fence from them, rule 6 of fthsdp.control.quorum).
         self.lineage = qm.Lineage(limit=qm.LINEAGE_REPORTED)
+        self._held_endpoints = HeldEndpoints()  # may the quorum requests leave the endpoints out
         # Set by leave() when the lighthouse found this replica's final state forked from
         # the job's lineage: (the step the lineage re-decided, why).
         self.forked: tuple[int, str] | None = None
@@ -664,8 +708,6 @@ class LighthouseClient:
             job_id=self.job_id,
             replica_id=self.replica_id,
             step=step,
-            ftar_addresses=list(ftar_addresses),
-            state_server_address=state_server_address,
             local_world_size=(len(ftar_addresses) * self.num_processes if local_world_size is None
                               else local_world_size),
             commit_failed=commit_failed,
@@ -683,6 +725,9 @@ class LighthouseClient:
             accepts_members_omitted=True,
             lineage=qm.lineage_report(self.lineage),
         )
+        whole = pb2.QuorumRequest()
+        whole.CopyFrom(req)
+        sent = self._held_endpoints.fill(req, ftar_addresses, state_server_address)
         down_since: float | None = None
         delays = backoff_delays()
         held_until = time.monotonic() + timeout_s
@@ -691,6 +736,14 @@ class LighthouseClient:
                 resp = self._call("GetQuorum", req, timeout_s)
                 break
             except grpc.RpcError as e:
+                if req.endpoints_held and endpoints_not_held(getattr(e, "code", lambda: None)(),
+                                                             getattr(e, "details", lambda: "")()):
+                    log.info("lighthouse %s does not hold this replica's endpoints (it restarted); sending them",
+                             self.address)
+                    self._held_endpoints.lost()
+                    req = whole
+                    self._held_endpoints.fill(req, ftar_addresses, state_server_address)
+                    continue
                 err = self._error(f"get_quorum(step={step})", e, timeout_s)
             if isinstance(err, ReplicaIdHeld) and time.monotonic() < held_until:
                 # A restart that came back before its old process was declared dead: wait that out.
@@ -715,6 +768,7 @@ class LighthouseClient:
             took = time.monotonic() - down_since
             self.outages.append((time.time() - took, took))
             log.warning("lighthouse %s reachable again after %.2fs; step %d goes on", self.address, took, step)
+        self._held_endpoints.heard(sent, resp.endpoints_omittable)
         if resp.job_finished:
             raise JobFinished(
                 f"job {self.job_id!r} already finished at step {resp.finished_step} (lighthouse {self.address}); "
@@ -725,9 +779,7 @@ class LighthouseClient:
         elif resp.quorum.rings_omitted:
             q = keep_rings(q, self.last_quorum)
         if self.replica_id in q.member_ids:
-            newest = self.lineage.entries[-1][0] if self.lineage.entries else 0
-            if q.quorum_id > newest:  # ids only rise; an older one would make the report invalid
-                self.lineage = self.lineage.after(q.quorum_id, q.max_step)
+            self.lineage = self.lineage.answered(q.quorum_id, q.max_step)
             self.last_quorum = q
         return q
 

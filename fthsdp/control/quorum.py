@@ -377,6 +377,12 @@ class Lineage:
             entries = entries[len(entries) - self.limit:]
         return Lineage(tuple(entries), dropped, self.limit)
 
+    def answered(self, quorum_id: int, step: int) -> "Lineage":
+        """A member's own lineage once it is answered quorum ``quorum_id`` at max step ``step``:
+        ids only rise, so an answer of an older id (a delayed one) leaves it as it is."""
+        newest = self.entries[-1][0] if self.entries else 0
+        return self.after(quorum_id, step) if quorum_id > newest else self
+
     def merged(self, reported: Iterable[tuple[int, int]]) -> "Lineage":
         """This lineage with ``reported`` entries added: what a restarted lighthouse learns
         from the replicas (each reports the newest entries of its own lineage, the quorums

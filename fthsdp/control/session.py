@@ -129,7 +129,8 @@ def generic_handler(lighthouse, gate: guard.CallGate) -> grpc.GenericRpcHandler:
     """The ``LighthouseSession`` service of ``lighthouse`` (a :class:`fthsdp.control.lighthouse.Lighthouse`):
     each message passes the same :class:`fthsdp.control.guard.CallGate` as a unary call, then is
     handed to the lighthouse's ``accept_quorum_request`` / ``accept_heartbeat``."""
-    from fthsdp.control.lighthouse import Refused, answer_wait_s  # the servicer's module imports this one
+    from fthsdp.control.guard import Refused
+    from fthsdp.control.lighthouse import answer_wait_s  # the servicer's module imports this one
 
     stats = lighthouse.stats
     parsers = {m: getattr(pb2, t).FromString for m, t in SESSION_METHODS.items()}

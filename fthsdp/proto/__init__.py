@@ -40,3 +40,8 @@ def lighthouse() -> tuple[ModuleType, ModuleType]:
 # shards' rings, not every endpoint; QuorumRequest.ftar_addresses are the
 # asking process's own shards).
 LIGHTHOUSE_PROTOCOL_VERSION = 2
+
+# The start of the details of a lighthouse's FAILED_PRECONDITION refusal of a quorum
+# request that left its endpoints out (QuorumRequest.endpoints_held) when the
+# lighthouse does not hold them: the client sends them again at once.
+ENDPOINTS_NOT_HELD = "this lighthouse does not hold the endpoints the request left out"

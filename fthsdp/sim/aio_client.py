@@ -25,6 +25,7 @@ wants to save sockets and keeps under that budget.)
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import math
 import time
@@ -39,12 +40,14 @@ from fthsdp.control.session_client import (SessionError, SessionUnsupported, bea
 from fthsdp.replica.fsm import membership
 from fthsdp.control.lighthouse_client import (
     HeartbeatReply,
+    HeldEndpoints,
     JobFinished,
     LighthouseError,
     LighthouseUnavailable,
     QuorumTimeout,
     Registration,
     backoff_delays,
+    endpoints_not_held,
     keep_members,
     keep_rings,
     quorum_from_proto,
@@ -97,6 +100,14 @@ def _kept_rings(q: qm.Quorum, held: qm.Quorum | None, members_omitted: bool = Fa
     return merged
 
 
+class _EndpointsNotHeld(Exception):
+    """The lighthouse does not hold the endpoints a request left out (it restarted)."""
+
+    def __init__(self, outage_s: float) -> None:
+        super().__init__(outage_s)
+        self.outage_s = outage_s  # how long the refused request rode out the restart first
+
+
 class DecodeCache:
     """Quorum answers decoded once per distinct bytes, for the leaders of one process.
 
@@ -113,20 +124,22 @@ class DecodeCache:
         # The last few (answer bytes, decoded) pairs, newest first. Matched by equality
         # (a memcmp), not by hashing: hashing each leader's copy of a 1.45 MB answer cost
         # the emulator ~1 ms per leader, 0.5 s a round at 512 leaders.
-        self._recent: list[tuple[bytes, tuple[qm.Quorum, bool, bool] | int]] = []
+        self._recent: list[tuple[bytes, tuple[qm.Quorum, bool, bool, bool] | int]] = []
         self.decoded = 0
         self.hits = 0
 
     @staticmethod
-    def parse(raw: bytes) -> tuple[qm.Quorum, bool, bool] | int:
+    def parse(raw: bytes) -> tuple[qm.Quorum, bool, bool, bool] | int:
         """The answer: (the Quorum, whether its rings were left out, whether its members
-        were), or the finished step (an int) when the job finished."""
+        were, whether the asker's endpoints may be left out next time), or the finished
+        step (an int) when the job finished."""
         resp = pb2.QuorumResponse.FromString(raw)
         if resp.job_finished:
             return int(resp.finished_step)
-        return quorum_from_proto(resp.quorum), resp.quorum.rings_omitted, resp.quorum.members_omitted
+        return (quorum_from_proto(resp.quorum), resp.quorum.rings_omitted, resp.quorum.members_omitted,
+                resp.endpoints_omittable)
 
-    def decode(self, raw: bytes) -> tuple[qm.Quorum, bool, bool] | int:
+    def decode(self, raw: bytes) -> tuple[qm.Quorum, bool, bool, bool] | int:
         n = len(raw)
         for known, q in self._recent:
             if len(known) == n and known == raw:
@@ -270,6 +283,12 @@ class AioLighthouseClient:
         # This process's own shards' endpoints: sent with heartbeats until a reply says the
         # lighthouse holds them (the same Registration the synchronous client uses).
         self.registration = Registration()
+        self.held_endpoints = HeldEndpoints()  # may the quorum requests leave the endpoints out
+        # Its newest entries go with every request, as the real client's (a restarted
+        # lighthouse rebuilds the job's lineage fence from them, fthsdp.control.quorum rule 6).
+        self.lineage = qm.Lineage(limit=qm.LINEAGE_REPORTED)
+        self._sent_endpoints: tuple[tuple[str, ...], str] = ((), "")  # what the last request spoke for
+        self._omittable = False  # the last answer's endpoints_omittable
         self._owns_channel = channel_of is None
         self._channel = grpc.aio.insecure_channel(address, options=_OPTIONS) if channel_of is None \
             else channel_of._channel
@@ -310,16 +329,17 @@ class AioLighthouseClient:
         last = self.last_quorum
         head = pb2.QuorumRequest(
             protocol_version=LIGHTHOUSE_PROTOCOL_VERSION, job_id=self.job_id, replica_id=self.replica_id,
-            step=step, ftar_addresses=list(ftar), state_server_address=state_server,
-            local_world_size=local_world_size, commit_failed=commit_failed, num_replicas=num_replicas,
+            step=step, local_world_size=local_world_size, commit_failed=commit_failed, num_replicas=num_replicas,
             last_quorum_id=last.quorum_id if last is not None else 0,
             rejoin=self.rejoin, fresh_start=last is None and not self.rejoin,
             process_index=self.process_index, num_processes=self.num_processes, accepts_members_omitted=True,
-        ).SerializeToString()
-        return head + (_members_wire(last) if last is not None and qm.sends_last_members(last, self.replica_id)
-                       else b"")
+            lineage=qm.lineage_report(self.lineage),
+        )
+        self._sent_endpoints = self.held_endpoints.fill(head, ftar, state_server)
+        return head.SerializeToString() + (
+            _members_wire(last) if last is not None and qm.sends_last_members(last, self.replica_id) else b"")
 
-    def _decode(self, raw: bytes) -> tuple[qm.Quorum, bool, bool] | int:
+    def _decode(self, raw: bytes) -> tuple[qm.Quorum, bool, bool, bool] | int:
         if self.decode_cache is not None:
             return self.decode_cache.decode(raw)
         return DecodeCache.parse(raw)
@@ -334,7 +354,18 @@ class AioLighthouseClient:
         self.asked_at = time.perf_counter()
         lws = len(ftar_addresses) * self.num_processes if local_world_size is None else local_world_size
         req = self._request(step, ftar_addresses, state_server_address, commit_failed, num_replicas, lws)
-        return await self._call(self._get_quorum_raw, req, f"get_quorum(step={step})", timeout_s, "GetQuorum")
+        sent = self._sent_endpoints
+        try:
+            reply = await self._call(self._get_quorum_raw, req, f"get_quorum(step={step})", timeout_s, "GetQuorum")
+        except _EndpointsNotHeld as e:  # the lighthouse restarted: the same request with the endpoints
+            self.held_endpoints.lost()
+            req = self._request(step, ftar_addresses, state_server_address, commit_failed, num_replicas, lws)
+            reply = await self._call(self._get_quorum_raw, req, f"get_quorum(step={step})", timeout_s, "GetQuorum")
+            if e.outage_s:
+                self.outages.append(e.outage_s)
+                reply = dataclasses.replace(reply, outage_s=reply.outage_s + e.outage_s)
+        self.held_endpoints.heard(sent, self._omittable)
+        return reply
 
     async def get_view(self, quorum_id: int, *, timeout_s: float) -> QuorumReply:
         """This (follower) process's view of quorum ``quorum_id``, which its leader got."""
@@ -366,6 +397,8 @@ class AioLighthouseClient:
                 where = f"lighthouse {self.address} (replica {self.replica_id}, process {self.process_index})"
                 if code == grpc.StatusCode.DEADLINE_EXCEEDED:
                     raise QuorumTimeout(f"{what} at {where}: {e.details()}", code) from None
+                if endpoints_not_held(code, e.details()):
+                    raise _EndpointsNotHeld(0.0 if down_since is None else time.monotonic() - down_since) from None
                 if code != grpc.StatusCode.UNAVAILABLE:
                     raise LighthouseError(f"{what} at {where}: {code}: {e.details()} "
                                           f"({e.debug_error_string()})", code) from None
@@ -383,10 +416,11 @@ class AioLighthouseClient:
         got = self._decode(raw)
         if isinstance(got, int):
             raise JobFinished(f"job {self.job_id!r} finished at step {got}", got)
-        q, lean, compact = got
+        q, lean, compact, self._omittable = got
         if lean:
             q = _kept_rings(q, self.last_quorum, compact)
         if self.replica_id in membership(q)[0]:
+            self.lineage = self.lineage.answered(q.quorum_id, q.max_step)
             self.last_quorum = q
         return QuorumReply(q, sent, received, outage)
 

@@ -45,6 +45,7 @@ once, quorum ids never going backwards.
 from __future__ import annotations
 
 import asyncio
+import gc
 import collections
 import logging
 import os
@@ -56,6 +57,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 
+from fthsdp.gc_policy import low_pause_gc
 from fthsdp.control import quorum as qm
 from fthsdp.replica import fsm
 from fthsdp.control.lighthouse_client import JobFinished, LighthouseError, LighthouseUnavailable
@@ -890,7 +892,11 @@ class Emulation:
                 rep = self.replicas[i] = EmulatedReplica(self, i, 0, rejoin=False)
                 rep.task = asyncio.get_running_loop().create_task(rep.run())
             deadline = time.monotonic() + c.run_timeout_s
+            settled = False
             while time.monotonic() < deadline:
+                if not settled and all(r.state.step >= 1 for r in self.replicas.values()):
+                    gc.freeze()  # every rank's state is built: out of the collector's walks (fthsdp.gc_policy)
+                    settled = True
                 pending = [r for r in self.replicas.values() if r.task is not None and not r.task.done()]
                 side = [t for t in self._side_tasks if not t.done()]
                 if not pending and not side:
@@ -924,7 +930,10 @@ class Emulation:
 
     def run(self) -> EmulationReport:
         try:
-            return asyncio.run(self.run_async())
+            # One process stands for hundreds of hosts: its collector's pauses would stall them
+            # all at once, which no real job sees (fthsdp.gc_policy).
+            with low_pause_gc():
+                return asyncio.run(self.run_async())
         finally:
             if self._tmp is not None:
                 self._tmp.cleanup()
