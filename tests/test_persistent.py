@@ -271,3 +271,53 @@ def test_a_forked_writer_discards_its_own_checkpoints_of_the_discarded_steps(tmp
     finally:
         forked.close()
         lineage.close()
+
+
+def test_a_checkpoint_directory_belongs_to_one_job(tmp_path, states):
+    """Two jobs pointed at one directory: the second is refused with what to do, the first goes
+    on (its checkpoints restore, the owner file is not mistaken for a step, its meta names the job)."""
+    from fthsdp.checkpoint.persistent import OWNER_FILE, CheckpointOwnedError
+    from fthsdp.errors import FaultClass, classify
+
+    _, s1, _ = states
+    d = tmp_path / "ckpt"
+    with PersistentCheckpointer(d, every=1, job_id="job-a", async_save=False) as pc:
+        assert pc.save(2, s1, {0: 2}, {"writer": "0"})
+    with pytest.raises(CheckpointOwnedError) as e:
+        PersistentCheckpointer(d, every=1, job_id="job-b")
+    msg = str(e.value)
+    assert "belongs to job 'job-a', not to job 'job-b'" in msg and "--out-dir" in msg and "--job" in msg
+    assert classify(e.value).kind is FaultClass.JOB_FATAL  # no restart of job-b can help
+    with PersistentCheckpointer(d, every=1, job_id="job-a") as pc:  # the owner resumes
+        assert pc.all_steps() == [2]
+        r = pc.restore(_abstract(s1))
+        assert r.step == 2 and _bytes(r.state) == _bytes(s1) and r.metadata["job"] == "job-a"
+    assert json.loads((d / OWNER_FILE).read_text())["job"] == "job-a"
+    # A reader that names no job (inspection tools) is not refused.
+    assert PersistentCheckpointer(d, every=1, writer=False).latest_step() == 2
+    # A damaged owner record is an error that says what the file is for, not a silent claim.
+    (d / OWNER_FILE).write_text("{not json")
+    with pytest.raises(CheckpointOwnedError, match="cannot be read as the checkpoint directory's owner"):
+        PersistentCheckpointer(d, every=1, job_id="job-a")
+
+
+def test_processes_starting_together_agree_on_one_owner(tmp_path):
+    from concurrent.futures import ThreadPoolExecutor
+
+    from fthsdp.checkpoint.persistent import CheckpointOwnedError, claim_directory
+
+    d = str(tmp_path / "race")
+
+    def claim(i: int) -> str | None:
+        job = f"job-{i % 2}"
+        try:
+            claim_directory(d, job)
+            return job
+        except CheckpointOwnedError:
+            return None
+
+    with ThreadPoolExecutor(8) as pool:
+        won = list(pool.map(claim, range(32)))
+    winners = {w for w in won if w is not None}
+    assert len(winners) == 1 and won.count(None) == 16  # one job owns it; every claim of the other refused
+    assert not [p for p in os.listdir(d) if p.endswith(".tmp")]  # no temporaries left behind

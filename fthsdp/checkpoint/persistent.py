@@ -16,15 +16,23 @@ those positions.
 
 from __future__ import annotations
 
+import json
 import os
 import time
+import uuid
 from dataclasses import dataclass
 from typing import Any, Mapping
 
 import orbax.checkpoint as ocp
 
+from fthsdp.errors import JobFatalError
+
 LOADER_FORMAT = "fthsdp.loader_positions"
 LOADER_VERSION = 1
+# The directory's owner: {"format": OWNER_FORMAT, "job": job id}, written once by the first
+# process of the first job that checkpoints there (see claim_directory).
+OWNER_FILE = "fthsdp_job.json"
+OWNER_FORMAT = "fthsdp.checkpoint_owner"
 
 
 class CheckpointError(RuntimeError):
@@ -62,6 +70,52 @@ def positions_from_json(d: Any, where: str) -> dict[int, int]:
         raise CheckpointError(f"{where}: malformed loader positions: {e}") from None
 
 
+class CheckpointOwnedError(CheckpointError, JobFatalError):
+    """The checkpoint directory belongs to another job (no restart of this one can change that)."""
+
+
+def claim_directory(directory: str, job_id: str) -> None:
+    """Make ``directory`` job ``job_id``'s checkpoint directory, or refuse.
+
+    Why: two jobs given the same output directory (a rerun under a new job id, a copied
+    command line) wrote into the same Orbax step directories, and a ``--resume`` could
+    restore the other job's state and loader positions without a word. The first process
+    to checkpoint in a directory records its job in :data:`OWNER_FILE` (created only if
+    absent: a hard link of a private temporary, atomic on POSIX file systems, so that two
+    processes starting together agree on one owner); every later one must be of that job.
+    A directory with checkpoints but no owner file (written before this rule) is claimed by
+    whoever comes first. Raises :class:`CheckpointOwnedError` saying what to do."""
+    os.makedirs(directory, exist_ok=True)
+    path = os.path.join(directory, OWNER_FILE)
+    if not os.path.exists(path):
+        tmp = f"{path}.{os.getpid()}.{uuid.uuid4().hex}.tmp"
+        with open(tmp, "w") as f:
+            json.dump({"format": OWNER_FORMAT, "job": job_id}, f)
+            f.flush()
+            os.fsync(f.fileno())
+        try:
+            os.link(tmp, path)
+        except FileExistsError:
+            pass  # another process of a job claimed it first: its claim is read below
+        finally:
+            os.unlink(tmp)
+    try:
+        with open(path) as f:
+            owner = json.load(f)
+        if not isinstance(owner, dict) or owner.get("format") != OWNER_FORMAT or not isinstance(owner.get("job"), str):
+            raise ValueError(f"not a {OWNER_FORMAT} record")
+    except (OSError, ValueError) as e:
+        raise CheckpointOwnedError(
+            f"{path} cannot be read as the checkpoint directory's owner ({e}): it says which job the "
+            "checkpoints there belong to; restore it, or delete it if you know they are this job's "
+            f"({job_id!r})") from None
+    if owner["job"] != job_id:
+        raise CheckpointOwnedError(
+            f"the checkpoint directory {directory} belongs to job {owner['job']!r}, not to job {job_id!r}: "
+            f"give this job its own output directory (--out-dir), or run it as job {owner['job']!r} "
+            "(--job) to resume that job")
+
+
 class PersistentCheckpointer:
     """Async Orbax checkpoints of state + loader positions + metadata every `every` steps.
 
@@ -69,10 +123,16 @@ class PersistentCheckpointer:
     id) saves; every replica can restore."""
 
     def __init__(self, directory: str | os.PathLike, every: int, max_to_keep: int | None = 3,
-                 writer: bool = True, async_save: bool = True):
+                 writer: bool = True, async_save: bool = True, job_id: str = ""):
+        """``job_id``: the job the checkpoints belong to; when given, the directory must be
+        that job's or no job's yet (:func:`claim_directory`), and each checkpoint's ``meta``
+        names it."""
         if every < 1:
             raise ValueError(f"checkpoint every must be >= 1 step, got {every} (set ft.checkpoint_every)")
         self.directory = os.path.abspath(os.fspath(directory))
+        self.job_id = job_id
+        if job_id:
+            claim_directory(self.directory, job_id)
         self.every = every
         self.writer = writer
         options = ocp.CheckpointManagerOptions(
@@ -93,7 +153,8 @@ class PersistentCheckpointer:
             return False
         if not self.writer:
             raise CheckpointError("this replica is not the checkpoint writer (writer=False)")
-        meta = {"step": int(step), "time": time.time(), **(dict(metadata) if metadata else {})}
+        meta = {"step": int(step), "time": time.time(), **({"job": self.job_id} if self.job_id else {}),
+                **(dict(metadata) if metadata else {})}
         args = ocp.args.Composite(
             state=ocp.args.StandardSave(state),
             loader=ocp.args.JsonSave(_positions_to_json(step, loader_positions)),

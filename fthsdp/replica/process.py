@@ -155,7 +155,7 @@ class ReplicaProcess:
         # The job's checkpoints are one directory: every process of the writer replica saves its own
         # shards into it (Orbax's multi-process save: its process 0 alone writes the metadata and
         # the JSON items), and every process restores its own shards from it.
-        self.ckpt = PersistentCheckpointer(out / "checkpoints", every=cfg.ft.checkpoint_every)
+        self.ckpt = PersistentCheckpointer(out / "checkpoints", every=cfg.ft.checkpoint_every, job_id=args.job)
         self.ledger = Ledger(files / "ledger" / f"replica_{self.rid}.jsonl", args.replica_id)
         self.loader_store = LoaderStateStore(files / "loader_state")
         # Only this replica's torn temporaries: another live replica may be mid-write
