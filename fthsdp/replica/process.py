@@ -498,10 +498,15 @@ class ReplicaProcess:
             live = mgr.wait_for_peers(self.client.status, cfg.launch.replicas, cfg.ft.startup_timeout_s)
             log.info("replica %s: %d replica(s) live, starting", self.rid, live)
         from fthsdp.errors import classify, exit_code
+        from fthsdp.gc_policy import low_pause_gc
         from fthsdp.control.lighthouse_client import JobFinished
 
         try:
-            mgr.run(cfg.train.steps)
+            # Everything start-up built (jax, the compiled step) frozen, and young collections
+            # rare: CPython's defaults paused a training replica up to 136 ms (a full
+            # collection), its heartbeat thread with it (fthsdp.gc_policy).
+            with low_pause_gc():
+                mgr.run(cfg.train.steps)
             self.ckpt.wait()
             step = int(mgr.state.step)
             self.client.leave(step, finished=step >= cfg.train.steps)  # a normal exit is not a death
