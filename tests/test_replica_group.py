@@ -145,3 +145,66 @@ def test_per_shard_recovery_between_two_replicas_of_two_processes(tmp_path):
         assert 0.45 < got["fetched_bytes"] / got["state_bytes"] < 0.6, got
         assert served["served"]["bytes_served"] >= 0.45 * got["state_bytes"], served
         assert served["served"]["bytes_served"] < 0.6 * got["state_bytes"], served
+
+
+def _kv_pair():
+    """The key-value store a replica's processes share (jax.distributed's own coordination
+    service, real gRPC on loopback), with one client per process: (service, [leader, follower])."""
+    import threading
+
+    from jax._src.lib import _jax as xe
+
+    addr = f"127.0.0.1:{_free_port('127.0.0.1')}"
+    service = xe.get_distributed_runtime_service(addr, 2)
+    clients = [xe.get_distributed_runtime_client(addr, i, init_timeout=20) for i in range(2)]
+    threads = [threading.Thread(target=c.connect) for c in clients]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    return service, clients
+
+
+def test_followers_learn_the_leaders_forked_verdict_at_leave():
+    """The lighthouse judges a leaving replica's final state forked (its last quorum's steps were
+    re-decided by a quorum it was not in): the leader's client records it, and each follower of
+    the replica must end the same way (its ledger's commits rolled back, no "done" record). The
+    verdict reaches the follower through the leader's decision channel; a follower whose leader
+    never says goodbye claims nothing."""
+    import threading
+
+    from fthsdp.control.lighthouse import LighthouseConfig, LighthouseThread
+    from fthsdp.control.lighthouse_client import LighthouseClient
+    from fthsdp.replica.group import DecisionChannel, FollowerQuorumSource, LeaderQuorumSource
+    from test_lineage_lighthouse import DETECT_S, fork
+
+    service, (kv0, kv1) = _kv_pair()
+    spec = dict(replica_id=0, num_processes=2, coordinator="127.0.0.1:1")
+    with LighthouseThread(LighthouseConfig(join_timeout_s=0.2, detect_s=DETECT_S)) as lh:
+        clients = [LighthouseClient(lh.address, "job", i) for i in range(3)]
+        own = LighthouseClient(lh.address, "job", 0, process_index=1, num_processes=2)  # the follower's own client
+        try:
+            fork(clients)  # replica 0's last quorum (2) committed step 1; quorum 3 re-decided it
+            leader = LeaderQuorumSource(clients[0], DecisionChannel(GroupSpec(process_index=0, **spec), client=kv0))
+            follower = FollowerQuorumSource(DecisionChannel(GroupSpec(process_index=1, **spec), client=kv1), 10.0, own)
+            got = {}
+            t = threading.Thread(target=lambda: got.setdefault("left", follower.leave(3, finished=True)))
+            t.start()  # the follower reaches its end first and waits for its leader's goodbye
+            assert leader.leave(3, finished=True)
+            t.join(15)
+            assert leader.forked is not None and leader.forked[0] == 1, leader.forked
+            assert got["left"] is True and follower.forked == leader.forked, (follower.forked, leader.forked)
+            assert "re-decided step 1" in follower.forked[1]
+            # The lineage's holder is not forked, and its leave ends the job as before.
+            assert clients[2].leave(3, finished=True) and clients[2].forked is None
+            # A follower whose leader died before its goodbye: no verdict, nothing claimed forked.
+            lone = FollowerQuorumSource(DecisionChannel(GroupSpec(process_index=1, **spec), namespace="other",
+                                                        client=kv1), 0.3, own)
+            assert lone.leave(3) is False and lone.forked is None
+        finally:
+            for c in [*clients, own]:
+                c.close()
+            for c in (kv0, kv1):
+                threading.Thread(target=c.shutdown, daemon=True).start()
+            time.sleep(0.2)
+            service.shutdown()

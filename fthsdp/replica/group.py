@@ -41,12 +41,15 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 import time
 from typing import Any
 
 from fthsdp.addresses import split_host_port
 from fthsdp.errors import ReplicaFatalError
+
+log = logging.getLogger(__name__)
 
 __all__ = ["GroupSpec", "DecisionChannel", "DecisionTimeout", "initialize", "ENV", "LeaderQuorumSource",
            "FollowerQuorumSource", "ViewUnavailable", "GroupWatchdog"]
@@ -268,7 +271,16 @@ class LeaderQuorumSource:
         self.channel.share("quorum", quorum_to_json(q), 0)
         return q
 
-    def __getattr__(self, name):  # heartbeats, status, leave, close: the client's
+    def leave(self, step: int, finished: bool = False, **kwargs) -> bool:
+        """The replica's goodbye, and the lighthouse's verdict on it for the followers: whether
+        the replica's final state forked from the job's lineage (the client's ``forked``).
+        Published on every leave, so that each follower's own leave reads exactly this one."""
+        ok = self.client.leave(step, finished=finished, **kwargs)
+        forked = getattr(self.client, "forked", None)
+        self.channel.share("leave", {"left": bool(ok), "forked": list(forked) if forked else None}, 0)
+        return ok
+
+    def __getattr__(self, name):  # heartbeats, status, forked, close: the client's
         return getattr(self.client, name)
 
 
@@ -283,6 +295,9 @@ class FollowerQuorumSource:
         self.timeout_s = timeout_s
         self.client = client
         self._view = None  # the last view fetched (rings depend only on the quorum id)
+        # The lighthouse's verdict at the replica's Leave, as the leader heard it: (step, why)
+        # when the replica's final state forked from the job's lineage (set by leave()).
+        self.forked: tuple[int, str] | None = None
 
     @property
     def heartbeating(self) -> bool:
@@ -323,9 +338,22 @@ class FollowerQuorumSource:
     def status(self, *a, **kw):
         return self.client.status(*a, **kw)
 
-    def leave(self, step: int, finished: bool = False) -> None:
-        """Stop heartbeating; the leader says goodbye for the replica."""
+    def leave(self, step: int, finished: bool = False) -> bool:
+        """Stop heartbeating; the leader says goodbye for the replica, and hands over the
+        lighthouse's verdict: when the replica's final state forked, :attr:`forked` is set
+        exactly as on the leader, so this process discards its state the same way (its
+        ledger's commits rolled back, no "done" record claiming a final state). Without the
+        verdict (the leader died first) nothing is claimed forked: returns False."""
         self.client.stop_heartbeats()
+        try:
+            d = self.channel.receive("leave", self.timeout_s)
+        except DecisionTimeout as e:
+            log.warning("no leave verdict from the leader: %s", e)
+            return False
+        forked = d.get("forked") if isinstance(d, dict) else None
+        if forked:
+            self.forked = (int(forked[0]), str(forked[1]))
+        return bool(d.get("left")) if isinstance(d, dict) else False
 
     def close(self) -> None:
         self.client.close()
