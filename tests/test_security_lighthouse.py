@@ -212,8 +212,8 @@ def test_known_addresses_skip_only_what_was_found_good():
     """Endpoints found well-formed are not parsed again (the lighthouse's per-request cost at
     6,250 endpoints a request), a bad one among known ones is still refused, and the set
     empties itself at its bound instead of growing."""
-    known = guard.KnownAddresses(max_chars=40)
-    good = [f"127.0.0.1:{7000 + k}" for k in range(2)]  # 14 characters each
+    known = guard.KnownAddresses(max_chars=42)  # the two endpoints and the state server (14 characters each)
+    good = [f"127.0.0.1:{7000 + k}" for k in range(2)]
     req = quorum_req(ftar_addresses=good, local_world_size=2)
     assert guard.request_problem("GetQuorum", req, guard.Limits(), known) is None
     assert all(a in known for a in good) and known.cover(good)
@@ -224,10 +224,31 @@ def test_known_addresses_skip_only_what_was_found_good():
     hb = pb2.HeartbeatRequest(protocol_version=V, job_id="job", replica_id="0", step=5, local_world_size=2,
                               ftar_addresses=[good[1], "bad host:1"])
     assert "spaces or control" in guard.request_problem("Heartbeat", hb, guard.Limits(), known)
-    known.add("127.0.0.1:7002")  # 14 + 14 + 14 > 40: emptied first, then holds the new one
+    known.add("127.0.0.1:7002")  # 42 + 14 > 42: emptied first, then holds the new one
     assert len(known) == 1 and good[0] not in known and "127.0.0.1:7002" in known
     with pytest.raises(ValueError, match="max_chars"):
         guard.KnownAddresses(max_chars=0)
+
+
+def test_known_addresses_cover_state_server_and_metrics_addresses():
+    """A heartbeat's state server and metrics addresses join the known set once found good
+    (they come with every heartbeat); a bad one is refused every time, never remembered."""
+    known = guard.KnownAddresses()
+    hb = pb2.HeartbeatRequest(protocol_version=V, job_id="job", replica_id="0", step=5, local_world_size=1,
+                              ftar_addresses=["127.0.0.1:7000"], state_server_address="http://127.0.0.1:8000/",
+                              metrics_address="127.0.0.1:9100")
+    assert guard.request_problem("Heartbeat", hb, guard.Limits(), known) is None
+    assert "127.0.0.1:8000" in known and "127.0.0.1:9100" in known
+    for field, value, match in (("metrics_address", "127.0.0.1:0", "port 0"),
+                                ("state_server_address", "http://127.0.0.1:99999", "bad port"),
+                                ("state_server_address", "ftp://127.0.0.1:8000", "only http")):
+        bad = pb2.HeartbeatRequest()
+        bad.CopyFrom(hb)
+        setattr(bad, field, value)
+        for _ in range(2):
+            err = guard.request_problem("Heartbeat", bad, guard.Limits(), known)
+            assert err is not None and match in err, err
+    assert "127.0.0.1:0" not in known and "127.0.0.1:99999" not in known
 
 
 def test_takeover_rule():
