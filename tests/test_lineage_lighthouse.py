@@ -119,3 +119,26 @@ def test_a_malformed_lineage_report_is_refused_with_the_reason():
                 c.get_quorum(0, ftar_addresses=addrs(0), num_replicas=1, timeout_s=5)
             c.lineage = Lineage()
             assert c.get_quorum(0, ftar_addresses=addrs(0), num_replicas=1, timeout_s=5).quorum_id == 1
+
+
+def test_a_cut_report_makes_the_restarted_lighthouse_forget_the_older_quorums():
+    """The lighthouse's merge of reports (the pure rule: tests/test_quorum_lineage.py): a full
+    report's older ids are forgotten, a shorter one is whole, and ids this lighthouse decided
+    itself are never forgotten."""
+    from fthsdp.control.lighthouse import Lighthouse, _Job
+    from fthsdp.control.quorum import forked_at, lineage_report
+
+    holder = Lineage()
+    for q, s in ((1, 0), (3, 1), (4, 3), (5, 5), (6, 7), (7, 9)):
+        holder = holder.after(q, s)
+    job = _Job("job")
+    Lighthouse._merge_lineage(job, "0", lineage_report(Lineage().after(1, 0).after(2, 1)))
+    assert job.lineage.entries == ((1, 0), (2, 1)) and job.lineage.dropped_through == 0
+    Lighthouse._merge_lineage(job, "2", lineage_report(holder))
+    assert job.lineage.dropped_through == 3 and forked_at(job.lineage, 2, 3) == (0, 0)
+    # After its first quorum (8) the lighthouse reads only entries older than it; a later full
+    # report of a replica forgets no more than what precedes that report's old part.
+    job.lineage, job.lineage_from = job.lineage.after(8, 11), 8
+    Lighthouse._merge_lineage(job, "2", [6, 7, 7, 9, 8, 11, 9, 13])
+    assert job.lineage.dropped_through == 5 and job.lineage.entries[-1] == (8, 11)
+    assert forked_at(job.lineage, 7, 10) is None

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from fthsdp.control.quorum import (LINEAGE_REPORTED, Lineage, QuorumConfig, QuorumRequest, decide_quorum,
-                                   fork_reason, forked_at, lineage_report, parse_lineage_report)
+                                   fork_reason, forked_at, lineage_report, parse_lineage_report, unreported_through)
 
 CFG = QuorumConfig(min_replicas=1, join_timeout_s=0.5, heartbeat_window_s=1.0)
 
@@ -203,3 +203,36 @@ def test_lineage_reports_are_bounded_and_checked():
     assert "quorum 3 re-decided step 5 after its last quorum 2" in fork_reason("0", 8, 2, (3, 5))
     assert "steps 5..7 are not in the job's model" in fork_reason("0", 8, 2, (3, 5))
     assert "older than the lineage kept" in fork_reason("0", 8, 1, (0, 0))
+
+
+def test_a_fork_more_quorum_changes_back_than_reported_is_still_fenced():
+    """A restarted lighthouse hears only each replica's newest LINEAGE_REPORTED entries. Quorum 3
+    forked 0 and 1 at step 1; replica 2 then went through quorums 4..7, so its report no longer
+    holds quorum 3's entry, and by the entries alone 0 and 1 (last quorum 2, at step 3) look
+    clean. A full report's older ids are forgotten instead: 0 and 1 are fenced (their state
+    cannot be checked), and with replica 2 gone they get no quorum rather than lead the job."""
+    holder = Lineage()
+    for q, s in ((1, 0), (3, 1), (4, 3), (5, 5), (6, 7), (7, 9)):
+        holder = holder.after(q, s)
+    forked = Lineage().after(1, 0).after(2, 1)
+    reports = [parse_lineage_report(lineage_report(x)) for x in (forked, holder)]
+    assert reports[1] == ((4, 3), (5, 5), (6, 7), (7, 9))  # quorum 3's entry was cut
+    assert [unreported_through(r) for r in reports] == [0, 3]
+    by_entries = Lineage().merged(reports[0]).merged(reports[1])
+    assert forked_at(by_entries, 2, 3) is None  # the gap: step 3 is below quorum 4's step
+    for order in (reports, reports[::-1]):
+        lin = Lineage()
+        for r in order:
+            lin = lin.merged(r).forgotten_through(unreported_through(r))
+        assert lin.dropped_through == 3 and lin.entries == ((4, 3), (5, 5), (6, 7), (7, 9)), order
+        assert forked_at(lin, 2, 3) == (0, 0) and forked_at(lin, 7, 10) is None and forked_at(lin, 5, 6) is None
+    beats = {"0": 9.0, "1": 9.0, "2": 0.0}
+    q, why = decide_quorum(by_id(req("0", 3, 9.0, 2, members=("0", "1")), req("1", 3, 9.0, 2, members=("0", "1"))),
+                           beats, None, CFG, 9.0, lineage=lin)
+    assert q is None and "lineage fence" in why and "older than the lineage kept" in why, why
+    # With the holder asking, it leads and 0 and 1 fetch its state.
+    beats["2"] = 9.0
+    q, why = decide_quorum(by_id(req("0", 3, 9.0, 2, members=("0", "1")), req("1", 3, 9.0, 2, members=("0", "1")),
+                                 req("2", 10, 9.0, 7, members=("2",))), beats, None, CFG, 9.0, lineage=lin)
+    assert q is not None and q.healthy == ("2",) and q.behind == ("0", "1"), why
+    assert lin.forgotten_through(2) is lin and Lineage().merged([(2, 1)]).forgotten_through(2).entries == ()

@@ -79,8 +79,12 @@ Rules, in the order they are checked (see :func:`decide_quorum`):
    does not matter). The replicas that re-decided a step hold its entry, and
    rule 3a makes the restarted lighthouse wait for the members of the highest
    reported quorum, so the fence holds across a restart unless every holder
-   of the re-deciding quorum is gone (then the others' state is the only one
-   left) or more than :data:`LINEAGE_REPORTED` quorum changes passed since.
+   of the re-deciding quorum is gone before it asks (then the others' state is
+   the only one left). A full report may have been cut: the quorum ids before
+   its oldest entry are forgotten (:func:`unreported_through`), and a replica
+   whose last quorum is that old is fenced as one older than the lineage kept,
+   so a fork more than :data:`LINEAGE_REPORTED` quorum changes back is fenced
+   too (such a replica is behind the reporter anyway unless it forked).
    A fork in the job's last steps is followed by no request that a decision
    could fence; the lighthouse judges each Leave with :func:`forked_at`
    instead: a forked leaver is told (:func:`fork_reason`) and its ``finished``
@@ -148,6 +152,7 @@ __all__ = [
     "fork_reason",
     "lineage_report",
     "parse_lineage_report",
+    "unreported_through",
     "sends_last_members",
 ]
 
@@ -390,13 +395,21 @@ class Lineage:
         decided the same or an earlier step, so merging stacks gives the stack of all their
         decisions, in any order. Returns ``self`` when nothing is new."""
         have = set(self.entries)
-        new = {(int(q), int(s)) for q, s in reported} - have
+        new = {(int(q), int(s)) for q, s in reported if int(q) > self.dropped_through} - have  # forgotten stays so
         if not new:
             return self
         out = Lineage(limit=self.limit)
         for q, s in sorted(have | new):
             out = out.after(q, s)
         return Lineage(out.entries, max(self.dropped_through, out.dropped_through), self.limit)
+
+    def forgotten_through(self, quorum_id: int) -> "Lineage":
+        """This lineage with quorum ids <= ``quorum_id`` forgotten, as its own limit forgets
+        (a replica whose last quorum is that old is fenced: its state cannot be checked);
+        ``self`` when they were already."""
+        if quorum_id <= self.dropped_through:
+            return self
+        return Lineage(tuple(e for e in self.entries if e[0] > quorum_id), quorum_id, self.limit)
 
     def first_decided_after(self, quorum_id: int) -> tuple[int, int] | None:
         """``(quorum id, step)``: the smallest step decided by a quorum later than ``quorum_id``."""
@@ -436,6 +449,17 @@ def lineage_report(lineage: Lineage) -> list[int]:
     """What a replica sends (QuorumRequest.lineage): its newest :data:`LINEAGE_REPORTED`
     entries, oldest first, flattened to ``[quorum_id, step, quorum_id, step, ...]``."""
     return [v for e in lineage.entries[-LINEAGE_REPORTED:] for v in e]
+
+
+def unreported_through(pairs: Sequence[tuple[int, int]]) -> int:
+    """The quorum ids a parsed lineage report cannot speak for: a report of
+    :data:`LINEAGE_REPORTED` entries may have been cut (its sender holds older ones), so what
+    was decided before its oldest entry is unknown, ids up to that entry's minus one; 0 for
+    a shorter report, which is its sender's whole lineage. A restarted lighthouse forgets
+    those ids (:meth:`Lineage.forgotten_through`) rather than judge a replica whose last
+    quorum is among them by the entries it happens to hold: the entry of the quorum that
+    forked it may be one of the cut ones (rule 6)."""
+    return pairs[0][0] - 1 if len(pairs) >= LINEAGE_REPORTED else 0
 
 
 def parse_lineage_report(values: Sequence[int]) -> tuple[tuple[int, int], ...]:
