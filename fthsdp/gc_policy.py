@@ -44,17 +44,18 @@ YOUNG_THRESHOLD = 20_000  # tracked objects allocated and not freed before a you
 @contextlib.contextmanager
 def low_pause_gc(young: int = YOUNG_THRESHOLD) -> Iterator[None]:
     """Inside: everything alive now frozen, young collections every ``young`` net
-    allocations; on exit the process's own thresholds again, and the heap unfrozen
-    unless something had frozen part of it before (a freeze cannot be undone in part)."""
+    allocations; on exit the process's own thresholds again, and the whole heap
+    unfrozen. A freeze made before entering is undone with it: a freeze cannot be undone
+    in part, and the frozen count cannot say whether anyone else froze (CPython 3.12
+    moves immortal objects into the frozen set in every full collection: a fresh
+    interpreter counts a few hundred frozen objects without any freeze)."""
     if young < 1:
         raise ValueError(f"young threshold must be >= 1 allocation, got {young}")
     old = gc.get_threshold()
-    owned = gc.get_freeze_count() == 0
     gc.freeze()
     gc.set_threshold(young, *old[1:])
     try:
         yield
     finally:
         gc.set_threshold(*old)
-        if owned:
-            gc.unfreeze()
+        gc.unfreeze()
