@@ -42,6 +42,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
+import contextlib
+import gc
 import json
 import math
 import os
@@ -443,14 +445,28 @@ def _n_log_n_slope(ns: list[int]) -> float | None:
     return _slope([(n, n * math.log2(n)) for n in ns if n > 1])
 
 
-def _best(f, repeats: int) -> float:
-    """The fastest of ``repeats`` timed calls of ``f``, after one untimed warm-up call."""
+def _best(f, repeats: int, collector: str = "on") -> float:
+    """The fastest of ``repeats`` timed calls of ``f``, after one untimed warm-up call.
+
+    ``collector``: ``"on"`` (CPython's defaults), ``"paused"`` (a full collection before
+    each call, none during it: the work itself, what an O() claim is about) or
+    ``"lighthouse"`` (the lighthouse's own policy, :func:`fthsdp.gc_policy.low_pause_gc`)."""
+    from fthsdp.gc_policy import low_pause_gc
+
     f()
     t = math.inf
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        f()
-        t = min(t, time.perf_counter() - t0)
+    with low_pause_gc() if collector == "lighthouse" else contextlib.nullcontext():
+        for _ in range(repeats):
+            if collector == "paused":
+                gc.collect()
+                gc.disable()
+            try:
+                t0 = time.perf_counter()
+                f()
+                t = min(t, time.perf_counter() - t0)
+            finally:
+                if collector == "paused":
+                    gc.enable()
     return t
 
 
@@ -459,7 +475,13 @@ def decision_benchmark(ns: list[int], repeats: int = 3) -> dict:
     asking (the first quorum, and the next round given the previous one), then one member's
     view and its serialization (what a round builds once), best of ``repeats`` after a
     warm-up; with each part's log-log slope against n (1 = linear; N log N over the same
-    range is given beside it)."""
+    range is given beside it).
+
+    The parts are timed with the garbage collector paused (a full collection before each
+    call): with CPython's defaults a call at 64K+ replicas also paid collections walking the
+    whole heap, which made the slope say 1.47 for an O(N log N) decision. The next round is
+    also timed under the defaults and under the lighthouse's own collector policy
+    (``decide_next_gc_*_s``), so what the collector adds stays in the record."""
     from fthsdp.control import quorum as qm
     from fthsdp.control.lighthouse import pb2, quorum_to_proto
     from fthsdp.proto import LIGHTHOUSE_PROTOCOL_VERSION
@@ -474,17 +496,23 @@ def decision_benchmark(ns: list[int], repeats: int = 3) -> dict:
         view = qm.process_view(first, "0", 0, 1)
         points.append({
             "replicas": n,
-            "decide_first_s": _best(lambda: qm.decide_quorum(reqs, beats, None, cfg, 0.1), repeats),
-            "decide_next_s": _best(lambda: qm.decide_quorum(reqs, beats, first, cfg, 0.1), repeats),
-            "view_s": _best(lambda: qm.process_view(first, "0", 0, 1), repeats),
+            "decide_first_s": _best(lambda: qm.decide_quorum(reqs, beats, None, cfg, 0.1), repeats, "paused"),
+            "decide_next_s": _best(lambda: qm.decide_quorum(reqs, beats, first, cfg, 0.1), repeats, "paused"),
+            "view_s": _best(lambda: qm.process_view(first, "0", 0, 1), repeats, "paused"),
             "serialize_view_s": _best(lambda: pb2.QuorumResponse(protocol_version=LIGHTHOUSE_PROTOCOL_VERSION,
                                                                  quorum=quorum_to_proto(view)).SerializeToString(),
-                                      repeats),
+                                      repeats, "paused"),
+            "decide_next_gc_defaults_s": _best(lambda: qm.decide_quorum(reqs, beats, first, cfg, 0.1), repeats),
+            "decide_next_gc_lighthouse_s": _best(lambda: qm.decide_quorum(reqs, beats, first, cfg, 0.1), repeats,
+                                                 "lighthouse"),
         })
     xs = [p["replicas"] for p in points]
     return {"points": points, "n_log_n_slope": _n_log_n_slope(xs),
             "slopes": {k: _slope([(p["replicas"], p[k]) for p in points])
-                       for k in ("decide_first_s", "decide_next_s", "view_s", "serialize_view_s")}}
+                       for k in ("decide_first_s", "decide_next_s", "view_s", "serialize_view_s")},
+            "collector": "parts timed with the collector paused; decide_next_gc_*_s with it running",
+            "slopes_with_collector": {k: _slope([(p["replicas"], p[k]) for p in points])
+                                      for k in ("decide_next_gc_defaults_s", "decide_next_gc_lighthouse_s")}}
 
 
 def guard_cost(ns: list[int], repeats: int = 5) -> dict:

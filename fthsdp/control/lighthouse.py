@@ -413,7 +413,11 @@ class _Job:
     finished_step: int | None = None
     last_activity: float = 0.0  # any RPC of this job (a job whose replicas all left is kept a while)
     # Replicas of several processes (replica id -> its processes); one-process replicas have none.
+    # Changed only through set_group / drop_group, which keep follower_processes.
     groups: dict[str, _Group] = field(default_factory=dict)
+    # Processes of the groups beyond their leaders: the job's admission budget counts them on
+    # every request (summing over the groups there made a round O(replicas^2)).
+    follower_processes: int = 0
     # The last few decided quorums by id (GetView answers a follower about its leader's quorum).
     decided: dict[int, qm.Quorum] = field(default_factory=dict)
     # Each leader's last FTAR endpoints, as one tuple object reused while a request repeats
@@ -451,6 +455,16 @@ class _Job:
     # lineage (each replica's last quorum id at its report kept: a repeated one is not read).
     lineage_from: int = 0
     lineage_reports: dict[str, int] = field(default_factory=dict)  # replica -> its last quorum id when it reported
+
+    def set_group(self, rid: str, g: "_Group") -> None:
+        self.drop_group(rid)
+        self.groups[rid] = g
+        self.follower_processes += g.num_processes - 1
+
+    def drop_group(self, rid: str) -> None:
+        g = self.groups.pop(rid, None)
+        if g is not None:
+            self.follower_processes -= g.num_processes - 1
 
     def quorum_proto(self, q: qm.Quorum) -> pb2.Quorum:
         if self.proto_cache is None or self.proto_cache[0] is not q:
@@ -670,7 +684,7 @@ class Lighthouse(pb2_grpc.LighthouseServicer):
         job = self._jobs.get(job_id)
         if job is None:
             return 0
-        return len(job.last_seen) + sum(g.num_processes - 1 for g in job.groups.values())
+        return len(job.last_seen) + job.follower_processes
 
     def _job(self, job_id: str) -> _Job:
         job = self._jobs.get(job_id)
@@ -818,7 +832,8 @@ class Lighthouse(pb2_grpc.LighthouseServicer):
     def _group(self, job: _Job, rid: str, num_processes: int, now: float) -> _Group:
         g = job.groups.get(rid)
         if g is None or g.num_processes != num_processes:
-            g = job.groups[rid] = _Group(num_processes, now)
+            g = _Group(num_processes, now)
+            job.set_group(rid, g)
         return g
 
     def _root_cause(self, job: _Job, now: float, members: tuple[str, ...] | None = None) -> rc.Verdict:
@@ -878,7 +893,7 @@ class Lighthouse(pb2_grpc.LighthouseServicer):
                 return
         else:
             if process == 0:
-                job.groups.pop(rid, None)
+                job.drop_group(rid)
             t = now
         if rid not in job.last_seen or rid in job.dead:
             job.live_hint += 1
@@ -1409,7 +1424,7 @@ class Lighthouse(pb2_grpc.LighthouseServicer):
         job.local_world_size.set(rid, None)
         job.stated_replicas.set(rid, None)
         job.processes.set(rid, None)
-        job.groups.pop(rid, None)
+        job.drop_group(rid)
 
     async def Status(self, request: pb2.StatusRequest, context: grpc.aio.ServicerContext) -> pb2.StatusResponse:
         err = _version_error(request.protocol_version)
