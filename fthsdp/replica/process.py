@@ -16,7 +16,6 @@ restarts it, it rejoins from its peers); :data:`fthsdp.errors.EXIT_JOB_FATAL`
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import pathlib
@@ -24,13 +23,9 @@ import secrets
 import sys
 import time
 
+from fthsdp.replica.status_file import StatusFile
+
 log = logging.getLogger("fthsdp.replica.process")
-
-
-def write_json_atomic(path: pathlib.Path, obj: dict) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(obj))
-    os.replace(tmp, path)
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -176,6 +171,7 @@ class ReplicaProcess:
         self.prom_server = serve(self.prom.registry, os.environ.get("FTHSDP_METRICS_BIND") or
                                  join_host_port(cfg.ft.bind_host, 0))
         self.status_path = files / f"status-{self.rid}.json"
+        self.status: StatusFile | None = None  # made at the first write (its fields exist by then)
         self.started = time.time()
         from fthsdp.control.sdc import parse_flip
 
@@ -431,11 +427,14 @@ class ReplicaProcess:
                     "step %d", self.cfg.ft.test_flip_bit, self.flip.bit, self.rid, int(mgr.state.step) - 1)
         self.metrics.write(kind="test_flip_bit", replica=self.rid, step=int(mgr.state.step) - 1, bit=self.flip.bit)
 
-    def write_status(self, **fields) -> None:
-        write_json_atomic(self.status_path, {"replica": self.rid, "pid": os.getpid(), "time": time.time(),
-                                             "started": self.started, "metrics_address": self.prom_server.address,
-                                             "peer_server": self.server.url,
-                                             **fields})
+    def write_status(self, final: bool = False, **fields) -> None:
+        """This replica's status (fthsdp.replica.status_file); ``final`` for the last word of a process
+        that ends, which no later write from another thread may replace."""
+        if self.status is None:
+            self.status = StatusFile(self.status_path, {"replica": self.rid, "started": self.started,
+                                                        "metrics_address": self.prom_server.address,
+                                                        "peer_server": self.server.url})
+        self.status.write(final=final, **fields)
 
     def on_silent_follower(self, process: int, silent_s: float) -> None:
         """A follower stopped beating (frozen or dead): the replica leaves as a unit, now. The
@@ -448,7 +447,7 @@ class ReplicaProcess:
                f"{self.cfg.ft.detect_s}s): the replica leaves as a unit")
         log.error("%s", why)
         try:
-            self.write_status(step=int(self.mgr.state.step), state="failed (replica-fatal)", fault=why,
+            self.write_status(final=True, step=int(self.mgr.state.step), state="failed (replica-fatal)", fault=why,
                               exit_code=EXIT_REPLICA_FATAL)
         finally:
             os._exit(EXIT_REPLICA_FATAL)
@@ -522,7 +521,7 @@ class ReplicaProcess:
             self.roll_back_fork(int(mgr.state.step))  # woken after the end with a forked state
             self.metrics.write(kind="job_finished", replica=self.rid, step=int(mgr.state.step),
                                finished_step=e.step)
-            self.write_status(step=int(mgr.state.step), state="job finished")
+            self.write_status(final=True, step=int(mgr.state.step), state="job finished")
             self.close()
             return 0
         except Exception as e:  # noqa: BLE001 - every fault leaves with its class's exit code
@@ -531,7 +530,7 @@ class ReplicaProcess:
             log.exception("replica %s: %s fault at step %d, exiting with %d: %s", self.rid, c.kind.value,
                           int(mgr.state.step), code, c.reason)
             self.client.leave(int(mgr.state.step), finished=False)
-            self.write_status(step=int(mgr.state.step), state=f"failed ({c.kind.value})", fault=c.reason,
+            self.write_status(final=True, step=int(mgr.state.step), state=f"failed ({c.kind.value})", fault=c.reason,
                               exit_code=code)
             self.close()
             return code
@@ -543,7 +542,7 @@ class ReplicaProcess:
                            compilations={"compute_grads": self.ts.compute_grads._cache_size(),
                                          "apply_grads": self.ts.apply_grads._cache_size()},
                            platform=str(self.mesh.devices.flat[0].platform))
-        self.write_status(step=int(mgr.state.step), state="done")
+        self.write_status(final=True, step=int(mgr.state.step), state="done")
         log.info("replica %s done at step %d", self.rid, int(mgr.state.step))
         return 0
 
@@ -589,7 +588,7 @@ class ReplicaProcess:
         """The end of a replica whose final state forked (see :meth:`roll_back_fork`): no
         "done" record claims its state as a final one. Exits 0: the lineage's replicas hold
         the job's final state."""
-        self.write_status(step=step, state="forked (final state discarded)", fault=why)
+        self.write_status(final=True, step=step, state="forked (final state discarded)", fault=why)
         self.close()
         return 0
 
