@@ -52,7 +52,7 @@ from fthsdp.errors import ReplicaFatalError
 log = logging.getLogger(__name__)
 
 __all__ = ["GroupSpec", "DecisionChannel", "DecisionTimeout", "initialize", "ENV", "LeaderQuorumSource",
-           "FollowerQuorumSource", "ViewUnavailable", "GroupWatchdog"]
+           "FollowerQuorumSource", "ViewUnavailable", "GroupWatchdog", "FollowerSilence"]
 
 # Environment variables the entry point reads (flags win), one per field.
 ENV = {
@@ -359,6 +359,45 @@ class FollowerQuorumSource:
         self.client.close()
 
 
+@dataclasses.dataclass
+class FollowerSilence:
+    """How long each follower's beat has not moved, judged on the leader's clock (pure).
+
+    Call :meth:`poll` once per watch round, then :meth:`observe` for each follower
+    with the value its beat left in the store. A round that came late (the leader's
+    own thread did not run for a while: an overloaded host, a long pause of the
+    leader's process) moves every follower's last-change time forward by the delay:
+    beats that landed while the leader was not looking are not seen as changes only
+    because the leader looked once, so without this a loaded host, which delays
+    the follower's beat and the leader's look alike, read as a frozen follower.
+    A follower that really stopped is still judged silent ``silent_s`` of the
+    leader's punctual rounds after its last beat."""
+
+    interval_s: float
+    silent_s: float
+    seen: dict[int, tuple[str, float]] = dataclasses.field(default_factory=dict)
+    last_poll: float | None = None
+    forgiven_s: float = 0.0  # the leader's own delays, in all (for the log)
+
+    def poll(self, now: float) -> None:
+        if self.last_poll is not None:
+            late = now - self.last_poll - self.interval_s
+            if late > self.interval_s:  # a scheduling hiccup of up to one interval is the follower's too
+                self.seen = {p: (v, t + late) for p, (v, t) in self.seen.items()}
+                self.forgiven_s += late
+        self.last_poll = now
+
+    def observe(self, process: int, value: str, now: float) -> float | None:
+        """Follower ``process``'s beat now reads ``value``: its silence in seconds when over
+        ``silent_s``, else None."""
+        last = self.seen.get(process)
+        if last is None or last[0] != value:
+            self.seen[process] = (value, now)
+            return None
+        silent = now - last[1]
+        return silent if silent > self.silent_s else None
+
+
 class GroupWatchdog:
     """Every process of a replica is alive, or the replica is dead as a whole.
 
@@ -404,17 +443,16 @@ class GroupWatchdog:
                 return
 
     def _watch(self) -> None:
-        seen: dict[int, tuple[str, float]] = {}
+        judge = FollowerSilence(self.interval_s, self.silent_s)
         while not self._stop.wait(self.interval_s):
             now = time.monotonic()
+            judge.poll(now)
             for p in range(1, self.spec.num_processes):
                 try:
                     value = self._client.key_value_try_get(f"{self.prefix}/p{p}")
                 except Exception:  # noqa: BLE001 - not beating yet (NOT_FOUND)
                     continue
-                last = seen.get(p)
-                if last is None or last[0] != value:
-                    seen[p] = (value, now)
-                elif now - last[1] > self.silent_s:
-                    self.on_silent(p, now - last[1])
+                silent = judge.observe(p, value, now)
+                if silent is not None:
+                    self.on_silent(p, silent)
                     return
