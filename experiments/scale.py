@@ -478,10 +478,11 @@ def decision_benchmark(ns: list[int], repeats: int = 3) -> dict:
     range is given beside it).
 
     The parts are timed with the garbage collector paused (a full collection before each
-    call): with CPython's defaults a call at 64K+ replicas also paid collections walking the
-    whole heap, which made the slope say 1.47 for an O(N log N) decision. The next round is
-    also timed under the defaults and under the lighthouse's own collector policy
-    (``decide_next_gc_*_s``), so what the collector adds stays in the record."""
+    call: the work itself, what the O() claim is about; with CPython's defaults a call can
+    also pay a collection walking the whole heap). The next round is also timed under the
+    defaults and under the lighthouse's own collector policy (``decide_next_gc_*_s``), so
+    what the collector adds stays in the record. (A slope of 1.47 was once recorded here:
+    that run was at load 20-30; idle, all three give 1.11-1.13, N log N's 1.11.)"""
     from fthsdp.control import quorum as qm
     from fthsdp.control.lighthouse import pb2, quorum_to_proto
     from fthsdp.proto import LIGHTHOUSE_PROTOCOL_VERSION

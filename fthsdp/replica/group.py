@@ -377,7 +377,7 @@ class FollowerSilence:
     silent_s: float
     seen: dict[int, tuple[str, float]] = dataclasses.field(default_factory=dict)
     last_poll: float | None = None
-    forgiven_s: float = 0.0  # the leader's own delays, in all (for the log)
+    forgiven_s: float = 0.0  # the leader's own delays, in all (the watchdog logs each)
 
     def poll(self, now: float) -> None:
         if self.last_poll is not None:
@@ -446,7 +446,12 @@ class GroupWatchdog:
         judge = FollowerSilence(self.interval_s, self.silent_s)
         while not self._stop.wait(self.interval_s):
             now = time.monotonic()
+            forgiven = judge.forgiven_s
             judge.poll(now)
+            if judge.forgiven_s > forgiven:
+                log.warning("replica %s: the group watchdog's round came %.2fs late (this process was not "
+                            "scheduled: an overloaded host?); the delay is not counted against its followers",
+                            self.spec.replica_id, judge.forgiven_s - forgiven)
             for p in range(1, self.spec.num_processes):
                 try:
                     value = self._client.key_value_try_get(f"{self.prefix}/p{p}")
