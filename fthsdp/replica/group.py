@@ -379,13 +379,15 @@ class FollowerSilence:
     last_poll: float | None = None
     forgiven_s: float = 0.0  # the leader's own delays, in all (the watchdog logs each)
 
-    def poll(self, now: float) -> None:
-        if self.last_poll is not None:
-            late = now - self.last_poll - self.interval_s
-            if late > self.interval_s:  # a scheduling hiccup of up to one interval is the follower's too
-                self.seen = {p: (v, t + late) for p, (v, t) in self.seen.items()}
-                self.forgiven_s += late
+    def poll(self, now: float) -> float:
+        """A watch round at ``now``: the delay forgiven to the followers (0.0 when punctual)."""
+        late = 0.0 if self.last_poll is None else now - self.last_poll - self.interval_s
         self.last_poll = now
+        if late <= self.interval_s:  # a scheduling hiccup of up to one interval is the follower's too
+            return 0.0
+        self.seen = {p: (v, t + late) for p, (v, t) in self.seen.items()}
+        self.forgiven_s += late
+        return late
 
     def observe(self, process: int, value: str, now: float) -> float | None:
         """Follower ``process``'s beat now reads ``value``: its silence in seconds when over
@@ -446,12 +448,11 @@ class GroupWatchdog:
         judge = FollowerSilence(self.interval_s, self.silent_s)
         while not self._stop.wait(self.interval_s):
             now = time.monotonic()
-            forgiven = judge.forgiven_s
-            judge.poll(now)
-            if judge.forgiven_s > forgiven:
+            late = judge.poll(now)
+            if late:
                 log.warning("replica %s: the group watchdog's round came %.2fs late (this process was not "
                             "scheduled: an overloaded host?); the delay is not counted against its followers",
-                            self.spec.replica_id, judge.forgiven_s - forgiven)
+                            self.spec.replica_id, late)
             for p in range(1, self.spec.num_processes):
                 try:
                     value = self._client.key_value_try_get(f"{self.prefix}/p{p}")

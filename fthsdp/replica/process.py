@@ -171,8 +171,11 @@ class ReplicaProcess:
         self.prom_server = serve(self.prom.registry, os.environ.get("FTHSDP_METRICS_BIND") or
                                  join_host_port(cfg.ft.bind_host, 0))
         self.status_path = files / f"status-{self.rid}.json"
-        self.status: StatusFile | None = None  # made at the first write (its fields exist by then)
         self.started = time.time()
+        # One object for every thread that writes the status (its lock is what keeps a final record).
+        self.status = StatusFile(self.status_path, {"replica": self.rid, "started": self.started,
+                                                    "metrics_address": self.prom_server.address,
+                                                    "peer_server": self.server.url})
         from fthsdp.control.sdc import parse_flip
 
         self.flip = parse_flip(cfg.ft.test_flip_bit)  # a test hook, off by default
@@ -430,10 +433,6 @@ class ReplicaProcess:
     def write_status(self, final: bool = False, **fields) -> None:
         """This replica's status (fthsdp.replica.status_file); ``final`` for the last word of a process
         that ends, which no later write from another thread may replace."""
-        if self.status is None:
-            self.status = StatusFile(self.status_path, {"replica": self.rid, "started": self.started,
-                                                        "metrics_address": self.prom_server.address,
-                                                        "peer_server": self.server.url})
         self.status.write(final=final, **fields)
 
     def on_silent_follower(self, process: int, silent_s: float) -> None:
