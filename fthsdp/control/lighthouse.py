@@ -1394,10 +1394,9 @@ class Lighthouse(pb2_grpc.LighthouseServicer):
         if merged.entries != job.lineage.entries:  # (an entry may be new yet dominated by one held)
             log.info("job %r: lineage entries (quorum, step) %s reported by replica %s (from before this "
                      "lighthouse's first quorum) merged: %s", job.job_id, old, rid, list(merged.entries[-8:]))
-        # Ids below a cut report's oldest entry: only ever ones decided before this lighthouse's first.
+        # Ids below a cut report's oldest entry: with `old` not empty that entry is older than
+        # this lighthouse's first quorum, so every id forgotten was decided before it restarted.
         cut = qm.unreported_through(pairs) if old else 0
-        if job.lineage_from:
-            cut = min(cut, job.lineage_from - 1)
         if cut > merged.dropped_through:
             log.info("job %r: replica %s reported its newest %d lineage entries, from quorum %d: quorums <= %d "
                      "are forgotten (a replica whose last quorum is that old is fenced)", job.job_id, rid,
