@@ -1,15 +1,24 @@
 """What the silent-data-corruption fingerprint costs per step (issue 16, item 4; target <= 1% of a step).
 
-    python experiments/fingerprint_cost.py [--quick] [--groups N] [--block N] --out results/fingerprint_cost.json
+    python experiments/fingerprint_cost.py [--quick] [--groups N] [--block N] [--ring N] --out results/fingerprint_cost.json
 
 The config is the one ``make run`` trains (``configs/ft_local.py``: the
-``configs/base.py`` model and data, 2 devices per replica); one replica, its
-step timed as the Manager runs it (``compute_grads``, ``apply_grads``, then the
-commit flag read on the host: with the fingerprint, the flag and the
-fingerprint come in one read, ``metrics["commit_words"]``), with the
-all-reduce replaced by the local identity so that only computation is timed
-(FTAR's network time would only make the fingerprint a smaller share of a real
-step: the ratio here is an upper bound). Variants:
+``configs/base.py`` model and data, 2 devices per replica); its step timed as
+the Manager runs it (``compute_grads``, ``apply_grads``, then the commit flag
+read on the host: with the fingerprint, the flag and the fingerprint come in
+one read, ``metrics["commit_words"]``). Two settings of the all-reduce:
+
+* ``--ring 1`` (the default): one replica, the all-reduce replaced by the local
+  identity, so that only computation is timed. FTAR's time would only make the
+  fingerprint a smaller share of a real step: the ratio is an upper bound.
+* ``--ring N``: the job's real step. N replica processes (this one, rank 0,
+  and N-1 it starts) in one authenticated FTAR ring on loopback, each running
+  the same schedule below, so every all-reduce pairs steps of the same
+  variant; rank 0 times and reports. A step then holds what a step of
+  ``make run`` holds (FTAR's copies, sums and socket work), though on a
+  2-core machine N processes also share the cores, which lengthens the step.
+
+Variants:
 
 * ``off``: ``ft.fingerprint=false``, no fingerprint;
 * ``in_step``: the default, the fingerprint after every commit, inside the
@@ -44,13 +53,17 @@ host read or anything the step's schedule adds.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
 import pathlib
 import platform
+import secrets
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -97,6 +110,71 @@ def cpu_isa() -> str:
     return "avx512f" if "avx512f" in flags else ("avx2" if "avx2" in flags else "baseline")
 
 
+RING_JOB = "fingerprint-cost"
+RING_QUORUM = 1
+RING_WAIT_S = 300.0  # for the peers to start (jax import, compilation) and publish their addresses
+# FTAR's deadline per all-reduce here: the ranks compile each variant at its first step, each
+# at its own pace, so a first all-reduce may wait a compilation long for its partner (the job's
+# 10 s default is for steady steps; in steady steps here no call comes near either).
+RING_ALLREDUCE_TIMEOUT_S = 300.0
+
+
+def start_peers(ring: int, ring_dir: pathlib.Path, argv: list[str]) -> list[subprocess.Popen]:
+    """Ranks 1..ring-1 of the FTAR ring: this script again, with the same arguments (so the
+    same schedule), its own rank, and the shared folder for addresses and the secret."""
+    (ring_dir / "secret").write_text(secrets.token_hex(32))
+    peers = []
+    for rank in range(1, ring):
+        log = open(ring_dir / f"rank{rank}.log", "w")  # noqa: SIM115 - closed with the process
+        cmd = [sys.executable, str(pathlib.Path(__file__).resolve()), *argv, "--ring-rank", str(rank),
+               "--ring-dir", str(ring_dir), "--out", str(ring_dir / f"rank{rank}.json")]
+        peers.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT))
+        log.close()
+    return peers
+
+
+def join_ring(ring: int, rank: int, ring_dir: pathlib.Path, cfg, devices: int, peers: list[subprocess.Popen]):
+    """This process's Communicator, connected to the ring's other ranks (addresses exchanged
+    through files in ``ring_dir``), and the quorum inputs every step passes. ``peers``: the
+    processes rank 0 started (a peer that dies before publishing its address ends the wait)."""
+    from fthsdp.collective import ftar
+    from fthsdp.step.quorum_inputs import make_quorum_inputs
+
+    key = ftar.key_from_secret((ring_dir / "secret").read_text())
+    comm = ftar.Communicator(num_shards=devices, streams=cfg.ft.streams_per_peer,
+                             timeout_s=RING_ALLREDUCE_TIMEOUT_S, key=key)
+    tmp = ring_dir / f"addr{rank}.tmp"
+    tmp.write_text(comm.address)
+    tmp.replace(ring_dir / f"addr{rank}")
+    deadline = time.monotonic() + RING_WAIT_S
+    paths = [ring_dir / f"addr{k}" for k in range(ring)]
+    while not all(path.exists() for path in paths):
+        if any(proc.poll() is not None for proc in peers):
+            raise SystemExit(f"ring rank {rank}: a peer exited before the ring formed")
+        if time.monotonic() > deadline:
+            missing = [k for k, path in enumerate(paths) if not path.exists()]
+            raise SystemExit(f"ring rank {rank}: ranks {missing} did not publish an address in {RING_WAIT_S:.0f} s "
+                             f"(see their logs in {ring_dir})")
+        time.sleep(0.1)
+    members = [path.read_text() for path in paths]
+    res = comm.configure(RING_JOB, RING_QUORUM, rank, members, timeout_s=60.0)
+    if not res:
+        raise SystemExit(f"ring rank {rank}: the FTAR ring did not connect: {res.reason}")
+    quorum = make_quorum_inputs(contribute=True, num_contributing=ring, num_members=ring, num_configured=ring,
+                                lr_mode=0, rank=rank, quorum_id=RING_QUORUM, comm=comm.handle)
+    return comm, quorum
+
+
+def peer_failure(peers: list[subprocess.Popen], ring_dir: pathlib.Path) -> str:
+    """What the ring's other ranks said, for an error message (the end of each failed log)."""
+    out = []
+    for rank, proc in enumerate(peers, start=1):
+        if proc.poll() not in (None, 0):
+            tail = (ring_dir / f"rank{rank}.log").read_text(errors="replace")[-2000:]
+            out.append(f"rank {rank} exited with {proc.returncode}:\n{tail}")
+    return "\n".join(out)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--config", default="ft_local", help="config (default: ft_local, what `make run` trains)")
@@ -106,13 +184,55 @@ def main(argv: list[str] | None = None) -> int:
                         "holds the same number of fingerprints)")
     p.add_argument("--quick", action="store_true", help="3 groups of 4 steps (CI: the schema, not the figure)")
     p.add_argument("--every", type=int, default=4, help="K of the every_k variant (ft.fingerprint_every)")
+    p.add_argument("--ring", type=int, default=1,
+                   help="replicas in a real FTAR ring, one process each (1: the local identity all-reduce, "
+                        "computation only)")
+    p.add_argument("--ring-rank", type=int, default=0, help=argparse.SUPPRESS)  # set on the peers it starts
+    p.add_argument("--ring-dir", default="", help=argparse.SUPPRESS)
     p.add_argument("--out", default="results/fingerprint_cost.json")
     p.add_argument("overrides", nargs="*")
-    args = p.parse_args(argv)
+    raw_argv = list(argv if argv is not None else sys.argv[1:])
+    args = p.parse_args(raw_argv)
     if args.quick:
         args.groups, args.block = 3, 4
     if args.groups < 1 or args.block < 1 or args.every < 2:
         p.error("--groups and --block must be >= 1 and --every >= 2")
+    if not 1 <= args.ring <= 8:
+        p.error(f"--ring must be in [1, 8] (replica processes on this machine), got {args.ring}")
+    if args.ring_rank and not args.ring_dir:
+        p.error("--ring-rank is set by rank 0 on the processes it starts, with --ring-dir")
+    with contextlib.ExitStack() as stack:
+        ring_dir = pathlib.Path(args.ring_dir) if args.ring_dir else None
+        peers: list[subprocess.Popen] = []
+        if args.ring > 1 and ring_dir is None:  # rank 0: a folder for the ring, and its peers
+            ring_dir = pathlib.Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="fingerprint_cost-")))
+            peers = start_peers(args.ring, ring_dir, raw_argv)
+            stack.callback(stop_peers, peers)
+        try:
+            return run(args, raw_argv, ring_dir, peers)
+        except BaseException:
+            if peers:
+                why = peer_failure(peers, ring_dir)
+                if why:
+                    print(f"the ring's other ranks failed:\n{why}", file=sys.stderr)
+                for proc in peers:  # they cannot finish without this rank
+                    proc.kill()
+            raise
+
+
+def stop_peers(peers: list[subprocess.Popen]) -> None:
+    """Wait for the peers to finish their schedule (they end with rank 0), then stop stragglers."""
+    for proc in peers:
+        try:
+            proc.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def run(args: argparse.Namespace, raw_argv: list[str], ring_dir: pathlib.Path | None,
+        peers: list[subprocess.Popen]) -> int:
+    """The measurement, on every rank of the ring (rank 0 reports)."""
     load_start = list(os.getloadavg())  # the shared machine's 1/5/15-minute load before the run
 
     from fthsdp import config as config_lib
@@ -132,9 +252,17 @@ def main(argv: list[str] | None = None) -> int:
 
     mesh = replica_mesh(devices)
     every_cfg = config_lib.override(cfg, [f"ft.fingerprint_every={args.every}"]).validate()
-    steps = {"off": make_train_step(cfg, mesh, allreduce=local_allreduce, fingerprint=False),
-             "in_step": make_train_step(cfg, mesh, allreduce=local_allreduce, fingerprint=True),
-             "every_k": make_train_step(every_cfg, mesh, allreduce=local_allreduce, fingerprint=True)}
+    if args.ring > 1:
+        from fthsdp.collective import ftar
+
+        comm, quorum = join_ring(args.ring, args.ring_rank, ring_dir, cfg, devices, peers)
+        allreduce = ftar.allreduce
+    else:
+        comm, allreduce = None, local_allreduce
+        quorum = make_quorum_inputs(contribute=True, num_contributing=1, num_members=1, num_configured=1, lr_mode=0)
+    steps = {"off": make_train_step(cfg, mesh, allreduce=allreduce, fingerprint=False),
+             "in_step": make_train_step(cfg, mesh, allreduce=allreduce, fingerprint=True),
+             "every_k": make_train_step(every_cfg, mesh, allreduce=allreduce, fingerprint=True)}
     variants = tuple(steps)
     shardings = steps["off"].state_shardings
 
@@ -144,8 +272,7 @@ def main(argv: list[str] | None = None) -> int:
             return acc + fpm.fingerprint(state._replace(step=state.step + i), shardings)
         return jax.lax.fori_loop(0, LOOP, body, jax.numpy.zeros((2,), jax.numpy.uint32))
 
-    stream = ReplicaStream(cfg.data, 0)
-    quorum = make_quorum_inputs(contribute=True, num_contributing=1, num_members=1, num_configured=1, lr_mode=0)
+    stream = ReplicaStream(cfg.data, args.ring_rank)
     states = {v: steps[v].init(cfg.train.seed) for v in variants}
     batches = [steps["off"].shard_batch(b.inputs, b.targets) for b in (stream.batch(i) for i in range(8))]
 
@@ -202,7 +329,7 @@ def main(argv: list[str] | None = None) -> int:
 
     state_bytes = pytree_bytes(jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype), states["off"]))
     result = {
-        "command": " ".join(["python", "experiments/fingerprint_cost.py", *(argv if argv is not None else sys.argv[1:])]),
+        "command": " ".join(["python", "experiments/fingerprint_cost.py", *raw_argv]),
         "config": args.config, "overrides": args.overrides, "devices_per_replica": devices,
         "state_bytes": state_bytes, "params_bytes": pytree_bytes(states["off"].params),
         "groups": args.groups, "block": args.block, "every": args.every,
@@ -222,7 +349,10 @@ def main(argv: list[str] | None = None) -> int:
         "seconds": time.perf_counter() - t_start,
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, kernel ISA {cpu_isa()}; shared, so compare "
                    "the paired ratios, not absolute times",
-        "allreduce": "local identity (computation only: an upper bound on the fingerprint's share of a real step)",
+        "ring": args.ring,
+        "allreduce": (f"FTAR, an authenticated ring of {args.ring} replica processes on loopback (the job's real "
+                      "step; the processes share this machine's cores)" if args.ring > 1 else
+                      "local identity (computation only: an upper bound on the fingerprint's share of a real step)"),
         "kernel": "native CPU kernel per device (ffi/fingerprint.cc) inside shard_map, one psum; the commit flag "
                   "and the fingerprint read with one transfer",
     }
@@ -231,6 +361,8 @@ def main(argv: list[str] | None = None) -> int:
     result["k_for_target"] = max(1, math.ceil(ov["median"] / TARGET - 1e-9))
     result["load_average_start"] = load_start
     result["load_average_end"] = list(os.getloadavg())
+    if comm is not None:
+        comm.close()
     out = pathlib.Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))

@@ -67,12 +67,16 @@ def test_auth_cost_small(tmp_path):
                                                                      "INVALID_ARGUMENT"}
 
 
-def test_fingerprint_cost_quick(tmp_path):
+@pytest.mark.parametrize("ring", [1, 2])
+def test_fingerprint_cost_quick(tmp_path, ring):
     """experiments/fingerprint_cost.py at its smallest: the schema and the verdict's form (the
-    figure itself comes from the full run on a quiet machine, not from CI)."""
+    figure itself comes from the full run on a quiet machine, not from CI). With ``--ring 2`` the
+    step all-reduces over a real FTAR ring with a second process, and every timed step must
+    commit (the script stops on the first that does not)."""
     out = tmp_path / "fp.json"
-    run("fingerprint_cost.py", "--quick", "--out", str(out))
+    run("fingerprint_cost.py", "--quick", "--ring", str(ring), "--out", str(out))
     res = json.loads(out.read_text())
+    assert res["ring"] == ring and ("FTAR" in res["allreduce"]) == (ring > 1)
     assert res["groups"] == 3 and len(res["ratios"]["in_step"]["cpu"]) == 3
     for key in ("in_step_overhead_cpu", "in_step_overhead_wall", "every_k_overhead_cpu"):
         d = res[key]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import threading
 
+from fthsdp.atomic_file import temporaries
 from fthsdp.replica.status_file import StatusFile
 
 
@@ -57,4 +58,4 @@ def test_threads_racing_a_final_write_leave_it_whole_and_last(tmp_path):
     assert not seen_bad
     rec = json.loads(path.read_text())
     assert rec["state"] == "failed (replica-fatal)" and rec["fault"] == "frozen follower"
-    assert not list(tmp_path.glob(".*.tmp"))  # no temporary file left behind
+    assert not temporaries(tmp_path, path.name)  # no temporary file left behind

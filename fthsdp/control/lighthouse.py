@@ -61,7 +61,6 @@ import math
 import os
 import signal
 import sys
-import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
@@ -69,6 +68,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from fthsdp.addresses import split_host_port
+from fthsdp.atomic_file import write_atomic
 from fthsdp.gc_policy import low_pause_gc
 from fthsdp.control import admission, auth, guard, quorum as qm, session
 from fthsdp.control.guard import Refused
@@ -1581,17 +1581,8 @@ class LighthouseThread:
 
 
 def _write_port_file(path: str, port: int) -> None:
-    """Write atomically, so a launcher polling the file never reads half a number."""
-    d = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=".lighthouse-port-", dir=d)
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(f"{port}\n")
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    """Written whole, so a launcher polling the file never reads half a number."""
+    write_atomic(path, f"{port}\n")
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -21,11 +21,11 @@ import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
+from fthsdp.atomic_file import temporaries, write_atomic
 from fthsdp.data.stream import LoaderState
 
 FORMAT = "fthsdp.loader_state"
 VERSION = 1
-_TMP_MARK = ".tmp."
 
 
 class LoaderStateError(ValueError):
@@ -90,27 +90,6 @@ def decode(data: bytes, where: str = "loader_state") -> LoaderRecord:
     return LoaderRecord(**payload)
 
 
-def write_atomic(path: str | os.PathLike, data: bytes) -> None:
-    """temp file + fsync + os.replace + directory fsync."""
-    path = Path(path)
-    tmp = path.with_name(f"{path.name}{_TMP_MARK}{os.getpid()}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    try:
-        view = memoryview(data)
-        while view:
-            n = os.write(fd, view)
-            view = view[n:]
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
-    dfd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dfd)
-    finally:
-        os.close(dfd)
-
-
 class LoaderStateStore:
     """The loader_state files of a job, one per replica, in `directory`."""
 
@@ -124,7 +103,7 @@ class LoaderStateStore:
     def save(self, state: LoaderState, step: int) -> LoaderRecord:
         """Records `state` (the next position to train) after committed `step`."""
         rec = LoaderRecord(state.replica, state.position, step)
-        write_atomic(self.path(rec.replica), encode(rec))
+        write_atomic(self.path(rec.replica), encode(rec), durable=True)
         return rec
 
     def load(self, replica: int) -> LoaderRecord | None:
@@ -152,7 +131,7 @@ class LoaderStateStore:
     def clean_temporaries(self) -> list[Path]:
         """Removes temp files left by writers that crashed mid-write; returns them."""
         gone = []
-        for p in self.directory.glob(f"replica_*.json{_TMP_MARK}*"):
+        for p in temporaries(self.directory, "replica_*.json"):
             p.unlink(missing_ok=True)
             gone.append(p)
         return gone

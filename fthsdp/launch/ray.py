@@ -45,6 +45,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 
+from fthsdp.atomic_file import write_atomic
 from fthsdp.launch import faults as faults_lib
 from fthsdp.launch import rundir as rundir_lib
 from fthsdp.launch import supervise
@@ -366,9 +367,7 @@ class RayJob(LocalJob):
         for rel, text in got["latest"].items():
             p = self.out_dir / rel
             p.parent.mkdir(parents=True, exist_ok=True)
-            tmp = p.with_name(f".{p.name}.driver.tmp")
-            tmp.write_text(text)
-            os.replace(tmp, p)
+            write_atomic(p, text)
 
     def collect(self) -> None:
         """One round: every live actor's new records, asked for at once."""

@@ -16,11 +16,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import pathlib
 import shlex
 import shutil
 import time
+
+from fthsdp.atomic_file import write_atomic
 
 PER_ATTEMPT = ("metrics-*.jsonl", "status-*.json", "events.jsonl", "replica-*.out", "replica-*.log",
                "summary.json", "timeline.png", "lighthouse.log", "lighthouse.port")
@@ -97,9 +98,7 @@ class RunDir:
             return {}
 
     def save(self, doc: dict) -> None:
-        tmp = self.path.with_name(f".run.json.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(doc, indent=1))
-        os.replace(tmp, self.path)
+        write_atomic(self.path, json.dumps(doc, indent=1))
 
     def update(self, **fields) -> dict:
         doc = self.load()

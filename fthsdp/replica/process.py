@@ -156,9 +156,9 @@ class ReplicaProcess:
         # Only this replica's torn temporaries: another live replica may be mid-write
         # of its own (a restarted replica that cleaned them all made a survivor's
         # os.replace fail).
-        from fthsdp.data.loader_state import _TMP_MARK
+        from fthsdp.atomic_file import temporaries
 
-        for torn in (files / "loader_state").glob(f"replica_{self.rid}.json{_TMP_MARK}*"):
+        for torn in temporaries(files / "loader_state", f"replica_{self.rid}.json"):
             torn.unlink(missing_ok=True)
         self.metrics = logs.MetricsWriter(files / f"metrics-{self.rid}.jsonl")
         # Prometheus: this process's metrics over HTTP (loopback by default; the

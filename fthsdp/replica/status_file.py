@@ -19,14 +19,9 @@ import pathlib
 import threading
 import time
 
-__all__ = ["StatusFile", "write_json_atomic"]
+from fthsdp.atomic_file import write_atomic
 
-
-def write_json_atomic(path: pathlib.Path, obj: dict) -> None:
-    """``obj`` as JSON at ``path``, never seen half-written (per-thread temporary name)."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-    tmp.write_text(json.dumps(obj))
-    os.replace(tmp, path)
+__all__ = ["StatusFile"]
 
 
 class StatusFile:
@@ -50,7 +45,7 @@ class StatusFile:
             if self._final is not None:
                 return False
             rec = {**self.base, "pid": os.getpid(), "time": time.time(), **fields}
-            write_json_atomic(self.path, rec)
+            write_atomic(self.path, json.dumps(rec))
             if final:
                 self._final = rec
             return True
