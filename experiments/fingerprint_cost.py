@@ -137,15 +137,14 @@ def join_ring(ring: int, rank: int, ring_dir: pathlib.Path, cfg, devices: int, p
     """This process's Communicator, connected to the ring's other ranks (addresses exchanged
     through files in ``ring_dir``), and the quorum inputs every step passes. ``peers``: the
     processes rank 0 started (a peer that dies before publishing its address ends the wait)."""
+    from fthsdp.atomic_file import write_atomic
     from fthsdp.collective import ftar
     from fthsdp.step.quorum_inputs import make_quorum_inputs
 
     key = ftar.key_from_secret((ring_dir / "secret").read_text())
     comm = ftar.Communicator(num_shards=devices, streams=cfg.ft.streams_per_peer,
                              timeout_s=RING_ALLREDUCE_TIMEOUT_S, key=key)
-    tmp = ring_dir / f"addr{rank}.tmp"
-    tmp.write_text(comm.address)
-    tmp.replace(ring_dir / f"addr{rank}")
+    write_atomic(ring_dir / f"addr{rank}", comm.address)  # the others poll for it: never half an address
     deadline = time.monotonic() + RING_WAIT_S
     paths = [ring_dir / f"addr{k}" for k in range(ring)]
     while not all(path.exists() for path in paths):
