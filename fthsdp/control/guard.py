@@ -515,6 +515,50 @@ def _hold_bound(context) -> float:
     return LIGHTHOUSE_MAX_HOLD_S if remaining is None else min(LIGHTHOUSE_MAX_HOLD_S, 0.5 * remaining)
 
 
+THROTTLE_LOG_EVERY_S = 60.0  # one line per throttled principal per minute ...
+THROTTLE_LOG_GAP_S = 1.0  # ... and at most one a second in all (a flood opens many connections)
+THROTTLE_LOG_MEMORY = 1024  # principals whose last line is remembered
+
+
+class ThrottleLog:
+    """Says in the lighthouse's log that calls were held back or refused by a budget.
+
+    A held call is the lighthouse working as designed, so nothing else reports it. But an
+    operator must be able to see it: a replica that steps faster than its connection's
+    budget (a quorum request per step, plus heartbeats) is slowed to that budget, and the
+    fix is a flag. One line per principal a minute, and at most one a second in all."""
+
+    def __init__(self) -> None:
+        self._last: OrderedDict[str, float] = OrderedDict()
+        self._last_any = -math.inf
+        self.suppressed = 0  # lines not written because of the limits since the last one written
+
+    def note(self, who: str, decision, budget: str, advice: str, now: float) -> bool:
+        """Log ``decision`` (held or refused) of ``who``; False when the limits dropped it."""
+        last = self._last.get(who)
+        if (last is not None and now - last < THROTTLE_LOG_EVERY_S) or now - self._last_any < THROTTLE_LOG_GAP_S:
+            self.suppressed += 1
+            return False
+        self._last[who] = now
+        self._last.move_to_end(who)
+        while len(self._last) > THROTTLE_LOG_MEMORY:
+            self._last.popitem(last=False)
+        self._last_any = now
+        what = (f"a call was refused: {decision.refusal}" if decision.refusal else
+                f"a call was held back {decision.wait_s:.3f} s for its budget ({budget})")
+        log.warning("%s: %s. %s (such a line at most once a minute per connection or job; %d not written "
+                    "since the last one)", who, what, advice, self.suppressed)
+        self.suppressed = 0
+        return True
+
+
+_CONNECTION_ADVICE = ("If this is a replica process, it sends more calls than that (a quorum request per step "
+                      "plus heartbeats at ft.heartbeat_interval_s) and is slowed to the budget: run the lighthouse "
+                      "(python -m fthsdp.control.lighthouse) with a larger --connection-calls-per-s; `fthsdp run` "
+                      "starts its own with the default")
+_JOB_ADVICE = "The job sends more calls than its budget, which grows with its registered replicas"
+
+
 async def _hold(admission: Admission, decision, held) -> None:
     if decision.wait_s > 0:
         try:
@@ -538,6 +582,7 @@ class CallGate:
     admission: Admission | None = None
     job_size: Callable[[str], int] = lambda job_id: 0
     known: KnownAddresses = field(default_factory=lambda: KnownAddresses())  # FTAR endpoints found well-formed
+    throttled: ThrottleLog = field(default_factory=ThrottleLog)
 
     def charge(self, peer: str) -> None:
         """A refused request costs its connection more than an accepted one (a flood of garbage parks)."""
@@ -548,7 +593,12 @@ class CallGate:
         """The connection's budget: None, after holding the request if it must wait, or the refusal."""
         if self.admission is None:
             return None
-        decision, held = self.admission.connection(peer, time.monotonic(), hold_bound)
+        now = time.monotonic()
+        decision, held = self.admission.connection(peer, now, hold_bound)
+        if decision.wait_s > 0 or decision.refusal:
+            lim = self.admission.limits
+            self.throttled.note(f"connection {peer}", decision, f"{lim.connection_calls_per_s:g} calls/s, burst "
+                                f"{lim.connection_burst}", _CONNECTION_ADVICE, now)
         await _hold(self.admission, decision, held)
         return Refusal(EXHAUSTED, decision.refusal) if decision.refusal else None
 
@@ -568,7 +618,10 @@ class CallGate:
                 self.charge(peer)
                 return refusal
         if self.admission is not None and req.job_id:
-            decision, held = self.admission.job(req.job_id, self.job_size(req.job_id), time.monotonic(), hold_bound())
+            now = time.monotonic()
+            decision, held = self.admission.job(req.job_id, self.job_size(req.job_id), now, hold_bound())
+            if decision.wait_s > 0 or decision.refusal:
+                self.throttled.note(f"job {req.job_id!r}", decision, "its calls per second", _JOB_ADVICE, now)
             await _hold(self.admission, decision, held)
             if decision.refusal:
                 return Refusal(EXHAUSTED, decision.refusal)
