@@ -67,6 +67,8 @@ import tempfile
 import time
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "experiments" / "peers"))
+import common  # noqa: E402 - the peers' rendezvous (publish, gather)
 LOOP = 50  # fingerprints back to back in one jitted call (the work without dispatch)
 TARGET = 0.01
 sys.path.insert(0, str(REPO))
@@ -137,25 +139,15 @@ def join_ring(ring: int, rank: int, ring_dir: pathlib.Path, cfg, devices: int, p
     """This process's Communicator, connected to the ring's other ranks (addresses exchanged
     through files in ``ring_dir``), and the quorum inputs every step passes. ``peers``: the
     processes rank 0 started (a peer that dies before publishing its address ends the wait)."""
-    from fthsdp.atomic_file import write_atomic
     from fthsdp.collective import ftar
     from fthsdp.step.quorum_inputs import make_quorum_inputs
 
     key = ftar.key_from_secret((ring_dir / "secret").read_text())
     comm = ftar.Communicator(num_shards=devices, streams=cfg.ft.streams_per_peer,
                              timeout_s=RING_ALLREDUCE_TIMEOUT_S, key=key)
-    write_atomic(ring_dir / f"addr{rank}", comm.address)  # the others poll for it: never half an address
-    deadline = time.monotonic() + RING_WAIT_S
-    paths = [ring_dir / f"addr{k}" for k in range(ring)]
-    while not all(path.exists() for path in paths):
-        if any(proc.poll() is not None for proc in peers):
-            raise SystemExit(f"ring rank {rank}: a peer exited before the ring formed")
-        if time.monotonic() > deadline:
-            missing = [k for k, path in enumerate(paths) if not path.exists()]
-            raise SystemExit(f"ring rank {rank}: ranks {missing} did not publish an address in {RING_WAIT_S:.0f} s "
-                             f"(see their logs in {ring_dir})")
-        time.sleep(0.1)
-    members = [path.read_text() for path in paths]
+    common.publish(str(ring_dir), f"addr{rank}", comm.address)
+    members = common.gather(str(ring_dir), [f"addr{k}" for k in range(ring)], timeout=RING_WAIT_S,
+                            alive=lambda: all(proc.poll() is None for proc in peers))
     res = comm.configure(RING_JOB, RING_QUORUM, rank, members, timeout_s=60.0)
     if not res:
         raise SystemExit(f"ring rank {rank}: the FTAR ring did not connect: {res.reason}")

@@ -25,10 +25,14 @@ def publish(rdv: str, name: str, value: str) -> None:
     os.rename(tmp, d / name)
 
 
-def gather(rdv: str, names: list[str], timeout: float = 120.0) -> list[str]:
+def gather(rdv: str, names: list[str], timeout: float = 120.0, alive=None) -> list[str]:
+    """The values published under ``names``, once all are there. ``alive``: a callable that says
+    whether every peer that should publish still runs (a dead one ends the wait at once)."""
     d = pathlib.Path(rdv)
     deadline = time.time() + timeout
     while not all((d / n).exists() for n in names):
+        if alive is not None and not alive():
+            raise RuntimeError(f"a peer exited before the rendezvous completed (waiting for {names})")
         if time.time() > deadline:
             raise TimeoutError(f"rendezvous timed out waiting for {names}")
         time.sleep(0.01)
