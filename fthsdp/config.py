@@ -21,6 +21,7 @@ import typing
 from dataclasses import dataclass, field
 
 from fthsdp.config_checks import ConfigError, check
+from fthsdp.control.admission import FairnessLimits
 
 __all__ = ["Config", "ConfigError", "load", "load_module", "override", "to_dict"]
 
@@ -141,6 +142,13 @@ class LaunchConfig:
     # Ray: the driver's node; the CA on every node).
     lighthouse_tls_cert: str = ""
     lighthouse_tls_key: str = ""
+    # The budget of one client connection to the launcher's own lighthouse, in calls per second
+    # (its --connection-calls-per-s, fthsdp.control.admission): calls past it are held back, which
+    # slows the replica that sends them. A replica process sends heartbeats at
+    # 1/ft.heartbeat_interval_s and one quorum request per step, so a model that steps more than
+    # ~80 times a second at the default heartbeat needs more; the lighthouse's log says when a
+    # connection is held back. Ignored with an external lighthouse (give it the flag yourself).
+    lighthouse_connection_calls_per_s: float = FairnessLimits.connection_calls_per_s
     # Emulated hosts: replica r's listeners bind (and advertise) hosts[r % len(hosts)],
     # e.g. 127.0.0.2,127.0.0.3 so that each replica acts as its own machine on
     # loopback; empty: every replica uses ft.bind_host / ft.advertise_host.

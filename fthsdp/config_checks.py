@@ -298,6 +298,8 @@ RULES: dict[str, Rule] = {
     "launch.lighthouse_tls_cert": Parsed(_readable_or_empty, "empty (plain gRPC) or the PEM certificate chain the "
                                          "launcher's own lighthouse serves TLS with"),
     "launch.lighthouse_tls_key": Parsed(_readable_or_empty, "empty or the PEM private key of launch.lighthouse_tls_cert"),
+    "launch.lighthouse_connection_calls_per_s": _real(0, 1e6, lo_open=True,
+                                                      why="calls per second one connection may make"),
     "launch.hosts": Parsed(_advertisable_hosts, "comma-separated hosts, one per emulated machine (empty: ft.bind_host)"),
     "launch.kill": Parsed(_fault_specs("kill"), "comma-separated REPLICA@STEP"),
     "launch.restart": Anything("true or false"),
@@ -356,6 +358,23 @@ def _refuse(name: str, value: Any, reason: str) -> typing.NoReturn:
     raise ConfigError(f"{name}={value!r}: {reason}")
 
 
+def _check_lighthouse_budget(cfg: Any) -> None:
+    """The launcher's own lighthouse must let a replica process's heartbeats through with room for
+    its quorum requests; an external lighthouse's budget is its own command line's."""
+    from fthsdp.config import LaunchConfig
+
+    rate = cfg.launch.lighthouse_connection_calls_per_s
+    if cfg.launch.lighthouse and rate != LaunchConfig.lighthouse_connection_calls_per_s:
+        raise ConfigError(f"launch.lighthouse_connection_calls_per_s={rate:g} is for the launcher's own lighthouse, "
+                          f"but the job uses the external lighthouse launch.lighthouse={cfg.launch.lighthouse}: "
+                          "give that lighthouse --connection-calls-per-s instead")
+    beats = 1.0 / cfg.ft.heartbeat_interval_s
+    if rate < 2 * beats:
+        raise ConfigError(f"launch.lighthouse_connection_calls_per_s={rate:g} leaves no room: a replica process's "
+                          f"heartbeats alone send {beats:g} calls/s (1/ft.heartbeat_interval_s), and its quorum "
+                          f"requests come on top; give at least {2 * beats:g} (twice the heartbeat rate)")
+
+
 def check(cfg: Any) -> None:
     """Raises :class:`ConfigError` for the first field (or combination) that is not allowed."""
     for name, value, typ in leaf_fields(cfg):
@@ -396,6 +415,8 @@ def check(cfg: Any) -> None:
         raise ConfigError("launch.lighthouse_tls_cert is set but ft.lighthouse_tls_ca is empty: the replicas need "
                           "the CA that signed the lighthouse's certificate to reach it (for a self-signed "
                           "certificate, the certificate file itself)")
+
+    _check_lighthouse_budget(cfg)
 
     m, d, launch = cfg.model, cfg.data, cfg.launch
     if m.d_model % m.num_heads:

@@ -128,6 +128,26 @@ def test_out_of_range_values_are_refused_naming_the_field_and_what_is_allowed(ba
         config_lib.load("ft_local", [bad])
 
 
+@pytest.mark.parametrize("overrides, msg", [
+    (["launch.lighthouse_connection_calls_per_s=0"], r"launch.lighthouse_connection_calls_per_s=0.0: must be"),
+    (["launch.lighthouse_connection_calls_per_s=15"],
+     r"=15 leaves no room: a replica process's heartbeats alone send 10 calls/s .* give at least 20"),
+    (["launch.lighthouse_connection_calls_per_s=500", "launch.lighthouse=127.0.0.1:29510"],
+     r"is for the launcher's own lighthouse, but the job uses the external lighthouse .* --connection-calls-per-s"),
+])
+def test_lighthouse_connection_budget_is_checked(overrides, msg):
+    with pytest.raises(ConfigError, match=msg):
+        config_lib.load("base", overrides)
+
+
+def test_lighthouse_connection_budget_defaults_to_the_lighthouses_own():
+    from fthsdp.control.admission import FairnessLimits
+
+    assert config_lib.load("base").launch.lighthouse_connection_calls_per_s == FairnessLimits().connection_calls_per_s
+    assert config_lib.load("base", ["launch.lighthouse_connection_calls_per_s=2500"]
+                           ).launch.lighthouse_connection_calls_per_s == 2500.0
+
+
 def test_launch_lighthouse_accepts_host_port_or_empty():
     assert config_lib.load("base", ["launch.lighthouse=127.0.0.1:29510"]).launch.lighthouse == "127.0.0.1:29510"
     assert config_lib.load("base", ["launch.lighthouse=localhost:1"]).launch.lighthouse == "localhost:1"

@@ -203,6 +203,47 @@ def test_lighthouse_that_cannot_be_restarted_stops_the_job_with_a_resume_hint(tm
         job.shutdown()
 
 
+def test_launchers_lighthouse_gets_the_configured_connection_budget(tmp_path):
+    """launch.lighthouse_connection_calls_per_s reaches the lighthouse `fthsdp run` starts: a
+    client calling faster than a small budget is held back, and the lighthouse's log names that
+    budget (the Ray launcher's actor takes the same value: test_ray_lighthouse_actor_...)."""
+    import time
+
+    from fthsdp.control import auth
+    from fthsdp.control.lighthouse_client import LighthouseClient
+    from fthsdp.launch.local import LocalJob
+
+    job = LocalJob(config="base", overrides=[], out_dir=tmp_path, replicas=2, steps=10, faults=[], progress=False,
+                   lighthouse_calls_per_s=25.0)
+    try:
+        job.start_lighthouse()
+        with LighthouseClient(job.lighthouse_addr, "x", "x", status_key=auth.status_key(job.lighthouse_secret)) as c:
+            t0 = time.monotonic()
+            for _ in range(60):  # a new connection starts with 20 tokens: ~40 calls wait for 25/s
+                c.status(job_id="")
+            took = time.monotonic() - t0
+        log_text = (tmp_path / "lighthouse.log").read_text()
+        assert "held back" in log_text and "25 calls/s" in log_text, log_text[-2000:]
+        assert took > 1.0, took  # ~1.6 s at 25 calls/s; the default budget (burst 200) would not hold any
+    finally:
+        job.shutdown()
+
+
+def test_ray_lighthouse_actor_takes_the_connection_budget():
+    """The Ray launcher's lighthouse actor (run here as a plain object, without Ray) builds its
+    lighthouse with the budget the driver hands it, and the default without one."""
+    from fthsdp.control.admission import FairnessLimits
+    from fthsdp.launch.ray_actors import LighthouseActor
+
+    for given, want in ((None, FairnessLimits().connection_calls_per_s), (750.0, 750.0)):
+        a = LighthouseActor("127.0.0.1", 0, 1.0, 0.5, 2, None, ("", ""), given)
+        try:
+            assert a.lh.config.fairness.connection_calls_per_s == want
+            assert a.address().startswith("127.0.0.1:")
+        finally:
+            a.stop()
+
+
 def test_status_line_says_done_for_a_replica_that_exited_cleanly(tmp_path):
     """A replica whose process exited 0 has no live status file any more; the
     status line must say it is done, not that it is starting."""

@@ -554,8 +554,8 @@ class ThrottleLog:
 
 _CONNECTION_ADVICE = ("If this is a replica process, it sends more calls than that (a quorum request per step "
                       "plus heartbeats at ft.heartbeat_interval_s) and is slowed to the budget: run the lighthouse "
-                      "(python -m fthsdp.control.lighthouse) with a larger --connection-calls-per-s; `fthsdp run` "
-                      "starts its own with the default")
+                      "(python -m fthsdp.control.lighthouse) with a larger --connection-calls-per-s, or for the "
+                      "lighthouse `fthsdp run` / `fthsdp ray` start, set launch.lighthouse_connection_calls_per_s")
 _JOB_ADVICE = "The job sends more calls than its budget, which grows with its registered replicas"
 
 

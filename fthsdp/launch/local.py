@@ -38,6 +38,7 @@ import time
 from dataclasses import dataclass, field
 
 from fthsdp.addresses import family, join_host_port, split_host_port
+from fthsdp.control.admission import FairnessLimits
 from fthsdp.errors import EXIT_JOB_FATAL
 from fthsdp.launch import rundir as rundir_lib
 from fthsdp.launch import lifetime, supervise
@@ -102,6 +103,8 @@ class LocalJob:
     secret_file: str = ""
     # TLS for our own lighthouse (launch.lighthouse_tls_cert/key): PEM files, both or neither.
     lighthouse_tls: tuple[str, str] = ("", "")
+    # Our own lighthouse's budget per client connection (launch.lighthouse_connection_calls_per_s).
+    lighthouse_calls_per_s: float = FairnessLimits.connection_calls_per_s
 
     def __post_init__(self) -> None:
         self.out_dir = pathlib.Path(self.out_dir)
@@ -236,6 +239,7 @@ class LocalJob:
              # its own /metrics (root-cause verdicts) on any free port of its bind host, named in
              # its Status answers: `fthsdp status --prometheus-targets` lists it
              "--metrics-bind", join_host_port(bind_host, 0),
+             "--connection-calls-per-s", repr(float(self.lighthouse_calls_per_s)),
              *(["--tls-cert", self.lighthouse_tls[0], "--tls-key", self.lighthouse_tls[1]]
                if self.lighthouse_tls[0] else [])],
             stdout=logf, stderr=subprocess.STDOUT, env=self._lighthouse_env(), start_new_session=True)
@@ -811,6 +815,7 @@ def cli(argv: list[str]) -> int:
                    lighthouse_advertise=cfg.launch.lighthouse_advertise, hosts=tuple(cfg.launch.hosts),
                    processes=cfg.launch.processes_per_replica, secret_file=cfg.launch.secret_file,
                    lighthouse_tls=(cfg.launch.lighthouse_tls_cert, cfg.launch.lighthouse_tls_key),
+                   lighthouse_calls_per_s=cfg.launch.lighthouse_connection_calls_per_s,
                    progress=not args.no_progress and sys.stderr.isatty())
     log.info("job: %d replicas x %d devices, %d steps, faults (from %s) %s; logs in %s", cfg.launch.replicas,
              cfg.launch.devices_per_replica, cfg.train.steps, sources.origin,

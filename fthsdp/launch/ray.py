@@ -247,7 +247,8 @@ class LighthouseProcess:
     """The lighthouse actor through the Popen calls the local launcher makes."""
 
     def __init__(self, host: str, port: int, detect_s: float, join_timeout_s: float, replicas: int,
-                 node_id: str, secret: bytes | None = None, tls: tuple[str, str] = ("", "")) -> None:
+                 node_id: str, secret: bytes | None = None, tls: tuple[str, str] = ("", ""),
+                 connection_calls_per_s: float | None = None) -> None:
         import ray
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
@@ -257,7 +258,7 @@ class LighthouseProcess:
         cls = ray.remote(LighthouseActor).options(
             num_cpus=0, max_restarts=0, max_concurrency=4,
             scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False))
-        self.actor = cls.remote(host, port, detect_s, join_timeout_s, replicas, secret, tls)
+        self.actor = cls.remote(host, port, detect_s, join_timeout_s, replicas, secret, tls, connection_calls_per_s)
         self.address = ray.get(self.actor.address.remote(), timeout=60)
         self.pid = ray.get(self.actor.pid.remote(), timeout=POLL_TIMEOUT_S)
         self.serve_ref = self.actor.serve.remote()
@@ -402,7 +403,7 @@ class RayJob(LocalJob):
         host = lighthouse_host(ray_nodes(), self.driver_node)
         self.lighthouse = LighthouseProcess(host, self.lighthouse_port, self.detect_s, self.join_timeout_s,
                                             self.replicas, self.driver_node, self.lighthouse_secret,
-                                            self.lighthouse_tls)
+                                            self.lighthouse_tls, self.lighthouse_calls_per_s)
         self.lighthouse_addr = self.lighthouse.address
         self.lighthouse_port = int(self.lighthouse_addr.rsplit(":", 1)[1])
         self._lighthouse_down_ok = False
@@ -659,6 +660,7 @@ def launch(config: str, overrides: list[str], out: str | pathlib.Path | None = N
                      devices=cfg.launch.devices_per_replica, processes=cfg.launch.processes_per_replica,
                      checkpoint_dir=checkpoint_dir, secret_file=cfg.launch.secret_file,
                      lighthouse_tls=(cfg.launch.lighthouse_tls_cert, cfg.launch.lighthouse_tls_key),
+                     lighthouse_calls_per_s=cfg.launch.lighthouse_connection_calls_per_s,
                      config_text=config_text, place_timeout_s=cfg.ft.startup_timeout_s)
         log.info("ray job: %d replicas x %d process(es) x %d devices (placement %s), %d steps, faults (from %s) %s; "
                  "logs in %s", cfg.launch.replicas, cfg.launch.processes_per_replica, cfg.launch.devices_per_replica,

@@ -49,14 +49,18 @@ class LighthouseActor:
     """
 
     def __init__(self, host: str, port: int, detect_s: float, join_timeout_s: float, replicas: int,
-                 secret: bytes | None = None, tls: tuple[str, str] = ("", "")) -> None:
+                 secret: bytes | None = None, tls: tuple[str, str] = ("", ""),
+                 connection_calls_per_s: float | None = None) -> None:
+        from fthsdp.control.admission import FairnessLimits
         from fthsdp.control.lighthouse import LighthouseConfig, LighthouseThread
 
         self.host = host
         self.lh = LighthouseThread(LighthouseConfig(bind=f"{self.host}:{port}", detect_s=detect_s,
                                                     join_timeout_s=join_timeout_s, num_replicas=replicas,
                                                     secret=secret, tls_cert_file=tls[0],
-                                                    tls_key_file=tls[1]))
+                                                    tls_key_file=tls[1],
+                                                    fairness=FairnessLimits() if connection_calls_per_s is None
+                                                    else FairnessLimits(connection_calls_per_s=connection_calls_per_s)))
         self.lh.start()
         self._stop = threading.Event()
 
