@@ -124,6 +124,10 @@ class FTConfig:
     # A test hook, off by default: "REPLICA@STEP[:BIT]" flips bit BIT of one parameter
     # of replica REPLICA right after it commits step STEP (fthsdp.step.fingerprint.FlipSpec).
     test_flip_bit: str = ""
+    # A test hook, off by default: "STEP:SECONDS" makes every follower process (a replica's
+    # process > 0) wait SECONDS before fetching its view of the first quorum of step >= STEP,
+    # so that a test can restart the lighthouse between the leader's answer and the views.
+    test_hold_view: str = ""
 
 
 @dataclass(frozen=True)

@@ -186,3 +186,60 @@ def test_a_frozen_follower_gets_its_replica_declared_dead(tmp_path):
         assert run.steps[r][-1]["members"] == ["0", "2"]
         for rec in run.steps[r][1:]:
             assert rec["end"] - rec["start"] < 2 * DEADLINE_S, (r, rec["step"], rec["end"] - rec["start"])
+
+
+def test_a_lighthouse_restart_between_the_leaders_answer_and_the_views_costs_one_retry(tmp_path):
+    """The lighthouse dies after deciding a quorum, before the followers fetched their views of
+    it (held open by the test hook ft.test_hold_view; the test kills the lighthouse the moment a
+    follower says it is holding, and the launcher restarts it on the same port). The restarted
+    lighthouse holds no quorum, so the followers cannot connect their rings. Before, that failed
+    every multi-process replica as a unit (all of them at once: their followers all ask the same
+    lighthouse); now each takes the step without its rings, the replicas' commit votes fail
+    together and the leaders ask the new lighthouse again. Nothing is restarted, the step is
+    retried once, the job ends with every process of both replicas in the same state."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    out = tmp_path / "run"
+    hold_at = 0  # the first quorum: the followers fetch views only when the quorum id changes
+    cmd = [sys.executable, "-m", "fthsdp.cli", "run", "--no-progress", "--out-dir", str(out), "--config", "base",
+           "--replicas", "2", "--processes-per-replica", "2", "--devices-per-replica", "1", *TINY,
+           "train.steps=14", "train.min_step_s=0.05", f"ft.test_hold_view={hold_at}:3"]
+    job = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        follower_logs = [out / f"replica-{r}.1.log" for r in (0, 1)]
+        deadline = time.monotonic() + 240
+        while not any(p.exists() and "holding the view of quorum" in p.read_text() for p in follower_logs):
+            assert job.poll() is None, job.communicate()[1][-3000:]
+            assert time.monotonic() < deadline, "no follower reached the hook"
+            time.sleep(0.05)
+        killed = subprocess.run(["pkill", "-KILL", "-f", f"fthsdp.control.lighthouse .*{out / 'lighthouse.port'}"])
+        assert killed.returncode == 0, "the lighthouse process was not found"
+        _, err = job.communicate(timeout=240)
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+            job.wait(30)
+    assert job.returncode == 0, err[-3000:]
+    run = report.load_run(out)
+    from test_fault_tolerance import assert_identical_after_every_commit
+
+    assert assert_identical_after_every_commit(run) == 14
+    _check_processes_agree(out, [0, 1])
+    exactly_once(out, run)
+    # the path taken: a follower found its quorum gone from the restarted lighthouse and went on
+    texts = [p.read_text() for p in follower_logs]
+    assert any("no longer holds quorum" in t and "takes the step without its rings" in t for t in texts), \
+        [t[-2000:] for t in texts]
+    assert not any("ViewUnavailable" in t or "fails as a unit" in t for t in texts)
+    evs = read_metrics(out / "events.jsonl")
+    assert sum(e.get("kind") == "lighthouse" for e in evs) >= 2, evs  # started, then restarted
+    for r in ("0", "1"):
+        recs = run.steps[r]
+        assert len({rec["pid"] for rec in recs}) == 1, f"replica {r} was restarted"
+        held = next(rec for rec in recs if rec["step"] == hold_at)
+        assert held["attempts"] >= 2 and any("no view of it" in e or "all-reduce failed" in e
+                                             for e in held["events"]), held

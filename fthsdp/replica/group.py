@@ -248,9 +248,35 @@ def quorum_from_json(d: dict):
 
 
 class ViewUnavailable(ReplicaFatalError):
-    """A follower could not get its own view of its leader's quorum (the lighthouse restarted
-    or moved on): it cannot connect its rings the way its leader decided, so the replica
-    fails as a unit and rejoins (rare: the lighthouse keeps the last few quorums)."""
+    """A follower could not get its own view of its leader's quorum and cannot take the step
+    without it: the lighthouse stayed unreachable past its outage allowance, or the replica
+    is recovering (it needs the view's recovery sources). The replica fails as a unit and
+    rejoins. (A healthy replica whose follower finds the quorum gone from a restarted
+    lighthouse does not fail: see :attr:`FollowerQuorumSource.missing_view`.)"""
+
+
+def parse_hold_view(text: str) -> tuple[int, float] | None:
+    """``ft.test_hold_view`` (a test hook): ``""`` -> None (off); ``"STEP:SECONDS"`` -> (step,
+    seconds): a follower waits that long before fetching its view of the first quorum it is
+    handed at or after STEP, so that a test can restart the lighthouse in between."""
+    text = text.strip()
+    if not text:
+        return None
+    step, sep, secs = text.partition(":")
+    try:
+        held = (int(step), float(secs)) if sep else None
+    except ValueError:
+        held = None
+    if held is None or held[0] < 0 or not 0 < held[1] <= 600:
+        raise ValueError("expected STEP:SECONDS with STEP >= 0 and 0 < SECONDS "
+                         "<= 600 (e.g. 5:8)")
+    return held
+
+
+def _not_held(e: Exception) -> bool:
+    """Whether a GetView failure says the lighthouse does not hold the quorum (FAILED_PRECONDITION:
+    a restarted lighthouse holds none), as opposed to an unreachable lighthouse."""
+    return getattr(getattr(e, "code", None), "name", "") == "FAILED_PRECONDITION"
 
 
 class LeaderQuorumSource:
@@ -290,11 +316,22 @@ class FollowerQuorumSource:
     alone makes the replica dead there), and fetches its own view of each quorum its
     leader hands it: the rings of its own shards and their recovery sources."""
 
-    def __init__(self, channel: DecisionChannel, timeout_s: float, client):
+    def __init__(self, channel: DecisionChannel, timeout_s: float, client,
+                 hold_view: tuple[int, float] | None = None):
         self.channel = channel
         self.timeout_s = timeout_s
         self.client = client
+        self.hold_view = hold_view  # ft.test_hold_view (parse_hold_view), a test hook
         self._view = None  # the last view fetched (rings depend only on the quorum id)
+        # Why this process has no view of the quorum :meth:`get_quorum` last returned ("" when it
+        # has one). The lighthouse that decided it is gone (restarted: a new one holds no quorum)
+        # between the leader's answer and this process's GetView. The replica is healthy, so
+        # rather than fail it as a unit (every multi-process replica of the job at once, since
+        # all their followers ask the same restarted lighthouse), the Manager takes the step
+        # without configuring this process's rings: its all-reduce fails at once, the replica's
+        # commit vote (over all its processes) fails with it, and the leader asks the new
+        # lighthouse again, like after any failed all-reduce.
+        self.missing_view = ""
         # The lighthouse's verdict at the replica's Leave, as the leader heard it: (step, why)
         # when the replica's final state forked from the job's lineage (set by leave()).
         self.forked: tuple[int, str] | None = None
@@ -311,18 +348,33 @@ class FollowerQuorumSource:
             raise JobFinished(d["message"], int(d["job_finished"]))
         q = quorum_from_json(d)
         self.client.set_step(step)
+        self.missing_view = ""
         v = self._view
         if v is None or v.quorum_id != q.quorum_id or q.recovery:
+            self._hold(step, q.quorum_id)
+            me = f"process {self.client.process_index} of replica {self.client.replica_id}"
+            healthy = str(self.client.replica_id) in q.healthy
             try:
-                v = self._view = self.client.get_view(q.quorum_id)
+                fresh = self.client.get_view(q.quorum_id)
             except Exception as e:  # noqa: BLE001 - any failure: this process cannot follow its leader
-                raise ViewUnavailable(f"process {self.client.process_index} of replica {self.client.replica_id}: "
-                                      f"no view of quorum {q.quorum_id} from the lighthouse ({e}); the replica "
-                                      "fails as a unit and rejoins") from e
-            if v.max_step != q.max_step or v.member_ids != q.member_ids:
-                raise ViewUnavailable(f"the lighthouse's quorum {q.quorum_id} (members {list(v.member_ids)} at step "
-                                      f"{v.max_step}) is not the one the leader handed over (members "
-                                      f"{list(q.member_ids)} at step {q.max_step}); the replica fails as a unit")
+                if not (healthy and _not_held(e)):
+                    raise ViewUnavailable(f"{me}: no view of quorum {q.quorum_id} from the lighthouse ({e}); the "
+                                          "replica fails as a unit and rejoins") from e
+                return self._without_view(q, v, f"{me}: the lighthouse no longer holds quorum {q.quorum_id} "
+                                                f"(restarted since the leader's answer?): {e}")
+            if fresh.max_step != q.max_step or fresh.member_ids != q.member_ids:
+                why = (f"the lighthouse's quorum {q.quorum_id} (members {list(fresh.member_ids)} at step "
+                       f"{fresh.max_step}) is not the one the leader handed over (members {list(q.member_ids)} at "
+                       f"step {q.max_step})")
+                if not healthy:
+                    raise ViewUnavailable(f"{me}: {why}; the replica fails as a unit")
+                return self._without_view(q, v, f"{me}: {why}")
+            v = self._view = fresh
+        return self._merge(q, v)
+
+    @staticmethod
+    def _merge(q, v):
+        """The leader's quorum ``q`` with this process's view ``v`` of it."""
         # the leader's members (this step's steps), with the state servers of this process's view
         servers = {m.replica_id: m.state_server_address for m in v.members}
         members = tuple(dataclasses.replace(m, state_server_address=servers.get(m.replica_id, ""),
@@ -330,6 +382,30 @@ class FollowerQuorumSource:
         return dataclasses.replace(q, members=members, rings=v.rings, first_shard=v.first_shard,
                                    sources=v.sources if q.recovery else (),
                                    recovery=v.recovery if q.recovery else {})
+
+    def _without_view(self, q, v, why: str):
+        """``q`` for a healthy replica whose view of it could not be had. With a view of the same
+        quorum already held (a recovery quorum's second view), its rings are still the right ones
+        (they depend only on the quorum id) and the step goes on; otherwise :attr:`missing_view`
+        says why and the step is taken without rings (see there)."""
+        if v is not None and v.quorum_id == q.quorum_id:
+            log.warning("%s; keeping this process's rings of the same quorum", why)
+            return self._merge(q, v)
+        self.missing_view = why
+        log.warning("%s; this process takes the step without its rings, so the replica does not commit and its "
+                    "leader asks the lighthouse again", why)
+        members = tuple(dataclasses.replace(m, state_server_address="", state_server_addresses=())
+                        for m in q.members)
+        return dataclasses.replace(q, members=members, rings=(), sources=(), recovery={})
+
+    def _hold(self, step: int, quorum_id: int) -> None:
+        """The test hook ``ft.test_hold_view``: wait before the first view at or after its step."""
+        if self.hold_view is None or step < self.hold_view[0]:
+            return
+        secs, self.hold_view = self.hold_view[1], None
+        log.warning("test hook ft.test_hold_view: holding the view of quorum %d (step %d) for %.1f s", quorum_id,
+                    step, secs)
+        time.sleep(secs)
 
     def start_heartbeats(self, on_dead=None) -> None:
         if not self.client.heartbeating:

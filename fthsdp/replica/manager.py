@@ -280,7 +280,11 @@ class Manager:
                 raise ManagerError(f"quorum {q.quorum_id} does not include replica {self.replica_id}: {q.reason}")
             self.phases.set(Phase.IDLE, quorum_id=q.quorum_id, members=q.member_ids)
             try:
-                if q.quorum_id != self._configured_qid:
+                no_view = getattr(self.lighthouse, "missing_view", "")  # a follower's (replica.group)
+                if no_view:  # no rings for q here: the all-reduce fails at once and the replica asks again
+                    self.comm.abort(f"step {step}: {no_view}")
+                    events.append(f"attempt {attempt} on quorum {q.quorum_id}: no view of it ({no_view})")
+                elif q.quorum_id != self._configured_qid:
                     self.quorum = q
                     took = self._configure(q)
                     rebuild_s += took

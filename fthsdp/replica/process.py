@@ -205,11 +205,11 @@ class ReplicaProcess:
         # ring can stall, or the follower itself, while its leader looks fine.
         client.phase_source = lambda: self.phases.report(self.rid)
         if not self.leader:
-            from fthsdp.replica.group import FollowerQuorumSource
+            from fthsdp.replica.group import FollowerQuorumSource, parse_hold_view
 
             self.client = FollowerQuorumSource(
                 self.channel, cfg.timeouts.quorum_timeout_s + cfg.timeouts.lighthouse_outage_s + cfg.ft.startup_timeout_s,
-                client)
+                client, hold_view=parse_hold_view(cfg.ft.test_hold_view))
         else:
             self.client = client
             if self.group.num_processes > 1:
