@@ -583,6 +583,12 @@ class CallGate:
     job_size: Callable[[str], int] = lambda job_id: 0
     known: KnownAddresses = field(default_factory=lambda: KnownAddresses())  # FTAR endpoints found well-formed
     throttled: ThrottleLog = field(default_factory=ThrottleLog)
+    # Calls refused, by the gRPC status code's name (fthsdp.observe.load_metrics serves them).
+    refused: dict[str, int] = field(default_factory=dict)
+
+    def count(self, code: grpc.StatusCode) -> None:
+        """One call was refused with ``code`` (every transport's refusal path calls this once)."""
+        self.refused[code.name] = self.refused.get(code.name, 0) + 1
 
     def charge(self, peer: str) -> None:
         """A refused request costs its connection more than an accepted one (a flood of garbage parks)."""
@@ -641,6 +647,7 @@ def generic_handler(pb2, servicer, gate: CallGate, response_serializer):
         # Set the status and return, instead of context.abort: abort raises through grpc's
         # handler machinery, which made each refusal several times dearer than an answer
         # (a flood of refused calls then slowed every other job far more; experiments/auth_cost.py).
+        gate.count(refusal.code)
         context.set_code(refusal.code)
         context.set_details(refusal.reason)
         return b""

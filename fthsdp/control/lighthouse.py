@@ -73,6 +73,7 @@ from fthsdp.gc_policy import low_pause_gc
 from fthsdp.control import admission, auth, guard, quorum as qm, session
 from fthsdp.control.guard import Refused
 from fthsdp.observe import root_cause as rc
+from fthsdp.observe.load_metrics import LoadCollector, LoadSnapshot
 from fthsdp.observe.verdict_metrics import RootCauseMetrics
 from fthsdp.control import sdc
 from fthsdp.proto import ENDPOINTS_NOT_HELD, LIGHTHOUSE_PROTOCOL_VERSION, lighthouse as _load_stubs
@@ -607,8 +608,22 @@ class Lighthouse(pb2_grpc.LighthouseServicer):
         self.metrics_server = None
         self._new_ids = guard.NewIdRate(self.config.limits.new_ids_per_s, self.config.limits.new_ids_burst)
         self._admission = admission.Admission(self.config.fairness) if self.config.fairness is not None else None
+        # Limits and credentials are checked in front of every handler (fthsdp.control.guard),
+        # one gate for both transports; it also counts the refusals (load_snapshot).
+        self._gate = guard.CallGate(self._auth, self.config.limits, self._admission, self._job_size)
+        self.rca_metrics.registry.register(LoadCollector(self.load_snapshot))
 
     # -- lifecycle ---------------------------------------------------------
+
+    def load_snapshot(self) -> LoadSnapshot:
+        """What the budgets and checks held back and refused, and the quorum decision's cost, now
+        (read by the metrics exporter's thread at each scrape: dict copies, no lock needed)."""
+        st, adm = dict(self.stats), self._admission
+        return LoadSnapshot(held_total=adm.stats["held"] if adm else 0, held_now=adm.held_total if adm else 0,
+                            refused_by_code=dict(self._gate.refused),
+                            connection_budget_calls_per_s=adm.limits.connection_calls_per_s if adm else 0.0,
+                            sessions_opened=st["sessions_opened"], session_messages=st["session_messages"],
+                            evaluations=st["evaluations"], evaluation_s=st["evaluation_s"], jobs=len(self._jobs))
 
     @property
     def address(self) -> str:
@@ -620,12 +635,10 @@ class Lighthouse(pb2_grpc.LighthouseServicer):
         c = self.config
         self._server = grpc.aio.server(options=[*_server_options(c),
                                                  ("grpc.max_receive_message_length", c.limits.max_request_bytes)])
-        # Limits and credentials are checked in front of every handler (fthsdp.control.guard);
         # _wire is every response serializer (a reply built once arrives as bytes).
         # The session stream (fthsdp.control.session): the same calls as messages of one stream per process.
-        gate = guard.CallGate(self._auth, c.limits, self._admission, self._job_size)  # one for both transports
-        self._server.add_generic_rpc_handlers((guard.generic_handler(pb2, self, gate, _wire),
-                                               session.generic_handler(self, gate)))
+        self._server.add_generic_rpc_handlers((guard.generic_handler(pb2, self, self._gate, _wire),
+                                               session.generic_handler(self, self._gate)))
         if c.secret is None:
             log.warning("lighthouse on %s serves WITHOUT authentication (loopback only): anyone on this machine "
                         "can join, steer or read its jobs", c.bind)
@@ -1096,6 +1109,7 @@ class Lighthouse(pb2_grpc.LighthouseServicer):
         try:
             self._admitted(request, context.peer() or "", now)
         except Refused as e:
+            self._gate.count(e.code)
             await context.abort(e.code, e.reason)
 
     def _admitted(self, request, peer: str, now: float) -> None:
@@ -1121,6 +1135,7 @@ class Lighthouse(pb2_grpc.LighthouseServicer):
         try:
             got = self.accept_quorum_request(request, context.peer() or "", time.monotonic())
         except Refused as e:
+            self._gate.count(e.code)
             await context.abort(e.code, e.reason)
         if isinstance(got, bytes):
             return got
@@ -1284,6 +1299,7 @@ class Lighthouse(pb2_grpc.LighthouseServicer):
         try:
             return self.accept_heartbeat(request, context.peer() or "", time.monotonic())
         except Refused as e:
+            self._gate.count(e.code)
             await context.abort(e.code, e.reason)
 
     def accept_heartbeat(self, request: pb2.HeartbeatRequest, peer: str, now: float) -> bytes:

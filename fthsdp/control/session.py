@@ -136,6 +136,7 @@ def generic_handler(lighthouse, gate: guard.CallGate) -> grpc.GenericRpcHandler:
     parsers = {m: getattr(pb2, t).FromString for m, t in SESSION_METHODS.items()}
 
     def refused(s: _Session, seq: int, code: grpc.StatusCode, reason: str, charge: bool = True) -> None:
+        gate.count(code)
         if charge:
             gate.charge(s.peer)
         s.send(reply(seq, code=code, details=reason))
