@@ -240,6 +240,8 @@ def test_ray_lighthouse_actor_takes_the_connection_budget():
         try:
             assert a.lh.config.fairness.connection_calls_per_s == want
             assert a.address().startswith("127.0.0.1:")
+            facts = a.facts()  # what the driver records in its "lighthouse" event
+            assert facts["connection_calls_per_s"] == want and facts["metrics_address"].startswith("127.0.0.1:")
         finally:
             a.stop()
 

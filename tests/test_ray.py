@@ -105,7 +105,8 @@ def short_tmp():
 def test_ray_kill_and_worker_sigkill_replicas_are_replaced_and_rejoin(tmp_path, short_tmp):
     out = tmp_path / "run"
     p = fthsdp_ray(out, short_tmp, "--config", "base", "--replicas", "3", "--devices-per-replica", "1",
-                   "--kill", "1@15", "--kill-worker", "2@30", *PACED, f"train.steps={STEPS}")
+                   "--kill", "1@15", "--kill-worker", "2@30", *PACED, f"train.steps={STEPS}",
+                   "launch.lighthouse_connection_calls_per_s=333")
     assert p.returncode == 0, p.stderr[-4000:]
 
     # The driver left nothing behind: no process of its cluster, no work directory.
@@ -120,6 +121,9 @@ def test_ray_kill_and_worker_sigkill_replicas_are_replaced_and_rejoin(tmp_path, 
     events = read_metrics(out / "events.jsonl")
     kills = {e["replica"]: e for e in events if e["kind"] == "kill"}
     assert kills[1]["how"] == "ray-kill" and kills[2]["how"] == "sigkill"
+    # the lighthouse actor runs with the configured budget and serves its /metrics
+    (lh,) = [e for e in events if e["kind"] == "lighthouse"]
+    assert lh["connection_calls_per_s"] == 333.0 and lh["metrics_address"], lh
     placed = {}
     for e in events:
         if e["kind"] == "placed":

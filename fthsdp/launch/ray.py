@@ -261,6 +261,7 @@ class LighthouseProcess:
         self.actor = cls.remote(host, port, detect_s, join_timeout_s, replicas, secret, tls, connection_calls_per_s)
         self.address = ray.get(self.actor.address.remote(), timeout=60)
         self.pid = ray.get(self.actor.pid.remote(), timeout=POLL_TIMEOUT_S)
+        self.facts: dict = ray.get(self.actor.facts.remote(), timeout=POLL_TIMEOUT_S)
         self.serve_ref = self.actor.serve.remote()
         self.returncode: int | None = None
 
@@ -408,7 +409,7 @@ class RayJob(LocalJob):
         self.lighthouse_port = int(self.lighthouse_addr.rsplit(":", 1)[1])
         self._lighthouse_down_ok = False
         self.event("lighthouse", address=self.lighthouse_addr, actor_pid=self.lighthouse.pid,
-                   start_s=round(time.monotonic() - t0, 3))
+                   start_s=round(time.monotonic() - t0, 3), **self.lighthouse.facts)
 
     def supervise_lighthouse(self) -> bool:
         # Called once per iteration of LocalJob.run's loop, first: the records come in here.

@@ -51,21 +51,31 @@ class LighthouseActor:
     def __init__(self, host: str, port: int, detect_s: float, join_timeout_s: float, replicas: int,
                  secret: bytes | None = None, tls: tuple[str, str] = ("", ""),
                  connection_calls_per_s: float | None = None) -> None:
+        from fthsdp.addresses import join_host_port
         from fthsdp.control.admission import FairnessLimits
         from fthsdp.control.lighthouse import LighthouseConfig, LighthouseThread
 
         self.host = host
-        self.lh = LighthouseThread(LighthouseConfig(bind=f"{self.host}:{port}", detect_s=detect_s,
+        fairness = (FairnessLimits() if connection_calls_per_s is None
+                    else FairnessLimits(connection_calls_per_s=connection_calls_per_s))
+        # Its own /metrics (verdicts and load) on a free port of its host, as `fthsdp run`'s
+        # lighthouse: named in its Status answers, so `fthsdp status --prometheus-targets` lists it.
+        self.lh = LighthouseThread(LighthouseConfig(bind=join_host_port(self.host, port), detect_s=detect_s,
                                                     join_timeout_s=join_timeout_s, num_replicas=replicas,
-                                                    secret=secret, tls_cert_file=tls[0],
-                                                    tls_key_file=tls[1],
-                                                    fairness=FairnessLimits() if connection_calls_per_s is None
-                                                    else FairnessLimits(connection_calls_per_s=connection_calls_per_s)))
+                                                    secret=secret, tls_cert_file=tls[0], tls_key_file=tls[1],
+                                                    fairness=fairness, metrics_bind=join_host_port(self.host, 0)))
         self.lh.start()
         self._stop = threading.Event()
 
     def address(self) -> str:
         return self.lh.address
+
+    def facts(self) -> dict:
+        """What the driver records of the running lighthouse (its events): where its /metrics
+        are and the connection budget it runs with."""
+        server = self.lh.server
+        return {"metrics_address": server.metrics_server.address if server.metrics_server is not None else "",
+                "connection_calls_per_s": server.config.fairness.connection_calls_per_s}
 
     def pid(self) -> int:
         return os.getpid()
