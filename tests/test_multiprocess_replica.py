@@ -232,14 +232,14 @@ def test_a_lighthouse_restart_between_the_leaders_answer_and_the_views_costs_one
     exactly_once(out, run)
     # the path taken: a follower found its quorum gone from the restarted lighthouse and went on
     texts = [p.read_text() for p in follower_logs]
-    assert any("no longer holds quorum" in t and "takes the step without its rings" in t for t in texts), \
-        [t[-2000:] for t in texts]
     assert not any("ViewUnavailable" in t or "fails as a unit" in t for t in texts)
+    took = [r for r, t in zip(("0", "1"), texts)
+            if "no longer holds quorum" in t and "takes the step without its rings" in t]
+    assert took, [t[-2000:] for t in texts]  # (a leader the dying lighthouse never answered just asks again)
     evs = read_metrics(out / "events.jsonl")
     assert sum(e.get("kind") == "lighthouse" for e in evs) >= 2, evs  # started, then restarted
     for r in ("0", "1"):
-        recs = run.steps[r]
-        assert len({rec["pid"] for rec in recs}) == 1, f"replica {r} was restarted"
-        held = next(rec for rec in recs if rec["step"] == hold_at)
-        assert held["attempts"] >= 2 and any("no view of it" in e or "all-reduce failed" in e
-                                             for e in held["events"]), held
+        assert len({rec["pid"] for rec in run.steps[r]}) == 1, f"replica {r} was restarted"
+    for r in took:  # its step was retried, not its replica
+        held = next(rec for rec in run.steps[r] if rec["step"] == hold_at)
+        assert held["attempts"] >= 2 and any("all-reduce failed" in e for e in held["events"]), held
