@@ -151,7 +151,8 @@ class LaunchConfig:
     # slows the replica that sends them. A replica process sends heartbeats at
     # 1/ft.heartbeat_interval_s and one quorum request per step, so a model that steps more than
     # ~80 times a second at the default heartbeat needs more; the lighthouse's log says when a
-    # connection is held back. Ignored with an external lighthouse (give it the flag yourself).
+    # connection is held back. With an external launch.lighthouse it must stay at its default:
+    # that lighthouse's budget is its own --connection-calls-per-s.
     lighthouse_connection_calls_per_s: float = FairnessLimits.connection_calls_per_s
     # Emulated hosts: replica r's listeners bind (and advertise) hosts[r % len(hosts)],
     # e.g. 127.0.0.2,127.0.0.3 so that each replica acts as its own machine on

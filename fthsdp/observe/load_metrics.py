@@ -9,14 +9,15 @@ lines. The lighthouse serves these beside its root-cause verdicts on
 * ``fthsdp_lighthouse_calls_held_total``: calls held back by a budget (a
   connection's or a job's) before being served; its rate is how hard the
   budgets bite. ``fthsdp_lighthouse_calls_parked``: calls held right now.
-* ``fthsdp_lighthouse_calls_refused_total{code}``: calls refused before any
-  job state changed, by the gRPC status code the caller got:
-  ``INVALID_ARGUMENT`` (malformed), ``UNAUTHENTICATED`` / ``PERMISSION_DENIED``
-  (credential), ``RESOURCE_EXHAUSTED`` (over a budget or a limit), and the
-  job-state refusals (``FAILED_PRECONDITION``, ...).
+* ``fthsdp_lighthouse_calls_refused_total{code}``: calls the lighthouse
+  refused, by the gRPC status code the caller got: ``INVALID_ARGUMENT``
+  (malformed), ``UNAUTHENTICATED`` / ``PERMISSION_DENIED`` (credential),
+  ``RESOURCE_EXHAUSTED`` (over a budget or a limit), and the job-state
+  refusals (``FAILED_PRECONDITION``: a stale incarnation, endpoints the
+  lighthouse does not hold, ...).
 * ``fthsdp_lighthouse_connection_budget_calls_per_second``: the budget itself
-  (0 when the lighthouse runs without budgets), so that an alert can say "held
-  while under budget" without knowing the command line.
+  (0 when the lighthouse runs without budgets), so a dashboard shows it beside
+  the rate of held calls without anyone looking up the command line.
 * ``fthsdp_lighthouse_sessions_opened_total``,
   ``fthsdp_lighthouse_session_messages_total``: the session transport's use.
 * ``fthsdp_lighthouse_quorum_evaluations_total`` and
