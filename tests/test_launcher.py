@@ -235,8 +235,8 @@ def test_ray_lighthouse_actor_takes_the_connection_budget():
     from fthsdp.control.admission import FairnessLimits
     from fthsdp.launch.ray_actors import LighthouseActor
 
-    for given, want in ((None, FairnessLimits().connection_calls_per_s), (750.0, 750.0)):
-        a = LighthouseActor("127.0.0.1", 0, 1.0, 0.5, 2, None, ("", ""), given)
+    for given, want in (({}, FairnessLimits().connection_calls_per_s), ({"connection_calls_per_s": 750.0}, 750.0)):
+        a = LighthouseActor("127.0.0.1", 0, 1.0, 0.5, 2, None, ("", ""), **given)
         try:
             assert a.lh.config.fairness.connection_calls_per_s == want
             assert a.address().startswith("127.0.0.1:")

@@ -1105,12 +1105,16 @@ class Lighthouse(pb2_grpc.LighthouseServicer):
                 return guard.Refusal(grpc.StatusCode.PERMISSION_DENIED, err)
         return None
 
+    async def _abort(self, context, e: Refused) -> None:
+        """End a unary call with refusal ``e``, counted like every other transport's refusals."""
+        self._gate.count(e.code)
+        await context.abort(e.code, e.reason)
+
     async def _refuse_unless_admitted(self, request, context, now: float) -> None:
         try:
             self._admitted(request, context.peer() or "", now)
         except Refused as e:
-            self._gate.count(e.code)
-            await context.abort(e.code, e.reason)
+            await self._abort(context, e)
 
     def _admitted(self, request, peer: str, now: float) -> None:
         """:meth:`_admit`, counted and raised as :class:`Refused` when it refuses."""
@@ -1135,8 +1139,7 @@ class Lighthouse(pb2_grpc.LighthouseServicer):
         try:
             got = self.accept_quorum_request(request, context.peer() or "", time.monotonic())
         except Refused as e:
-            self._gate.count(e.code)
-            await context.abort(e.code, e.reason)
+            await self._abort(context, e)
         if isinstance(got, bytes):
             return got
         job, entry = got
@@ -1299,8 +1302,7 @@ class Lighthouse(pb2_grpc.LighthouseServicer):
         try:
             return self.accept_heartbeat(request, context.peer() or "", time.monotonic())
         except Refused as e:
-            self._gate.count(e.code)
-            await context.abort(e.code, e.reason)
+            await self._abort(context, e)
 
     def accept_heartbeat(self, request: pb2.HeartbeatRequest, peer: str, now: float) -> bytes:
         """A heartbeat, whatever carried it (a unary call, a session message): the serialized

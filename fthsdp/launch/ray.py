@@ -46,6 +46,7 @@ import time
 from dataclasses import dataclass, field
 
 from fthsdp.atomic_file import write_atomic
+from fthsdp.control.admission import FairnessLimits
 from fthsdp.launch import faults as faults_lib
 from fthsdp.launch import rundir as rundir_lib
 from fthsdp.launch import supervise
@@ -248,7 +249,7 @@ class LighthouseProcess:
 
     def __init__(self, host: str, port: int, detect_s: float, join_timeout_s: float, replicas: int,
                  node_id: str, secret: bytes | None = None, tls: tuple[str, str] = ("", ""),
-                 connection_calls_per_s: float | None = None) -> None:
+                 connection_calls_per_s: float = FairnessLimits.connection_calls_per_s) -> None:
         import ray
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 

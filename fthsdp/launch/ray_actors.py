@@ -26,6 +26,8 @@ import tempfile
 import threading
 import time
 
+from fthsdp.control.admission import FairnessLimits
+
 # Files a replica appends to, relative to its work directory ({rid} filled in):
 # streamed to the driver line by line, in order.
 APPENDED = ("metrics-{rid}.jsonl", "replica-{rid}.log", "ledger/replica_{rid}.jsonl")
@@ -50,14 +52,12 @@ class LighthouseActor:
 
     def __init__(self, host: str, port: int, detect_s: float, join_timeout_s: float, replicas: int,
                  secret: bytes | None = None, tls: tuple[str, str] = ("", ""),
-                 connection_calls_per_s: float | None = None) -> None:
+                 connection_calls_per_s: float = FairnessLimits.connection_calls_per_s) -> None:
         from fthsdp.addresses import join_host_port
-        from fthsdp.control.admission import FairnessLimits
         from fthsdp.control.lighthouse import LighthouseConfig, LighthouseThread
 
         self.host = host
-        fairness = (FairnessLimits() if connection_calls_per_s is None
-                    else FairnessLimits(connection_calls_per_s=connection_calls_per_s))
+        fairness = FairnessLimits(connection_calls_per_s=connection_calls_per_s)
         # Its own /metrics (verdicts and load) on a free port of its host, as `fthsdp run`'s
         # lighthouse: named in its Status answers, so `fthsdp status --prometheus-targets` lists it.
         self.lh = LighthouseThread(LighthouseConfig(bind=join_host_port(self.host, port), detect_s=detect_s,
