@@ -128,9 +128,9 @@ def main(argv: list[str] | None = None) -> int:
     steps, states = {}, {}
     batches = None
 
-    def one(variant: str, i: int) -> tuple[float, float]:
-        states[variant], wall, cpu = timed_step(steps[variant], states[variant], batches[i % len(batches)], quorum)
-        return wall, cpu
+    def one(variant: str, i: int):
+        states[variant], times = timed_step(steps[variant], states[variant], batches[i % len(batches)], quorum)
+        return times
 
     for v in variants:  # each variant traced with its own fingerprint function in place
         functional.state_fingerprint = fps[v] or real_fp
@@ -149,6 +149,7 @@ def main(argv: list[str] | None = None) -> int:
 
     orders = [variants[k:] + variants[:k] for k in range(len(variants))]
     ratios = {v: {"cpu": [], "wall": []} for v in variants if v != "off"}
+    update_part = {v: [] for v in ratios}  # the update part's extra CPU over off's, as a share of off's step
     step_cpu: list[float] = []
     t_start = time.perf_counter()
     n = 0
@@ -158,14 +159,17 @@ def main(argv: list[str] | None = None) -> int:
             for v in orders[n % len(orders)]:
                 got[v].append(one(v, i))
             n += 1
-        off_w, off_c = sum(w for w, _ in got["off"]), sum(c for _, c in got["off"])
+        off_w, off_c = sum(t.wall for t in got["off"]), sum(t.cpu for t in got["off"])
+        off_apply = sum(t.apply_cpu for t in got["off"])
         for v in ratios:
-            ratios[v]["wall"].append(sum(w for w, _ in got[v]) / off_w - 1)
-            ratios[v]["cpu"].append(sum(c for _, c in got[v]) / off_c - 1)
+            ratios[v]["wall"].append(sum(t.wall for t in got[v]) / off_w - 1)
+            ratios[v]["cpu"].append(sum(t.cpu for t in got[v]) / off_c - 1)
+            update_part[v].append((sum(t.apply_cpu for t in got[v]) - off_apply) / off_c)
         step_cpu.append(off_c / args.block)
         if (g + 1) % max(1, args.groups // 10) == 0:
             print(f"group {g + 1}/{args.groups}: " + ", ".join(
-                f"{v} {ratios[v]['cpu'][-1] * 100:+.2f}%" for v in ratios), flush=True)
+                f"{v} {ratios[v]['cpu'][-1] * 100:+.2f}% (update part {update_part[v][-1] * 100:+.2f}%)"
+                for v in ratios), flush=True)
     seconds = time.perf_counter() - t_start
 
     # Hot or cold: COPIES fingerprints of COPIES distinct states, or of one state COPIES times.
@@ -220,6 +224,7 @@ def main(argv: list[str] | None = None) -> int:
         },
         "median_step_cpu_s": statistics.median(step_cpu),
         "overhead_cpu": {v: median_ci(ratios[v]["cpu"], TARGET) for v in ratios},
+        "update_part_cpu": {v: median_ci(update_part[v], TARGET) for v in ratios},
         "overhead_wall": {v: median_ci(ratios[v]["wall"], TARGET) for v in ratios},
         "psum_minus_no_psum_cpu": median_ci([a - b for a, b in zip(ratios["in_step"]["cpu"],
                                                                     ratios["no_psum"]["cpu"])], TARGET),
@@ -230,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
                   "reference_equals_in_step": check["reference"] == check["in_step"]},
         "work_fraction_hot_cpu": median_ci(hot, TARGET), "work_fraction_cold_cpu": median_ci(cold, TARGET),
         "cold_minus_hot_cpu": median_ci([c - h for c, h in zip(cold, hot)], TARGET), "copies": COPIES,
-        "ratios": ratios, "seconds": seconds,
+        "ratios": ratios, "update_part_shares": update_part, "seconds": seconds,
         "machine": f"{os.cpu_count()} CPUs, kernel ISA {cpu_isa()}; shared: compare the paired ratios",
         "load_average_start": load_start, "load_average_end": list(os.getloadavg()),
     }

@@ -78,11 +78,18 @@ def test_fingerprint_cost_quick(tmp_path, ring):
     res = json.loads(out.read_text())
     assert res["ring"] == ring and ("FTAR" in res["allreduce"]) == (ring > 1)
     assert res["groups"] == 3 and len(res["ratios"]["in_step"]["cpu"]) == 3
-    for key in ("in_step_overhead_cpu", "in_step_overhead_wall", "every_k_overhead_cpu"):
+    for key in ("in_step_overhead_cpu", "in_step_overhead_wall", "every_k_overhead_cpu", "in_step_update_part_cpu",
+                "in_step_update_part_wall", "in_step_gradient_part_cpu", "every_k_update_part_cpu"):
         d = res[key]
         assert d["n"] == 3 and d["ci95"][0] <= d["median"] <= d["ci95"][1], key
         assert d["verdict"] in ("met", "not met", "undecided")
-    assert res["target_met"] == res["in_step_overhead_cpu"]["verdict"]
+    assert res["target_met"] == res["in_step_update_part_cpu"]["verdict"]
+    assert res["target_met_whole_step"] == res["in_step_overhead_cpu"]["verdict"]
+    # Each group's whole-step overhead is its update part plus its gradient part.
+    for clock in ("cpu", "wall"):
+        for whole, upd, grad in zip(res["ratios"]["in_step"][clock], res["update_part_shares"]["in_step"][clock],
+                                    res["gradient_part_shares"]["in_step"][clock]):
+            assert abs((whole - 1) - (upd + grad)) < 1e-9
     assert 0 < res["work_fraction_of_step_cpu"]["median"] < 0.2 and res["state_bytes"] > 5e6
 
 
