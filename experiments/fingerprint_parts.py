@@ -25,7 +25,11 @@ with one part of the fingerprint taken out. The diagnostic variants compute a
 Pairing and statistics as in ``fingerprint_cost.py``: groups of ``--block``
 rounds, each round one step of every variant, the order rotating so that no
 variant runs twice in a row; per group and variant its CPU (and wall) time over
-``off``'s; median over groups with a distribution-free 95% CI.
+``off``'s; median over groups with a distribution-free 95% CI. Each step's
+update part is also timed on its own (the gradients waited for), and
+``update_part_cpu`` gives each variant's extra update-part CPU over ``off``'s,
+as a share of ``off``'s whole step: the same question without the gradients'
+noise (the fingerprint touches only the update part).
 
 **Hot or cold.** The work alone (``fingerprint_cost.py``'s loop) reads one
 state again and again, from the caches; in the step it reads a state the

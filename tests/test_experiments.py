@@ -101,7 +101,8 @@ def test_fingerprint_parts_quick(tmp_path):
     run("fingerprint_parts.py", "--quick", "--out", str(out))
     res = json.loads(out.read_text())
     assert set(res["overhead_cpu"]) == {"in_step", "no_psum", "psum_only", "reference"}
-    for d in (*res["overhead_cpu"].values(), res["psum_minus_no_psum_cpu"]):
+    assert set(res["update_part_cpu"]) == set(res["overhead_cpu"])
+    for d in (*res["overhead_cpu"].values(), *res["update_part_cpu"].values(), res["psum_minus_no_psum_cpu"]):
         assert d["n"] == 3 and d["ci95"][0] <= d["median"] <= d["ci95"][1]
     assert res["check"]["reference_equals_in_step"] is True
     assert res["check"]["no_psum_fp_device0"] != res["check"]["in_step_fp"]
