@@ -164,11 +164,11 @@ def main(argv: list[str] | None = None) -> int:
                 got[v].append(one(v, i))
             n += 1
         off_w, off_c = sum(t.wall for t in got["off"]), sum(t.cpu for t in got["off"])
-        off_apply = sum(t.apply_cpu for t in got["off"])
+        off_update = sum(t.update_cpu for t in got["off"])
         for v in ratios:
             ratios[v]["wall"].append(sum(t.wall for t in got[v]) / off_w - 1)
             ratios[v]["cpu"].append(sum(t.cpu for t in got[v]) / off_c - 1)
-            update_part[v].append((sum(t.apply_cpu for t in got[v]) - off_apply) / off_c)
+            update_part[v].append((sum(t.update_cpu for t in got[v]) - off_update) / off_c)
         step_cpu.append(off_c / args.block)
         if (g + 1) % max(1, args.groups // 10) == 0:
             print(f"group {g + 1}/{args.groups}: " + ", ".join(
