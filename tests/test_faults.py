@@ -70,6 +70,33 @@ def test_report_finds_detection_and_stall(tmp_path):
     assert png.stat().st_size > 10_000
 
 
+@pytest.mark.parametrize("with_quorum_at", [True, False])
+def test_report_times_a_kill_between_steps_by_the_answer_not_the_step_start(tmp_path, with_quorum_at):
+    # Replica 2 is killed at t=100.39, between steps: no all-reduce is in flight, so no abort
+    # names it; the survivors' step 4 starts at 100.40, asks, and gets the quorum without
+    # replica 2 at 101.20 (the detection window). The step's start is not the detection.
+    rows = {"0": [], "1": [], "2": []}
+    for rid in rows:
+        clock = 100.0
+        for s in range(6):
+            if rid == "2" and s >= 4:
+                break
+            dur = 0.9 if s == 4 else 0.1
+            rec = {"kind": "step", "replica": rid, "step": s, "quorum_id": 1 if s < 4 else 2,
+                   "members": ["0", "1", "2"] if s < 4 else ["0", "1"], "healthy": True, "attempts": 1,
+                   "loss": 1.0, "start": clock, "end": clock + dur, "position": s}
+            if with_quorum_at:
+                rec["quorum_at"] = clock + (0.8 if s == 4 else 0.01)
+            rows[rid].append(rec)
+            clock += dur
+    for rid, rs in rows.items():
+        _write(tmp_path / f"metrics-{rid}.jsonl", rs)
+    _write(tmp_path / "events.jsonl", [{"time": 100.39, "kind": "kill", "replica": 2, "step": 4}])
+    (f,) = report.summarize(tmp_path)["failures"]
+    # Files written before quorum_at existed: the step's start, as before.
+    assert f["detection_s"] == pytest.approx(0.81 if with_quorum_at else 0.01)
+
+
 def test_report_flags_divergent_replicas(tmp_path):
     _write(tmp_path / "metrics-0.jsonl", [{"kind": "done", "replica": "0", "step": 5, "hash": "a"}])
     _write(tmp_path / "metrics-1.jsonl", [{"kind": "done", "replica": "1", "step": 5, "hash": "b"}])

@@ -105,10 +105,14 @@ def analyse_failures(run: RunFiles) -> list[FailureReport]:
             continue
         victim, t = str(ev["replica"]), ev["time"]
         # Detection: the first abort triggered by the lighthouse naming the victim,
-        # else the first survivor step on a quorum without the victim.
+        # else the first survivor to get a quorum without the victim: when that answer
+        # came (quorum_at), not when its step began, which may precede the kill (a kill
+        # between two steps: the survivors' next step starts, asks, and waits out the
+        # detection window for the answer; its start said "detected in 0.01s").
         det = [d["time"] for d in run.detections if victim in d.get("dead", []) and d["time"] >= t]
-        excl = [r["start"] for rid, recs in run.steps.items() if rid != victim
-                for r in recs if r["start"] >= t and victim not in r["members"]]
+        excl = [learned for rid, recs in run.steps.items() if rid != victim
+                for r in recs if victim not in r["members"]
+                and (learned := r.get("quorum_at") or r["start"]) >= t]
         detection = (min(det) - t) if det else ((min(excl) - t) if excl else None)
         rep = FailureReport(victim, ev["kind"], t, ev.get("step"), detection)
         # Survivors: the replicas that were healthy at the fault (the launcher

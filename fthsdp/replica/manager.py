@@ -149,6 +149,7 @@ class StepRecord:
     grads_s: float = 0.0  # forward + backward
     catch_up_s: float = 0.0  # fetching and installing the peers' state (behind replicas)
     fingerprint: int | None = None  # of the committed state (fthsdp/step/fingerprint.py), when computed
+    quorum_at: float | None = None  # when the committing quorum's answer came (wall clock, as start/end)
 
     @property
     def seconds(self) -> float:
@@ -276,6 +277,7 @@ class Manager:
                 log.warning("step %d attempt %d: quorum request failed (%s); asking again", step, attempt, c.reason)
                 time.sleep(min(1.0, 0.1 * attempt))
                 continue
+            quorum_at = time.time()
             if self.replica_id not in q.member_ids:
                 raise ManagerError(f"quorum {q.quorum_id} does not include replica {self.replica_id}: {q.reason}")
             self.phases.set(Phase.IDLE, quorum_id=q.quorum_id, members=q.member_ids)
@@ -360,7 +362,7 @@ class Manager:
                                  float(loss) if (healthy and loss is not None) else None,
                                  start, time.time(), position if healthy else None, events,
                                  rebuild_s=rebuild_s, allreduce_s=allreduce_s, grads_s=grads_s,
-                                 catch_up_s=catch_up_s, fingerprint=fingerprint)
+                                 catch_up_s=catch_up_s, fingerprint=fingerprint, quorum_at=quorum_at)
                 self.records.append(rec)
                 self.phases.last_step_s = rec.seconds
                 self.phases.set(Phase.IDLE, step + 1)

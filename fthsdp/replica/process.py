@@ -405,7 +405,8 @@ class ReplicaProcess:
                   "members": list(rec.members), "healthy": rec.healthy, "attempts": rec.attempts,
                   "loss": rec.loss, "start": rec.start, "end": rec.end, "position": rec.position,
                   "events": rec.events, "pid": os.getpid(), "rebuild_s": rec.rebuild_s,
-                  "allreduce_s": rec.allreduce_s, "grads_s": rec.grads_s, "catch_up_s": rec.catch_up_s}
+                  "allreduce_s": rec.allreduce_s, "grads_s": rec.grads_s, "catch_up_s": rec.catch_up_s,
+                  "quorum_at": rec.quorum_at}
         if self.args.hash_every and committed % self.args.hash_every == 0:
             record["hash"] = state_hash(mgr.state)
         if rec.fingerprint is not None:
