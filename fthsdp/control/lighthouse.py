@@ -877,6 +877,18 @@ class Lighthouse(pb2_grpc.LighthouseServicer):
             job.last_stall = job.verdict
         return verdict
 
+    def _root_cause_now(self, job: _Job, now: float) -> None:
+        """The analysis at once, out of its interval: when the dead set changes. A replica
+        of several processes is declared dead while the lighthouse still knows which of its
+        processes went silent; its leader then leaves (replica-fatal) and that is gone. At
+        the interval (0.5 s) the verdict named the process only when a run happened to fall
+        between half the detection window and the death (a 0.4 s gap), or before the leave."""
+        try:
+            self._root_cause(job, now)
+        except Exception:  # an analysis bug must never stop quorums
+            job.last_rca_at = now
+            log.exception("job %r: root-cause analysis failed", job.job_id)
+
     def _accuse(self, job: _Job, accuser: str, quorum_id: int, accused) -> None:
         """Admit or ignore (with the reason, logged) each accusation of a quorum request."""
         for target in accused:
@@ -1010,6 +1022,8 @@ class Lighthouse(pb2_grpc.LighthouseServicer):
                 try:
                     version = job.dead_version
                     self._update_dead(job, now)
+                    if job.dead_version != version and job.quorum is not None and job.finished_step is None:
+                        self._root_cause_now(job, now)
                     if job.pending and self._tick_should_evaluate(job, now, job.dead_version != version):
                         self._evaluate(job)
                 except Exception:  # never let one job's bug stop the others
