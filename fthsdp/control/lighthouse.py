@@ -877,8 +877,9 @@ class Lighthouse(pb2_grpc.LighthouseServicer):
             job.last_stall = job.verdict
         return verdict
 
-    def _root_cause_now(self, job: _Job, now: float) -> None:
-        """The analysis at once, out of its interval: when the dead set changes. A replica
+    def _root_cause_logged(self, job: _Job, now: float) -> None:
+        """The analysis, its errors logged (an analysis bug must never stop quorums): at its
+        interval, and at once when the dead set changes. A replica
         of several processes is declared dead while the lighthouse still knows which of its
         processes went silent; its leader then leaves (replica-fatal) and that is gone. At
         the interval (0.5 s) the verdict named the process only when a run happened to fall
@@ -1023,18 +1024,14 @@ class Lighthouse(pb2_grpc.LighthouseServicer):
                     version = job.dead_version
                     self._update_dead(job, now)
                     if job.dead_version != version and job.quorum is not None and job.finished_step is None:
-                        self._root_cause_now(job, now)
+                        self._root_cause_logged(job, now)
                     if job.pending and self._tick_should_evaluate(job, now, job.dead_version != version):
                         self._evaluate(job)
                 except Exception:  # never let one job's bug stop the others
                     log.exception("job %r: evaluation failed", job.job_id)
-                try:
-                    if (job.quorum is not None and job.finished_step is None and now - job.last_rca_at
-                            >= max(self.config.rca_interval_s, 20 * job.last_rca_cost_s)):
-                        self._root_cause(job, now)
-                except Exception:  # an analysis bug must never stop quorums
-                    job.last_rca_at = now
-                    log.exception("job %r: root-cause analysis failed", job.job_id)
+                if (job.quorum is not None and job.finished_step is None and now - job.last_rca_at
+                        >= max(self.config.rca_interval_s, 20 * job.last_rca_cost_s)):
+                    self._root_cause_logged(job, now)
 
     # -- RPCs ----------------------------------------------------------------
 
