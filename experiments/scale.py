@@ -24,6 +24,12 @@ quorum with every replica in it.
   quorum path is measured); an open quorum call is their sign of life, and
   their detection window is 30 s (it must outlast a round trip of the
   emulator itself, or all are declared dead between two rounds).
+* ``grpc-floor`` — beside each hierarchical row, the bare transport
+  (experiments/grpc_floor.py): a grpc.aio server that only counts, answering a
+  round of R streams (one per replica leader) with that row's median request
+  and answer sizes, measured the same way. No lighthouse on this transport and
+  this machine can do a round in less; a row's ratio to it is the lighthouse's
+  own work (``ratio_to_floor_p99`` in the verdict).
 * ``torchft`` — torchft's lighthouse (PyPI ``torchft``, Rust) from the Python
   3.11 side environment of experiments/setup_peers.sh, in its own process,
   driven by N asyncio clients of this process (one gRPC connection each), all
@@ -62,6 +68,8 @@ REPO = HERE.parent
 sys.path.insert(0, str(REPO))
 
 from fthsdp.sim.emulation import EmulationConfig, run_emulation  # noqa: E402
+sys.path.insert(0, str(HERE))
+from grpc_floor import floor_row  # noqa: E402
 from fthsdp.sim.mock_plane import ModelShape  # noqa: E402
 from fthsdp.timeouts import Timeouts  # noqa: E402
 
@@ -203,6 +211,9 @@ def fthsdp_row(system: str, replicas: int, ranks_per_replica: int, rounds: int, 
         "timeouts_s": {"detect": t.detect_s, "join": t.join_timeout_s, "allreduce": t.allreduce_timeout_s,
                        "quorum": t.quorum_timeout_s},
         "leader_answer_bytes": rep.answer_bytes, "follower_views_fetched": rep.views_fetched,
+        # a round's typical sizes on the wire (the first answers carry every ring, later ones keep them)
+        "leader_request_bytes_median": int(statistics.median(q for q, _ in rep.wire_sizes)) if rep.wire_sizes else 0,
+        "leader_answer_bytes_median": int(statistics.median(a for _, a in rep.wire_sizes)) if rep.wire_sizes else 0,
         "p50_s": percentile(lat, 0.5), "p99_s": percentile(lat, 0.99), "max_s": max(lat) if lat else None,
         "complete_rounds": len(complete), "rounds": rounds, "warmup_rounds": warmup,
         "lighthouse_p50_s": percentile([r["lighthouse_s"] for r in complete], 0.5),
@@ -651,6 +662,11 @@ def plot(rows: list[dict], path: Path) -> None:
                 label=f"fthsdp-hierarchical {rpr} replicas x {nproc} process(es), {t}, p50")
         ax.plot([r["ranks"] for r in rs], [r["p99_s"] for r in rs], mk, color=color, alpha=0.4, mfc="none",
                 label=f"fthsdp-hierarchical {rpr} replicas x {nproc} process(es), {t}, p99")
+    floor = sorted((r for r in rows if r["system"] == "grpc-floor" and r["p99_s"] and r.get("beside_ranks")),
+                   key=lambda r: r["beside_ranks"])
+    if floor:  # drawn at the ranks of the row it stands beside: R streams, no ranks behind them
+        ax.plot([r["beside_ranks"] for r in floor], [r["p99_s"] for r in floor], "kx", ms=8,
+                label="bare gRPC round of the row's R leaders (grpc_floor.py), p99")
     flat = sorted((r for r in rows if r["system"] == "fthsdp-flat" and r["p50_s"]), key=lambda r: r["ranks"])
     if flat:
         n0, t0 = flat[0]["ranks"], flat[0]["p50_s"]
@@ -708,6 +724,11 @@ def plot_breakdown(rows: list[dict], path: Path) -> bool:
     return True
 
 
+def shape_key(r: dict) -> str:
+    """A hierarchical row's shape as written on the command line: RxG/P."""
+    return f"{r['replicas']}x{r['ranks_per_replica']}/{r.get('processes_per_replica', 1)}"
+
+
 def verdict(rows: list[dict], decision: dict | None = None) -> dict:
     out: dict = {}
     if decision and len(decision["points"]) >= 2:
@@ -718,10 +739,17 @@ def verdict(rows: list[dict], decision: dict | None = None) -> dict:
                                                                for v in decision["slopes"].values())}
     big = [r for r in rows if r["system"] == "fthsdp-hierarchical" and r["ranks"] >= 100_000]
     if big:
-        key = lambda r: (f"{r['replicas']}x{r['ranks_per_replica']}/{r.get('processes_per_replica', 1)}"  # noqa: E731
-                         + ("" if r.get("transport", "unary") == "session" else " unary"))
+        key = lambda r: shape_key(r) + ("" if r.get("transport", "unary") == "session" else " unary")  # noqa: E731
         out["p99_s_at_100k_ranks"] = {key(r): r["p99_s"] for r in big}
         out["meets_70ms_p99_at_100k"] = {key(r): r["p99_s"] is not None and r["p99_s"] <= 0.07 for r in big}
+    floors = {r["beside"]: r for r in rows if r["system"] == "grpc-floor" and r.get("beside") and r["p99_s"]}
+    beside = [r for r in rows if r["system"] == "fthsdp-hierarchical" and r.get("transport") == "session"
+              and r["p99_s"] and shape_key(r) in floors]
+    if beside:  # the bare transport's round at the same leaders and sizes: what no lighthouse here can beat
+        out["transport_floor_p99_s"] = {shape_key(r): floors[shape_key(r)]["p99_s"] for r in beside}
+        out["ratio_to_floor_p99"] = {shape_key(r): r["p99_s"] / floors[shape_key(r)]["p99_s"] for r in beside}
+        out["target_below_floor"] = {shape_key(r): floors[shape_key(r)]["p99_s"] > PAPER["target_p99_s_100k"]
+                                     for r in beside if r["ranks"] >= 100_000}
     flat = sorted((r for r in rows if r["system"] == "fthsdp-flat"), key=lambda r: r["replicas"])
     if flat:
         out["flat_every_round_complete"] = {r["replicas"]: r["complete_rounds"] == r["rounds"] for r in flat}
@@ -763,7 +791,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", required=True, help="JSON file to write (the plot goes beside it, .png)")
     ap.add_argument("--rounds", type=int, default=None, help="measured rounds per row (default 20; quick 4)")
     ap.add_argument("--peer-python", default=None, help="python of the side environment with torchft")
-    ap.add_argument("--skip", nargs="*", default=[], choices=["hierarchical", "flat", "torchft", "profile", "decision"])
+    ap.add_argument("--skip", nargs="*", default=[], choices=["hierarchical", "floor", "flat", "torchft", "profile", "decision"])
     ap.add_argument("--decision", type=int, nargs="*", default=None,
                     help="replica counts of the decision micro-benchmark (default 1K..100K; quick 256 1024 4096)")
     ap.add_argument("--flat", type=int, nargs="*", default=None, help="flat replica counts")
@@ -846,7 +874,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def row_key(r: dict) -> tuple:
         return (r["system"], r["replicas"], r["ranks"], r.get("processes_per_replica", 1),
-                r.get("transport", "unary"))
+                r.get("transport", "unary"), r.get("beside", ""))
 
     def add(r: dict) -> None:
         result["rows"] = [x for x in result["rows"] if row_key(x) != row_key(r)] + [r]
@@ -861,7 +889,9 @@ def main(argv: list[str] | None = None) -> int:
         p99 = "-" if r["p99_s"] is None else f"{r['p99_s'] * 1e3:8.1f} ms"
         procs = f"{r['processes_per_replica']} proc" if "processes_per_replica" in r else ""
         print(f"{r['system']:20s} {r.get('transport', 'unary'):7s} {procs:8s} {r['replicas']:5d} replicas {r['ranks']:7d} ranks: p50 {p50} p99 {p99} "
-              f"({r['complete_rounds']}/{r['rounds']} rounds; load {r['loadavg'][0]:.1f})", flush=True)
+              f"({r['complete_rounds']}/{r['rounds']} rounds; load {r['loadavg'][0]:.1f})"
+              + (f"; beside {r['beside']}, {r['request_bytes']} B requests, {r['reply_bytes']} B answers"
+                 if r.get("beside") else "") + (f"; {r['error']}" if r.get("error") else ""), flush=True)
 
     if "hierarchical" not in args.skip:
         for (rpr, g, nproc), transport in ((x, t) for x in shapes for t in args.transport):
@@ -877,6 +907,12 @@ def main(argv: list[str] | None = None) -> int:
                         f"{b['heartbeats_this_round']} heartbeats, ranks' own work "
                         f"{(b['rank_work_s_this_round'] or 0) * 1e3:.1f} ms", flush=True)
             save()
+            if "floor" not in args.skip and transport == "session":
+                fl = floor_row(rpr, rounds, r["leader_request_bytes_median"], r["leader_answer_bytes_median"])
+                fl.update(beside=shape_key(r), beside_ranks=r["ranks"])
+                add(fl)
+                show(fl)
+                save()
     if "flat" not in args.skip:
         for n, transport in ((n, t) for n in flat_ns for t in args.transport):
             r = fthsdp_row("fthsdp-flat", n, 1, max(3, rounds // 2) if n > 1024 else rounds, heartbeat_s=0.0,

@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -36,6 +38,15 @@ def test_scale_quick_rows(tmp_path):
             assert 0 <= r["of_which_writes_s"] <= r["to_leaders_s"], r
             assert sum(parts) <= r["latency_s"] + 1e-6, r  # successive stretches of the same clock
             assert r["replies_built"] >= h["replicas"] and r["lighthouse_cpu_s_this_round"] > 0, r
+    # beside each hierarchical row, the bare transport's round at its leaders and median sizes
+    floor = [row for row in rows if row["system"] == "grpc-floor"]
+    assert [(f["beside"], f["replicas"]) for f in floor] == [("4x25/1", 4), ("2x6/2", 2)]
+    for f, h in zip(floor, hier):
+        assert f["request_bytes"] == h["leader_request_bytes_median"] > 0
+        assert f["reply_bytes"] == h["leader_answer_bytes_median"] > 0
+        assert f["complete_rounds"] == f["rounds"] == 3 and 0 < f["p50_s"] <= f["p99_s"] < 60
+        assert d["verdict"]["ratio_to_floor_p99"][f["beside"]] == pytest.approx(h["p99_s"] / f["p99_s"])
+    assert d["verdict"]["target_below_floor"] == {}  # no 100K-rank row here
     flat = [row for row in rows if row["system"] == "fthsdp-flat"]
     assert [(f["replicas"], f["ranks"]) for f in flat] == [(4, 4), (16, 16)]
     for row in hier + flat:
@@ -74,3 +85,20 @@ def test_scale_refuses_bad_shapes(tmp_path):
     r = subprocess.run([sys.executable, str(REPO / "experiments" / "scale.py"), "--shapes", "16x10/3",
                         "--out", str(tmp_path / "x.json")], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert r.returncode != 0 and "dividing G" in r.stderr
+
+
+def test_grpc_floor_round_and_its_refusals(tmp_path):
+    """experiments/grpc_floor.py alone: every round of 6 streams completes with the sizes asked;
+    nonsense sizes are refused with what to pass."""
+    out = tmp_path / "floor.json"
+    r = subprocess.run([sys.executable, str(REPO / "experiments" / "grpc_floor.py"), "--streams", "6", "--rounds",
+                        "4", "--request-bytes", "10", "--reply-bytes", "3000", "--out", str(out)],
+                       cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["system"] == "grpc-floor" and row["replicas"] == 6 and "error" not in row
+    assert row["complete_rounds"] == row["rounds"] == 4 and len(row["round_latencies_s"]) == 4
+    assert (row["request_bytes"], row["reply_bytes"]) == (10, 3000) and 0 < row["p50_s"] <= row["p99_s"] < 30
+    r = subprocess.run([sys.executable, str(REPO / "experiments" / "grpc_floor.py"), "--streams", "0",
+                        "--out", str(out)], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "--streams and --rounds must be >= 1" in r.stderr

@@ -311,6 +311,7 @@ class AioLighthouseClient:
         self.step = 0
         self.outages: list[float] = []
         self.last_reply_bytes = 0  # size of the last quorum answer or view on the wire
+        self.last_request_bytes = 0  # size of the last quorum request or view request
         # Answers decoded once per distinct answer bytes, shared by the leaders of
         # one process (see DecodeCache).
         self.decode_cache: DecodeCache | None = None
@@ -385,6 +386,7 @@ class AioLighthouseClient:
         return await method(req, timeout=timeout_s)
 
     async def _call(self, method, req, what: str, timeout_s: float, name: str = "") -> QuorumReply:
+        self.last_request_bytes = len(req) if isinstance(req, bytes) else req.ByteSize()
         down_since: float | None = None
         delays = backoff_delays()
         while True:

@@ -402,6 +402,9 @@ class EmulationReport:
     views_fetched: int = 0  # followers' GetView answers (a new quorum id, replicas of P > 1 processes)
     superseded: int = 0  # commits of a forked lineage that its holders abandoned (fetched the job's state)
     answer_bytes: int = 0  # the largest quorum answer (a leader's view) on the wire
+    # (request bytes, answer bytes) of every leader's quorum request that was answered: what a
+    # round puts on the wire, for experiments/grpc_floor.py's bare round of the same sizes
+    wire_sizes: list[tuple[int, int]] = field(default_factory=list)
     # The emulated ranks' own Python work per step (gather check and replays, every replica),
     # and this process's CPU time over the run: the emulator's cost, not the system's.
     rank_work_s: dict[int, float] = field(default_factory=dict)
@@ -565,6 +568,7 @@ class EmulatedReplica:
                     continue
                 q = reply.quorum
                 emu.answer_bytes = max(emu.answer_bytes, self.client.last_reply_bytes)
+                emu.wire_sizes.append((self.client.last_request_bytes, self.client.last_reply_bytes))
                 for g in self.groups:  # one fan-out per process: its ranks read the group's answer
                     g.quorum = q
                 held = time.perf_counter()
@@ -745,6 +749,7 @@ class Emulation:
         self.rank_replays = 0
         self.views_fetched = 0
         self.answer_bytes = 0
+        self.wire_sizes: list[tuple[int, int]] = []
         self._fired: set[Fault] = set()
         self._hangs: dict[tuple[int, int], float] = {}
         self._side_tasks: list[asyncio.Task] = []
@@ -926,6 +931,7 @@ class Emulation:
             rank_replays=self.rank_replays, fabric_completed=self.fabric.completed,
             fabric_failed=self.fabric.failed, decode=(self.decode_cache.decoded, self.decode_cache.hits),
             unfinished=unfinished, views_fetched=self.views_fetched, answer_bytes=self.answer_bytes,
+            wire_sizes=self.wire_sizes,
             rank_work_s=dict(self._rank_work), emulator_cpu_s=time.process_time() - cpu0)
 
     def run(self) -> EmulationReport:
