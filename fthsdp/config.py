@@ -126,7 +126,8 @@ class FTConfig:
     test_flip_bit: str = ""
     # A test hook, off by default: "STEP:SECONDS" makes every follower process (a replica's
     # process > 0) wait SECONDS before fetching its view of the first quorum of step >= STEP,
-    # so that a test can restart the lighthouse between the leader's answer and the views.
+    # so that a test can restart the lighthouse between the leader's answer and the views
+    # (STEP:SECONDS:recovering: only a view of a quorum in which its replica recovers).
     test_hold_view: str = ""
 
 

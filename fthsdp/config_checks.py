@@ -292,7 +292,7 @@ RULES: dict[str, Rule] = {
     "ft.lighthouse_session": Anything("true or false"),
     "ft.fingerprint_every": _int(1, why="fingerprint the state after every K-th committed step (1: every commit)"),
     "ft.test_flip_bit": Parsed(_flip_spec, "empty (off) or REPLICA@STEP[:BIT] (a test hook)"),
-    "ft.test_hold_view": Parsed(_hold_view_spec, "empty (off) or STEP:SECONDS (a test hook)"),
+    "ft.test_hold_view": Parsed(_hold_view_spec, "empty (off), STEP:SECONDS or STEP:SECONDS:recovering (a test hook)"),
     # launch
     "launch.replicas": _int(1),
     "launch.devices_per_replica": _int(1),

@@ -113,7 +113,9 @@ def test_shipped_configs_validate(name):
     ("optim.decay=linear", r"optim.decay='linear': must be one of cosine, constant"),
     ("ft.intervention=cubic", r"ft.intervention='cubic': unknown LR intervention 'cubic'; choose one of: none"),
     ("ft.snapshot=always", r"ft.snapshot='always': must be one of on_demand, every_commit"),
-    ("ft.test_hold_view=5", r"ft.test_hold_view='5': expected STEP:SECONDS with STEP >= 0 and 0 < SECONDS <= 600"),
+    ("ft.test_hold_view=5", r"ft.test_hold_view='5': expected STEP:SECONDS or STEP:SECONDS:recovering with STEP >= 0 "
+                            r"and 0 < SECONDS <= 600"),
+    ("ft.test_hold_view=5:2:healthy", r"ft.test_hold_view='5:2:healthy': expected STEP:SECONDS or "),
     ("ft.test_hold_view=2:0", r"ft.test_hold_view='2:0': expected STEP:SECONDS"),
     ("launch.kill=garbage", r"launch.kill=\('garbage',\): bad --kill 'garbage': expected REPLICA@STEP"),
     ("launch.stop=1@x", r"launch.stop=\('1@x',\): bad --stop '1@x': expected REPLICA@STEP"),

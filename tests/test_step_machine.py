@@ -53,9 +53,11 @@ def test_behind_replica_catches_up_and_drops_grads():
     p = fsm.plan(s, q, "2")
     assert p.action is fsm.Action.CATCH_UP and p.step == 9 and len(p.sources) == 2
     assert set(p.sources) <= {"0", "1"} and p.compute is False
-    # Its all-reduce (zeros) failed: it holds step 9's state and no gradients now.
+    # Its all-reduce (zeros) failed: the fetched state was not installed (that happens only at a
+    # commit, on every process of the replica at once): still at step 3, behind, no gradients.
     s2 = fsm.after_attempt(s, p, fsm.Outcome.FAILED)
-    assert (s2.step, s2.has_grads, s2.commit_failed) == (9, False, True)
+    assert (s2.step, s2.has_grads, s2.commit_failed) == (3, False, True)
+    assert fsm.plan(s2, q, "2").action is fsm.Action.CATCH_UP  # it fetches again
     s3 = fsm.after_attempt(s, p, fsm.Outcome.COMMITTED)
     assert s3.step == 10
 

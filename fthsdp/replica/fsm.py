@@ -21,7 +21,7 @@ as transitions:
   other than the configured one: rebuild the ring. Not in the quorum's
   healthy set: catch up (fetch the state of the end of step ``max_step - 1``
   from the assigned sources, contribute zero gradients, drop any gradients
-  in hand). Healthy: train (compute gradients only if none are in hand: a
+  in hand; the fetched state is installed only if the step commits). Healthy: train (compute gradients only if none are in hand: a
   retry reuses the step's gradients, numerically the same as retraining the
   step on the same batch).
 * :func:`after_attempt` — the attempt's outcome, after the intra-replica
@@ -172,10 +172,14 @@ def after_attempt(state: StepState, p: Plan | None, outcome: Outcome) -> StepSta
     if outcome is Outcome.COMMITTED:
         return StepState(step=p.step + 1, max_retries=state.max_retries, configured_qid=configured,
                          reason=f"committed step {p.step} on quorum {p.quorum_id}")
-    # A catch-up installed the peers' state of step p.step even if the all-reduce
-    # then failed; it holds no gradients of that step (it trained no batch).
-    has_grads = (state.has_grads or p.compute) if p.action is Action.TRAIN else False
-    return _retry(state, commit_failed=True, has_grads=has_grads, step=p.step, configured=configured,
+    # A catch-up's fetched state is installed only when its step commits (on every process
+    # of the replica at once), so a failed one leaves the replica at its old step, still
+    # behind, with no gradients (it trained no batch).
+    if p.action is Action.TRAIN:
+        has_grads, step = state.has_grads or p.compute, p.step
+    else:
+        has_grads, step = False, state.step
+    return _retry(state, commit_failed=True, has_grads=has_grads, step=step, configured=configured,
                   why=f"{outcome.value} on quorum {p.quorum_id}")
 
 

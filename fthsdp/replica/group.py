@@ -248,27 +248,27 @@ def quorum_from_json(d: dict):
 
 
 class ViewUnavailable(ReplicaFatalError):
-    """A follower could not get its own view of its leader's quorum and cannot take the step
-    without it: the lighthouse stayed unreachable past its outage allowance, or the replica
-    is recovering (it needs the view's recovery sources). The replica fails as a unit and
-    rejoins. (A healthy replica whose follower finds the quorum gone from a restarted
-    lighthouse does not fail: see :attr:`FollowerQuorumSource.missing_view`.)"""
+    """A follower could not get its own view of its leader's quorum because the lighthouse
+    stayed unreachable past its outage allowance. The replica fails as a unit and rejoins.
+    (A follower that reaches a restarted lighthouse which no longer holds the quorum does not
+    fail its replica, healthy or recovering: see :attr:`FollowerQuorumSource.missing_view`.)"""
 
 
-def parse_hold_view(text: str) -> tuple[int, float] | None:
+def parse_hold_view(text: str) -> tuple[int, float, bool] | None:
     """``ft.test_hold_view`` (a test hook): ``""`` -> None (off); ``"STEP:SECONDS"`` -> (step,
-    seconds): a follower waits that long before fetching its view of the first quorum it is
-    handed at or after STEP, so that a test can restart the lighthouse in between."""
-    text = text.strip()
-    if not text:
+    seconds, False): a follower waits that long before fetching its view of the first quorum it
+    is handed at or after STEP, so that a test can restart the lighthouse in between;
+    ``"STEP:SECONDS:recovering"`` -> (step, seconds, True): only a view of a quorum in which its
+    replica is recovering (the rejoin of a restarted replica)."""
+    parts = text.strip().split(":")
+    if parts == [""]:
         return None
-    step, sep, secs = text.partition(":")
     try:
-        held = (int(step), float(secs)) if sep else None
+        held = (int(parts[0]), float(parts[1]), parts[2:] == ["recovering"]) if 2 <= len(parts) <= 3 else None
     except ValueError:
         held = None
-    if held is None or held[0] < 0 or not 0 < held[1] <= 600:
-        raise ValueError("expected STEP:SECONDS with STEP >= 0 and 0 < SECONDS "
+    if held is None or held[0] < 0 or not 0 < held[1] <= 600 or (len(parts) == 3 and not held[2]):
+        raise ValueError("expected STEP:SECONDS or STEP:SECONDS:recovering with STEP >= 0 and 0 < SECONDS "
                          "<= 600 (e.g. 5:8)")
     return held
 
@@ -325,12 +325,14 @@ class FollowerQuorumSource:
         self._view = None  # the last view fetched (rings depend only on the quorum id)
         # Why this process has no view of the quorum :meth:`get_quorum` last returned ("" when it
         # has one). The lighthouse that decided it is gone (restarted: a new one holds no quorum)
-        # between the leader's answer and this process's GetView. The replica is healthy, so
-        # rather than fail it as a unit (every multi-process replica of the job at once, since
-        # all their followers ask the same restarted lighthouse), the Manager takes the step
-        # without configuring this process's rings: its all-reduce fails at once, the replica's
-        # commit vote (over all its processes) fails with it, and the leader asks the new
-        # lighthouse again, like after any failed all-reduce.
+        # between the leader's answer and this process's GetView. Rather than fail the replica as
+        # a unit (every multi-process replica of the job at once, since all their followers ask
+        # the same restarted lighthouse), the Manager takes the step without configuring this
+        # process's rings: its all-reduce fails at once, the replica's commit vote (over all its
+        # processes) fails with it, and the leader asks the new lighthouse again, like after any
+        # failed all-reduce. A recovering replica too: this process fetches nothing (it has no
+        # sources), and the others' fetched shards are dropped with the failed step, because a
+        # fetched state is installed only when the step commits (fthsdp.replica.manager).
         self.missing_view = ""
         # The lighthouse's verdict at the replica's Leave, as the leader heard it: (step, why)
         # when the replica's final state forked from the job's lineage (set by leave()).
@@ -351,24 +353,21 @@ class FollowerQuorumSource:
         self.missing_view = ""
         v = self._view
         if v is None or v.quorum_id != q.quorum_id or q.recovery:
-            self._hold(step, q.quorum_id)
+            self._hold(step, q)
             me = f"process {self.client.process_index} of replica {self.client.replica_id}"
-            healthy = str(self.client.replica_id) in q.healthy
             try:
                 fresh = self.client.get_view(q.quorum_id)
             except Exception as e:  # noqa: BLE001 - any failure: this process cannot follow its leader
-                if not (healthy and _not_held(e)):
+                if not _not_held(e):
                     raise ViewUnavailable(f"{me}: no view of quorum {q.quorum_id} from the lighthouse ({e}); the "
                                           "replica fails as a unit and rejoins") from e
                 return self._without_view(q, v, f"{me}: the lighthouse no longer holds quorum {q.quorum_id} "
                                                 f"(restarted since the leader's answer?): {e}")
             if fresh.max_step != q.max_step or fresh.member_ids != q.member_ids:
-                why = (f"the lighthouse's quorum {q.quorum_id} (members {list(fresh.member_ids)} at step "
-                       f"{fresh.max_step}) is not the one the leader handed over (members {list(q.member_ids)} at "
-                       f"step {q.max_step})")
-                if not healthy:
-                    raise ViewUnavailable(f"{me}: {why}; the replica fails as a unit")
-                return self._without_view(q, v, f"{me}: {why}")
+                return self._without_view(q, v, (
+                    f"{me}: the lighthouse's quorum {q.quorum_id} (members {list(fresh.member_ids)} at step "
+                    f"{fresh.max_step}) is not the one the leader handed over (members {list(q.member_ids)} at "
+                    f"step {q.max_step})"))
             v = self._view = fresh
         return self._merge(q, v)
 
@@ -384,11 +383,12 @@ class FollowerQuorumSource:
                                    recovery=v.recovery if q.recovery else {})
 
     def _without_view(self, q, v, why: str):
-        """``q`` for a healthy replica whose view of it could not be had. With a view of the same
-        quorum already held (a recovery quorum's second view), its rings are still the right ones
-        (they depend only on the quorum id) and the step goes on; otherwise :attr:`missing_view`
-        says why and the step is taken without rings (see there)."""
-        if v is not None and v.quorum_id == q.quorum_id:
+        """``q`` for a process whose view of it could not be had. A healthy replica's process
+        that already holds a view of the same quorum (a recovery quorum's second view) keeps
+        its rings (they depend only on the quorum id) and the step goes on; otherwise
+        :attr:`missing_view` says why and the step is taken without rings (see there). A
+        recovering replica's process never goes on without this view: its sources are in it."""
+        if v is not None and v.quorum_id == q.quorum_id and str(self.client.replica_id) in q.healthy:
             log.warning("%s; keeping this process's rings of the same quorum", why)
             return self._merge(q, v)
         self.missing_view = why
@@ -398,12 +398,15 @@ class FollowerQuorumSource:
                         for m in q.members)
         return dataclasses.replace(q, members=members, rings=(), sources=(), recovery={})
 
-    def _hold(self, step: int, quorum_id: int) -> None:
-        """The test hook ``ft.test_hold_view``: wait before the first view at or after its step."""
+    def _hold(self, step: int, q) -> None:
+        """The test hook ``ft.test_hold_view``: wait before the first view at or after its step
+        (of a quorum in which this replica recovers, when the hook says ``recovering``)."""
         if self.hold_view is None or step < self.hold_view[0]:
             return
+        if self.hold_view[2] and str(self.client.replica_id) in q.healthy:
+            return
         secs, self.hold_view = self.hold_view[1], None
-        log.warning("test hook ft.test_hold_view: holding the view of quorum %d (step %d) for %.1f s", quorum_id,
+        log.warning("test hook ft.test_hold_view: holding the view of quorum %d (step %d) for %.1f s", q.quorum_id,
                     step, secs)
         time.sleep(secs)
 

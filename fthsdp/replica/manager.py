@@ -8,10 +8,15 @@ when the quorum id changed, and runs the split training step:
   updates (`apply_grads`); the intra-replica commit vote is inside that jitted
   function;
 * a behind replica (restarted, late, or one whose last commit failed while the
-  others committed) sends a zero gradient, consumes no batch, and installs the
-  state of the end of the previous step fetched from its assigned peers before
-  the update is applied, so after the all-reduce it holds the same bytes as
-  everyone else.
+  others committed) sends a zero gradient, consumes no batch, and applies the
+  update to the state of the end of the previous step fetched from its assigned
+  peers, so after the all-reduce it holds the same bytes as everyone else. The
+  fetched state is installed only when the step commits: a replica of several
+  processes fetches each process's shards on that process, and its commit vote
+  (a reduction over all of them) is what says every process fetched. An attempt
+  that fails (a process had no view of the quorum, a source vanished, the
+  all-reduce broke) leaves every process on its old state and step, and the
+  replica asks again as behind: never some shards new and some old.
 
 On a RECOVERABLE all-reduce (a peer died, a deadline passed, the lighthouse
 declared a member dead and we aborted), only the all-reduce and update are
@@ -261,6 +266,7 @@ class Manager:
         events: list[str] = []
         rebuild_s = grads_s = catch_up_s = 0.0
         for attempt in range(1, self.cfg.ft.max_retries + 2):
+            fetched: tuple[TrainState, dict] | None = None  # a behind replica's peers' state, installed at commit
             self.phases.set(Phase.WAITING_FOR_QUORUM, step)
             accused = self.take_accused()
             try:
@@ -305,13 +311,14 @@ class Manager:
                         "it will not train alone from its initial state. Resume the whole job from its "
                         "persistent checkpoint (fthsdp run --resume).")
                 if not healthy:
-                    self.phases.set(Phase.FETCHING)
-                    t0 = time.perf_counter()
-                    try:
-                        step = self._catch_up(q, step, events)
-                    finally:
-                        catch_up_s += time.perf_counter() - t0
                     grads = None
+                    if not no_view:  # without its view this process has no sources: the attempt fails anyway
+                        self.phases.set(Phase.FETCHING)
+                        t0 = time.perf_counter()
+                        try:
+                            fetched = self._fetch_peers_state(q, step, events)
+                        finally:
+                            catch_up_s += time.perf_counter() - t0
                 elif grads is None:
                     batch = self.stream.batch(self.loader.position)
                     x, y = self.ts.shard_batch(batch.inputs, batch.targets)
@@ -327,7 +334,8 @@ class Manager:
                     self.phases.computed(grads_s)
                 self.phases.set(Phase.ALLREDUCE)
                 t0 = time.perf_counter()
-                new_state, m = self.ts.apply_grads(self.state, grads if healthy else self.zero_grads(),
+                new_state, m = self.ts.apply_grads(self.state if fetched is None else fetched[0],
+                                                   grads if healthy else self.zero_grads(),
                                                    self._quorum_inputs(q, healthy))
                 if "commit_words" in m:  # the flag and the fingerprint in one read
                     committed, fingerprint = read_commit(m["commit_words"])
@@ -350,6 +358,8 @@ class Manager:
                             step, attempt, q.quorum_id, f" (blamed replica {blamed})" if blamed else "", c.reason)
                 continue
             if committed:
+                if fetched is not None:  # every process of the replica fetched: now it is installed
+                    step = self._install_fetched(q, fetched, events)
                 self.state = new_state
                 fingerprint = self._report_fingerprint(fingerprint, step + 1)
                 for r in q.healthy:
@@ -424,8 +434,9 @@ class Manager:
             return None
         return q.member_at(address)
 
-    def _catch_up(self, q: qm.Quorum, step: int, events: list[str]) -> int:
-        """Behind: install the healthy replicas' state of the end of step max_step - 1."""
+    def _fetch_peers_state(self, q: qm.Quorum, step: int, events: list[str]) -> tuple[TrainState, dict]:
+        """Behind: the healthy replicas' state of the end of step max_step - 1 (this process's
+        shards of it), not installed yet (:meth:`_install_fetched`, once the step commits)."""
         if self.recover is None:
             raise ManagerError(
                 f"replica {self.replica_id} is behind (at step {step}, quorum at {q.max_step}) and has no way to "
@@ -437,12 +448,21 @@ class Manager:
         if got != q.max_step:
             raise PeerFetchError(f"recovered state is at step {got}, expected {q.max_step} (sources "
                                  f"{list(q.sources_for(self.replica_id))})")
-        self.state = state
-        self.install_data_state(data)
         took = time.perf_counter() - t0
         sources = list(q.sources_for(self.replica_id))
-        events.append(f"caught up to step {got} from {sources} in {took:.3f}s")
-        log.info("step %d: caught up from %s in %.3fs", got, sources, took)
+        events.append(f"fetched step {got}'s state from {sources} in {took:.3f}s")
+        log.info("step %d: fetched the state from %s in %.3fs (installed when the step commits)", got, sources, took)
+        return state, data
+
+    def _install_fetched(self, q: qm.Quorum, fetched: tuple[TrainState, dict], events: list[str]) -> int:
+        """The step that applied the update to ``fetched`` committed on every process: its data
+        state becomes this replica's, and its step the one the record is of."""
+        state, data = fetched
+        self.install_data_state(data)
+        got = int(state.step)
+        sources = list(q.sources_for(self.replica_id))
+        events.append(f"caught up to step {got} from {sources}")
+        log.info("step %d: caught up from %s", got, sources)
         return got
 
     def data_state(self) -> dict:

@@ -633,6 +633,7 @@ class EmulatedReplica:
         if p.reconfigure:
             await asyncio.sleep(c.rebuild_s)
         outcome: fsm.Outcome | None = None
+        fetched = None  # a catch-up's peers' data, installed only if the step commits
         if p.action is fsm.Action.CATCH_UP:
             if "fenced, behind" in q.reason:
                 emu.events.append(f"replica {self.rid}: behind at step {state.step} in quorum {q.quorum_id} (max step "
@@ -645,8 +646,7 @@ class EmulatedReplica:
                                   f"{None if snap is None else snap[0]}, not {p.step}")
                 outcome = fsm.Outcome.ERROR
             else:
-                self.data = snap[1]
-                emu.events.append(f"replica {self.rid}: caught up to step {p.step} from {src}")
+                fetched = snap[1]
         elif p.compute:
             if emu.take_hang(self, p.step):
                 await self._hang(p.step)
@@ -669,6 +669,9 @@ class EmulatedReplica:
                 why = res.reason or f"rings {sorted(failed_rings)[:4]} / ranks {sorted(local)[:4]} failed"
                 emu.events.append(f"replica {self.rid} step {p.step} quorum {q.quorum_id}: all-reduce failed: {why}")
         if outcome is fsm.Outcome.COMMITTED:
+            if fetched is not None:
+                self.data = fetched
+                emu.events.append(f"replica {self.rid}: caught up to step {p.step} from {p.sources[0]}")
             batches, self.data = self.data.commit(q)
             for g in self.groups:
                 g.commits += 1
