@@ -397,8 +397,38 @@ def test_status_command_shows_quorum_reason_and_replicas(lighthouse, capsys):
         assert "job 'statusjob'" in out and "members ['0', '1'] at step 3" in out
         assert "last decision: quorum" in out
         assert out.count("training") + out.count("waiting for quorum") == 2
+        # every job's status carries the lighthouse's own load: 2 replicas asked and beat here
+        load = next(line for line in out.splitlines() if line.startswith("lighthouse since it started"))
+        assert "1 job(s)" in load and "% of a core" in load and "ms each" in load and "refused: none" in load, load
+        jobs, got = clients[0].status_and_load("")
+        assert [j.job_id for j in jobs] == ["statusjob"] and got.jobs == 1 and got.quorum_evaluations >= 1
+        assert got.cpu_s > 0 and got.uptime_s > 0
+        assert clients[0].status_and_load()[1] is None  # one job's status: not the lighthouse's load
+        assert fthsdp_main(["status", "--lighthouse", lighthouse.address, "--job", "statusjob"]) == 0
+        assert "lighthouse since" not in capsys.readouterr().out
     finally:
         for c in clients:
             c.close()
     assert fthsdp_main(["status", "--lighthouse", "127.0.0.1:9", "--job", "x"]) == 1
     assert "cannot reach" in capsys.readouterr().err
+
+
+def test_the_load_line_gives_rates_between_two_readings_and_restarts_from_a_new_lighthouse():
+    from fthsdp.control.lighthouse_client import LighthouseLoad, format_load
+
+    def load(uptime, cpu, msgs, evals, eval_s, refused):
+        return LighthouseLoad(uptime_s=uptime, cpu_s=cpu, jobs=2, sessions_opened=4, session_messages=msgs,
+                              quorum_evaluations=evals, quorum_evaluation_s=eval_s, calls_held=3, calls_parked=0,
+                              connection_budget_calls_per_s=500.0, refused_by_code=refused)
+
+    a = load(100.0, 20.0, 10_000, 200, 0.4, {"INVALID_ARGUMENT": 2})
+    b = load(110.0, 25.0, 12_000, 300, 0.6, {"INVALID_ARGUMENT": 2, "UNAUTHENTICATED": 5})
+    assert format_load(a) == ("lighthouse since it started 1m40s ago: 2 job(s); CPU 20% of a core; 100 session "
+                              "messages/s (4 sessions opened); 2.0 quorum decisions/s, 2.00 ms each; 3 call(s) held "
+                              "by a budget (0 now, budget 500 calls/s a connection); refused: 2 INVALID_ARGUMENT")
+    assert format_load(b, a) == ("lighthouse over the last 10.0s: 2 job(s); CPU 50% of a core; 200 session "
+                                 "messages/s (4 sessions opened); 10.0 quorum decisions/s, 2.00 ms each; 0 call(s) "
+                                 "held by a budget (0 now, budget 500 calls/s a connection); refused: 5 "
+                                 "UNAUTHENTICATED")
+    # a restarted lighthouse (less uptime than the last reading): its counters began again
+    assert format_load(load(5.0, 1.0, 50, 0, 0.0, {}), b).startswith("lighthouse since it started 0m05s ago")

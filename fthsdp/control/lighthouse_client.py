@@ -65,6 +65,8 @@ __all__ = [
     "Registration",
     "ReplicaStatus",
     "JobStatus",
+    "LighthouseLoad",
+    "format_load",
     "LighthouseError",
     "QuorumTimeout",
     "InvalidLighthouseRequest",
@@ -343,6 +345,64 @@ class JobStatus:
     sdc_fatal: str = ""
 
 
+@dataclass(frozen=True)
+class LighthouseLoad:
+    """The lighthouse's own load since it started (a Status of every job carries it)."""
+
+    uptime_s: float
+    cpu_s: float
+    jobs: int
+    sessions_opened: int
+    session_messages: int
+    quorum_evaluations: int
+    quorum_evaluation_s: float
+    calls_held: int
+    calls_parked: int
+    connection_budget_calls_per_s: float
+    refused_by_code: dict[str, int]
+
+    @staticmethod
+    def from_proto(p: "pb2.LighthouseLoad") -> "LighthouseLoad":
+        return LighthouseLoad(p.uptime_s, p.cpu_s, p.jobs, p.sessions_opened, p.session_messages,
+                              p.quorum_evaluations, p.quorum_evaluation_s, p.calls_held, p.calls_parked,
+                              p.connection_budget_calls_per_s, dict(p.refused_by_code))
+
+
+def format_load(load: LighthouseLoad, before: LighthouseLoad | None = None) -> str:
+    """A person's line about the lighthouse's load: since it started, or, given the reading
+    ``before`` of the same lighthouse (``fthsdp status --watch``), between the two."""
+    if before is not None and load.uptime_s > before.uptime_s:
+        span, since = load.uptime_s - before.uptime_s, f"over the last {load.uptime_s - before.uptime_s:.1f}s"
+    else:  # the first reading, or a restarted lighthouse (its counters began again)
+        before, span, since = None, load.uptime_s, f"since it started {_duration(load.uptime_s)} ago"
+
+    def delta(name: str) -> float:
+        return getattr(load, name) - (getattr(before, name) if before is not None else 0)
+
+    def rate(n: float) -> float:
+        return n / span if span > 0 else 0.0
+
+    evals, held = delta("quorum_evaluations"), delta("calls_held")
+    refused = {k: v - (before.refused_by_code.get(k, 0) if before is not None else 0)
+               for k, v in sorted(load.refused_by_code.items())}
+    budget = (f"budget {load.connection_budget_calls_per_s:g} calls/s a connection"
+              if load.connection_budget_calls_per_s else "no budgets")
+    parts = [
+        f"CPU {100 * rate(delta('cpu_s')):.0f}% of a core",
+        f"{rate(delta('session_messages')):.0f} session messages/s ({load.sessions_opened} sessions opened)",
+        (f"{rate(evals):.1f} quorum decisions/s, {1e3 * delta('quorum_evaluation_s') / evals:.2f} ms each"
+         if evals else "no quorum decision"),
+        f"{held} call(s) held by a budget ({load.calls_parked} now, {budget})",
+        "refused: " + (", ".join(f"{v} {k}" for k, v in refused.items() if v) or "none"),
+    ]
+    return f"lighthouse {since}: {load.jobs} job(s); " + "; ".join(parts)
+
+
+def _duration(s: float) -> str:
+    s = max(0, int(s))
+    return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
+
+
 def _phase_text(p: PhaseSnapshot | None) -> str:
     if p is None:
         return ""
@@ -415,13 +475,18 @@ def status_cli(argv: list[str]) -> int:
         return _print_targets(args.lighthouse, args.job, status_key)
     client = LighthouseClient(args.lighthouse, "fthsdp-status", "status", rpc_timeout_s=5.0,
                               key=job_key, status_key=status_key, tls_ca_file=args.tls_ca)
+    before: LighthouseLoad | None = None
     try:
         while True:
             try:
-                print(format_status(client.status(args.job)), flush=True)
+                jobs, load = client.status_and_load(args.job)
             except LighthouseError as e:
                 print(f"fthsdp status: {e}", file=sys.stderr)
                 return 1
+            if load is not None:  # a Status of every job (the status key): the lighthouse's own load
+                print(format_load(load, before), flush=True)
+                before = load
+            print(format_status(jobs), flush=True)
             if args.watch <= 0:
                 return 0
             time.sleep(args.watch)
@@ -893,12 +958,20 @@ class LighthouseClient:
 
     def status(self, job_id: str | None = None) -> list[JobStatus]:
         """Introspection: every job (``job_id=""``) or one (default: this client's job)."""
+        return self.status_and_load(job_id)[0]
+
+    def status_and_load(self, job_id: str | None = None) -> tuple[list[JobStatus], LighthouseLoad | None]:
+        """:meth:`status`, and the lighthouse's own load when it says (a Status of every job)."""
         jid = self.job_id if job_id is None else job_id
         try:
             resp = self._call("Status", pb2.StatusRequest(protocol_version=LIGHTHOUSE_PROTOCOL_VERSION, job_id=jid),
                               self.rpc_timeout_s)
         except grpc.RpcError as e:
             raise self._error("status", e, self.rpc_timeout_s) from None
+        return self._jobs_of(resp), LighthouseLoad.from_proto(resp.load) if resp.HasField("load") else None
+
+    @staticmethod
+    def _jobs_of(resp) -> list[JobStatus]:
         return [
             JobStatus(
                 job_id=j.job_id,
