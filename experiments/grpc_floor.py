@@ -86,7 +86,8 @@ async def serve(port: int, streams: int, reply_bytes: int) -> None:
 
 
 async def _rounds(port: int, streams: int, rounds: int, warmup: int, request_bytes: int, reply_bytes: int,
-                  timeout_s: float) -> list[float]:
+                  timeout_s: float, warm=lambda: None) -> list[float]:
+    """The measured rounds' latencies; ``warm()`` is called once the warm-up rounds are done."""
     chans = [grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=[("grpc.use_local_subchannel_pool", 1),
                                                                     ("grpc.max_receive_message_length", 64 << 20)])
              for _ in range(streams)]
@@ -95,6 +96,8 @@ async def _rounds(port: int, streams: int, rounds: int, warmup: int, request_byt
         request = b"r" * request_bytes
         lat: list[float] = []
         for r in range(warmup + rounds):
+            if r == warmup:
+                warm()
             got = [0.0] * streams
             sent = [0.0] * streams
 
@@ -117,6 +120,16 @@ async def _rounds(port: int, streams: int, rounds: int, warmup: int, request_byt
     finally:
         for c in chans:
             await c.close()
+
+
+def process_cpu_s(pid: int) -> float | None:
+    """CPU time (user + system) of process ``pid`` so far, from /proc (None where there is none)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rpartition(")")[2].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def _free_port() -> int:
@@ -150,10 +163,17 @@ def floor_row(streams: int, rounds: int, request_bytes: int, reply_bytes: int, w
         line = proc.stdout.readline().strip()
         if line != READY:
             raise RuntimeError(f"the floor server did not start (it printed {line!r}, exit {proc.poll()})")
+        cpu0 = None
+
+        def warm() -> None:
+            nonlocal cpu0
+            cpu0 = process_cpu_s(proc.pid)
+
         try:
-            lat = asyncio.run(_rounds(port, streams, rounds, warmup, request_bytes, reply_bytes, timeout_s))
+            lat = asyncio.run(_rounds(port, streams, rounds, warmup, request_bytes, reply_bytes, timeout_s, warm))
         except (asyncio.TimeoutError, RuntimeError, grpc.aio.AioRpcError) as e:
             lat, error = [], f"{type(e).__name__}: {e}"
+        cpu1 = process_cpu_s(proc.pid)
     finally:
         proc.kill()
         proc.wait()
@@ -162,7 +182,10 @@ def floor_row(streams: int, rounds: int, request_bytes: int, reply_bytes: int, w
         "processes_per_replica": 1, "request_bytes": request_bytes, "reply_bytes": reply_bytes,
         "p50_s": percentile(lat, 0.5), "p99_s": percentile(lat, 0.99), "max_s": max(lat) if lat else None,
         "complete_rounds": len(lat), "rounds": rounds, "warmup_rounds": warmup,
-        "round_latencies_s": [round(x, 6) for x in lat], "loadavg": load, **({"error": error} if error else {}),
+        "round_latencies_s": [round(x, 6) for x in lat], "loadavg": load,
+        # the server's CPU per measured round (each round is 50 ms apart: its idle loop is in it too)
+        "server_cpu_s_per_round": (cpu1 - cpu0) / rounds if cpu0 is not None and cpu1 is not None and lat else None,
+        **({"error": error} if error else {}),
     }
 
 
@@ -190,8 +213,10 @@ def main(argv: list[str] | None = None) -> int:
     Path(args.out).write_text(json.dumps(out, indent=2))
     p50 = "-" if row["p50_s"] is None else f"{row['p50_s'] * 1e3:.1f} ms"
     p99 = "-" if row["p99_s"] is None else f"{row['p99_s'] * 1e3:.1f} ms"
+    cpu = row["server_cpu_s_per_round"]
     print(f"grpc-floor {row['replicas']} streams: p50 {p50} p99 {p99} ({row['complete_rounds']}/{row['rounds']} "
-          f"rounds){' ' + row['error'] if 'error' in row else ''}; wrote {args.out}")
+          f"rounds{'' if cpu is None else f'; server CPU {cpu * 1e3:.1f} ms a round'})"
+          f"{' ' + row['error'] if 'error' in row else ''}; wrote {args.out}")
     return 0
 
 

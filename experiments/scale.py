@@ -750,6 +750,10 @@ def verdict(rows: list[dict], decision: dict | None = None) -> dict:
         out["ratio_to_floor_p99"] = {shape_key(r): r["p99_s"] / floors[shape_key(r)]["p99_s"] for r in beside}
         out["target_below_floor"] = {shape_key(r): floors[shape_key(r)]["p99_s"] > PAPER["target_p99_s_100k"]
                                      for r in beside if r["ranks"] >= 100_000}
+        # the lighthouse's CPU per round against the bare server's: how much of it is its own work
+        cpu = {shape_key(r): (r.get("breakdown", {}).get("median", {}).get("lighthouse_cpu_s_this_round"),
+                              floors[shape_key(r)].get("server_cpu_s_per_round")) for r in beside}
+        out["lighthouse_cpu_over_floor_server_cpu"] = {k: a / b for k, (a, b) in cpu.items() if a and b}
     flat = sorted((r for r in rows if r["system"] == "fthsdp-flat"), key=lambda r: r["replicas"])
     if flat:
         out["flat_every_round_complete"] = {r["replicas"]: r["complete_rounds"] == r["rounds"] for r in flat}
@@ -890,8 +894,8 @@ def main(argv: list[str] | None = None) -> int:
         procs = f"{r['processes_per_replica']} proc" if "processes_per_replica" in r else ""
         print(f"{r['system']:20s} {r.get('transport', 'unary'):7s} {procs:8s} {r['replicas']:5d} replicas {r['ranks']:7d} ranks: p50 {p50} p99 {p99} "
               f"({r['complete_rounds']}/{r['rounds']} rounds; load {r['loadavg'][0]:.1f})"
-              + (f"; beside {r['beside']}, {r['request_bytes']} B requests, {r['reply_bytes']} B answers"
-                 if r.get("beside") else "") + (f"; {r['error']}" if r.get("error") else ""), flush=True)
+              + (f"; beside {r['beside']}, {r['request_bytes']} B requests, {r['reply_bytes']} B answers, server "
+                 f"CPU {(r.get('server_cpu_s_per_round') or 0) * 1e3:.0f} ms a round" if r.get("beside") else "") + (f"; {r['error']}" if r.get("error") else ""), flush=True)
 
     if "hierarchical" not in args.skip:
         for (rpr, g, nproc), transport in ((x, t) for x in shapes for t in args.transport):

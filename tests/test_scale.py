@@ -46,6 +46,10 @@ def test_scale_quick_rows(tmp_path):
         assert f["reply_bytes"] == h["leader_answer_bytes_median"] > 0
         assert f["complete_rounds"] == f["rounds"] == 3 and 0 < f["p50_s"] <= f["p99_s"] < 60
         assert d["verdict"]["ratio_to_floor_p99"][f["beside"]] == pytest.approx(h["p99_s"] / f["p99_s"])
+        assert f["server_cpu_s_per_round"] >= 0  # /proc's clock ticks (10 ms): 0 at toy sizes
+        if f["server_cpu_s_per_round"]:
+            assert d["verdict"]["lighthouse_cpu_over_floor_server_cpu"][f["beside"]] == pytest.approx(
+                h["breakdown"]["median"]["lighthouse_cpu_s_this_round"] / f["server_cpu_s_per_round"])
     assert d["verdict"]["target_below_floor"] == {}  # no 100K-rank row here
     flat = [row for row in rows if row["system"] == "fthsdp-flat"]
     assert [(f["replicas"], f["ranks"]) for f in flat] == [(4, 4), (16, 16)]
@@ -99,6 +103,7 @@ def test_grpc_floor_round_and_its_refusals(tmp_path):
     assert row["system"] == "grpc-floor" and row["replicas"] == 6 and "error" not in row
     assert row["complete_rounds"] == row["rounds"] == 4 and len(row["round_latencies_s"]) == 4
     assert (row["request_bytes"], row["reply_bytes"]) == (10, 3000) and 0 < row["p50_s"] <= row["p99_s"] < 30
+    assert row["server_cpu_s_per_round"] is not None and row["server_cpu_s_per_round"] >= 0
     r = subprocess.run([sys.executable, str(REPO / "experiments" / "grpc_floor.py"), "--streams", "0",
                         "--out", str(out)], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "--streams and --rounds must be >= 1" in r.stderr
