@@ -11,12 +11,17 @@ when the quorum id changed, and runs the split training step:
   others committed) sends a zero gradient, consumes no batch, and applies the
   update to the state of the end of the previous step fetched from its assigned
   peers, so after the all-reduce it holds the same bytes as everyone else. The
-  fetched state is installed only when the step commits: a replica of several
-  processes fetches each process's shards on that process, and its commit vote
-  (a reduction over all of them) is what says every process fetched. An attempt
+  catch-up counts only when the step commits: a replica of several processes
+  fetches each process's shards on that process, and its commit vote (a
+  reduction over all of them) is what says every process fetched. Until then
+  its step, its data state and the loader stay where they were, so an attempt
   that fails (a process had no view of the quorum, a source vanished, the
-  all-reduce broke) leaves every process on its old state and step, and the
-  replica asks again as behind: never some shards new and some old.
+  all-reduce broke) leaves the replica behind on every process, and it fetches
+  again: never some shards new and some old. (The fetched tensors replace the
+  old ones at once, so a catch-up step holds no more state in device memory
+  than before; a process whose state is a fetched, uncommitted one that a
+  quorum then calls healthy, which only a quorum without everyone past its old
+  step can, fails its replica, which restarts and rejoins.)
 
 On a RECOVERABLE all-reduce (a peer died, a deadline passed, the lighthouse
 declared a member dead and we aborted), only the all-reduce and update are
@@ -199,6 +204,8 @@ class Manager:
         self.records: list[StepRecord] = []
         self.detections: list[dict] = []
         self._zero_grads = None
+        # self.state is a catch-up's fetched state whose step has not committed (see the module's docstring)
+        self._fetched_uncommitted = False
         self._lr_mode = int(Intervention.parse(self.cfg.ft.intervention))
         self._accused: list[str] = []  # replicas that broke FTAR's protocol, for the next quorum request
 
@@ -266,7 +273,7 @@ class Manager:
         events: list[str] = []
         rebuild_s = grads_s = catch_up_s = 0.0
         for attempt in range(1, self.cfg.ft.max_retries + 2):
-            fetched: tuple[TrainState, dict] | None = None  # a behind replica's peers' state, installed at commit
+            fetched: dict | None = None  # a behind replica's fetched data state, installed when the step commits
             self.phases.set(Phase.WAITING_FOR_QUORUM, step)
             accused = self.take_accused()
             try:
@@ -310,13 +317,21 @@ class Manager:
                         "running and the lighthouse does not know the job to have finished (every replica died); "
                         "it will not train alone from its initial state. Resume the whole job from its "
                         "persistent checkpoint (fthsdp run --resume).")
+                if healthy and self._fetched_uncommitted:
+                    raise ReplicaFatalError(
+                        f"replica {self.replica_id} holds the state of step {q.max_step - 1}'s end fetched for a "
+                        f"catch-up that did not commit, and quorum {q.quorum_id} calls it healthy at step {step}: "
+                        "it cannot train on that state; restarting it to rejoin from its peers")
                 if not healthy:
                     grads = None
                     if not no_view:  # without its view this process has no sources: the attempt fails anyway
                         self.phases.set(Phase.FETCHING)
                         t0 = time.perf_counter()
                         try:
-                            fetched = self._fetch_peers_state(q, step, events)
+                            # the old tensors go now (a catch-up needs no more memory than a step); the step,
+                            # the data state and the loader follow only if the step commits
+                            self.state, fetched = self._fetch_peers_state(q, step, events)
+                            self._fetched_uncommitted = True
                         finally:
                             catch_up_s += time.perf_counter() - t0
                 elif grads is None:
@@ -334,8 +349,7 @@ class Manager:
                     self.phases.computed(grads_s)
                 self.phases.set(Phase.ALLREDUCE)
                 t0 = time.perf_counter()
-                new_state, m = self.ts.apply_grads(self.state if fetched is None else fetched[0],
-                                                   grads if healthy else self.zero_grads(),
+                new_state, m = self.ts.apply_grads(self.state, grads if healthy else self.zero_grads(),
                                                    self._quorum_inputs(q, healthy))
                 if "commit_words" in m:  # the flag and the fingerprint in one read
                     committed, fingerprint = read_commit(m["commit_words"])
@@ -358,8 +372,9 @@ class Manager:
                             step, attempt, q.quorum_id, f" (blamed replica {blamed})" if blamed else "", c.reason)
                 continue
             if committed:
-                if fetched is not None:  # every process of the replica fetched: now it is installed
+                if fetched is not None:  # every process of the replica fetched: the catch-up counts now
                     step = self._install_fetched(q, fetched, events)
+                self._fetched_uncommitted = False
                 self.state = new_state
                 fingerprint = self._report_fingerprint(fingerprint, step + 1)
                 for r in q.healthy:
@@ -436,7 +451,8 @@ class Manager:
 
     def _fetch_peers_state(self, q: qm.Quorum, step: int, events: list[str]) -> tuple[TrainState, dict]:
         """Behind: the healthy replicas' state of the end of step max_step - 1 (this process's
-        shards of it), not installed yet (:meth:`_install_fetched`, once the step commits)."""
+        shards of it) and their data state. The caller puts the tensors in place at once; the
+        data state and the step count only once the step commits (:meth:`_install_fetched`)."""
         if self.recover is None:
             raise ManagerError(
                 f"replica {self.replica_id} is behind (at step {step}, quorum at {q.max_step}) and has no way to "
@@ -451,15 +467,15 @@ class Manager:
         took = time.perf_counter() - t0
         sources = list(q.sources_for(self.replica_id))
         events.append(f"fetched step {got}'s state from {sources} in {took:.3f}s")
-        log.info("step %d: fetched the state from %s in %.3fs (installed when the step commits)", got, sources, took)
+        log.info("step %d: fetched the state from %s in %.3fs (the catch-up counts if the step commits)", got,
+                 sources, took)
         return state, data
 
-    def _install_fetched(self, q: qm.Quorum, fetched: tuple[TrainState, dict], events: list[str]) -> int:
-        """The step that applied the update to ``fetched`` committed on every process: its data
-        state becomes this replica's, and its step the one the record is of."""
-        state, data = fetched
+    def _install_fetched(self, q: qm.Quorum, data: dict, events: list[str]) -> int:
+        """The step that applied the update to the fetched state committed on every process: the
+        fetched data state becomes this replica's, and the quorum's step the one the record is of."""
         self.install_data_state(data)
-        got = int(state.step)
+        got = q.max_step
         sources = list(q.sources_for(self.replica_id))
         events.append(f"caught up to step {got} from {sources}")
         log.info("step %d: caught up from %s", got, sources)
