@@ -66,20 +66,36 @@ def test_two_replicas_of_two_processes_train_identically(tmp_path):
     assert all("ftar endpoints [" in t for t in logs.values())
 
 
-def _kill_lighthouse_when(job, out: pathlib.Path, logs: list[pathlib.Path], text: str, within_s: float) -> float:
-    """SIGKILL the job's lighthouse the moment one of ``logs`` says ``text`` (the launcher restarts
-    it on the same port); returns when."""
+def _run_and_kill_the_lighthouse(out: pathlib.Path, args: list[str], logs: list[pathlib.Path] | None,
+                                 within_s: float, timeout: float) -> tuple[int, str, float | None]:
+    """`fthsdp run --out-dir OUT ARGS`; with ``logs``, SIGKILL its lighthouse the moment one of them
+    says the test hook ft.test_hold_view is holding a view (the launcher restarts it on the same
+    port). Returns the job's exit code, its stderr and when the lighthouse was killed."""
+    import os
+    import signal
     import subprocess
+    import sys
     import time
 
-    deadline = time.monotonic() + within_s
-    while not any(p.exists() and text in p.read_text() for p in logs):
-        assert job.poll() is None, job.communicate()[1][-3000:]
-        assert time.monotonic() < deadline, f"no process logged {text!r} within {within_s:g}s"
-        time.sleep(0.05)
-    killed = subprocess.run(["pkill", "-KILL", "-f", f"fthsdp.control.lighthouse .*{out / 'lighthouse.port'}"])
-    assert killed.returncode == 0, "the lighthouse process was not found"
-    return time.time()
+    cmd = [sys.executable, "-m", "fthsdp.cli", "run", "--no-progress", "--out-dir", str(out), *args]
+    job = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    killed_at = None
+    try:
+        if logs:
+            deadline = time.monotonic() + within_s
+            while not any(p.exists() and "holding the view of quorum" in p.read_text() for p in logs):
+                assert job.poll() is None, job.communicate()[1][-3000:]
+                assert time.monotonic() < deadline, f"no follower reached the hook within {within_s:g}s"
+                time.sleep(0.05)
+            killed = subprocess.run(["pkill", "-KILL", "-f", f"fthsdp.control.lighthouse .*{out / 'lighthouse.port'}"])
+            assert killed.returncode == 0, "the lighthouse process was not found"
+            killed_at = time.time()
+        _, err = job.communicate(timeout=timeout)
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+            job.wait(30)
+    return job.returncode, err, killed_at
 
 
 @pytest.mark.parametrize("who", ["1.1", pytest.param("1.0", marks=pytest.mark.slow)])
@@ -97,32 +113,16 @@ def test_a_killed_process_takes_its_replica_out_whole_and_it_rejoins_as_a_group(
     now the follower takes the step without its view, the group's commit vote fails, the
     leader's fetched shards are dropped (installed only at a commit), and the group asks the
     new lighthouse again and rejoins on its next answer: one retry, no second restart."""
-    import os
-    import signal
-    import subprocess
-    import sys
-    import time
-
     # The survivors train ~70 s after the kill: on a loaded 2-core CI machine the restarted
     # group's start-up and compilation took 40 s, which 0.3 s steps (43 s) barely covered.
     steps = 150
     out = tmp_path / "run"
     hold = ["ft.test_hold_view=0:3:recovering"] if who == "1.1" else []
-    cmd = [sys.executable, "-m", "fthsdp.cli", "run", "--no-progress", "--out-dir", str(out), "--config", "base",
-           "--replicas", "3", "--processes-per-replica", "2", "--devices-per-replica", "1", "--kill", f"{who}@8",
-           *TINY, f"train.steps={steps}", "train.min_step_s=0.5", *hold]
-    job = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-    lighthouse_killed = None
-    try:
-        if hold:
-            lighthouse_killed = _kill_lighthouse_when(job, out, [out / "replica-1.1.log"], "holding the view of quorum",
-                                                      within_s=400)
-        _, err = job.communicate(timeout=600)
-    finally:
-        if job.poll() is None:
-            os.killpg(job.pid, signal.SIGKILL)
-            job.wait(30)
-    assert job.returncode == 0, err[-3000:]
+    rc, err, lighthouse_killed = _run_and_kill_the_lighthouse(
+        out, ["--config", "base", "--replicas", "3", "--processes-per-replica", "2", "--devices-per-replica", "1",
+              "--kill", f"{who}@8", *TINY, f"train.steps={steps}", "train.min_step_s=0.5", *hold],
+        [out / "replica-1.1.log"] if hold else None, within_s=400, timeout=600)
+    assert rc == 0, err[-3000:]
     run = report.load_run(out)
     events = read_metrics(out / "events.jsonl")
     kinds = [(e["kind"], e.get("replica")) for e in events]
@@ -257,33 +257,14 @@ def test_a_lighthouse_restart_between_the_leaders_answer_and_the_views_costs_one
     lighthouse); now each takes the step without its rings, the replicas' commit votes fail
     together and the leaders ask the new lighthouse again. Nothing is restarted, the step is
     retried once, the job ends with every process of both replicas in the same state."""
-    import os
-    import signal
-    import subprocess
-    import sys
-    import time
-
     out = tmp_path / "run"
     hold_at = 0  # the first quorum: the followers fetch views only when the quorum id changes
-    cmd = [sys.executable, "-m", "fthsdp.cli", "run", "--no-progress", "--out-dir", str(out), "--config", "base",
-           "--replicas", "2", "--processes-per-replica", "2", "--devices-per-replica", "1", *TINY,
-           "train.steps=14", "train.min_step_s=0.05", f"ft.test_hold_view={hold_at}:3"]
-    job = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        follower_logs = [out / f"replica-{r}.1.log" for r in (0, 1)]
-        deadline = time.monotonic() + 240
-        while not any(p.exists() and "holding the view of quorum" in p.read_text() for p in follower_logs):
-            assert job.poll() is None, job.communicate()[1][-3000:]
-            assert time.monotonic() < deadline, "no follower reached the hook"
-            time.sleep(0.05)
-        killed = subprocess.run(["pkill", "-KILL", "-f", f"fthsdp.control.lighthouse .*{out / 'lighthouse.port'}"])
-        assert killed.returncode == 0, "the lighthouse process was not found"
-        _, err = job.communicate(timeout=240)
-    finally:
-        if job.poll() is None:
-            os.killpg(job.pid, signal.SIGKILL)
-            job.wait(30)
-    assert job.returncode == 0, err[-3000:]
+    follower_logs = [out / f"replica-{r}.1.log" for r in (0, 1)]
+    rc, err, _ = _run_and_kill_the_lighthouse(
+        out, ["--config", "base", "--replicas", "2", "--processes-per-replica", "2", "--devices-per-replica", "1",
+              *TINY, "train.steps=14", "train.min_step_s=0.05", f"ft.test_hold_view={hold_at}:3"],
+        follower_logs, within_s=240, timeout=240)
+    assert rc == 0, err[-3000:]
     run = report.load_run(out)
     from test_fault_tolerance import assert_identical_after_every_commit
 
