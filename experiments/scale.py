@@ -68,10 +68,11 @@ REPO = HERE.parent
 sys.path.insert(0, str(REPO))
 
 from fthsdp.sim.emulation import EmulationConfig, run_emulation  # noqa: E402
-sys.path.insert(0, str(HERE))
-from grpc_floor import floor_row  # noqa: E402
 from fthsdp.sim.mock_plane import ModelShape  # noqa: E402
 from fthsdp.timeouts import Timeouts  # noqa: E402
+
+sys.path.insert(0, str(HERE))
+from grpc_floor import floor_row  # noqa: E402
 
 PAPER = {"get_quorum_s_100k_before": 9.0, "get_quorum_s_100k_after": 0.7, "target_p99_s_100k": 0.07}
 
@@ -795,7 +796,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", required=True, help="JSON file to write (the plot goes beside it, .png)")
     ap.add_argument("--rounds", type=int, default=None, help="measured rounds per row (default 20; quick 4)")
     ap.add_argument("--peer-python", default=None, help="python of the side environment with torchft")
-    ap.add_argument("--skip", nargs="*", default=[], choices=["hierarchical", "floor", "flat", "torchft", "profile", "decision"])
+    ap.add_argument("--skip", nargs="*", default=[],
+                    choices=["hierarchical", "floor", "flat", "torchft", "profile", "decision"])
     ap.add_argument("--decision", type=int, nargs="*", default=None,
                     help="replica counts of the decision micro-benchmark (default 1K..100K; quick 256 1024 4096)")
     ap.add_argument("--flat", type=int, nargs="*", default=None, help="flat replica counts")
@@ -895,7 +897,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{r['system']:20s} {r.get('transport', 'unary'):7s} {procs:8s} {r['replicas']:5d} replicas {r['ranks']:7d} ranks: p50 {p50} p99 {p99} "
               f"({r['complete_rounds']}/{r['rounds']} rounds; load {r['loadavg'][0]:.1f})"
               + (f"; beside {r['beside']}, {r['request_bytes']} B requests, {r['reply_bytes']} B answers, server "
-                 f"CPU {(r.get('server_cpu_s_per_round') or 0) * 1e3:.0f} ms a round" if r.get("beside") else "") + (f"; {r['error']}" if r.get("error") else ""), flush=True)
+                 f"CPU {(r.get('server_cpu_s_per_round') or 0) * 1e3:.0f} ms a round" if r.get("beside") else "")
+              + (f"; {r['error']}" if r.get("error") else ""), flush=True)
 
     if "hierarchical" not in args.skip:
         for (rpr, g, nproc), transport in ((x, t) for x in shapes for t in args.transport):

@@ -21,9 +21,9 @@ as transitions:
   other than the configured one: rebuild the ring. Not in the quorum's
   healthy set: catch up (fetch the state of the end of step ``max_step - 1``
   from the assigned sources, contribute zero gradients, drop any gradients
-  in hand; the fetched state is installed only if the step commits). Healthy: train (compute gradients only if none are in hand: a
-  retry reuses the step's gradients, numerically the same as retraining the
-  step on the same batch).
+  in hand; the catch-up counts only if the step commits). Healthy: train
+  (compute gradients only if none are in hand: a retry reuses the step's
+  gradients, numerically the same as retraining the step on the same batch).
 * :func:`after_attempt` — the attempt's outcome, after the intra-replica
   commit vote (every rank's all-reduce succeeded, or not): committed moves
   to the next step; a failed all-reduce, a recoverable error, or a
@@ -172,9 +172,9 @@ def after_attempt(state: StepState, p: Plan | None, outcome: Outcome) -> StepSta
     if outcome is Outcome.COMMITTED:
         return StepState(step=p.step + 1, max_retries=state.max_retries, configured_qid=configured,
                          reason=f"committed step {p.step} on quorum {p.quorum_id}")
-    # A catch-up's fetched state is installed only when its step commits (on every process
-    # of the replica at once), so a failed one leaves the replica at its old step, still
-    # behind, with no gradients (it trained no batch).
+    # A catch-up counts only when its step commits (on every process of the replica at
+    # once), so a failed one leaves the replica at its old step, still behind, with no
+    # gradients (it trained no batch).
     if p.action is Action.TRAIN:
         has_grads, step = state.has_grads or p.compute, p.step
     else:
