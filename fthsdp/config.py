@@ -129,6 +129,10 @@ class FTConfig:
     # so that a test can restart the lighthouse between the leader's answer and the views
     # (STEP:SECONDS:recovering: only a view of a quorum in which its replica recovers).
     test_hold_view: str = ""
+    # A test hook, off by default: "REPLICA@STEP" makes replica REPLICA SIGKILL itself right
+    # after it commits step STEP, before it writes that commit's ledger line (once per run
+    # directory), so that a test can check the batch is recorded when a later state holds it.
+    test_die_before_ledger: str = ""
 
 
 @dataclass(frozen=True)

@@ -206,6 +206,13 @@ def _flip_spec(value: Any) -> None:
     parse_flip(value)
 
 
+def _die_before_ledger_spec(value: Any) -> None:
+    if str(value).strip():
+        from fthsdp.launch.faults import parse_fault
+
+        parse_fault(str(value).strip(), "test_die_before_ledger")
+
+
 def _hold_view_spec(value: Any) -> None:
     from fthsdp.replica.group import parse_hold_view
 
@@ -293,6 +300,7 @@ RULES: dict[str, Rule] = {
     "ft.fingerprint_every": _int(1, why="fingerprint the state after every K-th committed step (1: every commit)"),
     "ft.test_flip_bit": Parsed(_flip_spec, "empty (off) or REPLICA@STEP[:BIT] (a test hook)"),
     "ft.test_hold_view": Parsed(_hold_view_spec, "empty (off), STEP:SECONDS or STEP:SECONDS:recovering (a test hook)"),
+    "ft.test_die_before_ledger": Parsed(_die_before_ledger_spec, "empty (off) or REPLICA@STEP (a test hook)"),
     # launch
     "launch.replicas": _int(1),
     "launch.devices_per_replica": _int(1),

@@ -116,6 +116,8 @@ def test_shipped_configs_validate(name):
     ("ft.test_hold_view=5", r"ft.test_hold_view='5': expected STEP:SECONDS or STEP:SECONDS:recovering with STEP >= 0 "
                             r"and 0 < SECONDS <= 600"),
     ("ft.test_hold_view=5:2:healthy", r"ft.test_hold_view='5:2:healthy': expected STEP:SECONDS or "),
+    ("ft.test_die_before_ledger=9", r"ft.test_die_before_ledger='9': bad --test_die_before_ledger '9': expected "
+                                    r"REPLICA@STEP"),
     ("ft.test_hold_view=2:0", r"ft.test_hold_view='2:0': expected STEP:SECONDS"),
     ("launch.kill=garbage", r"launch.kill=\('garbage',\): bad --kill 'garbage': expected REPLICA@STEP"),
     ("launch.stop=1@x", r"launch.stop=\('1@x',\): bad --stop '1@x': expected REPLICA@STEP"),

@@ -134,6 +134,28 @@ def test_resume_keeps_overrides_refuses_other_shapes_and_replays_no_fault(tmp_pa
     assert positions[0] == 30 and positions[1] < 30  # replica 1 missed the steps it was down
 
 
+def test_a_batch_committed_but_not_logged_is_recorded_when_the_job_resumes(tmp_path):
+    """Replica 1 is killed between its commit of step 9 and that commit's ledger line (the test
+    hook ft.test_die_before_ledger; a kill can land there). The checkpoint of step 10, written
+    by replica 0 at the same commit, holds replica 1's batch 9; its restart is delayed past the
+    whole job's kill at step 13, so the job resumes from that checkpoint with batch 9 in the
+    model and not in replica 1's ledger. The resumed replica records it (the checkpoint now
+    keeps the step each replica last contributed to): every batch exactly once. Before, the
+    exactly-once check found batch 9 never trained (the chaos soak did, once)."""
+    out = tmp_path / "run"
+    p = fthsdp_run(out, *job_args(2, 16, "--kill-all", "13", "ft.test_die_before_ledger=1@9",
+                                  "launch.restart_delay_s=60"))
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert (out / "test_die_before_ledger-1").exists()  # the hook fired
+    p = fthsdp_run(out, "--resume")
+    assert p.returncode == 0, p.stderr[-3000:]
+    run = report.load_run(out)
+    assert all(d["step"] == 16 for d in run.done.values()) and len(run.done) == 2
+    positions = exactly_once(out, run)
+    assert positions == (16, 16)
+    assert "ledger: batch 9 was committed at step 10 before we recorded it" in (out / "replica-1.log").read_text()
+
+
 def test_no_healthy_replica_left_falls_back_to_the_checkpoint(tmp_path):
     out = tmp_path / "run"
     # both replicas die at step 15 (the restart of the first is delayed past the

@@ -20,6 +20,7 @@ import logging
 import os
 import pathlib
 import secrets
+import signal
 import sys
 import time
 
@@ -179,6 +180,12 @@ class ReplicaProcess:
         from fthsdp.control.sdc import parse_flip
 
         self.flip = parse_flip(cfg.ft.test_flip_bit)  # a test hook, off by default
+        self.die_before_ledger = None  # another (ft.test_die_before_ledger): (replica, step)
+        if cfg.ft.test_die_before_ledger.strip():
+            from fthsdp.launch.faults import parse_fault
+
+            f = parse_fault(cfg.ft.test_die_before_ledger.strip(), "test_die_before_ledger")
+            self.die_before_ledger = (f.replica, f.step)
 
         # Every process is its own client of the lighthouse (heartbeats, its addresses, its
         # views); only the leader asks for quorums.
@@ -338,7 +345,7 @@ class ReplicaProcess:
           ``rollback`` line names their steps, and we train those batches again from
           the fetched positions. Without it the exactly-once check counts them twice.
         """
-        from fthsdp.data.ledger import discarded_commits, live_positions, read_ledger
+        from fthsdp.data.ledger import discarded_commits, read_ledger
 
         me = self.args.replica_id
         pos, last = int(data["positions"][me]), int(data["last_step"][me])
@@ -355,9 +362,22 @@ class ReplicaProcess:
                                positions=sorted(c.position for c in gone))
             self.discard_forked_checkpoints(first, final)
             contents = read_ledger(self.ledger.path)
-        if pos > 0 and last >= 0 and pos - 1 not in live_positions(contents):
+        self.record_unrecorded_commit(pos, last, contents)
+
+    def record_unrecorded_commit(self, pos: int, last: int, contents=None) -> None:
+        """Our batch ``pos - 1`` is in the state we install (its replicated positions say so,
+        and ``last`` is the last step we contributed to) but not in our ledger: an earlier
+        process of this replica was killed between a commit and its ledger line. Recorded now,
+        at the step that trained it (``last + 1``), not trained again."""
+        from fthsdp.data.ledger import live_positions, read_ledger
+
+        if pos <= 0 or last < 0:
+            return
+        contents = read_ledger(self.ledger.path) if contents is None else contents
+        if pos - 1 not in live_positions(contents):
             self.ledger.commit(last + 1, pos - 1)
-            log.info("ledger: batch %d was committed by the peers at step %d before we recorded it", pos - 1, last + 1)
+            log.info("ledger: batch %d was committed at step %d before we recorded it (the state we install "
+                     "holds it)", pos - 1, last + 1)
 
     # -- hooks of the Manager -----------------------------------------------------
 
@@ -389,6 +409,8 @@ class ReplicaProcess:
         self.prom.observe_step(rec)
         if self.cfg.ft.snapshot == "every_commit":
             self.snapshot()
+        if self.die_before_ledger == (self.args.replica_id, rec.step):
+            self._die_before_ledger(rec.step)
         if rec.healthy:
             self.ledger.commit(committed, rec.position)
         self.loader_store.save(mgr.loader, committed)
@@ -397,7 +419,10 @@ class ReplicaProcess:
             self.phases.set(Phase.CHECKPOINTING)
             try:
                 self.ckpt.save(committed, mgr.state, {i: int(p) for i, p in enumerate(mgr.positions)},
-                               metadata={"writer": self.rid, "quorum_id": rec.quorum_id})
+                               metadata={"writer": self.rid, "quorum_id": rec.quorum_id,
+                                         # the step each replica last contributed to: a resume records a
+                                         # batch a killed replica committed but did not log (ledger)
+                                         "last_step": [int(x) for x in mgr.last_step]})
             except Exception as e:  # noqa: BLE001 - a failed checkpoint must not stop training; say it loudly
                 log.error("persistent checkpoint of step %d failed: %s", committed, e)
             self.phases.set(Phase.IDLE)
@@ -416,6 +441,17 @@ class ReplicaProcess:
         self.metrics.write(**record)
         self.write_status(step=committed, loss=rec.loss, quorum_id=rec.quorum_id, members=list(rec.members),
                           state="training" if rec.healthy else "caught up")
+
+    def _die_before_ledger(self, step: int) -> None:
+        """The test hook ft.test_die_before_ledger: SIGKILL this process between a commit and its
+        ledger line, once per run directory (a marker file), as a kill can land there."""
+        marker = self.out / f"test_die_before_ledger-{self.rid}"
+        if marker.exists():
+            return
+        marker.write_text(f"step {step}\n")
+        log.warning("TEST HOOK ft.test_die_before_ledger=%r: SIGKILL after committing step %d, before its ledger "
+                    "line", self.cfg.ft.test_die_before_ledger, step)
+        os.kill(os.getpid(), signal.SIGKILL)
 
     def flip_bit(self, mgr) -> None:
         """The test hook (ft.test_flip_bit): emulate silent data corruption by flipping one bit
@@ -468,9 +504,14 @@ class ReplicaProcess:
         restored = self.ckpt.restore(self.abstract)
         mgr.state = restored.state
         n = len(mgr.positions)
+        last = restored.metadata.get("last_step")  # absent from checkpoints written before it was saved
+        last = np.array(last, np.int64) if isinstance(last, list) and len(last) == n else np.full(n, -1)
         mgr.install_data_state({"positions": np.array([restored.loader_positions.get(i, 0) for i in range(n)]),
-                                "last_step": np.full(n, -1)})
+                                "last_step": last})
         self.ledger.restore(restored.step, restart_id)
+        # the checkpoint may hold a batch of ours whose ledger line our killed predecessor never wrote
+        me = self.args.replica_id
+        self.record_unrecorded_commit(int(mgr.positions[me]), int(mgr.last_step[me]))
         log.info("replica %s: resumed from the persistent checkpoint of step %d, stream position %d",
                  self.rid, restored.step, mgr.loader.position)
 
