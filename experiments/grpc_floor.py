@@ -147,11 +147,27 @@ def percentile(xs: list[float], q: float) -> float | None:
     return s[min(len(s) - 1, max(0, round(q * (len(s) - 1))))]
 
 
-def floor_row(streams: int, rounds: int, request_bytes: int, reply_bytes: int, warmup: int = 2,
-              timeout_s: float = 120.0) -> dict:
+def floor_row(streams: int, rounds: int, request_bytes: int, reply_bytes: int) -> dict:
+    """:func:`measure` in a process of its own (this script's command), so that the caller's
+    process never holds the floor's channels: grpc.aio's poller outlives an event loop run
+    with ``asyncio.run`` and complains when the next one starts (scale.py runs several)."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="fthsdp-grpc-floor-") as d:
+        out = Path(d) / "floor.json"
+        p = subprocess.run([sys.executable, __file__, "--streams", str(streams), "--rounds", str(rounds),
+                            "--request-bytes", str(request_bytes), "--reply-bytes", str(reply_bytes),
+                            "--out", str(out)], capture_output=True, text=True)
+        if p.returncode != 0 or not out.exists():
+            raise RuntimeError(f"the floor measurement failed (exit {p.returncode}): {p.stderr[-2000:]}")
+        return json.loads(out.read_text())["rows"][0]
+
+
+def measure(streams: int, rounds: int, request_bytes: int, reply_bytes: int, warmup: int = 2,
+            timeout_s: float = 120.0) -> dict:
     """One row in scale.py's schema (``system`` ``grpc-floor``): the bare round of ``streams``
-    streams, the server in its own process. A round that does not finish within ``timeout_s``
-    ends the row with the rounds done so far counted as complete."""
+    streams, the server in its own process and the clients in this one. A round that does not
+    finish within ``timeout_s`` ends the row (``error`` says why, no round counted)."""
     if streams < 1 or rounds < 1 or request_bytes < 0 or reply_bytes < 0:
         raise ValueError(f"streams ({streams}) and rounds ({rounds}) must be >= 1 and the sizes >= 0")
     port = _free_port()
@@ -206,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if not args.out:
         ap.error("--out is required")
-    row = floor_row(args.streams, args.rounds, args.request_bytes, args.reply_bytes)
+    row = measure(args.streams, args.rounds, args.request_bytes, args.reply_bytes)
     out = {"experiment": "grpc_floor", "host": {"cpus": os.cpu_count(), "python": platform.python_version(),
                                                 "grpc": grpc.__version__}, "rows": [row]}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
