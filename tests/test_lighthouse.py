@@ -401,7 +401,7 @@ def test_status_command_shows_quorum_reason_and_replicas(lighthouse, capsys):
         load = next(line for line in out.splitlines() if line.startswith("lighthouse since it started"))
         assert "1 job(s)" in load and "% of a core" in load and "ms each" in load and "refused: none" in load, load
         jobs, got = clients[0].status_and_load("")
-        assert [j.job_id for j in jobs] == ["statusjob"] and got.jobs == 1 and got.quorum_evaluations >= 1
+        assert [j.job_id for j in jobs] == ["statusjob"] and got.jobs == 1 and got.evaluations >= 1
         assert got.cpu_s > 0 and got.uptime_s > 0
         assert clients[0].status_and_load()[1] is None  # one job's status: not the lighthouse's load
         assert fthsdp_main(["status", "--lighthouse", lighthouse.address, "--job", "statusjob"]) == 0
@@ -414,12 +414,13 @@ def test_status_command_shows_quorum_reason_and_replicas(lighthouse, capsys):
 
 
 def test_the_load_line_gives_rates_between_two_readings_and_restarts_from_a_new_lighthouse():
-    from fthsdp.control.lighthouse_client import LighthouseLoad, format_load
+    from fthsdp.control.lighthouse_client import format_load
+    from fthsdp.observe.load_metrics import LoadSnapshot
 
     def load(uptime, cpu, msgs, evals, eval_s, refused):
-        return LighthouseLoad(uptime_s=uptime, cpu_s=cpu, jobs=2, sessions_opened=4, session_messages=msgs,
-                              quorum_evaluations=evals, quorum_evaluation_s=eval_s, calls_held=3, calls_parked=0,
-                              connection_budget_calls_per_s=500.0, refused_by_code=refused)
+        return LoadSnapshot(uptime_s=uptime, cpu_s=cpu, jobs=2, sessions_opened=4, session_messages=msgs,
+                            evaluations=evals, evaluation_s=eval_s, held_total=3, held_now=0,
+                            connection_budget_calls_per_s=500.0, refused_by_code=refused)
 
     a = load(100.0, 20.0, 10_000, 200, 0.4, {"INVALID_ARGUMENT": 2})
     b = load(110.0, 25.0, 12_000, 300, 0.6, {"INVALID_ARGUMENT": 2, "UNAUTHENTICATED": 5})

@@ -611,8 +611,8 @@ class Lighthouse(pb2_grpc.LighthouseServicer):
         # Limits and credentials are checked in front of every handler (fthsdp.control.guard),
         # one gate for both transports; it also counts the refusals (load_snapshot).
         self._gate = guard.CallGate(self._auth, self.config.limits, self._admission, self._job_size)
+        self._started = time.monotonic()  # the load's uptime
         self.rca_metrics.registry.register(LoadCollector(self.load_snapshot))
-        self._started = time.monotonic()  # Status's uptime
 
     # -- lifecycle ---------------------------------------------------------
 
@@ -624,7 +624,8 @@ class Lighthouse(pb2_grpc.LighthouseServicer):
                             refused_by_code=dict(self._gate.refused),
                             connection_budget_calls_per_s=adm.limits.connection_calls_per_s if adm else 0.0,
                             sessions_opened=st["sessions_opened"], session_messages=st["session_messages"],
-                            evaluations=st["evaluations"], evaluation_s=st["evaluation_s"], jobs=len(self._jobs))
+                            evaluations=st["evaluations"], evaluation_s=st["evaluation_s"], jobs=len(self._jobs),
+                            uptime_s=time.monotonic() - self._started, cpu_s=time.process_time())
 
     @property
     def address(self) -> str:
@@ -1519,16 +1520,8 @@ class Lighthouse(pb2_grpc.LighthouseServicer):
             jobs_omitted=max(0, len(names) - lim.max_status_jobs),
             metrics_address=self.metrics_server.address if self.metrics_server is not None else "",
             # about every job: only for a Status of every job (the status key), never for one job's secret
-            load=None if request.job_id else self._load_proto(now),
+            load=None if request.job_id else pb2.LighthouseLoad(**dataclasses.asdict(self.load_snapshot())),
         )
-
-    def _load_proto(self, now: float) -> pb2.LighthouseLoad:
-        s = self.load_snapshot()
-        return pb2.LighthouseLoad(
-            uptime_s=now - self._started, cpu_s=time.process_time(), jobs=s.jobs, sessions_opened=s.sessions_opened,
-            session_messages=s.session_messages, quorum_evaluations=s.evaluations,
-            quorum_evaluation_s=s.evaluation_s, calls_held=s.held_total, calls_parked=s.held_now,
-            connection_budget_calls_per_s=s.connection_budget_calls_per_s, refused_by_code=s.refused_by_code)
 
 
     @staticmethod

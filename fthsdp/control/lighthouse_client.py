@@ -52,6 +52,7 @@ import grpc
 from fthsdp.control import auth, quorum as qm
 from fthsdp.control.session import SESSION_METHODS
 from fthsdp.control.session_client import SessionUnsupported, SyncSession, beat_covered
+from fthsdp.observe.load_metrics import LoadSnapshot
 from fthsdp.observe.phase import Phase, PhaseSnapshot, StreamReport
 from fthsdp.errors import JobFatalError
 from fthsdp.proto import ENDPOINTS_NOT_HELD, LIGHTHOUSE_PROTOCOL_VERSION, lighthouse as _load_stubs
@@ -65,7 +66,7 @@ __all__ = [
     "Registration",
     "ReplicaStatus",
     "JobStatus",
-    "LighthouseLoad",
+    "load_from_proto",
     "format_load",
     "LighthouseError",
     "QuorumTimeout",
@@ -345,30 +346,14 @@ class JobStatus:
     sdc_fatal: str = ""
 
 
-@dataclass(frozen=True)
-class LighthouseLoad:
-    """The lighthouse's own load since it started (a Status of every job carries it)."""
-
-    uptime_s: float
-    cpu_s: float
-    jobs: int
-    sessions_opened: int
-    session_messages: int
-    quorum_evaluations: int
-    quorum_evaluation_s: float
-    calls_held: int
-    calls_parked: int
-    connection_budget_calls_per_s: float
-    refused_by_code: dict[str, int]
-
-    @staticmethod
-    def from_proto(p: "pb2.LighthouseLoad") -> "LighthouseLoad":
-        return LighthouseLoad(p.uptime_s, p.cpu_s, p.jobs, p.sessions_opened, p.session_messages,
-                              p.quorum_evaluations, p.quorum_evaluation_s, p.calls_held, p.calls_parked,
-                              p.connection_budget_calls_per_s, dict(p.refused_by_code))
+def load_from_proto(p: "pb2.LighthouseLoad") -> LoadSnapshot:
+    """The lighthouse's load as a Status of every job carries it (the proto's fields are named as
+    the snapshot's)."""
+    return LoadSnapshot(**{f.name: getattr(p, f.name) for f in dataclasses.fields(LoadSnapshot)
+                           if f.name != "refused_by_code"}, refused_by_code=dict(p.refused_by_code))
 
 
-def format_load(load: LighthouseLoad, before: LighthouseLoad | None = None) -> str:
+def format_load(load: LoadSnapshot, before: LoadSnapshot | None = None) -> str:
     """A person's line about the lighthouse's load: since it started, or, given the reading
     ``before`` of the same lighthouse (``fthsdp status --watch``), between the two."""
     if before is not None and load.uptime_s > before.uptime_s:
@@ -382,7 +367,7 @@ def format_load(load: LighthouseLoad, before: LighthouseLoad | None = None) -> s
     def rate(n: float) -> float:
         return n / span if span > 0 else 0.0
 
-    evals, held = delta("quorum_evaluations"), delta("calls_held")
+    evals, held = delta("evaluations"), delta("held_total")
     refused = {k: v - (before.refused_by_code.get(k, 0) if before is not None else 0)
                for k, v in sorted(load.refused_by_code.items())}
     budget = (f"budget {load.connection_budget_calls_per_s:g} calls/s a connection"
@@ -390,9 +375,9 @@ def format_load(load: LighthouseLoad, before: LighthouseLoad | None = None) -> s
     parts = [
         f"CPU {100 * rate(delta('cpu_s')):.0f}% of a core",
         f"{rate(delta('session_messages')):.0f} session messages/s ({load.sessions_opened} sessions opened)",
-        (f"{rate(evals):.1f} quorum decisions/s, {1e3 * delta('quorum_evaluation_s') / evals:.2f} ms each"
+        (f"{rate(evals):.1f} quorum decisions/s, {1e3 * delta('evaluation_s') / evals:.2f} ms each"
          if evals else "no quorum decision"),
-        f"{held} call(s) held by a budget ({load.calls_parked} now, {budget})",
+        f"{held} call(s) held by a budget ({load.held_now} now, {budget})",
         "refused: " + (", ".join(f"{v} {k}" for k, v in refused.items() if v) or "none"),
     ]
     return f"lighthouse {since}: {load.jobs} job(s); " + "; ".join(parts)
@@ -475,7 +460,7 @@ def status_cli(argv: list[str]) -> int:
         return _print_targets(args.lighthouse, args.job, status_key)
     client = LighthouseClient(args.lighthouse, "fthsdp-status", "status", rpc_timeout_s=5.0,
                               key=job_key, status_key=status_key, tls_ca_file=args.tls_ca)
-    before: LighthouseLoad | None = None
+    before: LoadSnapshot | None = None
     try:
         while True:
             try:
@@ -960,7 +945,7 @@ class LighthouseClient:
         """Introspection: every job (``job_id=""``) or one (default: this client's job)."""
         return self.status_and_load(job_id)[0]
 
-    def status_and_load(self, job_id: str | None = None) -> tuple[list[JobStatus], LighthouseLoad | None]:
+    def status_and_load(self, job_id: str | None = None) -> tuple[list[JobStatus], LoadSnapshot | None]:
         """:meth:`status`, and the lighthouse's own load when it says (a Status of every job)."""
         jid = self.job_id if job_id is None else job_id
         try:
@@ -968,7 +953,7 @@ class LighthouseClient:
                               self.rpc_timeout_s)
         except grpc.RpcError as e:
             raise self._error("status", e, self.rpc_timeout_s) from None
-        return self._jobs_of(resp), LighthouseLoad.from_proto(resp.load) if resp.HasField("load") else None
+        return self._jobs_of(resp), load_from_proto(resp.load) if resp.HasField("load") else None
 
     @staticmethod
     def _jobs_of(resp) -> list[JobStatus]:

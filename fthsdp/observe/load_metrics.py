@@ -45,7 +45,9 @@ __all__ = ["LoadSnapshot", "LoadCollector"]
 
 @dataclass(frozen=True)
 class LoadSnapshot:
-    """The lighthouse's load counters at one moment (plain data; tests build these by hand)."""
+    """The lighthouse's load counters at one moment (plain data; tests build these by hand).
+    The same record travels in a Status of every job (``LighthouseLoad``, its fields by these
+    names) to ``fthsdp status``, with two fields only that line shows."""
 
     held_total: int = 0
     held_now: int = 0
@@ -56,6 +58,8 @@ class LoadSnapshot:
     evaluations: int = 0
     evaluation_s: float = 0.0
     jobs: int = 0
+    uptime_s: float = 0.0  # since the lighthouse started (fthsdp status; not a series)
+    cpu_s: float = 0.0  # the lighthouse process's CPU time (fthsdp status; not a series)
 
 
 class LoadCollector(Collector):
