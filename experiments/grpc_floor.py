@@ -29,7 +29,6 @@ import asyncio
 import json
 import os
 import platform
-import statistics
 import subprocess
 import sys
 import time
@@ -44,11 +43,12 @@ from fthsdp.gc_policy import low_pause_gc  # noqa: E402
 
 SERVICE = "fthsdp.experiments.Floor"
 METHOD = f"/{SERVICE}/Round"
-READY = "floor server ready"
+READY = "floor server ready on port"  # then the port it bound
 
 
-async def serve(port: int, streams: int, reply_bytes: int) -> None:
-    """Answer every ``streams`` requests (from any streams) with one ``reply_bytes`` reply each."""
+async def serve(streams: int, reply_bytes: int) -> None:
+    """Answer every ``streams`` requests (from any streams) with one ``reply_bytes`` reply each, on a
+    loopback port of the system's choosing (printed after READY)."""
     answer = b"a" * reply_bytes
     waiting: list[asyncio.Queue] = []
 
@@ -79,9 +79,9 @@ async def serve(port: int, streams: int, reply_bytes: int) -> None:
                                       ("grpc.max_receive_message_length", 64 << 20),
                                       ("grpc.max_send_message_length", 64 << 20)])
     server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(SERVICE, {"Round": handler})])
-    server.add_insecure_port(f"127.0.0.1:{port}")
+    port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
-    print(READY, flush=True)
+    print(f"{READY} {port}", flush=True)
     await server.wait_for_termination()
 
 
@@ -132,14 +132,6 @@ def process_cpu_s(pid: int) -> float | None:
         return None
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def percentile(xs: list[float], q: float) -> float | None:
     if not xs:
         return None
@@ -170,14 +162,14 @@ def measure(streams: int, rounds: int, request_bytes: int, reply_bytes: int, war
     finish within ``timeout_s`` ends the row (``error`` says why, no round counted)."""
     if streams < 1 or rounds < 1 or request_bytes < 0 or reply_bytes < 0:
         raise ValueError(f"streams ({streams}) and rounds ({rounds}) must be >= 1 and the sizes >= 0")
-    port = _free_port()
     load = os.getloadavg()
-    proc = subprocess.Popen([sys.executable, __file__, "--serve", str(port), "--streams", str(streams),
+    proc = subprocess.Popen([sys.executable, __file__, "--serve", "--streams", str(streams),
                              "--reply-bytes", str(reply_bytes)], stdout=subprocess.PIPE, text=True)
     error = None
     try:
         line = proc.stdout.readline().strip()
-        if line != READY:
+        head, _, port = line.rpartition(" ")
+        if head != READY or not port.isdigit():
             raise RuntimeError(f"the floor server did not start (it printed {line!r}, exit {proc.poll()})")
         cpu0 = None
 
@@ -186,7 +178,8 @@ def measure(streams: int, rounds: int, request_bytes: int, reply_bytes: int, war
             cpu0 = process_cpu_s(proc.pid)
 
         try:
-            lat = asyncio.run(_rounds(port, streams, rounds, warmup, request_bytes, reply_bytes, timeout_s, warm))
+            lat = asyncio.run(_rounds(int(port), streams, rounds, warmup, request_bytes, reply_bytes, timeout_s,
+                                      warm))
         except (asyncio.TimeoutError, RuntimeError, grpc.aio.AioRpcError) as e:
             lat, error = [], f"{type(e).__name__}: {e}"
         cpu1 = process_cpu_s(proc.pid)
@@ -207,7 +200,7 @@ def measure(streams: int, rounds: int, request_bytes: int, reply_bytes: int, war
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--serve", type=int, metavar="PORT", help=argparse.SUPPRESS)  # the server process
+    ap.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)  # the server process
     ap.add_argument("--streams", type=int, default=512, help="streams (replica leaders) per round (default 512)")
     ap.add_argument("--rounds", type=int, default=20, help="measured rounds (default 20)")
     ap.add_argument("--request-bytes", type=int, default=200, help="bytes of each request (default 200)")
@@ -216,9 +209,9 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.streams < 1 or args.rounds < 1 or args.request_bytes < 0 or args.reply_bytes < 0:
         ap.error("--streams and --rounds must be >= 1, the byte counts >= 0")
-    if args.serve is not None:
+    if args.serve:
         with low_pause_gc():
-            asyncio.run(serve(args.serve, args.streams, args.reply_bytes))
+            asyncio.run(serve(args.streams, args.reply_bytes))
         return 0
     if not args.out:
         ap.error("--out is required")

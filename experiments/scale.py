@@ -72,16 +72,9 @@ from fthsdp.sim.mock_plane import ModelShape  # noqa: E402
 from fthsdp.timeouts import Timeouts  # noqa: E402
 
 sys.path.insert(0, str(HERE))
-from grpc_floor import floor_row  # noqa: E402
+from grpc_floor import floor_row, percentile  # noqa: E402
 
 PAPER = {"get_quorum_s_100k_before": 9.0, "get_quorum_s_100k_after": 0.7, "target_p99_s_100k": 0.07}
-
-
-def percentile(xs: list[float], q: float) -> float | None:
-    if not xs:
-        return None
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
 
 
 # -- fthsdp (emulation) ------------------------------------------------------

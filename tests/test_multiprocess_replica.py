@@ -111,8 +111,9 @@ def test_a_killed_process_takes_its_replica_out_whole_and_it_rejoins_as_a_group(
     holds no quorum, so the follower has no sources to fetch its shards from, while the leader
     has fetched its own. Before, that failed the recovering group as a unit (restarted again);
     now the follower takes the step without its view, the group's commit vote fails, the
-    leader's fetched shards are dropped (installed only at a commit), and the group asks the
-    new lighthouse again and rejoins on its next answer: one retry, no second restart."""
+    leader's catch-up does not count (it counts only at a commit: the group's step stays), and
+    the group asks the new lighthouse again and rejoins on its next answer: one retry, no
+    second restart."""
     # The survivors train ~70 s after the kill: on a loaded 2-core CI machine the restarted
     # group's start-up and compilation took 40 s, which 0.3 s steps (43 s) barely covered.
     steps = 150
