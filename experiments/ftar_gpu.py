@@ -235,7 +235,10 @@ def main(argv=None) -> int:
         if why_no_torch:
             result["skipped"]["pinned"] = why_no_torch
         else:
-            result["pinned"] = pinned(sizes, args, work)
+            try:
+                result["pinned"] = pinned(sizes, args, work)
+            except RuntimeError as e:
+                result["skipped"]["pinned"] = str(e)[-1000:]
         if why_no_gpu and args.step_platform == "gpu":
             result["skipped"]["step"] = why_no_gpu
         else:

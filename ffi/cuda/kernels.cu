@@ -241,6 +241,28 @@ __global__ void reduce_worker(FthsdpStagingControl* c, uint32_t seq) {
   }
 }
 
+// CUDA loads a kernel lazily, at its first launch (the default since CUDA
+// 12.2), and a load may wait until the context is idle. An all-reduce's
+// kernels wait on each other through pinned flags: the reduce worker spins
+// on the side stream until the host posts jobs, which needs the signal
+// kernels' flags. Left lazy, the first all-reduce of a process launched the
+// worker, then the first signal kernel's load waited for the worker to end
+// and the worker for that signal: a deadlock broken only by the host's
+// deadline (seen on an H200: every first all-reduce came back RECOVERABLE
+// after timeout_s). So every kernel of the op is loaded before any of them
+// is launched: cudaFuncGetAttributes loads a kernel without running it.
+cudaError_t preload_kernels() {
+  const void* kernels[] = {
+      reinterpret_cast<const void*>(&gather_args_kernel), reinterpret_cast<const void*>(&signal_kernel),
+      reinterpret_cast<const void*>(&wait_kernel), reinterpret_cast<const void*>(&reduce_worker)};
+  for (const void* k : kernels) {
+    cudaFuncAttributes attributes;
+    const cudaError_t e = cudaFuncGetAttributes(&attributes, k);
+    if (e != cudaSuccess) return e;
+  }
+  return cudaSuccess;
+}
+
 // Pinned, device-mapped host memory. The kernels use its host address as
 // the device address (unified addressing, checked once per queue).
 void* pinned_alloc(size_t bytes, void*) {
@@ -391,7 +413,9 @@ ffi::Error FtarCudaImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> comm, ffi::Bu
         "address (no unified virtual addressing); the reduce worker needs it");
   }
   void** state = api->device_state(q);
-  if (!*state) {
+  if (!*state) {  // the queue's first op (one queue per stream, so per device)
+    e = preload_kernels();
+    if (e != cudaSuccess) return cuda_error("loading the all-reduce's kernels", e);
     std::string why;
     std::unique_ptr<SideStream> side = SideStream::create(&why);
     if (!side) return ffi::Error::Internal("fthsdp ftar (cuda): " + why);

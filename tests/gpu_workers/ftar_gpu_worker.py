@@ -81,7 +81,14 @@ def main() -> None:
     members = gather([f"addr{r}" for r in range(N)])
     ok = comm.configure(JOB, 1, RANK, members, timeout_s=30.0)
     assert ok, ok.reason
+
+    def report_stuck(tag: str) -> None:  # an all-reduce past 10 s: say where its ring is
+        print(f"rank {RANK} {tag}: still running after 10 s; progress {comm.progress()}; "
+              f"stats {comm.stats()}", file=sys.stderr, flush=True)
+
     host = inputs(RANK, spec.get("big", 0))
+    if spec.get("only"):  # a subset of the buffers (to tell a one-dtype from a mixed call)
+        host = {k: v for k, v in host.items() if k in spec["only"]}
     steps = {}
     results: dict[str, np.ndarray] = {}
 
@@ -92,9 +99,16 @@ def main() -> None:
         q = make_quorum_inputs(num_contributing=n, num_members=n, num_configured=N, rank=rank,
                                quorum_id=qid, comm=comm.handle)
         t0 = time.perf_counter()
+        watch = threading.Timer(10.0, report_stuck, args=(tag,))
+        watch.daemon = True
+        watch.start()
         sums, status = step(grads, q)
         status = np.asarray(status)
-        results[f"{tag}/seconds"] = np.asarray(time.perf_counter() - t0)
+        seconds = time.perf_counter() - t0
+        watch.cancel()
+        print(f"rank {RANK} {tag}: status {status.tolist()} in {seconds:.3f} s "
+              f"(last error: {comm.stats()[0]['last_error']!r})", flush=True)
+        results[f"{tag}/seconds"] = np.asarray(seconds)
         results[f"{tag}/status"] = status
         for k, v in sums.items():
             results[f"{tag}/{k}"] = np.asarray(v).view(np.uint8)  # raw bytes: bitwise comparisons
