@@ -14,6 +14,9 @@
 #   QUICK=1 bash scripts/gpu_check.sh    # the benchmark with --quick
 #   SKIP_SUITE=1 bash scripts/gpu_check.sh   # stage 3 left out (it is the long one)
 #   PYTHON=/path/to/python bash scripts/gpu_check.sh
+#   OFFLINE=1 bash scripts/gpu_check.sh  # a host with no package index: install fthsdp
+#                                        # alone (--no-deps --no-index); its dependencies
+#                                        # must already be there (or on PYTHONPATH)
 #
 # Needs: nvcc, and a Python with jax[cuda] >= 0.11.2, scikit-build-core,
 # nanobind, cmake, ninja and grpcio-tools (the build generates the gRPC stubs);
@@ -49,7 +52,8 @@ print("jax", jax.__version__, "GPUs:", gpus)
 EOF
 
 stage "1. build (log: $LOGS/build.log)"
-"$PYTHON" -m pip install --no-build-isolation -e ".[test]" >"$LOGS/build.log" 2>&1 \
+if [[ -n "${OFFLINE:-}" ]]; then install=(--no-deps --no-index -e .); else install=(-e ".[test]"); fi
+"$PYTHON" -m pip install --no-build-isolation "${install[@]}" >"$LOGS/build.log" 2>&1 \
   || { tail -40 "$LOGS/build.log"; die "build"; }
 JAX_PLATFORMS=cuda,cpu "$PYTHON" - <<'EOF' || die "build: the CUDA library does not load"
 from fthsdp.collective import native
