@@ -14,6 +14,9 @@
 #   QUICK=1 bash scripts/gpu_check.sh    # the benchmark with --quick
 #   SKIP_SUITE=1 bash scripts/gpu_check.sh   # stage 3 left out (it is the long one)
 #   PYTHON=/path/to/python bash scripts/gpu_check.sh
+#   TEST_TIMEOUT=120 GROUP_TIMEOUT=60 bash scripts/gpu_check.sh   # bound each GPU test and
+#                                        # each benchmark group (a short lease: a hang costs
+#                                        # its timeout, not the lease); defaults 300 and 900 s
 #   OFFLINE=1 bash scripts/gpu_check.sh  # a host with no package index: install fthsdp
 #                                        # alone (--no-deps --no-index); its dependencies
 #                                        # must already be there (or on PYTHONPATH)
@@ -65,7 +68,8 @@ EOF
 
 stage "2. pytest -m gpu (log: $LOGS/gpu_tests.log)"
 status=0
-"$PYTHON" -m pytest -m gpu -v -rs -p no:cacheprovider tests/ >"$LOGS/gpu_tests.log" 2>&1 || status=$?
+"$PYTHON" -m pytest -m gpu -v -rs -p no:cacheprovider --timeout "${TEST_TIMEOUT:-300}" tests/ \
+  >"$LOGS/gpu_tests.log" 2>&1 || status=$?
 tail -30 "$LOGS/gpu_tests.log"
 [[ $status -eq 0 ]] || die "pytest -m gpu (exit $status)"
 if grep -qE "^SKIPPED" "$LOGS/gpu_tests.log"; then
@@ -80,7 +84,8 @@ if [[ -z "${SKIP_SUITE:-}" ]]; then
 fi
 
 stage "4. experiments/ftar_gpu.py (log: $LOGS/ftar_gpu.log)"
-"$PYTHON" experiments/ftar_gpu.py ${QUICK:+--quick} --out results/ftar_gpu.json >"$LOGS/ftar_gpu.log" 2>&1 \
+"$PYTHON" experiments/ftar_gpu.py ${QUICK:+--quick} --group-timeout "${GROUP_TIMEOUT:-900}" \
+  --out results/ftar_gpu.json >"$LOGS/ftar_gpu.log" 2>&1 \
   || { tail -40 "$LOGS/ftar_gpu.log"; die "experiments/ftar_gpu.py"; }
 "$PYTHON" experiments/ftar_gpu.py --table results/ftar_gpu.json
 

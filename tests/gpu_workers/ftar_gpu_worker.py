@@ -87,8 +87,6 @@ def main() -> None:
               f"stats {comm.stats()}", file=sys.stderr, flush=True)
 
     host = inputs(RANK, spec.get("big", 0))
-    if spec.get("only"):  # a subset of the buffers (to tell a one-dtype from a mixed call)
-        host = {k: v for k, v in host.items() if k in spec["only"]}
     steps = {}
     results: dict[str, np.ndarray] = {}
 
