@@ -187,6 +187,11 @@ class TrainConfig:
     # restart takes seconds; real steps take ~20 s (paper). Demos and rejoin
     # tests use this to restore a realistic ratio. 0 = off.
     min_step_s: float = 0.0
+    # When min_step_s applies: "always", or "degraded", only on steps whose quorum lacks
+    # one of the job's launch.replicas. What shapes a rejoin is the ratio of the outage
+    # to the step time while a replica is out; once it is back, a rejoin test or demo
+    # only needs a few commits together, at the model's own speed.
+    pace: str = "always"
 
 
 @dataclass(frozen=True)

@@ -330,6 +330,7 @@ RULES: dict[str, Rule] = {
     "train.eval_every": _int(0, why="0 = no evaluation"),
     "train.out_dir": Parsed(_nonempty_text, "a directory"),
     "train.min_step_s": _real(0, why="seconds; 0 = off"),
+    "train.pace": OneOf(("always", "degraded")),
 }
 
 

@@ -98,6 +98,15 @@ class Timeouts:
         and a few lost in a row must still fit in the detection window."""
         return max(0.05, min(0.5, self.detect_s / 2))
 
+    @property
+    def follower_startup_silence_s(self) -> float:
+        """How long a replica's leader lets a follower's beat stand still before the replica
+        trains (fthsdp.replica.group.FollowerSilence): importing and compiling beside the rest
+        of a job on a busy host, a follower missed its beats for just over the detection window,
+        and taking the replica out then restarted the whole job. Ten detection windows, within
+        the start-up limit; from the first step on, the detection window applies."""
+        return min(self.startup_timeout_s, max(self.detect_s, 10 * self.detect_s))
+
 
 # The lighthouse holds a call over its connection's or job's budget (fthsdp/control/admission.py)
 # at most this long, and never more than half the call's own remaining deadline: a legitimate

@@ -113,6 +113,7 @@ def test_shipped_configs_validate(name):
     ("optim.decay=linear", r"optim.decay='linear': must be one of cosine, constant"),
     ("ft.intervention=cubic", r"ft.intervention='cubic': unknown LR intervention 'cubic'; choose one of: none"),
     ("ft.snapshot=always", r"ft.snapshot='always': must be one of on_demand, every_commit"),
+    ("train.pace=sometimes", r"train.pace='sometimes': must be one of always, degraded"),
     ("ft.test_hold_view=5", r"ft.test_hold_view='5': expected STEP:SECONDS or STEP:SECONDS:recovering with STEP >= 0 "
                             r"and 0 < SECONDS <= 600"),
     ("ft.test_hold_view=5:2:healthy", r"ft.test_hold_view='5:2:healthy': expected STEP:SECONDS or "),
@@ -241,3 +242,12 @@ def getattr_path(cfg, name):
         cfg = getattr(cfg, part)
     return cfg
 
+
+
+def test_pacing_applies_always_or_only_while_a_replica_is_out():
+    from fthsdp.replica.manager import step_pace_s
+
+    assert step_pace_s(0.5, "always", 3, 3) == 0.5 and step_pace_s(0.5, "always", 2, 3) == 0.5
+    assert step_pace_s(0.5, "degraded", 2, 3) == 0.5  # a replica is out: paced
+    assert step_pace_s(0.5, "degraded", 3, 3) == 0.0  # everyone is back: the model's own speed
+    assert step_pace_s(0.0, "degraded", 1, 3) == 0.0

@@ -59,6 +59,49 @@ def test_a_late_leader_does_not_blame_its_follower_for_its_own_delay():
     assert j.forgiven_s == 0.0
 
 
+def test_before_training_a_follower_gets_the_startup_window_then_the_strict_one_afresh():
+    """While its replica starts (imports, compiles beside the rest of the job), a follower may
+    miss its beats for longer than the detection window without taking the replica out; from
+    the first step the detection window applies, counted from that step, so a follower that
+    froze while starting is caught one window after training begins."""
+    j = FollowerSilence(interval_s=0.1, silent_s=0.8, startup_silent_s=8.0)
+    t = 0.0
+    j.poll(t)
+    j.observe(1, "1", t)
+    for _ in range(30):  # 3 s without a beat while starting: not silent
+        t += 0.1
+        j.poll(t)
+        assert j.observe(1, "1", t) is None
+    j.training(t)
+    began = t
+    silent = None
+    while silent is None:
+        t += 0.1
+        j.poll(t)
+        silent = j.observe(1, "1", t)
+    assert 0.8 < t - began <= 0.9 + 1e-9 and 0.8 < silent <= 0.9 + 1e-9  # one strict window after the start
+    # Past the startup window while starting: silent all the same.
+    j = FollowerSilence(interval_s=0.1, silent_s=0.8, startup_silent_s=2.0)
+    j.poll(0.0)
+    j.observe(1, "1", 0.0)
+    t, silent = 0.0, None
+    while silent is None and t < 5.0:
+        t += 0.1
+        j.poll(t)
+        silent = j.observe(1, "1", t)
+    assert silent is not None and 2.0 < t <= 2.1 + 1e-9, t
+    # Without a startup window the detection window applies from the start.
+    assert FollowerSilence(interval_s=0.1, silent_s=0.8).window_s == 0.8
+
+
+def test_the_startup_window_is_ten_detection_windows_within_the_startup_limit():
+    from fthsdp.timeouts import Timeouts
+
+    assert Timeouts().follower_startup_silence_s == 8.0
+    assert Timeouts(startup_timeout_s=3.0).follower_startup_silence_s == 3.0
+    assert Timeouts(detect_s=5.0, allreduce_timeout_s=60.0, startup_timeout_s=6.0).follower_startup_silence_s == 6.0
+
+
 class Store:
     """In memory, the two calls GroupWatchdog makes of jax.distributed's key-value client."""
 
@@ -100,3 +143,27 @@ def test_the_watchdog_names_a_follower_that_stops_and_only_it():
     finally:
         for w in [leader, *followers]:
             w.stop()
+
+
+def test_stop_waits_for_the_thread_so_no_native_call_outlives_the_process():
+    """stop() returns with the watchdog's thread ended (it calls the runtime's native client;
+    one still inside such a call while the interpreter finalizes can abort the process)."""
+    store = Store()
+    calls = threading.Semaphore(0)
+
+    class Slow(Store):
+        def key_value_set(self, key, value, allow_overwrite=False):
+            calls.release()
+            time.sleep(0.3)  # a call in flight when stop() is asked
+            super().key_value_set(key, value, allow_overwrite)
+
+    slow = Slow()
+    follower = GroupWatchdog(GroupSpec(1, 1, 2, "127.0.0.1:1"), 0.02, 0.4, None, client=slow).start()
+    assert calls.acquire(timeout=5.0)
+    t0 = time.monotonic()
+    follower.stop()
+    assert not follower._thread.is_alive() and time.monotonic() - t0 > 0.1
+    leader = GroupWatchdog(GroupSpec(1, 0, 2, "127.0.0.1:1"), 0.02, 0.4, lambda p, s: None, client=store).start()
+    leader.stop()
+    assert not leader._thread.is_alive()
+    GroupWatchdog(GroupSpec(1, 0, 1, "127.0.0.1:1"), 0.02, 0.4, None, client=store).start().stop()  # never started

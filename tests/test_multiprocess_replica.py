@@ -36,10 +36,14 @@ def _done(path: pathlib.Path) -> dict:
 
 
 def _run(tmp_path, replicas: int, steps: int, *extra: str, timeout: float = 300):
+    """`fthsdp run` of ``replicas`` x 2 processes; ``extra`` holds flags and overrides, and its
+    overrides come last, so they win over the defaults here (0.05 s steps)."""
     out = tmp_path / "run"
+    overrides = [a for a in extra if "=" in a and not a.startswith("-")]
+    flags = [a for a in extra if a not in overrides]
     p = fthsdp_run(out, "--config", "base", "--replicas", str(replicas), "--processes-per-replica", "2",
-                   "--devices-per-replica", "1", *extra, *TINY, f"train.steps={steps}", "train.min_step_s=0.05",
-                   timeout=timeout)
+                   "--devices-per-replica", "1", *flags, *TINY, f"train.steps={steps}", "train.min_step_s=0.05",
+                   *overrides, timeout=timeout)
     return out, p
 
 
@@ -114,14 +118,16 @@ def test_a_killed_process_takes_its_replica_out_whole_and_it_rejoins_as_a_group(
     leader's catch-up does not count (it counts only at a commit: the group's step stays), and
     the group asks the new lighthouse again and rejoins on its next answer: one retry, no
     second restart."""
-    # The survivors train ~70 s after the kill: on a loaded 2-core CI machine the restarted
-    # group's start-up and compilation took 40 s, which 0.3 s steps (43 s) barely covered.
+    # The survivors train up to ~70 s after the kill: on a loaded 2-core CI machine the restarted
+    # group's start-up and compilation took 40 s, which 0.3 s steps (43 s) barely covered. Paced
+    # only while replica 1 is out (train.pace=degraded): once it is back the rest runs unpaced.
     steps = 150
     out = tmp_path / "run"
     hold = ["ft.test_hold_view=0:3:recovering"] if who == "1.1" else []
     rc, err, lighthouse_killed = _run_and_kill_the_lighthouse(
         out, ["--config", "base", "--replicas", "3", "--processes-per-replica", "2", "--devices-per-replica", "1",
-              "--kill", f"{who}@8", *TINY, f"train.steps={steps}", "train.min_step_s=0.5", *hold],
+              "--kill", f"{who}@8", *TINY, f"train.steps={steps}", "train.min_step_s=0.5", "train.pace=degraded",
+              *hold],
         [out / "replica-1.1.log"] if hold else None, within_s=400, timeout=600)
     assert rc == 0, err[-3000:]
     run = report.load_run(out)
@@ -177,7 +183,8 @@ def test_a_rejoining_replica_fetches_each_shard_on_the_process_that_holds_it(tmp
     steps = 300  # 150 s after the kill: time for a restarted group to start and compile on a loaded machine
     # ft.detect_s=2: detection is not this test's subject, and a loaded machine starves the
     # followers' beats for longer than 0.8 s while a restarted group compiles
-    out, p = _run(tmp_path, 2, steps, "--kill", "1.1@8", "train.min_step_s=0.5", "ft.detect_s=2", timeout=900)
+    out, p = _run(tmp_path, 2, steps, "--kill", "1.1@8", "train.min_step_s=0.5", "train.pace=degraded",
+                  "ft.detect_s=2", timeout=900)
     assert p.returncode == 0, p.stderr[-3000:]
     run = report.load_run(out)
     assert {r for r, d in run.done.items() if d.get("step") == steps} == {"0", "1"}, run.done

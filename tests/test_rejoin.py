@@ -18,9 +18,11 @@ pytestmark = pytest.mark.multiprocess
 
 
 def job(tmp_path: pathlib.Path, replicas=3, steps=150, kills=(), stops=(), late=None, resume="",
-        kill_all_at=None, extra=()) -> LocalJob:
+        kill_all_at=None, extra=(), pace="degraded") -> LocalJob:
+    """Paced 0.12 s a step while a replica is out (train.pace=degraded: the outage is what a
+    rejoin test is about; with everyone back the steps run at the tiny model's own speed)."""
     overrides = TINY + [f"launch.replicas={replicas}", "launch.devices_per_replica=2", f"train.steps={steps}",
-                        "ft.checkpoint_every=10", "train.min_step_s=0.12", *extra]
+                        "ft.checkpoint_every=10", "train.min_step_s=0.12", f"train.pace={pace}", *extra]
     return LocalJob(config="base", overrides=overrides, out_dir=tmp_path, replicas=replicas, steps=steps,
                     faults=plan(tuple(kills), tuple(stops), replicas, stop_s=2.5), restart=True,
                     restart_delay_s=0.2, late=late or {}, resume=resume, kill_all_at=kill_all_at,
@@ -77,12 +79,12 @@ def test_stopped_replica_wakes_up_behind_and_catches_up(tmp_path):
 
 
 def test_full_restart_resumes_from_checkpoint_exactly_once(tmp_path):
-    first = job(tmp_path, steps=60, kill_all_at=25)
+    first = job(tmp_path, steps=60, kill_all_at=25, pace="always")  # no replica is out: paced throughout
     first.run()
     assert first.killed_all
     ckpts = sorted(int(p.name) for p in (tmp_path / "checkpoints").iterdir() if p.name.isdigit())
     assert ckpts and ckpts[-1] in (10, 20)
-    second = job(tmp_path, steps=60, resume="restart-1")
+    second = job(tmp_path, steps=60, resume="restart-1", pace="always")
     s = second.run()
     run = report.load_run(tmp_path)
     assert s["failed_replicas"] == [] and s["identical_final_state"]

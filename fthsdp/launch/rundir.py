@@ -32,7 +32,7 @@ PER_ATTEMPT = ("metrics-*.jsonl", "status-*.json", "events.jsonl", "replica-*.ou
 # effective config is the run's shape (state shapes, data order, the step
 # count, the ring).
 LAUNCH_SHAPE = ("launch.replicas", "launch.devices_per_replica")
-MAY_CHANGE = ("train.out_dir", "train.log_every", "train.eval_every", "train.min_step_s", "name")
+MAY_CHANGE = ("train.out_dir", "train.log_every", "train.eval_every", "train.min_step_s", "train.pace", "name")
 
 
 def may_change(key: str) -> bool:

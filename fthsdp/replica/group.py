@@ -43,6 +43,7 @@ import dataclasses
 import json
 import logging
 import os
+import threading
 import time
 from typing import Any
 
@@ -450,13 +451,34 @@ class FollowerSilence:
     because the leader looked once, so without this a loaded host, which delays
     the follower's beat and the leader's look alike, read as a frozen follower.
     A follower that really stopped is still judged silent ``silent_s`` of the
-    leader's punctual rounds after its last beat."""
+    leader's punctual rounds after its last beat.
+
+    Until the replica trains (:meth:`training`), the window is ``startup_silent_s``:
+    a follower that is importing and compiling beside its group on a busy host can
+    miss its beats for longer than the detection window (seen: 0.82 s against 0.8 s
+    on a 2-core host starting six processes), and nothing waits on it yet; taking the
+    replica out then cost a restart of the whole job. From the first step on, every
+    follower gets the strict window afresh, so one that froze while starting is still
+    caught ``silent_s`` after the replica begins to train."""
 
     interval_s: float
     silent_s: float
+    startup_silent_s: float = 0.0  # the window before training starts (0: ``silent_s`` throughout)
     seen: dict[int, tuple[str, float]] = dataclasses.field(default_factory=dict)
     last_poll: float | None = None
     forgiven_s: float = 0.0  # the leader's own delays, in all (the watchdog logs each)
+    trains: bool = False
+
+    def training(self, now: float) -> None:
+        """The replica starts its step loop at ``now``: the strict window from here on, counted
+        from ``now`` for every follower (their start-up is not held against them)."""
+        if not self.trains:
+            self.trains = True
+            self.seen = {p: (v, max(t, now)) for p, (v, t) in self.seen.items()}
+
+    @property
+    def window_s(self) -> float:
+        return self.silent_s if self.trains else max(self.silent_s, self.startup_silent_s)
 
     def poll(self, now: float) -> float:
         """A watch round at ``now``: the delay forgiven to the followers (0.0 when punctual)."""
@@ -476,7 +498,7 @@ class FollowerSilence:
             self.seen[process] = (value, now)
             return None
         silent = now - last[1]
-        return silent if silent > self.silent_s else None
+        return silent if silent > self.window_s else None
 
 
 class GroupWatchdog:
@@ -489,13 +511,21 @@ class GroupWatchdog:
     one has not moved for `silent_s` (the job's detection window): the replica
     then leaves as a unit (the caller exits replica-fatal, the lighthouse
     stops hearing the leader, the launcher kills the rest of the group). A
-    follower that never beat yet is not judged (it may still be starting)."""
+    follower that never beat yet is not judged (it may still be starting), and
+    until the leader calls :meth:`training` the window is ``startup_silent_s``
+    (:class:`FollowerSilence`).
+
+    :meth:`stop` joins the thread: it calls into the runtime's native client,
+    and a daemon thread still inside such a call when the interpreter
+    finalizes is ended by CPython through C++ frames that may not unwind,
+    which aborts the process (seen once: a leader that had finished its last
+    step died with SIGABRT, "FATAL: exception not rethrown")."""
 
     def __init__(self, spec: GroupSpec, interval_s: float, silent_s: float, on_silent, namespace: str = "fthsdp",
-                 client: Any = None):
-        import threading
-
+                 client: Any = None, startup_silent_s: float = 0.0):
         self.spec, self.interval_s, self.silent_s, self.on_silent = spec, interval_s, silent_s, on_silent
+        self.startup_silent_s = startup_silent_s
+        self._training = threading.Event()
         self.prefix = f"{namespace}/r{spec.replica_id}/alive"
         if client is None:
             from jax._src import distributed
@@ -511,8 +541,15 @@ class GroupWatchdog:
             self._thread.start()
         return self
 
-    def stop(self) -> None:
+    def training(self) -> None:
+        """The replica begins its step loop: the strict window applies from now on."""
+        self._training.set()
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        """Stops the thread and waits for it (at most ``timeout_s``; a round is two quick calls)."""
         self._stop.set()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(timeout_s)
 
     def _follow(self) -> None:
         n = 0
@@ -524,9 +561,11 @@ class GroupWatchdog:
                 return
 
     def _watch(self) -> None:
-        judge = FollowerSilence(self.interval_s, self.silent_s)
+        judge = FollowerSilence(self.interval_s, self.silent_s, self.startup_silent_s)
         while not self._stop.wait(self.interval_s):
             now = time.monotonic()
+            if self._training.is_set():
+                judge.training(now)
             late = judge.poll(now)
             if late:
                 log.warning("replica %s: the group watchdog's round came %.2fs late (this process was not "

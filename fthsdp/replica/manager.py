@@ -72,6 +72,14 @@ from fthsdp.step.functional import TrainState, TrainStep
 log = logging.getLogger("fthsdp.replica.manager")
 
 
+
+def step_pace_s(min_step_s: float, pace: str, num_members: int, replicas: int) -> float:
+    """How long a step's compute must take at least (TrainConfig.min_step_s): always, or with
+    ``pace="degraded"`` only on a step whose quorum has fewer than the job's ``replicas``."""
+    if pace == "degraded" and num_members >= replicas:
+        return 0.0
+    return min_step_s
+
 class ManagerError(ReplicaFatalError):
     """A fatal condition of the step loop: retries exhausted, no source to recover from.
     The replica exits and its supervisor restarts it (it rejoins from its peers)."""
@@ -342,7 +350,7 @@ class Manager:
                     grads, m = self.ts.compute_grads(self.state, x, y)
                     loss, position = m["loss"], batch.position
                     jax.block_until_ready(grads)
-                    pace = self.cfg.train.min_step_s - (time.perf_counter() - t0)
+                    pace = self._pace_s(q) - (time.perf_counter() - t0)
                     if pace > 0:  # emulate a longer forward/backward (see TrainConfig.min_step_s)
                         time.sleep(pace)
                     grads_s = time.perf_counter() - t0
@@ -493,6 +501,10 @@ class Manager:
         self.positions = positions.copy()
         self.last_step = np.asarray(data["last_step"], np.int64).copy()
         self.loader = LoaderState(self.loader.replica, int(self.positions[int(self.replica_id)]))
+
+    def _pace_s(self, q) -> float:
+        t = self.cfg.train
+        return step_pace_s(t.min_step_s, t.pace, q.num_members, self.cfg.launch.replicas)
 
     def warm_up(self) -> float:
         """Compile both halves of the step before checking in with the lighthouse.

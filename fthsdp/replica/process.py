@@ -225,11 +225,13 @@ class ReplicaProcess:
                 self.client = LeaderQuorumSource(self.client, self.channel)
         # Advertised with this process's heartbeats (fthsdp status --prometheus-targets).
         client.advertise_metrics(self.prom_server.address)
+        self.watchdog = None
         if self.group.num_processes > 1:
             from fthsdp.replica.group import GroupWatchdog
 
             self.watchdog = GroupWatchdog(self.group, cfg.ft.heartbeat_interval_s, cfg.ft.detect_s,
-                                          self.on_silent_follower, namespace=args.job).start()
+                                          self.on_silent_follower, namespace=args.job,
+                                          startup_silent_s=cfg.timeouts.follower_startup_silence_s).start()
         self.mgr = Manager(cfg=cfg, replica_id=self.rid, job_id=args.job, ts=self.ts, comm=self.comm,
                            lighthouse=self.client, state=state, loader=LoaderState(replica=args.replica_id),
                            recover=self.recover, state_server_address=self.server.url,
@@ -545,6 +547,8 @@ class ReplicaProcess:
             # Everything start-up built (jax, the compiled step) frozen, and young collections
             # rare: CPython's defaults paused a training replica up to 136 ms (a full
             # collection), its heartbeat thread with it (fthsdp.gc_policy).
+            if self.watchdog is not None:
+                self.watchdog.training()  # from here a silent follower stalls the job: the strict window
             with low_pause_gc():
                 mgr.run(cfg.train.steps)
             self.ckpt.wait()
@@ -634,6 +638,8 @@ class ReplicaProcess:
         return 0
 
     def close(self) -> None:
+        if self.watchdog is not None:
+            self.watchdog.stop()  # first: its thread calls the runtime's client, which goes away at exit
         self.client.close()
         close = getattr(self.comm, "close", None)
         if close is not None:
