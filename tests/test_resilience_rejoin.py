@@ -1,8 +1,9 @@
 """A rejoin never disturbs a healthy replica (issue 10, item 1), through the public launcher.
 
 `fthsdp run` with a real SIGKILL of replica 1 and its restart. The steps are
-paced (train.min_step_s) longer than the join limit, so the restarted replica
-asks for its quorum well before the healthy replicas finish their step:
+paced (train.min_step_s) longer than the join limit while replica 1 is out
+(train.pace=degraded), so the restarted replica asks for its quorum well
+before the healthy replicas finish their step:
 under the old rule the join limit counted from its request and dropped a
 healthy member that had not asked yet, which then had to catch up from its
 peers. Now a live member of the previous quorum is waited for; the never
@@ -29,7 +30,7 @@ def test_rejoin_never_makes_a_healthy_replica_catch_up(tmp_path):
     steps = 45
     cmd = [sys.executable, "-m", "fthsdp.cli", "run", "--config", "base", "--replicas", "3",
            "--devices-per-replica", "1", "--kill", "1@6", "--out-dir", str(tmp_path), "--no-progress",
-           *TINY, f"train.steps={steps}", "train.min_step_s=0.7", "ft.join_timeout_s=0.3",
+           *TINY, f"train.steps={steps}", "train.min_step_s=0.7", "train.pace=degraded", "ft.join_timeout_s=0.3",
            "ft.checkpoint_every=1000", "launch.restart_delay_s=0.2"]
     p = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]
