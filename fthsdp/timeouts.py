@@ -105,7 +105,7 @@ class Timeouts:
         of a job on a busy host, a follower missed its beats for just over the detection window,
         and taking the replica out then restarted the whole job. Ten detection windows, within
         the start-up limit; from the first step on, the detection window applies."""
-        return min(self.startup_timeout_s, max(self.detect_s, 10 * self.detect_s))
+        return min(self.startup_timeout_s, 10 * self.detect_s)
 
 
 # The lighthouse holds a call over its connection's or job's budget (fthsdp/control/admission.py)

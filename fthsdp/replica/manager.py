@@ -72,13 +72,13 @@ from fthsdp.step.functional import TrainState, TrainStep
 log = logging.getLogger("fthsdp.replica.manager")
 
 
-
 def step_pace_s(min_step_s: float, pace: str, num_members: int, replicas: int) -> float:
     """How long a step's compute must take at least (TrainConfig.min_step_s): always, or with
     ``pace="degraded"`` only on a step whose quorum has fewer than the job's ``replicas``."""
     if pace == "degraded" and num_members >= replicas:
         return 0.0
     return min_step_s
+
 
 class ManagerError(ReplicaFatalError):
     """A fatal condition of the step loop: retries exhausted, no source to recover from.
