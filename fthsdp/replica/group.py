@@ -474,7 +474,7 @@ class FollowerSilence:
         from ``now`` for every follower (their start-up is not held against them)."""
         if not self.trains:
             self.trains = True
-            self.seen = {p: (v, max(t, now)) for p, (v, t) in self.seen.items()}
+            self.seen = {p: (v, now) for p, (v, _) in self.seen.items()}
 
     @property
     def window_s(self) -> float:
