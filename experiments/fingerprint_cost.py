@@ -261,11 +261,12 @@ def run(args: argparse.Namespace, raw_argv: list[str], ring_dir: pathlib.Path | 
     load_start = list(os.getloadavg())  # the shared machine's 1/5/15-minute load before the run
 
     from fthsdp import config as config_lib
-    from fthsdp.devices import force_host_devices
+    from fthsdp.devices import enable_compilation_cache, force_host_devices
 
     cfg = config_lib.load(args.config, args.overrides)
     devices = cfg.launch.devices_per_replica
     force_host_devices(devices)
+    enable_compilation_cache()  # a rerun (and the ring's other ranks) load the programs, not compile them
     import jax
 
     from fthsdp.data import ReplicaStream

@@ -83,11 +83,12 @@ def main(argv: list[str] | None = None) -> int:
     load_start = list(os.getloadavg())
 
     from fthsdp import config as config_lib
-    from fthsdp.devices import force_host_devices
+    from fthsdp.devices import enable_compilation_cache, force_host_devices
 
     cfg = config_lib.load(args.config, [])
     devices = cfg.launch.devices_per_replica
     force_host_devices(devices)
+    enable_compilation_cache()  # a rerun (and the ring's other ranks) load the programs, not compile them
     import jax
     import jax.numpy as jnp
     from jax.sharding import PartitionSpec

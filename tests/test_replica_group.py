@@ -50,9 +50,9 @@ def _free_port(host: str) -> int:
         return s.getsockname()[1]
 
 
-def _run(tmp: pathlib.Path, nproc: int, devices: int, *extra: str) -> list[dict]:
+def _run(tmp: pathlib.Path, nproc: int, devices: int, *extra: str, cache: pathlib.Path | None = None) -> list[dict]:
     coord = f"127.0.0.2:{_free_port('127.0.0.2')}" if nproc > 1 else ""
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", **({"FTHSDP_COMPILATION_CACHE": str(cache)} if cache else {})}
     procs = [subprocess.Popen([sys.executable, str(WORKER), str(tmp / f"p{i}.json"), str(i), str(nproc), coord,
                                str(devices), *extra], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                               env=env, start_new_session=True) for i in range(nproc)]
@@ -73,8 +73,18 @@ def _run(tmp: pathlib.Path, nproc: int, devices: int, *extra: str) -> list[dict]
 def test_two_processes_form_one_replica_bitwise_equal_to_one_process(tmp_path):
     (tmp_path / "one").mkdir()
     (ref,) = _run(tmp_path / "one", 1, 2)
-    group = _run(tmp_path, 2, 1)
+    cache = tmp_path / "cache"  # empty: both processes compile; JAX's cache keeps only the leader's programs
+    group = _run(tmp_path, 2, 1, cache=cache)
     assert all("missing" not in g for g in group), group
+    assert group[0]["own_programs"] == {"loaded": 0, "compiled": 0}  # process 0: JAX's cache serves it
+    assert group[1]["own_programs"] == {"loaded": 0, "compiled": 3}  # init, compute_grads, apply_grads
+    # Started again, the follower loads its programs instead of compiling them, with the same results.
+    (tmp_path / "again").mkdir()
+    again = _run(tmp_path / "again", 2, 1, cache=cache)
+    assert again[1].get("own_programs") == {"loaded": 3, "compiled": 0}, again
+    for g in again:
+        assert (g["hash0"], g["hash2"], g["loss"], g["compilations"]) == (ref["hash0"], ref["hash2"], ref["loss"],
+                                                                           [1, 1])
     assert ref["mesh_devices"] == 2 and ref["fully_addressable"]
     for g in group:
         assert g["processes"] == 2 and g["mesh_devices"] == 2 and not g["fully_addressable"]

@@ -527,7 +527,11 @@ class ReplicaProcess:
         log.info("replica %s: %d device(s), lighthouse %s, ftar endpoints %s, state server %s", self.group.label,
                  self.mesh.devices.size, self.args.lighthouse, list(self.comm.addresses), self.server.url)
         self.phases.set(Phase.COMPILING)
-        log.info("replica %s: compiled the step in %.1fs (before checking in)", self.rid, mgr.warm_up())
+        took = mgr.warm_up()
+        own = self.ts.program_counts()  # a follower process's own program cache (JAX's serves process 0)
+        log.info("replica %s: compiled the step in %.1fs (before checking in)%s", self.group.label, took,
+                 f"; this process's program cache: {own.loaded} loaded, {own.compiled} compiled"
+                 if own.loaded + own.compiled else "")
         self.phases.set(Phase.IDLE)
         if cfg.ft.snapshot == "every_commit":
             self.snapshot()

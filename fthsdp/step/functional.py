@@ -36,6 +36,7 @@ from fthsdp.step import intervention
 from fthsdp.config import Config, OptimConfig
 from fthsdp.models import DecoderLM
 from fthsdp.step.fingerprint import fingerprint as state_fingerprint
+from fthsdp.step.program_cache import ProgramCounts, counts_of, persistent_jit
 from fthsdp.step.quorum_inputs import STATUS_OK, AllReduceFn, QuorumInputs, local_allreduce
 from fthsdp.step.sharding import batch_sharding, fsdp_shardings
 
@@ -109,6 +110,12 @@ class TrainStep:
     raw_compute_grads: Callable
     raw_apply_grads: Callable
     raw_init: Callable
+    jit_init: Callable | None = None  # what `init` calls, for program_counts
+
+    def program_counts(self) -> ProgramCounts:
+        """Programs this process loaded from, or compiled into, its own program cache
+        (fthsdp/step/program_cache.py; all zero where JAX's cache serves it)."""
+        return counts_of(self.jit_init, self.compute_grads, self.apply_grads, self.step, self.eval_loss)
 
     def shard_batch(self, inputs: np.ndarray, targets: np.ndarray):
         """The replica's global batch (the same rows on every process of the replica) as arrays
@@ -213,17 +220,20 @@ def make_train_step(
     def eval_loss(state, inputs, targets):
         return loss_fn(state.params, inputs, targets)
 
-    jit_init = jax.jit(init_fn, out_shardings=state_shardings)
+    # persistent_jit: jax.jit, except that a replica's follower processes keep their programs on
+    # disk, which JAX's own cache does not do for them (fthsdp/step/program_cache.py).
+    jit_init = persistent_jit(init_fn, out_shardings=state_shardings)
     return TrainStep(
         init=lambda seed: jit_init(jnp.asarray(seed, jnp.uint32)),
-        compute_grads=jax.jit(compute_grads, in_shardings=(state_shardings, bsh, bsh)),
-        apply_grads=jax.jit(apply_grads, out_shardings=(state_shardings, None)),
-        step=jax.jit(step, in_shardings=(state_shardings, bsh, bsh, None),
-                     out_shardings=(state_shardings, None)),
-        eval_loss=jax.jit(eval_loss, in_shardings=(state_shardings, bsh, bsh)),
+        compute_grads=persistent_jit(compute_grads, in_shardings=(state_shardings, bsh, bsh)),
+        apply_grads=persistent_jit(apply_grads, out_shardings=(state_shardings, None)),
+        step=persistent_jit(step, in_shardings=(state_shardings, bsh, bsh, None),
+                            out_shardings=(state_shardings, None)),
+        eval_loss=persistent_jit(eval_loss, in_shardings=(state_shardings, bsh, bsh)),
         state_shardings=state_shardings,
         mesh=mesh,
         raw_compute_grads=compute_grads,
         raw_apply_grads=apply_grads,
         raw_init=init_fn,
+        jit_init=jit_init,
     )

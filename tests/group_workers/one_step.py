@@ -2,6 +2,7 @@
 and the leader's decision channel. Writes what it saw as JSON (tests/test_replica_group.py)."""
 
 import json
+import os
 import sys
 import time
 
@@ -10,6 +11,10 @@ from fthsdp.devices import force_host_devices
 out_path, index, nproc, coordinator, devices = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], int(sys.argv[5])
 kill_leader = len(sys.argv) > 6 and sys.argv[6] == "kill_leader"
 force_host_devices(devices)
+if os.environ.get("FTHSDP_COMPILATION_CACHE"):  # as a replica process does (a follower's programs too)
+    from fthsdp.devices import enable_compilation_cache
+
+    enable_compilation_cache()
 
 import numpy as np  # noqa: E402
 
@@ -61,6 +66,8 @@ res["hash2"] = state_hash(state)
 res["loss"] = float(np.asarray(m["loss"]))
 res["committed"] = bool(np.asarray(m2["committed"]))
 res["compilations"] = [ts.compute_grads._cache_size(), ts.apply_grads._cache_size()]
+own = ts.program_counts()
+res["own_programs"] = {"loaded": own.loaded, "compiled": own.compiled}
 
 # per-shard recovery's pieces: this process's own shards to host and back (no gather across processes)
 from fthsdp.checkpoint import local_shards  # noqa: E402
