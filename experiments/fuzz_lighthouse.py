@@ -161,7 +161,11 @@ def _message(method: str, fdp: atheris.FuzzedDataProvider):
     if method == "Heartbeat":
         return pb2.HeartbeatRequest(**common, last_quorum_id=_int(fdp, 8))
     if method == "Leave":
-        return pb2.LeaveRequest(**common, finished=fdp.ConsumeBool())
+        n = fdp.ConsumeIntInRange(0, 3)  # a finisher's data state: mostly well formed, sometimes not
+        return pb2.LeaveRequest(**common, finished=fdp.ConsumeBool(),
+                                data_positions=[_int(fdp, 8) for _ in range(n)],
+                                data_last_steps=[_int(fdp, 8) for _ in range(n if fdp.ConsumeBool() else
+                                                                             fdp.ConsumeIntInRange(0, 3))])
     lws = fdp.ConsumeIntInRange(1, 4) if fdp.ConsumeIntInRange(0, 3) else fdp.ConsumeInt(4)
     # Mostly one address per shard (what a replica sends), so requests get past validation.
     count = lws if 0 <= lws <= 8 and fdp.ConsumeIntInRange(0, 3) else fdp.ConsumeIntInRange(0, 4)

@@ -156,6 +156,25 @@ def test_a_batch_committed_but_not_logged_is_recorded_when_the_job_resumes(tmp_p
     assert "ledger: batch 9 was committed at step 10 before we recorded it" in (out / "replica-1.log").read_text()
 
 
+def test_a_batch_committed_but_not_logged_is_recorded_by_a_replica_back_after_the_end(tmp_path):
+    """Replica 1 is killed between its commit of step 15 and that commit's ledger line, and its
+    restart checks in after replica 0 has finished the job: it never rejoins, so no fetched state
+    tells it that step 15 holds its batch 14. The finisher's Leave left the model's data state
+    on the lighthouse, whose job-finished answer hands it over: the late replica records batch
+    14, and every batch is in the ledgers exactly once. Before, the exactly-once check found
+    that batch never trained (the chaos soak did, once: batch 58 of replica 0)."""
+    out = tmp_path / "run"
+    p = fthsdp_run(out, *job_args(2, 16, "ft.test_die_before_ledger=1@14"))
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert (out / "test_die_before_ledger-1").exists()  # the hook fired
+    log1 = (out / "replica-1.log").read_text()
+    assert "already finished at step 16" in log1, log1[-3000:]
+    assert "ledger: batch 14 was committed at step 15 before we recorded it" in log1
+    run = report.load_run(out)
+    assert sorted(run.done) == ["0"]
+    assert exactly_once(out, run) == (16, 15)
+
+
 def test_no_healthy_replica_left_falls_back_to_the_checkpoint(tmp_path):
     out = tmp_path / "run"
     # both replicas die at step 15 (the restart of the first is delayed past the

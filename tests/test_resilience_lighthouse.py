@@ -116,8 +116,14 @@ def test_leave_is_not_a_death_and_a_finished_job_answers_rejoiners(caplog):
                 c.start_heartbeats()
             time.sleep(0.2)
             ask_all([a, b], 9)
+            with LighthouseClient(lh.address, "job", 5) as bad, caplog.at_level("WARNING"):
+                # a data state that is not one entry of each per replica is refused, and ends nothing
+                assert not bad.leave(3, finished=True, data={"positions": [1, 2], "last_step": [0]})
+            assert "data_positions has 2 entries and data_last_steps 1" in caplog.text
             with caplog.at_level("INFO", logger="fthsdp.control.lighthouse"):
-                assert a.leave(10, finished=True) and b.leave(10, finished=True)
+                # the finisher leaves its model's data state; a leaver without one does not erase it
+                assert a.leave(10, finished=True, data={"positions": [10, 9], "last_step": [9, 8]})
+                assert b.leave(10, finished=True)
                 time.sleep(0.8)  # two detection windows: nobody may be declared dead
             assert "declared dead" not in caplog.text
             assert "replica 0 left at step 10 (finished the job)" in caplog.text
@@ -128,6 +134,7 @@ def test_leave_is_not_a_death_and_a_finished_job_answers_rejoiners(caplog):
                 with pytest.raises(JobFinished, match="already finished at step 10") as ei:
                     late.get_quorum(0, ftar_addresses=addrs(1), timeout_s=10)
                 assert ei.value.step == 10
+                assert ei.value.data == {"positions": [10, 9], "last_step": [9, 8]}
             # A new run of the same job id (a fresh start) is not refused.
             with LighthouseClient(lh.address, "job", 0) as fresh:
                 q = fresh.get_quorum(0, ftar_addresses=addrs(0), timeout_s=10)

@@ -273,9 +273,21 @@ def answer_wait_s(remaining_s: float) -> float:
     return max(0.0, remaining_s - min(0.1, 0.1 * remaining_s))
 
 
-def _finished_reply(step: int) -> bytes:
+def _finished_reply(done: "_Finished") -> bytes:
     return pb2.QuorumResponse(protocol_version=LIGHTHOUSE_PROTOCOL_VERSION, job_finished=True,
-                              finished_step=step).SerializeToString()
+                              finished_step=done.step, finished_positions=done.positions,
+                              finished_last_steps=done.last_steps).SerializeToString()
+
+
+def _data_state_problem(positions, last_steps) -> str:
+    """What is wrong with a Leave's data state ('' if nothing): one position (>= 0) and one
+    last step (>= -1, none yet) per replica."""
+    if len(positions) != len(last_steps):
+        return (f"data_positions has {len(positions)} entries and data_last_steps {len(last_steps)}: "
+                "one of each per replica of the job")
+    if any(p < 0 for p in positions) or any(t < -1 for t in last_steps):
+        return "data_positions must be >= 0 and data_last_steps >= -1 (no step yet)"
+    return ""
 
 
 class _SdcStop(Exception):
@@ -284,9 +296,12 @@ class _SdcStop(Exception):
 
 @dataclass(frozen=True)
 class _Finished:
-    """The answer to a request of a job that already finished."""
+    """The answer to a request of a job that already finished: its last step, and the finished
+    model's data state (LeaveRequest.data_positions; empty when the finisher sent none)."""
 
     step: int
+    positions: tuple[int, ...] = ()
+    last_steps: tuple[int, ...] = ()
 
 
 @dataclass
@@ -410,8 +425,10 @@ class _Job:
     # heartbeats): what a restarted lighthouse continues the ids above.
     qid_floor: int = 0
     reported_qids: dict[str, int] = field(default_factory=dict)  # replica -> last quorum id its heartbeats report
-    # The job's last step once a replica left having finished it (None: running).
+    # The job's last step once a replica left having finished it (None: running), and the
+    # finished model's data state as that replica left it (what `finished()` answers).
     finished_step: int | None = None
+    finished_data: tuple[tuple[int, ...], tuple[int, ...]] = ((), ())
     last_activity: float = 0.0  # any RPC of this job (a job whose replicas all left is kept a while)
     # Replicas of several processes (replica id -> its processes); one-process replicas have none.
     # Changed only through set_group / drop_group, which keep follower_processes.
@@ -456,6 +473,10 @@ class _Job:
     # lineage (each replica's last quorum id at its report kept: a repeated one is not read).
     lineage_from: int = 0
     lineage_reports: dict[str, int] = field(default_factory=dict)  # replica -> its last quorum id when it reported
+
+    def finished(self) -> _Finished:
+        """The answer to whoever asks after the job finished."""
+        return _Finished(self.finished_step, *self.finished_data)
 
     def set_group(self, rid: str, g: "_Group") -> None:
         self.drop_group(rid)
@@ -746,7 +767,7 @@ class Lighthouse(pb2_grpc.LighthouseServicer):
             for rid, p in list(job.pending.items()):
                 del job.pending[rid]
                 if not p.future.done():
-                    p.future.set_result(_Finished(job.finished_step))
+                    p.future.set_result(job.finished())
             return
         requests, waiting_note = self._candidate_requests(job, now)
         if self._sdc_hold(job, now, requests):
@@ -1192,7 +1213,7 @@ class Lighthouse(pb2_grpc.LighthouseServicer):
         if request.fresh_start and job.finished_step is not None:
             log.info("job %r: a new run starts (replica %s); forgetting that the last run finished at step %d",
                      job.job_id, rid, job.finished_step)
-            job.finished_step = None
+            job.finished_step, job.finished_data = None, ((), ())
             job.sdc.reset()
         elif request.fresh_start and job.sdc.fatal is not None:
             log.info("job %r: a new run starts (replica %s); forgetting the fingerprint mismatch that stopped it",
@@ -1203,7 +1224,7 @@ class Lighthouse(pb2_grpc.LighthouseServicer):
         if job.finished_step is not None:
             log.info("job %r: replica %s asks at step %d but the job finished at step %d",
                      job.job_id, rid, request.step, job.finished_step)
-            return _finished_reply(job.finished_step)
+            return _finished_reply(job.finished())
         if request.last_quorum_id > job.qid_floor:
             job.qid_floor = request.last_quorum_id
         nproc = request.num_processes or 1
@@ -1306,7 +1327,7 @@ class Lighthouse(pb2_grpc.LighthouseServicer):
     def quorum_answer(self, job: _Job, request: pb2.QuorumRequest, result) -> bytes:
         """The serialized answer to ``request`` once its entry's future holds ``result``."""
         if isinstance(result, _Finished):
-            return _finished_reply(result.step)
+            return _finished_reply(result)
         return job.view_reply(result, request.replica_id, 0, self.stats,
                               holds_view=request.last_quorum_id == result.quorum_id,
                               compact_ok=request.accepts_members_omitted)
@@ -1387,6 +1408,9 @@ class Lighthouse(pb2_grpc.LighthouseServicer):
         if err:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, err)
         await self._refuse_unless_admitted(request, context, time.monotonic())
+        bad = _data_state_problem(request.data_positions, request.data_last_steps)
+        if bad:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"Leave of replica {request.replica_id!r}: {bad}")
         job = self._job(request.job_id)
         rid = request.replica_id
         known = rid in job.last_seen
@@ -1407,6 +1431,8 @@ class Lighthouse(pb2_grpc.LighthouseServicer):
             return pb2.LeaveResponse(protocol_version=LIGHTHOUSE_PROTOCOL_VERSION, forked=why,
                                      forked_step=forked[1])
         if request.finished:
+            if request.data_positions and (job.finished_step is None or request.step >= job.finished_step):
+                job.finished_data = (tuple(request.data_positions), tuple(request.data_last_steps))
             job.finished_step = max(job.finished_step or 0, request.step)
         log.info("job %r: replica %s left at step %d (%s)", job.job_id, rid, request.step,
                  "finished the job" if request.finished else "stopped")

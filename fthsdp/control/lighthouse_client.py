@@ -116,11 +116,17 @@ class ReplicaIdHeld(NotAuthorized):
 
 
 class JobFinished(LighthouseError):
-    """The job this replica asks to train in already finished (at ``step``): nothing is left to do."""
+    """The job this replica asks to train in already finished (at ``step``): nothing is left to do.
 
-    def __init__(self, message: str, step: int) -> None:
+    ``data``: the finished model's data state (``{"positions": [...], "last_step": [...]}``,
+    one entry per replica) as the replica that ended the job left it, or None when the
+    lighthouse holds none. A replica arriving after the end records from it a batch it
+    trained but had not written into its ledger."""
+
+    def __init__(self, message: str, step: int, data: dict | None = None) -> None:
         super().__init__(message, None)
         self.step = step
+        self.data = data
 
 
 class SilentDataCorruption(LighthouseError, JobFatalError):
@@ -820,9 +826,11 @@ class LighthouseClient:
             log.warning("lighthouse %s reachable again after %.2fs; step %d goes on", self.address, took, step)
         self._held_endpoints.heard(sent, resp.endpoints_omittable)
         if resp.job_finished:
+            data = {"positions": list(resp.finished_positions), "last_step": list(resp.finished_last_steps)} \
+                if resp.finished_positions else None
             raise JobFinished(
                 f"job {self.job_id!r} already finished at step {resp.finished_step} (lighthouse {self.address}); "
-                f"replica {self.replica_id!r} at step {step} has nothing left to train", resp.finished_step)
+                f"replica {self.replica_id!r} at step {step} has nothing left to train", resp.finished_step, data)
         q = quorum_from_proto(resp.quorum)
         if resp.quorum.members_omitted:
             q = keep_members(q, self.last_quorum)
@@ -866,7 +874,7 @@ class LighthouseClient:
         self.last_quorum = q
         return q
 
-    def leave(self, step: int, *, finished: bool, timeout_s: float | None = None) -> bool:
+    def leave(self, step: int, *, finished: bool, timeout_s: float | None = None, data: dict | None = None) -> bool:
         """Say goodbye (stop heartbeats first): the lighthouse forgets this replica at
         once instead of declaring it dead, and with ``finished`` remembers that the
         job finished at ``step``. Best effort: returns False if the lighthouse could
@@ -875,12 +883,17 @@ class LighthouseClient:
         When the lighthouse finds this replica's state forked from the job's lineage (a
         later quorum re-decided a step it had committed: its last steps, which no request
         of it followed), :attr:`forked` is set to ``(the step re-decided, why)``: its
-        commits after that step are not in the job's model."""
+        commits after that step are not in the job's model.
+
+        ``data`` (with ``finished``): the model's data state (``positions``, ``last_step``: one
+        entry per replica), which the lighthouse hands to replicas asking after the end."""
         self.stop_heartbeats()
         last = self.last_quorum
         req = pb2.LeaveRequest(protocol_version=LIGHTHOUSE_PROTOCOL_VERSION, job_id=self.job_id,
                                replica_id=self.replica_id, step=step, finished=finished,
-                               incarnation=self.incarnation, last_quorum_id=last.quorum_id if last else 0)
+                               incarnation=self.incarnation, last_quorum_id=last.quorum_id if last else 0,
+                               data_positions=[int(v) for v in data["positions"]] if data else [],
+                               data_last_steps=[int(v) for v in data["last_step"]] if data else [])
         t = self.rpc_timeout_s if timeout_s is None else timeout_s
         try:
             resp = self._call("Leave", req, t)

@@ -293,7 +293,7 @@ class LeaderQuorumSource:
         try:
             q = self.client.get_quorum(step, **kwargs)
         except JobFinished as e:  # the followers end the same way (exit 0), not at a timeout
-            self.channel.share("quorum", {"job_finished": e.step, "message": str(e)}, 0)
+            self.channel.share("quorum", {"job_finished": e.step, "message": str(e), "data": e.data}, 0)
             raise
         self.channel.share("quorum", quorum_to_json(q), 0)
         return q
@@ -348,7 +348,7 @@ class FollowerQuorumSource:
         if "job_finished" in d:
             from fthsdp.control.lighthouse_client import JobFinished
 
-            raise JobFinished(d["message"], int(d["job_finished"]))
+            raise JobFinished(d["message"], int(d["job_finished"]), d.get("data"))
         q = quorum_from_json(d)
         self.client.set_step(step)
         self.missing_view = ""

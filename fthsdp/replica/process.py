@@ -557,7 +557,9 @@ class ReplicaProcess:
                 mgr.run(cfg.train.steps)
             self.ckpt.wait()
             step = int(mgr.state.step)
-            self.client.leave(step, finished=step >= cfg.train.steps)  # a normal exit is not a death
+            # A normal exit is not a death; the finisher's data state lets a replica that
+            # arrives after the end complete its ledger (JobFinished below).
+            self.client.leave(step, finished=step >= cfg.train.steps, data=mgr.data_state())
             forked = self.roll_back_fork(step)
             if forked is not None:
                 return self.end_forked(step, forked[1])
@@ -566,6 +568,12 @@ class ReplicaProcess:
             # and the replicas that finished hold the result.
             log.warning("replica %s: %s; exiting normally (the replicas that finished hold the job's final state)",
                         self.rid, e)
+            me = self.args.replica_id
+            if e.data is not None and 0 <= me < len(e.data["positions"]) == len(e.data["last_step"]):
+                # Killed between a commit and its ledger line, and restarted too late to rejoin:
+                # the finished model holds that batch of ours; record it now (never train it;
+                # a follower's copy of the ledger the same way).
+                self.record_unrecorded_commit(int(e.data["positions"][me]), int(e.data["last_step"][me]))
             self.client.leave(int(mgr.state.step), finished=False)
             self.roll_back_fork(int(mgr.state.step))  # woken after the end with a forked state
             self.metrics.write(kind="job_finished", replica=self.rid, step=int(mgr.state.step),

@@ -15,25 +15,29 @@ configured, it *is* that function (each call goes straight to it). Otherwise,
 on the first call with a given signature (the arguments' tree, shapes,
 dtypes and shardings) it lowers the call, and looks the program up under
 :func:`program_key`: a hash of the lowered program's text, this process's
-index and count, the devices the arguments live on, the XLA flags and the
-versions. A hit is loaded with ``jax.experimental.serialize_executable``
-(milliseconds); a miss is compiled and stored. Later calls with that
+index and count, the devices the program runs on, the XLA flags and the
+versions. A hit is loaded with ``jax.experimental.serialize_executable``; a
+miss is compiled and stored. (A 1-replica x 2-process job of the tiny test
+model: the follower's warm-up took 13.8 s with nothing stored, 1.9 s after.) Later calls with that
 signature call the compiled program directly: the program checks its
 arguments itself before it runs, so a call costs what calling a compiled
 program costs, and one that the program refuses (another tree, shape, dtype
 or sharding) is dispatched again. As with any compiled program, arguments that
 differ from the first call's only in a weak type reuse its program.
 
-GPUs are left to JAX: its key drops the device assignment on GPU so that it
-is the same on every process (its source says so), and followers read what
-process 0 wrote. That is not checked here, so this cache stays off there.
+GPUs are left to JAX: on GPU its key drops the device assignment so that it
+is the same on every process (its source says so), which would let followers
+read what process 0 wrote. That is not checked here; this cache stays off
+there.
 
-Entries are files ``<cache dir>/fthsdp-process-programs/<key>``: a magic line,
+Entries are files ``<cache dir>/fthsdp-process-programs/<function>-<key>``
+(``<cache dir>`` is JAX's, ``jax_compilation_cache_dir``): a magic line,
 the payload's SHA-256, then the payload. One that fails its check (a torn or
 edited file) is removed and the program compiled again, with a warning; a
 store that fails (a full disk) costs only the next start's compile. Like
 JAX's own cache, an entry is a serialized executable that loading runs:
-the cache folder must be writable by this user only.
+the cache folder must be writable by this user only. Nothing evicts
+entries (JAX's cache keeps everything by default too).
 """
 
 from __future__ import annotations
