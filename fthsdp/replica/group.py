@@ -418,12 +418,13 @@ class FollowerQuorumSource:
     def status(self, *a, **kw):
         return self.client.status(*a, **kw)
 
-    def leave(self, step: int, finished: bool = False) -> bool:
+    def leave(self, step: int, finished: bool = False, data: dict | None = None) -> bool:
         """Stop heartbeating; the leader says goodbye for the replica, and hands over the
         lighthouse's verdict: when the replica's final state forked, :attr:`forked` is set
         exactly as on the leader, so this process discards its state the same way (its
         ledger's commits rolled back, no "done" record claiming a final state). Without the
-        verdict (the leader died first) nothing is claimed forked: returns False."""
+        verdict (the leader died first) nothing is claimed forked: returns False. ``data``
+        (the model's data state) is the leader's to send; a follower's copy is the same."""
         self.client.stop_heartbeats()
         try:
             d = self.channel.receive("leave", self.timeout_s)
