@@ -23,6 +23,9 @@ from fthsdp.data import ReplicaStream  # noqa: E402
 from fthsdp.step.quorum_inputs import local_allreduce, make_quorum_inputs  # noqa: E402
 from fthsdp.step.sharding import AXIS  # noqa: E402
 from fthsdp.step.functional import make_train_step  # noqa: E402
+from fthsdp.devices import enable_compilation_cache  # noqa: E402
+
+enable_compilation_cache()  # a rerun loads the step instead of compiling it
 
 rank, n = s["rank"], s["n"]
 cfg = config_lib.load(s.get("config", "base"), list(s.get("overrides", [])))
