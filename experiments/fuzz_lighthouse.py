@@ -3,7 +3,8 @@
 Each input picks one of the lighthouse's four methods and sends it, over a
 real gRPC channel to a real ``LighthouseThread`` on loopback (``GetQuorum`` and
 ``Heartbeat`` either as a unary call or as a message of one long-lived session
-stream, fthsdp.control.session; or arbitrary bytes as a session message), either
+stream, fthsdp.control.session; or arbitrary bytes as a session message, or as a
+relay's batch or the messages of one on a relay stream, fthsdp.control.relay), either
 arbitrary bytes as the request body (what a stranger on the network can send)
 or a request message with arbitrary field values (ids of any length and
 content, steps anywhere in int64, unknown protocol versions, address lists that
@@ -70,6 +71,7 @@ class _State:
         self.channel = grpc.insecure_channel(self.thread.address)
         self.calls = {m: self.channel.unary_unary(f"/fthsdp.v1.Lighthouse/{m}") for m in METHODS}
         self.stream = _Stream(self.channel)
+        self.relay = _Stream(self.channel, session.RELAY_METHOD)
         self.seq = 0
         self.session_codes: collections.Counter[str] = collections.Counter()
         self.codes: collections.Counter[str] = collections.Counter()
@@ -95,9 +97,11 @@ STATE: _State | None = None
 
 
 class _Stream:
-    """One session stream (raw bytes both ways); a thread reads its replies into a queue."""
+    """One session stream, or a relay's (``method``), raw bytes both ways; a thread reads its
+    replies into a queue (a relay's batches unpacked)."""
 
-    def __init__(self, channel: grpc.Channel) -> None:
+    def __init__(self, channel: grpc.Channel, method: str = session.METHOD) -> None:
+        self.relayed = method == session.RELAY_METHOD
         self.out: queue.SimpleQueue = queue.SimpleQueue()
         self.replies: queue.Queue = queue.Queue()
 
@@ -105,13 +109,14 @@ class _Stream:
             while True:
                 yield self.out.get()
 
-        self.call = channel.stream_stream(session.METHOD)(requests())
+        self.call = channel.stream_stream(method)(requests())
         threading.Thread(target=self._read, daemon=True).start()
 
     def _read(self) -> None:
         try:
-            for raw in self.call:
-                self.replies.put(pb2.SessionReply.FromString(raw))  # a reply must be well-formed
+            for raw in self.call:  # a reply (and a batch of them) must be well-formed
+                for one in (pb2.RelayBatch.FromString(raw).messages if self.relayed else (raw,)):
+                    self.replies.put(pb2.SessionReply.FromString(one))
         except grpc.RpcError as e:
             self.replies.put(e)
         except Exception as e:  # noqa: BLE001 - recorded as a finding below
@@ -216,9 +221,16 @@ def test_one_input(data: bytes) -> None:
         STATE = _State()
     state = STATE
     fdp = atheris.FuzzedDataProvider(data)
-    transport = fdp.ConsumeIntInRange(0, 3)  # 0, 1: unary; 2: a session message; 3: raw bytes on the session
-    if transport == 3:
-        rep = state.stream.ask(fdp.ConsumeBytes(fdp.remaining_bytes()), None, 0.3)
+    # 0, 1: unary; 2: a session message; 3: raw bytes on the session; 4: on a relay stream, raw bytes
+    # as a batch or a batch of up to 4 raw messages
+    transport = fdp.ConsumeIntInRange(0, 4)
+    if transport >= 3:
+        stream = state.stream if transport == 3 else state.relay
+        if transport == 4 and fdp.ConsumeBool():
+            raw = session.batch([fdp.ConsumeBytes(fdp.ConsumeIntInRange(0, 64)) for _ in range(fdp.ConsumeIntInRange(1, 4))])
+        else:
+            raw = fdp.ConsumeBytes(fdp.remaining_bytes())
+        rep = stream.ask(raw, None, 0.3)
         # no reply yet: a well-formed quorum request without a deadline, waiting for its decision
         name = session.status_code(rep.code).name if rep is not None else "NO_REPLY_YET"
         state.session_codes[name] += 1

@@ -151,12 +151,13 @@ def round_breakdown(rep, trace: dict, warmup: int = 1) -> dict:
 
 def fthsdp_row(system: str, replicas: int, ranks_per_replica: int, rounds: int, heartbeat_s: float,
                profile: str = "", processes: int = 1, trace: bool = False, warmup: int = 1,
-               transport: str = "session") -> dict:
+               transport: str = "session", relays: int = 0) -> dict:
     """``heartbeat_s``: the leaders' heartbeat interval (0: no heartbeats). ``trace``: run the
     lighthouse under fthsdp.sim.lighthouse_trace and add each round's breakdown. ``warmup``:
     rounds run first and not measured (round 0 connects and forms the first quorum). ``transport``:
     ``session`` (heartbeats and quorum requests on one stream per process, fthsdp.control.session)
-    or ``unary`` (a call each)."""
+    or ``unary`` (a call each). ``relays``: relay processes between the leaders and the lighthouse
+    (fthsdp.control.relay; each carries a contiguous block of replicas), 0: none."""
     import tempfile
 
     tmp = tempfile.TemporaryDirectory(prefix="fthsdp-scale-trace-") if trace else None
@@ -184,7 +185,7 @@ def fthsdp_row(system: str, replicas: int, ranks_per_replica: int, rounds: int, 
         round_barrier=True, run_timeout_s=max(120.0, (rounds + 1) * max(30.0, 0.03 * replicas)),
         job_id=f"scale-{replicas}x{ranks_per_replica}",
         lighthouse_profile=profile, processes_per_replica=processes, lighthouse_trace=trace_path,
-        lighthouse_session=transport == "session")
+        lighthouse_session=transport == "session", relays=relays)
     rep = run_emulation(cfg)
     where = None
     if tmp is not None:
@@ -199,7 +200,8 @@ def fthsdp_row(system: str, replicas: int, ranks_per_replica: int, rounds: int, 
     complete = [r for r in measured if r["replicas"] == replicas and len(r["quorum_ids"]) == 1]
     lat = [r["latency_s"] for r in complete]
     return {
-        "system": system, "transport": transport, "replicas": replicas, "ranks": replicas * ranks_per_replica,
+        "system": system, "transport": transport, "relays": relays, "replicas": replicas,
+        "ranks": replicas * ranks_per_replica,
         "ranks_per_replica": ranks_per_replica, "heartbeat_interval_s": heartbeat_s,
         "processes_per_replica": processes, "shards_per_process": ranks_per_replica // processes,
         "timeouts_s": {"detect": t.detect_s, "join": t.join_timeout_s, "allreduce": t.allreduce_timeout_s,
@@ -643,16 +645,17 @@ def plot(rows: list[dict], path: Path) -> None:
     hier = [r for r in rows if r["system"] == "fthsdp-hierarchical" and r["p50_s"]]
     colors = {16: "tab:green", 512: "tab:purple"}
     def tr(r: dict) -> str:
-        return r.get("transport", "unary")  # rows measured before sessions existed were unary
+        t = r.get("transport", "unary")  # rows measured before sessions existed were unary
+        return f"{t}, {r['relays']} relays" if r.get("relays") else t
 
     for rpr, nproc, t in sorted({(r["replicas"], r.get("processes_per_replica", 1), tr(r)) for r in hier}):
         rs = sorted((r for r in hier if r["replicas"] == rpr and r.get("processes_per_replica", 1) == nproc
                      and tr(r) == t), key=lambda r: r["ranks"])
         color = colors.get(rpr, "tab:gray")
-        ls = ("-" if nproc == 1 else "--") if t == "session" else ":"
+        ls = ("-" if nproc == 1 else "--") if t == "session" else "-." if t.startswith("session") else ":"
         mk = {1: "^", 2: "v", 4: "<", 5: "D", 8: ">", 10: "s"}.get(nproc, "o")  # one marker per process count
         ax.plot([r["ranks"] for r in rs], [r["p50_s"] for r in rs], mk + ls, color=color,
-                alpha=1.0 if t == "session" else 0.5,
+                alpha=1.0 if t.startswith("session") else 0.5,
                 label=f"fthsdp-hierarchical {rpr} replicas x {nproc} process(es), {t}, p50")
         ax.plot([r["ranks"] for r in rs], [r["p99_s"] for r in rs], mk, color=color, alpha=0.4, mfc="none",
                 label=f"fthsdp-hierarchical {rpr} replicas x {nproc} process(es), {t}, p99")
@@ -696,7 +699,8 @@ def plot_breakdown(rows: list[dict], path: Path) -> bool:
     parts = [k for k in BREAKDOWN_PARTS if k not in ("decide_s", "of_which_writes_s")]  # inside other parts
     fig, ax = plt.subplots(figsize=(11, 5.5))
     labels = [f"{r['replicas']}x{r['ranks_per_replica']}/{r.get('processes_per_replica', 1)}\n"
-              f"{r.get('transport', 'unary')}, load {r['loadavg'][0]:.0f}" for r in hier]
+              f"{r.get('transport', 'unary')}{', %d relays' % r['relays'] if r.get('relays') else ''}, "
+              f"load {r['loadavg'][0]:.0f}" for r in hier]
     bottom = [0.0] * len(hier)
     colors = plt.get_cmap("tab10")
     for i, k in enumerate(parts):
@@ -719,8 +723,9 @@ def plot_breakdown(rows: list[dict], path: Path) -> bool:
 
 
 def shape_key(r: dict) -> str:
-    """A hierarchical row's shape as written on the command line: RxG/P."""
-    return f"{r['replicas']}x{r['ranks_per_replica']}/{r.get('processes_per_replica', 1)}"
+    """A hierarchical row's shape as written on the command line: RxG/P (and its relays)."""
+    relays = f" relays {r['relays']}" if r.get("relays") else ""
+    return f"{r['replicas']}x{r['ranks_per_replica']}/{r.get('processes_per_replica', 1)}{relays}"
 
 
 def verdict(rows: list[dict], decision: dict | None = None) -> dict:
@@ -814,6 +819,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile-shapes", nargs="*", default=None,
                     help="hierarchical shapes RxG[/P] to profile the lighthouse at, with heartbeats (default 512x196)")
     ap.add_argument("--torchft-timeout", type=float, default=120.0, help="per-call deadline for torchft (s)")
+    ap.add_argument("--relays", type=int, nargs="+", default=[0],
+                    help="hierarchical rows: relay processes between the leaders and the lighthouse "
+                         "(fthsdp/control/relay.py), each row measured with each count (default 0: none; "
+                         "session transport only)")
     ap.add_argument("--transport", nargs="+", default=["session"], choices=["session", "unary"],
                     help="how fthsdp's replicas reach the lighthouse: session (one stream per process, the "
                          "default) and/or unary (a call each, the earlier transport): each row is measured with "
@@ -873,7 +882,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def row_key(r: dict) -> tuple:
         return (r["system"], r["replicas"], r["ranks"], r.get("processes_per_replica", 1),
-                r.get("transport", "unary"), r.get("beside", ""))
+                r.get("transport", "unary"), r.get("relays", 0), r.get("beside", ""))
 
     def add(r: dict) -> None:
         result["rows"] = [x for x in result["rows"] if row_key(x) != row_key(r)] + [r]
@@ -887,16 +896,19 @@ def main(argv: list[str] | None = None) -> int:
         p50 = "-" if r["p50_s"] is None else f"{r['p50_s'] * 1e3:8.1f} ms"
         p99 = "-" if r["p99_s"] is None else f"{r['p99_s'] * 1e3:8.1f} ms"
         procs = f"{r['processes_per_replica']} proc" if "processes_per_replica" in r else ""
-        print(f"{r['system']:20s} {r.get('transport', 'unary'):7s} {procs:8s} {r['replicas']:5d} replicas {r['ranks']:7d} ranks: p50 {p50} p99 {p99} "
+        relays = f"{r['relays']} relays" if r.get("relays") else ""
+        print(f"{r['system']:20s} {r.get('transport', 'unary'):7s} {relays:9s} {procs:8s} {r['replicas']:5d} replicas {r['ranks']:7d} ranks: p50 {p50} p99 {p99} "
               f"({r['complete_rounds']}/{r['rounds']} rounds; load {r['loadavg'][0]:.1f})"
               + (f"; beside {r['beside']}, {r['request_bytes']} B requests, {r['reply_bytes']} B answers, server "
                  f"CPU {(r.get('server_cpu_s_per_round') or 0) * 1e3:.0f} ms a round" if r.get("beside") else "")
               + (f"; {r['error']}" if r.get("error") else ""), flush=True)
 
     if "hierarchical" not in args.skip:
-        for (rpr, g, nproc), transport in ((x, t) for x in shapes for t in args.transport):
+        runs = [(x, t, k) for x in shapes for t in args.transport for k in args.relays
+                if k <= x[0] and (k == 0 or t == "session")]
+        for (rpr, g, nproc), transport, relays in runs:
             r = fthsdp_row("fthsdp-hierarchical", rpr, g, rounds, heartbeat_s=args.heartbeat, processes=nproc,
-                           trace=not args.no_breakdown, warmup=args.warmup, transport=transport)
+                           trace=not args.no_breakdown, warmup=args.warmup, transport=transport, relays=relays)
             add(r)
             show(r)
             b = r.get("breakdown", {}).get("median")
@@ -907,7 +919,7 @@ def main(argv: list[str] | None = None) -> int:
                         f"{b['heartbeats_this_round']} heartbeats, ranks' own work "
                         f"{(b['rank_work_s_this_round'] or 0) * 1e3:.1f} ms", flush=True)
             save()
-            if "floor" not in args.skip and transport == "session":
+            if "floor" not in args.skip and transport == "session" and not relays:
                 fl = floor_row(rpr, rounds, r["leader_request_bytes_median"], r["leader_answer_bytes_median"])
                 fl.update(beside=shape_key(r), beside_ranks=r["ranks"])
                 add(fl)

@@ -621,7 +621,7 @@ class Lighthouse(pb2_grpc.LighthouseServicer):
         self.stats = {"decisions": 0, "evaluations": 0, "evaluation_s": 0.0, "replies_serialized": 0,
                       "replies_sent": 0, "replies_rings_omitted": 0, "replies_members_omitted": 0, "stalls": 0, "rca_runs": 0, "rca_s": 0.0,
                       "sdc_mismatches": 0, "refused": 0, "forgotten_dead": 0,
-                      "sessions_opened": 0, "session_messages": 0, "requests_endpoints_held": 0,
+                      "sessions_opened": 0, "session_messages": 0, "relay_batches": 0, "requests_endpoints_held": 0,
                       "endpoints_not_held": 0}
         self._auth = guard.CallAuthenticator(self.config.secret)
         # The verdicts as Prometheus series, served on config.metrics_bind (start()).
@@ -1108,9 +1108,12 @@ class Lighthouse(pb2_grpc.LighthouseServicer):
                 )
         return None
 
-    def _admit(self, request, peer: str, now: float) -> guard.Refusal | None:
+    def _admit(self, request, peer: str, now: float, relayed: bool = False) -> guard.Refusal | None:
         """The checks that need job state: jobs per lighthouse, replicas per job, new ids
-        per client host, and the (replica, process)'s incarnation (guard.incarnation_problem)."""
+        per client host, and the (replica, process)'s incarnation (guard.incarnation_problem).
+        A new id costs its connection extra (admission.py), except on a relay's connection,
+        which registers every process behind it: the relay's host is still bounded by the
+        new-ids rate, and each id's job by its replica limit and its budget."""
         lim = self.config.limits
         job = self._jobs.get(request.job_id)
         if job is None and len(self._jobs) >= lim.max_jobs:
@@ -1127,7 +1130,7 @@ class Lighthouse(pb2_grpc.LighthouseServicer):
                 return guard.Refusal(grpc.StatusCode.RESOURCE_EXHAUSTED, (
                     f"too many new replica ids from {peer} (limit {lim.new_ids_per_s:g}/s after a burst "
                     f"of {lim.new_ids_burst}): replica {rid!r} of job {request.job_id!r} is refused; retry later"))
-            if self._admission is not None:  # registering an id costs more than a call (fthsdp/control/admission.py)
+            if self._admission is not None and not relayed:  # registering an id costs more than a call
                 self._admission.new_id(peer, now)
         if job is not None:
             proc = getattr(request, "process_index", 0)  # Leave: the replica's leader
@@ -1150,9 +1153,9 @@ class Lighthouse(pb2_grpc.LighthouseServicer):
         except Refused as e:
             await self._abort(context, e)
 
-    def _admitted(self, request, peer: str, now: float) -> None:
+    def _admitted(self, request, peer: str, now: float, relayed: bool = False) -> None:
         """:meth:`_admit`, counted and raised as :class:`Refused` when it refuses."""
-        refusal = self._admit(request, peer, now)
+        refusal = self._admit(request, peer, now, relayed)
         if refusal is not None:
             self.stats["refused"] += 1
             raise Refused(refusal.code, refusal.reason)
@@ -1192,13 +1195,14 @@ class Lighthouse(pb2_grpc.LighthouseServicer):
             self.withdraw(job, entry)
         return self.quorum_answer(job, request, result)
 
-    def accept_quorum_request(self, request: pb2.QuorumRequest, peer: str,
-                              now: float) -> bytes | tuple[_Job, _Pending]:
+    def accept_quorum_request(self, request: pb2.QuorumRequest, peer: str, now: float,
+                              relayed: bool = False) -> bytes | tuple[_Job, _Pending]:
         """Everything a quorum request does before it waits, whatever carried it (a unary
         call, a session message): the checks that need job state, the bookkeeping, and
         its pending entry, whose future the decision completes (a quorum, a
         :class:`_Finished`, or an exception: :meth:`quorum_error`). Returns the answer at
-        once (bytes) when there is nothing to wait for; raises :class:`Refused`."""
+        once (bytes) when there is nothing to wait for; raises :class:`Refused`. ``relayed``:
+        it came through a relay (:meth:`_admit`)."""
         if request.endpoints_held:
             ftar, server = self._held_endpoints(request)
         else:  # converted from the message once per request
@@ -1206,7 +1210,7 @@ class Lighthouse(pb2_grpc.LighthouseServicer):
         err = self._check_quorum_request(request, now, ftar)
         if err:
             raise Refused(grpc.StatusCode.INVALID_ARGUMENT, err)
-        self._admitted(request, peer, now)
+        self._admitted(request, peer, now, relayed)
         job = self._job(request.job_id)
         self._bind(job, request)
         rid = request.replica_id
@@ -1338,16 +1342,16 @@ class Lighthouse(pb2_grpc.LighthouseServicer):
         except Refused as e:
             await self._abort(context, e)
 
-    def accept_heartbeat(self, request: pb2.HeartbeatRequest, peer: str, now: float) -> bytes:
-        """A heartbeat, whatever carried it (a unary call, a session message): the serialized
-        reply, or :class:`Refused`."""
+    def accept_heartbeat(self, request: pb2.HeartbeatRequest, peer: str, now: float, relayed: bool = False) -> bytes:
+        """A heartbeat, whatever carried it (a unary call, a session message, a relay's batch):
+        the serialized reply, or :class:`Refused`."""
         err = _version_error(request.protocol_version)
         who = f"process {request.process_index} of replica {request.replica_id!r} of job {request.job_id!r}"
         err = err or _endpoints_error(who, request.num_processes, request.process_index, request.local_world_size,
                                       request.ftar_addresses, required=False)
         if err:
             raise Refused(grpc.StatusCode.INVALID_ARGUMENT, err)
-        self._admitted(request, peer, now)
+        self._admitted(request, peer, now, relayed)
         job = self._job(request.job_id)
         self._bind(job, request)
         rid = request.replica_id

@@ -51,7 +51,7 @@ import grpc
 
 from fthsdp.control import auth, quorum as qm
 from fthsdp.control.session import SESSION_METHODS
-from fthsdp.control.session_client import SessionUnsupported, SyncSession, beat_covered
+from fthsdp.control.session_client import SessionError, SessionUnsupported, SyncSession, beat_covered, relay_gone
 from fthsdp.observe.load_metrics import LoadSnapshot
 from fthsdp.observe.phase import Phase, PhaseSnapshot, StreamReport
 from fthsdp.errors import JobFatalError
@@ -593,6 +593,7 @@ class LighthouseClient:
         status_key: bytes | None = None,
         tls_ca_file: str = "",
         session: bool = True,
+        relay: str = "",
     ) -> None:
         """``outage_s``: how long ``get_quorum`` retries an unreachable lighthouse
         (0 = fail at once). ``rejoin``: this process was restarted to rejoin a
@@ -602,7 +603,9 @@ class LighthouseClient:
         ``--insecure``); ``status_key``: the read-only key, for Status only;
         ``tls_ca_file``: a PEM certificate to trust, connecting over TLS. ``session``: send
         heartbeats and quorum requests as messages of one long-lived stream
-        (:mod:`fthsdp.control.session`; unary calls when the lighthouse offers none)."""
+        (:mod:`fthsdp.control.session`; unary calls when the lighthouse offers none).
+        ``relay``: HOST:PORT of a relay (:mod:`fthsdp.control.relay`) to carry that stream (over
+        TLS too when ``tls_ca_file`` is given); the lighthouse directly once the relay is gone."""
         if num_processes < 1 or not 0 <= process_index < num_processes:
             raise ValueError(f"process_index {process_index} must be in 0..num_processes-1 (num_processes "
                              f"{num_processes} >= 1)")
@@ -630,12 +633,18 @@ class LighthouseClient:
         self._call_key = auth.derive(key, "lighthouse") if key is not None else None
         self._status_key = status_key
         self.incarnation = os.urandom(16).hex()  # this process's claim on its (replica id, process)
+        creds = None
         if tls_ca_file:
             with open(tls_ca_file, "rb") as f:
                 creds = grpc.ssl_channel_credentials(root_certificates=f.read())
-            self._channel = grpc.secure_channel(address, creds, options=_CHANNEL_OPTIONS)
-        else:
-            self._channel = grpc.insecure_channel(address, options=_CHANNEL_OPTIONS)
+
+        def channel(to: str) -> grpc.Channel:
+            return grpc.secure_channel(to, creds, options=_CHANNEL_OPTIONS) if creds is not None else \
+                grpc.insecure_channel(to, options=_CHANNEL_OPTIONS)
+
+        self._channel = channel(address)
+        self.relay = relay if session else ""
+        self._relay_channel = channel(relay) if self.relay else None
         # Requests go as bytes: the credential signs exactly the bytes before it.
         self._rpc = {
             name: self._channel.unary_unary(_SERVICE + name, request_serializer=None,
@@ -645,7 +654,9 @@ class LighthouseClient:
                                 ("Status", "StatusResponse"))
         }
         # Heartbeats and quorum requests as messages of one stream (None: unary calls).
-        self._session: SyncSession | None = SyncSession(self._channel) if session else None
+        self._session: SyncSession | None = \
+            SyncSession(self._relay_channel or self._channel) if session else None
+        self._lock_relay = threading.Lock()  # the heartbeat thread and the step may both find the relay gone
         self._asked_at = -math.inf  # when get_quorum last sent a request (monotonic)
         self._step = 0
         self._hb_thread: threading.Thread | None = None
@@ -699,13 +710,35 @@ class LighthouseClient:
             body = auth.signed_request(key, method, req.job_id, getattr(req, "replica_id", ""), body, kind)
         s = self._session
         if s is not None and method in SESSION_METHODS:
+            start = time.monotonic()
             try:
                 return _REPLY_TYPES[method].FromString(s.request(method, body, timeout))
             except SessionUnsupported as e:
-                log.info("lighthouse %s: %s; using unary calls", self.address, e.details())
+                log.info("%s: %s; using unary calls", f"relay {self.relay}" if self.relay else
+                         f"lighthouse {self.address}", e.details())
                 self._session = None
                 s.close()
+            except SessionError as e:
+                if not (self.relay and relay_gone(e)):
+                    raise
+                s = self._leave_relay(s, e)
+                return _REPLY_TYPES[method].FromString(
+                    s.request(method, body, max(0.001, timeout - (time.monotonic() - start))))
         return self._rpc[method](body, timeout=timeout)
+
+    def _leave_relay(self, old: SyncSession, e: SessionError) -> SyncSession:
+        """The relay is gone: the session goes to the lighthouse directly from now on."""
+        with self._lock_relay:
+            if self._session is old:
+                log.warning("relay %s is gone (%s): process %d of replica %r speaks to lighthouse %s directly",
+                            self.relay, e.details(), self.process_index, self.replica_id, self.address)
+                self._session = SyncSession(self._channel)
+                old.close()
+                if self._relay_channel is not None:
+                    self._relay_channel.close()
+                    self._relay_channel = None
+                self.relay = ""
+            return self._session
 
     # -- errors --------------------------------------------------------------
 
@@ -1062,6 +1095,8 @@ class LighthouseClient:
         self.stop_heartbeats()
         if self._session is not None:
             self._session.close()
+        if self._relay_channel is not None:
+            self._relay_channel.close()
         self._channel.close()
 
     def __enter__(self) -> LighthouseClient:

@@ -49,16 +49,24 @@ from fthsdp.timeouts import LIGHTHOUSE_MAX_HOLD_S
 pb2, _ = _load_stubs()
 log = logging.getLogger("fthsdp.control.lighthouse")
 
-__all__ = ["SERVICE", "METHOD", "SESSION_METHODS", "MAX_OPEN", "MAX_TIMEOUT_S", "envelope", "reply",
-           "envelope_problem", "generic_handler", "status_code"]
+__all__ = ["SERVICE", "METHOD", "RELAY_METHOD", "SESSION_METHODS", "MAX_OPEN", "MAX_OPEN_RELAYED", "MAX_BATCH",
+           "MAX_TIMEOUT_S", "Stream", "envelope", "reply", "envelope_problem", "batch", "batch_problem", "generic_handler",
+           "status_code"]
 
 SERVICE = "fthsdp.v1.LighthouseSession"
 METHOD = f"/{SERVICE}/Open"
+RELAY_METHOD = f"/{SERVICE}/OpenRelay"  # many processes' sessions on one stream (fthsdp.control.relay)
 # The calls a session carries (the others, rare, stay unary: Leave, GetView, Status).
 SESSION_METHODS = {"GetQuorum": "QuorumRequest", "Heartbeat": "HeartbeatRequest"}
 MAX_OPEN = 64  # requests one session may have unanswered; more are refused (a process has at most two)
 MAX_TIMEOUT_S = 7 * 24 * 3600.0  # a message's deadline beyond a week is a bug (Timeouts.MAX_S)
 MAX_OUTBOX = 256  # replies waiting for the client to read them before the session stops reading
+# A relay's stream carries many processes: one open quorum request each (a few more while they retry).
+MAX_OPEN_RELAYED = 65_536
+MAX_BATCH = 4096  # messages in one RelayBatch; a relay sends what queued while its last write went out
+# Refused messages (malformed, unauthenticated) one batch may hold before the rest of it goes unread: each
+# costs its connection the usual surcharge, and this bounds what one batch of garbage costs the lighthouse.
+MAX_REFUSED_PER_BATCH = 8
 
 _CODES = {c.value[0]: c for c in grpc.StatusCode}
 
@@ -79,6 +87,22 @@ def reply(seq: int, body: bytes = b"", code: grpc.StatusCode = grpc.StatusCode.O
     return pb2.SessionReply(seq=seq, code=code.value[0], details=details, body=body).SerializeToString()
 
 
+def batch(messages, withdrawn=()) -> bytes:
+    """A relay's :class:`RelayBatch`: serialized session messages (and, upstream, withdrawn seqs)."""
+    return pb2.RelayBatch(messages=messages, withdrawn=withdrawn).SerializeToString()
+
+
+def batch_problem(msg) -> str | None:
+    """What is wrong with a parsed ``RelayBatch`` as a whole, or None."""
+    n = len(msg.messages) + len(msg.withdrawn)
+    if n == 0:
+        return "the relay batch is empty: send at least one message or withdrawn seq"
+    if len(msg.messages) > MAX_BATCH or len(msg.withdrawn) > MAX_OPEN_RELAYED:
+        return (f"the relay batch holds {len(msg.messages)} messages and {len(msg.withdrawn)} withdrawn seqs (at "
+                f"most {MAX_BATCH} and {MAX_OPEN_RELAYED}): send what is queued in several batches")
+    return None
+
+
 def envelope_problem(msg) -> str | None:
     """What is wrong with a parsed ``SessionRequest`` around its body, or None."""
     if msg.seq == 0:
@@ -91,12 +115,15 @@ def envelope_problem(msg) -> str | None:
     return None
 
 
-class _Session:
+class Stream:
     """One open stream: its unanswered quorum requests and the replies waiting to be written."""
 
-    def __init__(self, context, peer: str) -> None:
+    def __init__(self, context, peer: str, relayed: bool = False) -> None:
         self.context = context
         self.peer = peer
+        # A relay's stream (OpenRelay): batches both ways, many processes' requests open at once.
+        self.relayed = relayed
+        self.max_open = MAX_OPEN_RELAYED if relayed else MAX_OPEN
         self.outbox: collections.deque[bytes] = collections.deque()
         self.wake = asyncio.Event()  # the writer has something to write (or the session ends)
         self.drained = asyncio.Event()
@@ -104,6 +131,7 @@ class _Session:
         self.closed = False
         # seq -> (job, pending entry, deadline timer) of each open quorum request
         self.open: dict[int, tuple] = {}
+        self.charged = 0  # refusals of the current batch charged to the connection (relayed)
 
     def send(self, raw: bytes) -> None:
         if self.closed:
@@ -118,6 +146,10 @@ class _Session:
         while True:
             await self.wake.wait()
             self.wake.clear()
+            if self.relayed:  # everything queued in one batch: one write however many replies
+                while self.outbox:
+                    out = [self.outbox.popleft() for _ in range(min(len(self.outbox), MAX_BATCH))]
+                    await self.context.write(batch(out))
             while self.outbox:
                 await self.context.write(self.outbox.popleft())
             self.drained.set()
@@ -135,13 +167,14 @@ def generic_handler(lighthouse, gate: guard.CallGate) -> grpc.GenericRpcHandler:
     stats = lighthouse.stats
     parsers = {m: getattr(pb2, t).FromString for m, t in SESSION_METHODS.items()}
 
-    def refused(s: _Session, seq: int, code: grpc.StatusCode, reason: str, charge: bool = True) -> None:
+    def refused(s: Stream, seq: int, code: grpc.StatusCode, reason: str, charge: bool = True) -> None:
         gate.count(code)
         if charge:
             gate.charge(s.peer)
+            s.charged += 1
         s.send(reply(seq, code=code, details=reason))
 
-    def answered(s: _Session, seq: int, request, fut: asyncio.Future) -> None:
+    def answered(s: Stream, seq: int, request, fut: asyncio.Future) -> None:
         """The decision completed ``fut``: push the answer (or the refusal) to the session."""
         item = s.open.pop(seq, None)
         if item is None or s.closed:
@@ -163,7 +196,7 @@ def generic_handler(lighthouse, gate: guard.CallGate) -> grpc.GenericRpcHandler:
             log.exception("session %s: answering quorum request %d failed", s.peer, seq)
             s.send(reply(seq, code=grpc.StatusCode.INTERNAL, details=f"the lighthouse failed to answer: {e}"))
 
-    def expired(s: _Session, seq: int) -> None:
+    def expired(s: Stream, seq: int) -> None:
         item = s.open.pop(seq, None)
         if item is None:
             return
@@ -173,12 +206,14 @@ def generic_handler(lighthouse, gate: guard.CallGate) -> grpc.GenericRpcHandler:
             entry.future.cancel()
         s.send(reply(seq, code=grpc.StatusCode.DEADLINE_EXCEEDED, details=lighthouse.no_quorum_reason(job)))
 
-    async def message(s: _Session, raw: bytes) -> None:
-        """One message, checked in the unary call's order; its reply goes to the outbox."""
-        refusal = await gate.connection(s.peer, LIGHTHOUSE_MAX_HOLD_S)
-        if refusal is not None:
-            msg = _parse_envelope(raw)
-            return refused(s, msg.seq if msg is not None else 0, refusal.code, refusal.reason, False)
+    async def message(s: Stream, raw: bytes) -> None:
+        """One message, checked in the unary call's order; its reply goes to the outbox (a relay's
+        stream: its connection's budget was charged once for the whole batch, in :func:`relayed`)."""
+        if not s.relayed:
+            refusal = await gate.connection(s.peer, LIGHTHOUSE_MAX_HOLD_S)
+            if refusal is not None:
+                msg = _parse_envelope(raw)
+                return refused(s, msg.seq if msg is not None else 0, refusal.code, refusal.reason, False)
         msg = _parse_envelope(raw)
         if msg is None:
             return refused(s, 0, guard.INVALID, (
@@ -198,21 +233,23 @@ def generic_handler(lighthouse, gate: guard.CallGate) -> grpc.GenericRpcHandler:
         # The credential is the body's last field, as in a unary call (the gate charges its refusals).
         refusal = await gate.request(name, req, msg.body, s.peer, lambda: LIGHTHOUSE_MAX_HOLD_S)
         if refusal is not None:
+            if refusal.code != guard.EXHAUSTED:
+                s.charged += 1  # the gate charged its connection for it
             return refused(s, seq, refusal.code, refusal.reason, False)
         if s.closed:
             return
         now = time.monotonic()
         try:
             if name == "Heartbeat":
-                s.send(reply(seq, lighthouse.accept_heartbeat(req, s.peer, now)))
+                s.send(reply(seq, lighthouse.accept_heartbeat(req, s.peer, now, relayed=s.relayed)))
                 return
-            if seq in s.open or len(s.open) >= MAX_OPEN:
+            if seq in s.open or len(s.open) >= s.max_open:
                 return refused(s, seq, guard.INVALID if seq in s.open else guard.EXHAUSTED, (
                     f"quorum request {seq} of this session is already open: number each message anew"
                     if seq in s.open else
-                    f"this session has {len(s.open)} quorum requests unanswered (at most {MAX_OPEN}): wait for "
+                    f"this session has {len(s.open)} quorum requests unanswered (at most {s.max_open}): wait for "
                     "their answers"))
-            got = lighthouse.accept_quorum_request(req, s.peer, now)
+            got = lighthouse.accept_quorum_request(req, s.peer, now, relayed=s.relayed)
         except Refused as e:
             return refused(s, seq, e.code, e.reason, False)
         if isinstance(got, bytes):
@@ -225,8 +262,56 @@ def generic_handler(lighthouse, gate: guard.CallGate) -> grpc.GenericRpcHandler:
         s.open[seq] = (job, entry, timer)
         entry.future.add_done_callback(lambda fut, s=s, seq=seq, req=req: answered(s, seq, req, fut))
 
-    async def open_session(request_iterator, context: grpc.aio.ServicerContext) -> None:
-        s = _Session(context, context.peer() or "")
+    def withdrawn(s: Stream, seq: int) -> None:
+        """The relay's client behind ``seq`` went away: as if its own stream had ended (no reply)."""
+        item = s.open.pop(seq, None)
+        if item is None:
+            return  # answered already (the answer crossed the relay's notice), or never opened
+        job, entry, timer = item
+        if timer is not None:
+            timer.cancel()
+        lighthouse.withdraw(job, entry)
+        if not entry.future.done():
+            entry.future.cancel()
+
+    async def relay_batch(s: Stream, raw: bytes) -> None:
+        """A relay's batch: the connection's budget once, then each message as on its own session."""
+        try:
+            msg = pb2.RelayBatch.FromString(raw)
+        except Exception:  # noqa: BLE001 - any garbage from the network
+            msg = None
+        refusal = await gate.connection(s.peer, LIGHTHOUSE_MAX_HOLD_S)
+        if msg is None:
+            return refused(s, 0, guard.INVALID, (
+                "a relay message is not a valid RelayBatch protobuf message: send fthsdp's lighthouse protocol "
+                "(fthsdp/proto/lighthouse.proto)"), refusal is None)
+        if refusal is not None:  # each message gets the refusal, so that its client hears it at once
+            for inner in msg.messages[:MAX_BATCH]:
+                env = _parse_envelope(inner)
+                refused(s, env.seq if env is not None else 0, refusal.code, refusal.reason, False)
+            return
+        err = batch_problem(msg)
+        if err:
+            return refused(s, 0, guard.INVALID, err)
+        stats["relay_batches"] += 1
+        s.charged = 0
+        for i, inner in enumerate(msg.messages):
+            if s.charged >= MAX_REFUSED_PER_BATCH:  # garbage: the rest of the batch goes unchecked
+                for rest in msg.messages[i:]:
+                    env = _parse_envelope(rest)
+                    refused(s, env.seq if env is not None else 0, guard.EXHAUSTED, (
+                        f"{s.charged} messages of this relay batch were refused (malformed or unauthenticated): "
+                        f"the rest of it was not read; fix what the relay's clients send"), False)
+                break
+            stats["session_messages"] += 1
+            await message(s, inner)
+        # After the messages: a client that sent a request and went away before the batch left
+        # has both in it, and its request must not stay open.
+        for seq in msg.withdrawn:
+            withdrawn(s, seq)
+
+    async def serve(relayed: bool, context: grpc.aio.ServicerContext) -> None:
+        s = Stream(context, context.peer() or "", relayed)
         stats["sessions_opened"] += 1
         writer = asyncio.get_running_loop().create_task(s.writer())
         try:
@@ -236,9 +321,12 @@ def generic_handler(lighthouse, gate: guard.CallGate) -> grpc.GenericRpcHandler:
                 raw = await context.read()
                 if raw is grpc.aio.EOF:
                     break
-                stats["session_messages"] += 1
                 try:
-                    await message(s, raw)
+                    if relayed:
+                        await relay_batch(s, raw)
+                    else:
+                        stats["session_messages"] += 1
+                        await message(s, raw)
                 except Exception as e:  # noqa: BLE001 - a bug here must not end the lighthouse
                     log.exception("session %s: a message failed", s.peer)
                     s.send(reply(0, code=grpc.StatusCode.INTERNAL, details=f"the lighthouse failed: {e}"))
@@ -257,9 +345,17 @@ def generic_handler(lighthouse, gate: guard.CallGate) -> grpc.GenericRpcHandler:
             except (asyncio.TimeoutError, asyncio.CancelledError, Exception):  # noqa: BLE001 - it is gone
                 writer.cancel()
 
-    handler = grpc.stream_stream_rpc_method_handler(open_session, request_deserializer=None,
-                                                    response_serializer=None)
-    return grpc.method_handlers_generic_handler(SERVICE, {"Open": handler})
+    async def open_session(request_iterator, context: grpc.aio.ServicerContext) -> None:
+        await serve(False, context)
+
+    async def open_relay(request_iterator, context: grpc.aio.ServicerContext) -> None:
+        await serve(True, context)
+
+    return grpc.method_handlers_generic_handler(SERVICE, {
+        "Open": grpc.stream_stream_rpc_method_handler(open_session, request_deserializer=None,
+                                                      response_serializer=None),
+        "OpenRelay": grpc.stream_stream_rpc_method_handler(open_relay, request_deserializer=None,
+                                                           response_serializer=None)})
 
 
 def _parse_envelope(raw: bytes):

@@ -10,6 +10,12 @@ transports alike. A stream that breaks (the lighthouse died or restarted)
 fails every open request with ``UNAVAILABLE`` and is opened again by the next
 request. A lighthouse that does not offer sessions answers ``UNIMPLEMENTED``:
 :class:`SessionUnsupported`, after which the caller uses unary calls.
+
+A session may go through a relay (:mod:`fthsdp.control.relay`). A relay that
+cannot reach the lighthouse answers ``UNAVAILABLE`` itself; a relay that is
+gone breaks the stream (:func:`relay_gone`), after which the client speaks to
+the lighthouse directly: a relay bounds the lighthouse's fan-in, never its
+clients' availability.
 """
 
 from __future__ import annotations
@@ -25,15 +31,16 @@ from fthsdp.proto import lighthouse as _load_stubs
 
 pb2, _ = _load_stubs()
 
-__all__ = ["SessionError", "SessionUnsupported", "SyncSession", "parse_reply", "beat_covered"]
+__all__ = ["SessionError", "SessionUnsupported", "SyncSession", "parse_reply", "beat_covered", "relay_gone"]
 
 
 class SessionError(grpc.RpcError):
     """A session request ended with a non-OK status (as a unary call's ``grpc.RpcError``)."""
 
-    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+    def __init__(self, code: grpc.StatusCode, details: str, broken: bool = False) -> None:
         super().__init__(f"{code.name}: {details}")
         self._code, self._details = code, details
+        self.broken = broken  # the stream itself ended (not a reply's status)
 
     def code(self) -> grpc.StatusCode:
         return self._code
@@ -75,7 +82,15 @@ def stream_error(e: BaseException) -> SessionError:
         return SessionUnsupported(code, f"the lighthouse offers no session stream: {details}")
     if code in (grpc.StatusCode.CANCELLED, grpc.StatusCode.OK):
         code = grpc.StatusCode.UNAVAILABLE  # the stream ended under its requests: as if unreachable
-    return SessionError(code, f"session stream ended: {details}")
+    return SessionError(code, f"session stream ended: {details}", broken=True)
+
+
+def relay_gone(e: BaseException) -> bool:
+    """Whether ``e``, from a session through a relay, means the relay itself is gone (its stream
+    broke, unreachable): the client then speaks to the lighthouse directly. An ``UNAVAILABLE``
+    *reply* (the relay cannot reach the lighthouse) is an outage to ride out as without a relay."""
+    return (isinstance(e, SessionError) and e.broken and not isinstance(e, SessionUnsupported)
+            and e.code() == grpc.StatusCode.UNAVAILABLE)
 
 
 class _Waiter:

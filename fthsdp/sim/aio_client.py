@@ -36,7 +36,7 @@ import grpc
 
 from fthsdp.control import quorum as qm, session as sess
 from fthsdp.control.session_client import (SessionError, SessionUnsupported, beat_covered, parse_reply,
-                                           stream_error)
+                                           relay_gone, stream_error)
 from fthsdp.replica.fsm import membership
 from fthsdp.control.lighthouse_client import (
     HeartbeatReply,
@@ -269,7 +269,7 @@ class AioLighthouseClient:
     def __init__(self, address: str, job_id: str, replica_id: str, *, outage_s: float,
                  heartbeat_timeout_s: float, rejoin: bool = False, process_index: int = 0,
                  num_processes: int = 1, channel_of: "AioLighthouseClient | None" = None,
-                 session: bool = True) -> None:
+                 session: bool = True, relay: str = "") -> None:
         if num_processes < 1 or not 0 <= process_index < num_processes:
             raise ValueError(f"process_index {process_index} must be in 0..num_processes-1 ({num_processes})")
         self.address = address
@@ -304,8 +304,14 @@ class AioLighthouseClient:
             response_deserializer=None)
         # Heartbeats and quorum requests as messages of one stream (None: unary calls; also once
         # the lighthouse said it offers no sessions). A shared channel shares its owner's stream.
-        self.session: AioSession | None = (None if not session else AioSession(self._channel) if channel_of is None
-                                           else channel_of.session)
+        # ``relay``: a relay's address carries the session (fthsdp.control.relay); the lighthouse
+        # directly once it is gone. A client sharing a channel shares its owner's relay.
+        self.relay = "" if not session else relay if channel_of is None else channel_of.relay
+        self._relay_channel = (grpc.aio.insecure_channel(self.relay, options=_OPTIONS)
+                               if self.relay and channel_of is None else None)
+        self.session: AioSession | None = (
+            None if not session else channel_of.session if channel_of is not None
+            else AioSession(self._relay_channel or self._channel))
         self.last_quorum: qm.Quorum | None = None
         self.asked_at = -math.inf  # when get_quorum last sent a request (perf_counter)
         self.step = 0
@@ -378,11 +384,23 @@ class AioLighthouseClient:
         """One request: on the session when there is one and it carries ``name``, else unary."""
         s = self.session
         if s is not None and name in sess.SESSION_METHODS:
+            body = req if isinstance(req, bytes) else req.SerializeToString()
+            start = time.monotonic()
             try:
-                return await s.request(name, req if isinstance(req, bytes) else req.SerializeToString(), timeout_s)
+                return await s.request(name, body, timeout_s)
             except SessionUnsupported:
                 self.session = None
                 await s.close()
+            except SessionError as e:
+                if not (self.relay and relay_gone(e)):
+                    raise
+                if self.session is s:  # the relay is gone: the lighthouse directly from now on
+                    self.session, self.relay = AioSession(self._channel), ""
+                    await s.close()
+                    if self._relay_channel is not None:
+                        await self._relay_channel.close()
+                        self._relay_channel = None
+                return await self.session.request(name, body, max(0.001, timeout_s - (time.monotonic() - start)))
         return await method(req, timeout=timeout_s)
 
     async def _call(self, method, req, what: str, timeout_s: float, name: str = "") -> QuorumReply:
@@ -468,4 +486,6 @@ class AioLighthouseClient:
         if self._owns_channel:
             if self.session is not None:
                 await self.session.close()
+            if self._relay_channel is not None:
+                await self._relay_channel.close()
             await self._channel.close()

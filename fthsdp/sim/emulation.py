@@ -69,7 +69,7 @@ log = logging.getLogger("fthsdp.sim.emulation")
 
 __all__ = ["Fault", "EmulationConfig", "Emulation", "EmulationReport", "LighthouseProcess", "run_emulation"]
 
-FAULT_KINDS = ("kill", "hang", "ring", "rank", "lighthouse")
+FAULT_KINDS = ("kill", "hang", "ring", "rank", "lighthouse", "relay")
 
 
 @dataclass(frozen=True)
@@ -83,7 +83,9 @@ class Fault:
     ``replica`` fails locally at ``step`` (its replica does not commit, the
     others do: it catches up next step). ``lighthouse``: the lighthouse
     process is SIGKILLed when replica 0 reaches ``step`` and restarted on the
-    same port ``seconds`` later.
+    same port ``seconds`` later. ``relay``: relay number ``replica`` is SIGKILLed
+    when replica 0 reaches ``step`` and not restarted (the processes it carried
+    go to the lighthouse directly).
     """
 
     kind: str
@@ -137,6 +139,10 @@ class EmulationConfig:
     # Heartbeats and quorum requests on one session stream per process (fthsdp.control.session),
     # as the real client does by default; False: a unary call each (the earlier transport).
     lighthouse_session: bool = True
+    # Relays between the leaders and the lighthouse (fthsdp.control.relay), each its own process
+    # carrying the sessions of a contiguous block of replicas; 0: every process speaks to the
+    # lighthouse directly.
+    relays: int = 0
 
     def __post_init__(self) -> None:
         if self.replicas < 1 or self.ranks_per_replica < 1 or self.steps < 1:
@@ -147,12 +153,17 @@ class EmulationConfig:
         if p < 1 or self.ranks_per_replica % p:
             raise ValueError(f"processes_per_replica {p} must be >= 1 and divide ranks_per_replica "
                              f"{self.ranks_per_replica} (every process holds the same number of shards)")
+        if not 0 <= self.relays <= self.replicas or (self.relays and not self.lighthouse_session):
+            raise ValueError(f"relays {self.relays} must be in 0..replicas ({self.replicas}), and relays carry "
+                             "session streams only (lighthouse_session must be true)")
         if p > 1 and not self.heartbeats:
             raise ValueError("processes_per_replica > 1 needs heartbeats: a process registers its endpoints and "
                              "shows it is alive only by heartbeating")
         for f in self.faults:
-            if f.replica >= self.replicas:
+            if f.replica >= self.replicas and f.kind != "relay":
                 raise ValueError(f"fault {f} names replica {f.replica} but there are {self.replicas}")
+            if f.kind == "relay" and f.replica >= self.relays:
+                raise ValueError(f"fault {f} names relay {f.replica} but there are {self.relays}")
             if f.kind in ("ring", "rank") and f.rank >= self.ranks_per_replica:
                 raise ValueError(f"fault {f} names rank {f.rank} but replicas have {self.ranks_per_replica}")
 
@@ -175,17 +186,22 @@ class LighthouseProcess:
     def address(self) -> str:
         return f"127.0.0.1:{self.port}"
 
-    def start(self, timeout_s: float = 60.0) -> str:
+    READY = "lighthouse listening on "  # the line the process prints once it serves
+
+    def command(self) -> list[str]:
         t = self.config.timeouts
         prof = ["-m", "cProfile", "-o", self.config.lighthouse_profile] if self.config.lighthouse_profile else []
         # --insecure: the emulated replicas do not sign their calls (the emulation measures the
         # lighthouse's scale; experiments/quorum_scale.py measures what authentication costs).
         server = ["-m", "fthsdp.sim.lighthouse_trace", "--trace-out", self.config.lighthouse_trace] \
             if self.config.lighthouse_trace else ["-m", "fthsdp.control.lighthouse"]
-        cmd = [sys.executable, *prof, *server, "--bind", f"127.0.0.1:{self.port}", "--insecure",
-               "--detect", str(t.detect_s), "--join-timeout", str(t.join_timeout_s),
-               "--replicas", str(self.config.replicas), "--tick", str(self.config.lighthouse_tick_s),
-               "--log-level", "WARNING"]
+        return [sys.executable, *prof, *server, "--bind", f"127.0.0.1:{self.port}", "--insecure",
+                "--detect", str(t.detect_s), "--join-timeout", str(t.join_timeout_s),
+                "--replicas", str(self.config.replicas), "--tick", str(self.config.lighthouse_tick_s),
+                "--log-level", "WARNING"]
+
+    def start(self, timeout_s: float = 60.0) -> str:
+        cmd = self.command()
         err = open(self.log_path, "a")
         try:
             self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True)
@@ -197,9 +213,9 @@ class LighthouseProcess:
             line = self.proc.stdout.readline()
             if line or self.proc.poll() is not None:
                 break
-        if not line.startswith("lighthouse listening on "):
+        if not line.startswith(self.READY):
             self.kill()
-            raise RuntimeError(f"lighthouse did not start ({cmd}): {line!r}; see {self.log_path}")
+            raise RuntimeError(f"{self.READY.split()[0]} did not start ({cmd}): {line!r}; see {self.log_path}")
         self.port = int(line.split()[-1].rpartition(":")[2])
         self.starts += 1
         return self.address
@@ -227,6 +243,21 @@ class LighthouseProcess:
         if self.proc is not None and self.proc.stdout is not None:
             self.proc.stdout.close()
         self.proc = None
+
+
+class RelayProcess(LighthouseProcess):
+    """A real relay (fthsdp.control.relay) in its own process, between a block of replicas and
+    the lighthouse (which keeps its port across restarts, so the relay's channel finds it again)."""
+
+    READY = "relay listening on "
+
+    def __init__(self, config: EmulationConfig, log_path: str, lighthouse: LighthouseProcess) -> None:
+        super().__init__(config, log_path)
+        self.lighthouse = lighthouse
+
+    def command(self) -> list[str]:
+        return [sys.executable, "-m", "fthsdp.control.relay", "--lighthouse", self.lighthouse.address,
+                "--bind", f"127.0.0.1:{self.port}", "--log-level", "WARNING"]
 
 
 class DataState:
@@ -498,7 +529,8 @@ class EmulatedReplica:
             cl = AioLighthouseClient(emu.lighthouse.address, c.job_id, self.rid,
                                      outage_s=c.timeouts.lighthouse_outage_s,
                                      heartbeat_timeout_s=c.timeouts.heartbeat_rpc_s, rejoin=rejoin,
-                                     process_index=p, num_processes=nproc, session=c.lighthouse_session)
+                                     process_index=p, num_processes=nproc, session=c.lighthouse_session,
+                                     relay=emu.relay_of(index))
             cl.decode_cache = emu.decode_cache
             if nproc > 1:
                 cl.register(self.ftar[p], self.servers[p], c.ranks_per_replica)
@@ -732,6 +764,8 @@ class Emulation:
             workdir = self._tmp.name
         self.workdir = workdir
         self.lighthouse = LighthouseProcess(config, os.path.join(workdir, "lighthouse.log"))
+        self.relays = [RelayProcess(config, os.path.join(workdir, f"relay-{i}.log"), self.lighthouse)
+                       for i in range(config.relays)]
         self.fabric = MockFabric(config.fabric)
         self.decode_cache = DecodeCache()
         self.replicas: dict[int, EmulatedReplica] = {}
@@ -767,6 +801,12 @@ class Emulation:
 
     # -- called by replicas ----------------------------------------------------
 
+    def relay_of(self, replica: int) -> str:
+        """The relay carrying replica ``replica``'s sessions ("" = none): contiguous blocks."""
+        if not self.relays:
+            return ""
+        return self.relays[replica * len(self.relays) // self.config.replicas].address
+
     async def fire_faults(self, rep: EmulatedReplica, step: int) -> None:
         for f in self.config.faults:
             if f in self._fired or f.step != step:
@@ -784,6 +824,11 @@ class Emulation:
                 self._fired.add(f)
                 self.events.append(f"fault: lighthouse SIGKILLed at step {step}, restarted after {f.seconds:g}s")
                 self._side_tasks.append(asyncio.get_running_loop().create_task(self._lighthouse_hiccup(f.seconds)))
+            elif f.kind == "relay" and rep.index == 0:
+                self._fired.add(f)
+                self.events.append(f"fault: relay {f.replica} SIGKILLed at step {step}")
+                self._side_tasks.append(asyncio.get_running_loop().create_task(
+                    asyncio.to_thread(self.relays[f.replica].kill)))
 
     async def round_barrier(self, key: tuple[int, int]) -> None:
         ev = self._barriers.get(key)
@@ -896,6 +941,8 @@ class Emulation:
         await asyncio.to_thread(self.lighthouse.start)
         unfinished: list[str] = []
         try:
+            for r in self.relays:
+                await asyncio.to_thread(r.start)
             for i in range(c.replicas):
                 rep = self.replicas[i] = EmulatedReplica(self, i, 0, rejoin=False)
                 rep.task = asyncio.get_running_loop().create_task(rep.run())
@@ -920,7 +967,12 @@ class Emulation:
             for t in self._side_tasks:
                 t.cancel()
             await asyncio.sleep(0)
+            left = sum(1 for r in self.replicas.values() for cl in r.clients if self.relay_of(r.index) and not cl.relay)
+            if left:
+                self.events.append(f"{left} process(es) left a dead relay and speak to the lighthouse directly")
         finally:
+            for r in self.relays:
+                await asyncio.to_thread(r.stop)
             await asyncio.to_thread(self.lighthouse.stop)
         commits, committers, superseded = self.lineage_commits()
         if superseded:

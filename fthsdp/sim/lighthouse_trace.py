@@ -83,10 +83,15 @@ def install(trace: Trace) -> None:
 
     # Every session write, when it completed (the fan-out's lighthouse side: the breakdown tells
     # the lighthouse's writes from the emulator's receive by the last one of a round).
-    async def writer(self):  # the same loop as fthsdp.control.session._Session.writer, marked
+    async def writer(self):  # the same loop as fthsdp.control.session.Stream.writer, marked
         while True:
             await self.wake.wait()
             self.wake.clear()
+            if self.relayed:
+                while self.outbox:
+                    out = [self.outbox.popleft() for _ in range(min(len(self.outbox), session.MAX_BATCH))]
+                    await self.context.write(session.batch(out))
+                    trace.mark("written")
             while self.outbox:
                 await self.context.write(self.outbox.popleft())
                 trace.mark("written")
@@ -94,7 +99,7 @@ def install(trace: Trace) -> None:
             if self.closed:
                 return
 
-    session._Session.writer = writer
+    session.Stream.writer = writer
 
     evaluate = lh.Lighthouse._evaluate
 

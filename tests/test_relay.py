@@ -1,0 +1,333 @@
+"""The relay (fthsdp/control/relay.py): many processes' sessions on one stream to the lighthouse.
+
+Pure: the seq renumbering and the relay's configuration. A real relay process and a
+real lighthouse: clients behind a relay get the same quorums as direct ones while
+the lighthouse reads batches; a client that leaves the relay has its open request
+withdrawn; an authenticated lighthouse checks every message a relay carries (the
+relay holds no secret and cannot forge one); bad batches and bad messages get
+clear errors and a batch of garbage costs the lighthouse a bounded amount; a
+killed relay sends its clients to the lighthouse directly; a SIGSTOPped leader
+behind a relay is declared dead by its silence. The emulation runs the whole
+control loop through relays with kills, a lighthouse restart and a dead relay.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+
+from fthsdp.control import relay, session
+from fthsdp.control.lighthouse import LighthouseConfig, LighthouseThread
+from fthsdp.control.lighthouse_client import JobNotFound, LighthouseClient
+from fthsdp.control.session_client import SessionError, SyncSession
+from fthsdp.proto import LIGHTHOUSE_PROTOCOL_VERSION, lighthouse as load_stubs
+
+pb2, _ = load_stubs()
+DETECT = 0.5
+INVALID = grpc.StatusCode.INVALID_ARGUMENT.value[0]
+EXHAUSTED = grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
+
+
+def test_renumbered_sets_the_seq_and_keeps_every_other_byte():
+    raw = session.envelope(7, "GetQuorum", b"\x0a\x03abc" * 50, timeout_s=2.5)
+    for seq in (1, 127, 128, 300, 2**40):
+        got = relay.renumbered(raw, seq)
+        assert got.startswith(raw)  # the body (which the credential signs) is untouched
+        msg = pb2.SessionRequest.FromString(got)
+        assert (msg.seq, msg.method, msg.body, msg.timeout_s) == (seq, "GetQuorum", b"\x0a\x03abc" * 50, 2.5)
+    rep = session.reply(9, b"body", grpc.StatusCode.ABORTED, "why")
+    back = pb2.SessionReply.FromString(relay.renumbered(rep, 3))
+    assert (back.seq, back.code, back.details, back.body) == (3, grpc.StatusCode.ABORTED.value[0], "why", b"body")
+    with pytest.raises(ValueError, match="numbered from 1"):
+        relay.renumbered(raw, 0)
+
+
+def test_relay_config_says_what_is_wrong():
+    with pytest.raises(ValueError, match="relay lighthouse"):
+        relay.RelayConfig(lighthouse="nohost")
+    with pytest.raises(ValueError, match="relay lighthouse"):
+        relay.RelayConfig(lighthouse="127.0.0.1:0")  # the lighthouse's port cannot be "any"
+    with pytest.raises(ValueError, match="both a certificate"):
+        relay.RelayConfig(lighthouse="127.0.0.1:1", tls_cert_file="c.pem")
+    with pytest.raises(ValueError, match="max_batch"):
+        relay.RelayConfig(lighthouse="127.0.0.1:1", max_batch=0)
+    r = subprocess.run([sys.executable, "-m", "fthsdp.control.relay", "--lighthouse", "x"], capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 2 and "relay lighthouse 'x'" in r.stderr
+
+
+@contextlib.contextmanager
+def relay_process(lighthouse: str):
+    """A real relay process in front of ``lighthouse``; yields (address, Popen)."""
+    p = subprocess.Popen([sys.executable, "-m", "fthsdp.control.relay", "--lighthouse", lighthouse,
+                          "--bind", "127.0.0.1:0", "--log-level", "WARNING"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line = p.stdout.readline()
+        assert line.startswith("relay listening on "), f"relay did not start: {line!r} {p.stderr.read()[:2000]}"
+        yield line.split()[-1], p
+    finally:
+        if p.poll() is None:
+            p.send_signal(signal.SIGCONT)
+            p.kill()
+        p.wait(10)
+        p.stdout.close()
+        p.stderr.close()
+
+
+@pytest.fixture
+def lighthouse():
+    with LighthouseThread(LighthouseConfig(join_timeout_s=0.3, detect_s=DETECT, tick_s=0.02)) as lh:
+        yield lh
+
+
+def _client(address: str, rid, **kw) -> LighthouseClient:
+    return LighthouseClient(address, "job", rid, rpc_timeout_s=5.0, heartbeat_timeout_s=0.5, **kw)
+
+
+def _ask(clients, step: int, n: int):
+    with ThreadPoolExecutor(len(clients)) as ex:
+        return list(ex.map(lambda r: clients[r].get_quorum(step, ftar_addresses=[f"127.0.0.1:{9000 + r}"],
+                                                           num_replicas=n, timeout_s=10), range(len(clients))))
+
+
+def test_clients_behind_a_relay_get_the_same_quorums_as_direct_ones(lighthouse):
+    with relay_process(lighthouse.address) as (addr, _):
+        clients = [_client(lighthouse.address, r, relay=addr if r < 3 else "") for r in range(4)]
+        try:
+            for step in range(3):
+                qs = _ask(clients, step, 4)
+                assert len({q.quorum_id for q in qs}) == 1 and qs[0].member_ids == ("0", "1", "2", "3")
+                assert all(q.max_step == step for q in qs)
+            hb = clients[0].heartbeat(3)
+            assert hb.quorum_id == qs[0].quorum_id and hb.dead_members == ()
+            assert all(c.relay == addr for c in clients[:3])  # still behind it
+        finally:
+            for c in clients:
+                c.close()
+    st = lighthouse.server.stats
+    assert st["sessions_opened"] == 2  # one direct client's stream and the relay's one
+    assert st["session_messages"] == 4 * 3 + 1
+    # the relay's 9 quorum requests and its beat came in batches (how many depends on timing)
+    assert 1 <= st["relay_batches"] <= 3 * 3 + 1
+
+
+def test_a_client_that_leaves_the_relay_has_its_open_request_withdrawn():
+    with LighthouseThread(LighthouseConfig(min_replicas=2, join_timeout_s=0.3, detect_s=DETECT)) as lh, \
+            relay_process(lh.address) as (addr, _):
+        watcher = _client(lh.address, "watcher", session=False)
+        s = SyncSession(grpc.insecure_channel(addr))
+        try:
+            body = pb2.QuorumRequest(protocol_version=LIGHTHOUSE_PROTOCOL_VERSION, job_id="job", replica_id="1",
+                                     step=0, ftar_addresses=["127.0.0.1:9001"], local_world_size=1, num_replicas=2)
+            t = threading.Thread(target=lambda: pytest.raises(SessionError, s.request, "GetQuorum",
+                                                              body.SerializeToString(), 30.0), daemon=True)
+            t.start()
+
+            def waiting() -> bool:
+                try:
+                    jobs = watcher.status()
+                except JobNotFound:  # nothing reached the lighthouse yet
+                    return False
+                return any(r.replica_id == "1" and r.waiting for j in jobs for r in j.replicas)
+
+            deadline = time.monotonic() + 5
+            while time.monotonic() < deadline and not waiting():
+                time.sleep(0.02)
+            assert waiting(), "the request through the relay never reached the lighthouse"
+            s.close()  # the client's stream to the relay ends ...
+            t.join(5)
+            deadline = time.monotonic() + 5
+            while time.monotonic() < deadline and waiting():
+                time.sleep(0.02)
+            assert not waiting(), "the lighthouse still holds the request of a client that left the relay"
+        finally:
+            watcher.close()
+
+
+def test_an_authenticated_lighthouse_checks_every_message_a_relay_carries():
+    from fthsdp.control import auth
+
+    secret = auth.new_secret()
+    with LighthouseThread(LighthouseConfig(join_timeout_s=0.3, detect_s=DETECT, secret=secret)) as lh, \
+            relay_process(lh.address) as (addr, _):
+        good = _client(lh.address, 0, key=auth.job_key(secret, "job"), relay=addr)
+        stranger = _client(lh.address, 1, key=auth.job_key(auth.new_secret(), "job"), relay=addr)
+        anonymous = _client(lh.address, 2, relay=addr)
+        try:
+            assert good.heartbeat(0).quorum_id == 0
+            with pytest.raises(Exception, match="does not verify"):
+                stranger.heartbeat(0)
+            with pytest.raises(Exception, match="carries no credential"):
+                anonymous.heartbeat(0)
+            # A relay cannot alter what it carries: a signed body changed on the way fails its check.
+            signed = auth.signed_request(auth.derive(auth.job_key(secret, "job"), "lighthouse"), "Heartbeat", "job",
+                                         "3", pb2.HeartbeatRequest(protocol_version=LIGHTHOUSE_PROTOCOL_VERSION,
+                                                                   job_id="job", replica_id="3").SerializeToString(),
+                                         "job")
+            forged = signed.replace(b"\x1a\x013", b"\x1a\x014", 1)  # replica_id "3" -> "4"
+            assert forged != signed
+            got = _raw(addr, session.METHOD, [session.envelope(5, "Heartbeat", signed),
+                                               session.envelope(6, "Heartbeat", forged)], 2)
+            by_seq = {r.seq: r for r in got}
+            assert by_seq[5].code == 0
+            assert by_seq[6].code == grpc.StatusCode.UNAUTHENTICATED.value[0], by_seq[6].details
+            assert good.heartbeat(1).quorum_id == 0  # and the relay goes on for the others
+            assert good.relay == addr
+        finally:
+            for c in (good, stranger, anonymous):
+                c.close()
+
+
+def _raw(address: str, method: str, messages: list[bytes], expect: int, timeout_s: float = 10.0) -> list:
+    """Send ``messages`` on one stream of ``method`` and read ``expect`` replies (each batch's
+    replies unpacked when ``method`` is the relay method)."""
+    channel = grpc.insecure_channel(address)
+    try:
+        call = channel.stream_stream(method, request_serializer=None, response_deserializer=None)(
+            iter(messages), timeout=timeout_s)
+        out = []
+        for raw in call:
+            inner = pb2.RelayBatch.FromString(raw).messages if method == session.RELAY_METHOD else [raw]
+            out.extend(pb2.SessionReply.FromString(r) for r in inner)
+            if len(out) >= expect:
+                call.cancel()
+                break
+        return out
+    finally:
+        channel.close()
+
+
+def _hb(rid: str = "0") -> bytes:
+    return pb2.HeartbeatRequest(protocol_version=LIGHTHOUSE_PROTOCOL_VERSION, job_id="job",
+                                replica_id=rid).SerializeToString()
+
+
+def test_bad_batches_get_clear_errors_and_a_batch_of_garbage_is_cut_short(lighthouse):
+    got = _raw(lighthouse.address, session.RELAY_METHOD, [b"\xff\xff\xff", session.batch([])], 2)
+    assert [r.seq for r in got] == [0, 0] and all(r.code == INVALID for r in got)
+    assert "not a valid RelayBatch" in got[0].details and "empty" in got[1].details
+    # 20 malformed messages: the first 8 are refused one by one, the rest unread; the good ones
+    # before them are answered.
+    garbage = [session.envelope(1, "Heartbeat", _hb()), session.envelope(2, "Heartbeat", _hb("1"))]
+    garbage += [session.envelope(10 + i, "Heartbeat", b"\x0a\xff") for i in range(20)]
+    got = {r.seq: r for r in _raw(lighthouse.address, session.RELAY_METHOD, [session.batch(garbage)], 22)}
+    assert got[1].code == 0 and got[2].code == 0
+    refused = [got[10 + i] for i in range(20)]
+    assert all(r.code == INVALID and "not a valid HeartbeatRequest" in r.details for r in refused[:8])
+    assert all(r.code == EXHAUSTED and "was not read" in r.details for r in refused[8:])
+    # the lighthouse goes on: a fresh relay stream is served
+    ok = _raw(lighthouse.address, session.RELAY_METHOD, [session.batch([session.envelope(1, "Heartbeat", _hb())])], 1)
+    assert ok[0].code == 0
+
+
+def test_a_relay_answers_garbage_from_its_clients_and_goes_on(lighthouse):
+    with relay_process(lighthouse.address) as (addr, p):
+        got = _raw(addr, session.METHOD, [b"\xff\xff\xff", session.envelope(0, "Heartbeat", _hb()),
+                                          session.envelope(3, "Leave", _hb()),
+                                          session.envelope(4, "Heartbeat", _hb())], 4)
+        by = {r.seq: r for r in got if r.seq}
+        zero = sorted(r.details.split(":")[0] for r in got if r.seq == 0)
+        assert zero == ["a session message is not a valid SessionRequest protobuf message", "seq is 0"]
+        assert by[3].code == INVALID and "not carried on a session" in by[3].details  # the lighthouse's check
+        assert by[4].code == 0
+        # a client that opens a relay stream on the relay finds no such service: relays do not nest
+        with pytest.raises(grpc.RpcError) as e:
+            _raw(addr, session.RELAY_METHOD, [session.batch([session.envelope(1, "Heartbeat", _hb())])], 1)
+        assert e.value.code() == grpc.StatusCode.UNIMPLEMENTED
+        assert p.poll() is None
+
+
+def test_a_killed_relay_sends_its_clients_to_the_lighthouse_directly(lighthouse):
+    with relay_process(lighthouse.address) as (addr, p):
+        clients = [_client(lighthouse.address, r, relay=addr) for r in range(2)]
+        try:
+            assert len({q.quorum_id for q in _ask(clients, 0, 2)}) == 1
+            p.kill()
+            p.wait(10)
+            qs = _ask(clients, 1, 2)
+            assert len({q.quorum_id for q in qs}) == 1 and qs[0].max_step == 1
+            assert [c.relay for c in clients] == ["", ""]
+            assert clients[0].heartbeat(2).dead_members == ()
+        finally:
+            for c in clients:
+                c.close()
+
+
+LEADER = """
+import sys, time
+from fthsdp.control.lighthouse_client import LighthouseClient
+address, relay, rid = sys.argv[1], sys.argv[2], sys.argv[3]
+c = LighthouseClient(address, "job", rid, heartbeat_interval_s=0.1, heartbeat_timeout_s=0.3, relay=relay)
+c.start_heartbeats()
+step = 0
+while True:
+    q = c.get_quorum(step, ftar_addresses=["127.0.0.1:%d" % (9000 + int(rid))], num_replicas=3, timeout_s=30)
+    print("quorum", q.quorum_id, step, c.relay == relay, flush=True)
+    step += 1
+    time.sleep(0.05)
+"""
+
+
+def test_a_stopped_leader_behind_a_relay_is_declared_dead_by_its_silence(lighthouse, tmp_path):
+    script = tmp_path / "leader.py"
+    script.write_text(LEADER)
+    env = dict(os.environ, PYTHONPATH=os.getcwd())
+    with relay_process(lighthouse.address) as (addr, _):
+        procs = [subprocess.Popen([sys.executable, str(script), lighthouse.address, addr, str(r)], env=env,
+                                  stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True) for r in range(3)]
+        watcher = _client(lighthouse.address, "watcher", session=False)
+        try:
+            for p in procs:
+                for _ in range(2):
+                    line = p.stdout.readline()
+                    assert line.startswith("quorum") and line.split()[-1] == "True", line
+            t0 = time.monotonic()
+            procs[2].send_signal(signal.SIGSTOP)  # its stream to the relay stays open; its beats stop
+            dead_at = None
+            while time.monotonic() - t0 < 5 * DETECT:
+                (job,) = [j for j in watcher.status() if j.job_id == "job"]
+                if any(r.replica_id == "2" and r.dead for r in job.replicas):
+                    dead_at = time.monotonic() - t0
+                    break
+                time.sleep(0.02)
+            assert dead_at is not None and dead_at < DETECT + 0.5, dead_at
+            for p in procs[:2]:  # the survivors go on without it, still behind the relay
+                assert p.stdout.readline().split()[-1] == "True"
+        finally:
+            watcher.close()
+            for p in procs:
+                if p.poll() is None:
+                    p.send_signal(signal.SIGCONT)
+                    p.kill()
+                p.wait(10)
+                p.stdout.close()
+
+
+def test_the_control_loop_through_relays_with_kills_a_lighthouse_restart_and_a_dead_relay():
+    from fthsdp.sim.emulation import EmulationConfig, Fault, run_emulation
+    from fthsdp.sim.mock_plane import ModelShape
+
+    faults = (Fault("kill", step=3, replica=2, seconds=0.5), Fault("lighthouse", step=6, seconds=0.5),
+              Fault("relay", step=9, replica=1), Fault("kill", step=11, replica=6, seconds=0.5))
+    cfg = EmulationConfig(replicas=8, ranks_per_replica=16, steps=15, relays=2, faults=faults,
+                          model=ModelShape(params=10**6, step_s=0.03), run_timeout_s=90.0)
+    rep = run_emulation(cfg)
+    assert rep.violations() == []
+    assert rep.final_steps == {str(i): 15 for i in range(8)}
+    ev = "\n".join(rep.events)
+    assert "replica 2: caught up" in ev and "replica 6: caught up" in ev and rep.lighthouse_starts == 2
+    # relay 1 carried replicas 4-7; its processes went to the lighthouse (replica 6's restart came
+    # after the relay died: its new process found no relay and went directly too)
+    assert "fault: relay 1 SIGKILLed" in ev
+    assert "4 process(es) left a dead relay" in ev, ev
+    assert all(len(c.batches) == len(c.healthy) for c in rep.commits.values())
