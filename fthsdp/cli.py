@@ -17,6 +17,8 @@ SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
     "replica": ("fthsdp.replica.process", "main", "start one process of one replica (flags or FTHSDP_* env vars; for "
                 "slurm, Kubernetes, Ray)"),
     "lighthouse": ("fthsdp.control.lighthouse", "cli", "serve quorums and failure detection over gRPC"),
+    "relay": ("fthsdp.control.relay", "cli", "carry many replicas' lighthouse sessions to the lighthouse on one "
+              "stream (fan-in at hundreds of replicas)"),
     "status": ("fthsdp.control.lighthouse_client", "status_cli", "show a lighthouse's jobs, quorums and replicas"),
     "dashboard": ("fthsdp.observe.dashboard", "cli", "serve a live web page and /metrics of a lighthouse's jobs"),
 }

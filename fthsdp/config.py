@@ -105,6 +105,12 @@ class FTConfig:
     # (fthsdp/control/session.py: a fraction of a unary call's cost to the lighthouse); false, or
     # a lighthouse that offers no sessions: one unary call each.
     lighthouse_session: bool = True
+    # Relays (`fthsdp relay`, fthsdp/control/relay.py) that carry those streams to the lighthouse,
+    # many processes' on one: at hundreds of replicas the lighthouse's cost is per message, and a
+    # relay turns a block of replicas' messages into one. The replicas are split among them in
+    # contiguous blocks (replica i of R uses relays[i * len(relays) // R]); a process whose relay
+    # is gone speaks to the lighthouse directly. Empty: every process speaks to the lighthouse.
+    lighthouse_relays: tuple[str, ...] = ()
     # Where a replica's listeners (FTAR ring endpoints, peer state server,
     # metrics) bind, and the host its peers are told to connect to (empty: the
     # bind host; required when binding every interface, 0.0.0.0 or ::). IPv4

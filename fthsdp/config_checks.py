@@ -228,6 +228,13 @@ def _advertisable_hosts(value: Any) -> None:
             raise ValueError(f"host {h!r} binds every interface and cannot be advertised; name each host's address")
 
 
+def _relay_addresses(value: Any) -> None:
+    for a in value:
+        if a == "":
+            raise ValueError("an empty relay address: list each relay's host:port, or none")
+        _host_port_or_empty(a)
+
+
 def _fault_specs(kind: str) -> Callable[[Any], None]:
     def parse(value: Any) -> None:
         from fthsdp.launch.faults import parse_fault
@@ -297,6 +304,7 @@ RULES: dict[str, Rule] = {
     "ft.advertise_host": Parsed(_host_or_empty, "empty (the bind host) or the host peers connect to"),
     "ft.fingerprint": Anything("true or false"),
     "ft.lighthouse_session": Anything("true or false"),
+    "ft.lighthouse_relays": Parsed(_relay_addresses, "empty or host:port of each `fthsdp relay` (port 1..65535)"),
     "ft.fingerprint_every": _int(1, why="fingerprint the state after every K-th committed step (1: every commit)"),
     "ft.test_flip_bit": Parsed(_flip_spec, "empty (off) or REPLICA@STEP[:BIT] (a test hook)"),
     "ft.test_hold_view": Parsed(_hold_view_spec, "empty (off), STEP:SECONDS or STEP:SECONDS:recovering (a test hook)"),

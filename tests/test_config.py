@@ -125,6 +125,8 @@ def test_shipped_configs_validate(name):
     ("launch.kill=-1@5", r"launch.kill=\('-1@5',\): .*must be >= 0"),
     ("launch.lighthouse=127.0.0.1:99999", r"launch.lighthouse='127.0.0.1:99999': not host:port with a port in "
                                           r"1..65535"),
+    ("ft.lighthouse_relays=127.0.0.1:0", r"ft.lighthouse_relays=\('127.0.0.1:0',\): not host:port with a port in "
+                                         r"1..65535"),
     ("launch.replicas=0", r"launch.replicas=0: must be an integer >= 1"),
     ("launch.restart_delay_s=nan", r"launch.restart_delay_s=nan: must be a finite number >= 0"),
     ("launch.random_kills=-2", r"launch.random_kills=-2: must be an integer >= 0"),
@@ -153,6 +155,17 @@ def test_lighthouse_connection_budget_defaults_to_the_lighthouses_own():
     assert config_lib.load("base").launch.lighthouse_connection_calls_per_s == FairnessLimits().connection_calls_per_s
     assert config_lib.load("base", ["launch.lighthouse_connection_calls_per_s=2500"]
                            ).launch.lighthouse_connection_calls_per_s == 2500.0
+
+
+def test_relays_split_the_replicas_in_contiguous_blocks():
+    from fthsdp.control.relay import relay_of
+
+    cfg = config_lib.load("base", ["ft.lighthouse_relays=127.0.0.1:7001,127.0.0.2:7001"])
+    assert cfg.ft.lighthouse_relays == ("127.0.0.1:7001", "127.0.0.2:7001")
+    relays = cfg.ft.lighthouse_relays
+    assert [relay_of(relays, i, 5) for i in range(5)] == [relays[0]] * 3 + [relays[1]] * 2
+    assert relay_of(relays, 7, 5) == relays[0]  # a launcher's own numbering wraps around
+    assert relay_of((), 3, 5) == ""
 
 
 def test_launch_lighthouse_accepts_host_port_or_empty():

@@ -57,7 +57,7 @@ from fthsdp.proto import lighthouse as _load_stubs
 pb2, _ = _load_stubs()
 log = logging.getLogger("fthsdp.control.relay")
 
-__all__ = ["RelayConfig", "Relay", "renumbered", "cli"]
+__all__ = ["RelayConfig", "Relay", "renumbered", "relay_of", "cli"]
 
 _CHANNEL_OPTIONS = [
     ("grpc.max_receive_message_length", 256 * 1024 * 1024),  # a batch of the largest quorum answers
@@ -83,6 +83,17 @@ def renumbered(raw: bytes, seq: int) -> bytes:
     if seq <= 0:
         raise ValueError(f"seq {seq}: a session's seqs are numbered from 1")
     return raw + b"\x08" + _varint(seq)
+
+
+def relay_of(relays: tuple[str, ...], replica: int, replicas: int) -> str:
+    """Which of ``relays`` carries replica ``replica`` of ``replicas`` ("" = none): contiguous
+    blocks, so that a relay serves neighbouring replicas (launched together, often one rack). A
+    replica numbered past ``replicas`` (a launcher's own numbering) wraps around: any relay
+    serves any replica, the blocks only spread the load."""
+    if not relays:
+        return ""
+    replicas = max(replicas, 1)
+    return relays[(replica % replicas) * len(relays) // replicas]
 
 
 @dataclass(frozen=True)

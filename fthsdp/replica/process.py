@@ -190,6 +190,7 @@ class ReplicaProcess:
         # Every process is its own client of the lighthouse (heartbeats, its addresses, its
         # views); only the leader asks for quorums.
         from fthsdp.control import auth
+        from fthsdp.control.relay import relay_of
 
         try:  # the job's secret: $FTHSDP_JOB_SECRET_FILE or $FTHSDP_JOB_SECRET (the launchers set it)
             job_key = auth.load_secret()
@@ -201,6 +202,7 @@ class ReplicaProcess:
                 "with --insecure accepts", auth.SECRET_FILE_ENV, auth.SECRET_ENV)
         client = LighthouseClient(args.lighthouse, args.job, self.rid, key=job_key,
                                   tls_ca_file=cfg.ft.lighthouse_tls_ca, session=cfg.ft.lighthouse_session,
+                                  relay=relay_of(cfg.ft.lighthouse_relays, int(args.replica_id), cfg.launch.replicas),
                                   heartbeat_interval_s=cfg.ft.heartbeat_interval_s,
                                   heartbeat_timeout_s=cfg.timeouts.heartbeat_rpc_s,
                                   outage_s=cfg.timeouts.lighthouse_outage_s, rejoin=args.rejoin,

@@ -61,6 +61,7 @@ from fthsdp.gc_policy import low_pause_gc
 from fthsdp.control import quorum as qm
 from fthsdp.replica import fsm
 from fthsdp.control.lighthouse_client import JobFinished, LighthouseError, LighthouseUnavailable
+from fthsdp.control.relay import relay_of
 from fthsdp.sim.aio_client import AioLighthouseClient, DecodeCache
 from fthsdp.sim.mock_plane import FabricConfig, MockFabric, ModelShape
 from fthsdp.timeouts import Timeouts
@@ -803,9 +804,7 @@ class Emulation:
 
     def relay_of(self, replica: int) -> str:
         """The relay carrying replica ``replica``'s sessions ("" = none): contiguous blocks."""
-        if not self.relays:
-            return ""
-        return self.relays[replica * len(self.relays) // self.config.replicas].address
+        return relay_of(tuple(r.address for r in self.relays), replica, self.config.replicas)
 
     async def fire_faults(self, rep: EmulatedReplica, step: int) -> None:
         for f in self.config.faults:
