@@ -74,6 +74,7 @@ class _State:
         self.relay = _Stream(self.channel, session.RELAY_METHOD)
         self.seq = 0
         self.session_codes: collections.Counter[str] = collections.Counter()
+        self.relay_codes: collections.Counter[str] = collections.Counter()  # replies on the relay stream
         self.codes: collections.Counter[str] = collections.Counter()
         self.by_method: dict[str, collections.Counter[str]] = {m: collections.Counter() for m in METHODS}
         self.examples: dict[str, list[str]] = collections.defaultdict(list)
@@ -89,6 +90,7 @@ class _State:
             json.dump({"inputs": self.inputs, "status_codes": dict(self.codes),
                        "status_codes_by_method": {m: dict(c) for m, c in self.by_method.items()},
                        "session_reply_codes": dict(self.session_codes),
+                       "relay_reply_codes": dict(self.relay_codes),
                        "examples": dict(self.examples)}, f, indent=1)
         os.replace(tmp, self.stats_path)
 
@@ -233,7 +235,7 @@ def test_one_input(data: bytes) -> None:
         rep = stream.ask(raw, None, 0.3)
         # no reply yet: a well-formed quorum request without a deadline, waiting for its decision
         name = session.status_code(rep.code).name if rep is not None else "NO_REPLY_YET"
-        state.session_codes[name] += 1
+        (state.session_codes if transport == 3 else state.relay_codes)[name] += 1
         state.codes[name] += 1
         _counted(state)
         return
