@@ -79,6 +79,24 @@ def test_refused_calls_cost_their_connection_more_and_a_new_connection_starts_ne
     assert all(a.connection("replica:1", t / 100, 1.0)[0].wait_s == 0 for t in range(1000))
 
 
+def test_a_relay_stream_has_its_own_per_batch_budget_and_pays_for_its_refusals_alike():
+    lim = FairnessLimits(connection_calls_per_s=100.0, relay_batches_per_s=5000.0, relay_burst=10000,
+                         new_connection_tokens=20, failure_cost=20.0)
+    a = Admission(lim)
+    # batches trickling in one message each, 1,000/s for a second: a connection's budget would hold them
+    assert all(a.connection("relay:1", t / 1000, 1.0, relay=True)[0].wait_s == 0 for t in range(1000))
+    assert any(a.connection("conn:1", t / 1000, 1.0)[0].wait_s > 0 for t in range(1000))
+    # a stranger's relay stream: a refused message costs it the time it costs a connection (0.2 s)
+    assert a.connection("stranger:1", 0.0, 1.0, relay=True)[0].wait_s == 0
+    a.refused("stranger:1", 0.0)
+    d, _ = a.connection("stranger:1", 0.0, 1.0, relay=True)
+    assert d.wait_s == pytest.approx(0.2, abs=0.01)
+    for _ in range(8):  # a batch of garbage (fthsdp.control.session.MAX_REFUSED_PER_BATCH refusals)
+        a.refused("stranger:1", 0.0)
+    d, _ = a.connection("stranger:1", 0.0, max_wait_s=1.0, relay=True)
+    assert d.refusal and "relay stream stranger:1 is over its budget" in d.refusal and "batches/s" in d.refusal
+
+
 def test_a_jobs_budget_follows_its_registered_size():
     lim = FairnessLimits(job_calls_per_s=100.0, replica_calls_per_s=10.0)
     a = Admission(lim)

@@ -64,6 +64,13 @@ class FairnessLimits:
     connection_calls_per_s: float = 100.0
     connection_burst: int = 200
     new_connection_tokens: int = 20  # what a new connection starts with (its bucket fills to the burst)
+    # A relay's stream (fthsdp/control/relay.py) is charged per batch, and one batch carries the
+    # messages of a block of processes that queued while its last one went out: up to one per
+    # message when they trickle in (32 leaders beating at 10 Hz: 320/s). Its refused messages cost
+    # ``failure_cost`` calls of a connection's rate each (the same time), so a stranger's stream is
+    # held back as soon as a stranger's connection.
+    relay_batches_per_s: float = 5000.0
+    relay_burst: int = 10000
     failure_cost: float = 20.0  # a refused call costs its connection this many tokens (1 + this)
     new_id_cost: float = 10.0  # so does a call that registers a new replica id (a process does it once)
     job_calls_per_s: float = 2000.0  # per job, plus ...
@@ -174,16 +181,18 @@ class Admission:
             self.stats["held"] += 1
         return Decision(wait_s=w)
 
-    def connection(self, peer: str, now: float, max_wait_s: float) -> tuple[Decision, object]:
-        """The decision for a call arriving on connection ``peer``, and a token to hand back to
-        :meth:`release` if it was held. Charged before any parsing."""
+    def connection(self, peer: str, now: float, max_wait_s: float, relay: bool = False) -> tuple[Decision, object]:
+        """The decision for a call arriving on connection ``peer`` (``relay``: a relay's batch, on
+        its own budget), and a token to hand back to :meth:`release` if it was held. Charged
+        before any parsing."""
         lim = self.limits
-        b = _lru_get(self._connections, peer,
-                     lambda: Bucket(lim.connection_calls_per_s, lim.connection_burst, now, lim.new_connection_tokens),
+        rate, burst = (lim.relay_batches_per_s, lim.relay_burst) if relay else \
+            (lim.connection_calls_per_s, lim.connection_burst)
+        b = _lru_get(self._connections, peer, lambda: Bucket(rate, burst, now, lim.new_connection_tokens),
                      lim.max_principals)
-        d = self._decide(b, now, max_wait_s, f"connection {peer}",
-                         f"{lim.connection_calls_per_s:g} calls/s per connection, a refused call counts "
-                         f"{1 + lim.failure_cost:g}")
+        d = self._decide(b, now, max_wait_s, f"{'relay stream' if relay else 'connection'} {peer}",
+                         f"{rate:g} {'batches' if relay else 'calls'}/s per {'relay stream' if relay else 'connection'}"
+                         f", a refused call counts {1 + lim.failure_cost:g}")
         return d, (b if d.wait_s > 0 else None)
 
     def job(self, job_id: str, replicas: int, now: float, max_wait_s: float) -> tuple[Decision, object]:
@@ -213,7 +222,9 @@ class Admission:
             b.charge(now, self.limits.new_id_cost)
 
     def refused(self, peer: str, now: float) -> None:
-        """A call of connection ``peer`` was refused (malformed, unauthenticated, not allowed)."""
+        """A call of connection ``peer`` was refused (malformed, unauthenticated, not allowed). It
+        costs the same *time* of its budget on any stream: ``failure_cost`` calls of a connection's
+        rate (a relay stream's budget is faster, so its refusals cost it more tokens)."""
         b = self._connections.get(peer)
         if b is not None:
-            b.charge(now, self.limits.failure_cost)
+            b.charge(now, self.limits.failure_cost * b.rate / self.limits.connection_calls_per_s)

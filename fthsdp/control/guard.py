@@ -556,6 +556,8 @@ _CONNECTION_ADVICE = ("If this is a replica process, it sends more calls than th
                       "plus heartbeats at ft.heartbeat_interval_s) and is slowed to the budget: run the lighthouse "
                       "(python -m fthsdp.control.lighthouse) with a larger --connection-calls-per-s, or for the "
                       "lighthouse `fthsdp run` / `fthsdp ray` start, set launch.lighthouse_connection_calls_per_s")
+_RELAY_ADVICE = ("A relay's batches are held back when its clients' messages were refused (each costs its stream "
+                 "more than a batch): look for refusals in the relay's clients, or split them among more relays")
 _JOB_ADVICE = "The job sends more calls than its budget, which grows with its registered replicas"
 
 
@@ -595,16 +597,21 @@ class CallGate:
         if self.admission is not None:
             self.admission.refused(peer, time.monotonic())
 
-    async def connection(self, peer: str, hold_bound: float) -> Refusal | None:
-        """The connection's budget: None, after holding the request if it must wait, or the refusal."""
+    async def connection(self, peer: str, hold_bound: float, relay: bool = False) -> Refusal | None:
+        """The connection's budget (``relay``: a relay stream's, per batch): None, after holding
+        the request if it must wait, or the refusal."""
         if self.admission is None:
             return None
         now = time.monotonic()
-        decision, held = self.admission.connection(peer, now, hold_bound)
+        decision, held = self.admission.connection(peer, now, hold_bound, relay)
         if decision.wait_s > 0 or decision.refusal:
             lim = self.admission.limits
-            self.throttled.note(f"connection {peer}", decision, f"{lim.connection_calls_per_s:g} calls/s, burst "
-                                f"{lim.connection_burst}", _CONNECTION_ADVICE, now)
+            if relay:
+                self.throttled.note(f"relay stream {peer}", decision, f"{lim.relay_batches_per_s:g} batches/s, burst "
+                                    f"{lim.relay_burst}", _RELAY_ADVICE, now)
+            else:
+                self.throttled.note(f"connection {peer}", decision, f"{lim.connection_calls_per_s:g} calls/s, burst "
+                                    f"{lim.connection_burst}", _CONNECTION_ADVICE, now)
         await _hold(self.admission, decision, held)
         return Refusal(EXHAUSTED, decision.refusal) if decision.refusal else None
 

@@ -124,6 +124,8 @@ class Stream:
         # A relay's stream (OpenRelay): batches both ways, many processes' requests open at once.
         self.relayed = relayed
         self.max_open = MAX_OPEN_RELAYED if relayed else MAX_OPEN
+        # Whose budget its messages are charged to: a relay stream's is its own (per batch).
+        self.budget = f"{peer} (relay)" if relayed else peer
         self.outbox: collections.deque[bytes] = collections.deque()
         self.wake = asyncio.Event()  # the writer has something to write (or the session ends)
         self.drained = asyncio.Event()
@@ -170,7 +172,7 @@ def generic_handler(lighthouse, gate: guard.CallGate) -> grpc.GenericRpcHandler:
     def refused(s: Stream, seq: int, code: grpc.StatusCode, reason: str, charge: bool = True) -> None:
         gate.count(code)
         if charge:
-            gate.charge(s.peer)
+            gate.charge(s.budget)
             s.charged += 1
         s.send(reply(seq, code=code, details=reason))
 
@@ -231,7 +233,7 @@ def generic_handler(lighthouse, gate: guard.CallGate) -> grpc.GenericRpcHandler:
                 f"the {name} body of session message {seq} is not a valid {SESSION_METHODS[name]} protobuf "
                 f"message ({type(e).__name__}: {str(e)[:200]}): send fthsdp's lighthouse protocol"))
         # The credential is the body's last field, as in a unary call (the gate charges its refusals).
-        refusal = await gate.request(name, req, msg.body, s.peer, lambda: LIGHTHOUSE_MAX_HOLD_S)
+        refusal = await gate.request(name, req, msg.body, s.budget, lambda: LIGHTHOUSE_MAX_HOLD_S)
         if refusal is not None:
             if refusal.code != guard.EXHAUSTED:
                 s.charged += 1  # the gate charged its connection for it
@@ -280,7 +282,7 @@ def generic_handler(lighthouse, gate: guard.CallGate) -> grpc.GenericRpcHandler:
             msg = pb2.RelayBatch.FromString(raw)
         except Exception:  # noqa: BLE001 - any garbage from the network
             msg = None
-        refusal = await gate.connection(s.peer, LIGHTHOUSE_MAX_HOLD_S)
+        refusal = await gate.connection(s.budget, LIGHTHOUSE_MAX_HOLD_S, relay=True)
         if msg is None:
             return refused(s, 0, guard.INVALID, (
                 "a relay message is not a valid RelayBatch protobuf message: send fthsdp's lighthouse protocol "
