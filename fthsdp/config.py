@@ -165,6 +165,11 @@ class LaunchConfig:
     # connection is held back. With an external launch.lighthouse it must stay at its default:
     # that lighthouse's budget is its own --connection-calls-per-s.
     lighthouse_connection_calls_per_s: float = FairnessLimits.connection_calls_per_s
+    # Relays (`fthsdp relay`) the launcher starts between the replicas and the lighthouse, each
+    # carrying the session streams of a contiguous block of replicas (it sets ft.lighthouse_relays
+    # to their addresses). A relay that dies is not restarted: its replicas' processes speak to
+    # the lighthouse directly. 0: none.
+    relays: int = 0
     # Emulated hosts: replica r's listeners bind (and advertise) hosts[r % len(hosts)],
     # e.g. 127.0.0.2,127.0.0.3 so that each replica acts as its own machine on
     # loopback; empty: every replica uses ft.bind_host / ft.advertise_host.

@@ -323,6 +323,7 @@ RULES: dict[str, Rule] = {
     "launch.lighthouse_tls_key": Parsed(_readable_or_empty, "empty or the PEM private key of launch.lighthouse_tls_cert"),
     "launch.lighthouse_connection_calls_per_s": _real(0, 1e6, lo_open=True,
                                                       why="calls per second one connection may make"),
+    "launch.relays": _int(0, why="relay processes the launcher starts (0: none)"),
     "launch.hosts": Parsed(_advertisable_hosts, "comma-separated hosts, one per emulated machine (empty: ft.bind_host)"),
     "launch.kill": Parsed(_fault_specs("kill"), "comma-separated REPLICA@STEP"),
     "launch.restart": Anything("true or false"),
@@ -399,6 +400,19 @@ def _check_lighthouse_budget(cfg: Any) -> None:
                           f"requests come on top; give at least {2 * beats:g} (twice the heartbeat rate)")
 
 
+def _check_relays(cfg: Any) -> None:
+    """Relays carry session streams; more relays than replicas would leave some idle."""
+    n = cfg.launch.relays
+    if n and not cfg.ft.lighthouse_session:
+        raise ConfigError(f"launch.relays={n} needs ft.lighthouse_session=true: a relay carries session streams only")
+    if n > cfg.launch.replicas:
+        raise ConfigError(f"launch.relays={n} must be <= launch.replicas={cfg.launch.replicas}: each relay carries "
+                          "a block of replicas")
+    if n and cfg.ft.lighthouse_relays:
+        raise ConfigError(f"launch.relays={n} starts the launcher's own relays, but ft.lighthouse_relays names "
+                          f"{cfg.ft.lighthouse_relays}: choose one")
+
+
 def check(cfg: Any) -> None:
     """Raises :class:`ConfigError` for the first field (or combination) that is not allowed."""
     for name, value, typ in leaf_fields(cfg):
@@ -441,6 +455,7 @@ def check(cfg: Any) -> None:
                           "certificate, the certificate file itself)")
 
     _check_lighthouse_budget(cfg)
+    _check_relays(cfg)
 
     m, d, launch = cfg.model, cfg.data, cfg.launch
     if m.d_model % m.num_heads:

@@ -127,6 +127,8 @@ def test_shipped_configs_validate(name):
                                           r"1..65535"),
     ("ft.lighthouse_relays=127.0.0.1:0", r"ft.lighthouse_relays=\('127.0.0.1:0',\): not host:port with a port in "
                                          r"1..65535"),
+    ("launch.relays=5", r"launch.relays=5 must be <= launch.replicas=3: each relay carries a block"),
+    ("launch.relays=-1", r"launch.relays=-1: must be an integer >= 0"),
     ("launch.replicas=0", r"launch.replicas=0: must be an integer >= 1"),
     ("launch.restart_delay_s=nan", r"launch.restart_delay_s=nan: must be a finite number >= 0"),
     ("launch.random_kills=-2", r"launch.random_kills=-2: must be an integer >= 0"),
@@ -155,6 +157,14 @@ def test_lighthouse_connection_budget_defaults_to_the_lighthouses_own():
     assert config_lib.load("base").launch.lighthouse_connection_calls_per_s == FairnessLimits().connection_calls_per_s
     assert config_lib.load("base", ["launch.lighthouse_connection_calls_per_s=2500"]
                            ).launch.lighthouse_connection_calls_per_s == 2500.0
+
+
+def test_launcher_relays_need_sessions_and_exclude_named_relays():
+    with pytest.raises(ConfigError, match=r"launch.relays=1 needs ft.lighthouse_session=true"):
+        config_lib.load("base", ["launch.relays=1", "ft.lighthouse_session=false"])
+    with pytest.raises(ConfigError, match=r"launch.relays=1 starts the launcher's own relays, but "
+                                          r"ft.lighthouse_relays names"):
+        config_lib.load("base", ["launch.relays=1", "ft.lighthouse_relays=127.0.0.1:7001"])
 
 
 def test_relays_split_the_replicas_in_contiguous_blocks():

@@ -331,3 +331,30 @@ def test_the_control_loop_through_relays_with_kills_a_lighthouse_restart_and_a_d
     assert "fault: relay 1 SIGKILLed" in ev
     assert "4 process(es) left a dead relay" in ev, ev
     assert all(len(c.batches) == len(c.healthy) for c in rep.commits.values())
+
+
+@pytest.mark.multiprocess
+def test_fthsdp_run_with_a_relay_trains_through_a_kill_and_a_lighthouse_restart(tmp_path):
+    """`fthsdp run` with launch.relays=1: every replica process's heartbeats and quorum requests
+    go through the relay (its log counts them), a killed replica rejoins through it, the lighthouse
+    is SIGKILLed and restarted behind it, and the job ends exactly once and bitwise identical."""
+    import json
+
+    from fthsdp.launch import report
+    from test_launcher import exactly_once, fthsdp_run, job_args, summary
+
+    out = tmp_path / "run"
+    p = fthsdp_run(out, *job_args(2, 50, "--kill", "1@8", "--kill-lighthouse", "35", "launch.relays=1",
+                                  "ft.lighthouse_outage_s=30", "launch.restart_delay_s=0.5", "train.min_step_s=0.2"))
+    assert p.returncode == 0, p.stderr[-3000:]
+    s = summary(out)
+    assert len(s["lighthouse_restarts"]) == 1 and s["job_restarts"] == []
+    run = report.load_run(out)
+    assert s["identical_final_state"] and all(d["step"] == 50 for d in run.done.values())
+    positions = exactly_once(out, run)
+    assert positions[0] == 50 and 8 < positions[1] < 50, positions  # replica 1 rejoined and trained again
+    log_text = (out / "relay-0.log").read_text()
+    stats = json.loads(log_text.rpartition("relay stopping (")[2].partition(")")[0].replace("'", '"'))
+    # 3 replica processes (one restarted) x >= 30 quorum requests, and their beats, all through it
+    assert stats["clients"] >= 3 and stats["messages_up"] >= 60 and stats["replies_down"] >= 60, stats
+    assert stats["upstream_breaks"] >= 1  # the lighthouse's death, ridden out behind the relay

@@ -105,6 +105,8 @@ class LocalJob:
     lighthouse_tls: tuple[str, str] = ("", "")
     # Our own lighthouse's budget per client connection (launch.lighthouse_connection_calls_per_s).
     lighthouse_calls_per_s: float = FairnessLimits.connection_calls_per_s
+    relays: int = 0  # relay processes between the replicas and the lighthouse (launch.relays)
+    lighthouse_tls_ca: str = ""  # what the relays check the lighthouse's certificate against (ft.lighthouse_tls_ca)
 
     def __post_init__(self) -> None:
         self.out_dir = pathlib.Path(self.out_dir)
@@ -139,6 +141,8 @@ class LocalJob:
         if self.lighthouse_secret is not None:  # `fthsdp status --status-key-file OUT/status.key`
             auth.write_secret(str(self.out_dir / "status.key"), auth.status_key(self.lighthouse_secret))
         self.killed_all = False
+        self.relay_procs: list[subprocess.Popen] = []
+        self.relay_addrs: list[str] = []
 
     # -- bookkeeping ---------------------------------------------------------
 
@@ -258,6 +262,33 @@ class LocalJob:
         self._lighthouse_down_ok = False
         self.event("lighthouse", address=self.lighthouse_addr)
 
+    def start_relays(self) -> None:
+        """Starts ``relays`` relay processes on the lighthouse's host (any free port each), in front
+        of the lighthouse; the replicas are told their addresses (ft.lighthouse_relays)."""
+        host = split_host_port(self.lighthouse_addr)[0]
+        for i in range(self.relays):
+            port_file = self.out_dir / f"relay-{i}.port"
+            port_file.unlink(missing_ok=True)
+            logf = open(self.out_dir / f"relay-{i}.log", "a")
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "fthsdp.control.relay", "--lighthouse", self.lighthouse_addr,
+                 "--bind", join_host_port(host, 0), "--port-file", str(port_file),
+                 *(["--tls-cert", self.lighthouse_tls[0], "--tls-key", self.lighthouse_tls[1]]
+                   if self.lighthouse_tls[0] else []),
+                 *(["--lighthouse-tls-ca", self.lighthouse_tls_ca] if self.lighthouse_tls_ca else [])],
+                stdout=logf, stderr=subprocess.STDOUT, env=self._env(), start_new_session=True)
+            logf.close()
+            self.relay_procs.append(proc)
+            deadline = time.monotonic() + LIGHTHOUSE_START_S
+            while not port_file.exists():
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    proc.kill()
+                    raise RuntimeError(f"relay {i} did not start listening (exit {proc.poll()}); see "
+                                       f"{self.out_dir / f'relay-{i}.log'}")
+                time.sleep(0.05)
+            self.relay_addrs.append(join_host_port(host, int(port_file.read_text().strip())))
+            self.event("relay", address=self.relay_addrs[-1], index=i)
+
     def stop_lighthouse(self) -> None:
         self._lighthouse_down_ok = True
         if self.lighthouse is not None and self.lighthouse.poll() is None:
@@ -313,7 +344,10 @@ class LocalJob:
                  "--lighthouse", self.lighthouse_addr, "--job", self.job_id, "--out-dir", str(self.out_dir),
                  "--allreduce", self.allreduce, "--hash-every", str(self.hash_every),
                  *(["--resume", self.resume] if self.resume and mode == "start" else []),
-                 *(["--rejoin"] if mode == "rejoin" else []), *self.host_flags(rid), *self.overrides],
+                 *(["--rejoin"] if mode == "rejoin" else []), *self.host_flags(rid), *self.overrides,
+                 # the launcher's relays, named to the replica as its relays (it starts none itself)
+                 *(["launch.relays=0", f"ft.lighthouse_relays={','.join(self.relay_addrs)}"]
+                   if self.relay_addrs else [])],
                 stdout=logf, stderr=subprocess.STDOUT, env=self._env(), start_new_session=True)
             logf.close()
             if index == 0:
@@ -585,6 +619,7 @@ class LocalJob:
         from fthsdp.launch import report
 
         self.start_lighthouse()
+        self.start_relays()
         for rid in range(self.replicas):
             if rid in self.late:
                 rp = self.procs.setdefault(rid, ReplicaProc(rid, state="killed"))
@@ -638,6 +673,9 @@ class LocalJob:
             if rp.proc is not None and rp.proc.poll() is None:
                 self.kill_replica(rp.rid)
         self._lighthouse_down_ok = True
+        for proc in self.relay_procs:  # SIGTERM: each logs what it carried
+            if proc.poll() is None:
+                lifetime.stop_process(proc)
         if self.lighthouse is not None and self.lighthouse.poll() is None:
             lifetime.stop_process(self.lighthouse)
         self._events.close()
@@ -816,6 +854,7 @@ def cli(argv: list[str]) -> int:
                    processes=cfg.launch.processes_per_replica, secret_file=cfg.launch.secret_file,
                    lighthouse_tls=(cfg.launch.lighthouse_tls_cert, cfg.launch.lighthouse_tls_key),
                    lighthouse_calls_per_s=cfg.launch.lighthouse_connection_calls_per_s,
+                   relays=cfg.launch.relays, lighthouse_tls_ca=cfg.ft.lighthouse_tls_ca,
                    progress=not args.no_progress and sys.stderr.isatty())
     log.info("job: %d replicas x %d devices, %d steps, faults (from %s) %s; logs in %s", cfg.launch.replicas,
              cfg.launch.devices_per_replica, cfg.train.steps, sources.origin,
