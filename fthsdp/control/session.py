@@ -26,6 +26,15 @@ as a cancelled call does. A message that cannot be read gets a clear error
 (``INVALID_ARGUMENT``, with ``seq`` 0 when even its envelope is unreadable) and
 the session goes on; nothing a client sends on it can stop the lighthouse.
 
+**Relays.** ``OpenRelay`` is the same service for a relay
+(:mod:`fthsdp.control.relay`) that carries many processes' sessions: its messages
+arrive in :class:`RelayBatch` es and its replies leave in them (one write for
+whatever queued), each message is checked exactly as above, the stream's budget
+is charged once per batch (a refused message costs it what it costs any
+connection, and a batch with :data:`MAX_REFUSED_PER_BATCH` refusals is not read
+further), and ``withdrawn`` seqs are withdrawn after the batch's messages, as if
+their processes' own streams had ended.
+
 The envelope checks are pure functions (:func:`envelope_problem`,
 :func:`envelope`, :func:`reply`); :func:`generic_handler` is the transport.
 A lighthouse without this service answers ``UNIMPLEMENTED``, and clients
