@@ -190,8 +190,9 @@ def test_an_authenticated_lighthouse_checks_every_message_a_relay_carries():
 
 def _raw(address: str, method: str, messages: list[bytes], expect: int, timeout_s: float = 10.0) -> list:
     """Send ``messages`` on one stream of ``method`` and read ``expect`` replies (each batch's
-    replies unpacked when ``method`` is the relay method)."""
-    channel = grpc.insecure_channel(address)
+    replies unpacked when ``method`` is the relay method), on a connection of its own (each has its
+    own budget at the lighthouse)."""
+    channel = grpc.insecure_channel(address, options=[("grpc.use_local_subchannel_pool", 1)])
     try:
         call = channel.stream_stream(method, request_serializer=None, response_deserializer=None)(
             iter(messages), timeout=timeout_s)

@@ -59,7 +59,6 @@ import dataclasses
 import logging
 import math
 import os
-import signal
 import sys
 import threading
 import time
@@ -68,8 +67,6 @@ from dataclasses import dataclass, field
 import grpc
 
 from fthsdp.addresses import split_host_port
-from fthsdp.atomic_file import write_atomic
-from fthsdp.gc_policy import low_pause_gc
 from fthsdp.control import admission, auth, guard, quorum as qm, session
 from fthsdp.control.guard import Refused
 from fthsdp.observe import root_cause as rc
@@ -1643,11 +1640,6 @@ class LighthouseThread:
         self.stop()
 
 
-def _write_port_file(path: str, port: int) -> None:
-    """Written whole, so a launcher polling the file never reads half a number."""
-    write_atomic(path, f"{port}\n")
-
-
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="fthsdp lighthouse",
@@ -1703,17 +1695,11 @@ def _parser() -> argparse.ArgumentParser:
 
 
 async def _serve(config: LighthouseConfig, port_file: str | None) -> None:
+    from fthsdp.launch.lifetime import serve_until_terminated
+
     server = Lighthouse(config)
     await server.start()
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    if port_file:  # before the line, so whoever reads the line also finds the file
-        _write_port_file(port_file, server.port)
-    print(f"lighthouse listening on {server.address}", flush=True)
-    with low_pause_gc():  # this process is the lighthouse's own (fthsdp.gc_policy: why)
-        await stop.wait()
+    await serve_until_terminated(server.port, port_file, f"lighthouse listening on {server.address}")
     log.info("lighthouse stopping")
     await server.stop()
 

@@ -44,7 +44,6 @@ import asyncio
 import collections
 import itertools
 import logging
-import signal
 import sys
 from dataclasses import dataclass
 
@@ -52,6 +51,7 @@ import grpc
 
 from fthsdp.addresses import split_host_port
 from fthsdp.control import session as sess
+from fthsdp.control.session_client import stop_stream
 from fthsdp.proto import lighthouse as _load_stubs
 
 pb2, _ = _load_stubs()
@@ -332,11 +332,7 @@ class Relay:
             return
         self._call = None
         self.stats["upstream_breaks"] += 1
-        call.cancel()
-        me = asyncio.current_task()
-        for t in self._tasks:
-            if t is not me:
-                t.cancel()
+        stop_stream(call, self._tasks)
         self._tasks = ()
         routes, self._routes = self._routes, {}
         self._queue.clear()
@@ -369,20 +365,11 @@ def _parser() -> argparse.ArgumentParser:
 
 
 async def _serve(config: RelayConfig, port_file: str | None) -> None:
-    from fthsdp.atomic_file import write_atomic
-    from fthsdp.gc_policy import low_pause_gc
+    from fthsdp.launch.lifetime import serve_until_terminated
 
     relay = Relay(config)
     await relay.start()
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    if port_file:
-        write_atomic(port_file, f"{relay.port}\n")
-    print(f"relay listening on {relay.address}", flush=True)
-    with low_pause_gc():  # the relay's pauses would be all its clients' latency (fthsdp.gc_policy)
-        await stop.wait()
+    await serve_until_terminated(relay.port, port_file, f"relay listening on {relay.address}")
     log.info("relay stopping (%s)", relay.stats)
     await relay.stop()
 

@@ -31,7 +31,8 @@ from fthsdp.proto import lighthouse as _load_stubs
 
 pb2, _ = _load_stubs()
 
-__all__ = ["SessionError", "SessionUnsupported", "SyncSession", "parse_reply", "beat_covered", "relay_gone"]
+__all__ = ["SessionError", "SessionUnsupported", "SyncSession", "parse_reply", "beat_covered", "relay_gone",
+           "stop_stream"]
 
 
 class SessionError(grpc.RpcError):
@@ -83,6 +84,18 @@ def stream_error(e: BaseException) -> SessionError:
     if code in (grpc.StatusCode.CANCELLED, grpc.StatusCode.OK):
         code = grpc.StatusCode.UNAVAILABLE  # the stream ended under its requests: as if unreachable
     return SessionError(code, f"session stream ended: {details}", broken=True)
+
+
+def stop_stream(call, tasks) -> None:
+    """Cancel an asyncio stream ``call`` and the tasks that read and write it, except the one
+    running this (it is the one that found the stream ended, and returns by itself)."""
+    import asyncio
+
+    call.cancel()
+    me = asyncio.current_task()
+    for t in tasks:
+        if t is not me:
+            t.cancel()
 
 
 def relay_gone(e: BaseException) -> bool:

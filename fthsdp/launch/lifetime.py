@@ -82,3 +82,23 @@ def stop_process(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait(grace_s)
+
+
+async def serve_until_terminated(port: int, port_file: str | None, ready_line: str) -> None:
+    """A server process's life after it bound ``port``: write ``port_file`` (before the line, so
+    whoever reads the line also finds the file), print ``ready_line``, then wait for SIGTERM or
+    SIGINT under the low-pause collector (the process is the server's own: fthsdp.gc_policy)."""
+    import asyncio
+
+    from fthsdp.atomic_file import write_atomic
+    from fthsdp.gc_policy import low_pause_gc
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    if port_file:
+        write_atomic(port_file, f"{port}\n")
+    print(ready_line, flush=True)
+    with low_pause_gc():
+        await stop.wait()

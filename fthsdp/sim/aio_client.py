@@ -36,7 +36,7 @@ import grpc
 
 from fthsdp.control import quorum as qm, session as sess
 from fthsdp.control.session_client import (SessionError, SessionUnsupported, beat_covered, parse_reply,
-                                           relay_gone, stream_error)
+                                           relay_gone, stop_stream, stream_error)
 from fthsdp.replica.fsm import membership
 from fthsdp.control.lighthouse_client import (
     HeartbeatReply,
@@ -231,11 +231,7 @@ class AioSession:
         if self._call is not call:
             return
         self._call, self._outbox, self.confirmed = None, None, False
-        call.cancel()
-        me = asyncio.current_task()
-        for t in self._tasks:
-            if t is not me:
-                t.cancel()
+        stop_stream(call, self._tasks)
         self._tasks = ()
         waiters, self._waiters = self._waiters, {}
         for fut in waiters.values():
