@@ -12,6 +12,7 @@ process keeps its connection: liveness comes from heartbeat messages).
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import signal
@@ -210,34 +211,47 @@ def test_an_authenticated_lighthouse_checks_every_session_message():
 LEADER = textwrap.dedent("""
     import sys, time
     from fthsdp.control.lighthouse_client import LighthouseClient
-    address, rid, session = sys.argv[1], sys.argv[2], sys.argv[3] == "1"
-    c = LighthouseClient(address, "job", rid, heartbeat_interval_s=0.1, heartbeat_timeout_s=0.3, session=session)
+    address, rid, session, relay = sys.argv[1], sys.argv[2], sys.argv[3] != "0", sys.argv[4]
+    c = LighthouseClient(address, "job", rid, heartbeat_interval_s=0.1, heartbeat_timeout_s=0.3, session=session,
+                         relay=relay)
     c.start_heartbeats()
     step = 0
     while True:
         q = c.get_quorum(step, ftar_addresses=["127.0.0.1:%d" % (9000 + int(rid))], num_replicas=3, timeout_s=30)
-        print("quorum", q.quorum_id, step, flush=True)
+        print("quorum", q.quorum_id, step, c.relay == relay, flush=True)
         step += 1
         time.sleep(0.05)
 """)
 
 
 @pytest.mark.parametrize("sig,transport", [(signal.SIGKILL, "session"), (signal.SIGSTOP, "session"),
-                                           (signal.SIGSTOP, "unary")])
+                                           (signal.SIGSTOP, "unary"), (signal.SIGSTOP, "relay")])
 def test_a_killed_or_stopped_leader_on_a_session_is_declared_dead_in_the_detection_window(lighthouse, sig, transport,
                                                                                         tmp_path):
     script = tmp_path / "leader.py"
     script.write_text(LEADER)
     env = dict(os.environ, PYTHONPATH=os.getcwd())
-    flag = "1" if transport == "session" else "0"
-    procs = [subprocess.Popen([sys.executable, str(script), lighthouse.address, str(r), flag], env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True) for r in range(3)]
+    flag = "0" if transport == "unary" else "1"
+    with contextlib.ExitStack() as stack:
+        relay = ""
+        if transport == "relay":  # the leaders' sessions through a relay: a stopped one's stream stays open
+            from test_relay import relay_process
+
+            relay = stack.enter_context(relay_process(lighthouse.address))[0]
+        _declared_dead_in_the_window(lighthouse, sig, transport, [
+            subprocess.Popen([sys.executable, str(script), lighthouse.address, str(r), flag, relay], env=env,
+                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True) for r in range(3)])
+
+
+def _declared_dead_in_the_window(lighthouse, sig, transport: str, procs: list) -> None:
     watcher = _client(lighthouse.address, "watcher")
     try:
-        for p in procs:  # every leader formed at least two quorums on its session
+        for p in procs:  # every leader formed at least two quorums on its session (through its relay)
             for _ in range(2):
-                assert p.stdout.readline().startswith("quorum"), "a leader did not get its quorums"
+                line = p.stdout.readline()
+                assert line.startswith("quorum") and line.split()[-1] == "True", "a leader did not get its quorums"
         assert (lighthouse.server.stats["sessions_opened"] >= 3) == (transport == "session")
+        assert (lighthouse.server.stats["relay_batches"] > 0) == (transport == "relay")
         t0 = time.monotonic()
         procs[2].send_signal(sig)
         dead_at = None

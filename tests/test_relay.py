@@ -6,15 +6,14 @@ the lighthouse reads batches; a client that leaves the relay has its open reques
 withdrawn; an authenticated lighthouse checks every message a relay carries (the
 relay holds no secret and cannot forge one); bad batches and bad messages get
 clear errors and a batch of garbage costs the lighthouse a bounded amount; a
-killed relay sends its clients to the lighthouse directly; a SIGSTOPped leader
-behind a relay is declared dead by its silence. The emulation runs the whole
+killed relay sends its clients to the lighthouse directly (a SIGSTOPped leader
+behind a relay is declared dead by its silence: tests/test_lighthouse_session.py). The emulation runs the whole
 control loop through relays with kills, a lighthouse restart and a dead relay.
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
 import signal
 import subprocess
 import sys
@@ -262,56 +261,6 @@ def test_a_killed_relay_sends_its_clients_to_the_lighthouse_directly(lighthouse)
         finally:
             for c in clients:
                 c.close()
-
-
-LEADER = """
-import sys, time
-from fthsdp.control.lighthouse_client import LighthouseClient
-address, relay, rid = sys.argv[1], sys.argv[2], sys.argv[3]
-c = LighthouseClient(address, "job", rid, heartbeat_interval_s=0.1, heartbeat_timeout_s=0.3, relay=relay)
-c.start_heartbeats()
-step = 0
-while True:
-    q = c.get_quorum(step, ftar_addresses=["127.0.0.1:%d" % (9000 + int(rid))], num_replicas=3, timeout_s=30)
-    print("quorum", q.quorum_id, step, c.relay == relay, flush=True)
-    step += 1
-    time.sleep(0.05)
-"""
-
-
-def test_a_stopped_leader_behind_a_relay_is_declared_dead_by_its_silence(lighthouse, tmp_path):
-    script = tmp_path / "leader.py"
-    script.write_text(LEADER)
-    env = dict(os.environ, PYTHONPATH=os.getcwd())
-    with relay_process(lighthouse.address) as (addr, _):
-        procs = [subprocess.Popen([sys.executable, str(script), lighthouse.address, addr, str(r)], env=env,
-                                  stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True) for r in range(3)]
-        watcher = _client(lighthouse.address, "watcher", session=False)
-        try:
-            for p in procs:
-                for _ in range(2):
-                    line = p.stdout.readline()
-                    assert line.startswith("quorum") and line.split()[-1] == "True", line
-            t0 = time.monotonic()
-            procs[2].send_signal(signal.SIGSTOP)  # its stream to the relay stays open; its beats stop
-            dead_at = None
-            while time.monotonic() - t0 < 5 * DETECT:
-                (job,) = [j for j in watcher.status() if j.job_id == "job"]
-                if any(r.replica_id == "2" and r.dead for r in job.replicas):
-                    dead_at = time.monotonic() - t0
-                    break
-                time.sleep(0.02)
-            assert dead_at is not None and dead_at < DETECT + 0.5, dead_at
-            for p in procs[:2]:  # the survivors go on without it, still behind the relay
-                assert p.stdout.readline().split()[-1] == "True"
-        finally:
-            watcher.close()
-            for p in procs:
-                if p.poll() is None:
-                    p.send_signal(signal.SIGCONT)
-                    p.kill()
-                p.wait(10)
-                p.stdout.close()
 
 
 def test_the_control_loop_through_relays_with_kills_a_lighthouse_restart_and_a_dead_relay():

@@ -58,7 +58,6 @@ import asyncio
 import dataclasses
 import logging
 import math
-import os
 import sys
 import threading
 import time
