@@ -207,19 +207,28 @@ def generic_handler(lighthouse, gate: guard.CallGate) -> grpc.GenericRpcHandler:
             log.exception("session %s: answering quorum request %d failed", s.peer, seq)
             s.send(reply(seq, code=grpc.StatusCode.INTERNAL, details=f"the lighthouse failed to answer: {e}"))
 
-    def expired(s: Stream, seq: int) -> None:
+    def drop(s: Stream, seq: int):
+        """Open quorum request ``seq`` waits no more (its timer stopped, its entry withdrawn, its
+        future cancelled); returns its (job, entry, timer), or None if it was not open."""
         item = s.open.pop(seq, None)
         if item is None:
-            return
-        job, entry, _ = item
+            return None
+        job, entry, timer = item
+        if timer is not None:
+            timer.cancel()
         lighthouse.withdraw(job, entry)
         if not entry.future.done():
             entry.future.cancel()
-        s.send(reply(seq, code=grpc.StatusCode.DEADLINE_EXCEEDED, details=lighthouse.no_quorum_reason(job)))
+        return item
+
+    def expired(s: Stream, seq: int) -> None:
+        item = drop(s, seq)
+        if item is not None:
+            s.send(reply(seq, code=grpc.StatusCode.DEADLINE_EXCEEDED, details=lighthouse.no_quorum_reason(item[0])))
 
     async def message(s: Stream, raw: bytes) -> None:
         """One message, checked in the unary call's order; its reply goes to the outbox (a relay's
-        stream: its connection's budget was charged once for the whole batch, in :func:`relayed`)."""
+        stream: its budget was charged once for the whole batch, in ``relay_batch``)."""
         if not s.relayed:
             refusal = await gate.connection(s.peer, LIGHTHOUSE_MAX_HOLD_S)
             if refusal is not None:
@@ -273,20 +282,8 @@ def generic_handler(lighthouse, gate: guard.CallGate) -> grpc.GenericRpcHandler:
         s.open[seq] = (job, entry, timer)
         entry.future.add_done_callback(lambda fut, s=s, seq=seq, req=req: answered(s, seq, req, fut))
 
-    def withdrawn(s: Stream, seq: int) -> None:
-        """The relay's client behind ``seq`` went away: as if its own stream had ended (no reply)."""
-        item = s.open.pop(seq, None)
-        if item is None:
-            return  # answered already (the answer crossed the relay's notice), or never opened
-        job, entry, timer = item
-        if timer is not None:
-            timer.cancel()
-        lighthouse.withdraw(job, entry)
-        if not entry.future.done():
-            entry.future.cancel()
-
     async def relay_batch(s: Stream, raw: bytes) -> None:
-        """A relay's batch: the connection's budget once, then each message as on its own session."""
+        """A relay's batch: the relay stream's budget once, then each message as on its own session."""
         try:
             msg = pb2.RelayBatch.FromString(raw)
         except Exception:  # noqa: BLE001 - any garbage from the network
@@ -317,9 +314,10 @@ def generic_handler(lighthouse, gate: guard.CallGate) -> grpc.GenericRpcHandler:
             stats["session_messages"] += 1
             await message(s, inner)
         # After the messages: a client that sent a request and went away before the batch left
-        # has both in it, and its request must not stay open.
+        # has both in it, and its request must not stay open. No reply: nobody waits for one (a
+        # seq answered already, its answer crossing the relay's notice, is no longer open).
         for seq in msg.withdrawn:
-            withdrawn(s, seq)
+            drop(s, seq)
 
     async def serve(relayed: bool, context: grpc.aio.ServicerContext) -> None:
         s = Stream(context, context.peer() or "", relayed)
@@ -343,13 +341,8 @@ def generic_handler(lighthouse, gate: guard.CallGate) -> grpc.GenericRpcHandler:
                     s.send(reply(0, code=grpc.StatusCode.INTERNAL, details=f"the lighthouse failed: {e}"))
         finally:
             s.closed = True
-            for job, entry, timer in s.open.values():  # a stream that ends withdraws its requests
-                if timer is not None:
-                    timer.cancel()
-                lighthouse.withdraw(job, entry)
-                if not entry.future.done():
-                    entry.future.cancel()
-            s.open.clear()
+            for seq in list(s.open):  # a stream that ends withdraws its requests
+                drop(s, seq)
             s.wake.set()
             try:
                 await asyncio.wait_for(writer, 1.0)  # what was answered before the client half-closed
