@@ -213,6 +213,11 @@ def fthsdp_row(system: str, replicas: int, ranks_per_replica: int, rounds: int, 
         "p50_s": percentile(lat, 0.5), "p99_s": percentile(lat, 0.99), "max_s": max(lat) if lat else None,
         "complete_rounds": len(complete), "rounds": rounds, "warmup_rounds": warmup,
         "lighthouse_p50_s": percentile([r["lighthouse_s"] for r in complete], 0.5),
+        # the relays' CPU over the whole run (connecting, warm-up rounds included), per round run
+        "relay_cpu_s_per_round": rep.relay_cpu_s / (rounds + warmup) if relays else None,
+        # how well they batched: messages per batch to the lighthouse, replies per batch back
+        "relay_messages_per_batch": _ratio(rep.relay_stats, "messages_up", "batches_up") if relays else None,
+        "relay_replies_per_batch": _ratio(rep.relay_stats, "replies_down", "batches_down") if relays else None,
         "fanout_p50_s": percentile([r["fanout_s"] for r in complete], 0.5),
         "round_latencies_s": [round(x, 6) for x in lat],
         "violations": rep.violations()[:5], "wall_s": rep.wall_s, "loadavg": load,
@@ -228,6 +233,11 @@ def fthsdp_row(system: str, replicas: int, ranks_per_replica: int, rounds: int, 
         "requests_resent_after_unavailable": sum(1 for r in rep.quorum_records if r.outage_s > 0),
         **({"breakdown": where} if where is not None else {}),
     }
+
+
+def _ratio(stats: list[dict], num: str, den: str) -> float | None:
+    d = sum(s.get(den, 0) for s in stats)
+    return sum(s.get(num, 0) for s in stats) / d if d else None
 
 
 # -- torchft -------------------------------------------------------------------

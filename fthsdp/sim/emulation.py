@@ -44,6 +44,7 @@ once, quorum ids never going backwards.
 
 from __future__ import annotations
 
+import ast
 import asyncio
 import gc
 import collections
@@ -246,6 +247,16 @@ class LighthouseProcess:
         self.proc = None
 
 
+def process_cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) process ``pid`` used so far (Linux /proc; 0.0 elsewhere)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rpartition(")")[2].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return 0.0
+
+
 class RelayProcess(LighthouseProcess):
     """A real relay (fthsdp.control.relay) in its own process, between a block of replicas and
     the lighthouse (which keeps its port across restarts, so the relay's channel finds it again)."""
@@ -255,10 +266,24 @@ class RelayProcess(LighthouseProcess):
     def __init__(self, config: EmulationConfig, log_path: str, lighthouse: LighthouseProcess) -> None:
         super().__init__(config, log_path)
         self.lighthouse = lighthouse
+        self.cpu_s = 0.0  # read when it is stopped (a killed one's is lost)
+        self.stats: dict = {}  # what it carried (fthsdp.control.relay.Relay.stats), from its log
 
     def command(self) -> list[str]:
+        # INFO: its last line, when it stops, is what it carried (self.stats)
         return [sys.executable, "-m", "fthsdp.control.relay", "--lighthouse", self.lighthouse.address,
-                "--bind", f"127.0.0.1:{self.port}", "--log-level", "WARNING"]
+                "--bind", f"127.0.0.1:{self.port}", "--log-level", "INFO"]
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.cpu_s = process_cpu_s(self.proc.pid)
+        super().stop()
+        try:
+            with open(self.log_path) as f:
+                last = [line for line in f if "relay stopping (" in line][-1]
+            self.stats = ast.literal_eval(last.partition("relay stopping (")[2].rstrip().removesuffix(")"))
+        except (OSError, IndexError, ValueError, SyntaxError):
+            self.stats = {}
 
 
 class DataState:
@@ -441,6 +466,8 @@ class EmulationReport:
     # and this process's CPU time over the run: the emulator's cost, not the system's.
     rank_work_s: dict[int, float] = field(default_factory=dict)
     emulator_cpu_s: float = 0.0
+    relay_cpu_s: float = 0.0  # the relay processes' CPU time over the run, all together
+    relay_stats: list[dict] = field(default_factory=list)  # what each relay carried (its Relay.stats)
 
     def violations(self, deadline_slack_s: float = 2.0) -> list[str]:
         """Every broken invariant, in words (empty = all hold)."""
@@ -986,7 +1013,8 @@ class Emulation:
             fabric_failed=self.fabric.failed, decode=(self.decode_cache.decoded, self.decode_cache.hits),
             unfinished=unfinished, views_fetched=self.views_fetched, answer_bytes=self.answer_bytes,
             wire_sizes=self.wire_sizes,
-            rank_work_s=dict(self._rank_work), emulator_cpu_s=time.process_time() - cpu0)
+            rank_work_s=dict(self._rank_work), emulator_cpu_s=time.process_time() - cpu0,
+            relay_cpu_s=sum(r.cpu_s for r in self.relays), relay_stats=[r.stats for r in self.relays])
 
     def run(self) -> EmulationReport:
         try:
