@@ -27,13 +27,23 @@ import pytest
 from fthsdp.control import relay, session
 from fthsdp.control.lighthouse import LighthouseConfig, LighthouseThread
 from fthsdp.control.lighthouse_client import JobNotFound, LighthouseClient
-from fthsdp.control.session_client import SessionError, SyncSession
+from fthsdp.control.session_client import RelayHealth, SessionError, SyncSession
 from fthsdp.proto import LIGHTHOUSE_PROTOCOL_VERSION, lighthouse as load_stubs
 
 pb2, _ = load_stubs()
 DETECT = 0.5
 INVALID = grpc.StatusCode.INVALID_ARGUMENT.value[0]
 EXHAUSTED = grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
+
+
+def test_a_client_leaves_its_relay_after_breaks_that_last():
+    h = RelayHealth()
+    assert not h.broke(10.0) and not h.broke(10.01) and not h.broke(10.02)  # a burst of fast failures
+    assert h.broke(10.0 + h.GRACE_S)  # still failing after the grace: leave
+    h.ok()
+    assert not h.broke(20.0) and not h.broke(20.0 + h.GRACE_S)  # two breaks are not enough
+    h.ok()  # a reply in between starts the count again
+    assert not h.broke(20.0 + 2 * h.GRACE_S)
 
 
 def test_renumbered_sets_the_seq_and_keeps_every_other_byte():
@@ -65,10 +75,10 @@ def test_relay_config_says_what_is_wrong():
 
 
 @contextlib.contextmanager
-def relay_process(lighthouse: str):
+def relay_process(lighthouse: str, bind: str = "127.0.0.1:0"):
     """A real relay process in front of ``lighthouse``; yields (address, Popen)."""
     p = subprocess.Popen([sys.executable, "-m", "fthsdp.control.relay", "--lighthouse", lighthouse,
-                          "--bind", "127.0.0.1:0", "--log-level", "WARNING"],
+                          "--bind", bind, "--log-level", "WARNING"],
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         line = p.stdout.readline()
@@ -249,11 +259,17 @@ def test_a_relay_answers_garbage_from_its_clients_and_goes_on(lighthouse):
 
 def test_a_killed_relay_sends_its_clients_to_the_lighthouse_directly(lighthouse):
     with relay_process(lighthouse.address) as (addr, p):
-        clients = [_client(lighthouse.address, r, relay=addr) for r in range(2)]
+        # outage_s: a client rides out the first broken streams as an outage (RELAY_BREAKS_TO_LEAVE)
+        clients = [_client(lighthouse.address, r, relay=addr, outage_s=10.0) for r in range(2)]
         try:
             assert len({q.quorum_id for q in _ask(clients, 0, 2)}) == 1
             p.kill()
             p.wait(10)
+            # one broken stream is an outage, not yet a dead relay (a connect storm can refuse one)
+            with pytest.raises(Exception, match="session stream ended"):
+                clients[0].heartbeat(1)
+            assert clients[0].relay == addr
+            # a relay that stays away is left: the step's requests ride it out and go on directly
             qs = _ask(clients, 1, 2)
             assert len({q.quorum_id for q in qs}) == 1 and qs[0].max_step == 1
             assert [c.relay for c in clients] == ["", ""]
@@ -279,7 +295,8 @@ def test_the_control_loop_through_relays_with_kills_a_lighthouse_restart_and_a_d
     # relay 1 carried replicas 4-7; its processes went to the lighthouse (replica 6's restart came
     # after the relay died: its new process found no relay and went directly too)
     assert "fault: relay 1 SIGKILLed" in ev
-    assert "4 process(es) left a dead relay" in ev, ev
+    assert "4 process(es) left a dead relay and speak to the lighthouse directly (most often: session stream ended" \
+        in ev, ev
     assert all(len(c.batches) == len(c.healthy) for c in rep.commits.values())
 
 

@@ -51,7 +51,8 @@ import grpc
 
 from fthsdp.control import auth, quorum as qm
 from fthsdp.control.session import SESSION_METHODS
-from fthsdp.control.session_client import SessionError, SessionUnsupported, SyncSession, beat_covered, relay_gone
+from fthsdp.control.session_client import (RelayHealth, SessionError, SessionUnsupported, SyncSession,
+                                           beat_covered, relay_gone)
 from fthsdp.observe.load_metrics import LoadSnapshot
 from fthsdp.observe.phase import Phase, PhaseSnapshot, StreamReport
 from fthsdp.errors import JobFatalError
@@ -657,6 +658,7 @@ class LighthouseClient:
         self._session: SyncSession | None = \
             SyncSession(self._relay_channel or self._channel) if session else None
         self._lock_relay = threading.Lock()  # the heartbeat thread and the step may both find the relay gone
+        self._relay_health = RelayHealth()  # when to leave the relay
         self._asked_at = -math.inf  # when get_quorum last sent a request (monotonic)
         self._step = 0
         self._hb_thread: threading.Thread | None = None
@@ -712,7 +714,10 @@ class LighthouseClient:
         if s is not None and method in SESSION_METHODS:
             start = time.monotonic()
             try:
-                return _REPLY_TYPES[method].FromString(s.request(method, body, timeout))
+                out = _REPLY_TYPES[method].FromString(s.request(method, body, timeout))
+                with self._lock_relay:
+                    self._relay_health.ok()
+                return out
             except SessionUnsupported as e:
                 log.info("%s: %s; using unary calls", f"relay {self.relay}" if self.relay else
                          f"lighthouse {self.address}", e.details())
@@ -721,6 +726,9 @@ class LighthouseClient:
             except SessionError as e:
                 if not (self.relay and relay_gone(e)):
                     raise
+                with self._lock_relay:
+                    if not self._relay_health.broke(time.monotonic()):
+                        raise  # UNAVAILABLE: an outage to ride out, through the relay again
                 s = self._leave_relay(s, e)
                 return _REPLY_TYPES[method].FromString(
                     s.request(method, body, max(0.001, timeout - (time.monotonic() - start))))
@@ -733,10 +741,7 @@ class LighthouseClient:
                 log.warning("relay %s is gone (%s): process %d of replica %r speaks to lighthouse %s directly",
                             self.relay, e.details(), self.process_index, self.replica_id, self.address)
                 self._session = SyncSession(self._channel)
-                old.close()
-                if self._relay_channel is not None:
-                    self._relay_channel.close()
-                    self._relay_channel = None
+                old.close()  # its channel stays open until close(): another thread may still hold it
                 self.relay = ""
             return self._session
 

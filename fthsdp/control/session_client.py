@@ -13,8 +13,8 @@ request. A lighthouse that does not offer sessions answers ``UNIMPLEMENTED``:
 
 A session may go through a relay (:mod:`fthsdp.control.relay`). A relay that
 cannot reach the lighthouse answers ``UNAVAILABLE`` itself; a relay that is
-gone breaks the stream (:func:`relay_gone`), after which the client speaks to
-the lighthouse directly: a relay bounds the lighthouse's fan-in, never its
+gone breaks the stream (:func:`relay_gone`), and after a few breaks in a row the
+client speaks to the lighthouse directly: a relay bounds the lighthouse's fan-in, never its
 clients' availability.
 """
 
@@ -32,7 +32,7 @@ from fthsdp.proto import lighthouse as _load_stubs
 pb2, _ = _load_stubs()
 
 __all__ = ["SessionError", "SessionUnsupported", "SyncSession", "parse_reply", "beat_covered", "relay_gone",
-           "stop_stream"]
+           "stop_stream", "RelayHealth"]
 
 
 class SessionError(grpc.RpcError):
@@ -98,10 +98,37 @@ def stop_stream(call, tasks) -> None:
             t.cancel()
 
 
+class RelayHealth:
+    """When a client leaves its relay for the lighthouse: after :data:`BREAKS` broken streams in a
+    row (no reply in between) spread over at least :data:`GRACE_S`. One break can be a passing
+    refusal (a storm of connects overflowing the relay's listen backlog moved 461 of 512 emulated
+    leaders off two live relays when the first break was enough), and a channel that failed to
+    connect fails the next streams at once, so a count alone is reached in milliseconds; a dead
+    relay keeps breaking. The grace is short beside the failure-detection window, because
+    while a client is cut off from its relay its heartbeats do not arrive either. Pure: times in."""
+
+    BREAKS = 3
+    GRACE_S = 0.3
+
+    def __init__(self) -> None:
+        self.breaks = 0
+        self.since: float | None = None
+
+    def ok(self) -> None:
+        self.breaks, self.since = 0, None
+
+    def broke(self, now: float) -> bool:
+        """One more broken stream at ``now``; True: leave the relay."""
+        self.breaks += 1
+        self.since = now if self.since is None else self.since
+        return self.breaks >= self.BREAKS and now - self.since >= self.GRACE_S
+
+
 def relay_gone(e: BaseException) -> bool:
-    """Whether ``e``, from a session through a relay, means the relay itself is gone (its stream
-    broke, unreachable): the client then speaks to the lighthouse directly. An ``UNAVAILABLE``
-    *reply* (the relay cannot reach the lighthouse) is an outage to ride out as without a relay."""
+    """Whether ``e``, from a session through a relay, means the relay itself may be gone (its
+    stream broke, unreachable): :class:`RelayHealth` says when the client speaks to the lighthouse
+    directly instead. An ``UNAVAILABLE`` *reply* (the relay cannot reach the lighthouse) is
+    an outage to ride out as without a relay."""
     return (isinstance(e, SessionError) and e.broken and not isinstance(e, SessionUnsupported)
             and e.code() == grpc.StatusCode.UNAVAILABLE)
 

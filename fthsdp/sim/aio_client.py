@@ -36,7 +36,7 @@ import grpc
 
 from fthsdp.control import quorum as qm, session as sess
 from fthsdp.control.session_client import (SessionError, SessionUnsupported, beat_covered, parse_reply,
-                                           relay_gone, stop_stream, stream_error)
+                                           RelayHealth, relay_gone, stop_stream, stream_error)
 from fthsdp.replica.fsm import membership
 from fthsdp.control.lighthouse_client import (
     HeartbeatReply,
@@ -303,6 +303,8 @@ class AioLighthouseClient:
         # ``relay``: a relay's address carries the session (fthsdp.control.relay); the lighthouse
         # directly once it is gone. A client sharing a channel shares its owner's relay.
         self.relay = "" if not session else relay if channel_of is None else channel_of.relay
+        self.left_relay = ""  # why it left its relay for the lighthouse (empty: it did not)
+        self.relay_health = RelayHealth()  # when to leave the relay
         self._relay_channel = (grpc.aio.insecure_channel(self.relay, options=_OPTIONS)
                                if self.relay and channel_of is None else None)
         self.session: AioSession | None = (
@@ -383,19 +385,21 @@ class AioLighthouseClient:
             body = req if isinstance(req, bytes) else req.SerializeToString()
             start = time.monotonic()
             try:
-                return await s.request(name, body, timeout_s)
+                out = await s.request(name, body, timeout_s)
+                self.relay_health.ok()
+                return out
             except SessionUnsupported:
                 self.session = None
                 await s.close()
             except SessionError as e:
                 if not (self.relay and relay_gone(e)):
                     raise
+                if not self.relay_health.broke(time.monotonic()):
+                    raise  # UNAVAILABLE: retried as across an outage, through the relay again
                 if self.session is s:  # the relay is gone: the lighthouse directly from now on
-                    self.session, self.relay = AioSession(self._channel), ""
+                    # (its channel stays open until close(): another call may still hold its session)
+                    self.session, self.relay, self.left_relay = AioSession(self._channel), "", e.details()
                     await s.close()
-                    if self._relay_channel is not None:
-                        await self._relay_channel.close()
-                        self._relay_channel = None
                 return await self.session.request(name, body, max(0.001, timeout_s - (time.monotonic() - start)))
         return await method(req, timeout=timeout_s)
 
@@ -441,7 +445,8 @@ class AioLighthouseClient:
         return QuorumReply(q, sent, received, outage)
 
     async def connect(self, timeout_s: float) -> bool:
-        """Wait until the channel is connected (a replica's start-up); False if it is not within ``timeout_s``."""
+        """Wait until the channel is connected (a replica's start-up); False if it is not within
+        ``timeout_s``. (Not its relay's: a relay that is not there is left by RelayHealth.)"""
         try:
             await asyncio.wait_for(self._channel.channel_ready(), timeout_s)
             return True

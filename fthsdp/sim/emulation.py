@@ -50,6 +50,7 @@ import gc
 import collections
 import logging
 import os
+import re
 import signal
 import statistics
 import subprocess
@@ -993,9 +994,12 @@ class Emulation:
             for t in self._side_tasks:
                 t.cancel()
             await asyncio.sleep(0)
-            left = sum(1 for r in self.replicas.values() for cl in r.clients if self.relay_of(r.index) and not cl.relay)
+            left = [cl.left_relay for r in self.replicas.values() for cl in r.clients
+                    if self.relay_of(r.index) and not cl.relay]
             if left:
-                self.events.append(f"{left} process(es) left a dead relay and speak to the lighthouse directly")
+                why = collections.Counter(re.sub(r"\d+", "N", w)[:200] for w in left).most_common(1)[0][0]
+                self.events.append(f"{len(left)} process(es) left a dead relay and speak to the lighthouse directly "
+                                   f"(most often: {why})")
         finally:
             for r in self.relays:
                 await asyncio.to_thread(r.stop)
