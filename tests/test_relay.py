@@ -60,6 +60,18 @@ def test_renumbered_sets_the_seq_and_keeps_every_other_byte():
         relay.renumbered(raw, 0)
 
 
+def test_batches_are_bounded_in_messages_and_bytes():
+    import collections
+
+    q = collections.deque([b"x" * 400_000, b"y" * 400_000, b"z" * 400_000, b"w" * 10])
+    assert [len(m) for m in session.take_batch(q)] == [400_000, 400_000]  # a third would pass 1 MiB
+    assert [len(m) for m in session.take_batch(q)] == [400_000, 10]
+    q = collections.deque([b"big" * 1_000_000, b"a"])
+    assert len(session.take_batch(q)) == 1 and list(q) == [b"a"]  # a message over the bound goes alone
+    q = collections.deque([b"m"] * 10)
+    assert len(session.take_batch(q, max_messages=4)) == 4 and len(q) == 6
+
+
 def test_relay_config_says_what_is_wrong():
     with pytest.raises(ValueError, match="relay lighthouse"):
         relay.RelayConfig(lighthouse="nohost")
@@ -250,6 +262,11 @@ def test_a_relay_answers_garbage_from_its_clients_and_goes_on(lighthouse):
         assert zero == ["a session message is not a valid SessionRequest protobuf message", "seq is 0"]
         assert by[3].code == INVALID and "not carried on a session" in by[3].details  # the lighthouse's check
         assert by[4].code == 0
+        # a message too large for the lighthouse breaks its own client's stream, not the relay's one
+        with pytest.raises(grpc.RpcError) as e:
+            _raw(addr, session.METHOD, [session.envelope(5, "Heartbeat", b"\x0a" + b"x" * 5_000_000)], 1)
+        assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert _raw(addr, session.METHOD, [session.envelope(6, "Heartbeat", _hb())], 1)[0].code == 0
         # a client that opens a relay stream on the relay finds no such service: relays do not nest
         with pytest.raises(grpc.RpcError) as e:
             _raw(addr, session.RELAY_METHOD, [session.batch([session.envelope(1, "Heartbeat", _hb())])], 1)

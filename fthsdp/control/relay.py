@@ -157,7 +157,12 @@ class Relay:
         self._open_upstream = self._channel.stream_stream(sess.RELAY_METHOD, request_serializer=None,
                                                           response_deserializer=None)
         self._wake = asyncio.Event()
-        self._server = grpc.aio.server(options=[("grpc.max_receive_message_length", 16 * 1024 * 1024)])
+        # A client's message must fit the lighthouse's limit inside a batch: a larger one would break
+        # the relay's one stream (every client's), so it breaks only its own client's stream here.
+        from fthsdp.control.guard import Limits
+
+        limit = Limits().max_request_bytes - 64 * 1024
+        self._server = grpc.aio.server(options=[("grpc.max_receive_message_length", limit)])
         handler = grpc.stream_stream_rpc_method_handler(self._serve, request_deserializer=None,
                                                         response_serializer=None)
         self._server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(sess.SERVICE, {"Open": handler}),))
@@ -275,8 +280,7 @@ class Relay:
                 await self._wake.wait()
                 self._wake.clear()
                 while self._queue or self._withdrawn:
-                    n = min(len(self._queue), mb)
-                    out = [self._queue.popleft() for _ in range(n)]
+                    out = sess.take_batch(self._queue, mb) if self._queue else []
                     gone: list[int] = []
                     if not self._queue:
                         gone, self._withdrawn = self._withdrawn, []

@@ -59,7 +59,8 @@ pb2, _ = _load_stubs()
 log = logging.getLogger("fthsdp.control.lighthouse")
 
 __all__ = ["SERVICE", "METHOD", "RELAY_METHOD", "SESSION_METHODS", "MAX_OPEN", "MAX_OPEN_RELAYED", "MAX_BATCH",
-           "MAX_TIMEOUT_S", "Stream", "envelope", "reply", "envelope_problem", "batch", "batch_problem", "generic_handler",
+           "MAX_BATCH_BYTES", "MAX_TIMEOUT_S", "Stream", "envelope", "reply", "envelope_problem", "batch", "take_batch",
+           "batch_problem", "generic_handler",
            "status_code"]
 
 SERVICE = "fthsdp.v1.LighthouseSession"
@@ -73,6 +74,11 @@ MAX_OUTBOX = 256  # replies waiting for the client to read them before the sessi
 # A relay's stream carries many processes: one open quorum request each (a few more while they retry).
 MAX_OPEN_RELAYED = 65_536
 MAX_BATCH = 4096  # messages in one RelayBatch; a relay sends what queued while its last write went out
+# Bytes in one RelayBatch (a message larger than this goes alone). Both ways are bounded: a round's
+# first answers carry every ring (1.4 MB each at 512 leaders x 196 ranks), and 256 of them in one
+# batch (372 MB) passed what a client accepts and broke the relay's stream; requests stay far under
+# the lighthouse's 4 MiB per message (guard.Limits.max_request_bytes).
+MAX_BATCH_BYTES = 1024 * 1024
 # Refused messages (malformed, unauthenticated) one batch may hold before the rest of it goes unread: each
 # costs its connection the usual surcharge, and this bounds what one batch of garbage costs the lighthouse.
 MAX_REFUSED_PER_BATCH = 8
@@ -99,6 +105,17 @@ def reply(seq: int, body: bytes = b"", code: grpc.StatusCode = grpc.StatusCode.O
 def batch(messages, withdrawn=()) -> bytes:
     """A relay's :class:`RelayBatch`: serialized session messages (and, upstream, withdrawn seqs)."""
     return pb2.RelayBatch(messages=messages, withdrawn=withdrawn).SerializeToString()
+
+
+def take_batch(queue: collections.deque, max_messages: int = MAX_BATCH, max_bytes: int = MAX_BATCH_BYTES) -> list:
+    """The next batch from the front of ``queue``: at least one message, then as many more as fit
+    in ``max_messages`` and ``max_bytes``."""
+    out = [queue.popleft()]
+    size = len(out[0])
+    while queue and len(out) < max_messages and size + len(queue[0]) <= max_bytes:
+        size += len(queue[0])
+        out.append(queue.popleft())
+    return out
 
 
 def batch_problem(msg) -> str | None:
@@ -157,10 +174,9 @@ class Stream:
         while True:
             await self.wake.wait()
             self.wake.clear()
-            if self.relayed:  # everything queued in one batch: one write however many replies
+            if self.relayed:  # what queued in as few batches as fit: one write for many replies
                 while self.outbox:
-                    out = [self.outbox.popleft() for _ in range(min(len(self.outbox), MAX_BATCH))]
-                    await self.context.write(batch(out))
+                    await self.context.write(batch(take_batch(self.outbox)))
             while self.outbox:
                 await self.context.write(self.outbox.popleft())
             self.drained.set()

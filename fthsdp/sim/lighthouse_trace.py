@@ -89,8 +89,7 @@ def install(trace: Trace) -> None:
             self.wake.clear()
             if self.relayed:
                 while self.outbox:
-                    out = [self.outbox.popleft() for _ in range(min(len(self.outbox), session.MAX_BATCH))]
-                    await self.context.write(session.batch(out))
+                    await self.context.write(session.batch(session.take_batch(self.outbox)))
                     trace.mark("written")
             while self.outbox:
                 await self.context.write(self.outbox.popleft())
