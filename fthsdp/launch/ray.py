@@ -625,6 +625,17 @@ def parse_ray_kills(specs: list[str] | None, kind: str, replicas: int) -> list[f
     return out
 
 
+def _ray_config(cfg):
+    """``cfg``, or ConfigError for what `fthsdp ray` does not do."""
+    from fthsdp.config import ConfigError
+
+    if cfg.launch.relays:
+        raise ConfigError(f"launch.relays={cfg.launch.relays} is for `fthsdp run`: on Ray, start `fthsdp relay "
+                          "--lighthouse HOST:PORT` processes where the replicas reach them and name them in "
+                          "ft.lighthouse_relays")
+    return cfg
+
+
 def launch(config: str, overrides: list[str], out: str | pathlib.Path | None = None,
            faults: list[faults_lib.Fault] = (), address: str | None = None, num_cpus: int | None = None,
            temp_dir: str | None = None, kill_with: str = "ray-kill", restart: bool | None = None,
@@ -639,7 +650,7 @@ def launch(config: str, overrides: list[str], out: str | pathlib.Path | None = N
     from fthsdp import config as config_lib
     from fthsdp import logs
 
-    cfg = config_lib.load(config, overrides)
+    cfg = _ray_config(config_lib.load(config, overrides))
     config_path = pathlib.Path(config)
     config_text = config_path.read_text() if config_path.suffix == ".py" and config_path.is_file() else None
     out = pathlib.Path(out or cfg.train.out_dir)
@@ -724,7 +735,7 @@ def cli(argv: list[str]) -> int:
 
     overrides = shape_overrides(args)
     try:
-        cfg = config_lib.load(args.config, overrides)
+        cfg = _ray_config(config_lib.load(args.config, overrides))
     except ValueError as e:
         p.error(str(e))
     from fthsdp.launch.local import _steps
