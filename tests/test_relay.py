@@ -90,10 +90,10 @@ def test_relay_config_says_what_is_wrong():
 
 
 @contextlib.contextmanager
-def relay_process(lighthouse: str, bind: str = "127.0.0.1:0"):
+def relay_process(lighthouse: str, bind: str = "127.0.0.1:0", *flags: str):
     """A real relay process in front of ``lighthouse``; yields (address, Popen)."""
     p = subprocess.Popen([sys.executable, "-m", "fthsdp.control.relay", "--lighthouse", lighthouse,
-                          "--bind", bind, "--log-level", "WARNING"],
+                          "--bind", bind, "--log-level", "WARNING", *flags],
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         line = p.stdout.readline()
@@ -210,6 +210,24 @@ def test_an_authenticated_lighthouse_checks_every_message_a_relay_carries():
         finally:
             for c in (good, stranger, anonymous):
                 c.close()
+
+
+def test_tls_on_both_hops_of_a_relay(tmp_path):
+    """A TLS lighthouse, a relay serving TLS and checking the lighthouse's certificate: a client
+    trusting the CA gets its quorum through the relay; a plain client gets nowhere."""
+    from fthsdp.control import auth
+    from test_security_lighthouse import _self_signed
+
+    cert, key = _self_signed(tmp_path)
+    secret = auth.new_secret()
+    cfg = LighthouseConfig(secret=secret, tls_cert_file=str(cert), tls_key_file=str(key), join_timeout_s=0.1)
+    with LighthouseThread(cfg) as lh, relay_process(lh.address, "127.0.0.1:0", "--tls-cert", str(cert), "--tls-key",
+                                                    str(key), "--lighthouse-tls-ca", str(cert)) as (addr, _):
+        with _client(lh.address, "0", key=auth.job_key(secret, "job"), tls_ca_file=str(cert), relay=addr) as c:
+            assert c.get_quorum(0, ftar_addresses=["127.0.0.1:7000"], timeout_s=10).member_ids == ("0",)
+            assert c.relay == addr and lh.server.stats["relay_batches"] >= 1
+        with pytest.raises(grpc.RpcError):  # plain TCP to the relay's TLS port
+            _raw(addr, session.METHOD, [session.envelope(1, "Heartbeat", _hb())], 1, timeout_s=3)
 
 
 def _raw(address: str, method: str, messages: list[bytes], expect: int, timeout_s: float = 10.0) -> list:
