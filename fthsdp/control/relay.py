@@ -238,15 +238,13 @@ class Relay:
     def _forward(self, c: sess.Stream, raw: bytes) -> None:
         try:
             env = pb2.SessionRequest.FromString(raw)
-            seq = env.seq
         except Exception:  # noqa: BLE001 - any garbage from the network
-            c.send(sess.reply(0, code=grpc.StatusCode.INVALID_ARGUMENT, details=(
-                "a session message is not a valid SessionRequest protobuf message: send fthsdp's lighthouse "
-                "protocol (fthsdp/proto/lighthouse.proto)")))
+            c.send(sess.reply(0, code=grpc.StatusCode.INVALID_ARGUMENT, details=sess.UNREADABLE))
             return
-        if seq == 0:  # the lighthouse's own check, answered here: seq 0 cannot be routed back
-            c.send(sess.reply(0, code=grpc.StatusCode.INVALID_ARGUMENT, details=(
-                "seq is 0: number each message of a session from 1 (its reply carries the same seq)")))
+        seq = env.seq
+        err = sess.envelope_problem(env)  # the lighthouse's own envelope checks, answered here
+        if err:
+            c.send(sess.reply(seq, code=grpc.StatusCode.INVALID_ARGUMENT, details=err))
             return
         if len(c.open) >= sess.MAX_OPEN:
             c.send(sess.reply(seq, code=grpc.StatusCode.RESOURCE_EXHAUSTED, details=(

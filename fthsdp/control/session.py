@@ -59,7 +59,7 @@ pb2, _ = _load_stubs()
 log = logging.getLogger("fthsdp.control.lighthouse")
 
 __all__ = ["SERVICE", "METHOD", "RELAY_METHOD", "SESSION_METHODS", "MAX_OPEN", "MAX_OPEN_RELAYED", "MAX_BATCH",
-           "MAX_BATCH_BYTES", "MAX_TIMEOUT_S", "Stream", "envelope", "reply", "envelope_problem", "batch", "take_batch",
+           "MAX_BATCH_BYTES", "MAX_TIMEOUT_S", "UNREADABLE", "Stream", "envelope", "reply", "envelope_problem", "batch", "take_batch",
            "batch_problem", "generic_handler",
            "status_code"]
 
@@ -127,6 +127,10 @@ def batch_problem(msg) -> str | None:
         return (f"the relay batch holds {len(msg.messages)} messages and {len(msg.withdrawn)} withdrawn seqs (at "
                 f"most {MAX_BATCH} and {MAX_OPEN_RELAYED}): send what is queued in several batches")
     return None
+
+
+UNREADABLE = ("a session message is not a valid SessionRequest protobuf message: send fthsdp's lighthouse "
+              "protocol (fthsdp/proto/lighthouse.proto)")
 
 
 def envelope_problem(msg) -> str | None:
@@ -252,9 +256,7 @@ def generic_handler(lighthouse, gate: guard.CallGate) -> grpc.GenericRpcHandler:
                 return refused(s, msg.seq if msg is not None else 0, refusal.code, refusal.reason, False)
         msg = _parse_envelope(raw)
         if msg is None:
-            return refused(s, 0, guard.INVALID, (
-                "a session message is not a valid SessionRequest protobuf message: send fthsdp's lighthouse "
-                "protocol (fthsdp/proto/lighthouse.proto)"))
+            return refused(s, 0, guard.INVALID, UNREADABLE)
         seq = msg.seq
         err = envelope_problem(msg)
         if err:
