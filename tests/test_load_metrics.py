@@ -26,7 +26,7 @@ def samples(text: str) -> dict[tuple[str, tuple], float]:
 def test_a_snapshot_becomes_conventional_series():
     snap = LoadSnapshot(held_total=7, held_now=2, refused_by_code={"UNAUTHENTICATED": 3, "INVALID_ARGUMENT": 1},
                         connection_budget_calls_per_s=100.0, sessions_opened=4, session_messages=900,
-                        evaluations=50, evaluation_s=0.25, jobs=1)
+                        relay_batches=120, evaluations=50, evaluation_s=0.25, jobs=1)
     reg = CollectorRegistry()
     reg.register(LoadCollector(lambda: snap))
     got = samples(generate_latest(reg).decode())
@@ -36,6 +36,7 @@ def test_a_snapshot_becomes_conventional_series():
     assert got[("fthsdp_lighthouse_calls_refused_total", (("code", "INVALID_ARGUMENT"),))] == 1
     assert got[("fthsdp_lighthouse_connection_budget_calls_per_second", ())] == 100.0
     assert got[("fthsdp_lighthouse_session_messages_total", ())] == 900
+    assert got[("fthsdp_lighthouse_relay_batches_total", ())] == 120
     assert got[("fthsdp_lighthouse_quorum_evaluation_seconds_total", ())] == 0.25
     assert got[("fthsdp_lighthouse_jobs", ())] == 1
 

@@ -143,6 +143,8 @@ def test_clients_behind_a_relay_get_the_same_quorums_as_direct_ones(lighthouse):
     assert st["session_messages"] == 4 * 3 + 1
     # the relay's 9 quorum requests and its beat came in batches (how many depends on timing)
     assert 1 <= st["relay_batches"] <= 3 * 3 + 1
+    load = lighthouse.server.load_snapshot()  # what /metrics and `fthsdp status` show
+    assert load.relay_batches == st["relay_batches"] and load.session_messages == 13
 
 
 def test_a_client_that_leaves_the_relay_has_its_open_request_withdrawn():

@@ -641,6 +641,7 @@ class Lighthouse(pb2_grpc.LighthouseServicer):
                             refused_by_code=dict(self._gate.refused),
                             connection_budget_calls_per_s=adm.limits.connection_calls_per_s if adm else 0.0,
                             sessions_opened=st["sessions_opened"], session_messages=st["session_messages"],
+                            relay_batches=st["relay_batches"],
                             evaluations=st["evaluations"], evaluation_s=st["evaluation_s"], jobs=len(self._jobs),
                             uptime_s=time.monotonic() - self._started, cpu_s=time.process_time())
 

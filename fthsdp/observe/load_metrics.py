@@ -19,7 +19,8 @@ lines. The lighthouse serves these beside its root-cause verdicts on
   (0 when the lighthouse runs without budgets), so a dashboard shows it beside
   the rate of held calls without anyone looking up the command line.
 * ``fthsdp_lighthouse_sessions_opened_total``,
-  ``fthsdp_lighthouse_session_messages_total``: the session transport's use.
+  ``fthsdp_lighthouse_session_messages_total``, ``fthsdp_lighthouse_relay_batches_total``:
+  the session transport's use (messages per relay batch: how well the relays batch).
 * ``fthsdp_lighthouse_quorum_evaluations_total`` and
   ``fthsdp_lighthouse_quorum_evaluation_seconds_total``: how often and for how
   long the quorum decision ran (their ratio is the mean cost of one).
@@ -55,6 +56,7 @@ class LoadSnapshot:
     connection_budget_calls_per_s: float = 0.0
     sessions_opened: int = 0
     session_messages: int = 0
+    relay_batches: int = 0  # batches of session messages read from relays' streams
     evaluations: int = 0
     evaluation_s: float = 0.0
     jobs: int = 0
@@ -91,6 +93,8 @@ class LoadCollector(Collector):
         for name, doc, value in (
                 ("fthsdp_lighthouse_sessions_opened", "Session streams opened by clients", s.sessions_opened),
                 ("fthsdp_lighthouse_session_messages", "Calls received as session messages", s.session_messages),
+                ("fthsdp_lighthouse_relay_batches", "Batches of session messages read from relays' streams",
+                 s.relay_batches),
                 ("fthsdp_lighthouse_quorum_evaluations", "Runs of the quorum decision", s.evaluations),
                 ("fthsdp_lighthouse_quorum_evaluation_seconds", "Seconds spent in the quorum decision",
                  s.evaluation_s)):
