@@ -17,7 +17,10 @@ quorum with every replica in it.
   processes fetch theirs when the quorum id changes; the ranks then replay the
   step machine, run the mock all-reduce and vote. Shapes 16 x G and 512 x G at
   1K, 10K and 100K ranks, each with one process per replica (D = G: the
-  leader's answer lists every ring) and with several (written RxG/P).
+  leader's answer lists every ring) and with several (written RxG/P). With
+  ``--relays K``, also through K relay processes (fthsdp/control/relay.py)
+  that carry contiguous blocks of the leaders' sessions to the lighthouse;
+  such rows add the relays' CPU per round and how many messages they batched.
 * ``fthsdp-flat`` — the same lighthouse with N directly connected replicas
   of one rank each (the emulation with G = 1), N = 16 ... 8,192. These do not
   heartbeat (N x 10 heartbeats/s would saturate this machine before the
