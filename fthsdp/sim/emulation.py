@@ -23,6 +23,10 @@ bandwidth, while everything that decides is real:
   (``GetView``: their shards' rings); the ranks of all replicas share this OS
   process (one asyncio task per replica; each of its processes is a
   :class:`RankGroup`: one shared answer per process, one state per rank);
+* **relays** (``relays=K``): the real relay (``python -m fthsdp.control.relay``),
+  K processes each carrying a contiguous block of replicas' session streams
+  to the lighthouse; a test can SIGKILL one (its processes go to the
+  lighthouse directly);
 * **the decisions** are the pure step machine :mod:`fthsdp.replica.fsm` that
   the leader runs and every rank *replays* on the same inputs (train or catch
   up, ring rebuild, the intra-replica commit vote, retry on a new quorum,
@@ -33,7 +37,7 @@ bandwidth, while everything that decides is real:
   restarted and rejoins by catching up from peers), a replica hung (silent
   past the detection window: the lighthouse declares it dead, the survivors'
   heartbeats abort their all-reduce), a ring or a single rank failing, the
-  lighthouse killed and restarted.
+  lighthouse killed and restarted, a relay killed.
 
 :class:`Emulation` records what every replica and rank did and
 :meth:`EmulationReport.violations` checks the invariants the real tests
