@@ -319,24 +319,31 @@ def test_a_killed_relay_sends_its_clients_to_the_lighthouse_directly(lighthouse)
                 c.close()
 
 
-def test_the_control_loop_through_relays_with_kills_a_lighthouse_restart_and_a_dead_relay():
+def test_10k_ranks_through_relays_with_kills_a_hang_a_lighthouse_restart_and_a_dead_relay():
+    """The emulation's whole control loop at 10,240 ranks behind 4 real relay processes, and the
+    invariants the real tests check (consistent decisions, no wait past its deadline, every
+    batch once)."""
     from fthsdp.sim.emulation import EmulationConfig, Fault, run_emulation
     from fthsdp.sim.mock_plane import ModelShape
 
     faults = (Fault("kill", step=3, replica=2, seconds=0.5), Fault("lighthouse", step=6, seconds=0.5),
-              Fault("relay", step=9, replica=1), Fault("kill", step=11, replica=6, seconds=0.5))
-    cfg = EmulationConfig(replicas=8, ranks_per_replica=16, steps=15, relays=2, faults=faults,
-                          model=ModelShape(params=10**6, step_s=0.03), run_timeout_s=90.0)
+              Fault("relay", step=9, replica=1), Fault("kill", step=11, replica=10, seconds=0.5),
+              Fault("hang", step=13, replica=20, seconds=1.6))
+    cfg = EmulationConfig(replicas=32, ranks_per_replica=320, steps=30, relays=4, faults=faults,
+                          model=ModelShape(params=10**9, step_s=0.05), run_timeout_s=120.0)
+    assert cfg.ranks == 10_240
     rep = run_emulation(cfg)
     assert rep.violations() == []
-    assert rep.final_steps == {str(i): 15 for i in range(8)}
+    assert rep.final_steps == {str(i): 30 for i in range(32)}
     ev = "\n".join(rep.events)
-    assert "replica 2: caught up" in ev and "replica 6: caught up" in ev and rep.lighthouse_starts == 2
-    # relay 1 carried replicas 4-7; its processes went to the lighthouse (replica 6's restart came
-    # after the relay died: its new process found no relay and went directly too)
+    assert "replica 2: caught up" in ev and "replica 10: caught up" in ev and rep.lighthouse_starts == 2
+    assert "lighthouse declared ['20'] dead" in ev and "replica 20: caught up" in ev
+    # relay 1 carried replicas 8-15: their processes went to the lighthouse (replica 10's restart came
+    # after the relay died: its new process found no relay and went directly too); the others stayed
     assert "fault: relay 1 SIGKILLed" in ev
-    assert "4 process(es) left a dead relay and speak to the lighthouse directly (most often: session stream ended" \
+    assert "8 process(es) left a dead relay and speak to the lighthouse directly (most often: session stream ended" \
         in ev, ev
+    assert all(s.get("messages_up", 0) > 0 for i, s in enumerate(rep.relay_stats) if i != 1)
     assert all(len(c.batches) == len(c.healthy) for c in rep.commits.values())
 
 
@@ -345,7 +352,7 @@ def test_fthsdp_run_with_a_relay_trains_through_a_kill_and_a_lighthouse_restart(
     """`fthsdp run` with launch.relays=1: every replica process's heartbeats and quorum requests
     go through the relay (its log counts them), a killed replica rejoins through it, the lighthouse
     is SIGKILLed and restarted behind it, and the job ends exactly once and bitwise identical."""
-    import json
+    import ast
 
     from fthsdp.launch import report
     from test_launcher import exactly_once, fthsdp_run, job_args, summary
@@ -361,7 +368,7 @@ def test_fthsdp_run_with_a_relay_trains_through_a_kill_and_a_lighthouse_restart(
     positions = exactly_once(out, run)
     assert positions[0] == 50 and 8 < positions[1] < 50, positions  # replica 1 rejoined and trained again
     log_text = (out / "relay-0.log").read_text()
-    stats = json.loads(log_text.rpartition("relay stopping (")[2].partition(")")[0].replace("'", '"'))
+    stats = ast.literal_eval(log_text.rpartition("relay stopping (")[2].partition(")")[0])
     # 3 replica processes (one restarted) x >= 30 quorum requests, and their beats, all through it
     assert stats["clients"] >= 3 and stats["messages_up"] >= 60 and stats["replies_down"] >= 60, stats
     assert stats["upstream_breaks"] >= 1  # the lighthouse's death, ridden out behind the relay
