@@ -8,9 +8,12 @@ heartbeat is one gRPC read on its process's stream and each answer one write
 around the messages). A relay takes the sessions of a group of processes (a
 rack, a block of replicas) and forwards their messages to the lighthouse as
 batches on one stream (``LighthouseSession.OpenRelay``, :class:`RelayBatch`):
-whatever queued while its last write went out leaves in the next one, so a
-round's 32 requests of a group cost the lighthouse one read, and its 32
-answers one write. Nothing waits to fill a batch.
+whatever queued while its last write went out leaves in the next one, and the
+lighthouse answers in batches too. Nothing waits to fill a batch. Measured at
+512 leaders x 196 ranks with 2 relays (experiments/scale.py --relays): 6.7
+requests a batch up, 8.8 answers down, and the lighthouse's CPU a round fell
+from 142 to 64 ms (README, "The relay tier"; the relays' own CPU is spent on
+their hosts).
 
 **What it does not change.** A process talks to a relay exactly as to the
 lighthouse (``LighthouseSession.Open``; the relay is a drop-in address for the
@@ -29,9 +32,9 @@ batch's ``withdrawn`` seqs), as if its own stream to the lighthouse had ended.
 restarted or is unreachable) every open request is answered ``UNAVAILABLE``
 with the reason, which clients ride out and retry exactly as a lighthouse
 outage; the next message opens a new upstream stream. A relay that dies ends
-its clients' streams; the clients then speak to the lighthouse directly
-(:mod:`fthsdp.control.session_client`), so a relay is never a single point of
-failure, only of fan-in. A relay is not nested behind another relay.
+its clients' streams; after a few broken streams in a row the clients speak to
+the lighthouse directly (:class:`fthsdp.control.session_client.RelayHealth`),
+so a relay is never a single point of failure, only of fan-in. A relay is not nested behind another relay.
 
 The seq renumbering is :func:`renumbered` (pure); :class:`Relay` is the
 transport; ``fthsdp relay`` serves one.
