@@ -347,6 +347,25 @@ def test_10k_ranks_through_relays_with_kills_a_hang_a_lighthouse_restart_and_a_d
     assert all(len(c.batches) == len(c.healthy) for c in rep.commits.values())
 
 
+def test_replicas_of_several_processes_through_relays():
+    """Every process of a 3-process replica has its own session through its replica's relay (the
+    leader's quorum requests, each process's heartbeats and registrations); the followers' views
+    are unary calls to the lighthouse."""
+    from fthsdp.sim.emulation import EmulationConfig, Fault, run_emulation
+    from fthsdp.sim.mock_plane import ModelShape
+
+    cfg = EmulationConfig(replicas=4, ranks_per_replica=6, steps=9, processes_per_replica=3, relays=2,
+                          model=ModelShape(params=10**6, step_s=0.02), faults=(Fault("kill", step=3, replica=1,
+                                                                                      seconds=0.5),),
+                          run_timeout_s=60.0)
+    rep = run_emulation(cfg)
+    assert rep.violations() == [] and rep.final_steps == {str(i): 9 for i in range(4)}
+    assert rep.views_fetched >= 2 * 4
+    # 4 replicas x 3 processes, and replica 1's 3 again after its restart
+    assert sum(s["clients"] for s in rep.relay_stats) == 15, rep.relay_stats
+    assert all(s["upstream_breaks"] == 0 and s["replies_down"] > 0 for s in rep.relay_stats)
+
+
 @pytest.mark.multiprocess
 def test_fthsdp_run_with_a_relay_trains_through_a_kill_and_a_lighthouse_restart(tmp_path):
     """`fthsdp run` with launch.relays=1: every replica process's heartbeats and quorum requests
