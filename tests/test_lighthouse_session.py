@@ -193,19 +193,28 @@ def test_an_authenticated_lighthouse_checks_every_session_message():
 
     secret = auth.new_secret()
     with LighthouseThread(LighthouseConfig(join_timeout_s=0.3, detect_s=DETECT, secret=secret)) as lh:
-        good = _client(lh.address, 0, key=auth.job_key(secret, "job"))
-        stranger = _client(lh.address, 1, key=auth.job_key(auth.new_secret(), "job"))
-        anonymous = _client(lh.address, 2)
-        try:
-            assert good.heartbeat(0).quorum_id == 0
-            with pytest.raises(Exception, match="does not verify"):
-                stranger.heartbeat(0)
-            with pytest.raises(Exception, match="carries no credential"):
-                anonymous.heartbeat(0)
-            assert good._session is not None and lh.server.stats["sessions_opened"] == 3
-        finally:
-            for c in (good, stranger, anonymous):
-                c.close()
+        check_credentials(lh.address, secret)
+        assert lh.server.stats["sessions_opened"] == 3
+
+
+def check_credentials(address: str, secret: bytes, **kw) -> None:
+    """A client with the job's key, one with another lighthouse's and one with none, each on its
+    session (``kw``: e.g. through a relay): only the first is answered, the others hear why."""
+    from fthsdp.control import auth
+
+    good = _client(address, 0, key=auth.job_key(secret, "job"), **kw)
+    stranger = _client(address, 1, key=auth.job_key(auth.new_secret(), "job"), **kw)
+    anonymous = _client(address, 2, **kw)
+    try:
+        assert good.heartbeat(0).quorum_id == 0
+        with pytest.raises(Exception, match="does not verify"):
+            stranger.heartbeat(0)
+        with pytest.raises(Exception, match="carries no credential"):
+            anonymous.heartbeat(0)
+        assert good._session is not None
+    finally:
+        for c in (good, stranger, anonymous):
+            c.close()
 
 
 LEADER = textwrap.dedent("""

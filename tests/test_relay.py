@@ -186,15 +186,11 @@ def test_an_authenticated_lighthouse_checks_every_message_a_relay_carries():
     secret = auth.new_secret()
     with LighthouseThread(LighthouseConfig(join_timeout_s=0.3, detect_s=DETECT, secret=secret)) as lh, \
             relay_process(lh.address) as (addr, _):
+        from test_lighthouse_session import check_credentials
+
+        check_credentials(lh.address, secret, relay=addr)
         good = _client(lh.address, 0, key=auth.job_key(secret, "job"), relay=addr)
-        stranger = _client(lh.address, 1, key=auth.job_key(auth.new_secret(), "job"), relay=addr)
-        anonymous = _client(lh.address, 2, relay=addr)
         try:
-            assert good.heartbeat(0).quorum_id == 0
-            with pytest.raises(Exception, match="does not verify"):
-                stranger.heartbeat(0)
-            with pytest.raises(Exception, match="carries no credential"):
-                anonymous.heartbeat(0)
             # A relay cannot alter what it carries: a signed body changed on the way fails its check.
             signed = auth.signed_request(auth.derive(auth.job_key(secret, "job"), "lighthouse"), "Heartbeat", "job",
                                          "3", pb2.HeartbeatRequest(protocol_version=LIGHTHOUSE_PROTOCOL_VERSION,
@@ -210,8 +206,7 @@ def test_an_authenticated_lighthouse_checks_every_message_a_relay_carries():
             assert good.heartbeat(1).quorum_id == 0  # and the relay goes on for the others
             assert good.relay == addr
         finally:
-            for c in (good, stranger, anonymous):
-                c.close()
+            good.close()
 
 
 def test_tls_on_both_hops_of_a_relay(tmp_path):
