@@ -190,9 +190,10 @@ class Admission:
             (lim.connection_calls_per_s, lim.connection_burst)
         b = _lru_get(self._connections, peer, lambda: Bucket(rate, burst, now, lim.new_connection_tokens),
                      lim.max_principals)
-        d = self._decide(b, now, max_wait_s, f"{'relay stream' if relay else 'connection'} {peer}",
-                         f"{rate:g} {'batches' if relay else 'calls'}/s per {'relay stream' if relay else 'connection'}"
-                         f", a refused call counts {1 + lim.failure_cost:g}")
+        what = "relay stream" if relay else "connection"
+        d = self._decide(b, now, max_wait_s, f"{what} {peer}",
+                         f"{rate:g} {'batches' if relay else 'calls'}/s per {what}, a refused "
+                         f"{'message' if relay else 'call'} counts {1 + lim.failure_cost * rate / lim.connection_calls_per_s:g}")
         return d, (b if d.wait_s > 0 else None)
 
     def job(self, job_id: str, replicas: int, now: float, max_wait_s: float) -> tuple[Decision, object]:

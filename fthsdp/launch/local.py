@@ -208,6 +208,14 @@ class LocalJob:
 
         return auth.replica_env(env, self.job_key)
 
+    def _relay_env(self) -> dict:
+        """A relay's environment: no secret at all (it passes signed requests on, and checks none)."""
+        from fthsdp.control import auth
+
+        env = auth.replica_env(self._env(), None)
+        env.pop("FTHSDP_PEER_TOKEN", None)
+        return env
+
     def _lighthouse_env(self) -> dict:
         """The lighthouse's environment: its secret in $FTHSDP_LIGHTHOUSE_SECRET (never on its command line)."""
         from fthsdp.control import auth
@@ -276,7 +284,7 @@ class LocalJob:
                  *(["--tls-cert", self.lighthouse_tls[0], "--tls-key", self.lighthouse_tls[1]]
                    if self.lighthouse_tls[0] else []),
                  *(["--lighthouse-tls-ca", self.lighthouse_tls_ca] if self.lighthouse_tls_ca else [])],
-                stdout=logf, stderr=subprocess.STDOUT, env=self._env(), start_new_session=True)
+                stdout=logf, stderr=subprocess.STDOUT, env=self._relay_env(), start_new_session=True)
             logf.close()
             self.relay_procs.append(proc)
             deadline = time.monotonic() + LIGHTHOUSE_START_S
