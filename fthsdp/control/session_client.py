@@ -100,10 +100,10 @@ def stop_stream(call, tasks) -> None:
 
 class RelayHealth:
     """When a client leaves its relay for the lighthouse: after :data:`BREAKS` broken streams in a
-    row (no reply in between) spread over at least :data:`GRACE_S`. One break can be a passing
-    refusal (a storm of connects overflowing the relay's listen backlog moved 461 of 512 emulated
-    leaders off two live relays when the first break was enough), and a channel that failed to
-    connect fails the next streams at once, so a count alone is reached in milliseconds; a dead
+    row (no reply in between) spread over at least :data:`GRACE_S`. One break is not proof of a
+    dead relay: when the first break was enough, 461 of 512 emulated leaders left two live relays
+    at start-up (which failure broke their streams was not pinned down), and a channel that failed
+    to connect fails the next streams at once, so a count alone is reached in milliseconds; a dead
     relay keeps breaking. The grace is short beside the failure-detection window, because
     while a client is cut off from its relay its heartbeats do not arrive either. Pure: times in."""
 
