@@ -357,7 +357,7 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="fthsdp relay",
         description="Carry many processes' lighthouse session streams to the lighthouse on one (fan-in for "
-                    "hundreds of replicas; point ft.lighthouse_relay of a group of replicas here).")
+                    "hundreds of replicas; name it in ft.lighthouse_relays, which splits the replicas among the relays).")
     p.add_argument("--lighthouse", required=True, metavar="HOST:PORT", help="the lighthouse to carry sessions to")
     p.add_argument("--bind", default="127.0.0.1:0", metavar="HOST:PORT",
                    help="where the replicas reach this relay (port 0: any free port; default %(default)s)")
