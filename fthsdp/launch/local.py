@@ -68,6 +68,20 @@ class ReplicaProc:
     returncode: int | None = None  # how its last process ended (None while one runs)
 
 
+def _listening_port(proc: subprocess.Popen, port_file: pathlib.Path, what: str, log_path: pathlib.Path) -> int:
+    """The port a server process started by the launcher wrote to ``port_file`` once listening;
+    RuntimeError if it exits first or is not listening within LIGHTHOUSE_START_S (it is killed)."""
+    deadline = time.monotonic() + LIGHTHOUSE_START_S
+    while not port_file.exists():
+        if proc.poll() is not None:
+            raise RuntimeError(f"{what} exited with {proc.returncode}; see {log_path}")
+        if time.monotonic() > deadline:
+            proc.kill()
+            raise RuntimeError(f"{what} did not start listening within {LIGHTHOUSE_START_S:.0f} s; see {log_path}")
+        time.sleep(0.05)
+    return int(port_file.read_text().strip())
+
+
 @dataclass
 class LocalJob:
     config: str
@@ -256,16 +270,8 @@ class LocalJob:
                if self.lighthouse_tls[0] else [])],
             stdout=logf, stderr=subprocess.STDOUT, env=self._lighthouse_env(), start_new_session=True)
         logf.close()
-        deadline = time.monotonic() + LIGHTHOUSE_START_S
-        while not port_file.exists():
-            if self.lighthouse.poll() is not None:
-                raise RuntimeError(f"the lighthouse exited with {self.lighthouse.returncode}; see "
-                                   f"{self.out_dir / 'lighthouse.log'}")
-            if time.monotonic() > deadline:
-                self.lighthouse.kill()
-                raise RuntimeError(f"the lighthouse did not start listening within {LIGHTHOUSE_START_S:.0f} s")
-            time.sleep(0.05)
-        self.lighthouse_port = int(port_file.read_text().strip())
+        self.lighthouse_port = _listening_port(self.lighthouse, port_file, "the lighthouse",
+                                               self.out_dir / "lighthouse.log")
         self.lighthouse_addr = join_host_port(self.lighthouse_advertise or bind_host, self.lighthouse_port)
         self._lighthouse_down_ok = False
         self.event("lighthouse", address=self.lighthouse_addr)
@@ -287,14 +293,8 @@ class LocalJob:
                 stdout=logf, stderr=subprocess.STDOUT, env=self._relay_env(), start_new_session=True)
             logf.close()
             self.relay_procs.append(proc)
-            deadline = time.monotonic() + LIGHTHOUSE_START_S
-            while not port_file.exists():
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    proc.kill()
-                    raise RuntimeError(f"relay {i} did not start listening (exit {proc.poll()}); see "
-                                       f"{self.out_dir / f'relay-{i}.log'}")
-                time.sleep(0.05)
-            self.relay_addrs.append(join_host_port(host, int(port_file.read_text().strip())))
+            port = _listening_port(proc, port_file, f"relay {i}", self.out_dir / f"relay-{i}.log")
+            self.relay_addrs.append(join_host_port(host, port))
             self.event("relay", address=self.relay_addrs[-1], index=i)
 
     def stop_lighthouse(self) -> None:
