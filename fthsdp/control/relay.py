@@ -202,14 +202,9 @@ class Relay:
         writer = asyncio.get_running_loop().create_task(c.writer())
         half_closed = False
         try:
-            while True:
-                if not c.drained.is_set():  # the client does not read its replies: stop reading its requests
-                    await c.drained.wait()
-                raw = await context.read()
-                if raw is grpc.aio.EOF:
-                    half_closed = True
-                    break
+            async for raw in c.incoming():
                 self._forward(c, raw)
+            half_closed = True
         finally:
             # A client that goes away withdraws its open quorum requests, as on its own stream.
             self._withdraw(c, [up for up, (_, quorum) in c.open.items() if quorum])

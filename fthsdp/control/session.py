@@ -173,16 +173,28 @@ class Stream:
             self.drained.clear()
         self.wake.set()
 
+    async def incoming(self):
+        """The client's messages as they come, until it half-closes; a client that does not read
+        its replies (MAX_OUTBOX waiting) is not read on until it does."""
+        while True:
+            if not self.drained.is_set():
+                await self.drained.wait()
+            raw = await self.context.read()
+            if raw is grpc.aio.EOF:
+                return
+            yield raw
+
+    async def write(self, raw: bytes) -> None:
+        """One write to the stream (fthsdp.sim.lighthouse_trace marks when each completed)."""
+        await self.context.write(raw)
+
     async def writer(self) -> None:
         """Writes the replies in order; the only coroutine that writes to the stream."""
         while True:
             await self.wake.wait()
             self.wake.clear()
-            if self.relayed:  # what queued in as few batches as fit: one write for many replies
-                while self.outbox:
-                    await self.context.write(batch(take_batch(self.outbox)))
-            while self.outbox:
-                await self.context.write(self.outbox.popleft())
+            while self.outbox:  # a relay's: what queued in as few batches as fit, one write for many
+                await self.write(batch(take_batch(self.outbox)) if self.relayed else self.outbox.popleft())
             self.drained.set()
             if self.closed:
                 return
@@ -300,6 +312,12 @@ def generic_handler(lighthouse, gate: guard.CallGate) -> grpc.GenericRpcHandler:
         s.open[seq] = (job, entry, timer)
         entry.future.add_done_callback(lambda fut, s=s, seq=seq, req=req: answered(s, seq, req, fut))
 
+    def refuse_each(s: Stream, messages, code: grpc.StatusCode, reason: str) -> None:
+        """Every one of a batch's ``messages`` refused unread but for its seq (not charged again)."""
+        for inner in messages:
+            env = _parse_envelope(inner)
+            refused(s, env.seq if env is not None else 0, code, reason, False)
+
     async def relay_batch(s: Stream, raw: bytes) -> None:
         """A relay's batch: the relay stream's budget once, then each message as on its own session."""
         try:
@@ -312,10 +330,7 @@ def generic_handler(lighthouse, gate: guard.CallGate) -> grpc.GenericRpcHandler:
                 "a relay message is not a valid RelayBatch protobuf message: send fthsdp's lighthouse protocol "
                 "(fthsdp/proto/lighthouse.proto)"), refusal is None)
         if refusal is not None:  # each message gets the refusal, so that its client hears it at once
-            for inner in msg.messages[:MAX_BATCH]:
-                env = _parse_envelope(inner)
-                refused(s, env.seq if env is not None else 0, refusal.code, refusal.reason, False)
-            return
+            return refuse_each(s, msg.messages[:MAX_BATCH], refusal.code, refusal.reason)
         err = batch_problem(msg)
         if err:
             return refused(s, 0, guard.INVALID, err)
@@ -323,11 +338,9 @@ def generic_handler(lighthouse, gate: guard.CallGate) -> grpc.GenericRpcHandler:
         s.charged = 0
         for i, inner in enumerate(msg.messages):
             if s.charged >= MAX_REFUSED_PER_BATCH:  # garbage: the rest of the batch goes unchecked
-                for rest in msg.messages[i:]:
-                    env = _parse_envelope(rest)
-                    refused(s, env.seq if env is not None else 0, guard.EXHAUSTED, (
-                        f"{s.charged} messages of this relay batch were refused (malformed or unauthenticated): "
-                        f"the rest of it was not read; fix what the relay's clients send"), False)
+                refuse_each(s, msg.messages[i:], guard.EXHAUSTED, (
+                    f"{s.charged} messages of this relay batch were refused (malformed or unauthenticated): "
+                    f"the rest of it was not read; fix what the relay's clients send"))
                 break
             stats["session_messages"] += 1
             await message(s, inner)
@@ -342,12 +355,7 @@ def generic_handler(lighthouse, gate: guard.CallGate) -> grpc.GenericRpcHandler:
         stats["sessions_opened"] += 1
         writer = asyncio.get_running_loop().create_task(s.writer())
         try:
-            while True:
-                if not s.drained.is_set():  # the client does not read its replies: stop reading its requests
-                    await s.drained.wait()
-                raw = await context.read()
-                if raw is grpc.aio.EOF:
-                    break
+            async for raw in s.incoming():
                 try:
                     if relayed:
                         await relay_batch(s, raw)

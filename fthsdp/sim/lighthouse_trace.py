@@ -83,22 +83,13 @@ def install(trace: Trace) -> None:
 
     # Every session write, when it completed (the fan-out's lighthouse side: the breakdown tells
     # the lighthouse's writes from the emulator's receive by the last one of a round).
-    async def writer(self):  # the same loop as fthsdp.control.session.Stream.writer, marked
-        while True:
-            await self.wake.wait()
-            self.wake.clear()
-            if self.relayed:
-                while self.outbox:
-                    await self.context.write(session.batch(session.take_batch(self.outbox)))
-                    trace.mark("written")
-            while self.outbox:
-                await self.context.write(self.outbox.popleft())
-                trace.mark("written")
-            self.drained.set()
-            if self.closed:
-                return
+    write = session.Stream.write
 
-    session.Stream.writer = writer
+    async def marked_write(self, raw):
+        await write(self, raw)
+        trace.mark("written")
+
+    session.Stream.write = marked_write
 
     evaluate = lh.Lighthouse._evaluate
 
