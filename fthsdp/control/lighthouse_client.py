@@ -51,7 +51,7 @@ import grpc
 
 from fthsdp.control import auth, quorum as qm
 from fthsdp.control.session import SESSION_METHODS
-from fthsdp.control.session_client import (RelayHealth, SessionError, SessionUnsupported, SyncSession,
+from fthsdp.control.session_client import (RelayPath, SessionError, SessionUnsupported, SyncSession,
                                            beat_covered, relay_gone)
 from fthsdp.observe.load_metrics import LoadSnapshot
 from fthsdp.observe.phase import Phase, PhaseSnapshot, StreamReport
@@ -645,8 +645,8 @@ class LighthouseClient:
                 grpc.insecure_channel(to, options=_CHANNEL_OPTIONS)
 
         self._channel = channel(address)
-        self.relay = relay if session else ""
-        self._relay_channel = channel(relay) if self.relay else None
+        self._relay_path = RelayPath(relay if session else "")  # through the relay, or directly, and when
+        self._relay_channel = channel(relay) if self._relay_path.relay else None
         # Requests go as bytes: the credential signs exactly the bytes before it.
         self._rpc = {
             name: self._channel.unary_unary(_SERVICE + name, request_serializer=None,
@@ -656,10 +656,13 @@ class LighthouseClient:
                                 ("Status", "StatusResponse"))
         }
         # Heartbeats and quorum requests as messages of one stream (None: unary calls).
-        self._session: SyncSession | None = \
-            SyncSession(self._relay_channel or self._channel) if session else None
-        self._lock_relay = threading.Lock()  # the heartbeat thread and the step may both find the relay gone
-        self._relay_health = RelayHealth()  # when to leave the relay
+        self._session: SyncSession | None = (
+            None if not session else SyncSession(self._relay_channel, relayed=True) if self._relay_channel
+            else SyncSession(self._channel))
+        # The session it left for the current one while a request still waited on it (closed
+        # once none does). The lock: the heartbeat thread and the step may both switch paths.
+        self._retired: SyncSession | None = None
+        self._lock_relay = threading.Lock()
         self._asked_at = -math.inf  # when get_quorum last sent a request (monotonic)
         self._step = 0
         self._hb_thread: threading.Thread | None = None
@@ -711,40 +714,82 @@ class LighthouseClient:
             key, kind = self._call_key, "job"
         if key is not None:
             body = auth.signed_request(key, method, req.job_id, getattr(req, "replica_id", ""), body, kind)
-        s = self._session
-        if s is not None and method in SESSION_METHODS:
+        s = self._session_now(method) if method in SESSION_METHODS else None
+        if s is not None:
             start = time.monotonic()
             try:
-                out = _REPLY_TYPES[method].FromString(s.request(method, body, timeout))
-                with self._lock_relay:
-                    self._relay_health.ok()
+                # a return to the relay (RelayPath) leaves half the heartbeat's time for the lighthouse
+                out = _REPLY_TYPES[method].FromString(s.request(method, body, timeout / 2 if s.probe else timeout))
+                self._relay_answered(s)
                 return out
-            except SessionUnsupported as e:
-                log.info("%s: %s; using unary calls", f"relay {self.relay}" if self.relay else
-                         f"lighthouse {self.address}", e.details())
-                self._session = None
-                s.close()
             except SessionError as e:
-                if not (self.relay and relay_gone(e)):
-                    raise
-                with self._lock_relay:
-                    if not self._relay_health.broke(time.monotonic()):
-                        raise  # UNAVAILABLE: an outage to ride out, through the relay again
-                s = self._leave_relay(s, e)
-                return _REPLY_TYPES[method].FromString(
-                    s.request(method, body, max(0.001, timeout - (time.monotonic() - start))))
+                if isinstance(e, SessionUnsupported) and not s.probe:
+                    log.info("%s: %s; using unary calls", f"relay {self._relay_path.relay}" if s.relayed else
+                             f"lighthouse {self.address}", e.details())
+                    self._session = None
+                    s.close()
+                elif not self._relay_failed(s, e):
+                    raise  # e.g. UNAVAILABLE from a live relay: an outage to ride out, through the relay again
+                else:
+                    return _REPLY_TYPES[method].FromString(
+                        self._session.request(method, body, max(0.001, timeout - (time.monotonic() - start))))
         return self._rpc[method](body, timeout=timeout)
 
-    def _leave_relay(self, old: SyncSession, e: SessionError) -> SyncSession:
-        """The relay is gone: the session goes to the lighthouse directly from now on."""
+    @property
+    def relay(self) -> str:
+        """The relay this process's session goes through ("": the lighthouse directly)."""
+        return self._relay_path.relay if self._relay_path.via_relay else ""
+
+    def _session_now(self, method: str) -> SyncSession | None:
+        """The session a request goes on. A heartbeat due to return to the relay
+        (:class:`RelayPath`) goes on a new stream through it, a *probe*, which becomes the
+        session once answered: a quorum request never waits on a relay not known to answer.
+        A session left while a request still waited on it is closed once idle."""
         with self._lock_relay:
-            if self._session is old:
-                log.warning("relay %s is gone (%s): process %d of replica %r speaks to lighthouse %s directly",
-                            self.relay, e.details(), self.process_index, self.replica_id, self.address)
-                self._session = SyncSession(self._channel)
-                old.close()  # its channel stays open until close(): another thread may still hold it
-                self.relay = ""
+            if self._retired is not None and self._retired.idle:
+                self._retired.close()
+                self._retired = None
+            if method == "Heartbeat" and self._session is not None and self._relay_path.try_relay(time.monotonic()):
+                probe = SyncSession(self._relay_channel, relayed=True)
+                probe.probe = True
+                return probe
             return self._session
+
+    def _relay_answered(self, s: SyncSession) -> None:
+        """A reply came on ``s``: through the relay, it counts for it (a probe's: it is back)."""
+        if not s.relayed:
+            return
+        with self._lock_relay:
+            if s is not self._session and not (s.probe and self._relay_path.returning):
+                return  # a stream it left meanwhile
+            if self._relay_path.ok():
+                log.info("process %d of replica %r is back on relay %s", self.process_index, self.replica_id,
+                         self._relay_path.relay)
+                s.probe = False
+                if self._retired is not None:
+                    self._retired.close()
+                self._retired, self._session = self._session, s  # the direct one: closed once idle
+
+    def _relay_failed(self, s: SyncSession, e: SessionError) -> bool:
+        """A request on ``s`` failed with ``e``; True: it goes again on the (direct) session now
+        current, because the relay is gone or silent (:class:`RelayPath`: now, or another thread
+        found so first)."""
+        if not (s.relayed and (relay_gone(e) or s.probe)):  # any failure of a return ends it
+            return False
+        with self._lock_relay:
+            mine = s is self._session or (s.probe and self._relay_path.returning)
+            if mine:
+                if not self._relay_path.failed(time.monotonic(), e.details(), e.unanswered):
+                    return False
+                p = self._relay_path
+                log.warning("relay %s failed (%s): process %d of replica %r speaks to lighthouse %s directly, "
+                            "and tries the relay again in %.0f s", p.relay, e.details(), self.process_index,
+                            self.replica_id, self.address, p.retry_s)
+                if s is self._session:
+                    back, self._retired = self._retired, None
+                    self._session = back if back is not None else SyncSession(self._channel)
+                s.close()  # its channel stays open until close(): the client returns to it later
+            return self._session is not None and not self._session.relayed
 
     # -- errors --------------------------------------------------------------
 
@@ -957,8 +1002,9 @@ class LighthouseClient:
     def _beat(self) -> HeartbeatReply | None:
         """The heartbeat thread's beat, and its reply; None when its last quorum request
         counts as this beat (:func:`fthsdp.control.session_client.beat_covered`)."""
+        now = time.monotonic()
         if beat_covered(self._session, self.process_index, self.registration.endpoints is not None,
-                        time.monotonic() - self._asked_at, self.heartbeat_interval_s):
+                        now - self._asked_at, self.heartbeat_interval_s, self._relay_path.return_due(now)):
             return None
         return self.heartbeat()
 
@@ -1099,8 +1145,9 @@ class LighthouseClient:
 
     def close(self) -> None:
         self.stop_heartbeats()
-        if self._session is not None:
-            self._session.close()
+        for s in (self._session, self._retired):
+            if s is not None:
+                s.close()
         if self._relay_channel is not None:
             self._relay_channel.close()
         self._channel.close()

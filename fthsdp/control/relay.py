@@ -32,9 +32,11 @@ batch's ``withdrawn`` seqs), as if its own stream to the lighthouse had ended.
 restarted or is unreachable) every open request is answered ``UNAVAILABLE``
 with the reason, which clients ride out and retry exactly as a lighthouse
 outage; the next message opens a new upstream stream. A relay that dies ends
-its clients' streams; after a few broken streams in a row the clients speak to
-the lighthouse directly (:class:`fthsdp.control.session_client.RelayHealth`),
-so a relay is never a single point of failure, only of fan-in. A relay is not nested behind another relay.
+its clients' streams, and a stopped one answers nothing; after a few such
+failures in a row its clients speak to the lighthouse directly, and try the
+relay again after a while (:class:`fthsdp.control.session_client.RelayPath`;
+``fthsdp run`` restarts a dead relay on its port), so a relay is never a single
+point of failure, only of fan-in. A relay is not nested behind another relay.
 
 The seq renumbering is :func:`renumbered` (pure); :class:`Relay` is the
 transport; ``fthsdp relay`` serves one.

@@ -13,14 +13,16 @@ request. A lighthouse that does not offer sessions answers ``UNIMPLEMENTED``:
 
 A session may go through a relay (:mod:`fthsdp.control.relay`). A relay that
 cannot reach the lighthouse answers ``UNAVAILABLE`` itself; a relay that is
-gone breaks the stream (:func:`relay_gone`), and after a few breaks in a row the
-client speaks to the lighthouse directly: a relay bounds the lighthouse's fan-in, never its
-clients' availability.
+gone breaks the stream and a stopped one answers nothing (:func:`relay_gone`),
+and after a few such failures in a row the client speaks to the lighthouse
+directly, and tries its relay again later (:class:`RelayPath`): a relay bounds
+the lighthouse's fan-in, never its clients' availability.
 """
 
 from __future__ import annotations
 
 import itertools
+import math
 import queue
 import threading
 
@@ -32,16 +34,20 @@ from fthsdp.proto import lighthouse as _load_stubs
 pb2, _ = _load_stubs()
 
 __all__ = ["SessionError", "SessionUnsupported", "SyncSession", "parse_reply", "beat_covered", "relay_gone",
-           "stop_stream", "RelayHealth"]
+           "stop_stream", "RelayPath", "CLOSED"]
+
+
+CLOSED = "its client closed this session stream"  # why a request on a session closed under it failed
 
 
 class SessionError(grpc.RpcError):
     """A session request ended with a non-OK status (as a unary call's ``grpc.RpcError``)."""
 
-    def __init__(self, code: grpc.StatusCode, details: str, broken: bool = False) -> None:
+    def __init__(self, code: grpc.StatusCode, details: str, broken: bool = False, unanswered: bool = False) -> None:
         super().__init__(f"{code.name}: {details}")
         self._code, self._details = code, details
         self.broken = broken  # the stream itself ended (not a reply's status)
+        self.unanswered = unanswered  # nothing came back before the request's deadline (not a reply's status)
 
     def code(self) -> grpc.StatusCode:
         return self._code
@@ -57,14 +63,17 @@ class SessionUnsupported(SessionError):
     """The lighthouse offers no session stream (an older one): use unary calls."""
 
 
-def beat_covered(session, process_index: int, registers: bool, since_asked_s: float, interval_s: float) -> bool:
+def beat_covered(session, process_index: int, registers: bool, since_asked_s: float, interval_s: float,
+                 relay_return_due: bool = False) -> bool:
     """Whether a heartbeat due now may be skipped: a replica's leader (process 0) on a confirmed
     ``session`` (a reply came back on it), registering nothing, that sent a quorum request less
     than ``interval_s`` ago, which the lighthouse counts as this beat (fewer messages while steps
-    are fast; a stopped leader is still judged by the time of its last request or beat). The one
-    rule of the threaded client and the emulation's asyncio client."""
+    are fast; a stopped leader is still judged by the time of its last request or beat). Never
+    when it is time to try its relay again (``relay_return_due``): the heartbeat is the return's
+    probe (:class:`RelayPath`). The one rule of the threaded client and the emulation's asyncio
+    client."""
     return (session is not None and session.confirmed and process_index == 0 and not registers
-            and since_asked_s < interval_s)
+            and since_asked_s < interval_s and not relay_return_due)
 
 
 def parse_reply(raw: bytes):
@@ -98,39 +107,99 @@ def stop_stream(call, tasks) -> None:
             t.cancel()
 
 
-class RelayHealth:
-    """When a client leaves its relay for the lighthouse: after :data:`BREAKS` broken streams in a
-    row (no reply in between) spread over at least :data:`GRACE_S`. One break is not proof of a
-    dead relay: when the first break was enough, 461 of 512 emulated leaders left two live relays
-    at start-up (which failure broke their streams was not pinned down), and a channel that failed
-    to connect fails the next streams at once, so a count alone is reached in milliseconds; a dead
-    relay keeps breaking. The grace is short beside the failure-detection window, because
-    while a client is cut off from its relay its heartbeats do not arrive either. Pure: times in."""
+class RelayPath:
+    """Which way a client's session goes, through its relay or to the lighthouse directly, and
+    when it switches. Pure (times in); the two clients (threads: lighthouse_client, asyncio: the
+    emulation's) do the switching.
+
+    **Leave** after :data:`BREAKS` broken streams in a row through the relay, spread over at
+    least :data:`GRACE_S`, with no reply in between. One break is not proof of a dead relay: when
+    the first break was enough, 461 of 512 emulated leaders left two live relays at start-up
+    (which failure broke their streams was not pinned down), and a channel that failed to connect
+    fails the next streams at once, so a count alone is reached in milliseconds; a dead relay
+    keeps failing. The grace is short beside the failure-detection window, because while a client
+    is cut off from its relay its heartbeats do not arrive either. A request that nothing
+    answered within its deadline (``silent``: a SIGSTOPped relay keeps its connections and
+    answers nothing) leaves at once: a heartbeat's deadline is half the detection window, so
+    one more silent beat and the lighthouse would declare this process dead.
+
+    **Return** :data:`RETRY_S` after leaving (the launcher restarts a dead relay on its port; a
+    stopped one may be resumed): the next heartbeat goes through the relay on a new stream, a
+    *probe* with half the beat's deadline, and the session moves to that stream once it is
+    answered; a quorum request never waits on a relay not known to answer. A failed probe goes
+    back to the lighthouse at once (the beat is sent there in the time left) and doubles the wait
+    (at most :data:`MAX_RETRY_S`). So a relay's failure takes its clients' fan-in away only while
+    it lasts, at the price of one probe per try."""
 
     BREAKS = 3
     GRACE_S = 0.3
+    RETRY_S = 5.0
+    MAX_RETRY_S = 60.0
 
-    def __init__(self) -> None:
+    def __init__(self, relay: str, retry_s: float | None = None) -> None:
+        retry_s = self.RETRY_S if retry_s is None else retry_s
+        if not 0 < retry_s <= self.MAX_RETRY_S:
+            raise ValueError(f"retry_s {retry_s}: must be in (0, {self.MAX_RETRY_S}] seconds")
+        self.relay = relay  # this client's relay ("": none, always the lighthouse directly)
+        self.via_relay = bool(relay)
+        self.returning = False  # back on the relay, no reply through it yet
         self.breaks = 0
         self.since: float | None = None
+        self.first_retry_s = retry_s  # the wait before the first return after leaving (RETRY_S but in tests)
+        self.retry_s = retry_s
+        self.retry_at = math.inf
+        self.left_why = ""  # why it last left the relay
+        self.leaves = 0
+        self.returns = 0
 
-    def ok(self) -> None:
+    def ok(self) -> bool:
+        """A reply came on the current path; True: it was the first through the relay after a return."""
         self.breaks, self.since = 0, None
+        if not self.returning:
+            return False
+        self.returning, self.retry_s = False, self.first_retry_s
+        self.returns += 1
+        return True
 
-    def broke(self, now: float) -> bool:
-        """One more broken stream at ``now``; True: leave the relay."""
+    def failed(self, now: float, why: str, silent: bool = False) -> bool:
+        """A request through the relay failed as a gone (a broken stream) or ``silent`` relay
+        makes it fail (:func:`relay_gone`); True: leave the relay now."""
+        if not self.via_relay:
+            return False
         self.breaks += 1
         self.since = now if self.since is None else self.since
-        return self.breaks >= self.BREAKS and now - self.since >= self.GRACE_S
+        if not (self.returning or silent or (self.breaks >= self.BREAKS and now - self.since >= self.GRACE_S)):
+            return False
+        if self.returning:
+            self.retry_s = min(2 * self.retry_s, self.MAX_RETRY_S)
+        self.via_relay = self.returning = False
+        self.breaks, self.since = 0, None
+        self.retry_at = now + self.retry_s
+        self.left_why = why
+        self.leaves += 1
+        return True
+
+    def return_due(self, now: float) -> bool:
+        """Whether it is time to try the relay again (the next heartbeat does)."""
+        return not self.via_relay and bool(self.relay) and now >= self.retry_at
+
+    def try_relay(self, now: float) -> bool:
+        """Whether the request about to go out returns to the relay (left long enough ago)."""
+        if not self.return_due(now):
+            return False
+        self.via_relay = self.returning = True
+        return True
 
 
 def relay_gone(e: BaseException) -> bool:
-    """Whether ``e``, from a session through a relay, means the relay itself may be gone (its
-    stream broke, unreachable): :class:`RelayHealth` says when the client speaks to the lighthouse
-    directly instead. An ``UNAVAILABLE`` *reply* (the relay cannot reach the lighthouse) is
-    an outage to ride out as without a relay."""
-    return (isinstance(e, SessionError) and e.broken and not isinstance(e, SessionUnsupported)
-            and e.code() == grpc.StatusCode.UNAVAILABLE)
+    """Whether ``e``, from a session through a relay, means the relay itself may be gone or
+    stopped: its stream broke or is unreachable, or nothing came back in time
+    (:class:`RelayPath` says when the client speaks to the lighthouse directly instead). An
+    ``UNAVAILABLE`` *reply* (the relay cannot reach the lighthouse) is an outage to ride out
+    as without a relay, and any other reply shows the path works."""
+    if not isinstance(e, SessionError) or isinstance(e, SessionUnsupported):
+        return False
+    return e.unanswered or (e.broken and e.code() == grpc.StatusCode.UNAVAILABLE)
 
 
 class _Waiter:
@@ -145,7 +214,9 @@ class _Waiter:
 class SyncSession:
     """One stream of ``channel`` to the lighthouse's session service (thread-safe)."""
 
-    def __init__(self, channel: grpc.Channel) -> None:
+    def __init__(self, channel: grpc.Channel, relayed: bool = False) -> None:
+        self.relayed = relayed  # the channel is a relay's (the client's bookkeeping: RelayPath)
+        self.probe = False  # a return to the relay, not yet answered (the client's bookkeeping)
         self._open = channel.stream_stream(session.METHOD, request_serializer=None, response_deserializer=None)
         self._lock = threading.Lock()
         self._seq = itertools.count(1)
@@ -172,7 +243,7 @@ class SyncSession:
             with self._lock:
                 self._waiters.pop(seq, None)
             raise SessionError(grpc.StatusCode.DEADLINE_EXCEEDED,
-                               f"no reply to {method} on the session stream within {timeout_s:g}s")
+                               f"no reply to {method} on the session stream within {timeout_s:g}s", unanswered=True)
         if w.error is not None:
             raise w.error
         rep = w.reply
@@ -225,12 +296,24 @@ class SyncSession:
             w.error = error
             w.event.set()
 
+    @property
+    def idle(self) -> bool:
+        """Nothing is waiting for a reply on it (it can be closed without failing a request)."""
+        with self._lock:
+            return not self._waiters
+
     def close(self) -> None:
+        """End the stream; a request still waiting on it fails at once as after a break (its caller
+        sends it again elsewhere: the client left this stream), not at its deadline."""
         with self._lock:
             self._closed = True
             call, out = self._call, self._outgoing
             self._call = self._outgoing = None
+            waiters, self._waiters = self._waiters, {}
         if out is not None:
             out.put(None)
         if call is not None:
             call.cancel()
+        for w in waiters.values():
+            w.error = SessionError(grpc.StatusCode.UNAVAILABLE, CLOSED, broken=True)
+            w.event.set()

@@ -15,14 +15,14 @@ import random
 from dataclasses import asdict, dataclass, field
 
 JOB = -1  # `replica` of a job-level fault (the lighthouse, every process)
-KINDS = ("kill", "stop", "lighthouse", "kill_all")
+KINDS = ("kill", "stop", "lighthouse", "relay", "kill_all")
 
 
 @dataclass(frozen=True, order=True)
 class Fault:
     step: int  # fire once the process has committed this many steps
     replica: int  # JOB for the lighthouse / every process
-    kind: str  # kill (SIGKILL), stop (SIGSTOP, SIGCONT after stop_s), lighthouse (SIGKILL it), kill_all
+    kind: str  # kill (SIGKILL), stop (SIGSTOP, SIGCONT after stop_s), lighthouse / relay (SIGKILL it), kill_all
     stop_s: float = 0.0
     # Asked for by name (--kill R@S): may take down the last healthy replica.
     # Random kills are not: they wait until another replica is healthy.
@@ -31,7 +31,7 @@ class Fault:
     process: int = -1
 
     def label(self) -> str:
-        who = "lighthouse" if self.kind == "lighthouse" else ("all" if self.replica == JOB else f"r{self.replica}")
+        who = self.kind if self.kind in ("lighthouse", "relay") else ("all" if self.replica == JOB else f"r{self.replica}")
         if self.process >= 0:
             who += f".{self.process}"
         return f"{self.kind} {who}@{self.step}"
@@ -77,13 +77,13 @@ def random_kills(count: int, replicas: int, steps: int, seed: int, min_step: int
 
 def plan(kills: tuple[str, ...], stops: tuple[str, ...], replicas: int, random_count: int = 0,
          steps: int = 0, seed: int = 0, stop_s: float = 3.0, lighthouse: tuple[int, ...] = (),
-         kill_all: tuple[int, ...] = ()) -> list[Fault]:
+         kill_all: tuple[int, ...] = (), relay: tuple[int, ...] = ()) -> list[Fault]:
     faults = [parse_fault(s, "kill") for s in kills] + [parse_fault(s, "stop", stop_s) for s in stops]
     faults += random_kills(random_count, replicas, steps, seed)
     for f in faults:
         if f.replica >= replicas:
             raise ValueError(f"fault on replica {f.replica} but the job has replicas 0..{replicas - 1}")
-    for kind, at in (("lighthouse", lighthouse), ("kill_all", kill_all)):
+    for kind, at in (("lighthouse", lighthouse), ("kill_all", kill_all), ("relay", relay)):
         for s in at:
             if s < 0:
                 raise ValueError(f"bad --{kind.replace('_', '-')} {s}: the step must be >= 0")
@@ -96,7 +96,7 @@ class FaultSources:
     """Where a run's fault plan comes from, and the rule that picks one.
 
     Rule: any fault flag on the command line (--kill, --stop, --random-kills,
-    --kill-lighthouse, --kill-all) replaces the config's whole plan
+    --kill-lighthouse, --kill-relay, --kill-all) replaces the config's whole plan
     (launch.kill / launch.stop / launch.random_kills), so `--random-kills N`
     means exactly N faults. Without fault flags, the config's plan is used.
     """
@@ -107,15 +107,18 @@ class FaultSources:
     lighthouse: tuple[int, ...] = ()
     kill_all: tuple[int, ...] = ()
     origin: str = "config"  # "command line" or "config"
+    relay: tuple[int, ...] = ()
 
 
 def choose_sources(cli_kills, cli_stops, cli_random, cli_lighthouse, cli_kill_all,
-                   cfg_kills: tuple[str, ...], cfg_stops: tuple[str, ...], cfg_random: int) -> FaultSources:
+                   cfg_kills: tuple[str, ...], cfg_stops: tuple[str, ...], cfg_random: int,
+                   cli_relay=None) -> FaultSources:
     """The plan's sources under the rule of :class:`FaultSources` (None = flag not given)."""
-    given = [x for x in (cli_kills, cli_stops, cli_random, cli_lighthouse, cli_kill_all) if x is not None]
+    given = [x for x in (cli_kills, cli_stops, cli_random, cli_lighthouse, cli_kill_all, cli_relay) if x is not None]
     if given:
         return FaultSources(tuple(cli_kills or ()), tuple(cli_stops or ()), int(cli_random or 0),
-                            tuple(cli_lighthouse or ()), tuple(cli_kill_all or ()), origin="command line")
+                            tuple(cli_lighthouse or ()), tuple(cli_kill_all or ()), origin="command line",
+                            relay=tuple(cli_relay or ()))
     return FaultSources(tuple(cfg_kills), tuple(cfg_stops), int(cfg_random), origin="config")
 
 
@@ -126,7 +129,7 @@ def due(f: Fault, progress: dict[int, int | None], healthy: set[int]) -> str:
     starts up, is stopped, or is dead). healthy: replicas whose live process
     has committed and is neither stopped nor dead (the ones holding the state).
     """
-    if f.kind in ("lighthouse", "kill_all"):
+    if f.kind in ("lighthouse", "relay", "kill_all"):
         live = [p for p in progress.values() if p is not None]
         return "fire" if live and max(live) >= f.step else "wait"
     p = progress.get(f.replica)

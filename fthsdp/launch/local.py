@@ -155,7 +155,8 @@ class LocalJob:
         if self.lighthouse_secret is not None:  # `fthsdp status --status-key-file OUT/status.key`
             auth.write_secret(str(self.out_dir / "status.key"), auth.status_key(self.lighthouse_secret))
         self.killed_all = False
-        self.relay_procs: list[subprocess.Popen] = []
+        self.relay_procs: list[subprocess.Popen | None] = []  # None: died and could not be restarted
+        self.relay_restarts: list[dict] = []
         self.relay_addrs: list[str] = []
 
     # -- bookkeeping ---------------------------------------------------------
@@ -279,23 +280,63 @@ class LocalJob:
     def start_relays(self) -> None:
         """Starts ``relays`` relay processes on the lighthouse's host (any free port each), in front
         of the lighthouse; the replicas are told their addresses (ft.lighthouse_relays)."""
-        host = split_host_port(self.lighthouse_addr)[0]
         for i in range(self.relays):
-            port_file = self.out_dir / f"relay-{i}.port"
-            port_file.unlink(missing_ok=True)
-            logf = open(self.out_dir / f"relay-{i}.log", "a")
-            proc = subprocess.Popen(
-                [sys.executable, "-m", "fthsdp.control.relay", "--lighthouse", self.lighthouse_addr,
-                 "--bind", join_host_port(host, 0), "--port-file", str(port_file),
-                 *(["--tls-cert", self.lighthouse_tls[0], "--tls-key", self.lighthouse_tls[1]]
-                   if self.lighthouse_tls[0] else []),
-                 *(["--lighthouse-tls-ca", self.lighthouse_tls_ca] if self.lighthouse_tls_ca else [])],
-                stdout=logf, stderr=subprocess.STDOUT, env=self._relay_env(), start_new_session=True)
-            logf.close()
+            proc, address = self._start_relay(i, 0)
             self.relay_procs.append(proc)
-            port = _listening_port(proc, port_file, f"relay {i}", self.out_dir / f"relay-{i}.log")
-            self.relay_addrs.append(join_host_port(host, port))
-            self.event("relay", address=self.relay_addrs[-1], index=i)
+            self.relay_addrs.append(address)
+            self.event("relay", address=address, index=i)
+
+    def _start_relay(self, i: int, port: int) -> tuple[subprocess.Popen, str]:
+        """Relay ``i`` on ``port`` of the lighthouse's host (0: any free port); (process, address)."""
+        host = split_host_port(self.lighthouse_addr)[0]
+        port_file = self.out_dir / f"relay-{i}.port"
+        port_file.unlink(missing_ok=True)
+        logf = open(self.out_dir / f"relay-{i}.log", "a")
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "fthsdp.control.relay", "--lighthouse", self.lighthouse_addr,
+             "--bind", join_host_port(host, port), "--port-file", str(port_file),
+             *(["--tls-cert", self.lighthouse_tls[0], "--tls-key", self.lighthouse_tls[1]]
+               if self.lighthouse_tls[0] else []),
+             *(["--lighthouse-tls-ca", self.lighthouse_tls_ca] if self.lighthouse_tls_ca else [])],
+            stdout=logf, stderr=subprocess.STDOUT, env=self._relay_env(), start_new_session=True)
+        logf.close()
+        try:
+            bound = _listening_port(proc, port_file, f"relay {i}", self.out_dir / f"relay-{i}.log")
+        except RuntimeError:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait(10)
+            raise
+        return proc, join_host_port(host, bound)
+
+    def supervise_relays(self) -> None:
+        """Restarts a relay that died on its own address (its replicas went to the lighthouse
+        directly and come back to it: fthsdp.control.session_client.RelayPath). One that cannot
+        be restarted is left dead: its replicas stay on the lighthouse, the job goes on."""
+        for i, proc in enumerate(self.relay_procs):
+            if proc is None or proc.poll() is None:
+                continue
+            rc = proc.returncode
+            why = f"signal {-rc}" if rc < 0 else f"exit code {rc}"
+            t0 = time.monotonic()
+            err: Exception | None = None
+            for _ in range(LIGHTHOUSE_RESTART_TRIES):
+                try:
+                    self.relay_procs[i] = self._start_relay(i, split_host_port(self.relay_addrs[i])[1])[0]
+                    break
+                except RuntimeError as e:
+                    err = e
+                    time.sleep(0.5)
+            else:
+                self.relay_procs[i] = None
+                log.warning("relay %d at %s died (%s) and could not be restarted (%s); its replicas speak to the "
+                            "lighthouse directly", i, self.relay_addrs[i], why, err)
+                self.event("relay_lost", index=i, reason=why, error=str(err))
+                continue
+            took = time.monotonic() - t0
+            self.relay_restarts.append({"index": i, "died": why, "restart_s": took, "time": time.time()})
+            self.event("relay_restart", index=i, died=why, restart_s=round(took, 3))
+            log.warning("relay %d died (%s); restarted in %.2f s on %s", i, why, took, self.relay_addrs[i])
 
     def stop_lighthouse(self) -> None:
         self._lighthouse_down_ok = True
@@ -423,6 +464,11 @@ class LocalJob:
                 self.lighthouse.kill()
                 self.lighthouse.wait(10)
             self.event("kill_lighthouse", step=step)
+        elif f.kind == "relay":
+            if self.relay_procs and self.relay_procs[0] is not None and self.relay_procs[0].poll() is None:
+                self.relay_procs[0].kill()
+                self.relay_procs[0].wait(10)
+            self.event("kill_relay", step=step, index=0)
         elif f.kind == "kill_all":
             for rp in self.procs.values():
                 self.kill_replica(rp.rid)
@@ -649,6 +695,7 @@ class LocalJob:
                     raise RuntimeError(f"the job did not finish within {self.deadline_s:.0f} s; logs in {self.out_dir}")
                 if not self.supervise_lighthouse():
                     break
+                self.supervise_relays()
                 self.apply_faults()
                 self.reap()
                 self.restart_killed()
@@ -666,7 +713,8 @@ class LocalJob:
             self.shutdown()
         failed = sorted(rp.rid for rp in self.procs.values() if rp.state == "failed")
         extra = {"failed_replicas": failed, "attempt": self.attempt, "job_restarts": self.job_restarts,
-                 "lighthouse_restarts": self.lighthouse_restarts, "faults_fired": self.fired,
+                 "lighthouse_restarts": self.lighthouse_restarts, "relay_restarts": self.relay_restarts,
+                 "faults_fired": self.fired,
                  "faults_not_fired": [f.label() for f in self.pending], "gave_up": self.gave_up or None}
         summary = report.write_summary(self.out_dir, extra=extra)
         plot = report.plot_timeline(self.out_dir, num_configured=self.replicas)
@@ -682,7 +730,7 @@ class LocalJob:
                 self.kill_replica(rp.rid)
         self._lighthouse_down_ok = True
         for proc in self.relay_procs:  # SIGTERM: each logs what it carried
-            if proc.poll() is None:
+            if proc is not None and proc.poll() is None:
                 lifetime.stop_process(proc)
         if self.lighthouse is not None and self.lighthouse.poll() is None:
             lifetime.stop_process(self.lighthouse)
@@ -732,6 +780,9 @@ def cli(argv: list[str]) -> int:
     p.add_argument("--seed", type=int, default=None, help="seed of the random kills")
     p.add_argument("--kill-lighthouse", action="append", default=None, metavar="STEP",
                    help="SIGKILL the launcher's lighthouse at STEP (it is restarted on the same address)")
+    p.add_argument("--kill-relay", action="append", default=None, metavar="STEP",
+                   help="SIGKILL the launcher's first relay at STEP (launch.relays >= 1; it is restarted on the same "
+                        "address, and its replicas come back to it)")
     p.add_argument("--restart", action=argparse.BooleanOptionalAction, default=None,
                    help="restart killed replicas; they rejoin by fetching state from peers (default: launch.restart)")
     p.add_argument("--kill-all", action="append", default=None, metavar="STEP",
@@ -815,11 +866,13 @@ def cli(argv: list[str]) -> int:
 
     sources = choose_sources(args.kill, args.stop, args.random_kills, _steps(args.kill_lighthouse,
                              "--kill-lighthouse", p), _steps(args.kill_all, "--kill-all", p),
-                             cfg.launch.kill, cfg.launch.stop, cfg.launch.random_kills)
+                             cfg.launch.kill, cfg.launch.stop, cfg.launch.random_kills,
+                             _steps(args.kill_relay, "--kill-relay", p))
     try:
         faults = plan(sources.kills, sources.stops, cfg.launch.replicas, random_count=sources.random_count,
                       steps=cfg.train.steps, seed=args.seed if args.seed is not None else cfg.launch.fault_seed,
-                      stop_s=args.stop_seconds, lighthouse=sources.lighthouse, kill_all=sources.kill_all)
+                      stop_s=args.stop_seconds, lighthouse=sources.lighthouse, kill_all=sources.kill_all,
+                      relay=sources.relay)
     except ValueError as e:
         p.error(str(e))
     bad = [f.label() for f in faults if f.process >= cfg.launch.processes_per_replica]
@@ -829,6 +882,8 @@ def cli(argv: list[str]) -> int:
     if cfg.launch.lighthouse and any(f.kind == "lighthouse" for f in faults):
         p.error(f"--kill-lighthouse: the job uses the external lighthouse {cfg.launch.lighthouse} "
                 "(launch.lighthouse), which the launcher does not own; drop one of the two")
+    if cfg.launch.relays < 1 and any(f.kind == "relay" for f in faults):
+        p.error("--kill-relay: the launcher starts no relay (launch.relays=0); give launch.relays=K (K >= 1)")
     resume = ""
     if args.resume:
         resume = f"restart-{int(time.time())}"

@@ -36,7 +36,7 @@ import grpc
 
 from fthsdp.control import quorum as qm, session as sess
 from fthsdp.control.session_client import (SessionError, SessionUnsupported, beat_covered, parse_reply,
-                                           RelayHealth, relay_gone, stop_stream, stream_error)
+                                           RelayPath, relay_gone, stop_stream, stream_error, CLOSED)
 from fthsdp.replica.fsm import membership
 from fthsdp.control.lighthouse_client import (
     HeartbeatReply,
@@ -159,7 +159,9 @@ class AioSession:
     task: a caller's deadline never cancels a write, because gRPC cancels the whole stream
     (every request open on it) when a write is cancelled."""
 
-    def __init__(self, channel) -> None:
+    def __init__(self, channel, relayed: bool = False) -> None:
+        self.relayed = relayed  # the channel is a relay's (the client's bookkeeping: RelayPath)
+        self.probe = False  # a return to the relay, not yet answered (the client's bookkeeping)
         self._open = channel.stream_stream(sess.METHOD, request_serializer=None, response_deserializer=None)
         self._seq = itertools.count(1)
         self._call = None
@@ -189,7 +191,8 @@ class AioSession:
                 rep = await fut
         except TimeoutError:
             raise SessionError(grpc.StatusCode.DEADLINE_EXCEEDED,
-                               f"no reply to {method} on the session stream within {timeout_s:g}s") from None
+                               f"no reply to {method} on the session stream within {timeout_s:g}s",
+                               unanswered=True) from None
         finally:
             self._waiters.pop(seq, None)
         if rep.code != 0:
@@ -239,10 +242,16 @@ class AioSession:
                 fut.set_exception(error)
                 fut.exception()  # its request may be gone (cancelled) before it reads this: no warning
 
+    @property
+    def busy(self) -> bool:
+        """A request waits for its reply on it (closing it now would send that request again)."""
+        return bool(self._waiters)
+
     async def close(self) -> None:
         call, tasks = self._call, self._tasks
         if call is not None:
-            self._broken(call, SessionError(grpc.StatusCode.CANCELLED, "the session is closed"))
+            # Its open requests go again elsewhere, as after a break (their client left this stream).
+            self._broken(call, SessionError(grpc.StatusCode.UNAVAILABLE, CLOSED, broken=True))
         for t in tasks:
             t.cancel()
             try:
@@ -265,7 +274,7 @@ class AioLighthouseClient:
     def __init__(self, address: str, job_id: str, replica_id: str, *, outage_s: float,
                  heartbeat_timeout_s: float, rejoin: bool = False, process_index: int = 0,
                  num_processes: int = 1, channel_of: "AioLighthouseClient | None" = None,
-                 session: bool = True, relay: str = "") -> None:
+                 session: bool = True, relay: str = "", relay_retry_s: float = RelayPath.RETRY_S) -> None:
         if num_processes < 1 or not 0 <= process_index < num_processes:
             raise ValueError(f"process_index {process_index} must be in 0..num_processes-1 ({num_processes})")
         self.address = address
@@ -301,15 +310,16 @@ class AioLighthouseClient:
         # Heartbeats and quorum requests as messages of one stream (None: unary calls; also once
         # the lighthouse said it offers no sessions). A shared channel shares its owner's stream.
         # ``relay``: a relay's address carries the session (fthsdp.control.relay); the lighthouse
-        # directly once it is gone. A client sharing a channel shares its owner's relay.
-        self.relay = "" if not session else relay if channel_of is None else channel_of.relay
-        self.left_relay = ""  # why it left its relay for the lighthouse (empty: it did not)
-        self.relay_health = RelayHealth()  # when to leave the relay
-        self._relay_channel = (grpc.aio.insecure_channel(self.relay, options=_OPTIONS)
-                               if self.relay and channel_of is None else None)
+        # directly while it is gone (RelayPath, as the threaded client). A client sharing a
+        # channel shares its owner's relay channel.
+        self.relay_path = RelayPath("" if not session else relay if channel_of is None else channel_of.relay_path.relay,
+                                    relay_retry_s)
+        self._relay_channel = (None if not self.relay_path.relay else channel_of._relay_channel if channel_of
+                               else grpc.aio.insecure_channel(self.relay_path.relay, options=_OPTIONS))
         self.session: AioSession | None = (
             None if not session else channel_of.session if channel_of is not None
-            else AioSession(self._relay_channel or self._channel))
+            else AioSession(self._relay_channel, relayed=True) if self._relay_channel else AioSession(self._channel))
+        self._retired: AioSession | None = None  # left while a request waited on it: closed once idle
         self.last_quorum: qm.Quorum | None = None
         self.asked_at = -math.inf  # when get_quorum last sent a request (perf_counter)
         self.step = 0
@@ -380,28 +390,64 @@ class AioLighthouseClient:
 
     async def _send(self, method, req, timeout_s: float, name: str) -> bytes:
         """One request: on the session when there is one and it carries ``name``, else unary."""
-        s = self.session
-        if s is not None and name in sess.SESSION_METHODS:
+        s = await self._session_now(name) if name in sess.SESSION_METHODS else None
+        if s is not None:
             body = req if isinstance(req, bytes) else req.SerializeToString()
             start = time.monotonic()
             try:
-                out = await s.request(name, body, timeout_s)
-                self.relay_health.ok()
+                out = await s.request(name, body, timeout_s / 2 if s.probe else timeout_s)
+                await self._relay_answered(s)
                 return out
-            except SessionUnsupported:
-                self.session = None
-                await s.close()
             except SessionError as e:
-                if not (self.relay and relay_gone(e)):
-                    raise
-                if not self.relay_health.broke(time.monotonic()):
-                    raise  # UNAVAILABLE: retried as across an outage, through the relay again
-                if self.session is s:  # the relay is gone: the lighthouse directly from now on
-                    # (its channel stays open until close(): another call may still hold its session)
-                    self.session, self.relay, self.left_relay = AioSession(self._channel), "", e.details()
+                if isinstance(e, SessionUnsupported) and not s.probe:
+                    self.session = None
                     await s.close()
-                return await self.session.request(name, body, max(0.001, timeout_s - (time.monotonic() - start)))
+                elif not await self._relay_failed(s, e):
+                    raise  # e.g. UNAVAILABLE from a live relay: retried as across an outage
+                else:
+                    return await self.session.request(name, body, max(0.001, timeout_s - (time.monotonic() - start)))
         return await method(req, timeout=timeout_s)
+
+    @property
+    def relay(self) -> str:
+        """The relay its session goes through ("": the lighthouse directly)."""
+        return self.relay_path.relay if self.relay_path.via_relay else ""
+
+    async def _session_now(self, name: str) -> "AioSession | None":
+        """The session a request goes on: a heartbeat due to return to the relay (RelayPath)
+        goes on a new stream through it, a probe, which becomes the session once answered (the
+        threaded client's rule); a session left while a request waited on it is closed once idle."""
+        if self._retired is not None and not self._retired.busy:
+            retired, self._retired = self._retired, None
+            await retired.close()
+        if name == "Heartbeat" and self.session is not None and self.relay_path.try_relay(time.monotonic()):
+            probe = AioSession(self._relay_channel, relayed=True)
+            probe.probe = True
+            return probe
+        return self.session
+
+    async def _relay_answered(self, s: "AioSession") -> None:
+        if not s.relayed or (s is not self.session and not (s.probe and self.relay_path.returning)):
+            return
+        if self.relay_path.ok():  # a probe's reply: back on the relay
+            s.probe = False
+            if self._retired is not None:
+                await self._retired.close()
+            self._retired, self.session = self.session, s
+
+    async def _relay_failed(self, s: "AioSession", e: SessionError) -> bool:
+        """A request on ``s`` failed with ``e``; True: it goes again on the direct session now
+        current (the relay is gone or silent: now, or another request found so first)."""
+        if not (s.relayed and (relay_gone(e) or s.probe)):
+            return False
+        if s is self.session or (s.probe and self.relay_path.returning):
+            if not self.relay_path.failed(time.monotonic(), e.details(), e.unanswered):
+                return False
+            if s is self.session:
+                back, self._retired = self._retired, None
+                self.session = back if back is not None else AioSession(self._channel)
+            await s.close()  # its channel stays open until close(): the client returns to it later
+        return self.session is not None and not self.session.relayed
 
     async def _call(self, method, req, what: str, timeout_s: float, name: str = "") -> QuorumReply:
         self.last_request_bytes = len(req) if isinstance(req, bytes) else req.ByteSize()
@@ -446,7 +492,7 @@ class AioLighthouseClient:
 
     async def connect(self, timeout_s: float) -> bool:
         """Wait until the channel is connected (a replica's start-up); False if it is not within
-        ``timeout_s``. (Not its relay's: a relay that is not there is left by RelayHealth.)"""
+        ``timeout_s``. (Not its relay's: a relay that is not there is left by RelayPath.)"""
         try:
             await asyncio.wait_for(self._channel.channel_ready(), timeout_s)
             return True
@@ -458,7 +504,7 @@ class AioLighthouseClient:
         ``skip_within_s`` ago skips the beat and returns None (the lighthouse counts the request
         as one; the synchronous client's heartbeat thread does the same)."""
         if beat_covered(self.session, self.process_index, self.registration.endpoints is not None,
-                        time.perf_counter() - self.asked_at, skip_within_s):
+                        time.perf_counter() - self.asked_at, skip_within_s, self.relay_path.return_due(time.monotonic())):
             return None
         last = self.last_quorum
         req = pb2.HeartbeatRequest(protocol_version=LIGHTHOUSE_PROTOCOL_VERSION, job_id=self.job_id,
@@ -485,8 +531,9 @@ class AioLighthouseClient:
 
     async def close(self) -> None:
         if self._owns_channel:
-            if self.session is not None:
-                await self.session.close()
+            for s in (self.session, self._retired):
+                if s is not None:
+                    await s.close()
             if self._relay_channel is not None:
                 await self._relay_channel.close()
             await self._channel.close()

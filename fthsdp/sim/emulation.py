@@ -25,8 +25,8 @@ bandwidth, while everything that decides is real:
   :class:`RankGroup`: one shared answer per process, one state per rank);
 * **relays** (``relays=K``): the real relay (``python -m fthsdp.control.relay``),
   K processes each carrying a contiguous block of replicas' session streams
-  to the lighthouse; a test can SIGKILL one (its processes go to the
-  lighthouse directly);
+  to the lighthouse; a test can SIGKILL one and restart it, or SIGSTOP one
+  (its processes go to the lighthouse directly, and back once it answers);
 * **the decisions** are the pure step machine :mod:`fthsdp.replica.fsm` that
   the leader runs and every rank *replays* on the same inputs (train or catch
   up, ring rebuild, the intra-replica commit vote, retry on a new quorum,
@@ -68,6 +68,7 @@ from fthsdp.control import quorum as qm
 from fthsdp.replica import fsm
 from fthsdp.control.lighthouse_client import JobFinished, LighthouseError, LighthouseUnavailable
 from fthsdp.control.relay import relay_of
+from fthsdp.control.session_client import RelayPath
 from fthsdp.sim.aio_client import AioLighthouseClient, DecodeCache
 from fthsdp.sim.mock_plane import FabricConfig, MockFabric, ModelShape
 from fthsdp.timeouts import Timeouts
@@ -76,7 +77,7 @@ log = logging.getLogger("fthsdp.sim.emulation")
 
 __all__ = ["Fault", "EmulationConfig", "Emulation", "EmulationReport", "LighthouseProcess", "run_emulation"]
 
-FAULT_KINDS = ("kill", "hang", "ring", "rank", "lighthouse", "relay")
+FAULT_KINDS = ("kill", "hang", "ring", "rank", "lighthouse", "relay", "relay_stop")
 
 
 @dataclass(frozen=True)
@@ -91,8 +92,11 @@ class Fault:
     others do: it catches up next step). ``lighthouse``: the lighthouse
     process is SIGKILLed when replica 0 reaches ``step`` and restarted on the
     same port ``seconds`` later. ``relay``: relay number ``replica`` is SIGKILLed
-    when replica 0 reaches ``step`` and not restarted (the processes it carried
-    go to the lighthouse directly).
+    when replica 0 reaches ``step`` and restarted on the same port ``seconds``
+    later (0: never; the processes it carried go to the lighthouse directly
+    and come back to it once it is back). ``relay_stop``: relay number
+    ``replica`` is SIGSTOPped for ``seconds`` (it keeps its connections and
+    answers nothing), then continued.
     """
 
     kind: str
@@ -150,6 +154,9 @@ class EmulationConfig:
     # carrying the sessions of a contiguous block of replicas; 0: every process speaks to the
     # lighthouse directly.
     relays: int = 0
+    # How long a process that left its relay waits before it tries the relay again
+    # (fthsdp.control.session_client.RelayPath; shorter in tests than a job's 5 s).
+    relay_retry_s: float = RelayPath.RETRY_S
 
     def __post_init__(self) -> None:
         if self.replicas < 1 or self.ranks_per_replica < 1 or self.steps < 1:
@@ -163,13 +170,15 @@ class EmulationConfig:
         if not 0 <= self.relays <= self.replicas or (self.relays and not self.lighthouse_session):
             raise ValueError(f"relays {self.relays} must be in 0..replicas ({self.replicas}), and relays carry "
                              "session streams only (lighthouse_session must be true)")
+        if not 0 < self.relay_retry_s <= RelayPath.MAX_RETRY_S:
+            raise ValueError(f"relay_retry_s {self.relay_retry_s}: must be in (0, {RelayPath.MAX_RETRY_S}] seconds")
         if p > 1 and not self.heartbeats:
             raise ValueError("processes_per_replica > 1 needs heartbeats: a process registers its endpoints and "
                              "shows it is alive only by heartbeating")
         for f in self.faults:
-            if f.replica >= self.replicas and f.kind != "relay":
+            if f.replica >= self.replicas and f.kind not in ("relay", "relay_stop"):
                 raise ValueError(f"fault {f} names replica {f.replica} but there are {self.replicas}")
-            if f.kind == "relay" and f.replica >= self.relays:
+            if f.kind in ("relay", "relay_stop") and f.replica >= self.relays:
                 raise ValueError(f"fault {f} names relay {f.replica} but there are {self.relays}")
             if f.kind in ("ring", "rank") and f.rank >= self.ranks_per_replica:
                 raise ValueError(f"fault {f} names rank {f.rank} but replicas have {self.ranks_per_replica}")
@@ -563,7 +572,7 @@ class EmulatedReplica:
                                      outage_s=c.timeouts.lighthouse_outage_s,
                                      heartbeat_timeout_s=c.timeouts.heartbeat_rpc_s, rejoin=rejoin,
                                      process_index=p, num_processes=nproc, session=c.lighthouse_session,
-                                     relay=emu.relay_of(index))
+                                     relay=emu.relay_of(index), relay_retry_s=c.relay_retry_s)
             cl.decode_cache = emu.decode_cache
             if nproc > 1:
                 cl.register(self.ftar[p], self.servers[p], c.ranks_per_replica)
@@ -855,11 +864,14 @@ class Emulation:
                 self._fired.add(f)
                 self.events.append(f"fault: lighthouse SIGKILLed at step {step}, restarted after {f.seconds:g}s")
                 self._side_tasks.append(asyncio.get_running_loop().create_task(self._lighthouse_hiccup(f.seconds)))
-            elif f.kind == "relay" and rep.index == 0:
+            elif f.kind in ("relay", "relay_stop") and rep.index == 0:
                 self._fired.add(f)
-                self.events.append(f"fault: relay {f.replica} SIGKILLed at step {step}")
+                self.events.append(f"fault: relay {f.replica} SIGKILLed at step {step}" +
+                                   (f", restarted after {f.seconds:g}s" if f.seconds else ", not restarted")
+                                   if f.kind == "relay" else f"fault: relay {f.replica} SIGSTOPped at step {step} "
+                                   f"for {f.seconds:g}s")
                 self._side_tasks.append(asyncio.get_running_loop().create_task(
-                    asyncio.to_thread(self.relays[f.replica].kill)))
+                    self._relay_fault(self.relays[f.replica], f.kind == "relay_stop", f.seconds)))
 
     async def round_barrier(self, key: tuple[int, int]) -> None:
         ev = self._barriers.get(key)
@@ -959,6 +971,18 @@ class Emulation:
         self.events.append(f"replica {rep.rid}: restarted (incarnation {new.incarnation}), rejoins")
         new.task = asyncio.get_running_loop().create_task(new.run())
 
+    @staticmethod
+    async def _relay_fault(relay: RelayProcess, stop: bool, seconds: float) -> None:
+        if stop:
+            relay.proc.send_signal(signal.SIGSTOP)
+            await asyncio.sleep(seconds)
+            relay.proc.send_signal(signal.SIGCONT)
+            return
+        await asyncio.to_thread(relay.kill)
+        if seconds:
+            await asyncio.sleep(seconds)
+            await asyncio.to_thread(relay.start)
+
     async def _lighthouse_hiccup(self, down_s: float) -> None:
         await asyncio.to_thread(self.lighthouse.kill)
         await asyncio.sleep(down_s)
@@ -998,12 +1022,13 @@ class Emulation:
             for t in self._side_tasks:
                 t.cancel()
             await asyncio.sleep(0)
-            left = [cl.left_relay for r in self.replicas.values() for cl in r.clients
-                    if self.relay_of(r.index) and not cl.relay]
-            if left:
-                why = collections.Counter(re.sub(r"\d+", "N", w)[:200] for w in left).most_common(1)[0][0]
-                self.events.append(f"{len(left)} process(es) left a dead relay and speak to the lighthouse directly "
-                                   f"(most often: {why})")
+            paths = [cl.relay_path for r in self.replicas.values() for cl in r.clients if cl.relay_path.leaves]
+            if paths:
+                why = collections.Counter(re.sub(r"\d+", "N", p.left_why)[:200] for p in paths).most_common(1)[0][0]
+                self.events.append(
+                    f"{len(paths)} process(es) left a failed relay for the lighthouse (most often: {why}); "
+                    f"{sum(1 for p in paths if p.via_relay)} are back on it, "
+                    f"{sum(1 for p in paths if not p.via_relay)} still speak to the lighthouse directly")
         finally:
             for r in self.relays:
                 await asyncio.to_thread(r.stop)
