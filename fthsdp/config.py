@@ -109,7 +109,8 @@ class FTConfig:
     # many processes' on one: at hundreds of replicas the lighthouse's cost is per message, and a
     # relay turns a block of replicas' messages into one. The replicas are split among them in
     # contiguous blocks (replica i of R uses relays[i * len(relays) // R]); a process whose relay
-    # is gone speaks to the lighthouse directly. Empty: every process speaks to the lighthouse.
+    # is gone or silent speaks to the lighthouse directly and tries the relay again later
+    # (fthsdp.control.session_client.RelayPath). Empty: every process speaks to the lighthouse.
     lighthouse_relays: tuple[str, ...] = ()
     # Where a replica's listeners (FTAR ring endpoints, peer state server,
     # metrics) bind, and the host its peers are told to connect to (empty: the
@@ -165,10 +166,10 @@ class LaunchConfig:
     # connection is held back. With an external launch.lighthouse it must stay at its default:
     # that lighthouse's budget is its own --connection-calls-per-s.
     lighthouse_connection_calls_per_s: float = FairnessLimits.connection_calls_per_s
-    # Relays (`fthsdp relay`) the launcher starts between the replicas and the lighthouse, each
-    # carrying the session streams of a contiguous block of replicas (it sets ft.lighthouse_relays
-    # to their addresses). A relay that dies is not restarted: its replicas' processes speak to
-    # the lighthouse directly. 0: none.
+    # Relays (`fthsdp relay`) the launcher (`fthsdp run`, `fthsdp ray`) starts between the replicas
+    # and the lighthouse, each carrying the session streams of a contiguous block of replicas (it
+    # sets ft.lighthouse_relays to their addresses). A relay that dies is restarted on its address;
+    # meanwhile its replicas' processes speak to the lighthouse directly. 0: none.
     relays: int = 0
     # Emulated hosts: replica r's listeners bind (and advertise) hosts[r % len(hosts)],
     # e.g. 127.0.0.2,127.0.0.3 so that each replica acts as its own machine on

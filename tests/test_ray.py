@@ -105,8 +105,8 @@ def short_tmp():
 def test_ray_kill_and_worker_sigkill_replicas_are_replaced_and_rejoin(tmp_path, short_tmp):
     out = tmp_path / "run"
     p = fthsdp_ray(out, short_tmp, "--config", "base", "--replicas", "3", "--devices-per-replica", "1",
-                   "--kill", "1@15", "--kill-worker", "2@30", *PACED, f"train.steps={STEPS}",
-                   "launch.lighthouse_connection_calls_per_s=333")
+                   "--kill", "1@15", "--kill-worker", "2@30", "--kill-relay", "45", *PACED, f"train.steps={STEPS}",
+                   "launch.lighthouse_connection_calls_per_s=333", "launch.relays=1")
     assert p.returncode == 0, p.stderr[-4000:]
 
     # The driver left nothing behind: no process of its cluster, no work directory.
@@ -124,6 +124,13 @@ def test_ray_kill_and_worker_sigkill_replicas_are_replaced_and_rejoin(tmp_path, 
     # the lighthouse actor runs with the configured budget and serves its /metrics
     (lh,) = [e for e in events if e["kind"] == "lighthouse"]
     assert lh["connection_calls_per_s"] == 333.0 and lh["metrics_address"], lh
+    # every replica process's session went through the relay actor; killed, it was restarted on its
+    # address and the replicas went on through it (its own count: the replacements' processes too)
+    (relay,) = [e for e in events if e["kind"] == "relay"]
+    (restart,) = [e for e in events if e["kind"] == "relay_restart"]
+    assert restart["index"] == 0 and relay["address"].startswith("127.0.0.1:")
+    (carried,) = [e for e in events if e["kind"] == "relay_stopped"]
+    assert carried["clients"] >= 3 and carried["messages_up"] >= 100 and carried["replies_down"] >= 100, carried
     placed = {}
     for e in events:
         if e["kind"] == "placed":

@@ -109,9 +109,12 @@ def test_relay_config_says_what_is_wrong():
     r = subprocess.run([sys.executable, "-m", "fthsdp.control.relay", "--lighthouse", "x"], capture_output=True,
                        text=True, timeout=60)
     assert r.returncode == 2 and "relay lighthouse 'x'" in r.stderr
-    r = subprocess.run([sys.executable, "-m", "fthsdp.cli", "ray", "--config", "base", "launch.relays=1"],
+    r = subprocess.run([sys.executable, "-m", "fthsdp.cli", "ray", "--config", "base", "--kill-relay", "5"],
                        capture_output=True, text=True, timeout=120)
-    assert r.returncode == 2 and "launch.relays=1 is for `fthsdp run`: on Ray, start `fthsdp relay" in r.stderr
+    assert r.returncode == 2 and "--kill-relay: the launcher starts no relay (launch.relays=0)" in r.stderr
+    r = subprocess.run([sys.executable, "-m", "fthsdp.cli", "run", "--config", "base", "--kill-relay", "5"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "--kill-relay: the launcher starts no relay (launch.relays=0)" in r.stderr
 
 
 @contextlib.contextmanager

@@ -59,7 +59,6 @@ import dataclasses
 import logging
 import math
 import sys
-import threading
 import time
 from dataclasses import dataclass, field
 
@@ -68,6 +67,7 @@ import grpc
 from fthsdp.addresses import split_host_port
 from fthsdp.control import admission, auth, guard, quorum as qm, session
 from fthsdp.control.guard import Refused
+from fthsdp.control.server_thread import ServerThread
 from fthsdp.observe import root_cause as rc
 from fthsdp.observe.load_metrics import LoadCollector, LoadSnapshot
 from fthsdp.observe.verdict_metrics import RootCauseMetrics
@@ -1568,7 +1568,7 @@ def _sdc_event(v: sdc.Verdict) -> pb2.SdcEvent:
                         reason=v.reason, fatal=v.fatal)
 
 
-class LighthouseThread:
+class LighthouseThread(ServerThread):
     """A lighthouse on its own event loop in a daemon thread (tests, notebooks, launchers).
 
     ``with LighthouseThread(config) as lh: lh.address`` — the address is valid
@@ -1577,67 +1577,8 @@ class LighthouseThread:
 
     def __init__(self, config: LighthouseConfig | None = None, *, start_timeout_s: float = 10.0) -> None:
         self.config = config or LighthouseConfig()
-        self._start_timeout_s = start_timeout_s
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
-        self._ready = threading.Event()
-        self._stop: asyncio.Event | None = None
-        self._error: BaseException | None = None
+        super().__init__(lambda: Lighthouse(self.config), "fthsdp-lighthouse", start_timeout_s)
         self.server: Lighthouse | None = None
-
-    @property
-    def address(self) -> str:
-        assert self.server is not None, "LighthouseThread not started"
-        return self.server.address
-
-    def start(self) -> str:
-        self._thread = threading.Thread(target=self._run, name="fthsdp-lighthouse", daemon=True)
-        self._thread.start()
-        if not self._ready.wait(self._start_timeout_s):
-            raise TimeoutError(f"lighthouse did not start within {self._start_timeout_s}s")
-        if self._error is not None:
-            raise self._error
-        return self.address
-
-    def _run(self) -> None:
-        async def main() -> None:
-            self._stop = asyncio.Event()
-            self.server = Lighthouse(self.config)
-            try:
-                await self.server.start()
-            except BaseException as e:
-                self._error = e
-                self._ready.set()
-                return
-            self._ready.set()
-            await self._stop.wait()
-            await self.server.stop()
-
-        self._loop = asyncio.new_event_loop()
-        try:
-            self._loop.run_until_complete(main())
-        finally:
-            self._loop.close()
-
-    def stop(self, timeout_s: float = 5.0) -> None:
-        if self._thread is None:
-            return
-        if self._loop is not None and self._stop is not None and not self._loop.is_closed():
-            try:
-                self._loop.call_soon_threadsafe(self._stop.set)
-            except RuntimeError:
-                pass  # loop already finished
-        self._thread.join(timeout_s)
-        if self._thread.is_alive():
-            raise TimeoutError(f"lighthouse thread did not stop within {timeout_s}s")
-        self._thread = None
-
-    def __enter__(self) -> LighthouseThread:
-        self.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
 
 
 def _parser() -> argparse.ArgumentParser:

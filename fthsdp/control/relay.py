@@ -56,13 +56,14 @@ import grpc
 
 from fthsdp.addresses import split_host_port
 from fthsdp.control import session as sess
+from fthsdp.control.server_thread import ServerThread
 from fthsdp.control.session_client import stop_stream
 from fthsdp.proto import lighthouse as _load_stubs
 
 pb2, _ = _load_stubs()
 log = logging.getLogger("fthsdp.control.relay")
 
-__all__ = ["RelayConfig", "Relay", "renumbered", "relay_of", "cli"]
+__all__ = ["RelayConfig", "Relay", "RelayThread", "renumbered", "relay_of", "cli"]
 
 _CHANNEL_OPTIONS = [
     ("grpc.max_receive_message_length", 256 * 1024 * 1024),  # a batch of the largest quorum answers
@@ -346,6 +347,19 @@ class Relay:
             c.open.pop(up, None)
             c.send(sess.reply(seq, code=grpc.StatusCode.UNAVAILABLE, details=(
                 f"the relay's stream to lighthouse {self.config.lighthouse} ended ({why}): retry")))
+
+
+class RelayThread(ServerThread):
+    """A relay on its own event loop in a daemon thread (a Ray actor, tests): ``start()`` returns
+    its address; ``stats`` is what it carried so far."""
+
+    def __init__(self, config: RelayConfig, *, start_timeout_s: float = 10.0) -> None:
+        self.config = config
+        super().__init__(lambda: Relay(self.config), "fthsdp-relay", start_timeout_s)
+
+    @property
+    def stats(self) -> dict:
+        return dict(self.server.stats) if self.server is not None else {}
 
 
 # -- command line ----------------------------------------------------------------------------

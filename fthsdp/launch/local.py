@@ -286,6 +286,10 @@ class LocalJob:
             self.relay_addrs.append(address)
             self.event("relay", address=address, index=i)
 
+    def relay_overrides(self) -> list[str]:
+        """The launcher's relays, named to a replica as its relays (it starts none itself)."""
+        return ["launch.relays=0", f"ft.lighthouse_relays={','.join(self.relay_addrs)}"] if self.relay_addrs else []
+
     def _start_relay(self, i: int, port: int) -> tuple[subprocess.Popen, str]:
         """Relay ``i`` on ``port`` of the lighthouse's host (0: any free port); (process, address)."""
         host = split_host_port(self.lighthouse_addr)[0]
@@ -308,6 +312,11 @@ class LocalJob:
             proc.wait(10)
             raise
         return proc, join_host_port(host, bound)
+
+    def stop_relays(self) -> None:
+        for proc in self.relay_procs:  # SIGTERM: each logs what it carried
+            if proc is not None and proc.poll() is None:
+                lifetime.stop_process(proc)
 
     def supervise_relays(self) -> None:
         """Restarts a relay that died on its own address (its replicas went to the lighthouse
@@ -394,9 +403,7 @@ class LocalJob:
                  "--allreduce", self.allreduce, "--hash-every", str(self.hash_every),
                  *(["--resume", self.resume] if self.resume and mode == "start" else []),
                  *(["--rejoin"] if mode == "rejoin" else []), *self.host_flags(rid), *self.overrides,
-                 # the launcher's relays, named to the replica as its relays (it starts none itself)
-                 *(["launch.relays=0", f"ft.lighthouse_relays={','.join(self.relay_addrs)}"]
-                   if self.relay_addrs else [])],
+                 *self.relay_overrides()],
                 stdout=logf, stderr=subprocess.STDOUT, env=self._env(), start_new_session=True)
             logf.close()
             if index == 0:
@@ -729,9 +736,7 @@ class LocalJob:
             if rp.proc is not None and rp.proc.poll() is None:
                 self.kill_replica(rp.rid)
         self._lighthouse_down_ok = True
-        for proc in self.relay_procs:  # SIGTERM: each logs what it carried
-            if proc is not None and proc.poll() is None:
-                lifetime.stop_process(proc)
+        self.stop_relays()
         if self.lighthouse is not None and self.lighthouse.poll() is None:
             lifetime.stop_process(self.lighthouse)
         self._events.close()

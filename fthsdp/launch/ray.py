@@ -8,7 +8,8 @@ process). What differs:
 
 * the lighthouse is a Ray actor (fthsdp/launch/ray_actors.py, not detached:
   it lives and dies with the job's driver), pinned to the driver's node and
-  restarted there on the same address when it dies;
+  restarted there on the same address when it dies; so are its relays
+  (``launch.relays``, RelayActor), as `fthsdp run` starts them beside its lighthouse;
 * each replica is a placement group with one bundle per process (sized by the
   process's devices; GPUs when the cluster has them) holding one actor per
   process; each actor runs the replica entry point (fthsdp.replica.process.main).
@@ -244,25 +245,21 @@ class ActorProcess:
             pass
 
 
-class LighthouseProcess:
-    """The lighthouse actor through the Popen calls the local launcher makes."""
+class ServerActorProcess:
+    """A server actor (the lighthouse, a relay) through the Popen calls the local launcher makes:
+    pinned to ``node_id``, alive while its ``serve`` call is pending."""
 
-    def __init__(self, host: str, port: int, detect_s: float, join_timeout_s: float, replicas: int,
-                 node_id: str, secret: bytes | None = None, tls: tuple[str, str] = ("", ""),
-                 connection_calls_per_s: float = FairnessLimits.connection_calls_per_s) -> None:
+    def __init__(self, actor_cls, node_id: str, *args) -> None:
         import ray
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-        from fthsdp.launch.ray_actors import LighthouseActor
-
         self._ray = ray
-        cls = ray.remote(LighthouseActor).options(
+        cls = ray.remote(actor_cls).options(
             num_cpus=0, max_restarts=0, max_concurrency=4,
             scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False))
-        self.actor = cls.remote(host, port, detect_s, join_timeout_s, replicas, secret, tls, connection_calls_per_s)
+        self.actor = cls.remote(*args)
         self.address = ray.get(self.actor.address.remote(), timeout=60)
         self.pid = ray.get(self.actor.pid.remote(), timeout=POLL_TIMEOUT_S)
-        self.facts: dict = ray.get(self.actor.facts.remote(), timeout=POLL_TIMEOUT_S)
         self.serve_ref = self.actor.serve.remote()
         self.returncode: int | None = None
 
@@ -293,6 +290,38 @@ class LighthouseProcess:
     def wait(self, timeout: float | None = None) -> int | None:
         self._ray.wait([self.serve_ref], timeout=timeout)
         return self.poll()
+
+
+class LighthouseProcess(ServerActorProcess):
+    """The lighthouse actor (fthsdp.launch.ray_actors.LighthouseActor)."""
+
+    def __init__(self, host: str, port: int, detect_s: float, join_timeout_s: float, replicas: int,
+                 node_id: str, secret: bytes | None = None, tls: tuple[str, str] = ("", ""),
+                 connection_calls_per_s: float = FairnessLimits.connection_calls_per_s) -> None:
+        from fthsdp.launch.ray_actors import LighthouseActor
+
+        super().__init__(LighthouseActor, node_id, host, port, detect_s, join_timeout_s, replicas, secret, tls,
+                         connection_calls_per_s)
+        self.facts: dict = self._ray.get(self.actor.facts.remote(), timeout=POLL_TIMEOUT_S)
+
+
+class RelayProcess(ServerActorProcess):
+    """A relay actor (fthsdp.launch.ray_actors.RelayActor); its last ``stats`` are read when it is
+    terminated (what it carried, for the run's events)."""
+
+    def __init__(self, host: str, port: int, lighthouse: str, node_id: str, tls: tuple[str, str] = ("", ""),
+                 lighthouse_tls_ca: str = "") -> None:
+        from fthsdp.launch.ray_actors import RelayActor
+
+        super().__init__(RelayActor, node_id, host, port, lighthouse, tls, lighthouse_tls_ca)
+        self.stats: dict = {}
+
+    def terminate(self) -> None:
+        try:
+            self.stats = self._ray.get(self.actor.stats.remote(), timeout=POLL_TIMEOUT_S)
+        except Exception:  # noqa: BLE001 - it died: what it carried is lost with it
+            pass
+        super().terminate()
 
 
 @dataclass
@@ -348,7 +377,7 @@ class RayJob(LocalJob):
                 "--allreduce", self.allreduce, "--hash-every", str(self.hash_every),
                 *([] if self.config_text is not None else ["--config", self.config]),
                 *(["--resume", self.resume] if self.resume and mode == "start" else []),
-                *(["--rejoin"] if mode == "rejoin" else []), *self.overrides]
+                *(["--rejoin"] if mode == "rejoin" else []), *self.overrides, *self.relay_overrides()]
 
     # -- the records, through Ray ---------------------------------------------------------
 
@@ -411,6 +440,19 @@ class RayJob(LocalJob):
         self._lighthouse_down_ok = False
         self.event("lighthouse", address=self.lighthouse_addr, actor_pid=self.lighthouse.pid,
                    start_s=round(time.monotonic() - t0, 3), **self.lighthouse.facts)
+
+    def _start_relay(self, i: int, port: int) -> tuple[RelayProcess, str]:
+        """Relay ``i`` as an actor on the lighthouse's node (as `fthsdp run` puts its relays on the
+        lighthouse's host), on ``port`` (0: any free port)."""
+        from fthsdp.launch.ray_actors import lighthouse_host
+
+        host = lighthouse_host(ray_nodes(), self.driver_node)
+        try:
+            proc = RelayProcess(host, port, self.lighthouse_addr, self.driver_node, self.lighthouse_tls,
+                                self.lighthouse_tls_ca)
+        except Exception as e:  # noqa: BLE001 - the actor failed to start (its port is taken, ...)
+            raise RuntimeError(f"relay {i} did not start on {host}:{port}: {e}") from e
+        return proc, proc.address
 
     def supervise_lighthouse(self) -> bool:
         # Called once per iteration of LocalJob.run's loop, first: the records come in here.
@@ -568,6 +610,12 @@ class RayJob(LocalJob):
         super().shutdown()
         self.remove_work_dirs()
 
+    def stop_relays(self) -> None:
+        super().stop_relays()
+        for i, proc in enumerate(self.relay_procs):  # what each carried (a local relay logs it)
+            if isinstance(proc, RelayProcess) and proc.stats:
+                self.event("relay_stopped", index=i, **proc.stats)
+
     def remove_work_dirs(self) -> None:
         """Every live node's work directories of this job, the dead actors' included."""
         import ray
@@ -625,17 +673,6 @@ def parse_ray_kills(specs: list[str] | None, kind: str, replicas: int) -> list[f
     return out
 
 
-def _ray_config(cfg):
-    """``cfg``, or ConfigError for what `fthsdp ray` does not do."""
-    from fthsdp.config import ConfigError
-
-    if cfg.launch.relays:
-        raise ConfigError(f"launch.relays={cfg.launch.relays} is for `fthsdp run`: on Ray, start `fthsdp relay "
-                          "--lighthouse HOST:PORT` processes where the replicas reach them and name them in "
-                          "ft.lighthouse_relays")
-    return cfg
-
-
 def launch(config: str, overrides: list[str], out: str | pathlib.Path | None = None,
            faults: list[faults_lib.Fault] = (), address: str | None = None, num_cpus: int | None = None,
            temp_dir: str | None = None, kill_with: str = "ray-kill", restart: bool | None = None,
@@ -650,7 +687,7 @@ def launch(config: str, overrides: list[str], out: str | pathlib.Path | None = N
     from fthsdp import config as config_lib
     from fthsdp import logs
 
-    cfg = _ray_config(config_lib.load(config, overrides))
+    cfg = config_lib.load(config, overrides)
     config_path = pathlib.Path(config)
     config_text = config_path.read_text() if config_path.suffix == ".py" and config_path.is_file() else None
     out = pathlib.Path(out or cfg.train.out_dir)
@@ -674,7 +711,8 @@ def launch(config: str, overrides: list[str], out: str | pathlib.Path | None = N
                      checkpoint_dir=checkpoint_dir, secret_file=cfg.launch.secret_file,
                      lighthouse_tls=(cfg.launch.lighthouse_tls_cert, cfg.launch.lighthouse_tls_key),
                      lighthouse_calls_per_s=cfg.launch.lighthouse_connection_calls_per_s,
-                     config_text=config_text, place_timeout_s=cfg.ft.startup_timeout_s)
+                     config_text=config_text, place_timeout_s=cfg.ft.startup_timeout_s,
+                     relays=cfg.launch.relays, lighthouse_tls_ca=cfg.ft.lighthouse_tls_ca)
         log.info("ray job: %d replicas x %d process(es) x %d devices (placement %s), %d steps, faults (from %s) %s; "
                  "logs in %s", cfg.launch.replicas, cfg.launch.processes_per_replica, cfg.launch.devices_per_replica,
                  job.placement.bundles, cfg.train.steps,
@@ -719,6 +757,8 @@ def cli(argv: list[str]) -> int:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--kill-lighthouse", action="append", default=None, metavar="STEP",
                    help="ray.kill the lighthouse actor at STEP (restarted on the same address)")
+    p.add_argument("--kill-relay", action="append", default=None, metavar="STEP",
+                   help="ray.kill the first relay actor at STEP (launch.relays >= 1; restarted on the same address)")
     p.add_argument("--restart", action=argparse.BooleanOptionalAction, default=None,
                    help="place and start killed replicas again (default: launch.restart)")
     p.add_argument("--checkpoint-dir", default=None,
@@ -735,25 +775,28 @@ def cli(argv: list[str]) -> int:
 
     overrides = shape_overrides(args)
     try:
-        cfg = _ray_config(config_lib.load(args.config, overrides))
+        cfg = config_lib.load(args.config, overrides)
     except ValueError as e:
         p.error(str(e))
     from fthsdp.launch.local import _steps
 
     sources = faults_lib.choose_sources(args.kill, args.stop, args.random_kills,
                                         _steps(args.kill_lighthouse, "--kill-lighthouse", p), None,
-                                        cfg.launch.kill, cfg.launch.stop, cfg.launch.random_kills)
+                                        cfg.launch.kill, cfg.launch.stop, cfg.launch.random_kills,
+                                        _steps(args.kill_relay, "--kill-relay", p))
     if (args.kill_node or args.kill_worker) and sources.origin == "config":
         sources = faults_lib.FaultSources((), (), 0, origin="command line")
     try:
         plan = faults_lib.plan(sources.kills, sources.stops, cfg.launch.replicas, random_count=sources.random_count,
                                steps=cfg.train.steps,
                                seed=args.seed if args.seed is not None else cfg.launch.fault_seed,
-                               stop_s=args.stop_seconds, lighthouse=sources.lighthouse)
+                               stop_s=args.stop_seconds, lighthouse=sources.lighthouse, relay=sources.relay)
         plan = sorted(plan + parse_ray_kills(args.kill_node, "kill_node", cfg.launch.replicas)
                       + parse_ray_kills(args.kill_worker, "kill_worker", cfg.launch.replicas))
     except ValueError as e:
         p.error(str(e))
+    if cfg.launch.relays < 1 and any(f.kind == "relay" for f in plan):
+        p.error("--kill-relay: the launcher starts no relay (launch.relays=0); give launch.relays=K (K >= 1)")
     job = launch(args.config, overrides, out=args.out_dir, faults=plan, address=args.address,
                  num_cpus=args.num_cpus, temp_dir=args.temp_dir, kill_with=args.kill_with, restart=args.restart,
                  checkpoint_dir=args.checkpoint_dir, allreduce=args.allreduce,

@@ -1,4 +1,4 @@
-"""The processes of a Ray launch: the lighthouse and one replica process, as Ray actors.
+"""The processes of a Ray launch: the lighthouse, its relays and one replica process, as Ray actors.
 
 These classes run inside Ray worker processes, so this module imports
 nothing heavy at the top: jax must not be imported before the replica's
@@ -87,6 +87,42 @@ class LighthouseActor:
 
     def stop(self) -> None:
         self.lh.stop()
+        self._stop.set()
+
+
+class RelayActor:
+    """`fthsdp relay` in a Ray actor (the in-process RelayThread), on the lighthouse's node as
+    `fthsdp run` starts its relays; its lifetime is the job's, as the lighthouse actor's. It gets
+    no secret: it passes signed requests on and checks none."""
+
+    def __init__(self, host: str, port: int, lighthouse: str, tls: tuple[str, str] = ("", ""),
+                 lighthouse_tls_ca: str = "") -> None:
+        from fthsdp.addresses import join_host_port
+        from fthsdp.control.relay import RelayConfig, RelayThread
+
+        self.relay = RelayThread(RelayConfig(lighthouse=lighthouse, bind=join_host_port(host, port),
+                                             tls_cert_file=tls[0], tls_key_file=tls[1],
+                                             lighthouse_tls_ca=lighthouse_tls_ca))
+        self.relay.start()
+        self._stop = threading.Event()
+
+    def address(self) -> str:
+        return self.relay.address
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def stats(self) -> dict:
+        """What it carried so far (fthsdp.control.relay.Relay.stats)."""
+        return self.relay.stats
+
+    def serve(self) -> int:
+        """Returns when stopped; pending while it serves, an error once the actor died."""
+        self._stop.wait()
+        return 0
+
+    def stop(self) -> None:
+        self.relay.stop()
         self._stop.set()
 
 
