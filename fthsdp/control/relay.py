@@ -138,7 +138,10 @@ class Relay:
         self._open_upstream = None
         self._call = None  # the current upstream stream
         self._tasks: tuple[asyncio.Task, ...] = ()
-        self._queue: collections.deque[bytes] = collections.deque()  # messages not yet sent upstream
+        # upstream seq -> message not yet sent upstream, in arrival order (a client that goes away
+        # takes its unsent messages with it: sent late, a quorum request would supersede the one
+        # its process sent again elsewhere)
+        self._queue: dict[int, bytes] = {}
         self._withdrawn: list[int] = []  # upstream seqs to withdraw (their client went away)
         self._wake: asyncio.Event | None = None
         self._seq = itertools.count(1)
@@ -231,7 +234,8 @@ class Relay:
         for up in ups:
             self._routes.pop(up, None)
             c.open.pop(up, None)
-        self._withdrawn.extend(ups)
+            if self._queue.pop(up, None) is None:  # sent: the lighthouse withdraws it
+                self._withdrawn.append(up)
         self.stats["withdrawn"] += len(ups)
         if self._call is not None:
             self._wake.set()
@@ -255,7 +259,7 @@ class Relay:
         up = next(self._seq)
         self._routes[up] = (c, seq)
         c.open[up] = (seq, env.method == "GetQuorum")
-        self._queue.append(renumbered(raw, up))
+        self._queue[up] = renumbered(raw, up)
         self.stats["messages_up"] += 1
         if self._call is None:
             self._connect()
@@ -279,7 +283,7 @@ class Relay:
                 await self._wake.wait()
                 self._wake.clear()
                 while self._queue or self._withdrawn:
-                    out = sess.take_batch(self._queue, mb) if self._queue else []
+                    out = self._take(mb) if self._queue else []
                     gone: list[int] = []
                     if not self._queue:
                         gone, self._withdrawn = self._withdrawn, []
@@ -289,6 +293,13 @@ class Relay:
             self._broken(call, f"{e.code().name}: {e.details()}")
         except (grpc.aio.UsageError, asyncio.InvalidStateError) as e:
             self._broken(call, str(e))
+
+    def _take(self, max_messages: int) -> list[bytes]:
+        """The next batch of unsent messages (bounded as sess.take_batch bounds it)."""
+        out = sess.take_batch(collections.deque(itertools.islice(self._queue.values(), max_messages)), max_messages)
+        for up in list(itertools.islice(self._queue, len(out))):
+            del self._queue[up]
+        return out
 
     async def _read(self, call) -> None:
         why = "the lighthouse closed it"

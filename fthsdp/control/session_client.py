@@ -117,11 +117,18 @@ class RelayPath:
     the first break was enough, 461 of 512 emulated leaders left two live relays at start-up
     (which failure broke their streams was not pinned down), and a channel that failed to connect
     fails the next streams at once, so a count alone is reached in milliseconds; a dead relay
-    keeps failing. The grace is short beside the failure-detection window, because while a client
-    is cut off from its relay its heartbeats do not arrive either. A request that nothing
-    answered within its deadline (``silent``: a SIGSTOPped relay keeps its connections and
-    answers nothing) leaves at once: a heartbeat's deadline is half the detection window, so
-    one more silent beat and the lighthouse would declare this process dead.
+    keeps failing. The grace is short beside the failure-detection window, because while a
+    client is cut off from its relay its heartbeats do not arrive either.
+
+    Or after :data:`SILENCE_S` of requests that nothing answered within their deadline, with no
+    reply in between: a SIGSTOPped relay (a hung host) keeps its connections and answers
+    nothing. Silence is weaker proof than a break, because a busy relay is slow too: when the
+    third unanswered request was enough, 377 of 512 emulated leaders left two live relays in the
+    first round at 512 x 196 (every answer 1.4 MB, the beats' answers queued behind them). So a
+    stopped relay's clients are declared dead by the lighthouse before they leave it, and rejoin
+    once they speak to it directly: the block is out for about SILENCE_S, not until the relay
+    resumes. (HTTP/2 keepalive pings did not tell the two apart here: a client pinging every
+    second did not end its stream to a stopped relay within 8 s.)
 
     **Return** :data:`RETRY_S` after leaving (the launcher restarts a dead relay on its port; a
     stopped one may be resumed): the next heartbeat goes through the relay on a new stream, a
@@ -133,13 +140,19 @@ class RelayPath:
 
     BREAKS = 3
     GRACE_S = 0.3
+    SILENCE_S = 10.0
     RETRY_S = 5.0
     MAX_RETRY_S = 60.0
 
-    def __init__(self, relay: str, retry_s: float | None = None) -> None:
+    def __init__(self, relay: str, retry_s: float | None = None, silence_s: float | None = None) -> None:
         retry_s = self.RETRY_S if retry_s is None else retry_s
+        silence_s = self.SILENCE_S if silence_s is None else silence_s
         if not 0 < retry_s <= self.MAX_RETRY_S:
             raise ValueError(f"retry_s {retry_s}: must be in (0, {self.MAX_RETRY_S}] seconds")
+        if not silence_s > 0:
+            raise ValueError(f"silence_s {silence_s}: must be > 0 seconds")
+        self.silence_s = silence_s
+        self.quiet_since: float | None = None  # the first unanswered request since the last reply
         self.relay = relay  # this client's relay ("": none, always the lighthouse directly)
         self.via_relay = bool(relay)
         self.returning = False  # back on the relay, no reply through it yet
@@ -154,7 +167,7 @@ class RelayPath:
 
     def ok(self) -> bool:
         """A reply came on the current path; True: it was the first through the relay after a return."""
-        self.breaks, self.since = 0, None
+        self.breaks, self.since, self.quiet_since = 0, None, None
         if not self.returning:
             return False
         self.returning, self.retry_s = False, self.first_retry_s
@@ -162,18 +175,23 @@ class RelayPath:
         return True
 
     def failed(self, now: float, why: str, silent: bool = False) -> bool:
-        """A request through the relay failed as a gone (a broken stream) or ``silent`` relay
-        makes it fail (:func:`relay_gone`); True: leave the relay now."""
+        """A request through the relay failed as a gone relay makes it fail (a broken stream) or,
+        ``silent``, nothing answered it in time (:func:`relay_gone`); True: leave the relay now."""
         if not self.via_relay:
             return False
-        self.breaks += 1
-        self.since = now if self.since is None else self.since
-        if not (self.returning or silent or (self.breaks >= self.BREAKS and now - self.since >= self.GRACE_S)):
+        if silent:
+            self.quiet_since = now if self.quiet_since is None else self.quiet_since
+            leave = now - self.quiet_since >= self.silence_s
+        else:
+            self.breaks += 1
+            self.since = now if self.since is None else self.since
+            leave = self.breaks >= self.BREAKS and now - self.since >= self.GRACE_S
+        if not (self.returning or leave):
             return False
         if self.returning:
             self.retry_s = min(2 * self.retry_s, self.MAX_RETRY_S)
         self.via_relay = self.returning = False
-        self.breaks, self.since = 0, None
+        self.breaks, self.since, self.quiet_since = 0, None, None
         self.retry_at = now + self.retry_s
         self.left_why = why
         self.leaves += 1

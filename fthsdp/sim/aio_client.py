@@ -274,7 +274,8 @@ class AioLighthouseClient:
     def __init__(self, address: str, job_id: str, replica_id: str, *, outage_s: float,
                  heartbeat_timeout_s: float, rejoin: bool = False, process_index: int = 0,
                  num_processes: int = 1, channel_of: "AioLighthouseClient | None" = None,
-                 session: bool = True, relay: str = "", relay_retry_s: float = RelayPath.RETRY_S) -> None:
+                 session: bool = True, relay: str = "", relay_retry_s: float = RelayPath.RETRY_S,
+                 relay_silence_s: float = RelayPath.SILENCE_S) -> None:
         if num_processes < 1 or not 0 <= process_index < num_processes:
             raise ValueError(f"process_index {process_index} must be in 0..num_processes-1 ({num_processes})")
         self.address = address
@@ -313,7 +314,7 @@ class AioLighthouseClient:
         # directly while it is gone (RelayPath, as the threaded client). A client sharing a
         # channel shares its owner's relay channel.
         self.relay_path = RelayPath("" if not session else relay if channel_of is None else channel_of.relay_path.relay,
-                                    relay_retry_s)
+                                    relay_retry_s, relay_silence_s)
         self._relay_channel = (None if not self.relay_path.relay else channel_of._relay_channel if channel_of
                                else grpc.aio.insecure_channel(self.relay_path.relay, options=_OPTIONS))
         self.session: AioSession | None = (

@@ -154,9 +154,11 @@ class EmulationConfig:
     # carrying the sessions of a contiguous block of replicas; 0: every process speaks to the
     # lighthouse directly.
     relays: int = 0
-    # How long a process that left its relay waits before it tries the relay again
-    # (fthsdp.control.session_client.RelayPath; shorter in tests than a job's 5 s).
+    # How long a process that left its relay waits before it tries the relay again, and how long
+    # a relay may answer nothing before its processes leave it (fthsdp.control.session_client.
+    # RelayPath; shorter in tests than a job's 5 s and 10 s).
     relay_retry_s: float = RelayPath.RETRY_S
+    relay_silence_s: float = RelayPath.SILENCE_S
 
     def __post_init__(self) -> None:
         if self.replicas < 1 or self.ranks_per_replica < 1 or self.steps < 1:
@@ -170,8 +172,9 @@ class EmulationConfig:
         if not 0 <= self.relays <= self.replicas or (self.relays and not self.lighthouse_session):
             raise ValueError(f"relays {self.relays} must be in 0..replicas ({self.replicas}), and relays carry "
                              "session streams only (lighthouse_session must be true)")
-        if not 0 < self.relay_retry_s <= RelayPath.MAX_RETRY_S:
-            raise ValueError(f"relay_retry_s {self.relay_retry_s}: must be in (0, {RelayPath.MAX_RETRY_S}] seconds")
+        if not 0 < self.relay_retry_s <= RelayPath.MAX_RETRY_S or not self.relay_silence_s > 0:
+            raise ValueError(f"relay_retry_s {self.relay_retry_s} must be in (0, {RelayPath.MAX_RETRY_S}] seconds and "
+                             f"relay_silence_s {self.relay_silence_s} > 0")
         if p > 1 and not self.heartbeats:
             raise ValueError("processes_per_replica > 1 needs heartbeats: a process registers its endpoints and "
                              "shows it is alive only by heartbeating")
@@ -572,7 +575,8 @@ class EmulatedReplica:
                                      outage_s=c.timeouts.lighthouse_outage_s,
                                      heartbeat_timeout_s=c.timeouts.heartbeat_rpc_s, rejoin=rejoin,
                                      process_index=p, num_processes=nproc, session=c.lighthouse_session,
-                                     relay=emu.relay_of(index), relay_retry_s=c.relay_retry_s)
+                                     relay=emu.relay_of(index), relay_retry_s=c.relay_retry_s,
+                                     relay_silence_s=c.relay_silence_s)
             cl.decode_cache = emu.decode_cache
             if nproc > 1:
                 cl.register(self.ftar[p], self.servers[p], c.ranks_per_replica)
