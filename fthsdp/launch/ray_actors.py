@@ -41,7 +41,33 @@ def node_ip() -> str:
     return ray.util.get_node_ip_address()
 
 
-class LighthouseActor:
+class _ServerActor:
+    """A server of ours (a :class:`fthsdp.control.server_thread.ServerThread`, started here) in a
+    Ray actor: ``serve`` stays pending while it serves, so the driver's call tells it whether the
+    actor is alive (pending) or dead (an error)."""
+
+    def __init__(self, thread) -> None:
+        self.thread = thread
+        thread.start()
+        self._stop = threading.Event()
+
+    def address(self) -> str:
+        return self.thread.address
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def serve(self) -> int:
+        """Returns when stopped."""
+        self._stop.wait()
+        return 0
+
+    def stop(self) -> None:
+        self.thread.stop()
+        self._stop.set()
+
+
+class LighthouseActor(_ServerActor):
     """`fthsdp lighthouse` in a Ray actor: the in-process LighthouseThread.
 
     Not detached: its lifetime is the job's (the driver owns it), so a driver
@@ -56,41 +82,23 @@ class LighthouseActor:
         from fthsdp.addresses import join_host_port
         from fthsdp.control.lighthouse import LighthouseConfig, LighthouseThread
 
-        self.host = host
         fairness = FairnessLimits(connection_calls_per_s=connection_calls_per_s)
         # Its own /metrics (verdicts and load) on a free port of its host, as `fthsdp run`'s
         # lighthouse: named in its Status answers, so `fthsdp status --prometheus-targets` lists it.
-        self.lh = LighthouseThread(LighthouseConfig(bind=join_host_port(self.host, port), detect_s=detect_s,
-                                                    join_timeout_s=join_timeout_s, num_replicas=replicas,
-                                                    secret=secret, tls_cert_file=tls[0], tls_key_file=tls[1],
-                                                    fairness=fairness, metrics_bind=join_host_port(self.host, 0)))
-        self.lh.start()
-        self._stop = threading.Event()
-
-    def address(self) -> str:
-        return self.lh.address
+        super().__init__(LighthouseThread(LighthouseConfig(
+            bind=join_host_port(host, port), detect_s=detect_s, join_timeout_s=join_timeout_s,
+            num_replicas=replicas, secret=secret, tls_cert_file=tls[0], tls_key_file=tls[1], fairness=fairness,
+            metrics_bind=join_host_port(host, 0))))
 
     def facts(self) -> dict:
         """What the driver records of the running lighthouse (its events): where its /metrics
         are and the connection budget it runs with."""
-        server = self.lh.server
+        server = self.thread.server
         return {"metrics_address": server.metrics_server.address if server.metrics_server is not None else "",
                 "connection_calls_per_s": server.config.fairness.connection_calls_per_s}
 
-    def pid(self) -> int:
-        return os.getpid()
 
-    def serve(self) -> int:
-        """Returns when stopped; its result tells the driver the actor is alive (pending) or dead (error)."""
-        self._stop.wait()
-        return 0
-
-    def stop(self) -> None:
-        self.lh.stop()
-        self._stop.set()
-
-
-class RelayActor:
+class RelayActor(_ServerActor):
     """`fthsdp relay` in a Ray actor (the in-process RelayThread), on the lighthouse's node as
     `fthsdp run` starts its relays; its lifetime is the job's, as the lighthouse actor's. It gets
     no secret: it passes signed requests on and checks none."""
@@ -100,30 +108,13 @@ class RelayActor:
         from fthsdp.addresses import join_host_port
         from fthsdp.control.relay import RelayConfig, RelayThread
 
-        self.relay = RelayThread(RelayConfig(lighthouse=lighthouse, bind=join_host_port(host, port),
-                                             tls_cert_file=tls[0], tls_key_file=tls[1],
-                                             lighthouse_tls_ca=lighthouse_tls_ca))
-        self.relay.start()
-        self._stop = threading.Event()
-
-    def address(self) -> str:
-        return self.relay.address
-
-    def pid(self) -> int:
-        return os.getpid()
+        super().__init__(RelayThread(RelayConfig(lighthouse=lighthouse, bind=join_host_port(host, port),
+                                                 tls_cert_file=tls[0], tls_key_file=tls[1],
+                                                 lighthouse_tls_ca=lighthouse_tls_ca)))
 
     def stats(self) -> dict:
         """What it carried so far (fthsdp.control.relay.Relay.stats)."""
-        return self.relay.stats
-
-    def serve(self) -> int:
-        """Returns when stopped; pending while it serves, an error once the actor died."""
-        self._stop.wait()
-        return 0
-
-    def stop(self) -> None:
-        self.relay.stop()
-        self._stop.set()
+        return self.thread.stats
 
 
 class ReplicaActor:
