@@ -216,8 +216,11 @@ def fthsdp_row(system: str, replicas: int, ranks_per_replica: int, rounds: int, 
         "p50_s": percentile(lat, 0.5), "p99_s": percentile(lat, 0.99), "max_s": max(lat) if lat else None,
         "complete_rounds": len(complete), "rounds": rounds, "warmup_rounds": warmup,
         "lighthouse_p50_s": percentile([r["lighthouse_s"] for r in complete], 0.5),
-        # the relays' CPU over the whole run (connecting, warm-up rounds included), per round run
-        "relay_cpu_s_per_round": rep.relay_cpu_s / (rounds + warmup) if relays else None,
+        # the relays' CPU a measured round (from the first measured round on: without their start-up
+        # and the warm-up rounds, whose answers carry every ring), and over the whole run per round
+        "relay_cpu_s_per_round": rep.cpu_per_round(warmup)[1] if relays else None,
+        "relay_cpu_s_per_round_whole_run": rep.relay_cpu_s / (rounds + warmup) if relays else None,
+        "emulator_cpu_s_per_round": rep.cpu_per_round(warmup)[0],
         # how well they batched: messages per batch to the lighthouse, replies per batch back
         "relay_messages_per_batch": _ratio(rep.relay_stats, "messages_up", "batches_up") if relays else None,
         "relay_replies_per_batch": _ratio(rep.relay_stats, "replies_down", "batches_down") if relays else None,
@@ -930,7 +933,11 @@ def main(argv: list[str] | None = None) -> int:
                                                       if k in BREAKDOWN_PARTS and v is not None)
                       + f"; per round: lighthouse CPU {(b['lighthouse_cpu_s_this_round'] or 0) * 1e3:.0f} ms, "
                         f"{b['heartbeats_this_round']} heartbeats, ranks' own work "
-                        f"{(b['rank_work_s_this_round'] or 0) * 1e3:.1f} ms", flush=True)
+                        f"{(b['rank_work_s_this_round'] or 0) * 1e3:.1f} ms"
+                      + (f", emulator CPU {r['emulator_cpu_s_per_round'] * 1e3:.0f} ms"
+                         if r.get("emulator_cpu_s_per_round") is not None else "")
+                      + (f", relays' CPU {r['relay_cpu_s_per_round'] * 1e3:.0f} ms"
+                         if r.get("relay_cpu_s_per_round") is not None else ""), flush=True)
             save()
             if "floor" not in args.skip and transport == "session" and not relays:
                 fl = floor_row(rpr, rounds, r["leader_request_bytes_median"], r["leader_answer_bytes_median"])

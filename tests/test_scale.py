@@ -38,6 +38,7 @@ def test_scale_quick_rows(tmp_path):
             assert 0 <= r["of_which_writes_s"] <= r["to_leaders_s"], r
             assert sum(parts) <= r["latency_s"] + 1e-6, r  # successive stretches of the same clock
             assert r["replies_built"] >= h["replicas"] and r["lighthouse_cpu_s_this_round"] > 0, r
+        assert h["emulator_cpu_s_per_round"] > 0 and h["relay_cpu_s_per_round"] is None  # measured rounds only
     # beside each hierarchical row, the bare transport's round at its leaders and median sizes
     floor = [row for row in rows if row["system"] == "grpc-floor"]
     assert [(f["beside"], f["replicas"]) for f in floor] == [("4x25/1", 4), ("2x6/2", 2)]

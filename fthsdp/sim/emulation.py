@@ -485,6 +485,19 @@ class EmulationReport:
     emulator_cpu_s: float = 0.0
     relay_cpu_s: float = 0.0  # the relay processes' CPU time over the run, all together
     relay_stats: list[dict] = field(default_factory=list)  # what each relay carried (its Relay.stats)
+    # step -> (this process's CPU, the live relays' CPU) when replica 0 began it: a steady
+    # round's cost, without the start-up and the first rounds (answers carrying every ring)
+    cpu_at_step: dict[int, tuple[float, float]] = field(default_factory=dict)
+
+    def cpu_per_round(self, first: int) -> tuple[float | None, float | None]:
+        """(emulator, relays) CPU seconds per round from step ``first`` to the last one sampled,
+        None without two samples (a relay killed meanwhile makes its share a lower bound)."""
+        steps = sorted(s for s in self.cpu_at_step if s >= first)
+        if len(steps) < 2:
+            return None, None
+        (e0, r0), (e1, r1) = self.cpu_at_step[steps[0]], self.cpu_at_step[steps[-1]]
+        n = steps[-1] - steps[0]
+        return (e1 - e0) / n, (r1 - r0) / n
 
     def violations(self, deadline_slack_s: float = 2.0) -> list[str]:
         """Every broken invariant, in words (empty = all hold)."""
@@ -615,6 +628,8 @@ class EmulatedReplica:
             while self.state.step < c.steps and self.state.action is not fsm.Action.GIVE_UP:
                 state = self.state
                 if state.attempt == 1 and self.incarnation == 0:
+                    if self.index == 0:
+                        emu.sample_cpu(state.step)
                     await emu.fire_faults(self, state.step)
                 # Gather: every rank asks its leader for the quorum of its step.
                 t_work = time.perf_counter()
@@ -829,6 +844,7 @@ class Emulation:
         self.waits: list[tuple[str, float, float]] = []
         self.events: list[str] = []
         self.problems: list[str] = []
+        self.cpu_at_step: dict[int, tuple[float, float]] = {}  # EmulationReport.cpu_at_step
         self.rank_replays = 0
         self.views_fetched = 0
         self.answer_bytes = 0
@@ -876,6 +892,11 @@ class Emulation:
                                    f"for {f.seconds:g}s")
                 self._side_tasks.append(asyncio.get_running_loop().create_task(
                     self._relay_fault(self.relays[f.replica], f.kind == "relay_stop", f.seconds)))
+
+    def sample_cpu(self, step: int) -> None:
+        """This process's and the relays' CPU time as replica 0 begins ``step`` (EmulationReport.cpu_at_step)."""
+        self.cpu_at_step[step] = (time.process_time(),
+                                  sum(process_cpu_s(r.proc.pid) for r in self.relays if r.proc is not None))
 
     async def round_barrier(self, key: tuple[int, int]) -> None:
         ev = self._barriers.get(key)
@@ -1051,7 +1072,8 @@ class Emulation:
             unfinished=unfinished, views_fetched=self.views_fetched, answer_bytes=self.answer_bytes,
             wire_sizes=self.wire_sizes,
             rank_work_s=dict(self._rank_work), emulator_cpu_s=time.process_time() - cpu0,
-            relay_cpu_s=sum(r.cpu_s for r in self.relays), relay_stats=[r.stats for r in self.relays])
+            relay_cpu_s=sum(r.cpu_s for r in self.relays), relay_stats=[r.stats for r in self.relays],
+            cpu_at_step=dict(self.cpu_at_step))
 
     def run(self) -> EmulationReport:
         try:
