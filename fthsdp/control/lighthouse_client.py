@@ -774,7 +774,10 @@ class LighthouseClient:
         """A request on ``s`` failed with ``e``; True: it goes again on the (direct) session now
         current, because the relay is gone or silent (:class:`RelayPath`: now, or another thread
         found so first)."""
-        if not (s.relayed and (relay_gone(e) or s.probe)):  # any failure of a return ends it
+        if not s.relayed:
+            return False
+        if not relay_gone(e) and not isinstance(e, SessionUnsupported):
+            self._relay_answered(s)  # a reply, if a refusal: the path works (a probe's: it is back)
             return False
         with self._lock_relay:
             mine = s is self._session or (s.probe and self._relay_path.returning)

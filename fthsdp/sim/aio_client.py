@@ -439,7 +439,10 @@ class AioLighthouseClient:
     async def _relay_failed(self, s: "AioSession", e: SessionError) -> bool:
         """A request on ``s`` failed with ``e``; True: it goes again on the direct session now
         current (the relay is gone or silent: now, or another request found so first)."""
-        if not (s.relayed and (relay_gone(e) or s.probe)):
+        if not s.relayed:
+            return False
+        if not relay_gone(e) and not isinstance(e, SessionUnsupported):
+            await self._relay_answered(s)  # a reply, if a refusal: the path works (a probe's: it is back)
             return False
         if s is self.session or (s.probe and self.relay_path.returning):
             if not self.relay_path.failed(time.monotonic(), e.details(), e.unanswered):
