@@ -6,9 +6,12 @@ the lighthouse reads batches; a client that leaves the relay has its open reques
 withdrawn; an authenticated lighthouse checks every message a relay carries (the
 relay holds no secret and cannot forge one); bad batches and bad messages get
 clear errors and a batch of garbage costs the lighthouse a bounded amount; a
-killed relay sends its clients to the lighthouse directly (a SIGSTOPped leader
-behind a relay is declared dead by its silence: tests/test_lighthouse_session.py). The emulation runs the whole
-control loop through relays with kills, a lighthouse restart and a dead relay.
+killed relay sends its clients to the lighthouse directly, they come back to it
+restarted on its port, and leave it again SIGSTOPped (a SIGSTOPped leader behind
+a relay is declared dead by its silence: tests/test_lighthouse_session.py). The
+emulation runs the whole control loop through relays with kills, a lighthouse
+restart, a relay killed and restarted and one stopped; `fthsdp run` restarts a
+killed relay.
 """
 
 from __future__ import annotations
