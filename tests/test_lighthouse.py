@@ -417,19 +417,24 @@ def test_the_load_line_gives_rates_between_two_readings_and_restarts_from_a_new_
     from fthsdp.control.lighthouse_client import format_load
     from fthsdp.observe.load_metrics import LoadSnapshot
 
-    def load(uptime, cpu, msgs, evals, eval_s, refused):
+    def load(uptime, cpu, msgs, evals, eval_s, refused, relayed=0, batches=0):
         return LoadSnapshot(uptime_s=uptime, cpu_s=cpu, jobs=2, sessions_opened=4, session_messages=msgs,
                             evaluations=evals, evaluation_s=eval_s, held_total=3, held_now=0,
-                            connection_budget_calls_per_s=500.0, refused_by_code=refused)
+                            connection_budget_calls_per_s=500.0, refused_by_code=refused, sessions_open=3,
+                            relayed_messages=relayed, relay_batches=batches, relay_streams_open=1 if batches else 0)
 
     a = load(100.0, 20.0, 10_000, 200, 0.4, {"INVALID_ARGUMENT": 2})
     b = load(110.0, 25.0, 12_000, 300, 0.6, {"INVALID_ARGUMENT": 2, "UNAUTHENTICATED": 5})
     assert format_load(a) == ("lighthouse since it started 1m40s ago: 2 job(s); CPU 20% of a core; 100 session "
-                              "messages/s (4 sessions opened); 2.0 quorum decisions/s, 2.00 ms each; 3 call(s) held "
+                              "messages/s (3 sessions open, 4 opened); 2.0 quorum decisions/s, 2.00 ms each; 3 call(s) held "
                               "by a budget (0 now, budget 500 calls/s a connection); refused: 2 INVALID_ARGUMENT")
     assert format_load(b, a) == ("lighthouse over the last 10.0s: 2 job(s); CPU 50% of a core; 200 session "
-                                 "messages/s (4 sessions opened); 10.0 quorum decisions/s, 2.00 ms each; 0 call(s) "
+                                 "messages/s (3 sessions open, 4 opened); 10.0 quorum decisions/s, 2.00 ms each; 0 call(s) "
                                  "held by a budget (0 now, budget 500 calls/s a connection); refused: 5 "
                                  "UNAUTHENTICATED")
     # a restarted lighthouse (less uptime than the last reading): its counters began again
     assert format_load(load(5.0, 1.0, 50, 0, 0.0, {}), b).startswith("lighthouse since it started 0m05s ago")
+    # behind relays: the share of the messages that came through them (a drop: processes left their relays)
+    c, d = load(100.0, 20.0, 10_000, 200, 0.4, {}, 6_000, 1_000), load(110.0, 25.0, 12_000, 300, 0.6, {}, 6_500, 1_100)
+    assert "200 session messages/s (3 sessions open, 4 opened; 50/s of them through 1 relay stream(s) in 10 " \
+           "batches/s)" in format_load(d, c)

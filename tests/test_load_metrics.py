@@ -26,7 +26,8 @@ def samples(text: str) -> dict[tuple[str, tuple], float]:
 def test_a_snapshot_becomes_conventional_series():
     snap = LoadSnapshot(held_total=7, held_now=2, refused_by_code={"UNAUTHENTICATED": 3, "INVALID_ARGUMENT": 1},
                         connection_budget_calls_per_s=100.0, sessions_opened=4, session_messages=900,
-                        relay_batches=120, evaluations=50, evaluation_s=0.25, jobs=1)
+                        relay_batches=120, evaluations=50, evaluation_s=0.25, jobs=1, sessions_open=3,
+                        relay_streams_open=1, relayed_messages=600)
     reg = CollectorRegistry()
     reg.register(LoadCollector(lambda: snap))
     got = samples(generate_latest(reg).decode())
@@ -37,6 +38,8 @@ def test_a_snapshot_becomes_conventional_series():
     assert got[("fthsdp_lighthouse_connection_budget_calls_per_second", ())] == 100.0
     assert got[("fthsdp_lighthouse_session_messages_total", ())] == 900
     assert got[("fthsdp_lighthouse_relay_batches_total", ())] == 120
+    assert got[("fthsdp_lighthouse_relayed_messages_total", ())] == 600
+    assert got[("fthsdp_lighthouse_sessions_open", ())] == 3 and got[("fthsdp_lighthouse_relay_streams_open", ())] == 1
     assert got[("fthsdp_lighthouse_quorum_evaluation_seconds_total", ())] == 0.25
     assert got[("fthsdp_lighthouse_jobs", ())] == 1
 

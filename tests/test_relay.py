@@ -173,16 +173,19 @@ def test_clients_behind_a_relay_get_the_same_quorums_as_direct_ones(lighthouse):
             hb = clients[0].heartbeat(3)
             assert hb.quorum_id == qs[0].quorum_id and hb.dead_members == ()
             assert all(c.relay == addr for c in clients[:3])  # still behind it
+            load = lighthouse.server.load_snapshot()  # what /metrics and `fthsdp status` show
+            assert (load.sessions_open, load.relay_streams_open) == (1, 1)
         finally:
             for c in clients:
                 c.close()
     st = lighthouse.server.stats
     assert st["sessions_opened"] == 2  # one direct client's stream and the relay's one
-    assert st["session_messages"] == 4 * 3 + 1
+    assert st["session_messages"] == 4 * 3 + 1 and st["relayed_messages"] == 3 * 3 + 1
     # the relay's 9 quorum requests and its beat came in batches (how many depends on timing)
     assert 1 <= st["relay_batches"] <= 3 * 3 + 1
-    load = lighthouse.server.load_snapshot()  # what /metrics and `fthsdp status` show
+    load = lighthouse.server.load_snapshot()
     assert load.relay_batches == st["relay_batches"] and load.session_messages == 13
+    assert load.relayed_messages == 10
 
 
 def test_a_client_that_leaves_the_relay_has_its_open_request_withdrawn():

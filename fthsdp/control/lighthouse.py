@@ -617,7 +617,8 @@ class Lighthouse(pb2_grpc.LighthouseServicer):
         self.stats = {"decisions": 0, "evaluations": 0, "evaluation_s": 0.0, "replies_serialized": 0,
                       "replies_sent": 0, "replies_rings_omitted": 0, "replies_members_omitted": 0, "stalls": 0, "rca_runs": 0, "rca_s": 0.0,
                       "sdc_mismatches": 0, "refused": 0, "forgotten_dead": 0,
-                      "sessions_opened": 0, "session_messages": 0, "relay_batches": 0, "requests_endpoints_held": 0,
+                      "sessions_opened": 0, "session_messages": 0, "relay_batches": 0,
+                      "sessions_open": 0, "relay_streams_open": 0, "relayed_messages": 0, "requests_endpoints_held": 0,
                       "endpoints_not_held": 0}
         self._auth = guard.CallAuthenticator(self.config.secret)
         # The verdicts as Prometheus series, served on config.metrics_bind (start()).
@@ -641,7 +642,8 @@ class Lighthouse(pb2_grpc.LighthouseServicer):
                             refused_by_code=dict(self._gate.refused),
                             connection_budget_calls_per_s=adm.limits.connection_calls_per_s if adm else 0.0,
                             sessions_opened=st["sessions_opened"], session_messages=st["session_messages"],
-                            relay_batches=st["relay_batches"],
+                            relay_batches=st["relay_batches"], sessions_open=st["sessions_open"],
+                            relay_streams_open=st["relay_streams_open"], relayed_messages=st["relayed_messages"],
                             evaluations=st["evaluations"], evaluation_s=st["evaluation_s"], jobs=len(self._jobs),
                             uptime_s=time.monotonic() - self._started, cpu_s=time.process_time())
 

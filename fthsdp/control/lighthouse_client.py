@@ -381,8 +381,10 @@ def format_load(load: LoadSnapshot, before: LoadSnapshot | None = None) -> str:
               if load.connection_budget_calls_per_s else "no budgets")
     parts = [
         f"CPU {100 * rate(delta('cpu_s')):.0f}% of a core",
-        f"{rate(delta('session_messages')):.0f} session messages/s ({load.sessions_opened} sessions opened"
-        + (f", {rate(delta('relay_batches')):.0f} relay batches/s" if load.relay_batches else "") + ")",
+        f"{rate(delta('session_messages')):.0f} session messages/s ({load.sessions_open} sessions open, "
+        f"{load.sessions_opened} opened"
+        + (f"; {rate(delta('relayed_messages')):.0f}/s of them through {load.relay_streams_open} relay stream(s) "
+           f"in {rate(delta('relay_batches')):.0f} batches/s" if load.relay_batches else "") + ")",
         (f"{rate(evals):.1f} quorum decisions/s, {1e3 * delta('evaluation_s') / evals:.2f} ms each"
          if evals else "no quorum decision"),
         f"{held} call(s) held by a budget ({load.held_now} now, {budget})",

@@ -343,6 +343,7 @@ def generic_handler(lighthouse, gate: guard.CallGate) -> grpc.GenericRpcHandler:
                     f"the rest of it was not read; fix what the relay's clients send"))
                 break
             stats["session_messages"] += 1
+            stats["relayed_messages"] += 1
             await message(s, inner)
         # After the messages: a client that sent a request and went away before the batch left
         # has both in it, and its request must not stay open. No reply: nobody waits for one (a
@@ -353,6 +354,8 @@ def generic_handler(lighthouse, gate: guard.CallGate) -> grpc.GenericRpcHandler:
     async def serve(relayed: bool, context: grpc.aio.ServicerContext) -> None:
         s = Stream(context, context.peer() or "", relayed)
         stats["sessions_opened"] += 1
+        open_now = "relay_streams_open" if relayed else "sessions_open"
+        stats[open_now] += 1
         writer = asyncio.get_running_loop().create_task(s.writer())
         try:
             async for raw in s.incoming():
@@ -366,6 +369,7 @@ def generic_handler(lighthouse, gate: guard.CallGate) -> grpc.GenericRpcHandler:
                     log.exception("session %s: a message failed", s.peer)
                     s.send(reply(0, code=grpc.StatusCode.INTERNAL, details=f"the lighthouse failed: {e}"))
         finally:
+            stats[open_now] -= 1
             s.closed = True
             for seq in list(s.open):  # a stream that ends withdraws its requests
                 drop(s, seq)

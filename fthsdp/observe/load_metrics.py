@@ -19,8 +19,11 @@ lines. The lighthouse serves these beside its root-cause verdicts on
   (0 when the lighthouse runs without budgets), so a dashboard shows it beside
   the rate of held calls without anyone looking up the command line.
 * ``fthsdp_lighthouse_sessions_opened_total``,
-  ``fthsdp_lighthouse_session_messages_total``, ``fthsdp_lighthouse_relay_batches_total``:
-  the session transport's use (messages per relay batch: how well the relays batch).
+  ``fthsdp_lighthouse_session_messages_total``, ``fthsdp_lighthouse_relay_batches_total``,
+  ``fthsdp_lighthouse_relayed_messages_total``, and the gauges
+  ``fthsdp_lighthouse_sessions_open`` and ``fthsdp_lighthouse_relay_streams_open``:
+  the session transport's use (messages per relay batch: how well the relays
+  batch; the relayed share of the messages: whether processes left their relays).
 * ``fthsdp_lighthouse_quorum_evaluations_total`` and
   ``fthsdp_lighthouse_quorum_evaluation_seconds_total``: how often and for how
   long the quorum decision ran (their ratio is the mean cost of one).
@@ -57,6 +60,9 @@ class LoadSnapshot:
     sessions_opened: int = 0
     session_messages: int = 0
     relay_batches: int = 0  # batches of session messages read from relays' streams
+    sessions_open: int = 0  # processes' own session streams open now
+    relay_streams_open: int = 0  # relays' streams open now
+    relayed_messages: int = 0  # session messages that came through relays (of session_messages)
     evaluations: int = 0
     evaluation_s: float = 0.0
     jobs: int = 0
@@ -95,12 +101,18 @@ class LoadCollector(Collector):
                 ("fthsdp_lighthouse_session_messages", "Calls received as session messages", s.session_messages),
                 ("fthsdp_lighthouse_relay_batches", "Batches of session messages read from relays' streams",
                  s.relay_batches),
+                ("fthsdp_lighthouse_relayed_messages", "Session messages that came through relays",
+                 s.relayed_messages),
                 ("fthsdp_lighthouse_quorum_evaluations", "Runs of the quorum decision", s.evaluations),
                 ("fthsdp_lighthouse_quorum_evaluation_seconds", "Seconds spent in the quorum decision",
                  s.evaluation_s)):
             c = CounterMetricFamily(name, doc)
             c.add_metric([], value)
             yield c
-        jobs = GaugeMetricFamily("fthsdp_lighthouse_jobs", "Jobs the lighthouse holds")
-        jobs.add_metric([], s.jobs)
-        yield jobs
+        for name, doc, value in (
+                ("fthsdp_lighthouse_jobs", "Jobs the lighthouse holds", s.jobs),
+                ("fthsdp_lighthouse_sessions_open", "Processes' own session streams open now", s.sessions_open),
+                ("fthsdp_lighthouse_relay_streams_open", "Relays' streams open now", s.relay_streams_open)):
+            g = GaugeMetricFamily(name, doc)
+            g.add_metric([], value)
+            yield g
