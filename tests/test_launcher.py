@@ -279,10 +279,28 @@ def test_ray_lighthouse_actor_takes_the_connection_budget():
     for given, want in (({}, FairnessLimits().connection_calls_per_s), ({"connection_calls_per_s": 750.0}, 750.0)):
         a = LighthouseActor("127.0.0.1", 0, 1.0, 0.5, 2, None, ("", ""), **given)
         try:
-            assert a.lh.config.fairness.connection_calls_per_s == want
+            assert a.thread.config.fairness.connection_calls_per_s == want
             assert a.address().startswith("127.0.0.1:")
             facts = a.facts()  # what the driver records in its "lighthouse" event
             assert facts["connection_calls_per_s"] == want and facts["metrics_address"].startswith("127.0.0.1:")
+        finally:
+            a.stop()
+
+
+def test_ray_relay_actor_serves_in_front_of_a_lighthouse():
+    """The Ray launcher's relay actor (run here as a plain object, without Ray): a client's
+    session through it reaches the lighthouse, and its stats say what it carried."""
+    from fthsdp.control.lighthouse import LighthouseConfig, LighthouseThread
+    from fthsdp.control.lighthouse_client import LighthouseClient
+    from fthsdp.launch.ray_actors import RelayActor
+
+    with LighthouseThread(LighthouseConfig(join_timeout_s=0.2)) as lh:
+        a = RelayActor("127.0.0.1", 0, lh.address)
+        try:
+            with LighthouseClient(lh.address, "job", "0", relay=a.address()) as c:
+                q = c.get_quorum(0, ftar_addresses=["127.0.0.1:9000"], num_replicas=1, timeout_s=10)
+                assert q.member_ids == ("0",) and c.relay == a.address()
+            assert a.stats()["messages_up"] >= 1 and lh.server.stats["relay_batches"] >= 1
         finally:
             a.stop()
 
