@@ -107,3 +107,22 @@ def test_fingerprint_parts_quick(tmp_path):
     assert res["check"]["reference_equals_in_step"] is True
     assert res["check"]["no_psum_fp_device0"] != res["check"]["in_step_fp"]
     assert res["bare_psum"]["calls"] == 100 and res["bare_psum"]["wall_s"] > 0
+
+
+def test_relay_failover_quick(tmp_path):
+    """A relay killed and restarted, and one stopped for 3 s, at 8 replicas x 64 ranks behind 2
+    relays: every invariant holds, and the replicas not behind the stopped relay do not wait for
+    it (they go on without its block, declared dead, which rejoins once it is continued)."""
+    out = tmp_path / "rf.json"
+    run("relay_failover.py", "--quick", "--out", str(out))
+    runs = {x["scenario"]: x for x in json.loads(out.read_text())["runs"]}
+    assert set(runs) == {"none", "killed", "stopped"}
+    for x in runs.values():
+        assert x["violations"] == [] and len(x["final_steps"]) == 1 and x["median_round_s"] > 0
+    stopped = runs["stopped"]
+    assert stopped["block_out_s"] >= stopped["stop_s"] - 0.5  # its block waited for the relay ...
+    assert stopped["stall_s"] < stopped["stop_s"] / 2  # ... the others did not
+    assert set(stopped["replicas_caught_up"]) == {"0", "1", "2", "3"}
+    assert runs["none"]["replicas_caught_up"] == [] and runs["none"]["processes_left_relay"] == 0
+    assert out.with_suffix(".png").stat().st_size > 10_000
+

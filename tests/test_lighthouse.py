@@ -231,6 +231,32 @@ def test_invalid_quorum_request_is_invalid_argument(lighthouse, over, match):
         assert match in ei.value.details()
 
 
+def test_a_request_whose_answer_was_lost_is_answered_again_from_the_quorum_it_was_decided_into():
+    """A request decided into the newest quorum and sent again (its answer lost on the way: a
+    relay died holding it, a stream broke) gets that quorum at once; the others wait in its
+    all-reduce for this member. A new request of the same replica, or one without an id, waits
+    for the next round as before."""
+    def ask(stub, rid, request_id, timeout=5.0):
+        req = raw_request(replica_id=str(rid), ftar_addresses=addrs(rid), num_replicas=2, request_id=request_id)
+        return stub.GetQuorum(req, timeout=timeout)
+
+    with LighthouseThread(LighthouseConfig(min_replicas=2, detect_s=5.0)) as lighthouse, \
+            grpc.insecure_channel(lighthouse.address) as ch:
+        stub = pb2_grpc.LighthouseStub(ch)
+        with ThreadPoolExecutor(2) as ex:
+            first = list(ex.map(lambda r: ask(stub, r, 100 + r), range(2)))
+        qid = first[0].quorum.quorum_id
+        assert {a.quorum.quorum_id for a in first} == {qid}
+        again = ask(stub, 1, 101, timeout=2.0)  # replica 0 does not ask again: nothing else could answer it
+        assert again.quorum.quorum_id == qid and [m.replica_id for m in again.quorum.members] == ["0", "1"]
+        assert lighthouse.server.stats["answers_resent"] == 1
+        for request_id in (102, 0):  # a new request (or one with no id) is the next round's
+            with pytest.raises(grpc.RpcError) as ei:
+                ask(stub, 1, request_id, timeout=1.0)
+            assert ei.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert lighthouse.server.stats["answers_resent"] == 1
+
+
 def test_invalid_heartbeat_and_status_versions(lighthouse):
     with grpc.insecure_channel(lighthouse.address) as ch:
         stub = pb2_grpc.LighthouseStub(ch)

@@ -304,6 +304,7 @@ class _Finished:
 class _Pending:
     request: qm.QuorumRequest
     future: asyncio.Future
+    request_id: int = 0  # QuorumRequest.request_id
 
 
 @dataclass
@@ -401,6 +402,9 @@ class _Job:
     processes: _Setting = field(default_factory=_Setting)
     pending: dict[str, _Pending] = field(default_factory=dict)
     quorum: qm.Quorum | None = None
+    # member -> the request_id of its request that `quorum` answered (Lighthouse.accept_quorum_request:
+    # a send of it again, whose answer was lost, is answered from `quorum` at once)
+    answered_ids: dict[str, int] = field(default_factory=dict)
     last_reason: str = "no quorum request yet"
     dead: set[str] = field(default_factory=set)
     # Live replicas as of the last tick (+ newcomers since): a request is
@@ -619,7 +623,7 @@ class Lighthouse(pb2_grpc.LighthouseServicer):
                       "sdc_mismatches": 0, "refused": 0, "forgotten_dead": 0,
                       "sessions_opened": 0, "session_messages": 0, "relay_batches": 0,
                       "sessions_open": 0, "relay_streams_open": 0, "relayed_messages": 0, "requests_endpoints_held": 0,
-                      "endpoints_not_held": 0}
+                      "endpoints_not_held": 0, "answers_resent": 0}
         self._auth = guard.CallAuthenticator(self.config.secret)
         # The verdicts as Prometheus series, served on config.metrics_bind (start()).
         self.rca_metrics = RootCauseMetrics()
@@ -803,8 +807,10 @@ class Lighthouse(pb2_grpc.LighthouseServicer):
         self.stats["decisions"] += 1
         job.sdc.forget_after(quorum.max_step)  # reports of later steps are of a forked lineage (rule 6)
         job.sdc.set_voters(quorum.max_step + 1, quorum.member_ids)  # who will hold the state it commits
+        job.answered_ids = {}
         for rid in quorum.member_ids:
             p = job.pending.pop(rid)
+            job.answered_ids[rid] = p.request_id
             # Its call was open until this answer: heard now. Judging it by its request's
             # arrival instead declared members dead when answering a large quorum took
             # longer than the detection window (the emulation found this at 4,096 replicas:
@@ -1246,6 +1252,16 @@ class Lighthouse(pb2_grpc.LighthouseServicer):
             # now, and it is judged by these times alone (a stopped leader is still detected one
             # detection window after its last request or beat).
             job.last_heartbeat[rid] = now
+        if (request.request_id and job.quorum is not None and rid not in job.pending
+                and job.answered_ids.get(rid) == request.request_id):
+            # Decided into the newest quorum already, and sent again: its answer was lost on the
+            # way (a relay died, a stream broke after the decision). Waiting for the next round
+            # instead left the other members in this quorum's all-reduce until its deadline
+            # (10 s in the emulation at 10,240 ranks, when a relay died holding the answers).
+            self.stats["answers_resent"] += 1
+            log.info("job %r: replica %s asked again for quorum %d (its answer was lost); answered again",
+                     job.job_id, rid, job.quorum.quorum_id)
+            return self.quorum_answer(job, request, job.quorum)
         if request.accused_replica_ids:
             self._accuse(job, rid, request.last_quorum_id, request.accused_replica_ids)
         if _reads_lineage(job, rid, request.last_quorum_id):
@@ -1280,6 +1296,7 @@ class Lighthouse(pb2_grpc.LighthouseServicer):
                 num_processes=nproc,
             ),
             future,
+            request.request_id,
         )
         job.pending[rid] = entry
         if len(job.pending) >= self._expected(job):

@@ -170,6 +170,11 @@ def older_lighthouse_advice(signed: bool, code: grpc.StatusCode | None, details:
     return None
 
 
+def new_request_id() -> int:
+    """A quorum request's id (QuorumRequest.request_id): random, never 0 (0 = none)."""
+    return int.from_bytes(os.urandom(8), "little") or 1
+
+
 def backoff_delays(first_s: float = 0.05, cap_s: float = 0.5, factor: float = 2.0):
     """Retry delays: exponential from ``first_s``, capped at ``cap_s`` (a restart
     is noticed within ``cap_s``; an outage costs the lighthouse a few RPCs per second per replica)."""
@@ -869,6 +874,9 @@ class LighthouseClient:
             incarnation=self.incarnation,
             accepts_members_omitted=True,
             lineage=qm.lineage_report(self.lineage),
+            # the same on every send of this request below: a lighthouse that decided it answers a
+            # send again at once (its answer was lost on the way)
+            request_id=new_request_id(),
         )
         whole = pb2.QuorumRequest()
         whole.CopyFrom(req)

@@ -50,6 +50,7 @@ from fthsdp.control.lighthouse_client import (
     endpoints_not_held,
     keep_members,
     keep_rings,
+    new_request_id,
     quorum_from_proto,
 )
 from fthsdp.proto import LIGHTHOUSE_PROTOCOL_VERSION, lighthouse as _load_stubs
@@ -336,7 +337,7 @@ class AioLighthouseClient:
         self.registration.give(ftar_addresses, state_server_address, local_world_size)
 
     def _request(self, step: int, ftar: Sequence[str], state_server: str, commit_failed: bool,
-                 num_replicas: int, local_world_size: int) -> bytes:
+                 num_replicas: int, local_world_size: int, request_id: int) -> bytes:
         """The QuorumRequest, serialized. Its ``last_members`` (every member id of the last
         quorum, identical for all its members; sent by its first few members only, see
         :func:`fthsdp.control.quorum.sends_last_members`) is serialized once per quorum and appended:
@@ -349,7 +350,7 @@ class AioLighthouseClient:
             last_quorum_id=last.quorum_id if last is not None else 0,
             rejoin=self.rejoin, fresh_start=last is None and not self.rejoin,
             process_index=self.process_index, num_processes=self.num_processes, accepts_members_omitted=True,
-            lineage=qm.lineage_report(self.lineage),
+            lineage=qm.lineage_report(self.lineage), request_id=request_id,
         )
         self._sent_endpoints = self.held_endpoints.fill(head, ftar, state_server)
         return head.SerializeToString() + (
@@ -369,13 +370,14 @@ class AioLighthouseClient:
         self.step = step
         self.asked_at = time.perf_counter()
         lws = len(ftar_addresses) * self.num_processes if local_world_size is None else local_world_size
-        req = self._request(step, ftar_addresses, state_server_address, commit_failed, num_replicas, lws)
+        rid = new_request_id()  # the same on every send of this request (a lost answer is answered again)
+        req = self._request(step, ftar_addresses, state_server_address, commit_failed, num_replicas, lws, rid)
         sent = self._sent_endpoints
         try:
             reply = await self._call(self._get_quorum_raw, req, f"get_quorum(step={step})", timeout_s, "GetQuorum")
         except _EndpointsNotHeld as e:  # the lighthouse restarted: the same request with the endpoints
             self.held_endpoints.lost()
-            req = self._request(step, ftar_addresses, state_server_address, commit_failed, num_replicas, lws)
+            req = self._request(step, ftar_addresses, state_server_address, commit_failed, num_replicas, lws, rid)
             reply = await self._call(self._get_quorum_raw, req, f"get_quorum(step={step})", timeout_s, "GetQuorum")
             if e.outage_s:
                 self.outages.append(e.outage_s)
