@@ -47,7 +47,7 @@ from fthsdp.launch.faults import Fault, choose_sources, due, plan
 log = logging.getLogger("fthsdp.launch")
 
 LIGHTHOUSE_START_S = 60.0  # a (re)started lighthouse must listen within this long
-LIGHTHOUSE_RESTART_TRIES = 3
+SERVER_RESTART_TRIES = 3  # tries to start a dead lighthouse or relay again on its address
 
 
 @dataclass
@@ -329,7 +329,7 @@ class LocalJob:
             why = f"signal {-rc}" if rc < 0 else f"exit code {rc}"
             t0 = time.monotonic()
             err: Exception | None = None
-            for _ in range(LIGHTHOUSE_RESTART_TRIES):
+            for _ in range(SERVER_RESTART_TRIES):
                 try:
                     self.relay_procs[i] = self._start_relay(i, split_host_port(self.relay_addrs[i])[1])[0]
                     break
@@ -361,7 +361,7 @@ class LocalJob:
         why = f"signal {-rc}" if rc < 0 else f"exit code {rc}"
         t0 = time.monotonic()
         err: Exception | None = None
-        for _ in range(LIGHTHOUSE_RESTART_TRIES):
+        for _ in range(SERVER_RESTART_TRIES):
             try:
                 self.start_lighthouse()
                 break
