@@ -467,6 +467,7 @@ def test_fthsdp_run_with_a_relay_trains_through_kills_of_the_relay_a_replica_and
     s = summary(out)
     assert len(s["lighthouse_restarts"]) == 1 and s["job_restarts"] == []
     assert [r["index"] for r in s["relay_restarts"]] == [0] and "signal 9" in s["relay_restarts"][0]["died"]
+    assert "relay 0 died (signal 9); restarted on its address in" in p.stderr
     run = report.load_run(out)
     assert s["identical_final_state"] and all(d["step"] == 50 for d in run.done.values())
     positions = exactly_once(out, run)

@@ -175,6 +175,8 @@ def describe(summary: dict) -> list[str]:
                      f"survivors' stall {stalls or 'n/a'}")
     for lr in summary.get("lighthouse_restarts") or []:
         lines.append(f"lighthouse died ({lr['died']}); restarted in {lr['restart_s']:.2f}s")
+    for rr in summary.get("relay_restarts") or []:
+        lines.append(f"relay {rr['index']} died ({rr['died']}); restarted on its address in {rr['restart_s']:.2f}s")
     for jr in summary.get("job_restarts") or []:
         lines.append(f"no healthy replica left: whole job restarted from the checkpoint of step "
                      f"{jr['checkpoint']} (attempt {jr['attempt']})")
@@ -262,7 +264,7 @@ def plot_timeline(out_dir: str | pathlib.Path, path: str | pathlib.Path | None =
 
 def write_summary(out_dir: str | pathlib.Path, extra: dict | None = None) -> dict:
     """summary.json: the run's analysis plus what the launcher adds (`extra`:
-    attempts, automatic job restarts, lighthouse restarts, faults fired)."""
+    attempts, automatic job restarts, lighthouse and relay restarts, faults fired)."""
     summary = {**summarize(out_dir), **(extra or {})}
     pathlib.Path(out_dir, "summary.json").write_text(json.dumps(summary, indent=2, default=str))
     return summary
