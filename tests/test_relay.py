@@ -49,6 +49,7 @@ def test_a_client_leaves_its_relay_after_failures_that_last_and_returns_later():
     assert not p.failed(10.5, "x")  # on the lighthouse directly, a failure is not the relay's
     assert not p.try_relay(10.0 + p.RETRY_S - 0.1)  # not yet
     assert p.try_relay(10.3 + p.RETRY_S) and p.via_relay and p.returning
+    assert p.owns(False, True) and p.owns(True, False) and not p.owns(False, False)  # the probe's outcome counts
     # a failed return goes back at once, and waits twice as long before the next
     assert p.failed(16.0, "refused") and not p.via_relay and p.retry_at == 16.0 + 2 * p.RETRY_S
     assert p.try_relay(16.0 + 2 * p.RETRY_S)

@@ -767,7 +767,7 @@ class LighthouseClient:
         if not s.relayed:
             return
         with self._lock_relay:
-            if s is not self._session and not (s.probe and self._relay_path.returning):
+            if not self._relay_path.owns(s is self._session, s.probe):
                 return  # a stream it left meanwhile
             if self._relay_path.ok():
                 log.info("process %d of replica %r is back on relay %s", self.process_index, self.replica_id,
@@ -787,8 +787,7 @@ class LighthouseClient:
             self._relay_answered(s)  # a reply, if a refusal: the path works (a probe's: it is back)
             return False
         with self._lock_relay:
-            mine = s is self._session or (s.probe and self._relay_path.returning)
-            if mine:
+            if self._relay_path.owns(s is self._session, s.probe):
                 if not self._relay_path.failed(time.monotonic(), e.details(), e.unanswered):
                     return False
                 p = self._relay_path

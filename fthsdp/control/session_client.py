@@ -197,6 +197,12 @@ class RelayPath:
         self.leaves += 1
         return True
 
+    def owns(self, current: bool, probe: bool) -> bool:
+        """Whether a session's outcome counts for the path: the current session's, or the
+        outstanding probe's (``probe``: a return's stream); a stream left meanwhile counts for
+        nothing. The one rule of both clients."""
+        return current or (probe and self.returning)
+
     def return_due(self, now: float) -> bool:
         """Whether it is time to try the relay again (the next heartbeat does)."""
         return not self.via_relay and bool(self.relay) and now >= self.retry_at

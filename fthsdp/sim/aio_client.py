@@ -244,9 +244,10 @@ class AioSession:
                 fut.exception()  # its request may be gone (cancelled) before it reads this: no warning
 
     @property
-    def busy(self) -> bool:
-        """A request waits for its reply on it (closing it now would send that request again)."""
-        return bool(self._waiters)
+    def idle(self) -> bool:
+        """Nothing is waiting for a reply on it (it can be closed without failing a request; as
+        SyncSession.idle)."""
+        return not self._waiters
 
     async def close(self) -> None:
         call, tasks = self._call, self._tasks
@@ -420,7 +421,7 @@ class AioLighthouseClient:
         """The session a request goes on: a heartbeat due to return to the relay (RelayPath)
         goes on a new stream through it, a probe, which becomes the session once answered (the
         threaded client's rule); a session left while a request waited on it is closed once idle."""
-        if self._retired is not None and not self._retired.busy:
+        if self._retired is not None and self._retired.idle:
             retired, self._retired = self._retired, None
             await retired.close()
         if name == "Heartbeat" and self.session is not None and self.relay_path.try_relay(time.monotonic()):
@@ -430,7 +431,7 @@ class AioLighthouseClient:
         return self.session
 
     async def _relay_answered(self, s: "AioSession") -> None:
-        if not s.relayed or (s is not self.session and not (s.probe and self.relay_path.returning)):
+        if not s.relayed or not self.relay_path.owns(s is self.session, s.probe):
             return
         if self.relay_path.ok():  # a probe's reply: back on the relay
             s.probe = False
@@ -446,7 +447,7 @@ class AioLighthouseClient:
         if not relay_gone(e) and not isinstance(e, SessionUnsupported):
             await self._relay_answered(s)  # a reply, if a refusal: the path works (a probe's: it is back)
             return False
-        if s is self.session or (s.probe and self.relay_path.returning):
+        if self.relay_path.owns(s is self.session, s.probe):
             if not self.relay_path.failed(time.monotonic(), e.details(), e.unanswered):
                 return False
             if s is self.session:
