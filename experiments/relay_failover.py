@@ -121,8 +121,8 @@ def plot(runs: list[dict], path: pathlib.Path) -> None:
         ax.plot(xs, [v * 1e3 for v in r["rounds_s"].values()], lw=1.2,
                 label=f"{r['scenario']}: the others' stall {r['stall_s'] * 1e3:.0f} ms, the block out "
                       f"{r['block_out_s']:.1f} s; {r['processes_left_relay']} left / {r['processes_back_on_relay']} back")
-    if runs and runs[0].get("fault_step") is None and len(runs) > 1:
-        ax.axvline(runs[1]["fault_step"], color="grey", ls=":", lw=1)
+    for step in {r["fault_step"] for r in runs if r["fault_step"] is not None}:
+        ax.axvline(step, color="grey", ls=":", lw=1)
     r0 = runs[0]
     ax.set_yscale("log")
     ax.set_xlabel("step")

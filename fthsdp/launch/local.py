@@ -35,6 +35,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from fthsdp.addresses import family, join_host_port, split_host_port
@@ -66,6 +67,24 @@ class ReplicaProc:
     followers: list[subprocess.Popen] = field(default_factory=list)
     stopped_process: int = 0  # which process a stop fault froze (SIGCONT goes to it)
     returncode: int | None = None  # how its last process ended (None while one runs)
+
+
+def _how_it_ended(returncode: int) -> str:
+    return f"signal {-returncode}" if returncode < 0 else f"exit code {returncode}"
+
+
+def _start_again(start: Callable[[], object]) -> RuntimeError | None:
+    """``start()`` a server that died (the lighthouse, a relay) up to SERVER_RESTART_TRIES times,
+    half a second apart; None once it started, else the last try's error."""
+    err: RuntimeError | None = None
+    for _ in range(SERVER_RESTART_TRIES):
+        try:
+            start()
+            return None
+        except RuntimeError as e:
+            err = e
+            time.sleep(0.5)
+    return err
 
 
 def _listening_port(proc: subprocess.Popen, port_file: pathlib.Path, what: str, log_path: pathlib.Path) -> int:
@@ -325,18 +344,14 @@ class LocalJob:
         for i, proc in enumerate(self.relay_procs):
             if proc is None or proc.poll() is None:
                 continue
-            rc = proc.returncode
-            why = f"signal {-rc}" if rc < 0 else f"exit code {rc}"
+            why = _how_it_ended(proc.returncode)
             t0 = time.monotonic()
-            err: Exception | None = None
-            for _ in range(SERVER_RESTART_TRIES):
-                try:
-                    self.relay_procs[i] = self._start_relay(i, split_host_port(self.relay_addrs[i])[1])[0]
-                    break
-                except RuntimeError as e:
-                    err = e
-                    time.sleep(0.5)
-            else:
+
+            def again(i: int = i) -> None:  # on its own address: its replicas know it
+                self.relay_procs[i] = self._start_relay(i, split_host_port(self.relay_addrs[i])[1])[0]
+
+            err = _start_again(again)
+            if err is not None:
                 self.relay_procs[i] = None
                 log.warning("relay %d at %s died (%s) and could not be restarted (%s); its replicas speak to the "
                             "lighthouse directly", i, self.relay_addrs[i], why, err)
@@ -357,18 +372,10 @@ class LocalJob:
         """Restarts a lighthouse that died; False (and `gave_up` set) if it cannot be."""
         if self.lighthouse is None or self._lighthouse_down_ok or self.lighthouse.poll() is None:
             return True
-        rc = self.lighthouse.returncode
-        why = f"signal {-rc}" if rc < 0 else f"exit code {rc}"
+        why = _how_it_ended(self.lighthouse.returncode)
         t0 = time.monotonic()
-        err: Exception | None = None
-        for _ in range(SERVER_RESTART_TRIES):
-            try:
-                self.start_lighthouse()
-                break
-            except RuntimeError as e:
-                err = e
-                time.sleep(0.5)
-        else:
+        err = _start_again(self.start_lighthouse)
+        if err is not None:
             self.gave_up = (f"the lighthouse at {self.lighthouse_addr} died ({why}) and could not be restarted "
                             f"({err}); resume the job with: {self.resume_hint()}")
             log.error("%s", self.gave_up)

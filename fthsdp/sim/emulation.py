@@ -78,6 +78,7 @@ log = logging.getLogger("fthsdp.sim.emulation")
 __all__ = ["Fault", "EmulationConfig", "Emulation", "EmulationReport", "LighthouseProcess", "run_emulation"]
 
 FAULT_KINDS = ("kill", "hang", "ring", "rank", "lighthouse", "relay", "relay_stop")
+RELAY_FAULTS = ("relay", "relay_stop")  # their `replica` is a relay's number
 
 
 @dataclass(frozen=True)
@@ -172,16 +173,17 @@ class EmulationConfig:
         if not 0 <= self.relays <= self.replicas or (self.relays and not self.lighthouse_session):
             raise ValueError(f"relays {self.relays} must be in 0..replicas ({self.replicas}), and relays carry "
                              "session streams only (lighthouse_session must be true)")
-        if not 0 < self.relay_retry_s <= RelayPath.MAX_RETRY_S or not self.relay_silence_s > 0:
-            raise ValueError(f"relay_retry_s {self.relay_retry_s} must be in (0, {RelayPath.MAX_RETRY_S}] seconds and "
-                             f"relay_silence_s {self.relay_silence_s} > 0")
+        try:  # the clients' own checks, before any process starts
+            RelayPath("", self.relay_retry_s, self.relay_silence_s)
+        except ValueError as e:
+            raise ValueError(f"relay_retry_s / relay_silence_s: {e}") from None
         if p > 1 and not self.heartbeats:
             raise ValueError("processes_per_replica > 1 needs heartbeats: a process registers its endpoints and "
                              "shows it is alive only by heartbeating")
         for f in self.faults:
-            if f.replica >= self.replicas and f.kind not in ("relay", "relay_stop"):
+            if f.replica >= self.replicas and f.kind not in RELAY_FAULTS:
                 raise ValueError(f"fault {f} names replica {f.replica} but there are {self.replicas}")
-            if f.kind in ("relay", "relay_stop") and f.replica >= self.relays:
+            if f.kind in RELAY_FAULTS and f.replica >= self.relays:
                 raise ValueError(f"fault {f} names relay {f.replica} but there are {self.relays}")
             if f.kind in ("ring", "rank") and f.rank >= self.ranks_per_replica:
                 raise ValueError(f"fault {f} names rank {f.rank} but replicas have {self.ranks_per_replica}")
@@ -884,12 +886,13 @@ class Emulation:
                 self._fired.add(f)
                 self.events.append(f"fault: lighthouse SIGKILLed at step {step}, restarted after {f.seconds:g}s")
                 self._side_tasks.append(asyncio.get_running_loop().create_task(self._lighthouse_hiccup(f.seconds)))
-            elif f.kind in ("relay", "relay_stop") and rep.index == 0:
+            elif f.kind in RELAY_FAULTS and rep.index == 0:
                 self._fired.add(f)
-                self.events.append(f"fault: relay {f.replica} SIGKILLed at step {step}" +
-                                   (f", restarted after {f.seconds:g}s" if f.seconds else ", not restarted")
-                                   if f.kind == "relay" else f"fault: relay {f.replica} SIGSTOPped at step {step} "
-                                   f"for {f.seconds:g}s")
+                if f.kind == "relay":
+                    then = f"restarted after {f.seconds:g}s" if f.seconds else "not restarted"
+                    self.events.append(f"fault: relay {f.replica} SIGKILLed at step {step}, {then}")
+                else:
+                    self.events.append(f"fault: relay {f.replica} SIGSTOPped at step {step} for {f.seconds:g}s")
                 self._side_tasks.append(asyncio.get_running_loop().create_task(
                     self._relay_fault(self.relays[f.replica], f.kind == "relay_stop", f.seconds)))
 
