@@ -176,6 +176,7 @@ def test_quorum_id_stable_across_steps_and_changes_with_membership_or_commit_fai
         ids = [quorum_all(two, [s, s])[0].quorum_id for s in range(3)]
         assert ids == [1, 1, 1]
         clients[2].start_heartbeats()
+        clients[2].heartbeat(0)  # live at the lighthouse before the others ask (else they decide without it)
         q = quorum_all(clients, [3, 3, 0])[0]
         assert q.quorum_id == 2 and q.member_ids == ("0", "1", "2") and q.behind == ("2",)
         assert quorum_all(clients, [4, 4, 4])[0].quorum_id == 2
