@@ -184,7 +184,7 @@ def test_a_lighthouse_run_as_a_program_answers_refusals_on_sessions_with_their_c
             with pytest.raises(InvalidLighthouseRequest, match="only a replica's leader"):
                 c.get_quorum(0, ftar_addresses=["127.0.0.1:2"], local_world_size=2, timeout_s=30.0)
             assert time.monotonic() - t0 < 10.0  # answered, not left to its 30 s deadline
-            assert c._session is not None  # it went over the session, not a unary fallback
+            assert c._route.session is not None  # it went over the session, not a unary fallback
         # A lean request this lighthouse cannot honour: FAILED_PRECONDITION, then resent whole.
         with LighthouseClient(address, "prog", "1", rpc_timeout_s=5.0) as c:
             c._held_endpoints.heard((("127.0.0.1:3",), ""), True)  # as if an earlier lighthouse held them

@@ -127,7 +127,7 @@ def test_a_client_falls_back_to_unary_calls_without_sessions():
         c = _client(f"127.0.0.1:{port}", 5)
         try:
             assert c.heartbeat(1).quorum_id == 42 and c.heartbeat(2).quorum_id == 42
-            assert c._session is None and seen == ["5", "5"]  # told UNIMPLEMENTED once, unary since
+            assert c._route.session is None and seen == ["5", "5"]  # told UNIMPLEMENTED once, unary since
         finally:
             c.close()
     finally:
@@ -211,7 +211,7 @@ def check_credentials(address: str, secret: bytes, **kw) -> None:
             stranger.heartbeat(0)
         with pytest.raises(Exception, match="carries no credential"):
             anonymous.heartbeat(0)
-        assert good._session is not None
+        assert good._route.session is not None
     finally:
         for c in (good, stranger, anonymous):
             c.close()

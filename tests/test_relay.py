@@ -30,7 +30,8 @@ import pytest
 from fthsdp.control import relay, session
 from fthsdp.control.lighthouse import LighthouseConfig, LighthouseThread
 from fthsdp.control.lighthouse_client import JobNotFound, LighthouseClient
-from fthsdp.control.session_client import RelayPath, SessionError, SyncSession, relay_gone
+from fthsdp.control.session_client import (RelayPath, Routed, SessionError, SessionRoute, SyncSession,
+                                           relay_gone)
 from fthsdp.proto import LIGHTHOUSE_PROTOCOL_VERSION, lighthouse as load_stubs
 
 pb2, _ = load_stubs()
@@ -80,6 +81,57 @@ def test_a_failure_counts_for_the_relay_only_when_it_may_be_the_relays():
     assert not relay_gone(SessionError(grpc.StatusCode.UNAVAILABLE, "the relay cannot reach the lighthouse"))
     assert not relay_gone(SessionError(grpc.StatusCode.DEADLINE_EXCEEDED, "no quorum in time"))  # a reply
     assert not relay_gone(ValueError("x"))
+
+
+class _FakeSession:
+    """A session's bookkeeping only (SessionRoute does no I/O)."""
+
+    def __init__(self, name: str, relayed: bool) -> None:
+        self.name, self.relayed, self.probe, self.idle = name, relayed, False, False
+
+    def __repr__(self) -> str:
+        return self.name
+
+
+def test_a_session_route_leaves_for_the_lighthouse_probes_its_relay_and_closes_what_it_dropped():
+    gone = SessionError(grpc.StatusCode.UNAVAILABLE, "ended", broken=True)
+    path = RelayPath("relay:1", retry_s=1.0)
+    relayed = _FakeSession("relayed", True)
+    route = SessionRoute(path, relayed)
+    direct = _FakeSession("direct", False)
+    assert route.pick("GetQuorum", 0.0, lambda: pytest.fail("no probe yet")) == (relayed, ())
+    # a refusal through the relay is a reply: the path works, nothing switches
+    assert route.failed(relayed, SessionError(grpc.StatusCode.UNAVAILABLE, "no lighthouse"), 0.0,
+                        lambda: direct) == Routed()
+    assert route.failed(relayed, gone, 0.0, lambda: direct) == Routed()  # one break: an outage
+    assert route.failed(relayed, gone, 0.1, lambda: direct) == Routed()
+    r = route.failed(relayed, gone, 0.1 + path.GRACE_S, lambda: direct)
+    assert r == Routed(close=(relayed,), again=True, left=True) and route.session is direct
+    # another request on the stream it left: sent again directly, nothing to close twice
+    assert route.failed(relayed, gone, 0.5, lambda: pytest.fail("a second direct session")) == Routed(again=True)
+    # a quorum request never probes; the heartbeat due to return does, on a new stream
+    t = 0.1 + path.GRACE_S + 1.0
+    assert route.pick("GetQuorum", t, lambda: pytest.fail("no probe for a quorum request")) == (direct, ())
+    probe = _FakeSession("probe", True)
+    s, close = route.pick("Heartbeat", t, lambda: probe)
+    assert s is probe and probe.probe and close == () and route.session is direct
+    assert route.answered(probe) == Routed(close=(), back=True)  # back: the direct one is retired
+    assert route.session is probe and not probe.probe and route.retired is direct
+    assert route.pick("Heartbeat", t + 1, lambda: pytest.fail("already back"))[1] == ()  # retired, not idle
+    direct.idle = True
+    assert route.pick("Heartbeat", t + 1, lambda: pytest.fail("already back")) == (probe, (direct,))
+    assert route.retired is None and route.sessions() == (probe,)
+    # a failed probe goes back to the lighthouse at once
+    for when in (t + 2, t + 2.1, t + 2.1 + path.GRACE_S):
+        r = route.failed(probe, gone, when, lambda: _FakeSession("direct2", False))
+    assert r.left and r.again and not route.session.relayed
+    p2, _ = route.pick("Heartbeat", t + 2.1 + path.GRACE_S + 2 * 1.0, lambda: _FakeSession("probe2", True))
+    assert p2.probe
+    r = route.failed(p2, SessionError(grpc.StatusCode.DEADLINE_EXCEEDED, "silent", unanswered=True), 50.0,
+                     lambda: pytest.fail("the direct session stays"))
+    assert r == Routed(close=(p2,), again=True, left=True) and route.session.name == "direct2"
+    d2 = route.session
+    assert route.unsupported(d2) == (d2,) and route.session is None and route.sessions() == ()  # unary from now
 
 
 def test_renumbered_sets_the_seq_and_keeps_every_other_byte():

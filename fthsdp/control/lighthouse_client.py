@@ -51,8 +51,8 @@ import grpc
 
 from fthsdp.control import auth, quorum as qm
 from fthsdp.control.session import SESSION_METHODS
-from fthsdp.control.session_client import (RelayPath, SessionError, SessionUnsupported, SyncSession,
-                                           beat_covered, relay_gone)
+from fthsdp.control.session_client import (RelayPath, Routed, SessionError, SessionRoute, SessionUnsupported,
+                                           SyncSession, beat_covered)
 from fthsdp.observe.load_metrics import LoadSnapshot
 from fthsdp.observe.phase import Phase, PhaseSnapshot, StreamReport
 from fthsdp.errors import JobFatalError
@@ -652,8 +652,8 @@ class LighthouseClient:
                 grpc.insecure_channel(to, options=_CHANNEL_OPTIONS)
 
         self._channel = channel(address)
-        self._relay_path = RelayPath(relay if session else "")  # through the relay, or directly, and when
-        self._relay_channel = channel(relay) if self._relay_path.relay else None
+        path = RelayPath(relay if session else "")  # through the relay, or directly, and when
+        self._relay_channel = channel(relay) if path.relay else None
         # Requests go as bytes: the credential signs exactly the bytes before it.
         self._rpc = {
             name: self._channel.unary_unary(_SERVICE + name, request_serializer=None,
@@ -662,13 +662,10 @@ class LighthouseClient:
                                 ("GetView", "QuorumResponse"), ("Leave", "LeaveResponse"),
                                 ("Status", "StatusResponse"))
         }
-        # Heartbeats and quorum requests as messages of one stream (None: unary calls).
-        self._session: SyncSession | None = (
-            None if not session else SyncSession(self._relay_channel, relayed=True) if self._relay_channel
-            else SyncSession(self._channel))
-        # The session it left for the current one while a request still waited on it (closed
-        # once none does). The lock: the heartbeat thread and the step may both switch paths.
-        self._retired: SyncSession | None = None
+        # Heartbeats and quorum requests as messages of one stream (None: unary calls), and which
+        # stream a request goes on. The lock: the heartbeat thread and the step may both switch.
+        self._route = SessionRoute(path, None if not session else SyncSession(self._relay_channel, relayed=True)
+                                   if self._relay_channel else SyncSession(self._channel))
         self._lock_relay = threading.Lock()
         self._asked_at = -math.inf  # when get_quorum last sent a request (monotonic)
         self._step = 0
@@ -731,74 +728,57 @@ class LighthouseClient:
                 return out
             except SessionError as e:
                 if isinstance(e, SessionUnsupported) and not s.probe:
-                    log.info("%s: %s; using unary calls", f"relay {self._relay_path.relay}" if s.relayed else
+                    log.info("%s: %s; using unary calls", f"relay {self._route.path.relay}" if s.relayed else
                              f"lighthouse {self.address}", e.details())
-                    self._session = None
-                    s.close()
-                elif not self._relay_failed(s, e):
-                    raise  # e.g. UNAVAILABLE from a live relay: an outage to ride out, through the relay again
+                    with self._lock_relay:
+                        self._closing(self._route.unsupported(s))
                 else:
+                    with self._lock_relay:
+                        routed = self._route.failed(s, e, time.monotonic(), lambda: SyncSession(self._channel))
+                        again = self._route.session
+                    self._routed(routed, e.details())
+                    if not routed.again:
+                        raise  # e.g. UNAVAILABLE from a live relay: an outage to ride out, through the relay again
                     return _REPLY_TYPES[method].FromString(
-                        self._session.request(method, body, max(0.001, timeout - (time.monotonic() - start))))
+                        again.request(method, body, max(0.001, timeout - (time.monotonic() - start))))
         return self._rpc[method](body, timeout=timeout)
 
     @property
     def relay(self) -> str:
         """The relay this process's session goes through ("": the lighthouse directly)."""
-        return self._relay_path.relay if self._relay_path.via_relay else ""
+        p = self._route.path
+        return p.relay if p.via_relay else ""
 
     def _session_now(self, method: str) -> SyncSession | None:
-        """The session a request goes on. A heartbeat due to return to the relay
-        (:class:`RelayPath`) goes on a new stream through it, a *probe*, which becomes the
-        session once answered: a quorum request never waits on a relay not known to answer.
-        A session left while a request still waited on it is closed once idle."""
+        """The session a request goes on (:meth:`SessionRoute.pick`: a heartbeat due to return
+        to the relay goes on a probe through it)."""
         with self._lock_relay:
-            if self._retired is not None and self._retired.idle:
-                self._retired.close()
-                self._retired = None
-            if method == "Heartbeat" and self._session is not None and self._relay_path.try_relay(time.monotonic()):
-                probe = SyncSession(self._relay_channel, relayed=True)
-                probe.probe = True
-                return probe
-            return self._session
+            s, close = self._route.pick(method, time.monotonic(), lambda: SyncSession(self._relay_channel, relayed=True))
+        self._closing(close)
+        return s
 
     def _relay_answered(self, s: SyncSession) -> None:
         """A reply came on ``s``: through the relay, it counts for it (a probe's: it is back)."""
-        if not s.relayed:
-            return
-        with self._lock_relay:
-            if not self._relay_path.owns(s is self._session, s.probe):
-                return  # a stream it left meanwhile
-            if self._relay_path.ok():
-                log.info("process %d of replica %r is back on relay %s", self.process_index, self.replica_id,
-                         self._relay_path.relay)
-                s.probe = False
-                if self._retired is not None:
-                    self._retired.close()
-                self._retired, self._session = self._session, s  # the direct one: closed once idle
+        if s.relayed:
+            with self._lock_relay:
+                routed = self._route.answered(s)
+            self._routed(routed)
 
-    def _relay_failed(self, s: SyncSession, e: SessionError) -> bool:
-        """A request on ``s`` failed with ``e``; True: it goes again on the (direct) session now
-        current, because the relay is gone or silent (:class:`RelayPath`: now, or another thread
-        found so first)."""
-        if not s.relayed:
-            return False
-        if not relay_gone(e) and not isinstance(e, SessionUnsupported):
-            self._relay_answered(s)  # a reply, if a refusal: the path works (a probe's: it is back)
-            return False
-        with self._lock_relay:
-            if self._relay_path.owns(s is self._session, s.probe):
-                if not self._relay_path.failed(time.monotonic(), e.details(), e.unanswered):
-                    return False
-                p = self._relay_path
-                log.warning("relay %s failed (%s): process %d of replica %r speaks to lighthouse %s directly, "
-                            "and tries the relay again in %.0f s", p.relay, e.details(), self.process_index,
-                            self.replica_id, self.address, p.retry_s)
-                if s is self._session:
-                    back, self._retired = self._retired, None
-                    self._session = back if back is not None else SyncSession(self._channel)
-                s.close()  # its channel stays open until close(): the client returns to it later
-            return self._session is not None and not self._session.relayed
+    def _routed(self, r: Routed, why: str = "") -> None:
+        """Log a switch of path and close the sessions it dropped."""
+        p = self._route.path
+        if r.back:
+            log.info("process %d of replica %r is back on relay %s", self.process_index, self.replica_id, p.relay)
+        if r.left:
+            log.warning("relay %s failed (%s): process %d of replica %r speaks to lighthouse %s directly, "
+                        "and tries the relay again in %.0f s", p.relay, why, self.process_index,
+                        self.replica_id, self.address, p.retry_s)
+        self._closing(r.close)
+
+    @staticmethod
+    def _closing(sessions) -> None:
+        for x in sessions:
+            x.close()  # a relayed one's channel stays open until close(): the client returns to it later
 
     # -- errors --------------------------------------------------------------
 
@@ -1015,8 +995,8 @@ class LighthouseClient:
         """The heartbeat thread's beat, and its reply; None when its last quorum request
         counts as this beat (:func:`fthsdp.control.session_client.beat_covered`)."""
         now = time.monotonic()
-        if beat_covered(self._session, self.process_index, self.registration.endpoints is not None,
-                        now - self._asked_at, self.heartbeat_interval_s, self._relay_path.return_due(now)):
+        if beat_covered(self._route.session, self.process_index, self.registration.endpoints is not None,
+                        now - self._asked_at, self.heartbeat_interval_s, self._route.path.return_due(now)):
             return None
         return self.heartbeat()
 
@@ -1157,9 +1137,9 @@ class LighthouseClient:
 
     def close(self) -> None:
         self.stop_heartbeats()
-        for s in (self._session, self._retired):
-            if s is not None:
-                s.close()
+        with self._lock_relay:
+            sessions = self._route.sessions()
+        self._closing(sessions)
         if self._relay_channel is not None:
             self._relay_channel.close()
         self._channel.close()

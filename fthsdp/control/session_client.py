@@ -25,6 +25,8 @@ import itertools
 import math
 import queue
 import threading
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import grpc
 
@@ -34,7 +36,7 @@ from fthsdp.proto import lighthouse as _load_stubs
 pb2, _ = _load_stubs()
 
 __all__ = ["SessionError", "SessionUnsupported", "SyncSession", "parse_reply", "beat_covered", "relay_gone",
-           "stop_stream", "RelayPath", "CLOSED"]
+           "stop_stream", "RelayPath", "SessionRoute", "Routed", "CLOSED"]
 
 
 CLOSED = "its client closed this session stream"  # why a request on a session closed under it failed
@@ -224,6 +226,81 @@ def relay_gone(e: BaseException) -> bool:
     if not isinstance(e, SessionError) or isinstance(e, SessionUnsupported):
         return False
     return e.unanswered or (e.broken and e.code() == grpc.StatusCode.UNAVAILABLE)
+
+
+@dataclass(frozen=True)
+class Routed:
+    """What an outcome did to a :class:`SessionRoute`: ``close`` the sessions it dropped (the
+    caller closes them: the threaded client at once, the asyncio one with ``await``); ``again``:
+    send the failed request on ``route.session`` now (it is direct); ``left`` / ``back``: the
+    process just left its relay or came back to it (the caller logs it)."""
+
+    close: tuple = ()
+    again: bool = False
+    left: bool = False
+    back: bool = False
+
+
+class SessionRoute:
+    """The sessions of one process and which one a request goes on: the current one, a probe
+    through the relay when :class:`RelayPath` says to return, and a ``retired`` one left while
+    a request still waited on it (closed once idle). The switching rules of both clients (the
+    threaded one of :mod:`fthsdp.control.lighthouse_client` and the emulation's asyncio one);
+    no I/O here: a session is made by the callable given and closed by the caller (:class:`Routed`).
+    Not thread-safe: the threaded client holds its lock around each call."""
+
+    def __init__(self, path: RelayPath, session) -> None:
+        self.path = path
+        self.session = session  # None: unary calls (no session, or the lighthouse offers none)
+        self.retired = None
+
+    def pick(self, method: str, now: float, probe: Callable[[], object]) -> tuple[object, tuple]:
+        """(the session ``method``'s request goes on, sessions to close). A heartbeat due to
+        return to the relay goes on a new stream through it, ``probe()``: a quorum request never
+        waits on a relay not known to answer."""
+        close = ()
+        if self.retired is not None and self.retired.idle:
+            close, self.retired = (self.retired,), None
+        if method == "Heartbeat" and self.session is not None and self.path.try_relay(now):
+            s = probe()
+            s.probe = True
+            return s, close
+        return self.session, close
+
+    def answered(self, s) -> Routed:
+        """A reply came on ``s``: through the relay it counts for it (a probe's: it is back)."""
+        if not s.relayed or not self.path.owns(s is self.session, s.probe) or not self.path.ok():
+            return Routed()
+        s.probe = False
+        close = (self.retired,) if self.retired is not None else ()
+        self.retired, self.session = self.session, s  # the direct one: closed once idle
+        return Routed(close=close, back=True)
+
+    def failed(self, s, e: SessionError, now: float, direct: Callable[[], object]) -> Routed:
+        """A request on ``s`` failed with ``e``. ``again``: it goes again on the (direct) session
+        now current, because the relay is gone or silent (now, or another request found so first)."""
+        if not s.relayed:
+            return Routed()
+        if not relay_gone(e) and not isinstance(e, SessionUnsupported):
+            return self.answered(s)  # a reply, if a refusal: the path works (a probe's: it is back)
+        left, close = False, ()
+        if self.path.owns(s is self.session, s.probe):
+            if not self.path.failed(now, e.details(), e.unanswered):
+                return Routed()
+            left, close = True, (s,)  # its channel stays open: the client returns to it later
+            if s is self.session:
+                back, self.retired = self.retired, None
+                self.session = back if back is not None else direct()
+        return Routed(close=close, again=self.session is not None and not self.session.relayed, left=left)
+
+    def unsupported(self, s) -> tuple:
+        """The lighthouse offers no session (``s`` was told so): unary calls from now; closes ``s``."""
+        self.session = None
+        return (s,)
+
+    def sessions(self) -> tuple:
+        """Every session it holds (to close them all)."""
+        return tuple(x for x in (self.session, self.retired) if x is not None)
 
 
 class _Waiter:

@@ -36,7 +36,7 @@ import grpc
 
 from fthsdp.control import quorum as qm, session as sess
 from fthsdp.control.session_client import (SessionError, SessionUnsupported, beat_covered, parse_reply,
-                                           RelayPath, relay_gone, stop_stream, stream_error, CLOSED)
+                                           RelayPath, SessionRoute, stop_stream, stream_error, CLOSED)
 from fthsdp.replica.fsm import membership
 from fthsdp.control.lighthouse_client import (
     HeartbeatReply,
@@ -270,6 +270,12 @@ class QuorumReply:
     outage_s: float  # time spent riding out an unreachable lighthouse
 
 
+async def _closing(sessions) -> None:
+    """Close the sessions a switch of path dropped (SessionRoute; a relayed one's channel stays open)."""
+    for x in sessions:
+        await x.close()
+
+
 class AioLighthouseClient:
     """One emulated replica leader's connection to the lighthouse."""
 
@@ -315,14 +321,13 @@ class AioLighthouseClient:
         # ``relay``: a relay's address carries the session (fthsdp.control.relay); the lighthouse
         # directly while it is gone (RelayPath, as the threaded client). A client sharing a
         # channel shares its owner's relay channel.
-        self.relay_path = RelayPath("" if not session else relay if channel_of is None else channel_of.relay_path.relay,
-                                    relay_retry_s, relay_silence_s)
-        self._relay_channel = (None if not self.relay_path.relay else channel_of._relay_channel if channel_of
-                               else grpc.aio.insecure_channel(self.relay_path.relay, options=_OPTIONS))
-        self.session: AioSession | None = (
+        path = RelayPath("" if not session else relay if channel_of is None else channel_of.relay_path.relay,
+                         relay_retry_s, relay_silence_s)
+        self._relay_channel = (None if not path.relay else channel_of._relay_channel if channel_of
+                               else grpc.aio.insecure_channel(path.relay, options=_OPTIONS))
+        self.route = SessionRoute(path, (
             None if not session else channel_of.session if channel_of is not None
-            else AioSession(self._relay_channel, relayed=True) if self._relay_channel else AioSession(self._channel))
-        self._retired: AioSession | None = None  # left while a request waited on it: closed once idle
+            else AioSession(self._relay_channel, relayed=True) if self._relay_channel else AioSession(self._channel)))
         self.last_quorum: qm.Quorum | None = None
         self.asked_at = -math.inf  # when get_quorum last sent a request (perf_counter)
         self.step = 0
@@ -404,13 +409,23 @@ class AioLighthouseClient:
                 return out
             except SessionError as e:
                 if isinstance(e, SessionUnsupported) and not s.probe:
-                    self.session = None
-                    await s.close()
-                elif not await self._relay_failed(s, e):
-                    raise  # e.g. UNAVAILABLE from a live relay: retried as across an outage
+                    await _closing(self.route.unsupported(s))
                 else:
+                    routed = self.route.failed(s, e, time.monotonic(), lambda: AioSession(self._channel))
+                    await _closing(routed.close)
+                    if not routed.again:
+                        raise  # e.g. UNAVAILABLE from a live relay: retried as across an outage
                     return await self.session.request(name, body, max(0.001, timeout_s - (time.monotonic() - start)))
         return await method(req, timeout=timeout_s)
+
+    @property
+    def session(self) -> "AioSession | None":
+        """The session its requests go on now (None: unary calls)."""
+        return self.route.session
+
+    @property
+    def relay_path(self) -> RelayPath:
+        return self.route.path
 
     @property
     def relay(self) -> str:
@@ -418,43 +433,14 @@ class AioLighthouseClient:
         return self.relay_path.relay if self.relay_path.via_relay else ""
 
     async def _session_now(self, name: str) -> "AioSession | None":
-        """The session a request goes on: a heartbeat due to return to the relay (RelayPath)
-        goes on a new stream through it, a probe, which becomes the session once answered (the
-        threaded client's rule); a session left while a request waited on it is closed once idle."""
-        if self._retired is not None and self._retired.idle:
-            retired, self._retired = self._retired, None
-            await retired.close()
-        if name == "Heartbeat" and self.session is not None and self.relay_path.try_relay(time.monotonic()):
-            probe = AioSession(self._relay_channel, relayed=True)
-            probe.probe = True
-            return probe
-        return self.session
+        """The session a request goes on (SessionRoute.pick, the threaded client's rule)."""
+        s, close = self.route.pick(name, time.monotonic(), lambda: AioSession(self._relay_channel, relayed=True))
+        await _closing(close)
+        return s
 
     async def _relay_answered(self, s: "AioSession") -> None:
-        if not s.relayed or not self.relay_path.owns(s is self.session, s.probe):
-            return
-        if self.relay_path.ok():  # a probe's reply: back on the relay
-            s.probe = False
-            if self._retired is not None:
-                await self._retired.close()
-            self._retired, self.session = self.session, s
-
-    async def _relay_failed(self, s: "AioSession", e: SessionError) -> bool:
-        """A request on ``s`` failed with ``e``; True: it goes again on the direct session now
-        current (the relay is gone or silent: now, or another request found so first)."""
-        if not s.relayed:
-            return False
-        if not relay_gone(e) and not isinstance(e, SessionUnsupported):
-            await self._relay_answered(s)  # a reply, if a refusal: the path works (a probe's: it is back)
-            return False
-        if self.relay_path.owns(s is self.session, s.probe):
-            if not self.relay_path.failed(time.monotonic(), e.details(), e.unanswered):
-                return False
-            if s is self.session:
-                back, self._retired = self._retired, None
-                self.session = back if back is not None else AioSession(self._channel)
-            await s.close()  # its channel stays open until close(): the client returns to it later
-        return self.session is not None and not self.session.relayed
+        if s.relayed:
+            await _closing(self.route.answered(s).close)
 
     async def _call(self, method, req, what: str, timeout_s: float, name: str = "") -> QuorumReply:
         self.last_request_bytes = len(req) if isinstance(req, bytes) else req.ByteSize()
@@ -538,9 +524,7 @@ class AioLighthouseClient:
 
     async def close(self) -> None:
         if self._owns_channel:
-            for s in (self.session, self._retired):
-                if s is not None:
-                    await s.close()
+            await _closing(self.route.sessions())
             if self._relay_channel is not None:
                 await self._relay_channel.close()
             await self._channel.close()
