@@ -142,3 +142,36 @@ def test_a_cut_report_makes_the_restarted_lighthouse_forget_the_older_quorums():
     Lighthouse._merge_lineage(job, "2", [6, 7, 7, 9, 8, 11, 9, 13])
     assert job.lineage.dropped_through == 5 and job.lineage.entries[-1] == (8, 11)
     assert forked_at(job.lineage, 7, 10) is None
+
+
+def test_a_fenced_replicas_fingerprint_of_its_forked_state_is_not_judged_against_the_lineage():
+    """0 and 1 hold the fingerprint of their forked state (3 committed steps, the last two in
+    quorum 2) until they commit again, and send it with every beat. Fenced into quorum 4, they
+    beat as its members (last_quorum_id 4): judged by that id, their fingerprint was compared
+    with 2's of the same step and the lighthouse stopped the job as silent data corruption
+    (the fresh-clone CI found it in tests/test_lineage_fork.py). The quorum that committed the
+    fingerprinted state is what is judged now; 2's fingerprint, of the lineage, still counts."""
+    with LighthouseThread(LighthouseConfig(join_timeout_s=0.2, detect_s=DETECT_S)) as lh:
+        clients = [LighthouseClient(lh.address, "job", i, heartbeat_interval_s=0.05) for i in range(3)]
+        c0, c1, c2 = clients
+        try:
+            fork(clients)
+            for c in (c0, c1):
+                c.report_fingerprint(3, 0xBAD, 2)  # of their state after steps 1 and 2 in quorum 2
+            c2.report_fingerprint(3, 0x600D, 3)  # of the lineage's: steps 1 and 2 in quorum 3
+            c0.start_heartbeats()
+            c1.start_heartbeats()
+            time.sleep(0.2)
+            qs = ask_all(clients, 3)
+            assert {q.quorum_id for q in qs} == {4} and qs[0].behind == ("0", "1"), qs[0].reason
+            assert all(c.last_heartbeat is not None for c in clients)
+            time.sleep(0.3)  # several beats of 0 and 1 as members of quorum 4, with the old fingerprint
+            qs = ask_all(clients, 4)  # before the fix: SilentDataCorruption (DATA_LOSS), the job stopped
+            assert {q.quorum_id for q in qs} == {4}, [q.reason for q in qs]
+            job = c2.status()[0]
+            assert job.sdc_fatal == "" and job.sdc_events == ()
+            fps = {r.replica_id: (r.fingerprint, r.fingerprint_step) for r in job.replicas}
+            assert fps == {"0": (None, 0), "1": (None, 0), "2": (0x600D, 3)}, fps
+        finally:
+            for c in clients:
+                c.close()

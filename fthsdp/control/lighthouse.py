@@ -1269,9 +1269,7 @@ class Lighthouse(pb2_grpc.LighthouseServicer):
             if request.lineage and (job.lineage_from == 0 or request.lineage[0] < job.lineage_from):
                 self._merge_lineage(job, rid, request.lineage)
         job.steps[rid] = request.step
-        if request.HasField("fingerprint") and not qm.forked_at(job.lineage, request.last_quorum_id,
-                                                                request.fingerprint_step):
-            job.sdc.record(rid, request.fingerprint_step, request.fingerprint)  # a forked state is fenced, not judged
+        _record_fingerprint(job, rid, request)
         job.local_world_size.set(rid, request.local_world_size)
         job.stated_replicas.set(rid, request.num_replicas or None)
         job.processes.set(rid, nproc)
@@ -1393,9 +1391,7 @@ class Lighthouse(pb2_grpc.LighthouseServicer):
             job.phases[rid] = request.phase  # kept as sent: analysed only every rca_interval_s
         if request.last_quorum_id > job.qid_floor:
             job.qid_floor = request.last_quorum_id
-        if request.HasField("fingerprint") and not qm.forked_at(job.lineage, request.last_quorum_id,
-                                                                request.fingerprint_step):
-            job.sdc.record(rid, request.fingerprint_step, request.fingerprint)  # judged at the next evaluation
+        _record_fingerprint(job, rid, request)  # judged at the next evaluation
         # The dead set is recomputed each tick (tick_s adds to detection time;
         # per-heartbeat recomputation would cost O(replicas) per heartbeat), and
         # the reply is serialized once per (quorum, dead set), not per heartbeat.
@@ -1579,6 +1575,20 @@ class Lighthouse(pb2_grpc.LighthouseServicer):
 def _by_process(addresses: dict[int, str]) -> list[str]:
     """Addresses by process index ("" where a process advertised none)."""
     return [addresses.get(p, "") for p in range(max(addresses, default=-1) + 1)]
+
+
+def _record_fingerprint(job: _Job, rid: str, request) -> None:
+    """Record the fingerprint a quorum request or heartbeat carries, unless the state it is of
+    forked from the job's lineage (such a replica is fenced and fetches the lineage's state, not
+    judged). The state is the one the quorum ``fingerprint_quorum_id`` committed: a fenced replica
+    sends the fingerprint of its forked state until it commits again, by then a member of a quorum
+    of the lineage. (Judged by ``last_quorum_id`` alone, that stale fingerprint stopped a job as
+    silent data corruption; older clients state no quorum and are judged so still.)"""
+    if not request.HasField("fingerprint"):
+        return
+    if qm.forked_at(job.lineage, request.fingerprint_quorum_id or request.last_quorum_id, request.fingerprint_step):
+        return
+    job.sdc.record(rid, request.fingerprint_step, request.fingerprint)
 
 
 def _sdc_event(v: sdc.Verdict) -> pb2.SdcEvent:

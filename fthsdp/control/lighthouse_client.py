@@ -691,14 +691,16 @@ class LighthouseClient:
         # None: heartbeats carry no phase report.
         self.phase_source: Callable[[], PhaseSnapshot] | None = None
         # Reported with every quorum request and heartbeat: the latest fingerprint of the
-        # committed state (step, value) and where this process serves /metrics.
-        self.fingerprint: tuple[int, int] | None = None
+        # committed state (step, value, the quorum that committed it) and where this process
+        # serves /metrics.
+        self.fingerprint: tuple[int, int, int] | None = None
         self.metrics_address = ""
 
-    def report_fingerprint(self, step: int, fingerprint: int) -> None:
-        """The fingerprint of the state after ``step`` committed steps (sent with the next
-        quorum request and heartbeats; the lighthouse compares the replicas')."""
-        self.fingerprint = (int(step), int(fingerprint))
+    def report_fingerprint(self, step: int, fingerprint: int, quorum_id: int) -> None:
+        """The fingerprint of the state after ``step`` committed steps, the last of them
+        committed in quorum ``quorum_id`` (sent with the next quorum request and heartbeats;
+        the lighthouse compares the replicas' if that quorum is in the job's lineage)."""
+        self.fingerprint = (int(step), int(fingerprint), int(quorum_id))
 
     def advertise_metrics(self, address: str) -> None:
         """Where this process serves /metrics ("host:port"), sent with its heartbeats
@@ -707,7 +709,7 @@ class LighthouseClient:
 
     def _fingerprint_fields(self) -> dict:
         fp = self.fingerprint
-        return {} if fp is None else {"fingerprint_step": fp[0], "fingerprint": fp[1]}
+        return {} if fp is None else {"fingerprint_step": fp[0], "fingerprint": fp[1], "fingerprint_quorum_id": fp[2]}
 
     def _call(self, method: str, req, timeout: float):
         """One RPC with this client's credential (none without a key)."""

@@ -384,7 +384,7 @@ class Manager:
                     step = self._install_fetched(q, fetched, events)
                 self._fetched_uncommitted = False
                 self.state = new_state
-                fingerprint = self._report_fingerprint(fingerprint, step + 1)
+                fingerprint = self._report_fingerprint(fingerprint, step + 1, q.quorum_id)
                 for r in q.healthy:
                     self.positions[int(r)] += 1
                     self.last_step[int(r)] = step
@@ -439,16 +439,18 @@ class Manager:
         out, self._accused = self._accused, []
         return out
 
-    def _report_fingerprint(self, fingerprint: int | None, committed_steps: int) -> int | None:
+    def _report_fingerprint(self, fingerprint: int | None, committed_steps: int, quorum_id: int) -> int | None:
         """The committed state's fingerprint (computed inside apply_grads; read with the commit
         flag), handed to the lighthouse client, which sends it with the next quorum request
         and heartbeats so the lighthouse can compare the replicas (silent data corruption).
-        ``committed_steps``: the new state's step counter, known on the host (no device read)."""
+        ``committed_steps``: the new state's step counter, known on the host (no device read);
+        ``quorum_id``: the quorum that committed it (a fingerprint of a state that a later fork
+        left out of the job's lineage is not judged, however long the client still holds it)."""
         if fingerprint is None or committed_steps % self.cfg.ft.fingerprint_every:
             return None  # not computed this step (ft.fingerprint_every)
         report = getattr(self.lighthouse, "report_fingerprint", None)  # followers: their leader reports
         if report is not None:
-            report(committed_steps, fingerprint)
+            report(committed_steps, fingerprint, quorum_id)
         return fingerprint
 
     def blame(self, q: qm.Quorum, address: str | None) -> str | None:
