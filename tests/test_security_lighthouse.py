@@ -195,6 +195,8 @@ def quorum_req(**over) -> pb2.QuorumRequest:
     ({"local_world_size": 20000, "ftar_addresses": ["127.0.0.1:7000"] * 20000}, "local_world_size is 20000"),
     ({"num_replicas": 10**6}, "num_replicas is 1000000"),
     ({"last_members": ["m\n"]}, "control character"),
+    ({"fingerprint": 7, "fingerprint_step": -1}, "fingerprint_step is -1"),
+    ({"fingerprint": 7, "fingerprint_step": 3, "fingerprint_quorum_id": -2}, "fingerprint_quorum_id is -2"),
 ])
 def test_request_limits_refuse_with_the_reason(over, match):
     err = guard.request_problem("GetQuorum", quorum_req(**over), guard.Limits())
@@ -205,6 +207,11 @@ def test_a_well_formed_request_passes_every_limit():
     assert guard.request_problem("GetQuorum", quorum_req(ftar_addresses=["[::1]:7000"]), guard.Limits()) is None
     hb = pb2.HeartbeatRequest(protocol_version=V, job_id="job", replica_id="0", step=5)
     assert guard.request_problem("Heartbeat", hb, guard.Limits()) is None
+    fp = dict(fingerprint=7, fingerprint_step=5, fingerprint_quorum_id=3)
+    assert guard.request_problem("GetQuorum", quorum_req(**fp), guard.Limits()) is None
+    bad = pb2.HeartbeatRequest(protocol_version=V, job_id="job", replica_id="0", step=5, fingerprint=7,
+                               fingerprint_step=5, fingerprint_quorum_id=-1)
+    assert "fingerprint_quorum_id is -1" in guard.request_problem("Heartbeat", bad, guard.Limits())
     assert guard.request_problem("Status", pb2.StatusRequest(protocol_version=V), guard.Limits()) is None
 
 

@@ -238,7 +238,8 @@ def request_problem(method: str, req, limits: Limits, known: KnownAddresses | No
     if method == "Leave":
         return None
     err = (_step_problem(limits, "last_quorum_id", req.last_quorum_id, who)
-           or _processes_problem(limits, req.process_index, req.num_processes, who))
+           or _processes_problem(limits, req.process_index, req.num_processes, who)
+           or _fingerprint_problem(req, limits, who))
     if err:
         return err
     if method == "Heartbeat":
@@ -255,6 +256,14 @@ def _processes_problem(limits: Limits, index: int, count: int, who: str, index_o
     if not index_only and not 0 <= count <= limits.max_processes:
         return f"num_processes is {count} ({who}): it must be in [0, {limits.max_processes}] (0 = 1)"
     return None
+
+
+def _fingerprint_problem(req, limits: Limits, who: str) -> str | None:
+    """The step and the quorum a state fingerprint belongs to (QuorumRequest, Heartbeat)."""
+    if not req.HasField("fingerprint"):
+        return None
+    return (_step_problem(limits, "fingerprint_step", req.fingerprint_step, who)
+            or _step_problem(limits, "fingerprint_quorum_id", req.fingerprint_quorum_id, who))
 
 
 def _heartbeat_problem(req, limits: Limits, who: str, known: KnownAddresses | None = None) -> str | None:
