@@ -733,7 +733,8 @@ class LighthouseClient:
                     log.info("%s: %s; using unary calls", f"relay {self._route.path.relay}" if s.relayed else
                              f"lighthouse {self.address}", e.details())
                     with self._lock_relay:
-                        self._closing(self._route.unsupported(s))
+                        dropped = self._route.unsupported(s)
+                    self._closing(dropped)
                 else:
                     with self._lock_relay:
                         routed = self._route.failed(s, e, time.monotonic(), lambda: SyncSession(self._channel))
