@@ -235,3 +235,90 @@ def test_keep_rings_refuses_an_answer_it_cannot_complete():
         keep_rings(lean, None)
     with pytest.raises(LighthouseError, match="left out the rings"):
         keep_rings(dataclasses.replace(lean, quorum_id=5), held)
+
+
+def _member(i: int, shards: int, port0: int = 20000):
+    from fthsdp.control import quorum as qm
+
+    return qm.Member(str(i), 0, tuple(f"127.0.0.1:{port0 + 10 * i + k}" for k in range(shards)),
+                     f"127.0.0.1:{30000 + i}", shards)
+
+
+def test_a_ring_delta_rebuilds_the_whole_view_after_leaves_joins_and_restarts():
+    """The rings of a new quorum sent as a delta against the asker's view of its last one
+    (only new members and members whose endpoints changed) rebuild exactly the view the
+    lighthouse would have sent whole, for every shard range; a delta that does not fit the
+    held view is refused as a protocol error."""
+    import dataclasses
+
+    import pytest
+
+    from fthsdp.control import quorum as qm
+    from fthsdp.control.lighthouse_client import LighthouseError, keep_ring_delta
+
+    shards = 6
+    old = qm.Quorum(4, tuple(_member(i, shards) for i in range(5)), 7, tuple(map(str, range(5))), ())
+    # 1 left, 5 and 6 joined, 3 restarted on new ports (same id, other endpoints)
+    members = [_member(i, shards) for i in (0, 2, 4)] + [_member(3, shards, 40000), _member(5, shards), _member(6, shards)]
+    members.sort(key=lambda m: qm.ring_key(m.replica_id))
+    new = qm.Quorum(5, tuple(members), 8, tuple(m.replica_id for m in members), ())
+    for first, per in ((0, shards), (2, 3), (5, 1)):
+        held = qm.process_view(old, "0", first, per)
+        whole = qm.process_view(new, "0", first, per)
+        changed = qm.ring_changes(old, new, first, per)
+        assert changed == ("3", "5", "6")
+        delta = qm.delta_view(whole, changed)
+        assert all(len(r) == 3 for r in delta.rings)
+        assert qm.rings_with_delta(delta, changed, held) == whole
+        assert keep_ring_delta(delta, 4, changed, held) == whole
+    held = qm.process_view(old, "0", 0, shards)
+    delta = qm.delta_view(qm.process_view(new, "0", 0, shards), ("3", "5", "6"))
+    with pytest.raises(LighthouseError, match="holds the view of quorum 4"):
+        keep_ring_delta(delta, 3, ("3", "5", "6"), held)  # a delta against a quorum it does not hold
+    with pytest.raises(LighthouseError, match="does not have"):
+        keep_ring_delta(delta, 4, ("3", "5"), held)  # member 6 is in neither
+    with pytest.raises(LighthouseError, match="lists 3 endpoint"):
+        keep_ring_delta(delta, 4, ("3", "5", "6", "0"), held)
+    with pytest.raises(LighthouseError, match="shard"):
+        keep_ring_delta(delta, 4, ("3", "5", "6"), dataclasses.replace(held, rings=held.rings[:2]))
+    with pytest.raises(LighthouseError, match="not the quorum's"):
+        keep_ring_delta(delta, 4, ("3", "5", "9"), held)
+
+
+def test_a_new_membership_is_answered_with_a_ring_delta_to_the_leaders_that_hold_the_last_view():
+    """Replica 3 leaves and replica 4 joins: the leaders of the last quorum get its rings as a
+    delta (replica 4's endpoints only) and rebuild the whole rings; the newcomer, holding no view,
+    gets them whole."""
+    import concurrent.futures as cf
+
+    shards = 4
+
+    def ftar(i: int) -> list[str]:
+        return [f"127.0.0.1:{20000 + 10 * i + k}" for k in range(shards)]
+
+    with LighthouseThread(LighthouseConfig(join_timeout_s=0.3, detect_s=20.0)) as lh:
+        clients = {i: LighthouseClient(lh.address, "delta", str(i)) for i in range(5)}
+        try:
+            def round_(ids, step: int, first_alone: bool = False):
+                with cf.ThreadPoolExecutor(len(ids)) as ex:
+                    futs = []
+                    for i in ids:
+                        futs.append(ex.submit(clients[i].get_quorum, step, ftar_addresses=ftar(i),
+                                              state_server_address=f"127.0.0.1:{30000 + i}", num_replicas=4,
+                                              timeout_s=30.0))
+                        if first_alone and i == ids[0]:
+                            time.sleep(0.3)  # the newcomer waits: the last quorum's members are waited for
+                    return [f.result() for f in futs]
+
+            first = round_([0, 1, 2, 3], 0)
+            assert {q.quorum_id for q in first} == {1} and lh.server.stats["replies_ring_delta"] == 0
+            assert clients[3].leave(1, finished=False)
+            second = round_([4, 0, 1, 2], 1, first_alone=True)
+            # 0, 1 and 2 (one delta, built once); 4 holds no view
+            assert lh.server.stats["replies_ring_delta"] == 3, [(q.quorum_id, q.reason) for q in second]
+        finally:
+            for c in clients.values():
+                c.close()
+    expected = tuple(tuple(ftar(i)[k] for i in (0, 1, 2, 4)) for k in range(shards))
+    assert {q.quorum_id for q in second} == {2}
+    assert all(q.member_ids == ("0", "1", "2", "4") and q.rings == expected for q in second)

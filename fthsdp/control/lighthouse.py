@@ -448,6 +448,8 @@ class _Job:
     view_cache: dict[tuple, bytes] = field(default_factory=dict)
     view_cache_of: qm.Quorum | None = None
     view_members: dict[str, qm.Member] = field(default_factory=dict)
+    held_members_of: qm.Quorum | None = None  # the earlier quorum ring deltas are built against
+    held_members: dict[str, qm.Member] = field(default_factory=dict)
     # Root-cause analysis: each process's last phase report, the verdict now
     # and the last one that named a culprit, as (verdict, monotonic time, step).
     phases: dict[str, pb2.PhaseReport] = field(default_factory=dict)
@@ -500,7 +502,7 @@ class _Job:
             del self.decided[min(self.decided)]
 
     def view_reply(self, q: qm.Quorum, rid: str, process: int, stats: dict, holds_view: bool = False,
-                   compact_ok: bool = False) -> bytes:
+                   compact_ok: bool = False, held: qm.Quorum | None = None) -> bytes:
         """The serialized QuorumResponse for process ``process`` of member ``rid``: its view
         (:func:`fthsdp.control.quorum.process_view`). Built once per decision and shard range
         for healthy askers (the same bytes for every replica's process p: building it per
@@ -511,7 +513,10 @@ class _Job:
         ``compact_ok``: the asker accepts ``members_omitted``; when it holds the view and
         every member is healthy (the steady state) the answer is then O(1), about 100
         bytes, instead of O(members): 400 KB per answer, 3.3 GB per round at 8,192 flat
-        replicas, which gRPC copied and the clients received."""
+        replicas, which gRPC copied and the clients received. ``held``: the earlier quorum
+        whose view the asker holds (its last, when it accepts ring deltas): the rings then go
+        as a delta against that view (``rings_from``), O(changed members x shards), when the
+        asker's shards are the same in both."""
         if self.view_cache_of is not q:
             self.view_cache, self.view_cache_of = {}, q
             self.view_members = {x.replica_id: x for x in q.members}
@@ -521,7 +526,9 @@ class _Job:
         behind = rid if rid in q.recovery else None
         lean = holds_view and behind is None
         compact = lean and compact_ok and not q.behind
-        key = (first, per, behind, lean, compact)
+        if held is not None and (lean or held.quorum_id == q.quorum_id or not self._same_shards(held, rid, m)):
+            held = None
+        key = (first, per, behind, lean, compact, held.quorum_id if held is not None else 0)
         raw = self.view_cache.get(key)
         if raw is None:
             if compact:
@@ -532,8 +539,12 @@ class _Job:
                 # A lean view is cut with no shards at all: building its rings only to drop
                 # them cost 28 ms per decision at 16 x 6,250 (behind is None: no sources either).
                 view = qm.process_view(q, rid, first, 0 if lean else per)
-                proto = quorum_to_proto(view)
+                changed = qm.ring_changes(held, q, first, per) if held is not None else ()
+                proto = quorum_to_proto(qm.delta_view(view, changed) if held is not None else view)
                 proto.rings_omitted = lean
+                if held is not None:
+                    proto.rings_from = held.quorum_id
+                    proto.ring_members.extend(changed)
             raw = pb2.QuorumResponse(protocol_version=LIGHTHOUSE_PROTOCOL_VERSION, quorum=proto,
                                      endpoints_omittable=True).SerializeToString()
             if key[2] is None:
@@ -542,7 +553,16 @@ class _Job:
         stats["replies_sent"] += 1
         stats["replies_rings_omitted"] += lean
         stats["replies_members_omitted"] += compact
+        stats["replies_ring_delta"] += held is not None
         return raw
+
+    def _same_shards(self, held: qm.Quorum, rid: str, m: qm.Member) -> bool:
+        """Whether ``rid`` held the same shards in quorum ``held`` as ``m`` says it holds now (its
+        view of ``held`` has the rings a delta is built against)."""
+        if self.held_members_of is not held:
+            self.held_members_of, self.held_members = held, {x.replica_id: x for x in held.members}
+        was = self.held_members.get(rid)
+        return was is not None and (was.local_world_size, was.num_processes) == (m.local_world_size, m.num_processes)
 
     def heartbeat_reply(self, registered: bool = True) -> bytes:
         """The serialized HeartbeatResponse: the same for every replica until the dead
@@ -619,7 +639,7 @@ class Lighthouse(pb2_grpc.LighthouseServicer):
         self.port: int = 0
         # Where the time goes (tests and experiments read these counters).
         self.stats = {"decisions": 0, "evaluations": 0, "evaluation_s": 0.0, "replies_serialized": 0,
-                      "replies_sent": 0, "replies_rings_omitted": 0, "replies_members_omitted": 0, "stalls": 0, "rca_runs": 0, "rca_s": 0.0,
+                      "replies_sent": 0, "replies_rings_omitted": 0, "replies_members_omitted": 0, "replies_ring_delta": 0, "stalls": 0, "rca_runs": 0, "rca_s": 0.0,
                       "sdc_mismatches": 0, "refused": 0, "forgotten_dead": 0,
                       "sessions_opened": 0, "session_messages": 0, "relay_batches": 0,
                       "sessions_open": 0, "relay_streams_open": 0, "relayed_messages": 0, "requests_endpoints_held": 0,
@@ -1346,9 +1366,10 @@ class Lighthouse(pb2_grpc.LighthouseServicer):
         """The serialized answer to ``request`` once its entry's future holds ``result``."""
         if isinstance(result, _Finished):
             return _finished_reply(result)
+        held = job.decided.get(request.last_quorum_id) if request.accepts_ring_delta else None
         return job.view_reply(result, request.replica_id, 0, self.stats,
                               holds_view=request.last_quorum_id == result.quorum_id,
-                              compact_ok=request.accepts_members_omitted)
+                              compact_ok=request.accepts_members_omitted, held=held)
 
     async def Heartbeat(self, request: pb2.HeartbeatRequest, context: grpc.aio.ServicerContext) -> bytes:
         try:

@@ -538,6 +538,24 @@ def keep_rings(q: qm.Quorum, held: qm.Quorum | None) -> qm.Quorum:
     return dataclasses.replace(q, rings=held.rings, first_shard=held.first_shard)
 
 
+def keep_ring_delta(q: qm.Quorum, rings_from: int, changed: Sequence[str], held: qm.Quorum | None) -> qm.Quorum:
+    """``q`` (an answer whose rings are a delta against quorum ``rings_from``: only the
+    ``changed`` members' endpoints) with whole rings, the others' endpoints from ``held``,
+    this process's view of ``rings_from``. The lighthouse sends a delta only against the
+    quorum the request reported as its last, so ``held`` is it; anything else is a protocol
+    error, raised as such."""
+    if held is None or held.quorum_id != rings_from or not held.rings:
+        raise LighthouseError(f"the lighthouse sent the rings of quorum {q.quorum_id} as a delta against quorum "
+                              f"{rings_from} but this process holds "
+                              f"{'no view' if held is None else f'the view of quorum {held.quorum_id}'}: "
+                              "mismatched lighthouse and client versions?")
+    try:
+        return qm.rings_with_delta(q, tuple(changed), held)
+    except ValueError as e:
+        raise LighthouseError(f"the rings of quorum {q.quorum_id} as a delta against quorum {rings_from} do not fit "
+                              f"this process's view of it: {e} (mismatched lighthouse and client versions?)") from None
+
+
 def keep_members(q: qm.Quorum, held: qm.Quorum | None) -> qm.Quorum:
     """``q`` (a compact answer: ``members_omitted``) completed from ``held``, this
     process's view of the same quorum id: the same members, all at ``q.max_step`` and
@@ -855,6 +873,7 @@ class LighthouseClient:
             accused_replica_ids=list(accused),
             incarnation=self.incarnation,
             accepts_members_omitted=True,
+            accepts_ring_delta=True,
             lineage=qm.lineage_report(self.lineage),
             # the same on every send of this request below: a lighthouse that decided it answers a
             # send again at once (its answer was lost on the way)
@@ -915,6 +934,8 @@ class LighthouseClient:
             q = keep_members(q, self.last_quorum)
         elif resp.quorum.rings_omitted:
             q = keep_rings(q, self.last_quorum)
+        elif resp.quorum.rings_from:
+            q = keep_ring_delta(q, resp.quorum.rings_from, resp.quorum.ring_members, self.last_quorum)
         if self.replica_id in q.member_ids:
             self.lineage = self.lineage.answered(q.quorum_id, q.max_step)
             self.last_quorum = q

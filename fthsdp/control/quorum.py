@@ -126,6 +126,7 @@ corrupt chunk in between costs only a retried all-reduce.
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import math
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -342,6 +343,51 @@ def process_view(q: Quorum, replica_id: str, first_shard: int, num_shards: int) 
         sources = tuple(ShardSource(k, r, by_id[r].server_for(k)) for k, r in zip(range(first_shard, last), mine))
     return Quorum(q.quorum_id, members, q.max_step, q.healthy, q.behind, recovery, q.num_healthy,
                   q.num_configured, q.reason, q.left_out, rings, first_shard, sources)
+
+
+def ring_changes(old: Quorum, new: Quorum, first_shard: int, num_shards: int) -> tuple[str, ...]:
+    """The members of ``new`` (in its ring order) whose FTAR endpoints of shards
+    ``first_shard`` .. ``+num_shards-1`` are not what they were in ``old``: the members new
+    since ``old`` and those whose endpoints changed (a restarted process). What a leader
+    holding its view of ``old`` must be sent to build its view of ``new``
+    (:func:`rings_with_delta`). Both quorums carry every member's endpoints (the lighthouse's)."""
+    last = first_shard + num_shards
+    had = {m.replica_id: m.ftar_addresses[first_shard:last] for m in old.members}
+    return tuple(m.replica_id for m in new.members if had.get(m.replica_id) != m.ftar_addresses[first_shard:last])
+
+
+def delta_view(view: Quorum, changed: tuple[str, ...]) -> Quorum:
+    """``view`` (a :func:`process_view`) with each ring cut to the endpoints of ``changed``
+    members, in their order: the rings of a delta answer."""
+    rank = {m.replica_id: i for i, m in enumerate(view.members)}
+    idx = [rank[r] for r in changed]
+    return dataclasses.replace(view, rings=tuple(tuple(ring[i] for i in idx) for ring in view.rings))
+
+
+def rings_with_delta(q: Quorum, changed: tuple[str, ...], held: Quorum) -> Quorum:
+    """``q``, a view whose rings are a delta (:func:`delta_view`) against ``held``, this
+    process's view of an earlier quorum, with whole rings: each member's endpoint from the
+    delta if it is in ``changed``, else the one it had in ``held``. O(members x shards), once
+    per change of membership. Raises ValueError when the delta does not fit ``held`` (the
+    lighthouse's and the client's views disagree: a protocol error)."""
+    if len(q.rings) != len(held.rings) or (q.rings and q.first_shard != held.first_shard):
+        raise ValueError(f"a ring delta of {len(q.rings)} shard(s) from {q.first_shard} against a view of "
+                         f"{len(held.rings)} from {held.first_shard}")
+    new = {r: i for i, r in enumerate(changed)}
+    if len(new) != len(changed) or not set(changed) <= set(q.member_ids):
+        raise ValueError(f"the ring delta names members that are not the quorum's or names one twice: {changed[:8]}")
+    old = {m.replica_id: i for i, m in enumerate(held.members)}
+    missing = [r for r in q.member_ids if r not in new and r not in old]
+    if missing:
+        raise ValueError(f"the ring delta leaves out member(s) {missing[:8]} that the held view of quorum "
+                         f"{held.quorum_id} does not have")
+    src = [(True, new[r]) if r in new else (False, old[r]) for r in q.member_ids]
+    rings = []
+    for delta, ring in zip(q.rings, held.rings):
+        if len(delta) != len(changed):
+            raise ValueError(f"a delta ring lists {len(delta)} endpoint(s) for {len(changed)} changed member(s)")
+        rings.append(tuple(delta[i] if fresh else ring[i] for fresh, i in src))
+    return dataclasses.replace(q, rings=tuple(rings), first_shard=held.first_shard if held.rings else q.first_shard)
 
 
 @dataclass(frozen=True)

@@ -49,6 +49,7 @@ from fthsdp.control.lighthouse_client import (
     backoff_delays,
     endpoints_not_held,
     keep_members,
+    keep_ring_delta,
     keep_rings,
     new_request_id,
     quorum_from_proto,
@@ -101,12 +102,42 @@ def _kept_rings(q: qm.Quorum, held: qm.Quorum | None, members_omitted: bool = Fa
     return merged
 
 
+_DELTA: dict[tuple[int, int], tuple[qm.Quorum, qm.Quorum, qm.Quorum]] = {}
+
+
+def _delta_rings(q: qm.Quorum, rings_from: int, changed: tuple[str, ...], held: qm.Quorum | None) -> qm.Quorum:
+    """:func:`keep_ring_delta`, once per (answer, held view) for the leaders of one process (as
+    :func:`_kept_rings`: O(members x shards) each, which 512 real hosts pay in parallel)."""
+    hit = _DELTA.get((id(q), id(held)))
+    if hit is not None and hit[0] is q and hit[1] is held:
+        return hit[2]
+    merged = keep_ring_delta(q, rings_from, changed, held)
+    if len(_DELTA) >= 16:
+        _DELTA.pop(next(iter(_DELTA)))
+    _DELTA[(id(q), id(held))] = (q, held, merged)
+    return merged
+
+
 class _EndpointsNotHeld(Exception):
     """The lighthouse does not hold the endpoints a request left out (it restarted)."""
 
     def __init__(self, outage_s: float) -> None:
         super().__init__(outage_s)
         self.outage_s = outage_s  # how long the refused request rode out the restart first
+
+
+@dataclass(frozen=True)
+class Answer:
+    """A decoded quorum answer: the Quorum as sent, whether its rings were left out, whether its
+    members were, whether the asker's endpoints may be left out next time, and (rings_from > 0)
+    the quorum its rings are a delta against with the members they list."""
+
+    quorum: qm.Quorum
+    lean: bool
+    compact: bool
+    omittable: bool
+    rings_from: int = 0
+    ring_members: tuple[str, ...] = ()
 
 
 class DecodeCache:
@@ -125,22 +156,21 @@ class DecodeCache:
         # The last few (answer bytes, decoded) pairs, newest first. Matched by equality
         # (a memcmp), not by hashing: hashing each leader's copy of a 1.45 MB answer cost
         # the emulator ~1 ms per leader, 0.5 s a round at 512 leaders.
-        self._recent: list[tuple[bytes, tuple[qm.Quorum, bool, bool, bool] | int]] = []
+        self._recent: list[tuple[bytes, Answer | int]] = []
         self.decoded = 0
         self.hits = 0
 
     @staticmethod
-    def parse(raw: bytes) -> tuple[qm.Quorum, bool, bool, bool] | int:
-        """The answer: (the Quorum, whether its rings were left out, whether its members
-        were, whether the asker's endpoints may be left out next time), or the finished
-        step (an int) when the job finished."""
+    def parse(raw: bytes) -> Answer | int:
+        """The answer, or the finished step (an int) when the job finished."""
         resp = pb2.QuorumResponse.FromString(raw)
         if resp.job_finished:
             return int(resp.finished_step)
-        return (quorum_from_proto(resp.quorum), resp.quorum.rings_omitted, resp.quorum.members_omitted,
-                resp.endpoints_omittable)
+        p = resp.quorum
+        return Answer(quorum_from_proto(p), p.rings_omitted, p.members_omitted, resp.endpoints_omittable,
+                      p.rings_from, tuple(p.ring_members))
 
-    def decode(self, raw: bytes) -> tuple[qm.Quorum, bool, bool, bool] | int:
+    def decode(self, raw: bytes) -> Answer | int:
         n = len(raw)
         for known, q in self._recent:
             if len(known) == n and known == raw:
@@ -283,7 +313,7 @@ class AioLighthouseClient:
                  heartbeat_timeout_s: float, rejoin: bool = False, process_index: int = 0,
                  num_processes: int = 1, channel_of: "AioLighthouseClient | None" = None,
                  session: bool = True, relay: str = "", relay_retry_s: float = RelayPath.RETRY_S,
-                 relay_silence_s: float = RelayPath.SILENCE_S) -> None:
+                 relay_silence_s: float = RelayPath.SILENCE_S, ring_delta: bool = True) -> None:
         if num_processes < 1 or not 0 <= process_index < num_processes:
             raise ValueError(f"process_index {process_index} must be in 0..num_processes-1 ({num_processes})")
         self.address = address
@@ -332,6 +362,7 @@ class AioLighthouseClient:
         self.asked_at = -math.inf  # when get_quorum last sent a request (perf_counter)
         self.step = 0
         self.outages: list[float] = []
+        self.ring_delta = ring_delta  # accept a new quorum's rings as a delta (False: whole, as older clients)
         self.last_reply_bytes = 0  # size of the last quorum answer or view on the wire
         self.last_request_bytes = 0  # size of the last quorum request or view request
         # Answers decoded once per distinct answer bytes, shared by the leaders of
@@ -356,13 +387,14 @@ class AioLighthouseClient:
             last_quorum_id=last.quorum_id if last is not None else 0,
             rejoin=self.rejoin, fresh_start=last is None and not self.rejoin,
             process_index=self.process_index, num_processes=self.num_processes, accepts_members_omitted=True,
+            accepts_ring_delta=self.ring_delta,
             lineage=qm.lineage_report(self.lineage), request_id=request_id,
         )
         self._sent_endpoints = self.held_endpoints.fill(head, ftar, state_server)
         return head.SerializeToString() + (
             _members_wire(last) if last is not None and qm.sends_last_members(last, self.replica_id) else b"")
 
-    def _decode(self, raw: bytes) -> tuple[qm.Quorum, bool, bool, bool] | int:
+    def _decode(self, raw: bytes) -> Answer | int:
         if self.decode_cache is not None:
             return self.decode_cache.decode(raw)
         return DecodeCache.parse(raw)
@@ -475,9 +507,11 @@ class AioLighthouseClient:
         got = self._decode(raw)
         if isinstance(got, int):
             raise JobFinished(f"job {self.job_id!r} finished at step {got}", got)
-        q, lean, compact, self._omittable = got
-        if lean:
-            q = _kept_rings(q, self.last_quorum, compact)
+        q, self._omittable = got.quorum, got.omittable
+        if got.lean:
+            q = _kept_rings(q, self.last_quorum, got.compact)
+        elif got.rings_from:
+            q = _delta_rings(q, got.rings_from, got.ring_members, self.last_quorum)
         if self.replica_id in membership(q)[0]:
             self.lineage = self.lineage.answered(q.quorum_id, q.max_step)
             self.last_quorum = q

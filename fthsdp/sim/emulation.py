@@ -160,6 +160,9 @@ class EmulationConfig:
     # RelayPath; shorter in tests than a job's 5 s and 10 s).
     relay_retry_s: float = RelayPath.RETRY_S
     relay_silence_s: float = RelayPath.SILENCE_S
+    # Leaders accept a new quorum's rings as a delta against the view they hold (the real
+    # client's default); False: whole rings, as an older client (experiments/ring_delta.py).
+    ring_delta: bool = True
 
     def __post_init__(self) -> None:
         if self.replicas < 1 or self.ranks_per_replica < 1 or self.steps < 1:
@@ -591,7 +594,7 @@ class EmulatedReplica:
                                      heartbeat_timeout_s=c.timeouts.heartbeat_rpc_s, rejoin=rejoin,
                                      process_index=p, num_processes=nproc, session=c.lighthouse_session,
                                      relay=emu.relay_of(index), relay_retry_s=c.relay_retry_s,
-                                     relay_silence_s=c.relay_silence_s)
+                                     relay_silence_s=c.relay_silence_s, ring_delta=c.ring_delta)
             cl.decode_cache = emu.decode_cache
             if nproc > 1:
                 cl.register(self.ftar[p], self.servers[p], c.ranks_per_replica)
@@ -993,7 +996,7 @@ class Emulation:
 
     async def _restart(self, rep: EmulatedReplica, after_s: float) -> None:
         await asyncio.sleep(after_s)
-        self.fabric.revive(rep.rid)
+        self.fabric.revive(rep.rid, max((q for qs in self.qids_seen.values() for q in qs[-1:]), default=0))
         new = EmulatedReplica(self, rep.index, rep.incarnation + 1, rejoin=True)
         self.replicas[rep.index] = new
         self.events.append(f"replica {rep.rid}: restarted (incarnation {new.incarnation}), rejoins")

@@ -109,7 +109,10 @@ class MockFabric:
     def __init__(self, config: FabricConfig | None = None) -> None:
         self.config = config or FabricConfig()
         self._open: dict[tuple[int, int], _Rendezvous] = {}
-        self._killed: set[str] = set()
+        # replica id -> the newest quorum id whose all-reduce it cannot join (inf: killed, not back):
+        # a restarted replica is a new process with new endpoints, so the rings of the quorums its
+        # dead predecessor was in still find a closed socket.
+        self._killed: dict[str, float] = {}
         # Injected faults: (step, ring) fails ring `ring` of every quorum at that
         # step once; (step, replica, rank) fails one rank's local vote once.
         self._ring_faults: set[tuple[int, int]] = set()
@@ -136,13 +139,17 @@ class MockFabric:
 
     def kill(self, replica_id: str) -> None:
         """The replica's process died: its sockets close, so every open all-reduce with it fails now."""
-        self._killed.add(replica_id)
+        self._killed[replica_id] = math.inf
         for rv in list(self._open.values()):
             if replica_id in rv.members:
                 rv.fail(f"connection to replica {replica_id} closed (killed)")
 
-    def revive(self, replica_id: str) -> None:
-        self._killed.discard(replica_id)
+    def revive(self, replica_id: str, after_quorum: int) -> None:
+        """The replica restarted: it may join the all-reduces of quorums after ``after_quorum``
+        (every quorum id decided so far); those of earlier ones are its dead predecessor's, which
+        fail at once as before (with the replica id alone back alive, a member that entered its
+        old quorum's all-reduce after the restart waited its whole deadline)."""
+        self._killed[replica_id] = after_quorum
 
     def abort(self, quorum_id: int, reason: str) -> int:
         """Abort every open all-reduce of ``quorum_id`` (a member closing its ring); returns how many."""
@@ -168,7 +175,7 @@ class MockFabric:
         elif rv.members is not members and rv.members != members:
             return AllreduceResult(False, f"ring handshake refused: members of quorum {quorum_id} differ "
                                           f"({sorted(rv.members)} vs {sorted(members)})")
-        dead = rv.members & self._killed
+        dead = [m for m in rv.members if m in self._killed and quorum_id <= self._killed[m]]
         if dead:
             rv.fail(f"connection to replica(s) {sorted(dead)} refused")
         rv.arrived.add(replica_id)

@@ -1,0 +1,120 @@
+"""What a change of membership costs the lighthouse's answers: rings whole or as a delta.
+
+    python experiments/ring_delta.py [--quick] --out results/ring_delta.json
+
+A leader's answer carries the FTAR rings of its shards: every member's endpoint of
+each shard, O(members x shards), 1.45 MB a leader and 0.74 GB a round at 512
+replicas x 196 shards. A steady round leaves them out (the leader holds that quorum
+id's view); a new quorum id (a replica died, one rejoined, a commit failed) sent them
+whole to every leader. With ``QuorumRequest.accepts_ring_delta`` the lighthouse sends
+them as a delta against the view the leader holds (its last quorum): only the
+endpoints of members new since then or whose endpoints changed.
+
+Runs the emulation (fthsdp/sim/emulation.py: the real lighthouse process, the
+replicas' control loop emulated) of R replicas x G ranks twice, in the same run,
+alternating: ``whole`` (leaders that do not accept deltas, as older clients) and
+``delta`` (the client's default), with one replica SIGKILL-like killed at step S
+and restarted 0.5 s later (two changes of membership: it leaves, it rejoins) and one
+commit failure. For the rounds whose quorum id changed (after the first): the bytes
+of all leaders' answers, the round's latency (from the last request to every rank
+holding the answer, as experiments/scale.py), and the emulator's and lighthouse's
+CPU over the run. JSON ``runs`` and ``ratios`` (whole / delta).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import statistics
+import sys
+import time
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from fthsdp.sim.emulation import EmulationConfig, Fault, run_emulation  # noqa: E402
+from fthsdp.sim.mock_plane import ModelShape  # noqa: E402
+from fthsdp.timeouts import Timeouts  # noqa: E402
+
+ARMS = ("whole", "delta")
+
+
+def one_run(arm: str, replicas: int, ranks: int, steps: int, kill_step: int) -> dict:
+    faults = (Fault("kill", step=kill_step, replica=replicas // 3, seconds=0.5),
+              Fault("ring", step=kill_step + 4, rank=1))
+    # Detection and join limits as experiments/scale.py's (a steady round never waits on them):
+    # the first round at this size moves every ring whole, seconds on a shared 2-core host.
+    t = Timeouts(heartbeat_interval_s=0.1, detect_s=5.0, join_timeout_s=30.0, allreduce_timeout_s=60.0,
+                 quorum_timeout_s=120.0, lighthouse_outage_s=60.0)
+    cfg = EmulationConfig(replicas=replicas, ranks_per_replica=ranks, steps=steps, timeouts=t, faults=faults,
+                          model=ModelShape(params=8_000_000_000, step_s=0.02), round_barrier=True,
+                          run_timeout_s=600.0, ring_delta=arm == "delta", job_id=f"ring-delta-{arm}")
+    t0 = time.monotonic()
+    rep = run_emulation(cfg)
+    wall = time.monotonic() - t0
+    bytes_of: dict[tuple[int, int, int], int] = {}
+    for rec, (_, answer) in zip(rep.quorum_records, rep.wire_sizes):
+        key = (rec.step, rec.attempt, rec.quorum_id)
+        bytes_of[key] = bytes_of.get(key, 0) + answer
+    rounds = rep.rounds()
+    changes, seen = [], set()
+    for r in rounds:
+        qids = tuple(r["quorum_ids"])
+        new = [q for q in qids if q not in seen]
+        seen.update(qids)
+        if new and len(seen) > 1 and r["outage_s"] == 0:  # a new quorum id, not the first one
+            b = sum(v for (s, a, q), v in bytes_of.items() if (s, a) == (r["step"], r["attempt"]) and q in new)
+            changes.append({"step": r["step"], "attempt": r["attempt"], "quorum_ids": list(qids),
+                            "replicas": r["replicas"], "answer_bytes": b, "latency_s": r["latency_s"]})
+    return {
+        "arm": arm, "replicas": replicas, "ranks": replicas * ranks, "wall_s": wall,
+        "violations": rep.violations(), "final_steps": sorted(set(rep.final_steps.values())),
+        "changes": changes,
+        "change_answer_bytes_median": statistics.median([c["answer_bytes"] for c in changes]) if changes else None,
+        "change_latency_median_s": statistics.median([c["latency_s"] for c in changes]) if changes else None,
+        "first_answer_bytes_max": rep.answer_bytes,
+        "emulator_cpu_s": rep.emulator_cpu_s,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--replicas", type=int, default=512)
+    p.add_argument("--ranks", type=int, default=196, help="ranks (shards) per replica")
+    p.add_argument("--steps", type=int, default=16)
+    p.add_argument("--repeats", type=int, default=2, help="runs of each arm, alternating")
+    p.add_argument("--quick", action="store_true", help="64 x 32, 12 steps, one run each (CI)")
+    p.add_argument("--out", default="results/ring_delta.json")
+    a = p.parse_args(argv)
+    if a.quick:
+        a.replicas, a.ranks, a.steps, a.repeats = 64, 32, 12, 1
+    kill_step = max(3, a.steps // 4)
+    runs = []
+    for k in range(a.repeats):
+        for arm in ARMS:
+            r = one_run(arm, a.replicas, a.ranks, a.steps, kill_step)
+            runs.append(r)
+            print(f"[{k + 1}/{a.repeats}] {arm}: {len(r['changes'])} changes of quorum id, answers "
+                  f"{r['change_answer_bytes_median']} B a change round (median), latency "
+                  f"{r['change_latency_median_s']} s, emulator CPU {r['emulator_cpu_s']:.1f} s, "
+                  f"violations {len(r['violations'])}", flush=True)
+
+    def med(arm: str, key: str) -> float | None:
+        xs = [r[key] for r in runs if r["arm"] == arm and r[key] is not None]
+        return statistics.median(xs) if xs else None
+
+    ratios = {}
+    for key in ("change_answer_bytes_median", "change_latency_median_s", "emulator_cpu_s"):
+        w, d = med("whole", key), med("delta", key)
+        ratios[key] = (w / d) if w and d else None
+    out = {"shape": f"{a.replicas}x{a.ranks}", "kill_step": kill_step, "runs": runs, "ratios_whole_over_delta": ratios}
+    path = pathlib.Path(a.out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(out, indent=1))
+    print(f"whole / delta: {json.dumps(ratios)}; wrote {path}")
+    return 0 if all(not r["violations"] for r in runs) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
