@@ -17,8 +17,8 @@ alternating: ``whole`` (leaders that do not accept deltas, as older clients) and
 and restarted 0.5 s later (two changes of membership: it leaves, it rejoins) and one
 commit failure. For the rounds whose quorum id changed (after the first): the bytes
 of all leaders' answers, the round's latency (from the last request to every rank
-holding the answer, as experiments/scale.py), and the emulator's and lighthouse's
-CPU over the run. JSON ``runs`` and ``ratios`` (whole / delta).
+holding the answer, as experiments/scale.py), and the emulator's CPU over the run.
+JSON ``runs`` and ``ratios_whole_over_delta``, and a plot.
 """
 
 from __future__ import annotations
@@ -53,20 +53,21 @@ def one_run(arm: str, replicas: int, ranks: int, steps: int, kill_step: int) -> 
     t0 = time.monotonic()
     rep = run_emulation(cfg)
     wall = time.monotonic() - t0
-    bytes_of: dict[tuple[int, int, int], int] = {}
+    # Each new quorum id after the first (a change of membership or a failed commit), as its
+    # members first got it: the bytes of those answers and the round, from the last of those
+    # requests to every rank holding the answer (experiments/scale.py's latency).
+    first: dict[tuple[int, str], tuple] = {}
     for rec, (_, answer) in zip(rep.quorum_records, rep.wire_sizes):
-        key = (rec.step, rec.attempt, rec.quorum_id)
-        bytes_of[key] = bytes_of.get(key, 0) + answer
-    rounds = rep.rounds()
-    changes, seen = [], set()
-    for r in rounds:
-        qids = tuple(r["quorum_ids"])
-        new = [q for q in qids if q not in seen]
-        seen.update(qids)
-        if new and len(seen) > 1 and r["outage_s"] == 0:  # a new quorum id, not the first one
-            b = sum(v for (s, a, q), v in bytes_of.items() if (s, a) == (r["step"], r["attempt"]) and q in new)
-            changes.append({"step": r["step"], "attempt": r["attempt"], "quorum_ids": list(qids),
-                            "replicas": r["replicas"], "answer_bytes": b, "latency_s": r["latency_s"]})
+        first.setdefault((rec.quorum_id, rec.replica_id), (rec, answer))
+    qids = sorted({q for q, _ in first})
+    changes = []
+    for qid in qids[1:]:
+        got = [v for (q, _), v in first.items() if q == qid]
+        if any(rec.outage_s for rec, _ in got):
+            continue
+        changes.append({"quorum_id": qid, "replicas": len(got), "answer_bytes": sum(b for _, b in got),
+                        "answer_bytes_max": max(b for _, b in got),
+                        "latency_s": max(r.all_ranks_hold for r, _ in got) - max(r.last_rank_request for r, _ in got)})
     return {
         "arm": arm, "replicas": replicas, "ranks": replicas * ranks, "wall_s": wall,
         "violations": rep.violations(), "final_steps": sorted(set(rep.final_steps.values())),
@@ -76,6 +77,29 @@ def one_run(arm: str, replicas: int, ranks: int, steps: int, kill_step: int) -> 
         "first_answer_bytes_max": rep.answer_bytes,
         "emulator_cpu_s": rep.emulator_cpu_s,
     }
+
+
+def plot(runs: list[dict], path: pathlib.Path) -> None:
+    """Each change round of each run: its answers' bytes and its latency, whole vs delta."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_b, ax_l) = plt.subplots(1, 2, figsize=(10, 4))
+    for arm, color in zip(ARMS, ("tab:red", "tab:blue")):
+        cs = [c for r in runs if r["arm"] == arm for c in r["changes"]]
+        xs = range(len(cs))
+        off = -0.2 if arm == "whole" else 0.2
+        ax_b.bar([x + off for x in xs], [c["answer_bytes"] / 1e6 for c in cs], 0.4, color=color, label=arm)
+        ax_l.bar([x + off for x in xs], [c["latency_s"] * 1e3 for c in cs], 0.4, color=color, label=arm)
+    ax_b.set(ylabel="MB of answers in the round", xlabel="change of quorum id (runs in order)", yscale="log")
+    ax_l.set(ylabel="round latency (ms)", xlabel="change of quorum id (runs in order)", yscale="log")
+    ax_b.legend()
+    fig.suptitle(f"a new quorum's rings whole vs as a delta ({runs[0]['replicas']} replicas, {runs[0]['ranks']} ranks)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -112,7 +136,8 @@ def main(argv: list[str] | None = None) -> int:
     path = pathlib.Path(a.out)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(out, indent=1))
-    print(f"whole / delta: {json.dumps(ratios)}; wrote {path}")
+    plot(runs, path.with_suffix(".png"))
+    print(f"whole / delta: {json.dumps(ratios)}; wrote {path} and {path.with_suffix('.png')}")
     return 0 if all(not r["violations"] for r in runs) else 1
 
 

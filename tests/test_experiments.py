@@ -126,3 +126,19 @@ def test_relay_failover_quick(tmp_path):
     assert runs["none"]["replicas_caught_up"] == [] and runs["none"]["processes_left_relay"] == 0
     assert out.with_suffix(".png").stat().st_size > 10_000
 
+
+
+def test_ring_delta_quick(tmp_path):
+    """64 x 32 with a replica killed and restarted and a failed commit, leaders taking rings whole
+    and as a delta: the same job either way (every invariant, every step), and the delta's answers
+    on each change of quorum id are several times smaller (the rejoiner, holding no view, gets
+    its rings whole in both)."""
+    out = tmp_path / "rd.json"
+    run("ring_delta.py", "--quick", "--out", str(out))
+    res = json.loads(out.read_text())
+    runs = {x["arm"]: x for x in res["runs"]}
+    assert set(runs) == {"whole", "delta"}
+    for x in runs.values():
+        assert x["violations"] == [] and x["final_steps"] == [12] and len(x["changes"]) == 2, x
+    assert res["ratios_whole_over_delta"]["change_answer_bytes_median"] > 3
+    assert out.with_suffix(".png").stat().st_size > 10_000
