@@ -175,7 +175,7 @@ class MockFabric:
         elif rv.members is not members and rv.members != members:
             return AllreduceResult(False, f"ring handshake refused: members of quorum {quorum_id} differ "
                                           f"({sorted(rv.members)} vs {sorted(members)})")
-        dead = [m for m in rv.members if m in self._killed and quorum_id <= self._killed[m]]
+        dead = [m for m, upto in self._killed.items() if quorum_id <= upto and m in rv.members]
         if dead:
             rv.fail(f"connection to replica(s) {sorted(dead)} refused")
         rv.arrived.add(replica_id)
