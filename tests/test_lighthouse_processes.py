@@ -159,6 +159,51 @@ def test_every_process_registers_and_gets_its_own_view(lighthouse):
             c.close()
 
 
+def test_a_followers_view_of_a_new_quorum_comes_as_a_ring_delta_against_the_one_it_holds(lighthouse):
+    """Replica 2 (2 processes x 2 shards) joins replicas 0 and 1: the followers of 0 and 1 hold
+    their views of the first quorum and get the second's rings as a delta (replica 2's endpoints
+    of their shards only), which they rebuild into the whole view; replica 2's follower, holding
+    none, gets it whole. A follower that says it holds a quorum it is not a member of gets the
+    view whole too; a negative held id is refused with the reason."""
+    cs = clients(lighthouse.address, "mpd", 3, 2, 2)
+    try:
+        for c in cs.values():
+            c.start_heartbeats()
+        deadline = time.monotonic() + 5
+        while not all(c.registration.held for c in cs.values()):
+            assert time.monotonic() < deadline, "a process never registered"
+            time.sleep(0.02)
+        with ThreadPoolExecutor(2) as ex:
+            first = list(ex.map(lambda r: cs[(r, 0)].get_quorum(0, ftar_addresses=ftar(r, 0, 2),
+                                                                  state_server_address=server(r, 0),
+                                                                  num_replicas=3, timeout_s=10), (0, 1)))
+        assert {q.quorum_id for q in first} == {1} and first[0].member_ids == ("0", "1")
+        for r in (0, 1):
+            assert cs[(r, 1)].get_view(1).ring_addresses() == [ftar(0, 1, 2), ftar(1, 1, 2)]
+        second = ask(cs, 3, 2, step=1)
+        qid = second[0].quorum_id
+        assert qid > 1 and second[0].member_ids == ("0", "1", "2"), second[0].reason
+        before = lighthouse.server.stats["replies_ring_delta"]
+        views = {r: cs[(r, 1)].get_view(qid) for r in range(3)}
+        assert lighthouse.server.stats["replies_ring_delta"] - before == 2  # 0's and 1's followers; 2 holds none
+        for v in views.values():
+            assert v.first_shard == 2 and v.ring_addresses() == [ftar(r, 1, 2) for r in range(3)]
+        with grpc.insecure_channel(lighthouse.address) as ch:
+            stub = pb2_grpc.LighthouseStub(ch)
+            resp = stub.GetView(pb2.ViewRequest(protocol_version=LIGHTHOUSE_PROTOCOL_VERSION, job_id="mpd",
+                                                replica_id="2", process_index=1, quorum_id=qid, held_quorum_id=1,
+                                                accepts_ring_delta=True), timeout=5)
+            assert resp.quorum.rings_from == 0 and len(resp.quorum.rings[0].addresses) == 3  # 2 was not in 1
+            with pytest.raises(grpc.RpcError) as e:
+                stub.GetView(pb2.ViewRequest(protocol_version=LIGHTHOUSE_PROTOCOL_VERSION, job_id="mpd",
+                                             replica_id="1", process_index=1, quorum_id=qid, held_quorum_id=-3,
+                                             accepts_ring_delta=True), timeout=5)
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "held_quorum_id is -3" in e.value.details()
+    finally:
+        for c in cs.values():
+            c.close()
+
+
 def test_replicas_of_different_process_counts_are_refused(lighthouse):
     a = LighthouseClient(lighthouse.address, "shape", 0, process_index=0, num_processes=2)
     b = LighthouseClient(lighthouse.address, "shape", 1, process_index=0, num_processes=1)

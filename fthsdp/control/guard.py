@@ -229,6 +229,7 @@ def request_problem(method: str, req, limits: Limits, known: KnownAddresses | No
     who = f"replica {req.replica_id!r} of job {req.job_id!r}"
     if method == "GetView":
         return (_step_problem(limits, "quorum_id", req.quorum_id, who)
+                or _step_problem(limits, "held_quorum_id", req.held_quorum_id, who)
                 or _processes_problem(limits, req.process_index, 1, who, index_only=True))
     err = _step_problem(limits, "step", req.step, who)
     if err:

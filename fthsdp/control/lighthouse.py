@@ -1438,7 +1438,8 @@ class Lighthouse(pb2_grpc.LighthouseServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"process_index {request.process_index} is outside 0..{m.num_processes - 1} "
                                 f"(replica {rid!r} has {m.num_processes} process(es) in quorum {q.quorum_id})")
-        return job.view_reply(q, rid, request.process_index, self.stats)
+        held = job.decided.get(request.held_quorum_id) if request.accepts_ring_delta else None
+        return job.view_reply(q, rid, request.process_index, self.stats, held=held)
 
     async def Leave(self, request: pb2.LeaveRequest, context: grpc.aio.ServicerContext) -> pb2.LeaveResponse:
         err = _version_error(request.protocol_version)

@@ -953,8 +953,10 @@ class LighthouseClient:
         lighthouse no longer holds that quorum; retries an unreachable lighthouse like
         ``get_quorum`` for up to ``outage_s``."""
         t = self.rpc_timeout_s if timeout_s is None else timeout_s
+        held = self.last_quorum
         req = pb2.ViewRequest(protocol_version=LIGHTHOUSE_PROTOCOL_VERSION, job_id=self.job_id,
-                              replica_id=self.replica_id, process_index=self.process_index, quorum_id=quorum_id)
+                              replica_id=self.replica_id, process_index=self.process_index, quorum_id=quorum_id,
+                              held_quorum_id=held.quorum_id if held is not None else 0, accepts_ring_delta=True)
         down_since: float | None = None
         delays = backoff_delays()
         while True:
@@ -971,6 +973,8 @@ class LighthouseClient:
                 raise err
             time.sleep(min(next(delays), max(0.0, down_since + self.outage_s - now)))
         q = quorum_from_proto(resp.quorum)
+        if resp.quorum.rings_from:
+            q = keep_ring_delta(q, resp.quorum.rings_from, resp.quorum.ring_members, held)
         self.last_quorum = q
         return q
 

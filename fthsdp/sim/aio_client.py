@@ -425,8 +425,11 @@ class AioLighthouseClient:
 
     async def get_view(self, quorum_id: int, *, timeout_s: float) -> QuorumReply:
         """This (follower) process's view of quorum ``quorum_id``, which its leader got."""
+        held = self.last_quorum  # the rings may come as a delta against it (_call rebuilds them)
         req = pb2.ViewRequest(protocol_version=LIGHTHOUSE_PROTOCOL_VERSION, job_id=self.job_id,
-                              replica_id=self.replica_id, process_index=self.process_index, quorum_id=quorum_id)
+                              replica_id=self.replica_id, process_index=self.process_index, quorum_id=quorum_id,
+                              held_quorum_id=held.quorum_id if held is not None else 0,
+                              accepts_ring_delta=self.ring_delta)
         return await self._call(self._get_view_raw, req, f"get_view(quorum {quorum_id})", timeout_s)
 
     async def _send(self, method, req, timeout_s: float, name: str) -> bytes:
