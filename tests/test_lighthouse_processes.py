@@ -180,7 +180,15 @@ def test_a_followers_view_of_a_new_quorum_comes_as_a_ring_delta_against_the_one_
         assert {q.quorum_id for q in first} == {1} and first[0].member_ids == ("0", "1")
         for r in (0, 1):
             assert cs[(r, 1)].get_view(1).ring_addresses() == [ftar(0, 1, 2), ftar(1, 1, 2)]
-        second = ask(cs, 3, 2, step=1)
+        with ThreadPoolExecutor(3) as ex:  # the newcomer first: the last quorum's members are waited for
+            def asks(r: int):
+                return cs[(r, 0)].get_quorum(1, ftar_addresses=ftar(r, 0, 2), state_server_address=server(r, 0),
+                                             num_replicas=3, timeout_s=10)
+
+            late = ex.submit(asks, 2)
+            time.sleep(0.3)
+            f0, f1 = ex.submit(asks, 0), ex.submit(asks, 1)
+            second = [f0.result(), f1.result(), late.result()]
         qid = second[0].quorum_id
         assert qid > 1 and second[0].member_ids == ("0", "1", "2"), second[0].reason
         before = lighthouse.server.stats["replies_ring_delta"]
