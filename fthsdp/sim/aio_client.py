@@ -29,7 +29,7 @@ import dataclasses
 import itertools
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import grpc
@@ -83,39 +83,36 @@ def _members_wire(q: qm.Quorum) -> bytes:
     return raw
 
 
-_KEPT: dict[tuple[int, int], tuple[qm.Quorum, tuple, qm.Quorum]] = {}
+_KEPT: dict[tuple[int, int], tuple[qm.Quorum, object, qm.Quorum]] = {}
+_DELTA: dict[tuple[int, int], tuple[qm.Quorum, object, qm.Quorum]] = {}
+
+
+def _completed(table: dict, q: qm.Quorum, basis: object, complete: Callable[[], qm.Quorum]) -> qm.Quorum:
+    """``complete()``, once per (answer ``q``, ``basis`` it is completed from) for the leaders of
+    one process: they hold the same decoded objects, so they keep sharing one result (the step
+    machine's and the data state's caches are keyed by the quorum object; completing an answer
+    per leader would be O(N^2) a round, which 512 real hosts pay in parallel). Keyed by
+    identity, the objects kept alive beside it; the last 16 are kept."""
+    hit = table.get((id(q), id(basis)))
+    if hit is not None and hit[0] is q and hit[1] is basis:
+        return hit[2]
+    merged = complete()
+    if len(table) >= 16:
+        table.pop(next(iter(table)))
+    table[(id(q), id(basis))] = (q, basis, merged)
+    return merged
 
 
 def _kept_rings(q: qm.Quorum, held: qm.Quorum | None, members_omitted: bool = False) -> qm.Quorum:
-    """:func:`keep_rings` (or :func:`keep_members` for a compact answer), once per (answer,
-    held view) for the leaders of one process: they hold the same decoded objects, so they
-    keep sharing one (the step machine's and the data state's caches are keyed by the
-    quorum object; completing a compact answer per leader would be O(N^2) a round)."""
+    """:func:`keep_rings` (or :func:`keep_members` for a compact answer), once per (answer, held view)."""
     rings = (held if members_omitted else held.rings) if held is not None else ()
-    hit = _KEPT.get((id(q), id(rings)))
-    if hit is not None and hit[0] is q and hit[1] is rings:
-        return hit[2]
-    merged = keep_members(q, held) if members_omitted else keep_rings(q, held)
-    if len(_KEPT) >= 16:
-        _KEPT.pop(next(iter(_KEPT)))
-    _KEPT[(id(q), id(rings))] = (q, rings, merged)
-    return merged
-
-
-_DELTA: dict[tuple[int, int], tuple[qm.Quorum, qm.Quorum, qm.Quorum]] = {}
+    return _completed(_KEPT, q, rings,
+                      lambda: keep_members(q, held) if members_omitted else keep_rings(q, held))
 
 
 def _delta_rings(q: qm.Quorum, rings_from: int, changed: tuple[str, ...], held: qm.Quorum | None) -> qm.Quorum:
-    """:func:`keep_ring_delta`, once per (answer, held view) for the leaders of one process (as
-    :func:`_kept_rings`: O(members x shards) each, which 512 real hosts pay in parallel)."""
-    hit = _DELTA.get((id(q), id(held)))
-    if hit is not None and hit[0] is q and hit[1] is held:
-        return hit[2]
-    merged = keep_ring_delta(q, rings_from, changed, held)
-    if len(_DELTA) >= 16:
-        _DELTA.pop(next(iter(_DELTA)))
-    _DELTA[(id(q), id(held))] = (q, held, merged)
-    return merged
+    """:func:`keep_ring_delta`, once per (answer, held view)."""
+    return _completed(_DELTA, q, held, lambda: keep_ring_delta(q, rings_from, changed, held))
 
 
 class _EndpointsNotHeld(Exception):
