@@ -526,15 +526,21 @@ def _print_targets(address: str, job: str, status_key: bytes | None = None) -> i
     return 0
 
 
+def _require_view(held: qm.Quorum | None, quorum_id: int, what: str) -> None:
+    """``held`` must be this process's view of quorum ``quorum_id`` (with its rings) for an
+    answer that leaves out what it holds; anything else is a protocol error, raised as such."""
+    if held is None or held.quorum_id != quorum_id or not held.rings:
+        raise LighthouseError(f"{what} but this process holds "
+                              f"{'no view' if held is None else f'the view of quorum {held.quorum_id}'}: "
+                              "mismatched lighthouse and client versions?")
+
+
 def keep_rings(q: qm.Quorum, held: qm.Quorum | None) -> qm.Quorum:
     """``q`` (an answer whose rings the lighthouse left out: ``rings_omitted``) with the
     rings of ``held``, this process's view of the same quorum id. The lighthouse omits
     them only when the request reported that id as its last quorum, so ``held`` is it;
     anything else is a protocol error, raised as such."""
-    if held is None or held.quorum_id != q.quorum_id or not held.rings:
-        raise LighthouseError(f"the lighthouse left out the rings of quorum {q.quorum_id} but this process holds "
-                              f"{'no view' if held is None else f'the view of quorum {held.quorum_id}'}: "
-                              "mismatched lighthouse and client versions?")
+    _require_view(held, q.quorum_id, f"the lighthouse left out the rings of quorum {q.quorum_id}")
     return dataclasses.replace(q, rings=held.rings, first_shard=held.first_shard)
 
 
@@ -544,11 +550,8 @@ def keep_ring_delta(q: qm.Quorum, rings_from: int, changed: Sequence[str], held:
     this process's view of ``rings_from``. The lighthouse sends a delta only against the
     quorum the request reported as its last, so ``held`` is it; anything else is a protocol
     error, raised as such."""
-    if held is None or held.quorum_id != rings_from or not held.rings:
-        raise LighthouseError(f"the lighthouse sent the rings of quorum {q.quorum_id} as a delta against quorum "
-                              f"{rings_from} but this process holds "
-                              f"{'no view' if held is None else f'the view of quorum {held.quorum_id}'}: "
-                              "mismatched lighthouse and client versions?")
+    _require_view(held, rings_from,
+                  f"the lighthouse sent the rings of quorum {q.quorum_id} as a delta against quorum {rings_from}")
     try:
         return qm.rings_with_delta(q, tuple(changed), held)
     except ValueError as e:
@@ -562,10 +565,7 @@ def keep_members(q: qm.Quorum, held: qm.Quorum | None) -> qm.Quorum:
     healthy, with ``held``'s rings. The lighthouse sends it only when every member is
     healthy and the request reported that id as its last quorum; anything else is a
     protocol error, raised as such."""
-    if held is None or held.quorum_id != q.quorum_id or not held.rings:
-        raise LighthouseError(f"the lighthouse left out the members of quorum {q.quorum_id} but this process holds "
-                              f"{'no view' if held is None else f'the view of quorum {held.quorum_id}'}: "
-                              "mismatched lighthouse and client versions?")
+    _require_view(held, q.quorum_id, f"the lighthouse left out the members of quorum {q.quorum_id}")
     if q.num_healthy != len(held.members):
         raise LighthouseError(f"the lighthouse left out the members of quorum {q.quorum_id} with {q.num_healthy} "
                               f"healthy of the {len(held.members)} this process holds: a compact answer lists all "
