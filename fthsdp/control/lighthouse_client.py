@@ -50,6 +50,7 @@ from dataclasses import dataclass
 import grpc
 
 from fthsdp.control import auth, quorum as qm
+from fthsdp.control.channel_args import RECONNECT_ARGS
 from fthsdp.control.session import SESSION_METHODS
 from fthsdp.control.session_client import (RelayPath, Routed, SessionError, SessionRoute, SessionUnsupported,
                                            SyncSession, beat_covered)
@@ -135,17 +136,13 @@ class SilentDataCorruption(LighthouseError, JobFatalError):
     no majority to tell which is right (the message names the step and every fingerprint)."""
 
 
-# Reconnect quickly once a restarted lighthouse listens again (gRPC's default
-# reconnect backoff grows to minutes, far past a restart).
 _SERVICE = "/fthsdp.v1.Lighthouse/"
 _CHANNEL_OPTIONS = [
     # A connection of its own: the lighthouse budgets calls per connection (fthsdp/control/admission.py),
     # so clients of one process (tests, tools) must not pool theirs into one.
     ("grpc.use_local_subchannel_pool", 1),
     ("grpc.max_receive_message_length", 256 * 1024 * 1024),  # a quorum answer of the largest job admitted
-    ("grpc.initial_reconnect_backoff_ms", 100),
-    ("grpc.min_reconnect_backoff_ms", 100),
-    ("grpc.max_reconnect_backoff_ms", 500),
+    *RECONNECT_ARGS,  # reconnect within 0.5 s of a restart; a busy server gets time to connect
 ]
 
 

@@ -56,6 +56,7 @@ import grpc
 
 from fthsdp.addresses import split_host_port
 from fthsdp.control import session as sess
+from fthsdp.control.channel_args import RECONNECT_ARGS
 from fthsdp.control.server_thread import ServerThread
 from fthsdp.control.session_client import stop_stream
 from fthsdp.proto import lighthouse as _load_stubs
@@ -67,9 +68,7 @@ __all__ = ["RelayConfig", "Relay", "RelayThread", "renumbered", "relay_of", "cli
 
 _CHANNEL_OPTIONS = [
     ("grpc.max_receive_message_length", 256 * 1024 * 1024),  # a batch of the largest quorum answers
-    ("grpc.initial_reconnect_backoff_ms", 100),
-    ("grpc.min_reconnect_backoff_ms", 100),
-    ("grpc.max_reconnect_backoff_ms", 500),
+    *RECONNECT_ARGS,
 ]
 
 

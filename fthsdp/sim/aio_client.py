@@ -35,6 +35,7 @@ from dataclasses import dataclass
 import grpc
 
 from fthsdp.control import quorum as qm, session as sess
+from fthsdp.control.channel_args import RECONNECT_ARGS
 from fthsdp.control.session_client import (SessionError, SessionUnsupported, beat_covered, parse_reply,
                                            RelayPath, SessionRoute, stop_stream, stream_error, CLOSED)
 from fthsdp.replica.fsm import membership
@@ -62,9 +63,7 @@ __all__ = ["AioLighthouseClient", "QuorumReply", "DecodeCache"]
 
 _OPTIONS = [
     ("grpc.use_local_subchannel_pool", 1),
-    ("grpc.initial_reconnect_backoff_ms", 100),
-    ("grpc.min_reconnect_backoff_ms", 100),
-    ("grpc.max_reconnect_backoff_ms", 500),
+    *RECONNECT_ARGS,
 ]
 
 
