@@ -104,10 +104,15 @@ void RingEndpoint::configure(const RingConfig& config) {
   if (!(config.connect_timeout_s > 0)) {
     throw std::invalid_argument("ftar configure: connect_timeout_s must be > 0");
   }
-  for (const auto& m : config.members) {
+  for (int64_t i = 0; i < n; ++i) {
+    const std::string& m = config.members[static_cast<size_t>(i)];
+    const bool neighbour = n > 1 && (i == (config.rank + 1) % n || i == (config.rank + n - 1) % n);
+    if (m.empty() && !neighbour) continue;  // a member this endpoint does not connect to
     tcp::Address addr;
     std::string error;
-    if (!tcp::parse_address(m, &addr, &error)) throw std::invalid_argument("ftar configure: " + error);
+    if (!tcp::parse_address(m, &addr, &error)) {
+      throw std::invalid_argument("ftar configure: member " + std::to_string(i) + ": " + error);
+    }
   }
   {
     std::lock_guard<std::mutex> lk(mu_);

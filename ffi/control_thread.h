@@ -80,7 +80,10 @@ struct RingConfig {
   std::string job_id;
   int64_t quorum_id = 0;
   int32_t rank = 0;
-  std::vector<std::string> members;  // ring order; this endpoint's address per member
+  // Ring order; this endpoint's address per member. Only the two neighbours' (rank - 1 and
+  // rank + 1, mod the size) are connected to, so only theirs must be addresses: the others may
+  // be empty (a process is told its neighbours' endpoints only: O(shards), not O(members x shards)).
+  std::vector<std::string> members;
   double connect_timeout_s = 30.0;
 };
 

@@ -72,11 +72,16 @@ Registry& registry() {
   return r;
 }
 
+// Every part, empty ones included ("a,," is three parts): a member this endpoint does not
+// connect to is given as empty addresses (see RingConfig::members).
 std::vector<std::string> split(const std::string& s, char sep) {
   std::vector<std::string> out;
-  std::stringstream ss(s);
-  std::string item;
-  while (std::getline(ss, item, sep)) out.push_back(item);
+  size_t from = 0;
+  for (size_t at = s.find(sep); at != std::string::npos; at = s.find(sep, from)) {
+    out.push_back(s.substr(from, at - from));
+    from = at + 1;
+  }
+  out.push_back(s.substr(from));
   return out;
 }
 

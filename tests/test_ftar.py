@@ -239,6 +239,40 @@ def test_abort_unblocks_an_inflight_allreduce_promptly():
         assert status == ftar.STATUS_RECOVERABLE and "aborted" in reason
 
 
+def test_a_ring_whose_endpoints_know_only_their_neighbours_sums_exactly():
+    """Each endpoint is told its two neighbours' addresses only (the others empty), as a
+    process's neighbour view gives them (fthsdp.control.quorum.neighbour_view): the ring forms
+    and sums as with every address; a neighbour left empty is refused with the member named."""
+    n = 4
+    comms = [ftar.Communicator(timeout_s=5.0, chunk_bytes=256, chunks=2, streams=2) for _ in range(n)]
+    try:
+        addrs = [c.address for c in comms]
+
+        def known(rank: int) -> list[str]:
+            return [a if i in ((rank - 1) % n, (rank + 1) % n) else "" for i, a in enumerate(addrs)]
+
+        for r, c in enumerate(comms):
+            c.configure("job", 1, r, known(r), timeout_s=5.0, wait=False)
+        assert all(c.wait_configured(6.0) for c in comms)
+        xs = [np.arange(1001, dtype=np.float32) * (r + 1) for r in range(n)]
+        out: dict[int, tuple] = {}
+        ts = [threading.Thread(target=lambda r=r: out.__setitem__(
+            r, comms[r].allreduce_host(xs[r], quorum_id=1, rank=r, n=n))) for r in range(n)]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join(timeout=60)
+        assert all(out[r] == (0, "") for r in range(n)), out
+        want = np.arange(1001, dtype=np.float32) * sum(range(1, n + 1))
+        for x in xs:
+            np.testing.assert_array_equal(x, want)
+        with pytest.raises(ValueError, match="member 1: "):
+            comms[0].configure("job", 2, 0, ["", "", "", addrs[3]])
+    finally:
+        for c in comms:
+            c.close()
+
+
 def test_bad_arguments_fail_with_a_clear_message():
     with pytest.raises(ValueError, match="streams must be in"):
         ftar.Communicator(streams=0)
