@@ -13,7 +13,8 @@ quorum with every replica in it.
   speaking the real protocol (version 2): a replica is P processes x D ranks
   (G = P x D); every process heartbeats every 100 ms and registers its own
   shards' endpoints; the leader gathers its ranks' requests, asks once and gets
-  its view (the members and its D shards' rings: O(R x D) bytes), the other
+  its view (the members, and its D shards' rings: the ring neighbours' endpoints
+  of each, O(R + D) bytes; whole rings, O(R x D), with older clients), the other
   processes fetch theirs when the quorum id changes; the ranks then replay the
   step machine, run the mock all-reduce and vote. Shapes 16 x G and 512 x G at
   1K, 10K and 100K ranks, each with one process per replica (D = G: the

@@ -130,17 +130,21 @@ def test_relay_failover_quick(tmp_path):
 
 
 
-def test_ring_delta_quick(tmp_path):
-    """64 x 32 with a replica killed and restarted and a failed commit, leaders taking rings whole
-    and as a delta: the same job either way (every invariant, every step), and the delta's answers
-    on each change of quorum id are several times smaller (the rejoiner, holding no view, gets
-    its rings whole in both)."""
-    out = tmp_path / "rd.json"
-    run("ring_delta.py", "--quick", "--out", str(out))
+def test_ring_forms_quick(tmp_path):
+    """64 x 32 with a replica killed and restarted and a failed commit, leaders taking rings whole,
+    as a delta and as their ring neighbours only: the same job each way (every invariant, every
+    step); the delta's answers on each change of quorum id are several times smaller than whole
+    rings, and the neighbours' several times smaller in the first round too (where a delta has
+    nothing to be against)."""
+    out = tmp_path / "rf.json"
+    run("ring_forms.py", "--quick", "--out", str(out))
     res = json.loads(out.read_text())
     runs = {x["arm"]: x for x in res["runs"]}
-    assert set(runs) == {"whole", "delta"}
+    assert set(runs) == {"whole", "delta", "neighbours"}
     for x in runs.values():
         assert x["violations"] == [] and x["final_steps"] == [12] and len(x["changes"]) == 2, x
-    assert res["ratios_whole_over_delta"]["change_answer_bytes_median"] > 3
+    assert res["ratios"]["whole_over_delta"]["change_answer_bytes_median"] > 3
+    assert res["ratios"]["whole_over_delta"]["first_answer_bytes"] == 1.0
+    assert res["ratios"]["whole_over_neighbours"]["first_answer_bytes"] > 3
+    assert res["ratios"]["whole_over_neighbours"]["change_answer_bytes_median"] > 3
     assert out.with_suffix(".png").stat().st_size > 10_000

@@ -80,12 +80,13 @@ def lighthouse():
         yield lh
 
 
-def clients(address: str, job: str, replicas: int, procs: int, d: int) -> dict[tuple[int, int], LighthouseClient]:
+def clients(address: str, job: str, replicas: int, procs: int, d: int,
+            ring_form: str = "neighbours") -> dict[tuple[int, int], LighthouseClient]:
     out = {}
     for r in range(replicas):
         for p in range(procs):
             c = LighthouseClient(address, job, r, heartbeat_interval_s=0.05, heartbeat_timeout_s=0.5,
-                                 process_index=p, num_processes=procs)
+                                 process_index=p, num_processes=procs, ring_form=ring_form)
             c.register(ftar(r, p, d), server(r, p), procs * d)
             out[(r, p)] = c
     return out
@@ -133,9 +134,10 @@ def test_every_process_registers_and_gets_its_own_view(lighthouse):
             time.sleep(0.02)
         q0, q1 = ask(cs, 2, 2)
         assert q0.quorum_id == q1.quorum_id and q0.member_ids == ("0", "1")
-        assert q0.ring_addresses() == [ftar(0, 0, 2), ftar(1, 0, 2)]  # the leaders: shards 0, 1
+        # the leaders: shards 0, 1 (in a ring of two, a neighbour view holds every member)
+        assert q0.ring_neighbours and q0.ring_addresses("0") == [ftar(0, 0, 2), ftar(1, 0, 2)]
         v = cs[(1, 1)].get_view(q0.quorum_id)  # replica 1's follower, by its leader's quorum id
-        assert v.first_shard == 2 and v.ring_addresses() == [ftar(0, 1, 2), ftar(1, 1, 2)]
+        assert v.first_shard == 2 and v.ring_addresses("1") == [ftar(0, 1, 2), ftar(1, 1, 2)]
         assert v.member_ids == q0.member_ids and v.max_step == q0.max_step
         [st] = cs[(0, 0)].status()
         assert [(r.replica_id, r.num_processes, r.dead) for r in st.replicas] == [("0", 2, False), ("1", 2, False)]
@@ -165,7 +167,7 @@ def test_a_followers_view_of_a_new_quorum_comes_as_a_ring_delta_against_the_one_
     of their shards only), which they rebuild into the whole view; replica 2's follower, holding
     none, gets it whole. A follower that says it holds a quorum it is not a member of gets the
     view whole too; a negative held id is refused with the reason."""
-    cs = clients(lighthouse.address, "mpd", 3, 2, 2)
+    cs = clients(lighthouse.address, "mpd", 3, 2, 2, ring_form="delta")
     try:
         for c in cs.values():
             c.start_heartbeats()
@@ -245,12 +247,13 @@ def test_a_replica_asks_only_once_all_its_processes_registered(lighthouse):
             [st] = cs[(0, 0)].status()
             assert "not asking until all its processes registered" in st.last_reason, st.last_reason
             cs[(1, 1)].start_heartbeats()  # it registers: replica 1 now asks
-            q0, q1 = f0.result(), f1.result()
+            f0.result()  # replica 0 is answered too
+            q1 = f1.result()
         # replica 0 may have formed a quorum alone (the follower missed the join timeout); in any case
         # replica 1 is a member only with its follower's endpoints
         if "1" in q1.member_ids:
-            assert q1.ring_addresses()[q1.rank_of("1")] == ftar(1, 0, 1)
-            assert cs[(1, 1)].get_view(q1.quorum_id).ring_addresses()[q1.rank_of("1")] == ftar(1, 1, 1)
+            assert q1.ring_addresses("1")[q1.rank_of("1")] == ftar(1, 0, 1)
+            assert cs[(1, 1)].get_view(q1.quorum_id).ring_addresses("1")[q1.rank_of("1")] == ftar(1, 1, 1)
     finally:
         for c in cs.values():
             c.close()
@@ -296,6 +299,30 @@ def test_one_silent_process_makes_its_whole_replica_dead(lighthouse):
                                  state_server_address=server(r, 0), num_replicas=3, timeout_s=3) for r in (0, 2)}
             q = futs[0].result()
         assert q.member_ids == ("0", "2"), q
+    finally:
+        for c in cs.values():
+            c.close()
+
+
+def test_a_followers_neighbour_view_holds_its_shards_of_its_ring_neighbourhood(lighthouse):
+    """Four replicas x 2 processes x 2 shards: a follower's view of the leaders' quorum holds,
+    for its own shards 2 and 3, only its replica's and the two neighbour replicas' endpoints."""
+    cs = clients(lighthouse.address, "mpn", 4, 2, 2)
+    try:
+        for c in cs.values():
+            c.start_heartbeats()
+        deadline = time.monotonic() + 5
+        while not all(c.registration.held for c in cs.values()):
+            assert time.monotonic() < deadline, "a process never registered"
+            time.sleep(0.02)
+        qs = ask(cs, 4, 2)
+        qid = qs[0].quorum_id
+        assert qs[0].member_ids == ("0", "1", "2", "3")
+        for r in range(4):
+            v = cs[(r, 1)].get_view(qid)
+            near = {(r - 1) % 4, r, (r + 1) % 4}
+            assert v.ring_neighbours and v.first_shard == 2
+            assert v.ring_addresses(str(r)) == [ftar(m, 1, 2) if m in near else ["", ""] for m in range(4)]
     finally:
         for c in cs.values():
             c.close()

@@ -105,7 +105,7 @@ class Impostor:
             time.sleep(0.1)
         q = self.client.get_quorum(0, ftar_addresses=[self.address], num_replicas=2, timeout_s=240)
         assert q.member_ids == ("0", "1"), q
-        host, port = q.ring_addresses()[q.rank_of("0")][0].rsplit(":", 1)
+        host, port = q.ring_addresses("1")[q.rank_of("0")][0].rsplit(":", 1)
         rank, n = q.rank_of("1"), q.num_members
         for stream in range(streams):  # connect to the replica as its left neighbour
             s = socket.create_connection((host, int(port)), timeout=60)

@@ -192,10 +192,12 @@ def test_a_steady_answer_leaves_out_the_rings_its_asker_holds():
         finally:
             for c in clients:
                 c.close()
-    expected = tuple(tuple(f"127.0.0.1:{20000 + 10 * i + k}" for i in range(n)) for k in range(shards))
-    for a, b in zip(first, second):
-        assert a.quorum_id == b.quorum_id == 1 and a.rings == b.rings == expected and b.max_step == 1
-    assert third[0].quorum_id == 2 and all(q.rings == expected for q in third)
+    # every member's endpoints, per member: in a ring of three a neighbour view holds them all
+    expected = [[f"127.0.0.1:{20000 + 10 * i + k}" for k in range(shards)] for i in range(n)]
+    for i, (a, b) in enumerate(zip(first, second)):
+        assert a.quorum_id == b.quorum_id == 1 and a.rings == b.rings and b.max_step == 1
+        assert b.ring_neighbours and b.ring_addresses(str(i)) == expected
+    assert third[0].quorum_id == 2 and all(q.ring_addresses(str(i)) == expected for i, q in enumerate(third))
     assert (lean0, lean1, lean2) == (0, n, n)  # only the steady round's answers left the rings out
     # The lean answer on the wire: the leader of a 3 x 4 job, rings left out.
     view = pb2.QuorumResponse(protocol_version=LIGHTHOUSE_PROTOCOL_VERSION)
@@ -297,7 +299,7 @@ def test_a_new_membership_is_answered_with_a_ring_delta_to_the_leaders_that_hold
         return [f"127.0.0.1:{20000 + 10 * i + k}" for k in range(shards)]
 
     with LighthouseThread(LighthouseConfig(join_timeout_s=0.3, detect_s=20.0)) as lh:
-        clients = {i: LighthouseClient(lh.address, "delta", str(i)) for i in range(5)}
+        clients = {i: LighthouseClient(lh.address, "delta", str(i), ring_form="delta") for i in range(5)}
         try:
             def round_(ids, step: int, first_alone: bool = False):
                 with cf.ThreadPoolExecutor(len(ids)) as ex:
@@ -322,3 +324,72 @@ def test_a_new_membership_is_answered_with_a_ring_delta_to_the_leaders_that_hold
     expected = tuple(tuple(ftar(i)[k] for i in (0, 1, 2, 4)) for k in range(shards))
     assert {q.quorum_id for q in second} == {2}
     assert all(q.member_ids == ("0", "1", "2", "4") and q.rings == expected for q in second)
+
+
+def test_a_neighbour_view_holds_each_process_s_ring_neighbourhood_only():
+    """neighbour_rings: per shard, the left neighbour's endpoint, the process's own and the right
+    neighbour's; ring_addresses(viewer) places them and leaves every other member empty (what
+    FTAR's configure accepts), the same endpoints the whole view gives those three members; rings
+    of two and of one; a fault's address is traced to a neighbour; misuse is refused."""
+    import dataclasses
+
+    import pytest
+
+    from fthsdp.control import quorum as qm
+
+    n, shards = 5, 3
+    q = _full_quorum(n, shards)
+    whole = qm.process_view(q, "0", 0, shards).ring_addresses()
+    nr = qm.neighbour_rings(q, 0, 0, shards)
+    assert nr == tuple((whole[4][k], whole[0][k], whole[1][k]) for k in range(shards))
+    view = dataclasses.replace(qm.process_view(q, "0", 0, shards, rings=False), rings=nr, ring_neighbours=True)
+    assert qm.process_view(q, "0", 0, shards, rings=False).rings == ()
+    assert view.ring_addresses("0") == [whole[0], whole[1], [""] * shards, [""] * shards, whole[4]]
+    mid = dataclasses.replace(view, rings=qm.neighbour_rings(q, 2, 1, 2))  # member 2's shards 1, 2
+    assert mid.ring_addresses("2") == [["", ""], whole[1][1:], whole[2][1:], whole[3][1:], ["", ""]]
+    assert view.member_at(whole[4][2], "0") == "4" and view.member_at(whole[1][0], "0") == "1"
+    assert view.member_at(whole[2][0], "0") is None  # not a neighbour: not in this view
+    with pytest.raises(ValueError, match="say whose view"):
+        view.ring_addresses()
+    with pytest.raises(ValueError, match="rank 5 outside quorum 1 of 5"):
+        qm.neighbour_rings(q, 5, 0, shards)
+    with pytest.raises(ValueError, match="outside member"):
+        qm.neighbour_rings(q, 0, 2, 2)
+    two = _full_quorum(2, 2)
+    assert qm.neighbour_rings(two, 1, 0, 2) == tuple((a, b, a) for a, b in zip(two.members[0].ftar_addresses,
+                                                                              two.members[1].ftar_addresses))
+    one = _full_quorum(1, 2)
+    assert qm.neighbour_rings(one, 0, 0, 2) == tuple((a, a, a) for a in one.members[0].ftar_addresses)
+
+
+def test_each_leader_of_a_new_quorum_gets_its_neighbourhood_and_an_older_client_whole_rings():
+    """Five replicas x 4 shards: the four clients that take neighbour views get only their own and
+    their two neighbours' endpoints (every other member empty), identical to the whole rings on
+    those three; the fifth, asking as an older client, gets
+    whole rings in the same round."""
+    import concurrent.futures as cf
+
+    n, shards = 5, 4
+
+    def ftar(i: int) -> list[str]:
+        return [f"127.0.0.1:{20000 + 10 * i + k}" for k in range(shards)]
+
+    forms = {i: "neighbours" for i in range(n - 1)} | {n - 1: "whole"}
+    with LighthouseThread(LighthouseConfig(join_timeout_s=20.0, detect_s=20.0)) as lh:
+        clients = {i: LighthouseClient(lh.address, "nb", str(i), ring_form=forms[i]) for i in range(n)}
+        try:
+            with cf.ThreadPoolExecutor(n) as ex:
+                got = list(ex.map(lambda i: clients[i].get_quorum(
+                    0, ftar_addresses=ftar(i), state_server_address=f"127.0.0.1:{30000 + i}", num_replicas=n,
+                    timeout_s=30.0), range(n)))
+            sent = lh.server.stats["replies_ring_neighbours"]
+        finally:
+            for c in clients.values():
+                c.close()
+    assert sent == n - 1
+    everyone = [ftar(i) for i in range(n)]
+    for i, q in enumerate(got[:-1]):
+        assert q.member_ids == tuple(str(r) for r in range(n)) and q.ring_neighbours
+        near = {(i - 1) % n, i, (i + 1) % n}
+        assert q.ring_addresses(str(i)) == [everyone[r] if r in near else [""] * shards for r in range(n)]
+    assert not got[-1].ring_neighbours and got[-1].ring_addresses() == everyone

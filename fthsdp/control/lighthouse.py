@@ -448,6 +448,7 @@ class _Job:
     view_cache: dict[tuple, bytes] = field(default_factory=dict)
     view_cache_of: qm.Quorum | None = None
     view_members: dict[str, qm.Member] = field(default_factory=dict)
+    view_ranks: dict[str, int] = field(default_factory=dict)  # of view_cache_of's members
     held_members_of: qm.Quorum | None = None  # the earlier quorum ring deltas are built against
     held_members: dict[str, qm.Member] = field(default_factory=dict)
     # Root-cause analysis: each process's last phase report, the verdict now
@@ -502,7 +503,7 @@ class _Job:
             del self.decided[min(self.decided)]
 
     def view_reply(self, q: qm.Quorum, rid: str, process: int, stats: dict, holds_view: bool = False,
-                   compact_ok: bool = False, held: qm.Quorum | None = None) -> bytes:
+                   compact_ok: bool = False, held: qm.Quorum | None = None, neighbours: bool = False) -> bytes:
         """The serialized QuorumResponse for process ``process`` of member ``rid``: its view
         (:func:`fthsdp.control.quorum.process_view`). Built once per decision and shard range
         for healthy askers (the same bytes for every replica's process p: building it per
@@ -516,19 +517,26 @@ class _Job:
         replicas, which gRPC copied and the clients received. ``held``: the earlier quorum
         whose view the asker holds (its last, when it accepts ring deltas): the rings then go
         as a delta against that view (``rings_from``), O(changed members x shards), when the
-        asker's shards are the same in both."""
+        asker's shards are the same in both. ``neighbours``: the asker takes its rings as its
+        two ring neighbours' endpoints (``ring_neighbours``, :func:`fthsdp.control.quorum.
+        neighbour_rings`): the part every asker shares is built once as above, and the asker's
+        neighbours are appended to it as a second serialized message (protobuf merges the two
+        ``quorum`` fields into one), O(its shards) per asker instead of O(members x shards)."""
         if self.view_cache_of is not q:
             self.view_cache, self.view_cache_of = {}, q
             self.view_members = {x.replica_id: x for x in q.members}
+            self.view_ranks = {x.replica_id: i for i, x in enumerate(q.members)}
         m = self.view_members[rid]
         per = max(1, m.local_world_size // max(1, m.num_processes))
         first = process * per
         behind = rid if rid in q.recovery else None
         lean = holds_view and behind is None
         compact = lean and compact_ok and not q.behind
-        if held is not None and (lean or held.quorum_id == q.quorum_id or not self._same_shards(held, rid, m)):
+        neighbours = neighbours and not lean
+        if held is not None and (neighbours or lean or held.quorum_id == q.quorum_id
+                                 or not self._same_shards(held, rid, m)):
             held = None
-        key = (first, per, behind, lean, compact, held.quorum_id if held is not None else 0)
+        key = (first, per, behind, lean, compact, held.quorum_id if held is not None else 0, neighbours)
         raw = self.view_cache.get(key)
         if raw is None:
             if compact:
@@ -538,7 +546,7 @@ class _Job:
             else:
                 # A lean view is cut with no shards at all: building its rings only to drop
                 # them cost 28 ms per decision at 16 x 6,250 (behind is None: no sources either).
-                view = qm.process_view(q, rid, first, 0 if lean else per)
+                view = qm.process_view(q, rid, first, 0 if lean else per, rings=not neighbours)
                 changed = qm.ring_changes(held, q, first, per) if held is not None else ()
                 proto = quorum_to_proto(qm.delta_view(view, changed) if held is not None else view)
                 proto.rings_omitted = lean
@@ -550,6 +558,11 @@ class _Job:
             if key[2] is None:
                 self.view_cache[key] = raw
             stats["replies_serialized"] += 1
+        if neighbours:
+            rings = qm.neighbour_rings(q, self.view_ranks[rid], first, per)
+            raw += pb2.QuorumResponse(quorum=pb2.Quorum(ring_neighbours=True, rings=[
+                pb2.ShardRing(shard=first + j, addresses=pair) for j, pair in enumerate(rings)])).SerializeToString()
+            stats["replies_ring_neighbours"] += 1
         stats["replies_sent"] += 1
         stats["replies_rings_omitted"] += lean
         stats["replies_members_omitted"] += compact
@@ -639,7 +652,8 @@ class Lighthouse(pb2_grpc.LighthouseServicer):
         self.port: int = 0
         # Where the time goes (tests and experiments read these counters).
         self.stats = {"decisions": 0, "evaluations": 0, "evaluation_s": 0.0, "replies_serialized": 0,
-                      "replies_sent": 0, "replies_rings_omitted": 0, "replies_members_omitted": 0, "replies_ring_delta": 0, "stalls": 0, "rca_runs": 0, "rca_s": 0.0,
+                      "replies_sent": 0, "replies_rings_omitted": 0, "replies_members_omitted": 0, "replies_ring_delta": 0,
+                      "replies_ring_neighbours": 0, "stalls": 0, "rca_runs": 0, "rca_s": 0.0,
                       "sdc_mismatches": 0, "refused": 0, "forgotten_dead": 0,
                       "sessions_opened": 0, "session_messages": 0, "relay_batches": 0,
                       "sessions_open": 0, "relay_streams_open": 0, "relayed_messages": 0, "requests_endpoints_held": 0,
@@ -1369,7 +1383,8 @@ class Lighthouse(pb2_grpc.LighthouseServicer):
         held = job.decided.get(request.last_quorum_id) if request.accepts_ring_delta else None
         return job.view_reply(result, request.replica_id, 0, self.stats,
                               holds_view=request.last_quorum_id == result.quorum_id,
-                              compact_ok=request.accepts_members_omitted, held=held)
+                              compact_ok=request.accepts_members_omitted, held=held,
+                              neighbours=request.accepts_ring_neighbours)
 
     async def Heartbeat(self, request: pb2.HeartbeatRequest, context: grpc.aio.ServicerContext) -> bytes:
         try:
@@ -1439,7 +1454,8 @@ class Lighthouse(pb2_grpc.LighthouseServicer):
                                 f"process_index {request.process_index} is outside 0..{m.num_processes - 1} "
                                 f"(replica {rid!r} has {m.num_processes} process(es) in quorum {q.quorum_id})")
         held = job.decided.get(request.held_quorum_id) if request.accepts_ring_delta else None
-        return job.view_reply(q, rid, request.process_index, self.stats, held=held)
+        return job.view_reply(q, rid, request.process_index, self.stats, held=held,
+                              neighbours=request.accepts_ring_neighbours)
 
     async def Leave(self, request: pb2.LeaveRequest, context: grpc.aio.ServicerContext) -> pb2.LeaveResponse:
         err = _version_error(request.protocol_version)

@@ -532,13 +532,26 @@ def _require_view(held: qm.Quorum | None, quorum_id: int, what: str) -> None:
                               "mismatched lighthouse and client versions?")
 
 
+# How a client takes a new quorum's rings (its request's flags, ring_request_flags): its ring
+# neighbours' endpoints only (this version's default; a lighthouse that predates them sends a
+# delta or whole rings), a delta against the view it holds, or whole (as the oldest clients).
+RING_FORMS = ("neighbours", "delta", "whole")
+
+
+def ring_request_flags(form: str) -> dict[str, bool]:
+    """The QuorumRequest / ViewRequest fields that ask for rings in ``form`` (RING_FORMS)."""
+    if form not in RING_FORMS:
+        raise ValueError(f"ring form {form!r} unknown: one of {RING_FORMS}")
+    return {"accepts_ring_neighbours": form == "neighbours", "accepts_ring_delta": form != "whole"}
+
+
 def keep_rings(q: qm.Quorum, held: qm.Quorum | None) -> qm.Quorum:
     """``q`` (an answer whose rings the lighthouse left out: ``rings_omitted``) with the
     rings of ``held``, this process's view of the same quorum id. The lighthouse omits
     them only when the request reported that id as its last quorum, so ``held`` is it;
     anything else is a protocol error, raised as such."""
     _require_view(held, q.quorum_id, f"the lighthouse left out the rings of quorum {q.quorum_id}")
-    return dataclasses.replace(q, rings=held.rings, first_shard=held.first_shard)
+    return dataclasses.replace(q, rings=held.rings, first_shard=held.first_shard, ring_neighbours=held.ring_neighbours)
 
 
 def keep_ring_delta(q: qm.Quorum, rings_from: int, changed: Sequence[str], held: qm.Quorum | None) -> qm.Quorum:
@@ -569,7 +582,8 @@ def keep_members(q: qm.Quorum, held: qm.Quorum | None) -> qm.Quorum:
                               "members healthy (mismatched lighthouse and client versions?)")
     members = tuple(m if m.step == q.max_step else dataclasses.replace(m, step=q.max_step) for m in held.members)
     return dataclasses.replace(q, members=members, healthy=held.member_ids, behind=(), recovery={},
-                               rings=held.rings, first_shard=held.first_shard, sources=())
+                               rings=held.rings, first_shard=held.first_shard, sources=(),
+                               ring_neighbours=held.ring_neighbours)
 
 
 def quorum_from_proto(p: pb2.Quorum) -> qm.Quorum:
@@ -591,6 +605,7 @@ def quorum_from_proto(p: pb2.Quorum) -> qm.Quorum:
         rings=tuple(tuple(r.addresses) for r in p.rings),
         first_shard=p.rings[0].shard if p.rings else 0,
         sources=tuple(qm.ShardSource(x.shard, x.replica_id, x.state_server_address) for x in p.sources),
+        ring_neighbours=p.ring_neighbours,
     )
 
 
@@ -618,6 +633,7 @@ class LighthouseClient:
         tls_ca_file: str = "",
         session: bool = True,
         relay: str = "",
+        ring_form: str = "neighbours",
     ) -> None:
         """``outage_s``: how long ``get_quorum`` retries an unreachable lighthouse
         (0 = fail at once). ``rejoin``: this process was restarted to rejoin a
@@ -629,7 +645,11 @@ class LighthouseClient:
         heartbeats and quorum requests as messages of one long-lived stream
         (:mod:`fthsdp.control.session`; unary calls when the lighthouse offers none).
         ``relay``: HOST:PORT of a relay (:mod:`fthsdp.control.relay`) to carry that stream (over
-        TLS too when ``tls_ca_file`` is given); the lighthouse directly once the relay is gone."""
+        TLS too when ``tls_ca_file`` is given); the lighthouse directly once the relay is gone.
+        ``ring_form``: how a new quorum's rings are asked for (:data:`RING_FORMS`; the default,
+        this process's ring neighbours' endpoints only, is the smallest answer; the others are
+        what older clients ask for, kept for tests and comparisons)."""
+        ring_request_flags(ring_form)  # refuses an unknown form here, not at the first request
         if num_processes < 1 or not 0 <= process_index < num_processes:
             raise ValueError(f"process_index {process_index} must be in 0..num_processes-1 (num_processes "
                              f"{num_processes} >= 1)")
@@ -642,6 +662,7 @@ class LighthouseClient:
         if not outage_s >= 0:
             raise ValueError(f"outage_s must be >= 0 seconds, got {outage_s}")
         self.address = address
+        self.ring_form = ring_form
         self.job_id = job_id
         self.replica_id = str(replica_id)
         self.rpc_timeout_s = rpc_timeout_s
@@ -870,7 +891,7 @@ class LighthouseClient:
             accused_replica_ids=list(accused),
             incarnation=self.incarnation,
             accepts_members_omitted=True,
-            accepts_ring_delta=True,
+            **ring_request_flags(self.ring_form),
             lineage=qm.lineage_report(self.lineage),
             # the same on every send of this request below: a lighthouse that decided it answers a
             # send again at once (its answer was lost on the way)
@@ -953,7 +974,8 @@ class LighthouseClient:
         held = self.last_quorum
         req = pb2.ViewRequest(protocol_version=LIGHTHOUSE_PROTOCOL_VERSION, job_id=self.job_id,
                               replica_id=self.replica_id, process_index=self.process_index, quorum_id=quorum_id,
-                              held_quorum_id=held.quorum_id if held is not None else 0, accepts_ring_delta=True)
+                              held_quorum_id=held.quorum_id if held is not None else 0,
+                              **ring_request_flags(self.ring_form))
         down_since: float | None = None
         delays = backoff_delays()
         while True:

@@ -230,7 +230,7 @@ class DecisionChannel:
 def quorum_to_json(q) -> dict:
     """The leader's decision for its followers: the quorum without the leader's own view
     (its rings and sources; each follower fetches its own from the lighthouse)."""
-    return dataclasses.asdict(dataclasses.replace(q, rings=(), sources=()))
+    return dataclasses.asdict(dataclasses.replace(q, rings=(), sources=(), ring_neighbours=False))
 
 
 def quorum_from_json(d: dict):
@@ -380,7 +380,7 @@ class FollowerQuorumSource:
         members = tuple(dataclasses.replace(m, state_server_address=servers.get(m.replica_id, ""),
                                             state_server_addresses=()) for m in q.members)
         return dataclasses.replace(q, members=members, rings=v.rings, first_shard=v.first_shard,
-                                   sources=v.sources if q.recovery else (),
+                                   ring_neighbours=v.ring_neighbours, sources=v.sources if q.recovery else (),
                                    recovery=v.recovery if q.recovery else {})
 
     def _without_view(self, q, v, why: str):
@@ -397,7 +397,7 @@ class FollowerQuorumSource:
                     "leader asks the lighthouse again", why)
         members = tuple(dataclasses.replace(m, state_server_address="", state_server_addresses=())
                         for m in q.members)
-        return dataclasses.replace(q, members=members, rings=(), sources=(), recovery={})
+        return dataclasses.replace(q, members=members, rings=(), sources=(), recovery={}, ring_neighbours=False)
 
     def _hold(self, step: int, q) -> None:
         """The test hook ``ft.test_hold_view``: wait before the first view at or after its step

@@ -243,7 +243,7 @@ class Manager:
     def _configure(self, q: qm.Quorum) -> float:
         t0 = time.perf_counter()
         rank = q.rank_of(self.replica_id)
-        members = q.ring_addresses()  # per member, this process's shards' endpoints
+        members = q.ring_addresses(self.replica_id)  # per member, this process's shards' endpoints
         self.comm.configure(self.job_id, q.quorum_id, rank, members, timeout_s=self.cfg.ft.allreduce_timeout_s)
         with self._lock:
             self._configured_qid = q.quorum_id
@@ -457,7 +457,7 @@ class Manager:
         """The member of ``q`` whose FTAR or state-server address is ``address`` (a fault's source)."""
         if not address:
             return None
-        return q.member_at(address)
+        return q.member_at(address, self.replica_id)
 
     def _fetch_peers_state(self, q: qm.Quorum, step: int, events: list[str]) -> tuple[TrainState, dict]:
         """Behind: the healthy replicas' state of the end of step max_step - 1 (this process's

@@ -54,6 +54,7 @@ from fthsdp.control.lighthouse_client import (
     keep_rings,
     new_request_id,
     quorum_from_proto,
+    ring_request_flags,
 )
 from fthsdp.proto import LIGHTHOUSE_PROTOCOL_VERSION, lighthouse as _load_stubs
 
@@ -153,6 +154,11 @@ class DecodeCache:
         # (a memcmp), not by hashing: hashing each leader's copy of a 1.45 MB answer cost
         # the emulator ~1 ms per leader, 0.5 s a round at 512 leaders.
         self._recent: list[tuple[bytes, Answer | int]] = []
+        # Neighbour answers (ring_neighbours) differ per leader only in their last bytes, the
+        # leader's own rings appended to the part every leader shares (the lighthouse's
+        # view_reply): the shared bytes and their decoded answer, so that each leader decodes
+        # only its few hundred bytes of rings, not the members again.
+        self._shared: list[tuple[bytes, Answer]] = []
         self.decoded = 0
         self.hits = 0
 
@@ -172,10 +178,26 @@ class DecodeCache:
             if len(known) == n and known == raw:
                 self.hits += 1
                 return q
+        for shared, a in self._shared:
+            if len(shared) < n and raw.startswith(shared):
+                own = pb2.QuorumResponse.FromString(raw[len(shared):]).quorum
+                if own.ring_neighbours and own.rings and not own.members:
+                    self.hits += 1
+                    return dataclasses.replace(a, quorum=dataclasses.replace(
+                        a.quorum, rings=tuple(tuple(r.addresses) for r in own.rings), first_shard=own.rings[0].shard,
+                        ring_neighbours=True))
         q = self.parse(raw)
         self.decoded += 1
-        self._recent.insert(0, (raw, q))
-        del self._recent[self._size:]
+        if isinstance(q, Answer) and q.quorum.ring_neighbours and q.quorum.rings:
+            own_raw = pb2.QuorumResponse(quorum=pb2.Quorum(ring_neighbours=True, rings=[
+                pb2.ShardRing(shard=q.quorum.first_shard + j, addresses=r) for j, r in enumerate(q.quorum.rings)
+            ])).SerializeToString()
+            if raw.endswith(own_raw) and len(own_raw) < n:
+                self._shared.insert(0, (raw[:n - len(own_raw)], q))
+                del self._shared[self._size:]
+        else:
+            self._recent.insert(0, (raw, q))
+            del self._recent[self._size:]
         return q
 
 
@@ -309,7 +331,7 @@ class AioLighthouseClient:
                  heartbeat_timeout_s: float, rejoin: bool = False, process_index: int = 0,
                  num_processes: int = 1, channel_of: "AioLighthouseClient | None" = None,
                  session: bool = True, relay: str = "", relay_retry_s: float = RelayPath.RETRY_S,
-                 relay_silence_s: float = RelayPath.SILENCE_S, ring_delta: bool = True) -> None:
+                 relay_silence_s: float = RelayPath.SILENCE_S, ring_form: str = "neighbours") -> None:
         if num_processes < 1 or not 0 <= process_index < num_processes:
             raise ValueError(f"process_index {process_index} must be in 0..num_processes-1 ({num_processes})")
         self.address = address
@@ -358,7 +380,7 @@ class AioLighthouseClient:
         self.asked_at = -math.inf  # when get_quorum last sent a request (perf_counter)
         self.step = 0
         self.outages: list[float] = []
-        self.ring_delta = ring_delta  # accept a new quorum's rings as a delta (False: whole, as older clients)
+        self.ring_flags = ring_request_flags(ring_form)  # how a new quorum's rings are asked for (RING_FORMS)
         self.last_reply_bytes = 0  # size of the last quorum answer or view on the wire
         self.last_request_bytes = 0  # size of the last quorum request or view request
         # Answers decoded once per distinct answer bytes, shared by the leaders of
@@ -383,7 +405,7 @@ class AioLighthouseClient:
             last_quorum_id=last.quorum_id if last is not None else 0,
             rejoin=self.rejoin, fresh_start=last is None and not self.rejoin,
             process_index=self.process_index, num_processes=self.num_processes, accepts_members_omitted=True,
-            accepts_ring_delta=self.ring_delta,
+            **self.ring_flags,
             lineage=qm.lineage_report(self.lineage), request_id=request_id,
         )
         self._sent_endpoints = self.held_endpoints.fill(head, ftar, state_server)
@@ -424,8 +446,7 @@ class AioLighthouseClient:
         held = self.last_quorum  # the rings may come as a delta against it (_call rebuilds them)
         req = pb2.ViewRequest(protocol_version=LIGHTHOUSE_PROTOCOL_VERSION, job_id=self.job_id,
                               replica_id=self.replica_id, process_index=self.process_index, quorum_id=quorum_id,
-                              held_quorum_id=held.quorum_id if held is not None else 0,
-                              accepts_ring_delta=self.ring_delta)
+                              held_quorum_id=held.quorum_id if held is not None else 0, **self.ring_flags)
         return await self._call(self._get_view_raw, req, f"get_view(quorum {quorum_id})", timeout_s)
 
     async def _send(self, method, req, timeout_s: float, name: str) -> bytes:

@@ -66,7 +66,7 @@ from dataclasses import dataclass, field
 from fthsdp.gc_policy import low_pause_gc
 from fthsdp.control import quorum as qm
 from fthsdp.replica import fsm
-from fthsdp.control.lighthouse_client import JobFinished, LighthouseError, LighthouseUnavailable
+from fthsdp.control.lighthouse_client import JobFinished, LighthouseError, LighthouseUnavailable, ring_request_flags
 from fthsdp.control.relay import relay_of
 from fthsdp.control.session_client import RelayPath
 from fthsdp.sim.aio_client import AioLighthouseClient, DecodeCache
@@ -145,7 +145,8 @@ class EmulationConfig:
     # Processes per replica (P; the replica's G ranks are P x D devices, D = G / P):
     # as in the real protocol (version 2), every process heartbeats under (replica,
     # process) and registers its own D shards' endpoints, the leader asks for the
-    # quorum and gets its view (the members and its D shards' rings: O(R x D)), and
+    # quorum and gets its view (the members and its D shards' rings: O(R + D) as ring
+    # neighbours, O(R x D) whole), and
     # the other processes fetch their own views (GetView) when the quorum id changes.
     processes_per_replica: int = 1
     # Heartbeats and quorum requests on one session stream per process (fthsdp.control.session),
@@ -160,9 +161,10 @@ class EmulationConfig:
     # RelayPath; shorter in tests than a job's 5 s and 10 s).
     relay_retry_s: float = RelayPath.RETRY_S
     relay_silence_s: float = RelayPath.SILENCE_S
-    # Leaders accept a new quorum's rings as a delta against the view they hold (the real
-    # client's default); False: whole rings, as an older client (experiments/ring_delta.py).
-    ring_delta: bool = True
+    # How leaders (and followers) take a new quorum's rings (fthsdp.control.lighthouse_client.
+    # RING_FORMS): their ring neighbours' endpoints only (the real client's default), a delta
+    # against the view they hold, or whole, as older clients (experiments/ring_delta.py).
+    ring_form: str = "neighbours"
 
     def __post_init__(self) -> None:
         if self.replicas < 1 or self.ranks_per_replica < 1 or self.steps < 1:
@@ -180,6 +182,7 @@ class EmulationConfig:
             RelayPath("", self.relay_retry_s, self.relay_silence_s)
         except ValueError as e:
             raise ValueError(f"relay_retry_s / relay_silence_s: {e}") from None
+        ring_request_flags(self.ring_form)  # an unknown form is refused here, before any process starts
         if p > 1 and not self.heartbeats:
             raise ValueError("processes_per_replica > 1 needs heartbeats: a process registers its endpoints and "
                              "shows it is alive only by heartbeating")
@@ -594,7 +597,7 @@ class EmulatedReplica:
                                      heartbeat_timeout_s=c.timeouts.heartbeat_rpc_s, rejoin=rejoin,
                                      process_index=p, num_processes=nproc, session=c.lighthouse_session,
                                      relay=emu.relay_of(index), relay_retry_s=c.relay_retry_s,
-                                     relay_silence_s=c.relay_silence_s, ring_delta=c.ring_delta)
+                                     relay_silence_s=c.relay_silence_s, ring_form=c.ring_form)
             cl.decode_cache = emu.decode_cache
             if nproc > 1:
                 cl.register(self.ftar[p], self.servers[p], c.ranks_per_replica)
