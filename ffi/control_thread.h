@@ -83,7 +83,7 @@ struct RingConfig {
   // Ring order; this endpoint's address per member. Only the two neighbours' (rank - 1 and
   // rank + 1, mod the size) are connected to, so only theirs must be addresses: the others may
   // be empty (a process is told only its neighbourhood's endpoints: O(shards), not O(members x
-  // shards); see fthsdp.control.quorum.neighbour_rings).
+  // shards); see fthsdp.control.quorum.ring_neighbourhood).
   std::vector<std::string> members;
   double connect_timeout_s = 30.0;
 };

@@ -241,7 +241,7 @@ def test_abort_unblocks_an_inflight_allreduce_promptly():
 
 def test_a_ring_whose_endpoints_know_only_their_neighbours_sums_exactly():
     """Each endpoint is told its two neighbours' addresses only (the others empty; a neighbour
-    view, fthsdp.control.quorum.neighbour_rings, adds its own): the ring forms and sums as with
+    view, fthsdp.control.quorum.ring_neighbourhood, adds its own): the ring forms and sums as with
     every address; a neighbour left empty is refused with the member named."""
     n = 4
     comms = [ftar.Communicator(timeout_s=5.0, chunk_bytes=256, chunks=2, streams=2) for _ in range(n)]

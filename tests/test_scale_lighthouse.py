@@ -5,6 +5,7 @@ loop frozen past the detection window) declares nobody dead for its own silence.
 from __future__ import annotations
 
 import asyncio
+import collections
 import time
 
 import grpc
@@ -327,39 +328,52 @@ def test_a_new_membership_is_answered_with_a_ring_delta_to_the_leaders_that_hold
 
 
 def test_a_neighbour_view_holds_each_process_s_ring_neighbourhood_only():
-    """neighbour_rings: per shard, the left neighbour's endpoint, the process's own and the right
-    neighbour's; ring_addresses(viewer) places them and leaves every other member empty (what
-    FTAR's configure accepts), the same endpoints the whole view gives those three members; rings
-    of two and of one; a fault's address is traced to a neighbour; misuse is refused."""
+    """The lighthouse's own encoding (_Job.view_reply, no server) decoded by the client's: per
+    shard the left neighbour's endpoint, the process's own and the right neighbour's;
+    ring_addresses(viewer) places them and leaves every other member empty (what FTAR's
+    configure accepts), the same endpoints the whole view gives those three members; a process
+    holding a later run of shards; rings of two and of one; a fault's address traced to a
+    neighbour; a malformed neighbourhood and misuse refused."""
     import dataclasses
 
     import pytest
 
     from fthsdp.control import quorum as qm
+    from fthsdp.control.lighthouse import _Job, quorum_to_proto
+    from fthsdp.control.lighthouse_client import LighthouseError, quorum_from_proto
+
+    def view(q, rid: str, process: int = 0):
+        stats = collections.Counter()
+        raw = _Job("j").view_reply(q, rid, process, stats, neighbours=True)
+        assert stats["replies_ring_neighbours"] == 1
+        return quorum_from_proto(pb2.QuorumResponse.FromString(raw).quorum)
 
     n, shards = 5, 3
     q = _full_quorum(n, shards)
-    whole = qm.process_view(q, "0", 0, shards).ring_addresses()
-    nr = qm.neighbour_rings(q, 0, 0, shards)
-    assert nr == tuple((whole[4][k], whole[0][k], whole[1][k]) for k in range(shards))
-    view = dataclasses.replace(qm.process_view(q, "0", 0, shards, rings=False), rings=nr, ring_neighbours=True)
-    assert qm.process_view(q, "0", 0, shards, rings=False).rings == ()
-    assert view.ring_addresses("0") == [whole[0], whole[1], [""] * shards, [""] * shards, whole[4]]
-    mid = dataclasses.replace(view, rings=qm.neighbour_rings(q, 2, 1, 2))  # member 2's shards 1, 2
-    assert mid.ring_addresses("2") == [["", ""], whole[1][1:], whole[2][1:], whole[3][1:], ["", ""]]
-    assert view.member_at(whole[4][2], "0") == "4" and view.member_at(whole[1][0], "0") == "1"
-    assert view.member_at(whole[2][0], "0") is None  # not a neighbour: not in this view
+    whole = [list(m.ftar_addresses) for m in q.members]
+    v = view(q, "0")
+    assert v.ring_neighbours and v.first_shard == 0 and v.member_ids == q.member_ids
+    assert v.rings == tuple((whole[4][k], whole[0][k], whole[1][k]) for k in range(shards))
+    assert v.ring_addresses("0") == [whole[0], whole[1], [""] * shards, [""] * shards, whole[4]]
+    assert quorum_from_proto(quorum_to_proto(v)) == v  # the same view through the other encoder
+    two_procs = dataclasses.replace(q, members=tuple(dataclasses.replace(m, num_processes=3) for m in q.members))
+    mid = view(two_procs, "2", process=2)  # replica 2's third process: shard 2 alone
+    assert mid.first_shard == 2 and mid.ring_addresses("2") == [[""], whole[1][2:], whole[2][2:], whole[3][2:], [""]]
+    assert v.member_at(whole[4][2], "0") == "4" and v.member_at(whole[1][0], "0") == "1"
+    assert v.member_at(whole[2][0], "0") is None  # not a neighbour: not in this view
     with pytest.raises(ValueError, match="say whose view"):
-        view.ring_addresses()
-    with pytest.raises(ValueError, match="rank 5 outside quorum 1 of 5"):
-        qm.neighbour_rings(q, 5, 0, shards)
-    with pytest.raises(ValueError, match="outside member"):
-        qm.neighbour_rings(q, 0, 2, 2)
-    two = _full_quorum(2, 2)
-    assert qm.neighbour_rings(two, 1, 0, 2) == tuple((a, b, a) for a, b in zip(two.members[0].ftar_addresses,
-                                                                              two.members[1].ftar_addresses))
-    one = _full_quorum(1, 2)
-    assert qm.neighbour_rings(one, 0, 0, 2) == tuple((a, a, a) for a in one.members[0].ftar_addresses)
+        v.ring_addresses()
+    with pytest.raises(ValueError, match="rank 5 outside a ring of 5"):
+        qm.ring_neighbourhood(5, 5)
+    assert qm.ring_neighbourhood(2, 1) == (0, 1, 0) and qm.ring_neighbourhood(1, 0) == (0, 0, 0)
+    two = view(_full_quorum(2, 2), "1")
+    assert two.ring_addresses("1") == [list(m.ftar_addresses) for m in _full_quorum(2, 2).members]
+    one = view(_full_quorum(1, 2), "0")
+    assert one.rings == tuple((a, a, a) for a in _full_quorum(1, 2).members[0].ftar_addresses)
+    bad = quorum_to_proto(v)
+    del bad.neighbourhood[2].addresses[1:]
+    with pytest.raises(LighthouseError, match="not three equal runs"):
+        quorum_from_proto(bad)
 
 
 def test_each_leader_of_a_new_quorum_gets_its_neighbourhood_and_an_older_client_whole_rings():

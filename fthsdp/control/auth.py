@@ -39,6 +39,8 @@ import struct
 import time
 from typing import NamedTuple
 
+from fthsdp.control.wire import varint
+
 __all__ = [
     "KEY_BYTES", "CLOCK_WINDOW_S", "derive", "job_key", "status_key", "new_secret",
     "load_secret", "SecretError",
@@ -167,16 +169,7 @@ _LAYOUT = struct.Struct(">cq16s32s")  # ... and the signature
 CREDENTIAL_BYTES = _LAYOUT.size  # 57
 
 
-def _varint(n: int) -> bytes:
-    out = bytearray()
-    while n > 0x7F:
-        out.append(n & 0x7F | 0x80)
-        n >>= 7
-    out.append(n)
-    return bytes(out)
-
-
-_FIELD_HEAD = _varint(CREDENTIAL_FIELD << 3 | 2) + _varint(CREDENTIAL_BYTES)  # tag 130 (2 bytes), length 57
+_FIELD_HEAD = varint(CREDENTIAL_FIELD << 3 | 2) + varint(CREDENTIAL_BYTES)  # tag 130 (2 bytes), length 57
 TAIL_BYTES = len(_FIELD_HEAD) + CREDENTIAL_BYTES  # what signing appends to a request: 60 bytes
 
 

@@ -65,7 +65,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from fthsdp.addresses import split_host_port
-from fthsdp.control import admission, auth, guard, quorum as qm, session
+from fthsdp.control import admission, auth, guard, quorum as qm, session, wire
 from fthsdp.control.guard import Refused
 from fthsdp.control.server_thread import ServerThread
 from fthsdp.observe import root_cause as rc
@@ -154,8 +154,18 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+# Field numbers of what view_reply appends by hand (fthsdp.control.wire), from the schema.
+_RESPONSE_QUORUM = pb2.QuorumResponse.DESCRIPTOR.fields_by_name["quorum"].number
+_QUORUM_NEIGHBOURHOOD = pb2.Quorum.DESCRIPTOR.fields_by_name["neighbourhood"].number
+
+
 def quorum_to_proto(q: qm.Quorum) -> pb2.Quorum:
     """``q`` on the wire: a full quorum (Status) or a process's view (quorum answers)."""
+    if q.ring_neighbours:  # (view_reply appends a neighbourhood to bytes instead)
+        p = quorum_to_proto(dataclasses.replace(q, rings=(), ring_neighbours=False))
+        p.neighbourhood.extend(pb2.MemberEndpoints(first_shard=q.first_shard, addresses=[r[pos] for r in q.rings])
+                               for pos in range(3))
+        return p
     return pb2.Quorum(
         quorum_id=q.quorum_id,
         members=[
@@ -449,6 +459,9 @@ class _Job:
     view_cache_of: qm.Quorum | None = None
     view_members: dict[str, qm.Member] = field(default_factory=dict)
     view_ranks: dict[str, int] = field(default_factory=dict)  # of view_cache_of's members
+    # (first shard, shards, member rank) -> that member's MemberEndpoints of those shards, encoded
+    # as a Quorum.neighbourhood field (view_cache_of's; built once, appended to three answers)
+    view_endpoints: dict[tuple[int, int, int], bytes] = field(default_factory=dict)
     held_members_of: qm.Quorum | None = None  # the earlier quorum ring deltas are built against
     held_members: dict[str, qm.Member] = field(default_factory=dict)
     # Root-cause analysis: each process's last phase report, the verdict now
@@ -518,14 +531,17 @@ class _Job:
         whose view the asker holds (its last, when it accepts ring deltas): the rings then go
         as a delta against that view (``rings_from``), O(changed members x shards), when the
         asker's shards are the same in both. ``neighbours``: the asker takes its rings as its
-        two ring neighbours' endpoints (``ring_neighbours``, :func:`fthsdp.control.quorum.
-        neighbour_rings`): the part every asker shares is built once as above, and the asker's
-        neighbours are appended to it as a second serialized message (protobuf merges the two
-        ``quorum`` fields into one), O(its shards) per asker instead of O(members x shards)."""
+        ring neighbourhood, its own and its two neighbours' endpoints (``Quorum.neighbourhood``,
+        :func:`fthsdp.control.quorum.ring_neighbourhood`): the part every asker shares is built
+        once as above, and the asker's
+        neighbourhood is appended to it (protobuf merges the two ``quorum`` fields into one;
+        :mod:`fthsdp.control.wire`): three members' endpoints, each encoded once per decision,
+        so an asker costs a few byte joins instead of O(members x shards)."""
         if self.view_cache_of is not q:
             self.view_cache, self.view_cache_of = {}, q
             self.view_members = {x.replica_id: x for x in q.members}
             self.view_ranks = {x.replica_id: i for i, x in enumerate(q.members)}
+            self.view_endpoints = {}
         m = self.view_members[rid]
         per = max(1, m.local_world_size // max(1, m.num_processes))
         first = process * per
@@ -559,14 +575,28 @@ class _Job:
                 self.view_cache[key] = raw
             stats["replies_serialized"] += 1
         if neighbours:
-            rings = qm.neighbour_rings(q, self.view_ranks[rid], first, per)
-            raw += pb2.QuorumResponse(quorum=pb2.Quorum(ring_neighbours=True, rings=[
-                pb2.ShardRing(shard=first + j, addresses=pair) for j, pair in enumerate(rings)])).SerializeToString()
+            near = b"".join(self._member_endpoints(q, first, per, r)
+                            for r in qm.ring_neighbourhood(len(q.members), self.view_ranks[rid]))
+            raw += wire.field_bytes(_RESPONSE_QUORUM, near)
             stats["replies_ring_neighbours"] += 1
         stats["replies_sent"] += 1
         stats["replies_rings_omitted"] += lean
         stats["replies_members_omitted"] += compact
         stats["replies_ring_delta"] += held is not None
+        return raw
+
+    def _member_endpoints(self, q: qm.Quorum, first: int, per: int, rank: int) -> bytes:
+        """Member ``rank``'s endpoints of shards ``first`` .. ``+per-1`` as a ``Quorum.neighbourhood``
+        field (one of :func:`fthsdp.control.quorum.ring_neighbourhood`'s), encoded once per decision."""
+        key = (first, per, rank)
+        raw = self.view_endpoints.get(key)
+        if raw is None:
+            m = q.members[rank]
+            if len(m.ftar_addresses) < first + per:
+                raise ValueError(f"shards {first}..{first + per - 1} are outside member {m.replica_id}'s "
+                                 f"{len(m.ftar_addresses)} shards (every replica must have the same shards)")
+            body = pb2.MemberEndpoints(first_shard=first, addresses=m.ftar_addresses[first:first + per])
+            raw = self.view_endpoints[key] = wire.field_bytes(_QUORUM_NEIGHBOURHOOD, body.SerializeToString())
         return raw
 
     def _same_shards(self, held: qm.Quorum, rid: str, m: qm.Member) -> bool:

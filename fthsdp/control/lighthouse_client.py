@@ -523,7 +523,7 @@ def _print_targets(address: str, job: str, status_key: bytes | None = None) -> i
     return 0
 
 
-def _require_view(held: qm.Quorum | None, quorum_id: int, what: str) -> None:
+def require_view(held: qm.Quorum | None, quorum_id: int, what: str) -> None:
     """``held`` must be this process's view of quorum ``quorum_id`` (with its rings) for an
     answer that leaves out what it holds; anything else is a protocol error, raised as such."""
     if held is None or held.quorum_id != quorum_id or not held.rings:
@@ -550,7 +550,7 @@ def keep_rings(q: qm.Quorum, held: qm.Quorum | None) -> qm.Quorum:
     rings of ``held``, this process's view of the same quorum id. The lighthouse omits
     them only when the request reported that id as its last quorum, so ``held`` is it;
     anything else is a protocol error, raised as such."""
-    _require_view(held, q.quorum_id, f"the lighthouse left out the rings of quorum {q.quorum_id}")
+    require_view(held, q.quorum_id, f"the lighthouse left out the rings of quorum {q.quorum_id}")
     return dataclasses.replace(q, rings=held.rings, first_shard=held.first_shard, ring_neighbours=held.ring_neighbours)
 
 
@@ -560,7 +560,7 @@ def keep_ring_delta(q: qm.Quorum, rings_from: int, changed: Sequence[str], held:
     this process's view of ``rings_from``. The lighthouse sends a delta only against the
     quorum the request reported as its last, so ``held`` is it; anything else is a protocol
     error, raised as such."""
-    _require_view(held, rings_from,
+    require_view(held, rings_from,
                   f"the lighthouse sent the rings of quorum {q.quorum_id} as a delta against quorum {rings_from}")
     try:
         return qm.rings_with_delta(q, tuple(changed), held)
@@ -575,7 +575,7 @@ def keep_members(q: qm.Quorum, held: qm.Quorum | None) -> qm.Quorum:
     healthy, with ``held``'s rings. The lighthouse sends it only when every member is
     healthy and the request reported that id as its last quorum; anything else is a
     protocol error, raised as such."""
-    _require_view(held, q.quorum_id, f"the lighthouse left out the members of quorum {q.quorum_id}")
+    require_view(held, q.quorum_id, f"the lighthouse left out the members of quorum {q.quorum_id}")
     if q.num_healthy != len(held.members):
         raise LighthouseError(f"the lighthouse left out the members of quorum {q.quorum_id} with {q.num_healthy} "
                               f"healthy of the {len(held.members)} this process holds: a compact answer lists all "
@@ -587,7 +587,21 @@ def keep_members(q: qm.Quorum, held: qm.Quorum | None) -> qm.Quorum:
 
 
 def quorum_from_proto(p: pb2.Quorum) -> qm.Quorum:
-    """A quorum answer (a process's view) or a Status quorum (every endpoint) from the wire."""
+    """A quorum answer (a process's view) or a Status quorum (every endpoint) from the wire.
+    A view with a ring neighbourhood (``Quorum.neighbourhood``) has as its rings, per shard, the
+    (left, own, right) endpoints; a neighbourhood that is not three equal runs of endpoints is a
+    protocol error, raised as :class:`LighthouseError`."""
+    if p.neighbourhood:
+        near = p.neighbourhood
+        if len(near) != 3 or len({len(e.addresses) for e in near}) != 1 or len({e.first_shard for e in near}) != 1 \
+                or not near[0].addresses or p.rings:
+            raise LighthouseError(
+                f"quorum {p.quorum_id}'s ring neighbourhood is not three equal runs of endpoints of the same shards "
+                f"({[(e.first_shard, len(e.addresses)) for e in near][:4]}, {len(p.rings)} whole rings beside it): "
+                "mismatched lighthouse and client versions?")
+        base = quorum_from_proto(_without_neighbourhood(p))
+        return dataclasses.replace(base, rings=tuple(zip(*(tuple(e.addresses) for e in near))),
+                                   first_shard=near[0].first_shard, ring_neighbours=True)
     return qm.Quorum(
         quorum_id=p.quorum_id,
         members=tuple(
@@ -605,8 +619,14 @@ def quorum_from_proto(p: pb2.Quorum) -> qm.Quorum:
         rings=tuple(tuple(r.addresses) for r in p.rings),
         first_shard=p.rings[0].shard if p.rings else 0,
         sources=tuple(qm.ShardSource(x.shard, x.replica_id, x.state_server_address) for x in p.sources),
-        ring_neighbours=p.ring_neighbours,
     )
+
+
+def _without_neighbourhood(p: pb2.Quorum) -> pb2.Quorum:
+    out = pb2.Quorum()
+    out.CopyFrom(p)
+    del out.neighbourhood[:]
+    return out
 
 
 OnDead = Callable[[tuple[str, ...], int], None]

@@ -102,7 +102,7 @@ own registrations), and :func:`process_view` cuts a decided quorum down to
 what one process needs: the members, the rings of its own shards, and its
 shards' recovery sources. A ring all-reduce connects each endpoint to its two
 neighbours only, so a process that says it can take them gets just those
-(:func:`neighbour_rings`): two endpoints per shard, not one per member.
+(:func:`ring_neighbourhood`): three endpoints per shard, not one per member.
 
 **Excluded replicas.** A replica whose ring neighbour caught it breaking FTAR's
 protocol (a malformed or unauthenticated chunk) is accused in the neighbour's
@@ -277,7 +277,7 @@ class Quorum:
     sources: tuple[ShardSource, ...] = ()
     # rings[j] holds only the viewer's neighbourhood in that shard's ring, (left, own, right):
     # the endpoints of members rank - 1, rank and rank + 1 (mod the size; left and right are the
-    # other member in a ring of two, the viewer itself in a ring of one). See neighbour_rings.
+    # other member in a ring of two, the viewer itself in a ring of one). See ring_neighbourhood.
     ring_neighbours: bool = False
 
     @property
@@ -312,8 +312,7 @@ class Quorum:
         if viewer is None:
             raise ValueError(f"quorum {self.quorum_id}'s rings hold one process's ring neighbours only: say whose "
                              "view it is (viewer)")
-        rank, n = self.rank_of(viewer), len(self.members)
-        return (rank - 1) % n, rank, (rank + 1) % n
+        return ring_neighbourhood(len(self.members), self.rank_of(viewer))
 
     def ring_addresses(self, viewer: str | None = None) -> list[list[str]]:
         """Per member (ring order), the endpoints the viewer connects to: the viewer's own
@@ -357,7 +356,7 @@ def process_view(q: Quorum, replica_id: str, first_shard: int, num_shards: int, 
     shards, and, if its replica is behind, one source per own shard (replica and the state
     server of the process holding that shard there). O(members x num_shards), not O(members
     x every shard); ``rings=False``: without the rings (a neighbour view adds its own,
-    :func:`neighbour_rings`), O(members + num_shards). Raises ValueError if the shards are
+    :func:`ring_neighbourhood`), O(members + num_shards). Raises ValueError if the shards are
     outside the members' shards."""
     last = first_shard + num_shards
     for m in q.members:
@@ -379,24 +378,16 @@ def process_view(q: Quorum, replica_id: str, first_shard: int, num_shards: int, 
                   q.num_configured, q.reason, q.left_out, ring_list, first_shard, sources)
 
 
-def neighbour_rings(q: Quorum, rank: int, first_shard: int, num_shards: int) -> tuple[tuple[str, str, str], ...]:
-    """The rings of shards ``first_shard`` .. ``+num_shards-1`` as the member at ``rank`` of
-    ``q`` needs them: per shard, the endpoints of its left neighbour, its own and its right
-    neighbour's (ranks ``rank - 1``, ``rank``, ``rank + 1`` mod the size). A ring all-reduce
-    connects to nothing else, so this is all a process must be told: O(num_shards) instead of
-    O(members x num_shards) (1.45 MB per leader at 512 replicas x 196 shards, 0.74 GB for
-    one round's new quorum). Raises ValueError for a rank outside the quorum or shards
-    outside a member's."""
-    n = len(q.members)
+def ring_neighbourhood(n: int, rank: int) -> tuple[int, int, int]:
+    """The ranks a ring all-reduce at ``rank`` of ``n`` members connects to, with its own:
+    ``(left, rank, right)``, its neighbours ``rank - 1`` and ``rank + 1`` mod ``n`` (both the
+    other member in a ring of two, ``rank`` itself in a ring of one). A neighbour view
+    (``Quorum.ring_neighbours``) holds these members' endpoints only: O(shards) per process
+    instead of O(members x shards) (1.45 MB per leader at 512 replicas x 196 shards, 0.74 GB
+    for one round's new quorum). Raises ValueError for a rank outside the ring."""
     if not 0 <= rank < n:
-        raise ValueError(f"rank {rank} outside quorum {q.quorum_id} of {n} member(s)")
-    near = (q.members[(rank - 1) % n], q.members[rank], q.members[(rank + 1) % n])
-    last = first_shard + num_shards
-    for m in near:
-        if len(m.ftar_addresses) < last:
-            raise ValueError(f"shards {first_shard}..{last - 1} are outside member {m.replica_id}'s "
-                             f"{len(m.ftar_addresses)} shards (every replica must have the same shards)")
-    return tuple(zip(*(m.ftar_addresses[first_shard:last] for m in near)))
+        raise ValueError(f"rank {rank} outside a ring of {n} member(s)")
+    return (rank - 1) % n, rank, (rank + 1) % n
 
 
 def ring_changes(old: Quorum, new: Quorum, first_shard: int, num_shards: int) -> tuple[str, ...]:

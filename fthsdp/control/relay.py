@@ -58,6 +58,7 @@ from fthsdp.addresses import split_host_port
 from fthsdp.control import session as sess
 from fthsdp.control.channel_args import RECONNECT_ARGS
 from fthsdp.control.server_thread import ServerThread
+from fthsdp.control.wire import varint
 from fthsdp.control.session_client import stop_stream
 from fthsdp.proto import lighthouse as _load_stubs
 
@@ -72,22 +73,13 @@ _CHANNEL_OPTIONS = [
 ]
 
 
-def _varint(n: int) -> bytes:
-    out = bytearray()
-    while n > 0x7F:
-        out.append((n & 0x7F) | 0x80)
-        n >>= 7
-    out.append(n)
-    return bytes(out)
-
-
 def renumbered(raw: bytes, seq: int) -> bytes:
     """``raw`` (a serialized ``SessionRequest`` or ``SessionReply``) with its ``seq`` (field 1)
     set to ``seq``, without parsing or re-serializing its body: protobuf reads the last value of
     a scalar field that occurs twice, so appending the field is setting it."""
     if seq <= 0:
         raise ValueError(f"seq {seq}: a session's seqs are numbered from 1")
-    return raw + b"\x08" + _varint(seq)
+    return raw + b"\x08" + varint(seq)
 
 
 def relay_of(relays: tuple[str, ...], replica: int, replicas: int) -> str:

@@ -102,22 +102,26 @@ class Plan:
 
 # Ring positions and the healthy set of recent quorums, so that replaying plan()
 # on every rank of a replica costs O(1) per rank instead of a scan of the
-# members (a 512-member quorum replayed on 100,000 ranks). Holding the quorum
-# keeps its id from being reused while cached; results never depend on the cache.
-_INDEX: dict[int, tuple[qm.Quorum, dict[str, int], frozenset[str]]] = {}
+# members (a 512-member quorum replayed on 100,000 ranks). Keyed by the members
+# and healthy tuples themselves (the only inputs): views of one decision that
+# differ only in their rings (each process's ring neighbours) share them. Holding
+# them keeps their ids from being reused while cached; results never depend on the cache.
+_INDEX: dict[tuple[int, int], tuple[tuple, tuple, dict[str, int], frozenset[str]]] = {}
 _INDEX_SIZE = 16
 
 
 def membership(quorum: qm.Quorum) -> tuple[dict[str, int], frozenset[str]]:
-    """``(ring position by replica id, healthy ids)`` of ``quorum``, computed once per quorum object."""
-    hit = _INDEX.get(id(quorum))
-    if hit is not None and hit[0] is quorum:
-        return hit[1], hit[2]
+    """``(ring position by replica id, healthy ids)`` of ``quorum``, computed once per members
+    and healthy tuple."""
+    key = (id(quorum.members), id(quorum.healthy))
+    hit = _INDEX.get(key)
+    if hit is not None and hit[0] is quorum.members and hit[1] is quorum.healthy:
+        return hit[2], hit[3]
     ranks = {r: i for i, r in enumerate(quorum.member_ids)}
     healthy = frozenset(quorum.healthy)
     if len(_INDEX) >= _INDEX_SIZE:
         _INDEX.pop(next(iter(_INDEX)))
-    _INDEX[id(quorum)] = (quorum, ranks, healthy)
+    _INDEX[key] = (quorum.members, quorum.healthy, ranks, healthy)
     return ranks, healthy
 
 

@@ -54,6 +54,7 @@ from fthsdp.control.lighthouse_client import (
     keep_rings,
     new_request_id,
     quorum_from_proto,
+    require_view,
     ring_request_flags,
 )
 from fthsdp.proto import LIGHTHOUSE_PROTOCOL_VERSION, lighthouse as _load_stubs
@@ -68,18 +69,18 @@ _OPTIONS = [
 ]
 
 
-_MEMBERS_WIRE: dict[int, tuple[qm.Quorum, bytes]] = {}
+_MEMBERS_WIRE: dict[int, tuple[tuple, bytes]] = {}
 
 
 def _members_wire(q: qm.Quorum) -> bytes:
-    """``last_members`` of ``q`` in wire form, built once per quorum object (a few kept)."""
-    hit = _MEMBERS_WIRE.get(id(q))
-    if hit is not None and hit[0] is q:
+    """``last_members`` of ``q`` in wire form, built once per members tuple (a few kept)."""
+    hit = _MEMBERS_WIRE.get(id(q.members))
+    if hit is not None and hit[0] is q.members:
         return hit[1]
     raw = pb2.QuorumRequest(last_members=list(membership(q)[0])).SerializeToString()
     if len(_MEMBERS_WIRE) >= 8:
         _MEMBERS_WIRE.pop(next(iter(_MEMBERS_WIRE)))
-    _MEMBERS_WIRE[id(q)] = (q, raw)
+    _MEMBERS_WIRE[id(q.members)] = (q.members, raw)
     return raw
 
 
@@ -104,10 +105,17 @@ def _completed(table: dict, q: qm.Quorum, basis: object, complete: Callable[[], 
 
 
 def _kept_rings(q: qm.Quorum, held: qm.Quorum | None, members_omitted: bool = False) -> qm.Quorum:
-    """:func:`keep_rings` (or :func:`keep_members` for a compact answer), once per (answer, held view)."""
-    rings = (held if members_omitted else held.rings) if held is not None else ()
-    return _completed(_KEPT, q, rings,
-                      lambda: keep_members(q, held) if members_omitted else keep_rings(q, held))
+    """:func:`keep_rings` (or :func:`keep_members` for a compact answer), once per (answer, held
+    view's rings), the members of a compact answer once per (answer, held view's members): the
+    leaders' views of one quorum share their members but, as ring neighbours, not their rings."""
+    if held is None or not members_omitted:
+        return _completed(_KEPT, q, held.rings if held is not None else (), lambda: keep_rings(q, held))
+    shared = _completed(_KEPT, q, held.members, lambda: keep_members(q, held))
+    if shared.rings is held.rings:
+        return shared
+    require_view(held, q.quorum_id, f"the lighthouse left out the members of quorum {q.quorum_id}")
+    return dataclasses.replace(shared, rings=held.rings, first_shard=held.first_shard,
+                               ring_neighbours=held.ring_neighbours)
 
 
 def _delta_rings(q: qm.Quorum, rings_from: int, changed: tuple[str, ...], held: qm.Quorum | None) -> qm.Quorum:
@@ -181,17 +189,17 @@ class DecodeCache:
         for shared, a in self._shared:
             if len(shared) < n and raw.startswith(shared):
                 own = pb2.QuorumResponse.FromString(raw[len(shared):]).quorum
-                if own.ring_neighbours and own.rings and not own.members:
+                if own.neighbourhood and not own.members:
+                    near = quorum_from_proto(own)  # checks it as the real client does
                     self.hits += 1
                     return dataclasses.replace(a, quorum=dataclasses.replace(
-                        a.quorum, rings=tuple(tuple(r.addresses) for r in own.rings), first_shard=own.rings[0].shard,
-                        ring_neighbours=True))
+                        a.quorum, rings=near.rings, first_shard=near.first_shard, ring_neighbours=True))
         q = self.parse(raw)
         self.decoded += 1
         if isinstance(q, Answer) and q.quorum.ring_neighbours and q.quorum.rings:
-            own_raw = pb2.QuorumResponse(quorum=pb2.Quorum(ring_neighbours=True, rings=[
-                pb2.ShardRing(shard=q.quorum.first_shard + j, addresses=r) for j, r in enumerate(q.quorum.rings)
-            ])).SerializeToString()
+            own_raw = pb2.QuorumResponse(quorum=pb2.Quorum(neighbourhood=[
+                pb2.MemberEndpoints(first_shard=q.quorum.first_shard, addresses=[r[pos] for r in q.quorum.rings])
+                for pos in range(3)])).SerializeToString()
             if raw.endswith(own_raw) and len(own_raw) < n:
                 self._shared.insert(0, (raw[:n - len(own_raw)], q))
                 del self._shared[self._size:]

@@ -350,8 +350,9 @@ class DataState:
     def commit(self, q: qm.Quorum) -> tuple[tuple[tuple[str, int], ...], "DataState"]:
         """``(batches trained, next state)`` when ``q``'s healthy replicas each train their next batch."""
         hit = self._after
-        if hit is not None and hit[0] is q:
-            return hit[1], hit[2]
+        if hit is not None and (hit[0] is q or (hit[0].healthy is q.healthy and hit[0].quorum_id == q.quorum_id
+                                                and hit[0].max_step == q.max_step)):
+            return hit[1], hit[2]  # the same decision (views differing only in their rings)
         batches = tuple((h, self.positions.get(h, 0)) for h in q.healthy)
         nxt = dict(self.positions)
         for h in q.healthy:
@@ -926,9 +927,10 @@ class Emulation:
         self._rank_work[step] += seconds
 
     def member_set(self, q: qm.Quorum) -> frozenset[str]:
-        """The members of ``q`` as a set, built once per quorum (not once per replica)."""
+        """The members of ``q`` as a set, built once per quorum (not once per replica; views
+        that differ only in their rings share their members tuple)."""
         hit = self._member_sets.get(q.quorum_id)
-        if hit is None or hit[0] is not q:
+        if hit is None or hit[0].members is not q.members:
             if len(self._member_sets) > 8:
                 self._member_sets.clear()
             hit = self._member_sets[q.quorum_id] = (q, frozenset(fsm.membership(q)[0]))
