@@ -92,6 +92,16 @@ def clients(address: str, job: str, replicas: int, procs: int, d: int,
     return out
 
 
+def beat_until_registered(cs: dict, timeout_s: float = 5.0) -> None:
+    """Every process heartbeats, until the lighthouse holds every one's registration."""
+    for c in cs.values():
+        c.start_heartbeats()
+    deadline = time.monotonic() + timeout_s
+    while not all(c.registration.held for c in cs.values()):
+        assert time.monotonic() < deadline, "a process never registered"
+        time.sleep(0.02)
+
+
 def ask(cs: dict, replicas: int, d: int, step: int = 0, timeout_s: float = 10.0) -> list[qm.Quorum]:
     with ThreadPoolExecutor(replicas) as ex:
         futs = [ex.submit(cs[(r, 0)].get_quorum, step, ftar_addresses=ftar(r, 0, d), state_server_address=server(r, 0),
@@ -126,12 +136,7 @@ def test_registration_goes_out_until_held_and_again_when_forgotten():
 def test_every_process_registers_and_gets_its_own_view(lighthouse):
     cs = clients(lighthouse.address, "mp", 2, 2, 2)
     try:
-        for c in cs.values():
-            c.start_heartbeats()
-        deadline = time.monotonic() + 5
-        while not all(c.registration.held for c in cs.values()):  # every heartbeat carried its addresses once
-            assert time.monotonic() < deadline, "a process never registered"
-            time.sleep(0.02)
+        beat_until_registered(cs)  # every heartbeat carried its addresses once
         q0, q1 = ask(cs, 2, 2)
         assert q0.quorum_id == q1.quorum_id and q0.member_ids == ("0", "1")
         # the leaders: shards 0, 1 (in a ring of two, a neighbour view holds every member)
@@ -169,12 +174,7 @@ def test_a_followers_view_of_a_new_quorum_comes_as_a_ring_delta_against_the_one_
     view whole too; a negative held id is refused with the reason."""
     cs = clients(lighthouse.address, "mpd", 3, 2, 2, ring_form="delta")
     try:
-        for c in cs.values():
-            c.start_heartbeats()
-        deadline = time.monotonic() + 5
-        while not all(c.registration.held for c in cs.values()):
-            assert time.monotonic() < deadline, "a process never registered"
-            time.sleep(0.02)
+        beat_until_registered(cs)
         with ThreadPoolExecutor(2) as ex:
             first = list(ex.map(lambda r: cs[(r, 0)].get_quorum(0, ftar_addresses=ftar(r, 0, 2),
                                                                   state_server_address=server(r, 0),
@@ -309,12 +309,7 @@ def test_a_followers_neighbour_view_holds_its_shards_of_its_ring_neighbourhood(l
     for its own shards 2 and 3, only its replica's and the two neighbour replicas' endpoints."""
     cs = clients(lighthouse.address, "mpn", 4, 2, 2)
     try:
-        for c in cs.values():
-            c.start_heartbeats()
-        deadline = time.monotonic() + 5
-        while not all(c.registration.held for c in cs.values()):
-            assert time.monotonic() < deadline, "a process never registered"
-            time.sleep(0.02)
+        beat_until_registered(cs)
         qs = ask(cs, 4, 2)
         qid = qs[0].quorum_id
         assert qs[0].member_ids == ("0", "1", "2", "3")
