@@ -4,7 +4,6 @@
 #include <cstring>
 #include <map>
 #include <mutex>
-#include <sstream>
 #include <stdexcept>
 
 #include "staging.h"

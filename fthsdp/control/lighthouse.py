@@ -533,10 +533,9 @@ class _Job:
         asker's shards are the same in both. ``neighbours``: the asker takes its rings as its
         ring neighbourhood, its own and its two neighbours' endpoints (``Quorum.neighbourhood``,
         :func:`fthsdp.control.quorum.ring_neighbourhood`): the part every asker shares is built
-        once as above, and the asker's
-        neighbourhood is appended to it (protobuf merges the two ``quorum`` fields into one;
-        :mod:`fthsdp.control.wire`): three members' endpoints, each encoded once per decision,
-        so an asker costs a few byte joins instead of O(members x shards)."""
+        once as above, and the asker's neighbourhood is appended to it (protobuf merges the two
+        ``quorum`` fields into one; :mod:`fthsdp.control.wire`): three members' endpoints, each
+        encoded once per decision, so an asker costs a few byte joins, not O(members x shards)."""
         if self.view_cache_of is not q:
             self.view_cache, self.view_cache_of = {}, q
             self.view_members = {x.replica_id: x for x in q.members}

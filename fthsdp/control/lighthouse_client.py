@@ -561,7 +561,7 @@ def keep_ring_delta(q: qm.Quorum, rings_from: int, changed: Sequence[str], held:
     quorum the request reported as its last, so ``held`` is it; anything else is a protocol
     error, raised as such."""
     require_view(held, rings_from,
-                  f"the lighthouse sent the rings of quorum {q.quorum_id} as a delta against quorum {rings_from}")
+                 f"the lighthouse sent the rings of quorum {q.quorum_id} as a delta against quorum {rings_from}")
     try:
         return qm.rings_with_delta(q, tuple(changed), held)
     except ValueError as e:

@@ -162,10 +162,10 @@ class DecodeCache:
         # (a memcmp), not by hashing: hashing each leader's copy of a 1.45 MB answer cost
         # the emulator ~1 ms per leader, 0.5 s a round at 512 leaders.
         self._recent: list[tuple[bytes, Answer | int]] = []
-        # Neighbour answers (ring_neighbours) differ per leader only in their last bytes, the
-        # leader's own rings appended to the part every leader shares (the lighthouse's
-        # view_reply): the shared bytes and their decoded answer, so that each leader decodes
-        # only its few hundred bytes of rings, not the members again.
+        # Neighbour answers (Quorum.neighbourhood) differ per leader only in their last bytes,
+        # the leader's ring neighbourhood appended to the part every leader shares (the
+        # lighthouse's view_reply): the shared bytes and their decoded answer, so that each
+        # leader decodes only its neighbourhood, not the members again.
         self._shared: list[tuple[bytes, Answer]] = []
         self.decoded = 0
         self.hits = 0

@@ -163,7 +163,7 @@ class EmulationConfig:
     relay_silence_s: float = RelayPath.SILENCE_S
     # How leaders (and followers) take a new quorum's rings (fthsdp.control.lighthouse_client.
     # RING_FORMS): their ring neighbours' endpoints only (the real client's default), a delta
-    # against the view they hold, or whole, as older clients (experiments/ring_delta.py).
+    # against the view they hold, or whole, as older clients (experiments/ring_forms.py).
     ring_form: str = "neighbours"
 
     def __post_init__(self) -> None:
