@@ -240,34 +240,47 @@ def test_abort_unblocks_an_inflight_allreduce_promptly():
 
 
 def test_a_ring_whose_endpoints_know_only_their_neighbours_sums_exactly():
-    """Each endpoint is told its two neighbours' addresses only (the others empty; a neighbour
-    view, fthsdp.control.quorum.ring_neighbourhood, adds its own): the ring forms and sums as with
-    every address; a neighbour left empty is refused with the member named."""
-    n = 4
-    comms = [ftar.Communicator(timeout_s=5.0, chunk_bytes=256, chunks=2, streams=2) for _ in range(n)]
+    """Four replicas of two shards, each configured as the Manager configures it: from its
+    neighbour view of the quorum as the lighthouse encodes it (fthsdp.control.lighthouse
+    _Job.view_reply) and the client decodes it, ``ring_addresses(viewer)``: its own and its two
+    neighbours' endpoints, every other member's empty. Both shards' rings form over real
+    sockets and sum exactly; a neighbour left empty is refused with the member named."""
+    import collections
+
+    from fthsdp.control import quorum as qm
+    from fthsdp.control.lighthouse import _Job, pb2
+    from fthsdp.control.lighthouse_client import quorum_from_proto
+
+    n, shards = 4, 2
+    comms = [ftar.Communicator(num_shards=shards, timeout_s=5.0, chunk_bytes=256, chunks=2, streams=2)
+             for _ in range(n)]
     try:
-        addrs = [c.address for c in comms]
-
-        def known(rank: int) -> list[str]:
-            return [a if i in ((rank - 1) % n, (rank + 1) % n) else "" for i, a in enumerate(addrs)]
-
+        q = qm.Quorum(1, tuple(qm.Member(str(r), 0, tuple(c.addresses), f"127.0.0.1:{30000 + r}", shards)
+                               for r, c in enumerate(comms)), 0, tuple(map(str, range(n))), ())
+        job = _Job("job")
         for r, c in enumerate(comms):
-            c.configure("job", 1, r, known(r), timeout_s=5.0, wait=False)
+            raw = job.view_reply(q, str(r), 0, collections.Counter(), neighbours=True)
+            view = quorum_from_proto(pb2.QuorumResponse.FromString(raw).quorum)
+            members = view.ring_addresses(str(r))
+            assert sum(m == [""] * shards for m in members) == 1  # the one member it does not connect to
+            c.configure("job", 1, r, members, timeout_s=5.0, wait=False)
         assert all(c.wait_configured(6.0) for c in comms)
-        xs = [np.arange(1001, dtype=np.float32) * (r + 1) for r in range(n)]
-        out: dict[int, tuple] = {}
-        ts = [threading.Thread(target=lambda r=r: out.__setitem__(
-            r, comms[r].allreduce_host(xs[r], quorum_id=1, rank=r, n=n))) for r in range(n)]
+        xs = {(r, k): np.arange(1001, dtype=np.float32) * (r + 1) + k for r in range(n) for k in range(shards)}
+        out: dict[tuple[int, int], tuple] = {}
+
+        def go(r: int, k: int) -> None:
+            out[(r, k)] = comms[r].allreduce_host(xs[(r, k)], quorum_id=1, rank=r, n=n, shard=k)
+
+        ts = [threading.Thread(target=go, args=key) for key in xs]
         for t in ts:
             t.start()
         for t in ts:
             t.join(timeout=60)
-        assert all(out[r] == (0, "") for r in range(n)), out
-        want = np.arange(1001, dtype=np.float32) * sum(range(1, n + 1))
-        for x in xs:
-            np.testing.assert_array_equal(x, want)
+        assert all(out[key] == (0, "") for key in xs), out
+        for (r, k), x in xs.items():
+            np.testing.assert_array_equal(x, np.arange(1001, dtype=np.float32) * sum(range(1, n + 1)) + n * k)
         with pytest.raises(ValueError, match="member 1: "):
-            comms[0].configure("job", 2, 0, ["", "", "", addrs[3]])
+            comms[0].configure("job", 2, 0, [comms[0].address, ",", ",", comms[3].address])
     finally:
         for c in comms:
             c.close()
