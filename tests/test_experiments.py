@@ -135,7 +135,7 @@ def test_ring_forms_quick(tmp_path):
     as a delta and as their ring neighbours only: the same job each way (every invariant, every
     step); the delta's answers on each change of quorum id are several times smaller than whole
     rings, and the neighbours' several times smaller in the first round too (where a delta has
-    nothing to be against)."""
+    nothing to be against) and smaller than the delta's on a change."""
     out = tmp_path / "rf.json"
     run("ring_forms.py", "--quick", "--out", str(out))
     res = json.loads(out.read_text())
@@ -147,4 +147,6 @@ def test_ring_forms_quick(tmp_path):
     assert res["ratios"]["whole_over_delta"]["first_answer_bytes"] == 1.0
     assert res["ratios"]["whole_over_neighbours"]["first_answer_bytes"] > 3
     assert res["ratios"]["whole_over_neighbours"]["change_answer_bytes_median"] > 3
+    # on a change, only the leaders beside the gap get a neighbourhood: fewer bytes than a delta
+    assert res["ratios"]["delta_over_neighbours"]["change_answer_bytes_median"] > 1
     assert out.with_suffix(".png").stat().st_size > 10_000

@@ -407,3 +407,74 @@ def test_each_leader_of_a_new_quorum_gets_its_neighbourhood_and_an_older_client_
         near = {(i - 1) % n, i, (i + 1) % n}
         assert q.ring_addresses(str(i)) == [everyone[r] if r in near else [""] * shards for r in range(n)]
     assert not got[-1].ring_neighbours and got[-1].ring_addresses() == everyone
+
+
+def test_an_unchanged_neighbourhood_is_left_out_and_the_client_keeps_its_own():
+    """Five replicas x 3 shards: a failed commit (a new quorum id, the same ring) leaves every
+    neighbourhood out (``neighbourhood_from``); then replica 2 leaves: only its two neighbours,
+    1 and 3, get theirs again, 0 and 4 keep theirs. Every client ends with exactly its own and
+    its neighbours' endpoints. The pure rule and the client's refusals, without a server."""
+    import concurrent.futures as cf
+    import dataclasses
+
+    import pytest
+
+    from fthsdp.control import quorum as qm
+    from fthsdp.control.lighthouse_client import LighthouseError, keep_neighbourhood
+
+    n, shards = 5, 3
+
+    def ftar(i: int) -> list[str]:
+        return [f"127.0.0.1:{20000 + 10 * i + k}" for k in range(shards)]
+
+    def expected(ids: list[int], viewer: int) -> list[list[str]]:
+        near = {ids[(ids.index(viewer) + d) % len(ids)] for d in (-1, 0, 1)}
+        return [ftar(r) if r in near else [""] * shards for r in ids]
+
+    with LighthouseThread(LighthouseConfig(join_timeout_s=20.0, detect_s=20.0)) as lh:
+        clients = {i: LighthouseClient(lh.address, "kept", str(i)) for i in range(n)}
+        stats = lh.server.stats
+        try:
+            def round_(ids, step: int, failed: bool = False):
+                with cf.ThreadPoolExecutor(len(ids)) as ex:
+                    return dict(zip(ids, ex.map(lambda i: clients[i].get_quorum(
+                        step, ftar_addresses=ftar(i), state_server_address=f"127.0.0.1:{30000 + i}",
+                        num_replicas=n, commit_failed=failed, timeout_s=30.0), ids)))
+
+            first = round_(range(n), 0)
+            sent0, kept0 = stats["replies_ring_neighbours"], stats["replies_neighbourhood_kept"]
+            failed = round_(range(n), 0, failed=True)
+            sent1, kept1 = stats["replies_ring_neighbours"], stats["replies_neighbourhood_kept"]
+            assert clients[2].leave(1, finished=False)
+            after = round_([0, 1, 3, 4], 1)
+            sent2, kept2 = stats["replies_ring_neighbours"], stats["replies_neighbourhood_kept"]
+        finally:
+            for c in clients.values():
+                c.close()
+    assert (sent0, kept0) == (n, 0) and (sent1 - sent0, kept1 - kept0) == (0, n)
+    assert (sent2 - sent1, kept2 - kept1) == (2, 2)  # 1 and 3 beside the gap; 0 and 4 keep theirs
+    assert {q.quorum_id for q in first.values()} == {1} and {q.quorum_id for q in failed.values()} == {2}
+    for i, q in failed.items():
+        assert q.ring_neighbours and q.ring_addresses(str(i)) == expected(list(range(n)), i)
+    for i, q in after.items():
+        assert q.member_ids == ("0", "1", "3", "4") and q.ring_addresses(str(i)) == expected([0, 1, 3, 4], i)
+    # The pure rule and the client's checks.
+    whole = _full_quorum(n, shards)
+    gone = dataclasses.replace(whole, quorum_id=2, members=tuple(m for m in whole.members if m.replica_id != "2"))
+    assert [qm.same_neighbourhood(gone, whole, str(r), 0, shards) for r in (0, 1, 3, 4)] == [True, False, False, True]
+    moved = dataclasses.replace(gone, members=tuple(
+        dataclasses.replace(m, ftar_addresses=("127.0.0.9:1",) * shards) if m.replica_id == "4" else m
+        for m in gone.members))
+    assert not qm.same_neighbourhood(moved, whole, "0", 0, shards)  # a neighbour restarted elsewhere
+    assert not qm.same_neighbourhood(gone, whole, "2", 0, shards)  # not a member any more
+    lean = qm.process_view(gone, "0", 0, shards, rings=False)
+    held_whole = qm.process_view(whole, "0", 0, shards)  # a whole view held (an older lighthouse's)
+    got = keep_neighbourhood(lean, "0", 1, held_whole)
+    assert got.ring_neighbours and got.ring_addresses("0") == expected([0, 1, 3, 4], 0)
+    with pytest.raises(LighthouseError, match="holds the view of quorum 1"):
+        keep_neighbourhood(lean, "0", 7, held_whole)
+    held_near = dataclasses.replace(held_whole, rings=tuple((r[4], r[0], r[1]) for r in held_whole.rings),
+                                    ring_neighbours=True)
+    assert keep_neighbourhood(lean, "0", 1, held_near).rings == held_near.rings
+    with pytest.raises(LighthouseError, match="does not fit"):  # 1's neighbourhood did change (2 left)
+        keep_neighbourhood(lean, "1", 1, held_near)

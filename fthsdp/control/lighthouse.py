@@ -157,6 +157,7 @@ def is_loopback(host: str) -> bool:
 # Field numbers of what view_reply appends by hand (fthsdp.control.wire), from the schema.
 _RESPONSE_QUORUM = pb2.QuorumResponse.DESCRIPTOR.fields_by_name["quorum"].number
 _QUORUM_NEIGHBOURHOOD = pb2.Quorum.DESCRIPTOR.fields_by_name["neighbourhood"].number
+_QUORUM_NEIGHBOURHOOD_FROM = pb2.Quorum.DESCRIPTOR.fields_by_name["neighbourhood_from"].number
 
 
 def quorum_to_proto(q: qm.Quorum) -> pb2.Quorum:
@@ -535,7 +536,10 @@ class _Job:
         :func:`fthsdp.control.quorum.ring_neighbourhood`): the part every asker shares is built
         once as above, and the asker's neighbourhood is appended to it (protobuf merges the two
         ``quorum`` fields into one; :mod:`fthsdp.control.wire`): three members' endpoints, each
-        encoded once per decision, so an asker costs a few byte joins, not O(members x shards)."""
+        encoded once per decision, so an asker costs a few byte joins, not O(members x shards).
+        With ``held`` (the asker's last quorum) and the same neighbourhood there
+        (:func:`fthsdp.control.quorum.same_neighbourhood`), only that quorum's id is appended
+        (``neighbourhood_from``)."""
         if self.view_cache_of is not q:
             self.view_cache, self.view_cache_of = {}, q
             self.view_members = {x.replica_id: x for x in q.members}
@@ -548,9 +552,10 @@ class _Job:
         lean = holds_view and behind is None
         compact = lean and compact_ok and not q.behind
         neighbours = neighbours and not lean
-        if held is not None and (neighbours or lean or held.quorum_id == q.quorum_id
-                                 or not self._same_shards(held, rid, m)):
+        if held is not None and (lean or held.quorum_id == q.quorum_id or not self._same_shards(held, rid, m)):
             held = None
+        # a neighbour view needs no delta; the held view may let it leave the neighbourhood out
+        held_near, held = (held, None) if neighbours else (None, held)
         key = (first, per, behind, lean, compact, held.quorum_id if held is not None else 0, neighbours)
         raw = self.view_cache.get(key)
         if raw is None:
@@ -573,7 +578,10 @@ class _Job:
             if key[2] is None:
                 self.view_cache[key] = raw
             stats["replies_serialized"] += 1
-        if neighbours:
+        if neighbours and held_near is not None and qm.same_neighbourhood(q, held_near, rid, first, per):
+            raw += wire.field_bytes(_RESPONSE_QUORUM, wire.varint_field(_QUORUM_NEIGHBOURHOOD_FROM, held_near.quorum_id))
+            stats["replies_neighbourhood_kept"] += 1
+        elif neighbours:
             near = b"".join(self._member_endpoints(q, first, per, r)
                             for r in qm.ring_neighbourhood(len(q.members), self.view_ranks[rid]))
             raw += wire.field_bytes(_RESPONSE_QUORUM, near)
@@ -682,7 +690,7 @@ class Lighthouse(pb2_grpc.LighthouseServicer):
         # Where the time goes (tests and experiments read these counters).
         self.stats = {"decisions": 0, "evaluations": 0, "evaluation_s": 0.0, "replies_serialized": 0,
                       "replies_sent": 0, "replies_rings_omitted": 0, "replies_members_omitted": 0, "replies_ring_delta": 0,
-                      "replies_ring_neighbours": 0, "stalls": 0, "rca_runs": 0, "rca_s": 0.0,
+                      "replies_ring_neighbours": 0, "replies_neighbourhood_kept": 0, "stalls": 0, "rca_runs": 0, "rca_s": 0.0,
                       "sdc_mismatches": 0, "refused": 0, "forgotten_dead": 0,
                       "sessions_opened": 0, "session_messages": 0, "relay_batches": 0,
                       "sessions_open": 0, "relay_streams_open": 0, "relayed_messages": 0, "requests_endpoints_held": 0,
@@ -1409,7 +1417,8 @@ class Lighthouse(pb2_grpc.LighthouseServicer):
         """The serialized answer to ``request`` once its entry's future holds ``result``."""
         if isinstance(result, _Finished):
             return _finished_reply(result)
-        held = job.decided.get(request.last_quorum_id) if request.accepts_ring_delta else None
+        held = job.decided.get(request.last_quorum_id) \
+            if request.accepts_ring_delta or request.accepts_ring_neighbours else None
         return job.view_reply(result, request.replica_id, 0, self.stats,
                               holds_view=request.last_quorum_id == result.quorum_id,
                               compact_ok=request.accepts_members_omitted, held=held,
@@ -1482,7 +1491,8 @@ class Lighthouse(pb2_grpc.LighthouseServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"process_index {request.process_index} is outside 0..{m.num_processes - 1} "
                                 f"(replica {rid!r} has {m.num_processes} process(es) in quorum {q.quorum_id})")
-        held = job.decided.get(request.held_quorum_id) if request.accepts_ring_delta else None
+        held = job.decided.get(request.held_quorum_id) \
+            if request.accepts_ring_delta or request.accepts_ring_neighbours else None
         return job.view_reply(q, rid, request.process_index, self.stats, held=held,
                               neighbours=request.accepts_ring_neighbours)
 

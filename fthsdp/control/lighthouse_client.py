@@ -569,6 +569,22 @@ def keep_ring_delta(q: qm.Quorum, rings_from: int, changed: Sequence[str], held:
                               f"this process's view of it: {e} (mismatched lighthouse and client versions?)") from None
 
 
+def keep_neighbourhood(q: qm.Quorum, viewer: str, neighbourhood_from: int, held: qm.Quorum | None) -> qm.Quorum:
+    """``q`` (an answer that left its ring neighbourhood out as unchanged since quorum
+    ``neighbourhood_from``) with its rings from ``held``, this process's view of that quorum
+    (:func:`fthsdp.control.quorum.kept_neighbourhood`). The lighthouse leaves it out only
+    against the quorum the request reported as its last, so ``held`` is it; anything else is a
+    protocol error, raised as such."""
+    require_view(held, neighbourhood_from, f"the lighthouse left out the ring neighbourhood of quorum {q.quorum_id} "
+                                           f"as unchanged since quorum {neighbourhood_from}")
+    try:
+        return qm.kept_neighbourhood(q, viewer, held)
+    except ValueError as e:
+        raise LighthouseError(f"the ring neighbourhood of quorum {q.quorum_id}, kept from quorum {neighbourhood_from}, "
+                              f"does not fit this process's view of it: {e} (mismatched lighthouse and client "
+                              "versions?)") from None
+
+
 def keep_members(q: qm.Quorum, held: qm.Quorum | None) -> qm.Quorum:
     """``q`` (a compact answer: ``members_omitted``) completed from ``held``, this
     process's view of the same quorum id: the same members, all at ``q.max_step`` and
@@ -974,6 +990,8 @@ class LighthouseClient:
             q = keep_rings(q, self.last_quorum)
         elif resp.quorum.rings_from:
             q = keep_ring_delta(q, resp.quorum.rings_from, resp.quorum.ring_members, self.last_quorum)
+        elif resp.quorum.neighbourhood_from:
+            q = keep_neighbourhood(q, self.replica_id, resp.quorum.neighbourhood_from, self.last_quorum)
         if self.replica_id in q.member_ids:
             self.lineage = self.lineage.answered(q.quorum_id, q.max_step)
             self.last_quorum = q
@@ -1014,6 +1032,8 @@ class LighthouseClient:
         q = quorum_from_proto(resp.quorum)
         if resp.quorum.rings_from:
             q = keep_ring_delta(q, resp.quorum.rings_from, resp.quorum.ring_members, held)
+        elif resp.quorum.neighbourhood_from:
+            q = keep_neighbourhood(q, self.replica_id, resp.quorum.neighbourhood_from, held)
         self.last_quorum = q
         return q
 

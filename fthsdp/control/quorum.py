@@ -289,11 +289,12 @@ class Quorum:
         return len(self.members)
 
     def rank_of(self, replica_id: str) -> int:
-        """Ring position of ``replica_id``; ValueError if it is not a member."""
-        for i, m in enumerate(self.members):
-            if m.replica_id == replica_id:
-                return i
-        raise ValueError(f"replica {replica_id!r} is not in quorum {self.quorum_id} {list(self.member_ids)}")
+        """Ring position of ``replica_id``; ValueError if it is not a member. O(1) after the first
+        call for the same members tuple (the views of one decision share theirs)."""
+        i = _ranks(self.members).get(replica_id)
+        if i is None:
+            raise ValueError(f"replica {replica_id!r} is not in quorum {self.quorum_id} {list(self.member_ids)}")
+        return i
 
     def member(self, replica_id: str) -> Member:
         return self.members[self.rank_of(replica_id)]
@@ -350,6 +351,22 @@ class Quorum:
         return None
 
 
+# Ring positions of the last few members tuples (rank_of): keyed by the tuple's identity and
+# holding it, so an id is never reused while cached; results never depend on the cache.
+_RANKS: dict[int, tuple[tuple, dict[str, int]]] = {}
+
+
+def _ranks(members: tuple) -> dict[str, int]:
+    hit = _RANKS.get(id(members))
+    if hit is not None and hit[0] is members:
+        return hit[1]
+    ranks = {m.replica_id: i for i, m in enumerate(members)}
+    if len(_RANKS) >= 16:
+        _RANKS.pop(next(iter(_RANKS)))
+    _RANKS[id(members)] = (members, ranks)
+    return ranks
+
+
 def process_view(q: Quorum, replica_id: str, first_shard: int, num_shards: int, rings: bool = True) -> Quorum:
     """What one process of ``replica_id`` holding shards ``first_shard`` .. ``+num_shards-1``
     is told about ``q``: the members (ids, steps; no endpoint lists), the rings of its own
@@ -388,6 +405,45 @@ def ring_neighbourhood(n: int, rank: int) -> tuple[int, int, int]:
     if not 0 <= rank < n:
         raise ValueError(f"rank {rank} outside a ring of {n} member(s)")
     return (rank - 1) % n, rank, (rank + 1) % n
+
+
+def same_neighbourhood(new: Quorum, old: Quorum, replica_id: str, first_shard: int, num_shards: int) -> bool:
+    """Whether ``replica_id``'s ring neighbourhood in ``new`` is the one it had in ``old``: the
+    same left neighbour, itself and right neighbour, each with the same endpoints of shards
+    ``first_shard`` .. ``+num_shards-1``. Then a process holding its neighbour view of ``old``
+    already holds its rings of ``new`` (``Quorum.neighbourhood_from``): when one replica of
+    many dies or rejoins, all but the two beside it. Both quorums carry every member's
+    endpoints (the lighthouse's)."""
+    if replica_id not in _ranks(old.members) or replica_id not in _ranks(new.members):
+        return False
+    last = first_shard + num_shards
+    now = ring_neighbourhood(len(new.members), new.rank_of(replica_id))
+    was = ring_neighbourhood(len(old.members), old.rank_of(replica_id))
+    for i, j in zip(now, was):
+        a, b = new.members[i], old.members[j]
+        if a.replica_id != b.replica_id or not (a.ftar_addresses is b.ftar_addresses
+                                                or a.ftar_addresses[first_shard:last] == b.ftar_addresses[first_shard:last]):
+            return False
+    return True
+
+
+def kept_neighbourhood(q: Quorum, viewer: str, held: Quorum) -> Quorum:
+    """``q``, an answer whose neighbourhood was left out as unchanged since ``held`` (the
+    viewer's view of an earlier quorum, :func:`same_neighbourhood`), with its rings: the held
+    neighbourhood's, or, from a whole view, the three members' endpoints cut from its rings.
+    Raises ValueError when ``held`` cannot be that view (the lighthouse's and the client's
+    views disagree: a protocol error)."""
+    ids = [q.members[i].replica_id for i in ring_neighbourhood(len(q.members), q.rank_of(viewer))]
+    if held.ring_neighbours:
+        was = [held.members[i].replica_id for i in ring_neighbourhood(len(held.members), held.rank_of(viewer))]
+        if was != ids:
+            raise ValueError(f"the ring neighbourhood {ids} of quorum {q.quorum_id} is not the {was} held from quorum "
+                             f"{held.quorum_id}")
+        rings = held.rings
+    else:
+        idx = [held.rank_of(r) for r in ids]
+        rings = tuple((ring[idx[0]], ring[idx[1]], ring[idx[2]]) for ring in held.rings)
+    return dataclasses.replace(q, rings=rings, first_shard=held.first_shard, ring_neighbours=True)
 
 
 def ring_changes(old: Quorum, new: Quorum, first_shard: int, num_shards: int) -> tuple[str, ...]:

@@ -13,7 +13,7 @@ neighbourhood to the view it built once (``Lighthouse.view_reply``).
 
 from __future__ import annotations
 
-__all__ = ["varint", "field_bytes"]
+__all__ = ["varint", "field_bytes", "varint_field"]
 
 
 def varint(n: int) -> bytes:
@@ -24,6 +24,11 @@ def varint(n: int) -> bytes:
         n >>= 7
     out.append(n)
     return bytes(out)
+
+
+def varint_field(number: int, value: int) -> bytes:
+    """A varint field (int32/int64 >= 0, uint, bool) ``number`` holding ``value``."""
+    return varint(number << 3) + varint(value)
 
 
 def field_bytes(number: int, payload: bytes) -> bytes:

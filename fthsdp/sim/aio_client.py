@@ -50,6 +50,7 @@ from fthsdp.control.lighthouse_client import (
     backoff_delays,
     endpoints_not_held,
     keep_members,
+    keep_neighbourhood,
     keep_ring_delta,
     keep_rings,
     new_request_id,
@@ -134,8 +135,9 @@ class _EndpointsNotHeld(Exception):
 @dataclass(frozen=True)
 class Answer:
     """A decoded quorum answer: the Quorum as sent, whether its rings were left out, whether its
-    members were, whether the asker's endpoints may be left out next time, and (rings_from > 0)
-    the quorum its rings are a delta against with the members they list."""
+    members were, whether the asker's endpoints may be left out next time, (rings_from > 0) the
+    quorum its rings are a delta against with the members they list, and (neighbourhood_from >
+    0) the quorum whose view holds its unchanged ring neighbourhood."""
 
     quorum: qm.Quorum
     lean: bool
@@ -143,6 +145,7 @@ class Answer:
     omittable: bool
     rings_from: int = 0
     ring_members: tuple[str, ...] = ()
+    neighbourhood_from: int = 0
 
 
 class DecodeCache:
@@ -178,7 +181,7 @@ class DecodeCache:
             return int(resp.finished_step)
         p = resp.quorum
         return Answer(quorum_from_proto(p), p.rings_omitted, p.members_omitted, resp.endpoints_omittable,
-                      p.rings_from, tuple(p.ring_members))
+                      p.rings_from, tuple(p.ring_members), p.neighbourhood_from)
 
     def decode(self, raw: bytes) -> Answer | int:
         n = len(raw)
@@ -540,6 +543,8 @@ class AioLighthouseClient:
             q = _kept_rings(q, self.last_quorum, got.compact)
         elif got.rings_from:
             q = _delta_rings(q, got.rings_from, got.ring_members, self.last_quorum)
+        elif got.neighbourhood_from:
+            q = keep_neighbourhood(q, self.replica_id, got.neighbourhood_from, self.last_quorum)
         if self.replica_id in membership(q)[0]:
             self.lineage = self.lineage.answered(q.quorum_id, q.max_step)
             self.last_quorum = q
