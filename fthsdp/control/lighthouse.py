@@ -579,7 +579,8 @@ class _Job:
                 self.view_cache[key] = raw
             stats["replies_serialized"] += 1
         if neighbours and held_near is not None and qm.same_neighbourhood(q, held_near, rid, first, per):
-            raw += wire.field_bytes(_RESPONSE_QUORUM, wire.varint_field(_QUORUM_NEIGHBOURHOOD_FROM, held_near.quorum_id))
+            kept = wire.varint_field(_QUORUM_NEIGHBOURHOOD_FROM, held_near.quorum_id)
+            raw += wire.field_bytes(_RESPONSE_QUORUM, kept)
             stats["replies_neighbourhood_kept"] += 1
         elif neighbours:
             near = b"".join(self._member_endpoints(q, first, per, r)
@@ -690,7 +691,8 @@ class Lighthouse(pb2_grpc.LighthouseServicer):
         # Where the time goes (tests and experiments read these counters).
         self.stats = {"decisions": 0, "evaluations": 0, "evaluation_s": 0.0, "replies_serialized": 0,
                       "replies_sent": 0, "replies_rings_omitted": 0, "replies_members_omitted": 0, "replies_ring_delta": 0,
-                      "replies_ring_neighbours": 0, "replies_neighbourhood_kept": 0, "stalls": 0, "rca_runs": 0, "rca_s": 0.0,
+                      "replies_ring_neighbours": 0, "replies_neighbourhood_kept": 0,
+                      "stalls": 0, "rca_runs": 0, "rca_s": 0.0,
                       "sdc_mismatches": 0, "refused": 0, "forgotten_dead": 0,
                       "sessions_opened": 0, "session_messages": 0, "relay_batches": 0,
                       "sessions_open": 0, "relay_streams_open": 0, "relayed_messages": 0, "requests_endpoints_held": 0,
