@@ -352,7 +352,9 @@ class Quorum:
 
 
 # Ring positions of the last few members tuples (rank_of): keyed by the tuple's identity and
-# holding it, so an id is never reused while cached; results never depend on the cache.
+# holding it, so an id is never reused while cached; results never depend on the cache. Only
+# single dict operations touch it (a Manager's threads may call rank_of at once): full, it is
+# cleared, and the next call rebuilds the one in use.
 _RANKS: dict[int, tuple[tuple, dict[str, int]]] = {}
 
 
@@ -362,7 +364,7 @@ def _ranks(members: tuple) -> dict[str, int]:
         return hit[1]
     ranks = {m.replica_id: i for i, m in enumerate(members)}
     if len(_RANKS) >= 16:
-        _RANKS.pop(next(iter(_RANKS)))
+        _RANKS.clear()
     _RANKS[id(members)] = (members, ranks)
     return ranks
 
