@@ -21,12 +21,13 @@ commit failed) send them to every leader. Three forms, as the request asks
 Runs the emulation (fthsdp/sim/emulation.py: the real lighthouse process, the
 replicas' control loop emulated) of R replicas x G ranks once per form and repeat, in
 the same run, alternating, with one replica SIGKILL-like killed at step S and restarted
-0.5 s later (two changes of membership: it leaves, it rejoins) and one commit failure.
-For the first round and for the rounds whose quorum id changed after it: the bytes of
-all leaders' answers, the round's latency (from the last request to every rank holding
-the answer, as experiments/scale.py), and the emulator's CPU over the run. JSON
-``runs`` and ``ratios`` (each form against ``whole``, and ``delta`` against
-``neighbours``), and a plot.
+0.5 s later (two changes of membership: it leaves, it rejoins), one commit failure, and
+the lighthouse SIGKILLed and restarted 1 s later. For the first round and for the rounds
+whose quorum id changed after it: the bytes of all leaders' answers, the round's latency
+(from the last request to every rank holding the answer, as experiments/scale.py), and
+the emulator's CPU over the run; for the restarted lighthouse's first decision, its
+answers' bytes (its latency is the outage's). JSON ``runs`` and ``ratios`` (each form
+against ``whole``, and ``delta`` against ``neighbours``), and a plot.
 """
 
 from __future__ import annotations
@@ -50,7 +51,8 @@ ARMS = ("whole", "delta", "neighbours")
 
 def one_run(arm: str, replicas: int, ranks: int, steps: int, kill_step: int) -> dict:
     faults = (Fault("kill", step=kill_step, replica=replicas // 3, seconds=0.5),
-              Fault("ring", step=kill_step + 4, rank=1))
+              Fault("ring", step=kill_step + 4, rank=1),
+              Fault("lighthouse", step=kill_step + 6, seconds=1.0))
     # Detection and join limits as experiments/scale.py's (a steady round never waits on them):
     # the first round at this size moves every ring whole, seconds on a shared 2-core host.
     t = Timeouts(heartbeat_interval_s=0.1, detect_s=5.0, join_timeout_s=30.0, allreduce_timeout_s=60.0,
@@ -78,10 +80,20 @@ def one_run(arm: str, replicas: int, ranks: int, steps: int, kill_step: int) -> 
                        "latency_s": max(r.all_ranks_hold for r, _ in got) - max(r.last_rank_request for r, _ in got)})
     opening = rounds[0] if rounds and rounds[0]["quorum_id"] == qids[0] else None
     changes = [r for r in rounds if r is not opening]
+    # The restarted lighthouse's first decision (its askers rode the outage out, so its latency
+    # is the outage's; its answers' bytes are what a restart costs): it holds no earlier view,
+    # so a delta has nothing to be against.
+    rode = sorted({rec.quorum_id for rec, _ in first.values() if rec.outage_s})
+    restart = None
+    if rode:
+        got = [v for (q, _), v in first.items() if q == rode[0]]
+        restart = {"quorum_id": rode[0], "replicas": len(got), "answer_bytes": sum(b for _, b in got),
+                   "answer_bytes_max": max(b for _, b in got)}
     return {
         "arm": arm, "replicas": replicas, "ranks": replicas * ranks, "wall_s": wall,
         "violations": rep.violations(), "final_steps": sorted(set(rep.final_steps.values())),
-        "first_round": opening, "changes": changes,
+        "first_round": opening, "changes": changes, "restart_round": restart,
+        "lighthouse_starts": rep.lighthouse_starts,
         "change_answer_bytes_median": statistics.median([c["answer_bytes"] for c in changes]) if changes else None,
         "change_latency_median_s": statistics.median([c["latency_s"] for c in changes]) if changes else None,
         "first_answer_bytes_max": rep.answer_bytes,
@@ -134,7 +146,8 @@ def main(argv: list[str] | None = None) -> int:
             r = one_run(arm, a.replicas, a.ranks, a.steps, kill_step)
             runs.append(r)
             first = r["first_round"] or {}
-            print(f"[{k + 1}/{a.repeats}] {arm}: first round {first.get('answer_bytes')} B of answers, "
+            print(f"[{k + 1}/{a.repeats}] {arm}: first round {first.get('answer_bytes')} B of answers, after the "
+                  f"lighthouse's restart {(r['restart_round'] or {}).get('answer_bytes')} B, "
                   f"{len(r['changes'])} changes of quorum id, answers "
                   f"{r['change_answer_bytes_median']} B a change round (median), latency "
                   f"{r['change_latency_median_s']} s, emulator CPU {r['emulator_cpu_s']:.1f} s, "
@@ -144,15 +157,16 @@ def main(argv: list[str] | None = None) -> int:
         xs = [r[key] for r in runs if r["arm"] == arm and r[key] is not None]
         return statistics.median(xs) if xs else None
 
-    for r in runs:  # the first round's figures, for med()
+    for r in runs:  # the first round's and the restart's figures, for med()
         r["first_answer_bytes"] = (r["first_round"] or {}).get("answer_bytes")
         r["first_latency_s"] = (r["first_round"] or {}).get("latency_s")
+        r["restart_answer_bytes"] = (r["restart_round"] or {}).get("answer_bytes")
     ratios: dict[str, dict] = {}
     for num, den in (("whole", "delta"), ("whole", "neighbours"), ("delta", "neighbours")):
         ratios[f"{num}_over_{den}"] = {
             key: (med(num, key) / med(den, key)) if med(num, key) and med(den, key) else None
             for key in ("first_answer_bytes", "first_latency_s", "change_answer_bytes_median",
-                        "change_latency_median_s", "emulator_cpu_s")}
+                        "change_latency_median_s", "restart_answer_bytes", "emulator_cpu_s")}
     out = {"shape": f"{a.replicas}x{a.ranks}", "kill_step": kill_step, "runs": runs, "ratios": ratios}
     path = pathlib.Path(a.out)
     path.parent.mkdir(parents=True, exist_ok=True)

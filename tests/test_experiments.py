@@ -131,11 +131,12 @@ def test_relay_failover_quick(tmp_path):
 
 
 def test_ring_forms_quick(tmp_path):
-    """64 x 32 with a replica killed and restarted and a failed commit, leaders taking rings whole,
-    as a delta and as their ring neighbours only: the same job each way (every invariant, every
-    step); the delta's answers on each change of quorum id are several times smaller than whole
-    rings, and the neighbours' several times smaller in the first round too (where a delta has
-    nothing to be against) and smaller than the delta's on a change."""
+    """64 x 32 with a replica killed and restarted, a failed commit and the lighthouse restarted,
+    leaders taking rings whole, as a delta and as their ring neighbours only: the same job each
+    way (every invariant, every step); the delta's answers on each change of quorum id are
+    several times smaller than whole rings, and the neighbours' several times smaller in the
+    first round and after the restart too (where a delta has nothing to be against) and smaller
+    than the delta's on a change."""
     out = tmp_path / "rf.json"
     run("ring_forms.py", "--quick", "--out", str(out))
     res = json.loads(out.read_text())
@@ -149,4 +150,8 @@ def test_ring_forms_quick(tmp_path):
     assert res["ratios"]["whole_over_neighbours"]["change_answer_bytes_median"] > 3
     # on a change, only the leaders beside the gap get a neighbourhood: fewer bytes than a delta
     assert res["ratios"]["delta_over_neighbours"]["change_answer_bytes_median"] > 1
+    # a restarted lighthouse holds no earlier view: whole rings again for a delta, not for neighbours
+    assert all(x["lighthouse_starts"] == 2 and x["restart_round"] for x in runs.values())
+    assert res["ratios"]["whole_over_delta"]["restart_answer_bytes"] == 1.0
+    assert res["ratios"]["whole_over_neighbours"]["restart_answer_bytes"] > 3
     assert out.with_suffix(".png").stat().st_size > 10_000
