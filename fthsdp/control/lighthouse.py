@@ -459,7 +459,6 @@ class _Job:
     view_cache: dict[tuple, bytes] = field(default_factory=dict)
     view_cache_of: qm.Quorum | None = None
     view_members: dict[str, qm.Member] = field(default_factory=dict)
-    view_ranks: dict[str, int] = field(default_factory=dict)  # of view_cache_of's members
     # (first shard, shards, member rank) -> that member's MemberEndpoints of those shards, encoded
     # as a Quorum.neighbourhood field (view_cache_of's; built once, appended to three answers)
     view_endpoints: dict[tuple[int, int, int], bytes] = field(default_factory=dict)
@@ -543,7 +542,6 @@ class _Job:
         if self.view_cache_of is not q:
             self.view_cache, self.view_cache_of = {}, q
             self.view_members = {x.replica_id: x for x in q.members}
-            self.view_ranks = {x.replica_id: i for i, x in enumerate(q.members)}
             self.view_endpoints = {}
         m = self.view_members[rid]
         per = max(1, m.local_world_size // max(1, m.num_processes))
@@ -584,7 +582,7 @@ class _Job:
             stats["replies_neighbourhood_kept"] += 1
         elif neighbours:
             near = b"".join(self._member_endpoints(q, first, per, r)
-                            for r in qm.ring_neighbourhood(len(q.members), self.view_ranks[rid]))
+                            for r in qm.ring_neighbourhood(len(q.members), q.rank_of(rid)))
             raw += wire.field_bytes(_RESPONSE_QUORUM, near)
             stats["replies_ring_neighbours"] += 1
         stats["replies_sent"] += 1

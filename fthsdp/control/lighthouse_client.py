@@ -607,17 +607,13 @@ def quorum_from_proto(p: pb2.Quorum) -> qm.Quorum:
     A view with a ring neighbourhood (``Quorum.neighbourhood``) has as its rings, per shard, the
     (left, own, right) endpoints; a neighbourhood that is not three equal runs of endpoints is a
     protocol error, raised as :class:`LighthouseError`."""
-    if p.neighbourhood:
-        near = p.neighbourhood
-        if len(near) != 3 or len({len(e.addresses) for e in near}) != 1 or len({e.first_shard for e in near}) != 1 \
-                or not near[0].addresses or p.rings:
-            raise LighthouseError(
-                f"quorum {p.quorum_id}'s ring neighbourhood is not three equal runs of endpoints of the same shards "
-                f"({[(e.first_shard, len(e.addresses)) for e in near][:4]}, {len(p.rings)} whole rings beside it): "
-                "mismatched lighthouse and client versions?")
-        base = quorum_from_proto(_without_neighbourhood(p))
-        return dataclasses.replace(base, rings=tuple(zip(*(tuple(e.addresses) for e in near))),
-                                   first_shard=near[0].first_shard, ring_neighbours=True)
+    near = p.neighbourhood
+    if near and (len(near) != 3 or len({len(e.addresses) for e in near}) != 1 or len({e.first_shard for e in near}) != 1
+                 or not near[0].addresses or p.rings):
+        raise LighthouseError(
+            f"quorum {p.quorum_id}'s ring neighbourhood is not three equal runs of endpoints of the same shards "
+            f"({[(e.first_shard, len(e.addresses)) for e in near][:4]}, {len(p.rings)} whole rings beside it): "
+            "mismatched lighthouse and client versions?")
     return qm.Quorum(
         quorum_id=p.quorum_id,
         members=tuple(
@@ -632,17 +628,11 @@ def quorum_from_proto(p: pb2.Quorum) -> qm.Quorum:
         num_healthy=p.num_healthy,
         num_configured=p.num_configured,
         reason=p.reason,
-        rings=tuple(tuple(r.addresses) for r in p.rings),
-        first_shard=p.rings[0].shard if p.rings else 0,
+        rings=tuple(zip(*(tuple(e.addresses) for e in near))) if near else tuple(tuple(r.addresses) for r in p.rings),
+        first_shard=near[0].first_shard if near else p.rings[0].shard if p.rings else 0,
         sources=tuple(qm.ShardSource(x.shard, x.replica_id, x.state_server_address) for x in p.sources),
+        ring_neighbours=bool(near),
     )
-
-
-def _without_neighbourhood(p: pb2.Quorum) -> pb2.Quorum:
-    out = pb2.Quorum()
-    out.CopyFrom(p)
-    del out.neighbourhood[:]
-    return out
 
 
 OnDead = Callable[[tuple[str, ...], int], None]

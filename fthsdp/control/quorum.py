@@ -157,6 +157,13 @@ __all__ = [
     "parse_lineage_report",
     "unreported_through",
     "sends_last_members",
+    "ring_changes",
+    "delta_view",
+    "rings_with_delta",
+    "positions",
+    "ring_neighbourhood",
+    "same_neighbourhood",
+    "kept_neighbourhood",
 ]
 
 # One admitted accusation per accuser per this many quorum ids (see the module docstring).
@@ -291,7 +298,7 @@ class Quorum:
     def rank_of(self, replica_id: str) -> int:
         """Ring position of ``replica_id``; ValueError if it is not a member. O(1) after the first
         call for the same members tuple (the views of one decision share theirs)."""
-        i = _ranks(self.members).get(replica_id)
+        i = positions(self.members).get(replica_id)
         if i is None:
             raise ValueError(f"replica {replica_id!r} is not in quorum {self.quorum_id} {list(self.member_ids)}")
         return i
@@ -351,21 +358,23 @@ class Quorum:
         return None
 
 
-# Ring positions of the last few members tuples (rank_of): keyed by the tuple's identity and
+# Ring positions of the last few members tuples (positions, rank_of): keyed by the tuple's identity and
 # holding it, so an id is never reused while cached; results never depend on the cache. Only
 # single dict operations touch it (a Manager's threads may call rank_of at once): full, it is
 # cleared, and the next call rebuilds the one in use.
-_RANKS: dict[int, tuple[tuple, dict[str, int]]] = {}
+_POSITIONS: dict[int, tuple[tuple, dict[str, int]]] = {}
 
 
-def _ranks(members: tuple) -> dict[str, int]:
-    hit = _RANKS.get(id(members))
+def positions(members: tuple) -> dict[str, int]:
+    """Ring position by replica id of ``members`` (a quorum's), built once per tuple; shared by
+    its callers, who must not change it."""
+    hit = _POSITIONS.get(id(members))
     if hit is not None and hit[0] is members:
         return hit[1]
     ranks = {m.replica_id: i for i, m in enumerate(members)}
-    if len(_RANKS) >= 16:
-        _RANKS.clear()
-    _RANKS[id(members)] = (members, ranks)
+    if len(_POSITIONS) >= 16:
+        _POSITIONS.clear()
+    _POSITIONS[id(members)] = (members, ranks)
     return ranks
 
 
@@ -416,15 +425,17 @@ def same_neighbourhood(new: Quorum, old: Quorum, replica_id: str, first_shard: i
     already holds its rings of ``new`` (``Quorum.neighbourhood_from``): when one replica of
     many dies or rejoins, all but the two beside it. Both quorums carry every member's
     endpoints (the lighthouse's)."""
-    if replica_id not in _ranks(old.members) or replica_id not in _ranks(new.members):
+    if replica_id not in positions(old.members) or replica_id not in positions(new.members):
         return False
     last = first_shard + num_shards
     now = ring_neighbourhood(len(new.members), new.rank_of(replica_id))
     was = ring_neighbourhood(len(old.members), old.rank_of(replica_id))
     for i, j in zip(now, was):
         a, b = new.members[i], old.members[j]
-        if a.replica_id != b.replica_id or not (a.ftar_addresses is b.ftar_addresses
-                                                or a.ftar_addresses[first_shard:last] == b.ftar_addresses[first_shard:last]):
+        if a.replica_id != b.replica_id:
+            return False
+        if a.ftar_addresses is not b.ftar_addresses and \
+                a.ftar_addresses[first_shard:last] != b.ftar_addresses[first_shard:last]:
             return False
     return True
 

@@ -58,8 +58,8 @@ from fthsdp.addresses import split_host_port
 from fthsdp.control import session as sess
 from fthsdp.control.channel_args import RECONNECT_ARGS
 from fthsdp.control.server_thread import ServerThread
-from fthsdp.control.wire import varint
 from fthsdp.control.session_client import stop_stream
+from fthsdp.control.wire import varint
 from fthsdp.proto import lighthouse as _load_stubs
 
 pb2, _ = _load_stubs()

@@ -117,7 +117,7 @@ def membership(quorum: qm.Quorum) -> tuple[dict[str, int], frozenset[str]]:
     hit = _INDEX.get(key)
     if hit is not None and hit[0] is quorum.members and hit[1] is quorum.healthy:
         return hit[2], hit[3]
-    ranks = {r: i for i, r in enumerate(quorum.member_ids)}
+    ranks = qm.positions(quorum.members)
     healthy = frozenset(quorum.healthy)
     if len(_INDEX) >= _INDEX_SIZE:
         _INDEX.pop(next(iter(_INDEX)))

@@ -91,9 +91,8 @@ _DELTA: dict[tuple[int, int], tuple[qm.Quorum, object, qm.Quorum]] = {}
 
 def _completed(table: dict, q: qm.Quorum, basis: object, complete: Callable[[], qm.Quorum]) -> qm.Quorum:
     """``complete()``, once per (answer ``q``, ``basis`` it is completed from) for the leaders of
-    one process: they hold the same decoded objects, so they keep sharing one result (the step
-    machine's and the data state's caches are keyed by the quorum object; completing an answer
-    per leader would be O(N^2) a round, which 512 real hosts pay in parallel). Keyed by
+    one process: they hold the same decoded objects, so they keep sharing one result (completing
+    an answer per leader would be O(N^2) a round, which 512 real hosts pay in parallel). Keyed by
     identity, the objects kept alive beside it; the last 16 are kept."""
     hit = table.get((id(q), id(basis)))
     if hit is not None and hit[0] is q and hit[1] is basis:

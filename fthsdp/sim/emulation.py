@@ -146,8 +146,8 @@ class EmulationConfig:
     # as in the real protocol (version 2), every process heartbeats under (replica,
     # process) and registers its own D shards' endpoints, the leader asks for the
     # quorum and gets its view (the members and its D shards' rings: O(R + D) as ring
-    # neighbours, O(R x D) whole), and
-    # the other processes fetch their own views (GetView) when the quorum id changes.
+    # neighbours, O(R x D) whole), and the other processes fetch their own views (GetView)
+    # when the quorum id changes.
     processes_per_replica: int = 1
     # Heartbeats and quorum requests on one session stream per process (fthsdp.control.session),
     # as the real client does by default; False: a unary call each (the earlier transport).
