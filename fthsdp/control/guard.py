@@ -36,7 +36,7 @@ import grpc
 
 from fthsdp.addresses import split_host_port
 from fthsdp.control import auth
-from fthsdp.control.admission import Admission
+from fthsdp.control.admission import SERVE, Admission
 from fthsdp.timeouts import LIGHTHOUSE_MAX_HOLD_S
 
 log = logging.getLogger("fthsdp.control.lighthouse")
@@ -614,6 +614,8 @@ class CallGate:
             return None
         now = time.monotonic()
         decision, held = self.admission.connection(peer, now, hold_bound, relay)
+        if decision is SERVE:  # most calls: nothing to note or wait for
+            return None
         if decision.wait_s > 0 or decision.refusal:
             lim = self.admission.limits
             if relay:
@@ -643,6 +645,8 @@ class CallGate:
         if self.admission is not None and req.job_id:
             now = time.monotonic()
             decision, held = self.admission.job(req.job_id, self.job_size(req.job_id), now, hold_bound())
+            if decision is SERVE:
+                return None
             if decision.wait_s > 0 or decision.refusal:
                 self.throttled.note(f"job {req.job_id!r}", decision, "its calls per second", _JOB_ADVICE, now)
             await _hold(self.admission, decision, held)
