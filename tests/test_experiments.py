@@ -155,3 +155,21 @@ def test_ring_forms_quick(tmp_path):
     assert res["ratios"]["whole_over_delta"]["restart_answer_bytes"] == 1.0
     assert res["ratios"]["whole_over_neighbours"]["restart_answer_bytes"] > 3
     assert out.with_suffix(".png").stat().st_size > 10_000
+
+
+def test_before_after_quick(tmp_path):
+    """A hierarchical row at this tree's HEAD (extracted with git archive, imported from the
+    extract: its rows say so) and one of the working tree, side by side: both complete every
+    round, and the ratios are computed from the two."""
+    out = tmp_path / "ba.json"
+    run("before_after.py", "--baseline", "HEAD", "--shape", "16x8", "--rounds", "3", "--pairs", "1",
+        "--out", str(out))
+    res = json.loads(out.read_text())
+    rows = {r["side"]: r for r in res["rows"]}
+    assert set(rows) == {"baseline", "now"}
+    assert rows["baseline"]["fthsdp_from"] == "baseline extract" and rows["now"]["fthsdp_from"] == "working tree"
+    for r in rows.values():
+        assert r["complete_rounds"] == r["rounds"] == 3 and r["violations"] == [], r
+    assert res["shape"] == {"replicas": 16, "ranks_per_replica": 8, "flat": False}
+    assert res["ratio_of_medians_baseline_over_now"]["p50_s"] == pytest.approx(
+        rows["baseline"]["p50_s"] / rows["now"]["p50_s"])
