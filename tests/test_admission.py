@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from fthsdp.control.admission import Admission, Bucket, FairnessLimits
+from fthsdp.control.admission import SERVE, Admission, Bucket, FairnessLimits
 
 
 def test_bucket_books_calls_into_debt_so_held_calls_leave_at_its_rate():
@@ -29,6 +29,20 @@ def test_a_flooding_connection_is_held_then_refused_and_another_is_untouched():
     d, token = a.connection("ipv4:10.0.0.1:2000", 0.0, max_wait_s=1.0)
     assert d.wait_s == 0 and not d.refusal and token is None
     assert a.held_total == 5
+
+
+def test_a_call_within_budget_gets_the_one_shared_serve_decision_and_a_held_one_its_own():
+    """The common case allocates nothing and formats no words (the gate returns at once on it)."""
+    a = Admission(FairnessLimits(connection_calls_per_s=10.0, connection_burst=2, new_connection_tokens=2,
+                                 job_calls_per_s=1.0, replica_calls_per_s=1.0))
+    assert a.connection("p", 0.0, 1.0) == (SERVE, None) and a.job("j", 0, 0.0, 1.0) == (SERVE, None)
+    assert a.connection("p", 0.0, 1.0)[0] is SERVE
+    d, token = a.connection("p", 0.0, 1.0)  # past its burst of 2: held, with its own decision
+    assert d is not SERVE and d.wait_s == pytest.approx(0.1) and token is not None
+    d, _ = a.job("j", 0, 0.0, 1.0)  # a job of no replicas: 1 call/s, a burst of 1
+    assert d is not SERVE and d.wait_s == pytest.approx(1.0)
+    d, _ = a.job("j", 0, 0.0, 0.5)  # over the bound: refused, its budget in words
+    assert "job 'j' is over its budget (1 calls/s + 1 per registered replica = 1 calls/s)" in d.refusal
 
 
 def test_a_call_that_would_wait_longer_than_its_bound_is_held_for_the_bound_then_refused():
