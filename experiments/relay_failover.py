@@ -6,7 +6,7 @@ Runs the emulation (fthsdp/sim/emulation.py: the real lighthouse and real
 relay processes, the replicas' control loop emulated) of R replicas x G ranks
 behind K relays three times, with the job's own relay timings
 (``RelayPath``: a return tried 5 s after leaving, a silent relay left after
-10 s):
+3 s):
 
   none     no fault: the baseline round
   killed   relay 0 SIGKILLed at step S and restarted on its port 0.5 s later
@@ -26,7 +26,7 @@ the step.
 
 What to expect: a killed relay restarted in half a second is ridden out as a
 lighthouse outage by its clients (a stall of about the restart); a stopped
-relay's block is declared dead (its clients leave it only after 10 s of
+relay's block is declared dead (its clients leave it only after 3 s of
 silence: a busy relay is slow too) while the other replicas go on, and
 rejoins.
 """

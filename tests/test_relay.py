@@ -419,7 +419,7 @@ def _beating(clients, step: int):
 
 def test_clients_leave_a_killed_relay_come_back_to_it_restarted_and_leave_it_stopped(lighthouse, monkeypatch):
     monkeypatch.setattr(RelayPath, "RETRY_S", 1.0)  # 5 s in a job
-    monkeypatch.setattr(RelayPath, "SILENCE_S", 0.9)  # 10 s in a job
+    monkeypatch.setattr(RelayPath, "SILENCE_S", 0.9)  # 3 s in a job
     with relay_process(lighthouse.address) as (addr, p):
         # outage_s: a client rides out the first broken streams as an outage (RelayPath.BREAKS)
         clients = [_client(lighthouse.address, r, relay=addr, outage_s=10.0) for r in range(2)]

@@ -126,10 +126,14 @@ class RelayPath:
     reply in between: a SIGSTOPped relay (a hung host) keeps its connections and answers
     nothing. Silence is weaker proof than a break, because a busy relay is slow too: when the
     third unanswered request was enough, 377 of 512 emulated leaders left two live relays in the
-    first round at 512 x 196 (every answer 1.4 MB, the beats' answers queued behind them). So a
-    stopped relay's clients are declared dead by the lighthouse before they leave it, and rejoin
-    once they speak to it directly: the block is out for about SILENCE_S, not until the relay
-    resumes. (HTTP/2 keepalive pings did not tell the two apart here: a client pinging every
+    first round at 512 x 196 (every answer 1.4 MB, the beats' answers queued behind them), and
+    the limit was 10 s. With a new quorum's rings sent as each leader's ring neighbourhood (a
+    first answer of ~30 KB) no round queues the beats that long: no process left a live relay at
+    512 x 196 behind 2 relays from a cold start with a 2.5 s limit, nor with 3 s on a host whose
+    second core a busy loop took (README, "The relay tier", Failures). A stopped relay's clients
+    are declared dead by the lighthouse before they leave it, and rejoin once they speak to it
+    directly: the block is out for about SILENCE_S and a beat's deadline (3.6 s measured; 10.7 s
+    with 10 s), not until the relay resumes. (HTTP/2 keepalive pings did not tell the two apart here: a client pinging every
     second did not end its stream to a stopped relay within 8 s.)
 
     **Return** :data:`RETRY_S` after leaving (the launcher restarts a dead relay on its port; a
@@ -142,7 +146,7 @@ class RelayPath:
 
     BREAKS = 3
     GRACE_S = 0.3
-    SILENCE_S = 10.0
+    SILENCE_S = 3.0
     RETRY_S = 5.0
     MAX_RETRY_S = 60.0
 
