@@ -173,3 +173,17 @@ def test_before_after_quick(tmp_path):
     assert res["shape"] == {"replicas": 16, "ranks_per_replica": 8, "flat": False}
     assert res["ratio_of_medians_baseline_over_now"]["p50_s"] == pytest.approx(
         rows["baseline"]["p50_s"] / rows["now"]["p50_s"])
+
+
+def test_lighthouse_message_cost_quick(tmp_path):
+    """The lighthouse's own cost per session message, with and without its budgets, this tree and
+    its HEAD's extract: every arm runs the code it names and completes its rounds (each answer an
+    OK quorum). No ratio is asserted: one quick run per arm on a shared host is too noisy for it."""
+    out = tmp_path / "mc.json"
+    run("lighthouse_message_cost.py", "--quick", "--baseline", "HEAD", "--out", str(out))
+    res = json.loads(out.read_text())
+    assert {r["arm"] for r in res["runs"]} == {"now", "now-no-budgets", "baseline", "baseline-no-budgets"}
+    for r in res["runs"]:
+        assert "error" not in r and r["messages_per_round"] == 128 and r["quorum_id"] >= 1, r
+        assert r["fthsdp_from"] == ("baseline extract" if r["arm"].startswith("baseline") else "working tree")
+    assert all(0 < v < 10_000 for v in res["median_us_per_message"].values())
