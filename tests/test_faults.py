@@ -23,6 +23,23 @@ def test_bad_fault_specs(spec, msg):
         plan((spec,), (), replicas=3)
 
 
+def test_a_relay_kill_names_its_relay_and_the_first_by_default():
+    faults = plan((), (), replicas=3, relay=("7", "2@9"), relays=3)
+    assert [(f.kind, f.relay_index, f.step, f.label()) for f in faults] == [
+        ("relay", 0, 7, "relay 0@7"), ("relay", 2, 9, "relay 2@9")]
+    # a plan saved before relays had an index (replica JOB) names the first, and reads back the same
+    old = Fault.from_json({"step": 5, "replica": -1, "kind": "relay"})
+    assert old.relay_index == 0 and Fault.from_json(faults[1].to_json()) == faults[1]
+    with pytest.raises(ValueError, match=r"starts relays 0\.\.1 \(launch.relays=2\): name one of those"):
+        plan((), (), replicas=3, relay=("2@9",), relays=2)
+    with pytest.raises(ValueError, match=r"starts no relay \(launch.relays=0\)"):
+        plan((), (), replicas=3, relay=("9",), relays=0)
+    for spec, msg in (("x", "expected STEP or INDEX@STEP"), ("1@", "expected STEP or INDEX@STEP"),
+                      ("-1@4", "must be >= 0"), ("-3", "must be >= 0")):
+        with pytest.raises(ValueError, match=msg):
+            plan((), (), replicas=3, relay=(spec,))
+
+
 def test_random_kills_are_seeded_and_sane():
     a = random_kills(4, replicas=3, steps=100, seed=7)
     assert a == random_kills(4, replicas=3, steps=100, seed=7)

@@ -530,33 +530,37 @@ def test_replicas_of_several_processes_through_relays():
 
 
 @pytest.mark.multiprocess
-def test_fthsdp_run_with_a_relay_trains_through_kills_of_the_relay_a_replica_and_the_lighthouse(tmp_path):
-    """`fthsdp run` with launch.relays=1: every replica process's heartbeats and quorum requests
-    go through the relay (its log counts them); the relay is SIGKILLed and the launcher restarts it
-    on its address (here within ~0.2 s: the replicas ride the gap out as an outage; leaving a relay
-    and coming back is tested above), a killed replica rejoins through it, the lighthouse is
-    SIGKILLed and restarted behind it, and the job ends exactly once and bitwise identical."""
+def test_fthsdp_run_with_relays_trains_through_kills_of_a_relay_a_replica_and_the_lighthouse(tmp_path):
+    """`fthsdp run` with launch.relays=2 (one replica behind each): every replica process's heartbeats
+    and quorum requests go through its relay (its log counts them); relay 1 is SIGKILLed
+    (``--kill-relay 1@5``) and the launcher restarts it on its address (here within ~0.2 s: its
+    replica rides the gap out as an outage; leaving a relay and coming back is tested above), the
+    killed replica behind it rejoins through it, the lighthouse is SIGKILLed and restarted behind
+    both, and the job ends exactly once and bitwise identical."""
     import ast
 
     from fthsdp.launch import report
     from test_launcher import exactly_once, fthsdp_run, job_args, summary
 
     out = tmp_path / "run"
-    p = fthsdp_run(out, *job_args(2, 50, "--kill", "1@8", "--kill-relay", "5", "--kill-lighthouse", "35",
-                                  "launch.relays=1",
+    p = fthsdp_run(out, *job_args(2, 50, "--kill", "1@8", "--kill-relay", "1@5", "--kill-lighthouse", "35",
+                                  "launch.relays=2",
                                   "ft.lighthouse_outage_s=30", "launch.restart_delay_s=0.5", "train.min_step_s=0.2"))
     assert p.returncode == 0, p.stderr[-3000:]
     s = summary(out)
     assert len(s["lighthouse_restarts"]) == 1 and s["job_restarts"] == []
-    assert [r["index"] for r in s["relay_restarts"]] == [0] and "signal 9" in s["relay_restarts"][0]["died"]
-    assert "relay 0 died (signal 9); restarted on its address in" in p.stderr
+    assert [r["index"] for r in s["relay_restarts"]] == [1] and "signal 9" in s["relay_restarts"][0]["died"]
+    assert "relay 1 died (signal 9); restarted on its address in" in p.stderr
     run = report.load_run(out)
     assert s["identical_final_state"] and all(d["step"] == 50 for d in run.done.values())
     positions = exactly_once(out, run)
     assert positions[0] == 50 and 8 < positions[1] < 50, positions  # replica 1 rejoined and trained again
-    log_text = (out / "relay-0.log").read_text()
+    assert relay.relay_of(("a", "b"), 1, 2) == "b"  # replica 1 is behind relay 1
+    log_text = (out / "relay-1.log").read_text()
     stats = ast.literal_eval(log_text.rpartition("relay stopping (")[2].partition(")")[0])
-    # the restarted relay's own count: both replicas' processes behind it again (replica 1's second one
-    # too), >= 20 quorum requests each, and their beats
+    # the restarted relay's own count: replica 1's process behind it again, and its second one after
+    # its kill, >= 40 quorum requests between them, and their beats
     assert stats["clients"] >= 2 and stats["messages_up"] >= 40 and stats["replies_down"] >= 40, stats
     assert stats["upstream_breaks"] >= 1  # the lighthouse's death, ridden out behind the relay
+    other = (out / "relay-0.log").read_text()  # relay 0 was never killed: one life, replica 0 behind it
+    assert other.count("relay stopping (") == 1 and "relay 0 died" not in p.stderr

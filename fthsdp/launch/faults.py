@@ -21,7 +21,7 @@ KINDS = ("kill", "stop", "lighthouse", "relay", "kill_all")
 @dataclass(frozen=True, order=True)
 class Fault:
     step: int  # fire once the process has committed this many steps
-    replica: int  # JOB for the lighthouse / every process
+    replica: int  # JOB for the lighthouse / every process; a relay kill: the relay's index
     kind: str  # kill (SIGKILL), stop (SIGSTOP, SIGCONT after stop_s), lighthouse / relay (SIGKILL it), kill_all
     stop_s: float = 0.0
     # Asked for by name (--kill R@S): may take down the last healthy replica.
@@ -31,10 +31,17 @@ class Fault:
     process: int = -1
 
     def label(self) -> str:
-        who = self.kind if self.kind in ("lighthouse", "relay") else ("all" if self.replica == JOB else f"r{self.replica}")
+        if self.kind == "relay":
+            return f"relay {self.relay_index}@{self.step}"
+        who = self.kind if self.kind == "lighthouse" else ("all" if self.replica == JOB else f"r{self.replica}")
         if self.process >= 0:
             who += f".{self.process}"
         return f"{self.kind} {who}@{self.step}"
+
+    @property
+    def relay_index(self) -> int:
+        """The relay a relay kill names (a plan written before relays had an index named the first)."""
+        return max(0, self.replica)
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -61,6 +68,19 @@ def parse_fault(spec: str, kind: str, stop_s: float = 3.0) -> Fault:
     return f
 
 
+def parse_relay_fault(spec: str) -> Fault:
+    """'STEP' (the first relay) or 'INDEX@STEP' -> a relay kill; says what is wrong otherwise."""
+    who, at, step = str(spec).rpartition("@")
+    try:
+        f = Fault(step=int(step), replica=int(who) if at else 0, kind="relay")
+    except ValueError:
+        raise ValueError(f"bad --kill-relay {spec!r}: expected STEP or INDEX@STEP (the relay's index, from 0), "
+                         "e.g. 40 or 1@40") from None
+    if f.step < 0 or f.replica < 0:
+        raise ValueError(f"bad --kill-relay {spec!r}: the relay's index and the step must be >= 0")
+    return f
+
+
 def random_kills(count: int, replicas: int, steps: int, seed: int, min_step: int = 5) -> list[Fault]:
     """Exactly `count` SIGKILLs at distinct seeded steps: the plan a soak test
     can reproduce from its seed. They are not `explicit`: the launcher fires
@@ -77,13 +97,24 @@ def random_kills(count: int, replicas: int, steps: int, seed: int, min_step: int
 
 def plan(kills: tuple[str, ...], stops: tuple[str, ...], replicas: int, random_count: int = 0,
          steps: int = 0, seed: int = 0, stop_s: float = 3.0, lighthouse: tuple[int, ...] = (),
-         kill_all: tuple[int, ...] = (), relay: tuple[int, ...] = ()) -> list[Fault]:
+         kill_all: tuple[int, ...] = (), relay: tuple[str, ...] = (), relays: int | None = None) -> list[Fault]:
+    """The run's faults, sorted. ``relay``: relay kills as 'STEP' or 'INDEX@STEP'; ``relays``: how many
+    the launcher starts (an index past them is refused; None: not checked here)."""
     faults = [parse_fault(s, "kill") for s in kills] + [parse_fault(s, "stop", stop_s) for s in stops]
     faults += random_kills(random_count, replicas, steps, seed)
     for f in faults:
         if f.replica >= replicas:
             raise ValueError(f"fault on replica {f.replica} but the job has replicas 0..{replicas - 1}")
-    for kind, at in (("lighthouse", lighthouse), ("kill_all", kill_all), ("relay", relay)):
+    for spec in relay:
+        f = parse_relay_fault(spec)
+        if relays is not None and relays < 1:
+            raise ValueError("--kill-relay: the launcher starts no relay (launch.relays=0); give launch.relays=K "
+                             "(K >= 1)")
+        if relays is not None and f.relay_index >= relays:
+            raise ValueError(f"--kill-relay {spec}: the launcher starts relays 0..{relays - 1} "
+                             f"(launch.relays={relays}): name one of those")
+        faults.append(f)
+    for kind, at in (("lighthouse", lighthouse), ("kill_all", kill_all)):
         for s in at:
             if s < 0:
                 raise ValueError(f"bad --{kind.replace('_', '-')} {s}: the step must be >= 0")
@@ -107,7 +138,7 @@ class FaultSources:
     lighthouse: tuple[int, ...] = ()
     kill_all: tuple[int, ...] = ()
     origin: str = "config"  # "command line" or "config"
-    relay: tuple[int, ...] = ()
+    relay: tuple[str, ...] = ()  # 'STEP' or 'INDEX@STEP' each
 
 
 def choose_sources(cli_kills, cli_stops, cli_random, cli_lighthouse, cli_kill_all,

@@ -479,10 +479,12 @@ class LocalJob:
                 self.lighthouse.wait(10)
             self.event("kill_lighthouse", step=step)
         elif f.kind == "relay":
-            if self.relay_procs and self.relay_procs[0] is not None and self.relay_procs[0].poll() is None:
-                self.relay_procs[0].kill()
-                self.relay_procs[0].wait(10)
-            self.event("kill_relay", step=step, index=0)
+            i = f.relay_index
+            proc = self.relay_procs[i] if i < len(self.relay_procs) else None
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+                proc.wait(10)
+            self.event("kill_relay", step=step, index=i)
         elif f.kind == "kill_all":
             for rp in self.procs.values():
                 self.kill_replica(rp.rid)
@@ -792,9 +794,9 @@ def cli(argv: list[str]) -> int:
     p.add_argument("--seed", type=int, default=None, help="seed of the random kills")
     p.add_argument("--kill-lighthouse", action="append", default=None, metavar="STEP",
                    help="SIGKILL the launcher's lighthouse at STEP (it is restarted on the same address)")
-    p.add_argument("--kill-relay", action="append", default=None, metavar="STEP",
-                   help="SIGKILL the launcher's first relay at STEP (launch.relays >= 1; it is restarted on the same "
-                        "address, and its replicas come back to it)")
+    p.add_argument("--kill-relay", action="append", default=None, metavar="[INDEX@]STEP",
+                   help="SIGKILL the launcher's relay INDEX (default 0, the first) at STEP (launch.relays >= 1; it is "
+                        "restarted on the same address, and its replicas come back to it)")
     p.add_argument("--restart", action=argparse.BooleanOptionalAction, default=None,
                    help="restart killed replicas; they rejoin by fetching state from peers (default: launch.restart)")
     p.add_argument("--kill-all", action="append", default=None, metavar="STEP",
@@ -878,13 +880,12 @@ def cli(argv: list[str]) -> int:
 
     sources = choose_sources(args.kill, args.stop, args.random_kills, _steps(args.kill_lighthouse,
                              "--kill-lighthouse", p), _steps(args.kill_all, "--kill-all", p),
-                             cfg.launch.kill, cfg.launch.stop, cfg.launch.random_kills,
-                             _steps(args.kill_relay, "--kill-relay", p))
+                             cfg.launch.kill, cfg.launch.stop, cfg.launch.random_kills, args.kill_relay)
     try:
         faults = plan(sources.kills, sources.stops, cfg.launch.replicas, random_count=sources.random_count,
                       steps=cfg.train.steps, seed=args.seed if args.seed is not None else cfg.launch.fault_seed,
                       stop_s=args.stop_seconds, lighthouse=sources.lighthouse, kill_all=sources.kill_all,
-                      relay=sources.relay)
+                      relay=sources.relay, relays=cfg.launch.relays)
     except ValueError as e:
         p.error(str(e))
     bad = [f.label() for f in faults if f.process >= cfg.launch.processes_per_replica]
@@ -894,8 +895,6 @@ def cli(argv: list[str]) -> int:
     if cfg.launch.lighthouse and any(f.kind == "lighthouse" for f in faults):
         p.error(f"--kill-lighthouse: the job uses the external lighthouse {cfg.launch.lighthouse} "
                 "(launch.lighthouse), which the launcher does not own; drop one of the two")
-    if cfg.launch.relays < 1 and any(f.kind == "relay" for f in faults):
-        p.error("--kill-relay: the launcher starts no relay (launch.relays=0); give launch.relays=K (K >= 1)")
     resume = ""
     if args.resume:
         resume = f"restart-{int(time.time())}"

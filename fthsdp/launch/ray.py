@@ -757,8 +757,9 @@ def cli(argv: list[str]) -> int:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--kill-lighthouse", action="append", default=None, metavar="STEP",
                    help="ray.kill the lighthouse actor at STEP (restarted on the same address)")
-    p.add_argument("--kill-relay", action="append", default=None, metavar="STEP",
-                   help="ray.kill the first relay actor at STEP (launch.relays >= 1; restarted on the same address)")
+    p.add_argument("--kill-relay", action="append", default=None, metavar="[INDEX@]STEP",
+                   help="ray.kill relay actor INDEX (default 0, the first) at STEP (launch.relays >= 1; restarted on "
+                        "the same address)")
     p.add_argument("--restart", action=argparse.BooleanOptionalAction, default=None,
                    help="place and start killed replicas again (default: launch.restart)")
     p.add_argument("--checkpoint-dir", default=None,
@@ -782,21 +783,19 @@ def cli(argv: list[str]) -> int:
 
     sources = faults_lib.choose_sources(args.kill, args.stop, args.random_kills,
                                         _steps(args.kill_lighthouse, "--kill-lighthouse", p), None,
-                                        cfg.launch.kill, cfg.launch.stop, cfg.launch.random_kills,
-                                        _steps(args.kill_relay, "--kill-relay", p))
+                                        cfg.launch.kill, cfg.launch.stop, cfg.launch.random_kills, args.kill_relay)
     if (args.kill_node or args.kill_worker) and sources.origin == "config":
         sources = faults_lib.FaultSources((), (), 0, origin="command line")
     try:
         plan = faults_lib.plan(sources.kills, sources.stops, cfg.launch.replicas, random_count=sources.random_count,
                                steps=cfg.train.steps,
                                seed=args.seed if args.seed is not None else cfg.launch.fault_seed,
-                               stop_s=args.stop_seconds, lighthouse=sources.lighthouse, relay=sources.relay)
+                               stop_s=args.stop_seconds, lighthouse=sources.lighthouse, relay=sources.relay,
+                               relays=cfg.launch.relays)
         plan = sorted(plan + parse_ray_kills(args.kill_node, "kill_node", cfg.launch.replicas)
                       + parse_ray_kills(args.kill_worker, "kill_worker", cfg.launch.replicas))
     except ValueError as e:
         p.error(str(e))
-    if cfg.launch.relays < 1 and any(f.kind == "relay" for f in plan):
-        p.error("--kill-relay: the launcher starts no relay (launch.relays=0); give launch.relays=K (K >= 1)")
     job = launch(args.config, overrides, out=args.out_dir, faults=plan, address=args.address,
                  num_cpus=args.num_cpus, temp_dir=args.temp_dir, kill_with=args.kill_with, restart=args.restart,
                  checkpoint_dir=args.checkpoint_dir, allreduce=args.allreduce,
