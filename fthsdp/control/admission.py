@@ -136,6 +136,7 @@ class Decision:
 
 
 SERVE = Decision()  # serve now: the one decision most calls get (frozen, so shared)
+_SERVED = (SERVE, None)  # ... and nothing held to release
 
 def _lru_add(table: OrderedDict, key: str, b: Bucket, cap: int) -> Bucket:
     """``b`` remembered under ``key`` (new), the least recently used principals forgotten past ``cap``."""
@@ -160,6 +161,14 @@ class Admission:
         self._jobs: OrderedDict[str, Bucket] = OrderedDict()
         self.held_total = 0
         self.stats = {"held": 0, "refused": 0}
+
+    def _served(self, b: Bucket, now: float) -> bool:
+        """Whether the call is served now (its token booked): what most calls get, decided with
+        no allocation. Otherwise :meth:`_decide` says how it is held or refused."""
+        if b.wait_s(now) == 0.0 and b.held < self.limits.max_held and self.held_total < self.limits.max_held_total:
+            b.tokens -= 1.0  # booked (wait_s refilled the bucket at ``now`` already)
+            return True
+        return False
 
     def _decide(self, b: Bucket, now: float, max_wait_s: float, describe) -> Decision:
         """``describe()``: (who, budget) for a refusal's reason, built only when one is given
@@ -204,6 +213,8 @@ class Admission:
                          lim.max_principals)
         else:
             self._connections.move_to_end(peer)
+        if self._served(b, now):
+            return _SERVED
 
         def describe() -> tuple[str, str]:
             what = "relay stream" if relay else "connection"
@@ -226,6 +237,8 @@ class Admission:
             self._jobs.move_to_end(job_id)
             if b.rate != rate:
                 b.set_rate(rate, rate)
+        if self._served(b, now):
+            return _SERVED
         d = self._decide(b, now, max_wait_s, lambda: (
             f"job {job_id!r}", f"{lim.job_calls_per_s:g} calls/s + {lim.replica_calls_per_s:g} per registered replica "
                                f"= {rate:g} calls/s"))
