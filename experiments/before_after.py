@@ -76,7 +76,8 @@ def measure(side: str, root: Path | None, shape: tuple[int, int], rounds: int, t
     n, g = shape
     code = _ROW.format(experiments=experiments, system="fthsdp-flat" if g == 0 else "fthsdp-hierarchical", n=n,
                        g=max(1, g), rounds=rounds, heartbeat=0.0 if g == 0 else 0.1)
-    with tempfile.TemporaryDirectory(prefix="fthsdp-before-after-") as cwd:  # nothing of the tree on the path by accident
+    # a folder of its own: nothing of the tree on the path by accident
+    with tempfile.TemporaryDirectory(prefix="fthsdp-before-after-") as cwd:
         r = subprocess.run([sys.executable, "-c", code], env=env, cwd=cwd, capture_output=True, text=True,
                            timeout=timeout_s)
     line = next((x for x in r.stdout.splitlines() if x.startswith("ROW ")), None)

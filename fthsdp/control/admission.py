@@ -138,6 +138,7 @@ class Decision:
 SERVE = Decision()  # serve now: the one decision most calls get (frozen, so shared)
 _SERVED = (SERVE, None)  # ... and nothing held to release
 
+
 def _lru_add(table: OrderedDict, key: str, b: Bucket, cap: int) -> Bucket:
     """``b`` remembered under ``key`` (new), the least recently used principals forgotten past ``cap``."""
     table[key] = b

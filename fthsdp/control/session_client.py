@@ -133,8 +133,8 @@ class RelayPath:
     second core a busy loop took (README, "The relay tier", Failures). A stopped relay's clients
     are declared dead by the lighthouse before they leave it, and rejoin once they speak to it
     directly: the block is out for about SILENCE_S and a beat's deadline (3.6 s measured; 10.7 s
-    with 10 s), not until the relay resumes. (HTTP/2 keepalive pings did not tell the two apart here: a client pinging every
-    second did not end its stream to a stopped relay within 8 s.)
+    with 10 s), not until the relay resumes. (HTTP/2 keepalive pings did not tell the two apart
+    here: a client pinging every second did not end its stream to a stopped relay within 8 s.)
 
     **Return** :data:`RETRY_S` after leaving (the launcher restarts a dead relay on its port; a
     stopped one may be resumed): the next heartbeat goes through the relay on a new stream, a
