@@ -33,9 +33,12 @@ class Trace:
     """Timestamped events: tuples of (kind, perf_counter, ...), kept in memory until exit.
 
     Tuples, not lists: a tuple of strings and numbers leaves the collector's lists at its
-    first young collection, while a list stays tracked, and the trace's millions of them
-    made every later full collection walk them all (with lists, a traced lighthouse spent
-    about a sixth of its busy time in the collections they caused: py-spy at 512 x 196)."""
+    first young collection, while a list stays tracked for every later full collection to
+    walk (a run holds hundreds of thousands of events). The tracing still costs the round:
+    at 512 x 196 on a 2-core host a traced lighthouse's round was ~8-12 ms slower at p50
+    than an untraced one's in the same hour (experiments/scale.py with and without
+    ``--no-breakdown``), with lists or tuples alike; the breakdown's parts are read as
+    shares of a traced round."""
 
     def __init__(self) -> None:
         self.events: list[tuple] = []
