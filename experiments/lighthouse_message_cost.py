@@ -200,8 +200,13 @@ def main(argv: list[str] | None = None) -> int:
         xs = [r["us_per_message"] for r in runs if r["arm"] == name and "error" not in r]
         medians[name] = statistics.median(xs) if xs else None
     now = medians["now"]
+    head = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True,
+                          text=True).stdout.strip()
+    dirty = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain", "--untracked-files=no"],
+                           capture_output=True, text=True).stdout.strip()
     out = {"experiment": "lighthouse_message_cost", "quick": args.quick, "replicas": replicas, "ranks": ranks,
            "rounds": rounds, "repeats": repeats, "baseline": args.baseline or None,
+           "now": f"{head or 'unknown'}{' with uncommitted changes' if dirty else ''}",
            "definition": "process CPU of the lighthouse's session handler per message (a heartbeat and a quorum "
                          "request per leader a round), stand-in streams instead of gRPC",
            "median_us_per_message": medians,
