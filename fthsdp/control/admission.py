@@ -194,7 +194,7 @@ class Admission:
                 f"{who} is over its budget ({budget}): the call would have waited {w:.2f} s, longer than "
                 f"{max_wait_s:.2f} s: it is refused; slow down and retry later"))
         b.tokens -= 1.0  # booked (wait_s refilled the bucket at ``now`` already)
-        if w == 0.0:
+        if w == 0.0:  # only when called without _served first: a call that need not wait is served
             return SERVE
         b.held += 1
         self.held_total += 1
