@@ -425,11 +425,12 @@ def same_neighbourhood(new: Quorum, old: Quorum, replica_id: str, first_shard: i
     already holds its rings of ``new`` (``Quorum.neighbourhood_from``): when one replica of
     many dies or rejoins, all but the two beside it. Both quorums carry every member's
     endpoints (the lighthouse's)."""
-    if replica_id not in positions(old.members) or replica_id not in positions(new.members):
+    at_new, at_old = positions(new.members).get(replica_id), positions(old.members).get(replica_id)
+    if at_new is None or at_old is None:
         return False
     last = first_shard + num_shards
-    now = ring_neighbourhood(len(new.members), new.rank_of(replica_id))
-    was = ring_neighbourhood(len(old.members), old.rank_of(replica_id))
+    now = ring_neighbourhood(len(new.members), at_new)
+    was = ring_neighbourhood(len(old.members), at_old)
     for i, j in zip(now, was):
         a, b = new.members[i], old.members[j]
         if a.replica_id != b.replica_id:
