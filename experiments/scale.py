@@ -22,6 +22,10 @@ quorum with every replica in it.
   ``--relays K``, also through K relay processes (fthsdp/control/relay.py)
   that carry contiguous blocks of the leaders' sessions to the lighthouse;
   such rows add the relays' CPU per round and how many messages they batched.
+  With ``--emulator-processes K``, the emulated replicas are split over K
+  processes (fthsdp/sim/shards.py; one process reads every leader's answer in
+  turn, real leaders each read their own); with ``--lighthouse-cpus``, the
+  lighthouse is bound to CPUs of its own and everything else to the rest.
 * ``fthsdp-flat`` — the same lighthouse with N directly connected replicas
   of one rank each (the emulation with G = 1), N = 16 ... 8,192. These do not
   heartbeat (N x 10 heartbeats/s would saturate this machine before the
@@ -155,13 +159,16 @@ def round_breakdown(rep, trace: dict, warmup: int = 1) -> dict:
 
 def fthsdp_row(system: str, replicas: int, ranks_per_replica: int, rounds: int, heartbeat_s: float,
                profile: str = "", processes: int = 1, trace: bool = False, warmup: int = 1,
-               transport: str = "session", relays: int = 0) -> dict:
+               transport: str = "session", relays: int = 0, emulator_processes: int = 1,
+               lighthouse_cpus: tuple[int, ...] = ()) -> dict:
     """``heartbeat_s``: the leaders' heartbeat interval (0: no heartbeats). ``trace``: run the
     lighthouse under fthsdp.sim.lighthouse_trace and add each round's breakdown. ``warmup``:
     rounds run first and not measured (round 0 connects and forms the first quorum). ``transport``:
     ``session`` (heartbeats and quorum requests on one stream per process, fthsdp.control.session)
     or ``unary`` (a call each). ``relays``: relay processes between the leaders and the lighthouse
-    (fthsdp.control.relay; each carries a contiguous block of replicas), 0: none."""
+    (fthsdp.control.relay; each carries a contiguous block of replicas), 0: none.
+    ``emulator_processes``: processes the emulated replicas are split over (fthsdp.sim.shards).
+    ``lighthouse_cpus``: the CPUs the lighthouse is bound to (the emulator's are the caller's)."""
     import tempfile
 
     tmp = tempfile.TemporaryDirectory(prefix="fthsdp-scale-trace-") if trace else None
@@ -189,7 +196,8 @@ def fthsdp_row(system: str, replicas: int, ranks_per_replica: int, rounds: int, 
         round_barrier=True, run_timeout_s=max(120.0, (rounds + 1) * max(30.0, 0.03 * replicas)),
         job_id=f"scale-{replicas}x{ranks_per_replica}",
         lighthouse_profile=profile, processes_per_replica=processes, lighthouse_trace=trace_path,
-        lighthouse_session=transport == "session", relays=relays)
+        lighthouse_session=transport == "session", relays=relays, emulator_processes=emulator_processes,
+        lighthouse_cpus=lighthouse_cpus)
     rep = run_emulation(cfg)
     where = None
     if tmp is not None:
@@ -204,7 +212,9 @@ def fthsdp_row(system: str, replicas: int, ranks_per_replica: int, rounds: int, 
     complete = [r for r in measured if r["replicas"] == replicas and len(r["quorum_ids"]) == 1]
     lat = [r["latency_s"] for r in complete]
     return {
-        "system": system, "transport": transport, "relays": relays, "replicas": replicas,
+        "system": system, "transport": transport, "relays": relays, "emulator_processes": emulator_processes,
+        "lighthouse_cpus": list(lighthouse_cpus),
+        "emulator_cpus": sorted(os.sched_getaffinity(0)) if lighthouse_cpus else None, "replicas": replicas,
         "ranks": replicas * ranks_per_replica,
         "ranks_per_replica": ranks_per_replica, "heartbeat_interval_s": heartbeat_s,
         "processes_per_replica": processes, "shards_per_process": ranks_per_replica // processes,
@@ -739,10 +749,22 @@ def plot_breakdown(rows: list[dict], path: Path) -> bool:
     return True
 
 
+def parse_cpus(text: str) -> tuple[int, ...]:
+    """``"1"``, ``"0-3,8"`` -> the CPU numbers, sorted ("" -> none)."""
+    out: set[int] = set()
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        lo, dash, hi = part.partition("-")
+        if not lo.isdigit() or (dash and not hi.isdigit()) or (dash and int(hi) < int(lo)):
+            raise ValueError(f"{part!r} is not a CPU number or a range a-b (e.g. 1 or 0-3,8)")
+        out.update(range(int(lo), int(hi if dash else lo) + 1))
+    return tuple(sorted(out))
+
+
 def shape_key(r: dict) -> str:
     """A hierarchical row's shape as written on the command line: RxG/P (and its relays)."""
     relays = f" relays {r['relays']}" if r.get("relays") else ""
-    return f"{r['replicas']}x{r['ranks_per_replica']}/{r.get('processes_per_replica', 1)}{relays}"
+    emulators = f" emulators {r['emulator_processes']}" if r.get("emulator_processes", 1) > 1 else ""
+    return f"{r['replicas']}x{r['ranks_per_replica']}/{r.get('processes_per_replica', 1)}{relays}{emulators}"
 
 
 def verdict(rows: list[dict], decision: dict | None = None) -> dict:
@@ -845,8 +867,27 @@ def main(argv: list[str] | None = None) -> int:
                     help="how fthsdp's replicas reach the lighthouse: session (one stream per process, the "
                          "default) and/or unary (a call each, the earlier transport): each row is measured with "
                          "each, one after the other (default: session)")
+    ap.add_argument("--emulator-processes", type=int, nargs="+", default=[1],
+                    help="hierarchical rows: processes the emulated replicas are split over (fthsdp/sim/shards.py), "
+                         "each row measured with each count (default 1; fault-free rows: on a host with cores "
+                         "to spare, one process reading every leader's answer in turn is what a round would show)")
+    ap.add_argument("--lighthouse-cpus", default="",
+                    help="bind the lighthouse to these CPUs (e.g. 1 or 0-3,8) and the emulator, its processes "
+                         "and the relays to the others: the lighthouse's round with cores of its own")
     args = ap.parse_args(argv)
     rounds = args.rounds or (4 if args.quick else 20)
+    try:
+        lh_cpus = parse_cpus(args.lighthouse_cpus)
+    except ValueError as e:
+        ap.error(f"--lighthouse-cpus: {e}")
+    if lh_cpus:
+        rest = os.sched_getaffinity(0) - set(lh_cpus)
+        if not rest or not set(lh_cpus) <= os.sched_getaffinity(0):
+            ap.error(f"--lighthouse-cpus {args.lighthouse_cpus}: name some but not all of this process's CPUs "
+                     f"{sorted(os.sched_getaffinity(0))} (the emulator runs on the others)")
+        os.sched_setaffinity(0, rest)  # inherited by the emulator processes and relays it starts
+    if any(k < 1 for k in args.emulator_processes):
+        ap.error(f"--emulator-processes takes counts >= 1, got {args.emulator_processes}")
     def parse_shape(text: str) -> tuple[int, int, int]:
         rg, _, nproc = text.lower().partition("/")
         parts = rg.split("x") + [nproc or "1"]
@@ -900,7 +941,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def row_key(r: dict) -> tuple:
         return (r["system"], r["replicas"], r["ranks"], r.get("processes_per_replica", 1),
-                r.get("transport", "unary"), r.get("relays", 0), r.get("beside", ""))
+                r.get("transport", "unary"), r.get("relays", 0), r.get("beside", ""), r.get("emulator_processes", 1))
 
     def add(r: dict) -> None:
         result["rows"] = [x for x in result["rows"] if row_key(x) != row_key(r)] + [r]
@@ -915,6 +956,7 @@ def main(argv: list[str] | None = None) -> int:
         p99 = "-" if r["p99_s"] is None else f"{r['p99_s'] * 1e3:8.1f} ms"
         procs = f"{r['processes_per_replica']} proc" if "processes_per_replica" in r else ""
         relays = f"{r['relays']} relays" if r.get("relays") else ""
+        relays += f" {r['emulator_processes']} emulators" if r.get("emulator_processes", 1) > 1 else ""
         print(f"{r['system']:20s} {r.get('transport', 'unary'):7s} {relays:9s} {procs:8s} {r['replicas']:5d} replicas {r['ranks']:7d} ranks: p50 {p50} p99 {p99} "
               f"({r['complete_rounds']}/{r['rounds']} rounds; load {r['loadavg'][0]:.1f})"
               + (f"; beside {r['beside']}, {r['request_bytes']} B requests, {r['reply_bytes']} B answers, server "
@@ -922,11 +964,12 @@ def main(argv: list[str] | None = None) -> int:
               + (f"; {r['error']}" if r.get("error") else ""), flush=True)
 
     if "hierarchical" not in args.skip:
-        runs = [(x, t, k) for x in shapes for t in args.transport for k in args.relays
-                if k <= x[0] and (k == 0 or t == "session")]
-        for (rpr, g, nproc), transport, relays in runs:
+        runs = [(x, t, k, e) for x in shapes for t in args.transport for k in args.relays
+                for e in args.emulator_processes if k <= x[0] and e <= x[0] and (k == 0 or t == "session")]
+        for (rpr, g, nproc), transport, relays, emulators in runs:
             r = fthsdp_row("fthsdp-hierarchical", rpr, g, rounds, heartbeat_s=args.heartbeat, processes=nproc,
-                           trace=not args.no_breakdown, warmup=args.warmup, transport=transport, relays=relays)
+                           trace=not args.no_breakdown, warmup=args.warmup, transport=transport, relays=relays,
+                           emulator_processes=emulators, lighthouse_cpus=lh_cpus)
             add(r)
             show(r)
             b = r.get("breakdown", {}).get("median")
@@ -941,7 +984,7 @@ def main(argv: list[str] | None = None) -> int:
                       + (f", relays' CPU {r['relay_cpu_s_per_round'] * 1e3:.0f} ms"
                          if r.get("relay_cpu_s_per_round") is not None else ""), flush=True)
             save()
-            if "floor" not in args.skip and transport == "session" and not relays:
+            if "floor" not in args.skip and transport == "session" and not relays and emulators == 1:
                 fl = floor_row(rpr, rounds, r["leader_request_bytes_median"], r["leader_answer_bytes_median"])
                 fl.update(beside=shape_key(r), beside_ranks=r["ranks"])
                 add(fl)

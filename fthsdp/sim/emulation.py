@@ -62,6 +62,7 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from fthsdp.gc_policy import low_pause_gc
 from fthsdp.control import quorum as qm
@@ -72,6 +73,9 @@ from fthsdp.control.session_client import RelayPath
 from fthsdp.sim.aio_client import AioLighthouseClient, DecodeCache
 from fthsdp.sim.mock_plane import FabricConfig, MockFabric, ModelShape
 from fthsdp.timeouts import Timeouts
+
+if TYPE_CHECKING:
+    from fthsdp.sim.shards import Peers, ShardSpec
 
 log = logging.getLogger("fthsdp.sim.emulation")
 
@@ -165,6 +169,16 @@ class EmulationConfig:
     # RING_FORMS): their ring neighbours' endpoints only (the real client's default), a delta
     # against the view they hold, or whole, as older clients (experiments/ring_forms.py).
     ring_form: str = "neighbours"
+    # Emulator processes (fthsdp.sim.shards): the replicas split into this many contiguous blocks,
+    # each run by its own process; their all-reduce rendezvous and round barriers meet across the
+    # processes. One process sends every leader's request and reads every answer in turn, which on
+    # a many-core host is what a measurement of the lighthouse would see; real leaders are hosts
+    # of their own. Fault-free runs only (faults reach across replicas: a kill fails the others'
+    # all-reduces, a lighthouse restart is timed by replica 0).
+    emulator_processes: int = 1
+    # CPUs the lighthouse process is bound to (empty: wherever the system runs it): a measurement
+    # that keeps it off the emulator's cores (experiments/scale.py --lighthouse-cpus).
+    lighthouse_cpus: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.replicas < 1 or self.ranks_per_replica < 1 or self.steps < 1:
@@ -183,6 +197,16 @@ class EmulationConfig:
         except ValueError as e:
             raise ValueError(f"relay_retry_s / relay_silence_s: {e}") from None
         ring_request_flags(self.ring_form)  # an unknown form is refused here, before any process starts
+        if not 1 <= self.emulator_processes <= self.replicas:
+            raise ValueError(f"emulator_processes {self.emulator_processes} must be in 1..replicas ({self.replicas})")
+        if self.emulator_processes > 1 and self.faults:
+            raise ValueError(f"emulator_processes {self.emulator_processes} runs fault-free rows only ({len(self.faults)} "
+                             "fault(s) given): a fault reaches across replicas (a kill fails the others' all-reduces, "
+                             "a lighthouse or relay fault is timed by replica 0); run faults with emulator_processes=1")
+        if self.lighthouse_cpus and not (hasattr(os, "sched_setaffinity")
+                                         and all(0 <= k < (os.cpu_count() or 1) for k in self.lighthouse_cpus)):
+            raise ValueError(f"lighthouse_cpus {list(self.lighthouse_cpus)}: this machine has CPUs 0.."
+                             f"{(os.cpu_count() or 1) - 1} (and binding needs Linux); name some of those, or none")
         if p > 1 and not self.heartbeats:
             raise ValueError("processes_per_replica > 1 needs heartbeats: a process registers its endpoints and "
                              "shows it is alive only by heartbeating")
@@ -231,7 +255,9 @@ class LighthouseProcess:
         cmd = self.command()
         err = open(self.log_path, "a")
         try:
-            self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True)
+            cpus = self.cpus()
+            self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True,
+                                         preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None)
         finally:
             err.close()
         deadline = time.monotonic() + timeout_s
@@ -246,6 +272,10 @@ class LighthouseProcess:
         self.port = int(line.split()[-1].rpartition(":")[2])
         self.starts += 1
         return self.address
+
+    def cpus(self) -> tuple[int, ...]:
+        """The CPUs the process is bound to from its start (every thread of it; empty: any)."""
+        return self.config.lighthouse_cpus
 
     def kill(self) -> None:
         """SIGKILL (no goodbye: a crash)."""
@@ -293,6 +323,9 @@ class RelayProcess(LighthouseProcess):
         self.lighthouse = lighthouse
         self.cpu_s = 0.0  # read when it is stopped (a killed one's is lost)
         self.stats: dict = {}  # what it carried (fthsdp.control.relay.Relay.stats), from its log
+
+    def cpus(self) -> tuple[int, ...]:
+        return ()  # the relays run where the system puts them
 
     def command(self) -> list[str]:
         # INFO: its last line, when it stops, is what it carried (self.stats)
@@ -593,7 +626,7 @@ class EmulatedReplica:
         self.data = emu.initial_data  # the replicated data state (shared with the replicas in the same state)
         self.clients: list[AioLighthouseClient] = []
         for p in range(nproc):
-            cl = AioLighthouseClient(emu.lighthouse.address, c.job_id, self.rid,
+            cl = AioLighthouseClient(emu.lighthouse_address, c.job_id, self.rid,
                                      outage_s=c.timeouts.lighthouse_outage_s,
                                      heartbeat_timeout_s=c.timeouts.heartbeat_rpc_s, rejoin=rejoin,
                                      process_index=p, num_processes=nproc, session=c.lighthouse_session,
@@ -637,7 +670,7 @@ class EmulatedReplica:
             while self.state.step < c.steps and self.state.action is not fsm.Action.GIVE_UP:
                 state = self.state
                 if state.attempt == 1 and self.incarnation == 0:
-                    if self.index == 0:
+                    if self.index == emu.replica_indices.start:
                         emu.sample_cpu(state.step)
                     await emu.fire_faults(self, state.step)
                 # Gather: every rank asks its leader for the quorum of its step.
@@ -826,16 +859,25 @@ class EmulatedReplica:
 class Emulation:
     """Runs one emulated job (see the module docstring); :meth:`run` returns the report."""
 
-    def __init__(self, config: EmulationConfig, workdir: str | None = None) -> None:
+    def __init__(self, config: EmulationConfig, workdir: str | None = None, shard: "ShardSpec | None" = None) -> None:
+        """``shard``: this process runs one block of the replicas for a coordinating emulation
+        (fthsdp.sim.shards), which runs the lighthouse and the relays."""
         self.config = config
+        self.shard = shard
+        self.peers: "Peers | None" = None  # the other emulator processes (fthsdp.sim.shards), set in a shard
+        self.replica_indices = range(shard.first, shard.end) if shard is not None else range(config.replicas)
         self._tmp = None
-        if workdir is None:
+        if workdir is None and shard is None:
             self._tmp = tempfile.TemporaryDirectory(prefix="fthsdp-emulation-")
             workdir = self._tmp.name
         self.workdir = workdir
-        self.lighthouse = LighthouseProcess(config, os.path.join(workdir, "lighthouse.log"))
+        # A shard's coordinator runs the servers (it knows their addresses: self.shard).
+        self.lighthouse = LighthouseProcess(config, os.path.join(workdir, "lighthouse.log")) if shard is None else None
         self.relays = [RelayProcess(config, os.path.join(workdir, f"relay-{i}.log"), self.lighthouse)
-                       for i in range(config.relays)]
+                       for i in range(config.relays if shard is None else 0)]
+        self.unfinished: list[str] = []
+        self.worker_cpu_s = 0.0  # the emulator processes' CPU (a coordinating emulation's; fthsdp.sim.shards)
+        self._absorbed = 0
         self.fabric = MockFabric(config.fabric)
         self.decode_cache = DecodeCache()
         self.replicas: dict[int, EmulatedReplica] = {}
@@ -872,9 +914,14 @@ class Emulation:
 
     # -- called by replicas ----------------------------------------------------
 
+    @property
+    def lighthouse_address(self) -> str:
+        return self.shard.lighthouse if self.shard is not None else self.lighthouse.address
+
     def relay_of(self, replica: int) -> str:
         """The relay carrying replica ``replica``'s sessions ("" = none): contiguous blocks."""
-        return relay_of(tuple(r.address for r in self.relays), replica, self.config.replicas)
+        addresses = self.shard.relays if self.shard is not None else tuple(r.address for r in self.relays)
+        return relay_of(addresses, replica, self.config.replicas)
 
     async def fire_faults(self, rep: EmulatedReplica, step: int) -> None:
         for f in self.config.faults:
@@ -904,9 +951,10 @@ class Emulation:
                     self._relay_fault(self.relays[f.replica], f.kind == "relay_stop", f.seconds)))
 
     def sample_cpu(self, step: int) -> None:
-        """This process's and the relays' CPU time as replica 0 begins ``step`` (EmulationReport.cpu_at_step)."""
-        self.cpu_at_step[step] = (time.process_time(),
-                                  sum(process_cpu_s(r.proc.pid) for r in self.relays if r.proc is not None))
+        """This process's and the relays' CPU time as its first replica begins ``step``
+        (EmulationReport.cpu_at_step; in a shard, the first one's counts the relays)."""
+        pids = self.shard.relay_pids if self.shard is not None else [r.proc.pid for r in self.relays if r.proc]
+        self.cpu_at_step[step] = (time.process_time(), sum(process_cpu_s(p) for p in pids))
 
     async def round_barrier(self, key: tuple[int, int]) -> None:
         ev = self._barriers.get(key)
@@ -915,13 +963,21 @@ class Emulation:
             ev = self._barriers[key] = [0, asyncio.Event(), running]
         ev[0] += 1
         if ev[0] >= ev[2]:
-            ev[1].set()
-            self._barriers.pop(key, None)
-            return
+            if self.peers is None:
+                ev[1].set()
+                self._barriers.pop(key, None)
+                return
+            self.peers.arrive("barrier", key, 1, self.peers.processes)  # released when every process is in
         try:
             await asyncio.wait_for(ev[1].wait(), 1.0)
         except TimeoutError:
             pass
+
+    def barrier_released(self, key: tuple[int, int]) -> None:
+        """Every emulator process's replicas reached round ``key`` (fthsdp.sim.shards)."""
+        ev = self._barriers.pop(key, None)
+        if ev is not None:
+            ev[1].set()
 
     def rank_work(self, step: int, seconds: float) -> None:
         self._rank_work[step] += seconds
@@ -982,6 +1038,64 @@ class Emulation:
         kept = {(step, qid) for step, qid, _ in ref_hist}
         return commits, committers, sum(1 for k in self.commit_log if k not in kept)
 
+    def shard_state(self, cpu_s: float, wall_s: float) -> dict:
+        """What this shard's replicas did (fthsdp.sim.shards), for its coordinator's :meth:`absorb`."""
+        from fthsdp.sim.shards import pack_states
+
+        return {
+            "quorum_records": self.quorum_records, "commit_log": self.commit_log, "committers": dict(self.committers),
+            "final_data": pack_states(self.final_data), "final_steps": self.final_steps,
+            "qids_seen": dict(self.qids_seen), "waits": self.waits, "events": self.events, "problems": self.problems,
+            "cpu_at_step": self.cpu_at_step, "rank_replays": self.rank_replays, "views_fetched": self.views_fetched,
+            "answer_bytes": self.answer_bytes, "wire_sizes": self.wire_sizes, "rank_work": dict(self._rank_work),
+            "decode": (self.decode_cache.decoded, self.decode_cache.hits),
+            "fabric": (self.fabric.completed, self.fabric.failed), "unfinished": self.unfinished,
+            "cpu_s": cpu_s, "wall_s": wall_s, "pid": os.getpid(),
+            "replicas": (self.replica_indices.start, self.replica_indices.stop)}
+
+    def absorb(self, state: dict) -> None:
+        """Add one shard's :meth:`shard_state` to this (coordinating) emulation's records: its
+        report then checks every invariant over all shards' replicas, as over one process's."""
+        from fthsdp.sim.shards import unpack_states
+
+        first = self._absorbed == 0
+        self._absorbed += 1
+        lo, end = state["replicas"]
+        self.events.append(f"emulator process {state['pid']}: replicas {lo}..{end - 1}, {state['cpu_s']:.2f} s of CPU "
+                           f"in {state['wall_s']:.2f} s")
+        self.quorum_records += state["quorum_records"]
+        for key, rec in state["commit_log"].items():
+            held = self.commit_log.setdefault(key, rec)
+            if held != rec:
+                self.problems.append(f"step {key[0]} in quorum {key[1]}: replicas in two emulator processes committed "
+                                     f"from different states (batches {list(rec.batches)[:4]} vs "
+                                     f"{list(held.batches)[:4]}): split brain")
+        for key, who in state["committers"].items():
+            self.committers[key] |= who
+        self.final_data.update(unpack_states(*state["final_data"]))
+        self.final_steps.update(state["final_steps"])
+        self.qids_seen.update(state["qids_seen"])
+        self.waits += state["waits"]
+        self.events += state["events"]
+        self.problems += state["problems"]
+        self.unfinished += state["unfinished"]
+        # A round's CPU is every shard's at the same step (steps every shard sampled).
+        cpu = state["cpu_at_step"]
+        self.cpu_at_step = dict(cpu) if first else {
+            s: (e + cpu[s][0], r + cpu[s][1]) for s, (e, r) in self.cpu_at_step.items() if s in cpu}
+        self.rank_replays += state["rank_replays"]
+        self.views_fetched += state["views_fetched"]
+        self.answer_bytes = max(self.answer_bytes, state["answer_bytes"])
+        self.wire_sizes += state["wire_sizes"]
+        for step, s in state["rank_work"].items():
+            self._rank_work[step] += s
+        self.decode_cache.decoded += state["decode"][0]
+        self.decode_cache.hits += state["decode"][1]
+        # every shard completes (or fails) each all-reduce once, for its own members
+        self.fabric.completed = max(self.fabric.completed, state["fabric"][0])
+        self.fabric.failed = max(self.fabric.failed, state["fabric"][1])
+        self.worker_cpu_s += state["cpu_s"]
+
     def replica_fatal(self, rep: EmulatedReplica) -> None:
         """The replica process exits (replica-fatal): its supervisor restarts it, as after a kill."""
         self._side_tasks.append(asyncio.get_running_loop().create_task(self._restart(rep, 0.5)))
@@ -1027,48 +1141,60 @@ class Emulation:
     # -- the run ---------------------------------------------------------------
 
     async def run_async(self) -> EmulationReport:
-        c = self.config
         t0, cpu0 = time.perf_counter(), time.process_time()
         await asyncio.to_thread(self.lighthouse.start)
-        unfinished: list[str] = []
         try:
             for r in self.relays:
                 await asyncio.to_thread(r.start)
-            for i in range(c.replicas):
-                rep = self.replicas[i] = EmulatedReplica(self, i, 0, rejoin=False)
-                rep.task = asyncio.get_running_loop().create_task(rep.run())
-            deadline = time.monotonic() + c.run_timeout_s
-            settled = False
-            while time.monotonic() < deadline:
-                if not settled and all(r.state.step >= 1 for r in self.replicas.values()):
-                    gc.freeze()  # every rank's state is built: out of the collector's walks (fthsdp.gc_policy)
-                    settled = True
-                pending = [r for r in self.replicas.values() if r.task is not None and not r.task.done()]
-                side = [t for t in self._side_tasks if not t.done()]
-                if not pending and not side:
-                    break
-                await asyncio.sleep(0.05)
-            for r in self.replicas.values():
-                if r.task is not None and not r.task.done():
-                    unfinished.append(f"replica {r.rid} at step {r.state.step}")
-                    r.task.cancel()
-                if r.task is not None and r.task.done() and not r.task.cancelled() and r.task.exception():
-                    e = r.task.exception()
-                    self.problems.append(f"replica {r.rid}: crashed: {type(e).__name__}: {e}")
-            for t in self._side_tasks:
-                t.cancel()
-            await asyncio.sleep(0)
-            paths = [cl.relay_path for r in self.replicas.values() for cl in r.clients if cl.relay_path.leaves]
-            if paths:
-                why = collections.Counter(re.sub(r"\d+", "N", p.left_why)[:200] for p in paths).most_common(1)[0][0]
-                self.events.append(
-                    f"{len(paths)} process(es) left a failed relay for the lighthouse (most often: {why}); "
-                    f"{sum(1 for p in paths if p.via_relay)} are back on it, "
-                    f"{sum(1 for p in paths if not p.via_relay)} still speak to the lighthouse directly")
+            if self.config.emulator_processes > 1:
+                from fthsdp.sim.shards import run_shards
+                await run_shards(self)
+            else:
+                await self.run_replicas()
         finally:
             for r in self.relays:
                 await asyncio.to_thread(r.stop)
             await asyncio.to_thread(self.lighthouse.stop)
+        return self._report(t0, cpu0)
+
+    async def run_replicas(self) -> None:
+        """This process's replicas from start to end (or the run's deadline)."""
+        c = self.config
+        unfinished = self.unfinished
+        for i in self.replica_indices:
+            rep = self.replicas[i] = EmulatedReplica(self, i, 0, rejoin=False)
+            rep.task = asyncio.get_running_loop().create_task(rep.run())
+        deadline = time.monotonic() + c.run_timeout_s
+        settled = False
+        while time.monotonic() < deadline:
+            if not settled and all(r.state.step >= 1 for r in self.replicas.values()):
+                gc.freeze()  # every rank's state is built: out of the collector's walks (fthsdp.gc_policy)
+                settled = True
+            pending = [r for r in self.replicas.values() if r.task is not None and not r.task.done()]
+            side = [t for t in self._side_tasks if not t.done()]
+            if not pending and not side:
+                break
+            await asyncio.sleep(0.05)
+        for r in self.replicas.values():
+            if r.task is not None and not r.task.done():
+                unfinished.append(f"replica {r.rid} at step {r.state.step}")
+                r.task.cancel()
+            if r.task is not None and r.task.done() and not r.task.cancelled() and r.task.exception():
+                e = r.task.exception()
+                self.problems.append(f"replica {r.rid}: crashed: {type(e).__name__}: {e}")
+        for t in self._side_tasks:
+            t.cancel()
+        await asyncio.sleep(0)
+        paths = [cl.relay_path for r in self.replicas.values() for cl in r.clients if cl.relay_path.leaves]
+        if paths:
+            why = collections.Counter(re.sub(r"\d+", "N", p.left_why)[:200] for p in paths).most_common(1)[0][0]
+            self.events.append(
+                f"{len(paths)} process(es) left a failed relay for the lighthouse (most often: {why}); "
+                f"{sum(1 for p in paths if p.via_relay)} are back on it, "
+                f"{sum(1 for p in paths if not p.via_relay)} still speak to the lighthouse directly")
+
+    def _report(self, t0: float, cpu0: float) -> EmulationReport:
+        c = self.config
         commits, committers, superseded = self.lineage_commits()
         if superseded:
             self.events.append(f"{superseded} commit(s) of a forked lineage superseded (their holders fetched "
@@ -1077,12 +1203,13 @@ class Emulation:
             config=c, wall_s=time.perf_counter() - t0, quorum_records=self.quorum_records, commits=commits,
             committers=committers, superseded=superseded, final_steps=dict(self.final_steps),
             qids_seen=dict(self.qids_seen),
-            waits=self.waits, events=self.events, problems=self.problems, lighthouse_starts=self.lighthouse.starts,
+            waits=self.waits, events=self.events, problems=self.problems,
+            lighthouse_starts=self.lighthouse.starts if self.shard is None else 0,
             rank_replays=self.rank_replays, fabric_completed=self.fabric.completed,
             fabric_failed=self.fabric.failed, decode=(self.decode_cache.decoded, self.decode_cache.hits),
-            unfinished=unfinished, views_fetched=self.views_fetched, answer_bytes=self.answer_bytes,
+            unfinished=self.unfinished, views_fetched=self.views_fetched, answer_bytes=self.answer_bytes,
             wire_sizes=self.wire_sizes,
-            rank_work_s=dict(self._rank_work), emulator_cpu_s=time.process_time() - cpu0,
+            rank_work_s=dict(self._rank_work), emulator_cpu_s=time.process_time() - cpu0 + self.worker_cpu_s,
             relay_cpu_s=sum(r.cpu_s for r in self.relays), relay_stats=[r.stats for r in self.relays],
             cpu_at_step=dict(self.cpu_at_step))
 

@@ -93,6 +93,7 @@ class _Rendezvous:
     timer: asyncio.TimerHandle | None = None
     read: set[str] = field(default_factory=set)  # members that took the result
     failed_rings: frozenset[int] = frozenset()
+    local: int = -1  # members run by this process, of several (fthsdp.sim.shards); -1: all of them
 
     def fail(self, reason: str) -> None:
         if self.done.is_set():
@@ -119,6 +120,10 @@ class MockFabric:
         self._rank_faults: set[tuple[int, str, int]] = set()
         self.completed = 0
         self.failed = 0
+        # The other emulator processes (fthsdp.sim.shards.Peers), when the replicas are split over
+        # several: a rendezvous whose members here have all entered says so to them, and its rings
+        # start once every process's members are in (release).
+        self.peers = None
 
     # -- fault injection -----------------------------------------------------
 
@@ -179,8 +184,14 @@ class MockFabric:
         if dead:
             rv.fail(f"connection to replica(s) {sorted(dead)} refused")
         rv.arrived.add(replica_id)
-        if not rv.done.is_set() and rv.arrived == rv.members and rv.timer is None:
-            rv.timer = loop.call_later(self.config.allreduce_s(nbytes, len(rv.members)), self._finish, rv)
+        if self.peers is None:
+            if not rv.done.is_set() and rv.arrived == rv.members and rv.timer is None:
+                self._start(rv)
+        else:
+            if rv.local < 0:
+                rv.local = sum(1 for m in rv.members if self.peers.is_local(m))
+            if len(rv.arrived) == rv.local:  # this process's members are in: tell the others, once
+                self.peers.arrive("fabric", key, rv.local, len(rv.members))
         try:
             await asyncio.wait_for(rv.done.wait(), timeout_s)
         except TimeoutError:
@@ -194,6 +205,17 @@ class MockFabric:
         if rv.read == rv.members:  # everybody has its result: forget it (a failed one stays until stale)
             self._open.pop(key, None)
         return AllreduceResult(True, "", rv.failed_rings, waited_s=waited)
+
+    def _start(self, rv: _Rendezvous) -> None:
+        """Every member is in: the rings run for the time an all-reduce of this size takes."""
+        rv.timer = asyncio.get_running_loop().call_later(
+            self.config.allreduce_s(rv.nbytes, len(rv.members)), self._finish, rv)
+
+    def release(self, key: tuple[int, int]) -> None:
+        """Every emulator process's members of rendezvous ``key`` are in (fthsdp.sim.shards)."""
+        rv = self._open.get(key)
+        if rv is not None and not rv.done.is_set() and rv.timer is None:
+            self._start(rv)
 
     def _finish(self, rv: _Rendezvous) -> None:
         if rv.done.is_set():
