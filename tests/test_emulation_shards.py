@@ -80,7 +80,7 @@ def test_a_killed_emulator_process_is_reported_and_the_others_go_on():
     assert len(alive) == 2 and set(alive.values()) == {40}, alive
     # They trained with the other block's replicas first, then in a quorum of their own.
     assert rep.commits[0].members == ("0", "1", "2", "3") and rep.commits[39].members == ("0", "1")
-    assert "lighthouse declared ['2', '3'] dead" in "\n".join(rep.events)
+    assert "all-reduce failed" in "\n".join(rep.events)  # aborted (2 and 3 declared dead) or timed out
 
 
 def test_blocks_and_packed_data_states():
