@@ -232,6 +232,8 @@ def fthsdp_row(system: str, replicas: int, ranks_per_replica: int, rounds: int, 
         "relay_cpu_s_per_round": rep.cpu_per_round(warmup)[1] if relays else None,
         "relay_cpu_s_per_round_whole_run": rep.relay_cpu_s / (rounds + warmup) if relays else None,
         "emulator_cpu_s_per_round": rep.cpu_per_round(warmup)[0],
+        # the lighthouse's CPU a measured round (from /proc, traced or not; the breakdown's is per round)
+        "lighthouse_cpu_s_per_round": rep.cpu_per_round(warmup)[2],
         # how well they batched: messages per batch to the lighthouse, replies per batch back
         "relay_messages_per_batch": _ratio(rep.relay_stats, "messages_up", "batches_up") if relays else None,
         "relay_replies_per_batch": _ratio(rep.relay_stats, "replies_down", "batches_down") if relays else None,
@@ -961,6 +963,9 @@ def main(argv: list[str] | None = None) -> int:
               f"({r['complete_rounds']}/{r['rounds']} rounds; load {r['loadavg'][0]:.1f})"
               + (f"; beside {r['beside']}, {r['request_bytes']} B requests, {r['reply_bytes']} B answers, server "
                  f"CPU {(r.get('server_cpu_s_per_round') or 0) * 1e3:.0f} ms a round" if r.get("beside") else "")
+              + (f"; CPU a round: lighthouse {r['lighthouse_cpu_s_per_round'] * 1e3:.0f} ms, emulator "
+                 f"{r['emulator_cpu_s_per_round'] * 1e3:.0f} ms" if r.get("lighthouse_cpu_s_per_round") is not None
+                 and r.get("emulator_cpu_s_per_round") is not None else "")
               + (f"; {r['error']}" if r.get("error") else ""), flush=True)
 
     if "hierarchical" not in args.skip:

@@ -52,7 +52,7 @@ def test_a_killed_emulator_process_is_reported_and_the_others_go_on():
     the run ends, and the report names the process that sent no report."""
     t = Timeouts(detect_s=1.0, join_timeout_s=0.5, allreduce_timeout_s=2.0, quorum_timeout_s=20.0,
                  lighthouse_outage_s=10.0)
-    cfg = EmulationConfig(replicas=4, ranks_per_replica=2, steps=40, model=ModelShape(params=10**6, step_s=0.05),
+    cfg = EmulationConfig(replicas=4, ranks_per_replica=2, steps=80, model=ModelShape(params=10**6, step_s=0.05),
                           timeouts=t, emulator_processes=2, run_timeout_s=60.0)
     killed: list[int] = []
 
@@ -62,7 +62,7 @@ def test_a_killed_emulator_process_is_reported_and_the_others_go_on():
             out = subprocess.run(["pgrep", "-f", "-P", str(os.getpid()), "fthsdp.sim.shards"],
                                  capture_output=True, text=True).stdout.split()
             if len(out) == 2:
-                time.sleep(2.0)  # a few steps in
+                time.sleep(1.0)  # a few steps in (of 80: 4 s and more)
                 os.kill(int(sorted(out)[-1]), signal.SIGKILL)
                 killed.append(int(sorted(out)[-1]))
                 return
@@ -77,9 +77,9 @@ def test_a_killed_emulator_process_is_reported_and_the_others_go_on():
     assert problems and "ended without its report" in problems[0], rep.violations()
     # The survivors' block finished the job without the dead one's replicas.
     alive = {rid: s for rid, s in rep.final_steps.items()}
-    assert len(alive) == 2 and set(alive.values()) == {40}, alive
+    assert len(alive) == 2 and set(alive.values()) == {80}, alive
     # They trained with the other block's replicas first, then in a quorum of their own.
-    assert rep.commits[0].members == ("0", "1", "2", "3") and rep.commits[39].members == ("0", "1")
+    assert rep.commits[0].members == ("0", "1", "2", "3") and rep.commits[79].members == ("0", "1")
     assert "all-reduce failed" in "\n".join(rep.events)  # aborted (2 and 3 declared dead) or timed out
 
 
@@ -132,3 +132,29 @@ def test_config_refuses_faults_across_processes_and_unknown_cpus():
         EmulationConfig(replicas=2, ranks_per_replica=1, steps=3, emulator_processes=3)
     with pytest.raises(ValueError, match="this machine has CPUs"):
         EmulationConfig(replicas=2, ranks_per_replica=1, steps=3, lighthouse_cpus=(os.cpu_count() + 5,))
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="binding the lighthouse apart needs two CPUs")
+def test_the_lighthouse_runs_on_the_cpus_it_was_bound_to():
+    """Every thread of the lighthouse process (its gRPC threads too) on the CPU named."""
+    cpu = max(os.sched_getaffinity(0))
+    cfg = EmulationConfig(replicas=2, ranks_per_replica=2, steps=30, model=ModelShape(params=10**6, step_s=0.05),
+                          lighthouse_cpus=(cpu,), run_timeout_s=60.0)
+    seen: list[set[int]] = []
+
+    def look() -> None:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and not seen:
+            pids = subprocess.run(["pgrep", "-f", "-P", str(os.getpid()), "fthsdp.control.lighthouse"],
+                                  capture_output=True, text=True).stdout.split()
+            if pids:
+                time.sleep(1.0)  # serving: its threads are up
+                seen.extend(os.sched_getaffinity(int(t)) for t in os.listdir(f"/proc/{pids[0]}/task"))
+            time.sleep(0.1)
+
+    th = threading.Thread(target=look, daemon=True)
+    th.start()
+    rep = run_emulation(cfg)
+    th.join(5)
+    assert rep.violations() == []
+    assert len(seen) > 1 and all(s == {cpu} for s in seen), seen

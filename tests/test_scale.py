@@ -5,6 +5,7 @@ Speed is not asserted (the experiment's JSON reports it)."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -108,3 +109,24 @@ def test_grpc_floor_round_and_its_refusals(tmp_path):
     r = subprocess.run([sys.executable, str(REPO / "experiments" / "grpc_floor.py"), "--streams", "0",
                         "--out", str(out)], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "--streams and --rounds must be >= 1" in r.stderr
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="binding the lighthouse apart needs two CPUs")
+def test_scale_rows_split_over_emulator_processes_with_the_lighthouse_bound_apart(tmp_path):
+    out = tmp_path / "scale.json"
+    cpu = min(os.sched_getaffinity(0))
+    cmd = [sys.executable, str(REPO / "experiments" / "scale.py"), "--quick", "--rounds", "3", "--no-breakdown",
+           "--shapes", "6x10", "--emulator-processes", "1", "2", "--lighthouse-cpus", str(cpu),
+           "--skip", "floor", "flat", "torchft", "profile", "decision", "--out", str(out)]
+    r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [(h["emulator_processes"], h["complete_rounds"]) for h in rows] == [(1, 3), (2, 3)]
+    for h in rows:
+        assert h["lighthouse_cpus"] == [cpu] and cpu not in h["emulator_cpus"] and h["violations"] == []
+        assert h["lighthouse_cpu_s_per_round"] is not None and h["emulator_cpu_s_per_round"] > 0
+    for bad, words in ((["--lighthouse-cpus", "1-0"], "range"), (["--lighthouse-cpus", "x"], "CPU number"),
+                       (["--emulator-processes", "0"], ">= 1")):
+        r = subprocess.run([sys.executable, str(REPO / "experiments" / "scale.py"), *bad, "--out",
+                            str(tmp_path / "x.json")], cwd=REPO, capture_output=True, text=True, timeout=120)
+        assert r.returncode != 0 and words in r.stderr, r.stderr

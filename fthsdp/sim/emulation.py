@@ -529,17 +529,18 @@ class EmulationReport:
     relay_stats: list[dict] = field(default_factory=list)  # what each relay carried (its Relay.stats)
     # step -> (this process's CPU, the live relays' CPU) when replica 0 began it: a steady
     # round's cost, without the start-up and the first rounds (answers carrying every ring)
-    cpu_at_step: dict[int, tuple[float, float]] = field(default_factory=dict)
+    cpu_at_step: dict[int, tuple[float, float, float]] = field(default_factory=dict)
 
-    def cpu_per_round(self, first: int) -> tuple[float | None, float | None]:
-        """(emulator, relays) CPU seconds per round from step ``first`` to the last one sampled,
-        None without two samples (a relay killed meanwhile makes its share a lower bound)."""
+    def cpu_per_round(self, first: int) -> tuple[float | None, float | None, float | None]:
+        """(emulator, relays, lighthouse) CPU seconds per round from step ``first`` to the last one
+        sampled, None without two samples (a relay or lighthouse killed meanwhile makes its share
+        a lower bound)."""
         steps = sorted(s for s in self.cpu_at_step if s >= first)
         if len(steps) < 2:
-            return None, None
-        (e0, r0), (e1, r1) = self.cpu_at_step[steps[0]], self.cpu_at_step[steps[-1]]
+            return None, None, None
+        a, b = self.cpu_at_step[steps[0]], self.cpu_at_step[steps[-1]]
         n = steps[-1] - steps[0]
-        return (e1 - e0) / n, (r1 - r0) / n
+        return (b[0] - a[0]) / n, (b[1] - a[1]) / n, (b[2] - a[2]) / n
 
     def violations(self, deadline_slack_s: float = 2.0) -> list[str]:
         """Every broken invariant, in words (empty = all hold)."""
@@ -895,7 +896,7 @@ class Emulation:
         self.waits: list[tuple[str, float, float]] = []
         self.events: list[str] = []
         self.problems: list[str] = []
-        self.cpu_at_step: dict[int, tuple[float, float]] = {}  # EmulationReport.cpu_at_step
+        self.cpu_at_step: dict[int, tuple[float, float, float]] = {}  # EmulationReport.cpu_at_step
         self.rank_replays = 0
         self.views_fetched = 0
         self.answer_bytes = 0
@@ -951,10 +952,15 @@ class Emulation:
                     self._relay_fault(self.relays[f.replica], f.kind == "relay_stop", f.seconds)))
 
     def sample_cpu(self, step: int) -> None:
-        """This process's and the relays' CPU time as its first replica begins ``step``
-        (EmulationReport.cpu_at_step; in a shard, the first one's counts the relays)."""
-        pids = self.shard.relay_pids if self.shard is not None else [r.proc.pid for r in self.relays if r.proc]
-        self.cpu_at_step[step] = (time.process_time(), sum(process_cpu_s(p) for p in pids))
+        """This process's, the relays' and the lighthouse's CPU time as its first replica begins
+        ``step`` (EmulationReport.cpu_at_step; of shards, the first one counts the servers)."""
+        if self.shard is not None:
+            relays, lighthouse = self.shard.relay_pids, self.shard.lighthouse_pid
+        else:
+            relays = [r.proc.pid for r in self.relays if r.proc is not None]
+            lighthouse = self.lighthouse.proc.pid if self.lighthouse.proc is not None else 0
+        self.cpu_at_step[step] = (time.process_time(), sum(process_cpu_s(p) for p in relays),
+                                  process_cpu_s(lighthouse) if lighthouse else 0.0)
 
     async def round_barrier(self, key: tuple[int, int]) -> None:
         ev = self._barriers.get(key)
@@ -1082,7 +1088,7 @@ class Emulation:
         # A round's CPU is every shard's at the same step (steps every shard sampled).
         cpu = state["cpu_at_step"]
         self.cpu_at_step = dict(cpu) if first else {
-            s: (e + cpu[s][0], r + cpu[s][1]) for s, (e, r) in self.cpu_at_step.items() if s in cpu}
+            s: tuple(a + b for a, b in zip(mine, cpu[s])) for s, mine in self.cpu_at_step.items() if s in cpu}
         self.rank_replays += state["rank_replays"]
         self.views_fetched += state["views_fetched"]
         self.answer_bytes = max(self.answer_bytes, state["answer_bytes"])

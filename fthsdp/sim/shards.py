@@ -48,7 +48,7 @@ from typing import TYPE_CHECKING
 from fthsdp.gc_policy import low_pause_gc
 
 if TYPE_CHECKING:
-    from fthsdp.sim.emulation import DataState, Emulation, EmulationConfig
+    from fthsdp.sim.emulation import DataState, Emulation
 
 __all__ = ["ShardSpec", "Peers", "blocks", "pack_states", "unpack_states", "run_shards"]
 
@@ -65,7 +65,9 @@ class ShardSpec:
     end: int
     lighthouse: str
     relays: tuple[str, ...]
-    relay_pids: tuple[int, ...] = ()  # whose CPU this shard samples (the first shard: all relays)
+    # whose CPU this shard samples each round (the first shard: the relays and the lighthouse)
+    relay_pids: tuple[int, ...] = ()
+    lighthouse_pid: int = 0
 
 
 def blocks(replicas: int, processes: int) -> list[range]:
@@ -193,7 +195,8 @@ async def run_shards(emu: "Emulation") -> None:
     loop = asyncio.get_running_loop()
     relays = tuple(r.address for r in emu.relays)
     pids = tuple(r.proc.pid for r in emu.relays if r.proc is not None)
-    specs = [ShardSpec(k, b.start, b.stop, emu.lighthouse.address, relays, pids if k == 0 else ())
+    lighthouse = emu.lighthouse.proc.pid if emu.lighthouse.proc is not None else 0
+    specs = [ShardSpec(k, b.start, b.stop, emu.lighthouse.address, relays, *((pids, lighthouse) if k == 0 else ()))
              for k, b in enumerate(blocks(c.replicas, c.emulator_processes))]
     conns: list[Connection] = []
     procs: list[subprocess.Popen] = []
