@@ -20,7 +20,8 @@ Pure models over plain data, no processes and no sockets:
   compute replaced by its shapes and timings and FTAR's data plane by a mock
   with configurable latency and bandwidth; faults are injected and the
   invariants of the real tests checked on every rank
-  (experiments/scale.py, tests/test_emulation.py).
+  (experiments/scale.py, tests/test_emulation.py); `shards` splits its
+  replicas over several emulator processes for fault-free measurements.
 
 Everything that stands in for a real cluster lives in this one labelled
 package; nothing outside it imports it.
