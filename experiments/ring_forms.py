@@ -26,7 +26,9 @@ the lighthouse SIGKILLed and restarted 1 s later. For the first round and for th
 whose quorum id changed after it: the bytes of all leaders' answers, the round's latency
 (from the last request to every rank holding the answer, as experiments/scale.py), and
 the emulator's CPU over the run; for the restarted lighthouse's first decision, its
-answers' bytes (its latency is the outage's). JSON ``runs`` and ``ratios`` (each form
+answers' bytes and its round's latency from the restarted lighthouse serving to every
+rank holding the answer (what the replicas' retries, the lighthouse's rebuilding of the
+job from their reports and the answers take once it is back; the outage is not in it). JSON ``runs`` and ``ratios`` (each form
 against ``whole``, and ``delta`` against ``neighbours``), and a plot.
 """
 
@@ -80,15 +82,18 @@ def one_run(arm: str, replicas: int, ranks: int, steps: int, kill_step: int) -> 
                        "latency_s": max(r.all_ranks_hold for r, _ in got) - max(r.last_rank_request for r, _ in got)})
     opening = rounds[0] if rounds and rounds[0]["quorum_id"] == qids[0] else None
     changes = [r for r in rounds if r is not opening]
-    # The restarted lighthouse's first decision (its askers rode the outage out, so its latency
-    # is the outage's; its answers' bytes are what a restart costs): it holds no earlier view,
-    # so a delta has nothing to be against.
+    # The restarted lighthouse's first decision (its askers rode the outage out: the round from
+    # their last request is the outage's; from the restarted lighthouse serving to every rank
+    # holding the answer is the restart's own): it holds no earlier view, so a delta has nothing
+    # to be against.
     rode = sorted({rec.quorum_id for rec, _ in first.values() if rec.outage_s})
     restart = None
     if rode:
         got = [v for (q, _), v in first.items() if q == rode[0]]
+        back = [t for t in rep.lighthouse_started_at[1:] if t < min(r.all_ranks_hold for r, _ in got)]
         restart = {"quorum_id": rode[0], "replicas": len(got), "answer_bytes": sum(b for _, b in got),
-                   "answer_bytes_max": max(b for _, b in got)}
+                   "answer_bytes_max": max(b for _, b in got),
+                   "latency_from_lighthouse_back_s": max(r.all_ranks_hold for r, _ in got) - back[-1] if back else None}
     return {
         "arm": arm, "replicas": replicas, "ranks": replicas * ranks, "wall_s": wall,
         "violations": rep.violations(), "final_steps": sorted(set(rep.final_steps.values())),
@@ -147,7 +152,8 @@ def main(argv: list[str] | None = None) -> int:
             runs.append(r)
             first = r["first_round"] or {}
             print(f"[{k + 1}/{a.repeats}] {arm}: first round {first.get('answer_bytes')} B of answers, after the "
-                  f"lighthouse's restart {(r['restart_round'] or {}).get('answer_bytes')} B, "
+                  f"lighthouse's restart {(r['restart_round'] or {}).get('answer_bytes')} B in "
+                  f"{(r['restart_round'] or {}).get('latency_from_lighthouse_back_s')} s from its start, "
                   f"{len(r['changes'])} changes of quorum id, answers "
                   f"{r['change_answer_bytes_median']} B a change round (median), latency "
                   f"{r['change_latency_median_s']} s, emulator CPU {r['emulator_cpu_s']:.1f} s, "
@@ -161,12 +167,13 @@ def main(argv: list[str] | None = None) -> int:
         r["first_answer_bytes"] = (r["first_round"] or {}).get("answer_bytes")
         r["first_latency_s"] = (r["first_round"] or {}).get("latency_s")
         r["restart_answer_bytes"] = (r["restart_round"] or {}).get("answer_bytes")
+        r["restart_latency_s"] = (r["restart_round"] or {}).get("latency_from_lighthouse_back_s")
     ratios: dict[str, dict] = {}
     for num, den in (("whole", "delta"), ("whole", "neighbours"), ("delta", "neighbours")):
         ratios[f"{num}_over_{den}"] = {
             key: (med(num, key) / med(den, key)) if med(num, key) and med(den, key) else None
             for key in ("first_answer_bytes", "first_latency_s", "change_answer_bytes_median",
-                        "change_latency_median_s", "restart_answer_bytes", "emulator_cpu_s")}
+                        "change_latency_median_s", "restart_answer_bytes", "restart_latency_s", "emulator_cpu_s")}
     out = {"shape": f"{a.replicas}x{a.ranks}", "kill_step": kill_step, "runs": runs, "ratios": ratios}
     path = pathlib.Path(a.out)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -154,6 +154,8 @@ def test_ring_forms_quick(tmp_path):
     assert all(x["lighthouse_starts"] == 2 and x["restart_round"] for x in runs.values())
     assert res["ratios"]["whole_over_delta"]["restart_answer_bytes"] == 1.0
     assert res["ratios"]["whole_over_neighbours"]["restart_answer_bytes"] > 3
+    # the restart's own round, timed from the restarted lighthouse serving (not the outage's 1 s)
+    assert all(0 < x["restart_round"]["latency_from_lighthouse_back_s"] < 30 for x in runs.values())
     assert out.with_suffix(".png").stat().st_size > 10_000
 
 

@@ -232,6 +232,7 @@ class LighthouseProcess:
         self.port = 0
         self.proc: subprocess.Popen | None = None
         self.starts = 0
+        self.started_at: list[float] = []  # perf_counter when each start was serving
 
     @property
     def address(self) -> str:
@@ -271,6 +272,7 @@ class LighthouseProcess:
             raise RuntimeError(f"{self.READY.split()[0]} did not start ({cmd}): {line!r}; see {self.log_path}")
         self.port = int(line.split()[-1].rpartition(":")[2])
         self.starts += 1
+        self.started_at.append(time.perf_counter())
         return self.address
 
     def cpus(self) -> tuple[int, ...]:
@@ -530,6 +532,8 @@ class EmulationReport:
     # step -> (this process's CPU, the live relays' CPU) when replica 0 began it: a steady
     # round's cost, without the start-up and the first rounds (answers carrying every ring)
     cpu_at_step: dict[int, tuple[float, float, float]] = field(default_factory=dict)
+    # perf_counter when each start of the lighthouse was serving (a restart's round is timed from it)
+    lighthouse_started_at: list[float] = field(default_factory=list)
 
     def cpu_per_round(self, first: int) -> tuple[float | None, float | None, float | None]:
         """(emulator, relays, lighthouse) CPU seconds per round from step ``first`` to the last one
@@ -1217,7 +1221,7 @@ class Emulation:
             wire_sizes=self.wire_sizes,
             rank_work_s=dict(self._rank_work), emulator_cpu_s=time.process_time() - cpu0 + self.worker_cpu_s,
             relay_cpu_s=sum(r.cpu_s for r in self.relays), relay_stats=[r.stats for r in self.relays],
-            cpu_at_step=dict(self.cpu_at_step))
+            cpu_at_step=dict(self.cpu_at_step), lighthouse_started_at=list(self.lighthouse.started_at))
 
     def run(self) -> EmulationReport:
         try:
