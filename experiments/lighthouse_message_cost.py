@@ -22,7 +22,9 @@ Arms, each in its own process, alternating over ``--repeats``: ``now`` (this tre
 ``fthsdp lighthouse --no-fairness``: what they cost), and with ``--baseline COMMIT``
 the same at that commit (its fthsdp extracted with ``git archive``, as
 experiments/before_after.py does). Reported: each arm's median microseconds per message
-and the ratios to ``now``.
+and the ratios to ``now``; and the CPU of its first round, in which every leader registers
+its endpoints (``ranks`` of them; 100,352 at 512 x 196), as after a lighthouse restart or
+at a job's start, and its ratios.
 """
 
 from __future__ import annotations
@@ -116,8 +118,10 @@ async def _rounds(replicas: int, ranks: int, rounds: int, budgets: bool) -> dict
                 raise RuntimeError(f"round {step}: leader {i} was refused ({rep.code}): {rep.details}")
             held_qid[i] = pb2.QuorumResponse.FromString(rep.body).quorum.quorum_id
 
-    for step in range(2):  # registration, then the first round with held endpoints and beats
-        await round_(step)
+    cpu0 = time.process_time()
+    await round_(0)  # registration: every leader's endpoints (ranks of them), as after a lighthouse restart
+    registration = time.process_time() - cpu0
+    await round_(1)  # the first round with held endpoints and beats
     cpu0, t0 = time.process_time(), time.perf_counter()
     for step in range(2, 2 + rounds):
         await round_(step)
@@ -127,7 +131,8 @@ async def _rounds(replicas: int, ranks: int, rounds: int, budgets: bool) -> dict
     await asyncio.gather(*tasks, return_exceptions=True)
     messages = 2 * replicas
     return {"cpu_s_per_round": cpu / rounds, "wall_s_per_round": wall / rounds, "messages_per_round": messages,
-            "us_per_message": cpu / rounds / messages * 1e6, "quorum_id": held_qid[0]}
+            "us_per_message": cpu / rounds / messages * 1e6, "quorum_id": held_qid[0],
+            "registration_cpu_s": registration}
 
 
 def _child(argv: list[str]) -> int:
@@ -193,13 +198,15 @@ def main(argv: list[str] | None = None) -> int:
                 runs.append(r)
                 print(f"{name:20s} repeat {k}: " + (f"{r['us_per_message']:.1f} us a message "
                                                     f"({r['cpu_s_per_round'] * 1e3:.1f} ms of CPU a round of "
-                                                    f"{r['messages_per_round']} messages)" if "error" not in r
+                                                    f"{r['messages_per_round']} messages; registration "
+                                                    f"{r['registration_cpu_s'] * 1e3:.0f} ms)" if "error" not in r
                                                     else r["error"]), flush=True)
-    medians = {}
-    for name, _, _ in arms:
-        xs = [r["us_per_message"] for r in runs if r["arm"] == name and "error" not in r]
-        medians[name] = statistics.median(xs) if xs else None
-    now = medians["now"]
+    def median_of(key: str) -> dict:
+        xs = {name: [r[key] for r in runs if r["arm"] == name and "error" not in r] for name, _, _ in arms}
+        return {name: statistics.median(v) if v else None for name, v in xs.items()}
+
+    medians, registration = median_of("us_per_message"), median_of("registration_cpu_s")
+    now, reg_now = medians["now"], registration["now"]
     head = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True,
                           text=True).stdout.strip()
     dirty = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain", "--untracked-files=no"],
@@ -211,10 +218,15 @@ def main(argv: list[str] | None = None) -> int:
                          "request per leader a round), stand-in streams instead of gRPC",
            "median_us_per_message": medians,
            "ratio_to_now": {k: (v / now if v and now else None) for k, v in medians.items() if k != "now"},
+           # the first round's CPU, every leader registering its endpoints (as after a lighthouse restart)
+           "median_registration_cpu_s": registration,
+           "registration_ratio_to_now": {k: (v / reg_now if v and reg_now else None)
+                                         for k, v in registration.items() if k != "now"},
            "runs": runs}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=1))
-    print(json.dumps({k: out[k] for k in ("median_us_per_message", "ratio_to_now")}))
+    print(json.dumps({k: out[k] for k in ("median_us_per_message", "ratio_to_now", "median_registration_cpu_s",
+                                          "registration_ratio_to_now")}))
     print(f"wrote {args.out}")
     return 0 if all("error" not in r for r in runs) else 1
 

@@ -28,8 +28,9 @@ whose quorum id changed after it: the bytes of all leaders' answers, the round's
 the emulator's CPU over the run; for the restarted lighthouse's first decision, its
 answers' bytes and its round's latency from the restarted lighthouse serving to every
 rank holding the answer (what the replicas' retries, the lighthouse's rebuilding of the
-job from their reports and the answers take once it is back; the outage is not in it). JSON ``runs`` and ``ratios`` (each form
-against ``whole``, and ``delta`` against ``neighbours``), and a plot.
+job from their reports and the answers take once it is back; the outage is not in it).
+JSON ``runs`` and ``ratios`` (each form against ``whole``, and ``delta`` against
+``neighbours``), and a plot.
 """
 
 from __future__ import annotations

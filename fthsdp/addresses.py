@@ -19,6 +19,7 @@ Pure functions only: no sockets are opened here.
 from __future__ import annotations
 
 import ipaddress
+import re
 import socket
 
 __all__ = ["LOOPBACK", "WILDCARDS", "split_host_port", "join_host_port", "check_host", "is_wildcard",
@@ -26,12 +27,28 @@ __all__ = ["LOOPBACK", "WILDCARDS", "split_host_port", "join_host_port", "check_
 
 LOOPBACK = "127.0.0.1"  # the default bind host of every listener: nothing leaves the machine unless asked
 WILDCARDS = ("0.0.0.0", "::", "")
+# The common case, decided in one C-level match: an IPv4 literal or a DNS name (labels of ASCII
+# letters, digits, '-' and '_', an optional trailing dot) and a port of ASCII digits. Every host
+# it matches is one check_host accepts (as an IP literal or as a name); whatever it does not match
+# takes the full parse, which says what is wrong. A restarted lighthouse checks every endpoint of
+# every replica again (100,352 at 512 x 196): the full parse was ~0.6 s of its CPU there.
+_PLAIN = re.compile(r"([A-Za-z0-9_-]{1,63}(?:\.[A-Za-z0-9_-]{1,63})*\.?):([0-9]{1,5})")
 
 
 def split_host_port(address: str, *, allow_zero_port: bool = True) -> tuple[str, int]:
     """``host:port`` or ``[ipv6]:port`` -> (host without brackets, port).
 
     Raises ValueError saying what is wrong and how to write it."""
+    m = _PLAIN.fullmatch(address) if isinstance(address, str) else None
+    if m is not None:
+        host, port = m.group(1), int(m.group(2))
+        if len(host) <= 253 and port <= 65535 and (port or allow_zero_port):
+            return host, port
+    return _split_host_port(address, allow_zero_port)
+
+
+def _split_host_port(address: str, allow_zero_port: bool) -> tuple[str, int]:
+    """:func:`split_host_port` in full: every form, and the words of every refusal."""
     if not isinstance(address, str) or not address:
         raise ValueError(f"address {address!r} is empty; expected HOST:PORT (or [IPV6]:PORT)")
     if any(c.isspace() or ord(c) < 32 for c in address):

@@ -26,6 +26,8 @@ import time
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from fthsdp import addresses as A
 
@@ -293,3 +295,30 @@ def test_a_job_over_ipv6_loopback_with_an_external_lighthouse(tmp_path):
     finally:
         lh.kill()
         lh.wait(30)
+
+
+_ADDRESS_CHARS = "0123456789abcXYZ-_.:[]% \t\u0661\u00e9"
+
+
+@settings(max_examples=3000, deadline=None)
+@given(st.one_of(
+    st.text(alphabet=_ADDRESS_CHARS, max_size=24),
+    st.builds(lambda h, p: f"{h}:{p}", st.text(alphabet="0123456789abc-_.", min_size=1, max_size=300),
+              st.text(alphabet="0123456789", min_size=1, max_size=6)),
+    st.builds(lambda a, b, c, d, p: f"{a}.{b}.{c}.{d}:{p}", *[st.integers(0, 300)] * 4, st.integers(0, 70000))),
+    st.booleans())
+def test_the_plain_fast_path_answers_as_the_full_parse(text, zero_ok):
+    """Whatever the one-match fast path accepts, the full parse accepts with the same host and
+    port; whatever it leaves, the full parse decides (with its words)."""
+    try:
+        want = A._split_host_port(text, zero_ok)
+    except ValueError as e:
+        want = ValueError(str(e))
+    try:
+        got = A.split_host_port(text, allow_zero_port=zero_ok)
+    except ValueError as e:
+        got = ValueError(str(e))
+    if isinstance(want, ValueError):
+        assert isinstance(got, ValueError) and str(got) == str(want), (text, got, want)
+    else:
+        assert got == want, (text, got, want)

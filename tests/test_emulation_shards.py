@@ -48,12 +48,13 @@ def test_replicas_split_over_three_emulator_processes_keep_every_invariant():
 
 def test_a_killed_emulator_process_is_reported_and_the_others_go_on():
     """SIGKILL one of two emulator processes mid-run: its replicas fall silent (the lighthouse
-    declares them dead, the others' all-reduces time out and retry on a quorum without them),
-    the run ends, and the report names the process that sent no report."""
+    declares them dead, the others' all-reduces time out and retry on a quorum without them;
+    their round barriers stop waiting for the dead process), the run ends, and the report
+    names the process that sent no report."""
     t = Timeouts(detect_s=1.0, join_timeout_s=0.5, allreduce_timeout_s=2.0, quorum_timeout_s=20.0,
                  lighthouse_outage_s=10.0)
     cfg = EmulationConfig(replicas=4, ranks_per_replica=2, steps=80, model=ModelShape(params=10**6, step_s=0.05),
-                          timeouts=t, emulator_processes=2, run_timeout_s=60.0)
+                          timeouts=t, emulator_processes=2, round_barrier=True, run_timeout_s=60.0)
     killed: list[int] = []
 
     def kill_one() -> None:

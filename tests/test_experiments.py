@@ -189,3 +189,5 @@ def test_lighthouse_message_cost_quick(tmp_path):
         assert "error" not in r and r["messages_per_round"] == 128 and r["quorum_id"] >= 1, r
         assert r["fthsdp_from"] == ("baseline extract" if r["arm"].startswith("baseline") else "working tree")
     assert all(0 < v < 10_000 for v in res["median_us_per_message"].values())
+    assert all(0 < v < 60 for v in res["median_registration_cpu_s"].values())
+    assert set(res["registration_ratio_to_now"]) == {"now-no-budgets", "baseline", "baseline-no-budgets"}

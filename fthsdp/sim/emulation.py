@@ -200,9 +200,10 @@ class EmulationConfig:
         if not 1 <= self.emulator_processes <= self.replicas:
             raise ValueError(f"emulator_processes {self.emulator_processes} must be in 1..replicas ({self.replicas})")
         if self.emulator_processes > 1 and self.faults:
-            raise ValueError(f"emulator_processes {self.emulator_processes} runs fault-free rows only ({len(self.faults)} "
-                             "fault(s) given): a fault reaches across replicas (a kill fails the others' all-reduces, "
-                             "a lighthouse or relay fault is timed by replica 0); run faults with emulator_processes=1")
+            raise ValueError(f"emulator_processes {self.emulator_processes} runs fault-free rows only "
+                             f"({len(self.faults)} fault(s) given): a fault reaches across replicas (a kill fails the "
+                             "others' all-reduces, a lighthouse or relay fault is timed by replica 0); run faults with "
+                             "emulator_processes=1")
         if self.lighthouse_cpus and not (hasattr(os, "sched_setaffinity")
                                          and all(0 <= k < (os.cpu_count() or 1) for k in self.lighthouse_cpus)):
             raise ValueError(f"lighthouse_cpus {list(self.lighthouse_cpus)}: this machine has CPUs 0.."
@@ -977,7 +978,7 @@ class Emulation:
                 ev[1].set()
                 self._barriers.pop(key, None)
                 return
-            self.peers.arrive("barrier", key, 1, self.peers.processes)  # released when every process is in
+            self.peers.arrive("barrier", key, 1, self.peers.processes)  # released when every running process is in
         try:
             await asyncio.wait_for(ev[1].wait(), 1.0)
         except TimeoutError:

@@ -223,11 +223,18 @@ async def run_shards(emu: "Emulation") -> None:
                 except OSError:
                     pass  # it ended; its reader says how
 
+    def needed(kind: str, total: int) -> int:
+        # A round barrier waits for every shard still running (one that ended runs no replica).
+        return len(conns) - len(ended) if kind == "barrier" else total
+
     def end(k: int, problem: str = "") -> None:
         if k in ended:
             return
         ended.add(k)
         loop.remove_reader(conns[k].fileno())
+        for kind, key in [x for x in counts if x[0] == "barrier" and counts[x] >= needed("barrier", 0)]:
+            del counts[(kind, key)]
+            send_all(("release", kind, key))
         if problem:
             emu.problems.append(f"emulator process {k} (replicas {specs[k].first}..{specs[k].end - 1}): {problem}")
             if len(ready) < len(conns):  # the others wait for a start that will not come
@@ -243,7 +250,7 @@ async def run_shards(emu: "Emulation") -> None:
                 if msg[0] == "arrive":
                     _, kind, key, count, total = msg
                     counts[(kind, key)] += count
-                    if counts[(kind, key)] >= total:
+                    if counts[(kind, key)] >= needed(kind, total):
                         del counts[(kind, key)]
                         send_all(("release", kind, key))
                 elif msg[0] == "ready":
