@@ -141,6 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=16)
     p.add_argument("--repeats", type=int, default=2, help="runs of each arm, alternating")
     p.add_argument("--quick", action="store_true", help="64 x 32, 12 steps, one run each (CI)")
+    p.add_argument("--arms", nargs="+", choices=ARMS, default=list(ARMS), help="the forms to run (default all)")
     p.add_argument("--out", default="results/ring_forms.json")
     a = p.parse_args(argv)
     if a.quick:
@@ -148,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     kill_step = max(3, a.steps // 4)
     runs = []
     for k in range(a.repeats):
-        for arm in ARMS:
+        for arm in a.arms:
             r = one_run(arm, a.replicas, a.ranks, a.steps, kill_step)
             runs.append(r)
             first = r["first_round"] or {}
