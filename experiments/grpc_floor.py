@@ -61,7 +61,7 @@ async def serve(streams: int, reply_bytes: int) -> None:
 
         w = asyncio.get_running_loop().create_task(writer())
         try:
-            while (raw := await context.read()) is not grpc.aio.EOF:
+            while await context.read() is not grpc.aio.EOF:
                 waiting.append(outbox)
                 if len(waiting) >= streams:
                     for q in waiting:

@@ -23,7 +23,7 @@ import pytest
 
 from fthsdp.control import auth, guard, lighthouse_client
 from fthsdp.control.lighthouse import LighthouseConfig, LighthouseThread, pb2
-from fthsdp.control.lighthouse_client import (InvalidLighthouseRequest, JobNotFound, LighthouseClient,
+from fthsdp.control.lighthouse_client import (JobNotFound, LighthouseClient,
                                               NotAuthorized, ReplicaIdHeld)
 from fthsdp.proto import LIGHTHOUSE_PROTOCOL_VERSION
 
