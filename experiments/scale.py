@@ -763,10 +763,12 @@ def parse_cpus(text: str) -> tuple[int, ...]:
 
 
 def shape_key(r: dict) -> str:
-    """A hierarchical row's shape as written on the command line: RxG/P (and its relays)."""
+    """A hierarchical row's shape as written on the command line: RxG/P (and its relays, emulator
+    processes and the lighthouse's CPUs, when not the defaults)."""
     relays = f" relays {r['relays']}" if r.get("relays") else ""
     emulators = f" emulators {r['emulator_processes']}" if r.get("emulator_processes", 1) > 1 else ""
-    return f"{r['replicas']}x{r['ranks_per_replica']}/{r.get('processes_per_replica', 1)}{relays}{emulators}"
+    cpus = f" lighthouse on CPUs {','.join(map(str, r['lighthouse_cpus']))}" if r.get("lighthouse_cpus") else ""
+    return f"{r['replicas']}x{r['ranks_per_replica']}/{r.get('processes_per_replica', 1)}{relays}{emulators}{cpus}"
 
 
 def verdict(rows: list[dict], decision: dict | None = None) -> dict:
@@ -943,7 +945,8 @@ def main(argv: list[str] | None = None) -> int:
 
     def row_key(r: dict) -> tuple:
         return (r["system"], r["replicas"], r["ranks"], r.get("processes_per_replica", 1),
-                r.get("transport", "unary"), r.get("relays", 0), r.get("beside", ""), r.get("emulator_processes", 1))
+                r.get("transport", "unary"), r.get("relays", 0), r.get("beside", ""), r.get("emulator_processes", 1),
+                tuple(r.get("lighthouse_cpus") or ()))
 
     def add(r: dict) -> None:
         result["rows"] = [x for x in result["rows"] if row_key(x) != row_key(r)] + [r]

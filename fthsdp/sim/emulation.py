@@ -22,7 +22,9 @@ bandwidth, while everything that decides is real:
   store in a real replica), which fetch their own views of a new quorum id
   (``GetView``: their shards' rings); the ranks of all replicas share this OS
   process (one asyncio task per replica; each of its processes is a
-  :class:`RankGroup`: one shared answer per process, one state per rank);
+  :class:`RankGroup`: one shared answer per process, one state per rank), or,
+  for fault-free measurements, K emulator processes each hold a block of the
+  replicas (``emulator_processes``, :mod:`fthsdp.sim.shards`);
 * **relays** (``relays=K``): the real relay (``python -m fthsdp.control.relay``),
   K processes each carrying a contiguous block of replicas' session streams
   to the lighthouse; a test can SIGKILL one and restart it, or SIGSTOP one
@@ -530,8 +532,8 @@ class EmulationReport:
     emulator_cpu_s: float = 0.0
     relay_cpu_s: float = 0.0  # the relay processes' CPU time over the run, all together
     relay_stats: list[dict] = field(default_factory=list)  # what each relay carried (its Relay.stats)
-    # step -> (this process's CPU, the live relays' CPU) when replica 0 began it: a steady
-    # round's cost, without the start-up and the first rounds (answers carrying every ring)
+    # step -> (the emulator's CPU, the live relays', the lighthouse's) when replica 0 began it: a
+    # steady round's cost, without the start-up and the first rounds (answers carrying every ring)
     cpu_at_step: dict[int, tuple[float, float, float]] = field(default_factory=dict)
     # perf_counter when each start of the lighthouse was serving (a restart's round is timed from it)
     lighthouse_started_at: list[float] = field(default_factory=list)

@@ -196,7 +196,8 @@ async def run_shards(emu: "Emulation") -> None:
     relays = tuple(r.address for r in emu.relays)
     pids = tuple(r.proc.pid for r in emu.relays if r.proc is not None)
     lighthouse = emu.lighthouse.proc.pid if emu.lighthouse.proc is not None else 0
-    specs = [ShardSpec(k, b.start, b.stop, emu.lighthouse.address, relays, *((pids, lighthouse) if k == 0 else ()))
+    specs = [ShardSpec(k, b.start, b.stop, emu.lighthouse.address, relays, relay_pids=pids if k == 0 else (),
+                       lighthouse_pid=lighthouse if k == 0 else 0)
              for k, b in enumerate(blocks(c.replicas, c.emulator_processes))]
     conns: list[Connection] = []
     procs: list[subprocess.Popen] = []
@@ -264,7 +265,7 @@ async def run_shards(emu: "Emulation") -> None:
                     end(k, f"failed: {msg[1]}")
         except (EOFError, OSError):
             try:
-                code = procs[k].wait(5)
+                code = procs[k].wait(1)  # gone (its socket closed): reaped at once, or said to be unknown
             except subprocess.TimeoutExpired:
                 code = None
             end(k, f"ended without its report (exit code {code}; its error went to stderr)")
