@@ -226,6 +226,9 @@ class EmulationConfig:
         return self.replicas * self.ranks_per_replica
 
 
+_BIND = "import os, sys; os.sched_setaffinity(0, map(int, sys.argv[1].split(','))); os.execv(sys.argv[2], sys.argv[2:])"
+
+
 class LighthouseProcess:
     """The real lighthouse in its own process, killable and restartable on the same port."""
 
@@ -260,8 +263,10 @@ class LighthouseProcess:
         err = open(self.log_path, "a")
         try:
             cpus = self.cpus()
-            self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True,
-                                         preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None)
+            # Bound before it starts a thread: a small interpreter binds itself and execs the server
+            # (a preexec_fn would fork this process, whose JAX and gRPC threads forbid it).
+            bind = [sys.executable, "-c", _BIND, ",".join(map(str, cpus))] if cpus else []
+            self.proc = subprocess.Popen(bind + cmd, stdout=subprocess.PIPE, stderr=err, text=True)
         finally:
             err.close()
         deadline = time.monotonic() + timeout_s
