@@ -208,6 +208,7 @@ def fthsdp_row(system: str, replicas: int, ranks_per_replica: int, rounds: int, 
             where = {"error": f"no lighthouse trace: {e}"}
         tmp.cleanup()
     rounds_ = [r for r in rep.rounds() if r["attempt"] == 1]
+    emulator_cpu, relay_cpu, lighthouse_cpu = rep.cpu_per_round(warmup)
     measured = rounds_[warmup:]
     complete = [r for r in measured if r["replicas"] == replicas and len(r["quorum_ids"]) == 1]
     lat = [r["latency_s"] for r in complete]
@@ -229,11 +230,11 @@ def fthsdp_row(system: str, replicas: int, ranks_per_replica: int, rounds: int, 
         "lighthouse_p50_s": percentile([r["lighthouse_s"] for r in complete], 0.5),
         # the relays' CPU a measured round (from the first measured round on: without their start-up
         # and the warm-up rounds, whose answers carry every ring), and over the whole run per round
-        "relay_cpu_s_per_round": rep.cpu_per_round(warmup)[1] if relays else None,
+        "relay_cpu_s_per_round": relay_cpu if relays else None,
         "relay_cpu_s_per_round_whole_run": rep.relay_cpu_s / (rounds + warmup) if relays else None,
-        "emulator_cpu_s_per_round": rep.cpu_per_round(warmup)[0],
+        "emulator_cpu_s_per_round": emulator_cpu,
         # the lighthouse's CPU a measured round (from /proc, traced or not; the breakdown's is per round)
-        "lighthouse_cpu_s_per_round": rep.cpu_per_round(warmup)[2],
+        "lighthouse_cpu_s_per_round": lighthouse_cpu,
         # how well they batched: messages per batch to the lighthouse, replies per batch back
         "relay_messages_per_batch": _ratio(rep.relay_stats, "messages_up", "batches_up") if relays else None,
         "relay_replies_per_batch": _ratio(rep.relay_stats, "replies_down", "batches_down") if relays else None,

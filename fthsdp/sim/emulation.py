@@ -985,7 +985,7 @@ class Emulation:
                 ev[1].set()
                 self._barriers.pop(key, None)
                 return
-            self.peers.arrive("barrier", key, 1, self.peers.processes)  # released when every running process is in
+            self.peers.arrive("barrier", key, 1)  # released when every running process is in
         try:
             await asyncio.wait_for(ev[1].wait(), 1.0)
         except TimeoutError:

@@ -117,9 +117,8 @@ class Peers:
     """A shard's side of the pipe to its coordinator: announces what its replicas reached and
     releases the barriers and rendezvous that every process's replicas reached."""
 
-    def __init__(self, conn, spec: ShardSpec, processes: int, emu: "Emulation") -> None:
+    def __init__(self, conn, spec: ShardSpec, emu: "Emulation") -> None:
         self.conn = conn
-        self.processes = processes
         self.first, self.end = spec.first, spec.end
         self.emu = emu
         self.go: asyncio.Future | None = None  # set when the coordinator says every shard is ready
@@ -127,8 +126,9 @@ class Peers:
     def is_local(self, replica_id: str) -> bool:
         return self.first <= int(replica_id) < self.end
 
-    def arrive(self, kind: str, key: tuple[int, int], count: int, total: int) -> None:
-        """``count`` of the ``total`` needed for ``kind`` (``barrier`` or ``fabric``) ``key`` are in here."""
+    def arrive(self, kind: str, key: tuple[int, int], count: int, total: int = 0) -> None:
+        """``count`` of the ``total`` needed for ``kind`` (``barrier`` or ``fabric``) ``key`` are in here
+        (a barrier's total is every shard still running, which only the coordinator knows)."""
         self.conn.send(("arrive", kind, key, count, total))
 
     def readable(self) -> None:
@@ -174,7 +174,7 @@ def shard_main(fd: int) -> None:
     try:
         config, spec = conn.recv()
         emu = Emulation(config, shard=spec)
-        peers = Peers(conn, spec, config.emulator_processes, emu)
+        peers = Peers(conn, spec, emu)
         emu.peers = emu.fabric.peers = peers
         with low_pause_gc():  # as the one-process emulation (fthsdp.gc_policy)
             state = asyncio.run(_serve_shard(emu, peers, conn, spec.index))
