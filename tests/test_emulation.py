@@ -51,6 +51,30 @@ def test_10k_ranks_with_kills_hang_ring_rank_faults_and_a_lighthouse_restart():
     assert min(len(c.healthy) for c in rep.commits.values()) < 32
 
 
+def test_a_lighthouse_killed_while_answering_costs_its_outage_not_an_all_reduce_deadline():
+    """The lighthouse is SIGKILLed the moment replica 0 holds its answer for step 4, while it
+    is still writing the others': the members that got one enter step 4's all-reduce, the rest
+    ask the restarted lighthouse, which waits for the first ones (members of the newest quorum).
+    Found here: those waited in an all-reduce that could not finish until its deadline (6 s at
+    64 replicas: a stall of the whole job). Their heartbeats now hear who asks, and they abort it."""
+    deadline = 10.0
+    cfg = EmulationConfig(replicas=256, ranks_per_replica=2, steps=7, model=ModelShape(params=10**8, step_s=0.05),
+                          faults=(Fault("lighthouse_answering", step=4, seconds=0.5),), run_timeout_s=100.0,
+                          timeouts=dataclasses.replace(EmulationConfig(1, 1, 1).timeouts, allreduce_timeout_s=deadline))
+    rep = run_emulation(cfg)
+    assert rep.violations() == []
+    assert rep.final_steps == {str(i): 7 for i in range(256)} and sorted(rep.commits) == list(range(7))
+    ev = "\n".join(rep.events)
+    assert "lighthouse SIGKILLed while answering step 4" in ev and rep.lighthouse_starts == 2
+    # Some answers were never written (256 of them take the lighthouse milliseconds), and the
+    # members holding one aborted step 4's all-reduce on hearing who asks, not at its deadline.
+    assert "ask for a new quorum" in ev, ev[-2000:]
+    assert "deadline" not in ev, ev[-2000:]
+    waited = max(w for what, w, _ in rep.waits if "all-reduce" in what)
+    assert waited < deadline / 2, waited
+    assert all(len(c.batches) == len(c.healthy) for c in rep.commits.values())
+
+
 def test_replicas_of_several_processes_speak_the_real_protocol():
     """Replicas of 3 processes (protocol version 2): every process heartbeats and registers
     its own shards; the leader asks, the followers fetch their own views of each new

@@ -98,6 +98,71 @@ def test_restarted_lighthouse_continues_quorum_ids_and_waits_for_reported_member
         first.stop()
 
 
+def test_members_answered_before_a_lighthouse_sigkill_hear_that_the_others_ask_the_restarted_one():
+    """The lighthouse answered replica 0's request for step 1 and died before writing 1's and 2's
+    (quorum 1 kept: the same members). Replica 0 is in step 1's all-reduce; 1 and 2 ask the
+    restarted lighthouse, which waits for 0 (a member of the newest quorum reported). Replica 0's
+    heartbeats say where it is (its phase report), and their replies name the replicas asking at
+    or before its step: it aborts that all-reduce at once instead of at its deadline, and asks.
+    A member in an earlier step's all-reduce, or computing, is told of nobody."""
+    from fthsdp.observe.phase import Phase, PhaseTracker
+
+    port = free_port()
+    cfg = LighthouseConfig(bind=f"127.0.0.1:{port}", join_timeout_s=0.2, detect_s=0.6)
+    clients = [LighthouseClient(f"127.0.0.1:{port}", "job", i, outage_s=30.0) for i in range(3)]
+    where = PhaseTracker()
+    clients[0].phase_source = lambda: where.report("0")
+    heard: list[tuple[tuple[str, ...], int, int]] = []
+    first = LighthouseThread(cfg)
+    first.start()
+    second = LighthouseThread(cfg)
+    try:
+        clients[0].start_heartbeats(on_asking=lambda asking, qid, step: heard.append((asking, qid, step)))
+        for c in clients[1:]:
+            c.start_heartbeats()
+        time.sleep(0.2)
+        assert {q.quorum_id for q in ask_all(clients, 0)} == {1}
+        with ThreadPoolExecutor(2) as ex:
+            # A live lighthouse: 1 and 2 finished step 0 and ask for step 1 while 0 is still in
+            # step 0's all-reduce: nobody named (they ask at a later step).
+            where.set(Phase.ALLREDUCE, step=0, quorum_id=1, members=("0", "1", "2"))
+            futs = [ex.submit(c.get_quorum, 1, ftar_addresses=addrs(int(c.replica_id)), num_replicas=3,
+                              timeout_s=20) for c in clients[1:]]
+            time.sleep(0.3)
+            assert clients[0].heartbeat().asking == () and heard == []
+            q0 = clients[0].get_quorum(1, ftar_addresses=addrs(0), num_replicas=3, timeout_s=20)
+            assert {q0.quorum_id} | {f.result().quorum_id for f in futs} == {1}
+        # Replica 0 was answered for step 1; the lighthouse dies before 1 and 2 read theirs.
+        where.set(Phase.ALLREDUCE, step=1)
+        first.stop()
+        second.start()  # same address, empty memory
+        with ThreadPoolExecutor(2) as ex:
+            futs = [ex.submit(c.get_quorum, 1, ftar_addresses=addrs(int(c.replica_id)), num_replicas=3,
+                              timeout_s=20) for c in clients[1:]]
+            deadline = time.monotonic() + 10
+            while not heard and time.monotonic() < deadline:
+                time.sleep(0.02)
+            assert heard, "replica 0's heartbeats never named the replicas asking the restarted lighthouse"
+            asking, qid, step = heard[0]
+            assert set(asking) == {"1", "2"} and (qid, step) == (1, 1), heard[0]
+            [st] = clients[1].status()
+            assert "member(s) of quorum 1 not asking yet" in st.last_reason, st.last_reason
+            where.set(Phase.COMPUTING)  # not in an all-reduce: told of nobody
+            assert clients[0].heartbeat().asking == ()
+            where.set(Phase.ALLREDUCE, step=0)  # an earlier step's all-reduce: 1 and 2 ask at step 1
+            assert clients[0].heartbeat().asking == ()
+            # 0 aborts its all-reduce and asks (its commit failed): one quorum of all three.
+            where.set(Phase.WAITING_FOR_QUORUM, step=1)
+            q0 = clients[0].get_quorum(1, ftar_addresses=addrs(0), commit_failed=True, num_replicas=3, timeout_s=20)
+            qs = [q0] + [f.result() for f in futs]
+        assert {q.quorum_id for q in qs} == {2} and qs[0].member_ids == ("0", "1", "2"), [q.reason for q in qs]
+    finally:
+        for c in clients:
+            c.close()
+        first.stop()
+        second.stop()
+
+
 def test_outage_longer_than_the_limit_is_a_clear_error():
     port = free_port()
     with LighthouseClient(f"127.0.0.1:{port}", "job", 0, outage_s=0.8) as c:
@@ -222,7 +287,9 @@ def test_job_survives_a_lighthouse_sigkill_and_restart(tmp_path):
         # Each replica noticed the outage and its end: its quorum request rode it out ("reachable
         # again"), or, when the lighthouse died just after answering this replica's request (not
         # yet the others'), it spent the outage in that step's all-reduce and its heartbeats did
-        # ("resumed"; that all-reduce then fails at its deadline and the step is retried).
+        # ("resumed"; their replies then name the others asking the restarted lighthouse and it
+        # aborts that all-reduce, or its deadline passes first when the outage outlasts it; the
+        # step is retried).
         log_text = logs[int(rid)]
         assert "reachable again after" in log_text or (
             "heartbeats to" in log_text and "resumed after" in log_text

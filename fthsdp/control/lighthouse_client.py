@@ -269,6 +269,10 @@ class HeartbeatReply:
     dead_replica_ids: tuple[str, ...]
     quorum_id: int
     dead_members: tuple[str, ...]  # dead members of the lighthouse's current quorum
+    # Replicas asking for a quorum at or before the step of the all-reduce this beat reported
+    # itself in, and that all-reduce as (quorum id, step); empty / None unless it reported one.
+    asking: tuple[str, ...] = ()
+    allreduce: tuple[int, int] | None = None
 
 
 @dataclass(frozen=True)
@@ -636,6 +640,8 @@ def quorum_from_proto(p: pb2.Quorum) -> qm.Quorum:
 
 
 OnDead = Callable[[tuple[str, ...], int], None]
+# on_asking(asking replicas, quorum id, step) of the all-reduce the heartbeat reported
+OnAsking = Callable[[tuple[str, ...], int, int], None]
 
 
 class LighthouseClient:
@@ -734,6 +740,7 @@ class LighthouseClient:
         self._hb_thread: threading.Thread | None = None
         self._hb_stop = threading.Event()
         self._on_dead: OnDead | None = None
+        self._on_asking: OnAsking | None = None
         self.last_heartbeat: HeartbeatReply | None = None
         self.heartbeat_failures = 0  # consecutive
         self.last_heartbeat_error: LighthouseError | None = None
@@ -1066,7 +1073,7 @@ class LighthouseClient:
             resp = self._call("Heartbeat", req, self.heartbeat_timeout_s)
         except grpc.RpcError as e:
             raise self._error("heartbeat", e, self.heartbeat_timeout_s) from None
-        return self._heard_beat(sent, resp)
+        return self._heard_beat(sent, resp, req)
 
     def _beat(self) -> HeartbeatReply | None:
         """The heartbeat thread's beat, and its reply; None when its last quorum request
@@ -1077,19 +1084,28 @@ class LighthouseClient:
             return None
         return self.heartbeat()
 
-    def _heard_beat(self, sent, resp) -> HeartbeatReply:
+    def _heard_beat(self, sent, resp, req) -> HeartbeatReply:
         # Sent and held: stop sending them; not held (a restarted lighthouse): send again.
         self.registration.heard(sent, resp.addresses_registered)
-        reply = HeartbeatReply(tuple(resp.dead_replica_ids), resp.quorum_id, tuple(resp.dead_members))
+        asking = tuple(resp.asking_replica_ids)
+        reply = HeartbeatReply(tuple(resp.dead_replica_ids), resp.quorum_id, tuple(resp.dead_members), asking,
+                               (req.phase.quorum_id, req.phase.step) if asking else None)
         self.last_heartbeat = reply
         return reply
 
     def _dead_news(self, reply: HeartbeatReply) -> None:
+        """The heartbeat thread's news for the step loop: dead members of the lighthouse's quorum,
+        and replicas asking for a quorum while this process is in an all-reduce they may belong to."""
         if reply.dead_members and self._on_dead is not None:
             try:
                 self._on_dead(reply.dead_members, reply.quorum_id)
             except Exception:
                 log.exception("on_dead callback raised")
+        if reply.asking and reply.allreduce is not None and self._on_asking is not None:
+            try:
+                self._on_asking(reply.asking, *reply.allreduce)
+            except Exception:
+                log.exception("on_asking callback raised")
 
     def _heartbeat_request(self):
         """This process's HeartbeatRequest now, and the registration it carries."""
@@ -1155,17 +1171,21 @@ class LighthouseClient:
         """The step reported by the next heartbeats (get_quorum sets it too)."""
         self._step = step
 
-    def start_heartbeats(self, on_dead: OnDead | None = None) -> None:
+    def start_heartbeats(self, on_dead: OnDead | None = None, on_asking: OnAsking | None = None) -> None:
         """Start the daemon heartbeat thread.
 
         ``on_dead(dead_members, quorum_id)`` is called from that thread on every
         reply that lists dead members of the lighthouse's current quorum
         (repeatedly, ~10 Hz, until a new quorum forms): keep it cheap and
         idempotent (e.g. abort FTAR if ``quorum_id`` is the one in flight).
+        ``on_asking(asking, quorum_id, step)`` likewise, on every reply to a beat whose
+        phase report said this process is in the all-reduce of ``step`` on quorum
+        ``quorum_id`` (``phase_source``) that lists replicas asking for a quorum at or
+        before that step: those of them in that quorum are not in its all-reduce.
         """
         if self._hb_thread is not None:
             raise RuntimeError("heartbeats already running")
-        self._on_dead = on_dead
+        self._on_dead, self._on_asking = on_dead, on_asking
         self._hb_stop.clear()
         self._hb_thread = threading.Thread(
             target=self._heartbeat_loop, name=f"fthsdp-heartbeat-{self.replica_id}", daemon=True

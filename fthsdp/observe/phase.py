@@ -109,6 +109,11 @@ class PhaseTracker:
     def phase(self) -> Phase:
         return self._state[0]
 
+    def in_allreduce(self, step: int) -> bool:
+        """Whether the process is in the all-reduce of ``step`` now (one read of the state)."""
+        phase, at = self._state[:2]
+        return phase is Phase.ALLREDUCE and at == step
+
     def report(self, replica_id: str) -> PhaseSnapshot:
         phase, step, since, qid, members = self._state
         now = self._clock()

@@ -411,9 +411,9 @@ class FollowerQuorumSource:
                     step, secs)
         time.sleep(secs)
 
-    def start_heartbeats(self, on_dead=None) -> None:
+    def start_heartbeats(self, on_dead=None, on_asking=None) -> None:
         if not self.client.heartbeating:
-            self.client.start_heartbeats(on_dead)
+            self.client.start_heartbeats(on_dead, on_asking)
 
     def status(self, *a, **kw):
         return self.client.status(*a, **kw)

@@ -226,17 +226,42 @@ class Manager:
         quorum; it aborts only if one of them is in the ring we are using, once
         per quorum id, so FTAR returns RECOVERABLE now instead of at its deadline.
         """
+        ours = self._take_abort(dead, quorum_id)
+        if ours:
+            log.warning("lighthouse declared %s dead: aborting the all-reduce of quorum %d", ours, quorum_id)
+            self.detections.append({"time": time.time(), "dead": list(ours), "quorum_id": quorum_id})
+            self.comm.abort(f"lighthouse declared replica(s) {', '.join(ours)} dead")
+
+    def on_asking(self, asking: tuple[str, ...], quorum_id: int, step: int) -> None:
+        """Heartbeat-thread callback: members of the quorum whose all-reduce of ``step`` this
+        process is in ask the lighthouse for a quorum at or before that step, so they are not
+        in that all-reduce and it cannot finish: abort it now, not at its deadline.
+
+        How it happens: the lighthouse wrote some members' answers and died before writing
+        the others'; the answered ones entered the all-reduce, the others asked the restarted
+        lighthouse, which waits for the answered ones to ask (they hold its newest quorum).
+        Only while still in that step's all-reduce (the reply may come after it ended)."""
+        if not self.phases.in_allreduce(step):
+            return
+        ours = self._take_abort(asking, quorum_id)
+        if ours:
+            log.warning("replica(s) %s of quorum %d ask for a quorum at step <= %d, so they are not in its "
+                        "all-reduce: aborting it", ours, quorum_id, step)
+            self.detections.append({"time": time.time(), "asking": list(ours), "quorum_id": quorum_id})
+            self.comm.abort(f"replica(s) {', '.join(ours)} of quorum {quorum_id} ask for a new quorum at step "
+                            f"<= {step} instead of joining its all-reduce")
+
+    def _take_abort(self, named: tuple[str, ...], quorum_id: int) -> list[str]:
+        """The other members of the configured quorum ``quorum_id`` among ``named``, once per
+        configured quorum (FTAR fails RECOVERABLE until the next configure); [] otherwise."""
         with self._lock:
             q = self.quorum
             if q is None or quorum_id != self._configured_qid or self._aborted_qid == quorum_id:
-                return
-            ours = [d for d in dead if d in q.member_ids and d != self.replica_id]
-            if not ours:
-                return
-            self._aborted_qid = quorum_id  # once: FTAR fails RECOVERABLE until the next configure
-        log.warning("lighthouse declared %s dead: aborting the all-reduce of quorum %d", ours, quorum_id)
-        self.detections.append({"time": time.time(), "dead": list(ours), "quorum_id": quorum_id})
-        self.comm.abort(f"lighthouse declared replica(s) {', '.join(ours)} dead")
+                return []
+            ours = [d for d in named if d in q.member_ids and d != self.replica_id]
+            if ours:
+                self._aborted_qid = quorum_id
+            return ours
 
     # -- one step -------------------------------------------------------------
 

@@ -242,7 +242,7 @@ class ReplicaProcess:
         if not self.leader:
             # A follower registers its addresses from the start (its heartbeats alone never make
             # its replica known to the lighthouse, nor bring a dead one back: its leader's do).
-            self.client.start_heartbeats(on_dead=self.mgr.on_dead)
+            self.client.start_heartbeats(on_dead=self.mgr.on_dead, on_asking=self.mgr.on_asking)
 
     @staticmethod
     def load_ring_key() -> bytes:
@@ -401,7 +401,7 @@ class ReplicaProcess:
 
     def on_quorum(self, mgr, q) -> None:
         if not self.client.heartbeating:  # a rejoiner starts heartbeating once it is a member
-            self.client.start_heartbeats(on_dead=mgr.on_dead)
+            self.client.start_heartbeats(on_dead=mgr.on_dead, on_asking=mgr.on_asking)
         if self.cfg.ft.snapshot == "on_demand" and q.behind and self.rid in q.healthy:
             self.snapshot()
 
@@ -541,7 +541,7 @@ class ReplicaProcess:
             # A rejoiner starts heartbeating at its first quorum (on_quorum): its open
             # request is its sign of life until then, so the lighthouse never sees it
             # "live but not asking" and the others never wait a join limit for it.
-            self.client.start_heartbeats(on_dead=mgr.on_dead)
+            self.client.start_heartbeats(on_dead=mgr.on_dead, on_asking=mgr.on_asking)
         if cfg.launch.replicas > 1 and not self.args.rejoin and self.leader:  # a job's (re)start: begin together
             live = mgr.wait_for_peers(self.client.status, cfg.launch.replicas, cfg.ft.startup_timeout_s)
             log.info("replica %s: %d replica(s) live, starting", self.rid, live)

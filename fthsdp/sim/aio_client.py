@@ -558,10 +558,13 @@ class AioLighthouseClient:
         except TimeoutError:
             return False
 
-    async def heartbeat(self, step: int, *, skip_within_s: float = 0.0) -> HeartbeatReply | None:
+    async def heartbeat(self, step: int, *, skip_within_s: float = 0.0,
+                        allreduce: tuple[int, int] | None = None) -> HeartbeatReply | None:
         """One heartbeat and its reply. A leader on a session that sent a quorum request less than
         ``skip_within_s`` ago skips the beat and returns None (the lighthouse counts the request
-        as one; the synchronous client's heartbeat thread does the same)."""
+        as one; the synchronous client's heartbeat thread does the same). ``allreduce``: the
+        (quorum id, step) whose all-reduce the replica is in, reported as its phase (the reply
+        then names the replicas asking for a quorum at or before that step)."""
         if beat_covered(self.session, self.process_index, self.registration.endpoints is not None,
                         time.perf_counter() - self.asked_at, skip_within_s, self.relay_path.return_due(time.monotonic())):
             return None
@@ -570,6 +573,8 @@ class AioLighthouseClient:
                                    replica_id=self.replica_id, step=step,
                                    last_quorum_id=last.quorum_id if last is not None else 0,
                                    process_index=self.process_index, num_processes=self.num_processes)
+        if allreduce is not None:
+            req.phase.phase, req.phase.quorum_id, req.phase.step = pb2.PHASE_ALLREDUCE, *allreduce
         sent = self.registration.fill(req)
         try:
             raw = await self._send(self._heartbeat_raw, req, self.heartbeat_timeout_s, "Heartbeat")
@@ -577,7 +582,9 @@ class AioLighthouseClient:
         except (grpc.aio.AioRpcError, SessionError) as e:
             raise LighthouseError(f"heartbeat: {e.code()}: {e.details()}", e.code()) from None
         self.registration.heard(sent, resp.addresses_registered)
-        return HeartbeatReply(tuple(resp.dead_replica_ids), resp.quorum_id, tuple(resp.dead_members))
+        asking = tuple(resp.asking_replica_ids)
+        return HeartbeatReply(tuple(resp.dead_replica_ids), resp.quorum_id, tuple(resp.dead_members), asking,
+                              allreduce if asking else None)
 
     async def leave(self, step: int, *, finished: bool, timeout_s: float = 5.0) -> bool:
         req = pb2.LeaveRequest(protocol_version=LIGHTHOUSE_PROTOCOL_VERSION, job_id=self.job_id,

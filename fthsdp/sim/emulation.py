@@ -83,7 +83,7 @@ log = logging.getLogger("fthsdp.sim.emulation")
 
 __all__ = ["Fault", "EmulationConfig", "Emulation", "EmulationReport", "LighthouseProcess", "run_emulation"]
 
-FAULT_KINDS = ("kill", "hang", "ring", "rank", "lighthouse", "relay", "relay_stop")
+FAULT_KINDS = ("kill", "hang", "ring", "rank", "lighthouse", "lighthouse_answering", "relay", "relay_stop")
 RELAY_FAULTS = ("relay", "relay_stop")  # their `replica` is a relay's number
 
 
@@ -98,7 +98,10 @@ class Fault:
     ``replica`` fails locally at ``step`` (its replica does not commit, the
     others do: it catches up next step). ``lighthouse``: the lighthouse
     process is SIGKILLed when replica 0 reaches ``step`` and restarted on the
-    same port ``seconds`` later. ``relay``: relay number ``replica`` is SIGKILLed
+    same port ``seconds`` later. ``lighthouse_answering``: the same, but the SIGKILL lands
+    the moment replica 0 holds its answer for ``step``, while the lighthouse is still writing
+    the other members' answers (some of them never arrive: the members holding one are in
+    the all-reduce, the others ask the restarted lighthouse). ``relay``: relay number ``replica`` is SIGKILLed
     when replica 0 reaches ``step`` and restarted on the same port ``seconds``
     later (0: never; the processes it carried go to the lighthouse directly
     and come back to it once it is back). ``relay_stop``: relay number
@@ -651,7 +654,7 @@ class EmulatedReplica:
             self.clients.append(cl)
         self.client = self.clients[0]  # the leader's
         self.view_qid = 0  # the quorum id whose views the followers hold
-        self.inflight: qm.Quorum | None = None
+        self.inflight: tuple[qm.Quorum, int] | None = None  # the quorum and step of the all-reduce it is in
         self.hung = False
         self.finished = False
         self.task: asyncio.Task | None = None
@@ -715,6 +718,8 @@ class EmulatedReplica:
                     self._replay_after(None, fsm.Outcome.QUORUM_ERROR, self.state)
                     continue
                 q = reply.quorum
+                if state.attempt == 1 and self.incarnation == 0:
+                    emu.answered(self, state.step)
                 emu.answer_bytes = max(emu.answer_bytes, self.client.last_reply_bytes)
                 emu.wire_sizes.append((self.client.last_request_bytes, self.client.last_reply_bytes))
                 for g in self.groups:  # one fan-out per process: its ranks read the group's answer
@@ -800,7 +805,7 @@ class EmulatedReplica:
                 await self._hang(p.step)
             await asyncio.sleep(c.model.step_s)
         if outcome is None:
-            self.inflight = q
+            self.inflight = (q, p.step)
             res = await emu.fabric.allreduce(q.quorum_id, p.step, self.rid, emu.member_set(q), nbytes,
                                              c.ranks_per_replica, c.timeouts.allreduce_timeout_s)
             self.inflight = None
@@ -851,8 +856,10 @@ class EmulatedReplica:
             await asyncio.sleep(interval)
             if self.hung:
                 continue
+            inflight = self.inflight if process == 0 else None
             try:
-                reply = await client.heartbeat(self.state.step, skip_within_s=interval)
+                reply = await client.heartbeat(self.state.step, skip_within_s=interval,
+                                               allreduce=inflight and (inflight[0].quorum_id, inflight[1]))
             except LighthouseError:
                 continue  # the lighthouse is down or slow: keep trying every interval
             if process or reply is None:
@@ -860,13 +867,23 @@ class EmulatedReplica:
             self._heard_beat(reply)
 
     def _heard_beat(self, reply) -> None:
-        """The leader's heartbeat answer: dead members of the quorum in flight abort its all-reduce."""
-        q = self.inflight
-        if q is not None and reply.dead_members and reply.quorum_id == q.quorum_id:
-            ranks_of = fsm.membership(q)[0]
-            ours = [d for d in reply.dead_members if d != self.rid and d in ranks_of]
+        """The leader's heartbeat answer: dead members of the quorum in flight, or members asking
+        for a quorum at or before its step (they are not in it: see Manager.on_asking), abort
+        its all-reduce."""
+        if self.inflight is None:
+            return
+        q, step = self.inflight
+        members = fsm.membership(q)[0]
+        if reply.dead_members and reply.quorum_id == q.quorum_id:
+            ours = [d for d in reply.dead_members if d != self.rid and d in members]
             if ours and self.emu.fabric.abort(q.quorum_id, f"lighthouse declared {ours} dead"):
                 self.emu.events.append(f"replica {self.rid}: aborted quorum {q.quorum_id} ({ours} dead)")
+        if reply.asking and reply.allreduce == (q.quorum_id, step):
+            ours = [d for d in reply.asking if d != self.rid and d in members]
+            names = ", ".join(ours[:4]) + (f" and {len(ours) - 4} more" if len(ours) > 4 else "")
+            if ours and self.emu.fabric.abort(q.quorum_id, f"{names} ask for a quorum at step <= {step}"):
+                self.emu.events.append(f"replica {self.rid}: aborted quorum {q.quorum_id} at step {step} "
+                                       f"({names} ask for a new quorum)")
 
 
 class Emulation:
@@ -962,6 +979,18 @@ class Emulation:
                     self.events.append(f"fault: relay {f.replica} SIGSTOPped at step {step} for {f.seconds:g}s")
                 self._side_tasks.append(asyncio.get_running_loop().create_task(
                     self._relay_fault(self.relays[f.replica], f.kind == "relay_stop", f.seconds)))
+
+    def answered(self, rep: EmulatedReplica, step: int) -> None:
+        """Replica ``rep`` holds its answer for ``step``: a ``lighthouse_answering`` fault fires
+        now, synchronously (no await: the lighthouse is still writing the other answers)."""
+        for f in self.config.faults:
+            if f.kind == "lighthouse_answering" and f.step == step and rep.index == 0 and f not in self._fired:
+                self._fired.add(f)
+                self.events.append(f"fault: lighthouse SIGKILLed while answering step {step}, restarted after "
+                                   f"{f.seconds:g}s")
+                if self.lighthouse.proc is not None:
+                    self.lighthouse.proc.send_signal(signal.SIGKILL)
+                self._side_tasks.append(asyncio.get_running_loop().create_task(self._lighthouse_hiccup(f.seconds)))
 
     def sample_cpu(self, step: int) -> None:
         """This process's, the relays' and the lighthouse's CPU time as its first replica begins
