@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import os
 
 import pytest
 
@@ -203,6 +204,8 @@ def test_mock_timings_and_config_errors():
         EmulationConfig(replicas=2, ranks_per_replica=4, steps=3, processes_per_replica=2, heartbeats=False)
     with pytest.raises(ValueError, match="bandwidth"):
         FabricConfig(bandwidth_Bps=0)
+    with pytest.raises(ValueError, match="holds no fthsdp package"):
+        EmulationConfig(replicas=2, ranks_per_replica=1, steps=3, lighthouse_from=os.path.dirname(__file__))
     with pytest.raises(ValueError):
         dataclasses.replace(EmulationConfig(replicas=1, ranks_per_replica=1, steps=1),
                             timeouts=dataclasses.replace(EmulationConfig.timeouts, detect_s=0.01))

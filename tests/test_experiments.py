@@ -129,6 +129,26 @@ def test_relay_failover_quick(tmp_path):
     assert out.with_suffix(".png").stat().st_size > 10_000
 
 
+def test_lighthouse_restart_stall_quick(tmp_path):
+    """A lighthouse SIGKILL between steps and one while it is writing a step's answers, at 64
+    replicas, each against this tree's lighthouse and against the committed one run from its
+    extract (the ``--baseline`` plumbing: EmulationConfig.lighthouse_from): every invariant
+    holds, and the members answered before the SIGKILL abort their all-reduce on hearing the
+    others ask (none waits out its 6 s deadline)."""
+    out = tmp_path / "lrs.json"
+    run("lighthouse_restart_stall.py", "--quick", "--baseline", "HEAD", "--out", str(out))
+    res = json.loads(out.read_text())
+    runs = {(x["side"], x["where"]): x for x in res["runs"]}
+    assert set(runs) == {(s, w) for s in ("now", "baseline") for w in ("between", "answering")}
+    for x in runs.values():
+        assert x["violations"] == [] and x["final_steps"] == [10] and x["lighthouse_starts"] == 2
+        assert x["failed_at_deadline"] == 0 and x["max_allreduce_wait_s"] < x["allreduce_deadline_s"] / 2
+    for side in ("now", "baseline"):
+        assert runs[(side, "answering")]["aborted_on_asking"] > 0
+        assert runs[(side, "between")]["in_allreduce_at_kill"] == 0
+    assert res["summary"]["answering"]["ratio_baseline_over_now"] > 0
+    assert out.with_suffix(".png").stat().st_size > 10_000
+
 
 def test_ring_forms_quick(tmp_path):
     """64 x 32 with a replica killed and restarted, a failed commit and the lighthouse restarted,

@@ -184,6 +184,10 @@ class EmulationConfig:
     # CPUs the lighthouse process is bound to (empty: wherever the system runs it): a measurement
     # that keeps it off the emulator's cores (experiments/scale.py --lighthouse-cpus).
     lighthouse_cpus: tuple[int, ...] = ()
+    # A folder holding another fthsdp package (an earlier commit's: experiments/before_after.py's
+    # extract) to run the lighthouse and relays from, so that one emulator measures two servers
+    # side by side (empty: this installation's).
+    lighthouse_from: str = ""
 
     def __post_init__(self) -> None:
         if self.replicas < 1 or self.ranks_per_replica < 1 or self.steps < 1:
@@ -213,6 +217,10 @@ class EmulationConfig:
                                          and all(0 <= k < (os.cpu_count() or 1) for k in self.lighthouse_cpus)):
             raise ValueError(f"lighthouse_cpus {list(self.lighthouse_cpus)}: this machine has CPUs 0.."
                              f"{(os.cpu_count() or 1) - 1} (and binding needs Linux); name some of those, or none")
+        if self.lighthouse_from and not os.path.isfile(os.path.join(self.lighthouse_from, "fthsdp", "control",
+                                                                     "lighthouse.py")):
+            raise ValueError(f"lighthouse_from {self.lighthouse_from!r} holds no fthsdp package (fthsdp/control/"
+                             "lighthouse.py): give a folder with one, e.g. experiments/before_after.py's extract")
         if p > 1 and not self.heartbeats:
             raise ValueError("processes_per_replica > 1 needs heartbeats: a process registers its endpoints and "
                              "shows it is alive only by heartbeating")
@@ -269,7 +277,12 @@ class LighthouseProcess:
             # Bound before it starts a thread: a small interpreter binds itself and execs the server
             # (a preexec_fn would fork this process, whose JAX and gRPC threads forbid it).
             bind = [sys.executable, "-c", _BIND, ",".join(map(str, cpus))] if cpus else []
-            self.proc = subprocess.Popen(bind + cmd, stdout=subprocess.PIPE, stderr=err, text=True)
+            env, cwd = None, None
+            if self.config.lighthouse_from:  # its package first on the path (and nothing of this tree's cwd)
+                root = os.path.abspath(self.config.lighthouse_from)
+                env, cwd = dict(os.environ, PYTHONPATH=os.pathsep.join(
+                    [root] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else []))), root
+            self.proc = subprocess.Popen(bind + cmd, stdout=subprocess.PIPE, stderr=err, text=True, env=env, cwd=cwd)
         finally:
             err.close()
         deadline = time.monotonic() + timeout_s
