@@ -163,6 +163,75 @@ def test_members_answered_before_a_lighthouse_sigkill_hear_that_the_others_ask_t
         second.stop()
 
 
+def test_a_manager_in_a_doomed_all_reduce_aborts_it_when_a_member_asks_the_restarted_lighthouse():
+    """The whole chain with real parts: a restarted lighthouse, replica 0's heartbeat thread
+    reporting its phase, Manager.on_asking, and a real FTAR ring whose all-reduce replica 0 is
+    in while replica 1 (never answered) asks the restarted lighthouse instead of joining it: the
+    all-reduce returns RECOVERABLE with the reason, long before its 30 s deadline. The same news
+    about another step's all-reduce, or naming no member, aborts nothing."""
+    import functools
+    import threading
+    import types
+
+    import numpy as np
+
+    from fthsdp.collective import ftar
+    from fthsdp.observe.phase import Phase, PhaseTracker
+    from fthsdp.replica.manager import Manager
+
+    port = free_port()
+    cfg = LighthouseConfig(bind=f"127.0.0.1:{port}", join_timeout_s=0.2, detect_s=0.6)
+    comms = [ftar.Communicator(1, timeout_s=30) for _ in range(2)]
+    clients = [LighthouseClient(f"127.0.0.1:{port}", "job", i, outage_s=30.0) for i in range(2)]
+    first, second = LighthouseThread(cfg), LighthouseThread(cfg)
+    try:
+        first.start()
+        for c in clients:
+            c.start_heartbeats()
+        time.sleep(0.2)
+        (q, _) = ask_all(clients, 0)
+        with ThreadPoolExecutor(2) as ex:  # both configure the ring of quorum 1 (it connects)
+            oks = list(ex.map(lambda i: comms[i].configure("job", q.quorum_id, i, [x.address for x in comms],
+                                                           timeout_s=20), range(2)))
+        assert all(oks), [o.reason for o in oks]
+        mgr = types.SimpleNamespace(quorum=q, _configured_qid=q.quorum_id, _aborted_qid=None, _lock=threading.Lock(),
+                                    replica_id="0", phases=PhaseTracker(), detections=[], comm=comms[0])
+        mgr._take_abort = functools.partial(Manager._take_abort, mgr)
+        on_asking = functools.partial(Manager.on_asking, mgr)
+        on_asking(("1",), q.quorum_id, 1)  # not in an all-reduce: nothing to abort
+        mgr.phases.set(Phase.ALLREDUCE, step=1, quorum_id=q.quorum_id, members=q.member_ids)
+        on_asking(("1",), q.quorum_id, 0)  # news about another step's all-reduce
+        on_asking(("7",), q.quorum_id, 1)  # nobody of the quorum
+        assert mgr._aborted_qid is None and mgr.detections == []
+        clients[0].stop_heartbeats()
+        clients[0].phase_source = lambda: mgr.phases.report("0")
+        clients[0].start_heartbeats(on_asking=on_asking)
+        result: list = []
+        x = np.ones(1024, np.float32)
+        reducer = threading.Thread(target=lambda: result.append(
+            comms[0].allreduce_host(x, quorum_id=q.quorum_id, rank=0, n=2)))
+        reducer.start()  # replica 0 was answered for step 1; the lighthouse dies before replica 1 reads its answer
+        first.stop()
+        second.start()
+        with ThreadPoolExecutor(1) as ex:
+            asked = ex.submit(clients[1].get_quorum, 1, ftar_addresses=addrs(1), num_replicas=2, timeout_s=30)
+            reducer.join(25)
+            assert result, "replica 0's all-reduce was not aborted"
+            status, reason = result[0]
+            assert status != 0 and "ask for a new quorum at step <= 1" in reason, (status, reason)
+            assert mgr._aborted_qid == q.quorum_id and mgr.detections[0]["asking"] == ["1"]
+            # the step is retried: replica 0 asks too (its commit failed), and both are answered
+            q0 = clients[0].get_quorum(1, ftar_addresses=addrs(0), commit_failed=True, num_replicas=2, timeout_s=30)
+            assert q0.member_ids == ("0", "1") and asked.result().quorum_id == q0.quorum_id > q.quorum_id
+    finally:
+        for c in clients:
+            c.close()
+        for c in comms:
+            c.close()
+        first.stop()
+        second.stop()
+
+
 def test_outage_longer_than_the_limit_is_a_clear_error():
     port = free_port()
     with LighthouseClient(f"127.0.0.1:{port}", "job", 0, outage_s=0.8) as c:
