@@ -612,9 +612,7 @@ class _Job:
         raw = self.view_endpoints.get(key)
         if raw is None:
             m = q.members[rank]
-            if len(m.ftar_addresses) < first + per:
-                raise ValueError(f"shards {first}..{first + per - 1} are outside member {m.replica_id}'s "
-                                 f"{len(m.ftar_addresses)} shards (every replica must have the same shards)")
+            qm.check_shards(m, first, per)
             body = pb2.MemberEndpoints(first_shard=first, addresses=m.ftar_addresses[first:first + per])
             raw = self.view_endpoints[key] = wire.field_bytes(_QUORUM_NEIGHBOURHOOD, body.SerializeToString())
         return raw

@@ -145,6 +145,7 @@ __all__ = [
     "ring_key",
     "ShardSource",
     "process_view",
+    "check_shards",
     "Accusation",
     "admit_accusation",
     "ACCUSATION_COOLDOWN_QUORUMS",
@@ -378,6 +379,15 @@ def positions(members: tuple) -> dict[str, int]:
     return ranks
 
 
+def check_shards(m: Member, first_shard: int, num_shards: int) -> None:
+    """Raises ValueError unless member ``m`` holds shards ``first_shard`` .. ``+num_shards-1``
+    (a process's view, or its ring neighbours' endpoints, cut from ``m``'s)."""
+    last = first_shard + num_shards
+    if len(m.ftar_addresses) < last:
+        raise ValueError(f"shards {first_shard}..{last - 1} are outside member {m.replica_id}'s "
+                         f"{len(m.ftar_addresses)} shards (every replica must have the same shards)")
+
+
 def process_view(q: Quorum, replica_id: str, first_shard: int, num_shards: int, rings: bool = True) -> Quorum:
     """What one process of ``replica_id`` holding shards ``first_shard`` .. ``+num_shards-1``
     is told about ``q``: the members (ids, steps; no endpoint lists), the rings of its own
@@ -388,9 +398,8 @@ def process_view(q: Quorum, replica_id: str, first_shard: int, num_shards: int, 
     outside the members' shards."""
     last = first_shard + num_shards
     for m in q.members:
-        if m.ftar_addresses and len(m.ftar_addresses) < last:
-            raise ValueError(f"shards {first_shard}..{last - 1} are outside member {m.replica_id}'s "
-                             f"{len(m.ftar_addresses)} shards (every replica must have the same shards)")
+        if m.ftar_addresses:
+            check_shards(m, first_shard, num_shards)
     members = tuple(Member(m.replica_id, m.step, (), m.server_for(first_shard), m.local_world_size, m.num_processes)
                     for m in q.members)
     ring_list = tuple(tuple(m.ftar_addresses[k] for m in q.members) for k in range(first_shard, last)) if rings else ()
