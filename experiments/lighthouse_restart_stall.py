@@ -19,7 +19,10 @@ all-reduce wait against its deadline, how many replicas were in the all-reduce w
 lighthouse died (aborted it on hearing the others ask, or waited out its deadline), and
 that every invariant held. With ``--baseline COMMIT`` each arm also runs against that
 commit's lighthouse (``EmulationConfig.lighthouse_from``, the emulator being this tree's),
-in alternating order, and the JSON gives the ratios of the stalls (baseline / now).
+in alternating order, and the JSON gives the ratios of the stalls (baseline / now); with
+``--baseline-whole`` the baseline arm runs that commit's clients too (the whole emulation
+from its extract, in a process of its own: for a change on the replicas' side; the commit
+must know the fault kinds).
 
 What to expect: ``between`` costs about the outage; before the heartbeat replies named the
 replicas asking (``HeartbeatResponse.asking_replica_ids``), ``answering`` cost the
@@ -30,11 +33,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import pathlib
 import statistics
 import subprocess
 import sys
 import tempfile
+import time
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -47,6 +52,30 @@ from fthsdp.timeouts import Timeouts  # noqa: E402
 from relay_failover import rounds_of  # noqa: E402
 
 WHERE = {"between": "lighthouse", "answering": "lighthouse_answering"}
+
+# One run with the whole emulation of a baseline's extract (--baseline-whole): its fthsdp
+# is imported first (PYTHONPATH), so this file's run() drives the baseline's modules.
+_WHOLE = """
+import json, sys
+import fthsdp.sim.emulation
+assert fthsdp.sim.emulation.__file__.startswith({root!r}), fthsdp.sim.emulation.__file__
+sys.path.insert(0, {experiments!r})
+import lighthouse_restart_stall as x
+print("RUN " + json.dumps(x.{fn}(*{args!r})))
+"""
+
+
+def run_whole(root: str, *args, fn: str = "run") -> dict:
+    """``fn`` (:func:`run`, :func:`client_reconnect`) with the fthsdp of the extract ``root``
+    (emulator, clients and servers)."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([root] + ([os.environ["PYTHONPATH"]]
+                                                              if os.environ.get("PYTHONPATH") else [])))
+    code = _WHOLE.format(root=root, experiments=str(REPO / "experiments"), args=args, fn=fn)
+    r = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True, timeout=600)
+    line = next((x for x in r.stdout.splitlines() if x.startswith("RUN ")), None)
+    if line is None:
+        raise RuntimeError(f"the baseline's run failed (exit {r.returncode}): {r.stderr.strip()[-1500:]}")
+    return json.loads(line[4:])
 
 
 def run(where: str, replicas: int, ranks: int, steps: int, fault_step: int, down_s: float, deadline_s: float,
@@ -75,6 +104,50 @@ def run(where: str, replicas: int, ranks: int, steps: int, fault_step: int, down
         "lighthouse_starts": rep.lighthouse_starts, "wall_s": rep.wall_s,
         "rounds_s": {str(k): round(v, 6) for k, v in sorted(by_step.items())},
     }
+
+
+def client_reconnect(trials: int, down_s: float) -> dict:
+    """The replicas' own (threaded) client across a restart: a LighthouseClient asks while its
+    lighthouse (in-process, a one-replica job) is down, and the seconds from the restarted one
+    serving to the answer are taken, ``trials`` times, the outage varied over 0.1 s so that the
+    restart falls at every point of the client's retry cycle."""
+    import socket
+    import threading
+
+    from fthsdp.control.lighthouse import LighthouseConfig, LighthouseThread
+    from fthsdp.control.lighthouse_client import LighthouseClient
+
+    after: list[float] = []
+    for k in range(trials):
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        cfg = LighthouseConfig(bind=f"127.0.0.1:{port}", join_timeout_s=0.05, detect_s=0.6)
+        first = LighthouseThread(cfg)
+        first.start()
+        client = LighthouseClient(f"127.0.0.1:{port}", "restart-stall", 0, outage_s=30.0)
+        second = LighthouseThread(cfg)
+        try:
+            client.get_quorum(0, ftar_addresses=["127.0.0.1:1"], num_replicas=1, timeout_s=10)
+            first.stop()
+            answered: list[float] = []
+            asker = threading.Thread(target=lambda: answered.append(
+                client.get_quorum(1, ftar_addresses=["127.0.0.1:1"], num_replicas=1, timeout_s=30) and
+                time.monotonic()))
+            asker.start()
+            time.sleep(down_s + 0.1 * k / max(1, trials))
+            second.start()
+            serving = time.monotonic()
+            asker.join(30)
+            if not answered:
+                raise RuntimeError("the client was not answered by the restarted lighthouse within 30 s")
+            after.append(answered[0] - serving)
+        finally:
+            client.close()
+            first.stop()
+            second.stop()
+    return {"trials": trials, "down_s": down_s, "after_serving_s": after, "median_s": statistics.median(after),
+            "max_s": max(after)}
 
 
 def plot(runs: list[dict], path: pathlib.Path) -> None:
@@ -115,12 +188,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--pairs", type=int, default=None, help="runs of each arm (default 3, 1 with --quick)")
     ap.add_argument("--where", nargs="*", default=list(WHERE), choices=list(WHERE))
     ap.add_argument("--baseline", default="", help="also run each arm against this commit's lighthouse")
+    ap.add_argument("--baseline-whole", action="store_true",
+                    help="the baseline arm runs that commit's whole emulation (its clients too), not only its lighthouse")
+    ap.add_argument("--client-trials", type=int, default=None,
+                    help="restarts the threaded client rides out, per side (default 10, 3 with --quick; 0: none)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
+    client_trials = args.client_trials if args.client_trials is not None else (3 if args.quick else 10)
     replicas = args.replicas or (64 if args.quick else 256)
     pairs = args.pairs or (1 if args.quick else 3)
     if replicas < 2 or args.ranks < 1 or not 0 < args.down_s < args.deadline or pairs < 1:
         ap.error("need --replicas >= 2, --ranks >= 1, 0 < --down-s < --deadline and --pairs >= 1")
+    if args.baseline_whole and not args.baseline:
+        ap.error("--baseline-whole needs --baseline COMMIT")
     fault_step, steps = 5, 10
     runs = []
     with tempfile.TemporaryDirectory(prefix="fthsdp-baseline-") as d:
@@ -133,7 +213,10 @@ def main(argv: list[str] | None = None) -> int:
         for i in range(pairs):
             for where in args.where:
                 for side, root in (sides if i % 2 == 0 else sides[::-1]):
-                    r = run(where, replicas, args.ranks, steps, fault_step, args.down_s, args.deadline, root)
+                    if root and args.baseline_whole:
+                        r = run_whole(root, where, replicas, args.ranks, steps, fault_step, args.down_s, args.deadline)
+                    else:
+                        r = run(where, replicas, args.ranks, steps, fault_step, args.down_s, args.deadline, root)
                     r.update(side=side, pair=i)
                     runs.append(r)
                     print(f"pair {i} {side:8s} killed {where:9s}: median round {r['median_round_s'] * 1e3:.0f} ms, "
@@ -142,6 +225,16 @@ def main(argv: list[str] | None = None) -> int:
                           f"the all-reduce: {r['aborted_on_asking']} aborted on hearing who asks, "
                           f"{r['failed_at_deadline']} at the deadline; violations: {r['violations'] or 'none'}",
                           flush=True)
+
+        clients = {}
+        for side, root in sides if client_trials > 0 else ():
+            clients[side] = (run_whole(root, client_trials, args.down_s, fn="client_reconnect")
+                             if root and args.baseline_whole else client_reconnect(client_trials, args.down_s))
+            c = clients[side]
+            print(f"{side:8s} threaded client: answered {c['median_s']:.3f} s (median; max {c['max_s']:.3f} s) after "
+                  f"the restarted lighthouse serves, {client_trials} restarts", flush=True)
+        if "baseline" in clients and clients["now"]["median_s"] > 0:
+            clients["ratio_baseline_over_now"] = clients["baseline"]["median_s"] / clients["now"]["median_s"]
 
     def med(side: str, where: str) -> float | None:
         xs = [r["stall_s"] for r in runs if r["side"] == side and r["where"] == where]
@@ -154,12 +247,21 @@ def main(argv: list[str] | None = None) -> int:
         print(f"killed {w}: median stall now {s['now_stall_s']:.2f} s"
               + (f", baseline {s['baseline_stall_s']:.2f} s (x{s['ratio_baseline_over_now']:.1f})"
                  if "ratio_baseline_over_now" in s else ""))
-    head = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True,
-                          text=True).stdout.strip()
+    def short(rev: str) -> str:
+        return subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", rev], capture_output=True,
+                              text=True).stdout.strip() or rev
+
+    head = short("HEAD")
+    if subprocess.run(["git", "-C", str(REPO), "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                      text=True).stdout.strip():
+        head += " with uncommitted changes"  # what "now" ran
     out = pathlib.Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"runs": runs, "summary": summary, "quick": args.quick, "commit": head,
-                               "baseline": args.baseline or None}, indent=1))
+    out.write_text(json.dumps({"runs": runs, "summary": summary, "threaded_client": clients, "quick": args.quick,
+                               "commit": head,
+                               "baseline": short(args.baseline) if args.baseline else None,
+                               "baseline_runs": ("whole emulation" if args.baseline_whole else "lighthouse only")
+                               if args.baseline else None}, indent=1))
     plot(runs, out.with_suffix(".png"))
     print(f"wrote {out} and {out.with_suffix('.png')}")
     return 0 if all(not r["violations"] for r in runs) else 1

@@ -134,7 +134,7 @@ def test_lighthouse_restart_stall_quick(tmp_path):
     replicas, each against this tree's lighthouse and against the committed one run from its
     extract (the ``--baseline`` plumbing: EmulationConfig.lighthouse_from): every invariant
     holds, and the members answered before the SIGKILL abort their all-reduce on hearing the
-    others ask (none waits out its 6 s deadline)."""
+    others ask (none waits out its 6 s deadline); and the threaded client rides out restarts."""
     out = tmp_path / "lrs.json"
     run("lighthouse_restart_stall.py", "--quick", "--baseline", "HEAD", "--out", str(out))
     res = json.loads(out.read_text())
@@ -144,9 +144,17 @@ def test_lighthouse_restart_stall_quick(tmp_path):
         assert x["violations"] == [] and x["final_steps"] == [10] and x["lighthouse_starts"] == 2
         assert x["failed_at_deadline"] == 0 and x["max_allreduce_wait_s"] < x["allreduce_deadline_s"] / 2
     for side in ("now", "baseline"):
-        assert runs[(side, "answering")]["aborted_on_asking"] > 0
+        # whoever was in the all-reduce when the lighthouse died aborted it on hearing who asks (at
+        # 64 replicas the lighthouse has sometimes written every answer before the SIGKILL lands:
+        # then nobody is; tests/test_emulation.py makes the split certain at 256)
+        answering = runs[(side, "answering")]
+        assert answering["aborted_on_asking"] == answering["in_allreduce_at_kill"]
         assert runs[(side, "between")]["in_allreduce_at_kill"] == 0
     assert res["summary"]["answering"]["ratio_baseline_over_now"] > 0
+    # the threaded client rode out 3 restarts a side, answered once the restarted lighthouse served
+    for side in ("now", "baseline"):
+        c = res["threaded_client"][side]
+        assert len(c["after_serving_s"]) == 3 and 0 <= c["median_s"] <= c["max_s"] < 5
     assert out.with_suffix(".png").stat().st_size > 10_000
 
 

@@ -145,8 +145,13 @@ def test_members_answered_before_a_lighthouse_sigkill_hear_that_the_others_ask_t
             assert heard, "replica 0's heartbeats never named the replicas asking the restarted lighthouse"
             asking, qid, step = heard[0]
             assert set(asking) == {"1", "2"} and (qid, step) == (1, 1), heard[0]
-            [st] = clients[1].status()
-            assert "member(s) of quorum 1 not asking yet" in st.last_reason, st.last_reason
+            # the restarted lighthouse waits for 0 (heard from, not asking: it holds quorum 1)
+            for _ in range(100):
+                [st] = clients[1].status()
+                if "member(s) of quorum 1 not asking yet" in st.last_reason:
+                    break
+                time.sleep(0.02)
+            assert "member(s) of quorum 1 not asking yet [0]" in st.last_reason, st.last_reason
             where.set(Phase.COMPUTING)  # not in an all-reduce: told of nobody
             assert clients[0].heartbeat().asking == ()
             where.set(Phase.ALLREDUCE, step=0)  # an earlier step's all-reduce: 1 and 2 ask at step 1

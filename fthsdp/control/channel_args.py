@@ -9,9 +9,12 @@ argument, which is why they live here:
 
 * **Reconnect quickly.** gRPC's default backoff between connection attempts
   starts at 1 s and grows to 2 minutes, far past a restarted lighthouse or
-  relay. Ours starts at 0.1 s and stops at 0.5 s, so a server restarted on its
-  port is found within half a second of listening again. A refused connection
-  (nothing listening yet) fails at once and costs nothing to retry.
+  relay. Ours starts at 0.1 s and stops at 0.25 s, so a server restarted on its
+  port is found within a quarter of a second of listening again (the clients
+  wait for the channel to connect between their own tries, not a fixed
+  backoff: ``LighthouseClient._pause``). A refused connection (nothing
+  listening yet) fails at once and costs nothing to retry: four a second per
+  process while the lighthouse is down.
 * **Give a connection time to form.** gRPC takes the *minimum connect timeout*
   (how long one connection attempt may take) from
   ``grpc.min_reconnect_backoff_ms``, default 20 s. It was set to 100 ms beside
@@ -39,7 +42,7 @@ CONNECT_TIMEOUT_S = 5.0
 
 RECONNECT_ARGS: tuple[tuple[str, int], ...] = (
     ("grpc.initial_reconnect_backoff_ms", 100),
-    ("grpc.max_reconnect_backoff_ms", 500),
+    ("grpc.max_reconnect_backoff_ms", 250),
     # gRPC's name for the minimum connect timeout, not a backoff (see the module docstring).
     ("grpc.min_reconnect_backoff_ms", int(CONNECT_TIMEOUT_S * 1000)),
 )

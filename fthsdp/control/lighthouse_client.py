@@ -41,6 +41,7 @@ import dataclasses
 import logging
 import math
 import os
+import queue
 import sys
 import threading
 import time
@@ -142,7 +143,7 @@ _CHANNEL_OPTIONS = [
     # so clients of one process (tests, tools) must not pool theirs into one.
     ("grpc.use_local_subchannel_pool", 1),
     ("grpc.max_receive_message_length", 256 * 1024 * 1024),  # a quorum answer of the largest job admitted
-    *RECONNECT_ARGS,  # reconnect within 0.5 s of a restart; a busy server gets time to connect
+    *RECONNECT_ARGS,  # reconnect within 0.25 s of a restart; a busy server gets time to connect
 ]
 
 
@@ -935,6 +936,7 @@ class LighthouseClient:
         sent = self._held_endpoints.fill(req, ftar_addresses, state_server_address)
         down_since: float | None = None
         delays = backoff_delays()
+        paused = ""
         held_until = time.monotonic() + timeout_s
         while True:
             try:
@@ -968,7 +970,9 @@ class LighthouseClient:
                     f"{err} (unreachable for {now - down_since:.1f}s; ft.lighthouse_outage_s={self.outage_s:g}). "
                     "Restart the lighthouse on the same address within that limit, or resume the job from its "
                     "persistent checkpoint (fthsdp run --resume)", err.code, outage_s=now - down_since) from None
-            time.sleep(min(next(delays), max(0.0, down_since + self.outage_s - now)))
+            paused = self._pause(min(next(delays), max(0.0, down_since + self.outage_s - now)), paused)
+            if paused == "connected":
+                delays = backoff_delays()  # connected again: the next tries start short
         if down_since is not None:
             took = time.monotonic() - down_since
             self.outages.append((time.time() - took, took))
@@ -994,6 +998,39 @@ class LighthouseClient:
             self.last_quorum = q
         return q
 
+    def _pause(self, delay_s: float, last: str) -> str:
+        """Between two tries across an outage: ``delay_s``, or less once the lighthouse's channel
+        connects again. Returns ``"connected"`` (the channel came up during this pause, or since
+        the last one, ``last``, found it down: try at once, and the caller's backoff starts
+        over), ``"down"`` (still down after ``delay_s``) or ``"up"`` (it was up: the calls fail
+        for another reason, or go through a relay, whose channel is up while the lighthouse is
+        not; the whole delay was slept). Sleeping the backoff through found a restarted
+        lighthouse up to a backoff (0.5 s) late, and a call racing the channel's reconnection
+        failed to connect and slept another."""
+        if self._route.path.via_relay:
+            time.sleep(delay_s)
+            return "up"
+        deadline = time.monotonic() + delay_s
+        states: queue.SimpleQueue = queue.SimpleQueue()
+        heard = states.put
+        self._channel.subscribe(heard, try_to_connect=False)  # its state now, then each change
+        try:
+            first = True
+            while (left := deadline - time.monotonic()) > 0:
+                try:
+                    state = states.get(timeout=left)
+                except queue.Empty:
+                    break
+                if state is grpc.ChannelConnectivity.READY:
+                    if first and last != "down":
+                        time.sleep(max(0.0, deadline - time.monotonic()))
+                        return "up"
+                    return "connected"
+                first = False
+            return "down"
+        finally:
+            self._channel.unsubscribe(heard)
+
     def register(self, ftar_addresses: Sequence[str], state_server_address: str, local_world_size: int) -> None:
         """This process's own shards' endpoints: sent with the heartbeats until the
         lighthouse holds them (a replica of several processes; the leader's go with
@@ -1013,6 +1050,7 @@ class LighthouseClient:
                               **ring_request_flags(self.ring_form))
         down_since: float | None = None
         delays = backoff_delays()
+        paused = ""
         while True:
             try:
                 resp = self._call("GetView", req, t)
@@ -1025,7 +1063,9 @@ class LighthouseClient:
             down_since = now if down_since is None else down_since
             if now - down_since >= self.outage_s:
                 raise err
-            time.sleep(min(next(delays), max(0.0, down_since + self.outage_s - now)))
+            paused = self._pause(min(next(delays), max(0.0, down_since + self.outage_s - now)), paused)
+            if paused == "connected":
+                delays = backoff_delays()  # connected again: the next tries start short
         q = quorum_from_proto(resp.quorum)
         if resp.quorum.rings_from:
             q = keep_ring_delta(q, resp.quorum.rings_from, resp.quorum.ring_members, held)

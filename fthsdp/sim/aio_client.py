@@ -508,6 +508,7 @@ class AioLighthouseClient:
         self.last_request_bytes = len(req) if isinstance(req, bytes) else req.ByteSize()
         down_since: float | None = None
         delays = backoff_delays()
+        paused = ""
         while True:
             sent = time.perf_counter()
             try:
@@ -528,7 +529,9 @@ class AioLighthouseClient:
             if now - down_since >= self.outage_s:
                 raise LighthouseUnavailable(f"lighthouse {self.address} unreachable for {now - down_since:.1f}s",
                                             grpc.StatusCode.UNAVAILABLE, outage_s=now - down_since)
-            await asyncio.sleep(min(next(delays), max(0.0, down_since + self.outage_s - now)))
+            paused = await self._pause(min(next(delays), max(0.0, down_since + self.outage_s - now)), paused)
+            if paused == "connected":
+                delays = backoff_delays()  # connected again: the next tries start short
         received = time.perf_counter()
         self.last_reply_bytes = len(raw)
         outage = 0.0 if down_since is None else time.monotonic() - down_since
@@ -548,6 +551,22 @@ class AioLighthouseClient:
             self.lineage = self.lineage.answered(q.quorum_id, q.max_step)
             self.last_quorum = q
         return QuorumReply(q, sent, received, outage)
+
+    async def _pause(self, delay_s: float, last: str) -> str:
+        """Between two tries across an outage (the threaded client's rule, LighthouseClient._pause)."""
+        if self.relay_path.via_relay:
+            await asyncio.sleep(delay_s)
+            return "up"
+        if self._channel.get_state(try_to_connect=True) is grpc.ChannelConnectivity.READY:
+            if last == "down":
+                return "connected"
+            await asyncio.sleep(delay_s)
+            return "up"
+        try:
+            await asyncio.wait_for(self._channel.channel_ready(), delay_s)
+            return "connected"
+        except TimeoutError:
+            return "down"
 
     async def connect(self, timeout_s: float) -> bool:
         """Wait until the channel is connected (a replica's start-up); False if it is not within
