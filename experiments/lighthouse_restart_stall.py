@@ -163,14 +163,16 @@ def plot(runs: list[dict], path: pathlib.Path) -> None:
         xs = [int(k) for k in r["rounds_s"]]
         ax.plot(xs, list(r["rounds_s"].values()), lw=1.2, marker=".",
                 label=f"{r['side']}, killed {r['where']}: stall {r['stall_s']:.2f} s "
-                      f"({r['aborted_on_asking']} aborted on hearing who asks, {r['failed_at_deadline']} at the deadline)")
+                      f"({r['aborted_on_asking']} aborted on hearing who asks, "
+                      f"{r['failed_at_deadline']} at the deadline)")
     r0 = runs[0]
     ax.axvline(r0["fault_step"], color="grey", ls=":", lw=1)
     ax.set_yscale("log")
     ax.set_xlabel("step")
     ax.set_ylabel("round (s, log)")
     ax.set_title(f"a lighthouse SIGKILL, restarted after {r0['down_s']:g} s: {r0['replicas']} replicas x "
-                 f"{r0['ranks'] // r0['replicas']} ranks (emulated), all-reduce deadline {r0['allreduce_deadline_s']:g} s")
+                 f"{r0['ranks'] // r0['replicas']} ranks (emulated), "
+                 f"all-reduce deadline {r0['allreduce_deadline_s']:g} s")
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=7)
     fig.tight_layout()
@@ -189,7 +191,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--where", nargs="*", default=list(WHERE), choices=list(WHERE))
     ap.add_argument("--baseline", default="", help="also run each arm against this commit's lighthouse")
     ap.add_argument("--baseline-whole", action="store_true",
-                    help="the baseline arm runs that commit's whole emulation (its clients too), not only its lighthouse")
+                    help="the baseline arm runs that commit's whole emulation (its clients too), "
+                         "not only its lighthouse")
     ap.add_argument("--client-trials", type=int, default=None,
                     help="restarts the threaded client rides out, per side (default 10, 3 with --quick; 0: none)")
     ap.add_argument("--out", required=True)

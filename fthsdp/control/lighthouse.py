@@ -639,7 +639,6 @@ class _Job:
             self.hb_cache = (key, resp.SerializeToString())
         return self.hb_cache[1]
 
-
     def asking_field(self, step: int) -> bytes:
         """``HeartbeatResponse.asking_replica_ids`` for a process in the all-reduce of ``step``:
         the replicas with a quorum request pending at a step <= ``step``, as fields appended to

@@ -101,8 +101,8 @@ class Fault:
     same port ``seconds`` later. ``lighthouse_answering``: the same, but the SIGKILL lands
     the moment replica 0 holds its answer for ``step``, while the lighthouse is still writing
     the other members' answers (some of them never arrive: the members holding one are in
-    the all-reduce, the others ask the restarted lighthouse). ``relay``: relay number ``replica`` is SIGKILLed
-    when replica 0 reaches ``step`` and restarted on the same port ``seconds``
+    the all-reduce, the others ask the restarted lighthouse). ``relay``: relay number
+    ``replica`` is SIGKILLed when replica 0 reaches ``step`` and restarted on the same port ``seconds``
     later (0: never; the processes it carried go to the lighthouse directly
     and come back to it once it is back). ``relay_stop``: relay number
     ``replica`` is SIGSTOPped for ``seconds`` (it keeps its connections and
@@ -886,12 +886,13 @@ class EmulatedReplica:
         if self.inflight is None:
             return
         q, step = self.inflight
-        members = fsm.membership(q)[0]
         if reply.dead_members and reply.quorum_id == q.quorum_id:
+            members = fsm.membership(q)[0]
             ours = [d for d in reply.dead_members if d != self.rid and d in members]
             if ours and self.emu.fabric.abort(q.quorum_id, f"lighthouse declared {ours} dead"):
                 self.emu.events.append(f"replica {self.rid}: aborted quorum {q.quorum_id} ({ours} dead)")
         if reply.asking and reply.allreduce == (q.quorum_id, step):
+            members = fsm.membership(q)[0]
             ours = [d for d in reply.asking if d != self.rid and d in members]
             names = ", ".join(ours[:4]) + (f" and {len(ours) - 4} more" if len(ours) > 4 else "")
             if ours and self.emu.fabric.abort(q.quorum_id, f"{names} ask for a quorum at step <= {step}"):
