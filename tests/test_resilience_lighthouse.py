@@ -19,6 +19,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -175,7 +176,6 @@ def test_a_manager_in_a_doomed_all_reduce_aborts_it_when_a_member_asks_the_resta
     all-reduce returns RECOVERABLE with the reason, long before its 30 s deadline. The same news
     about another step's all-reduce, or naming no member, aborts nothing."""
     import functools
-    import threading
     import types
 
     import numpy as np
@@ -235,6 +235,35 @@ def test_a_manager_in_a_doomed_all_reduce_aborts_it_when_a_member_asks_the_resta
             c.close()
         first.stop()
         second.stop()
+
+
+def test_between_tries_across_an_outage_the_client_waits_for_its_channel_not_a_backoff():
+    """LighthouseClient._pause over real sockets: with nothing listening it waits its delay out
+    ("down"); once a lighthouse serves on the port it returns as the channel connects
+    ("connected"), long before its delay; a channel already up after a pause that found it
+    down is tried at once ("connected"); and a channel up all along (the calls fail for
+    another reason) gets the whole delay ("up"), so a lighthouse that answers UNAVAILABLE
+    is not hammered."""
+    port = free_port()
+    cfg = LighthouseConfig(bind=f"127.0.0.1:{port}", join_timeout_s=0.2, detect_s=0.6)
+    lh = LighthouseThread(cfg)
+    with LighthouseClient(f"127.0.0.1:{port}", "job", 0, outage_s=30.0) as c:
+        try:
+            with pytest.raises(LighthouseUnavailable):  # the channel tries, and finds nothing
+                c.heartbeat()
+            t0 = time.monotonic()
+            assert c._pause(0.3, "") == "down" and time.monotonic() - t0 >= 0.29
+            threading.Timer(0.3, lh.start).start()
+            t0 = time.monotonic()
+            assert c._pause(10.0, "down") == "connected"
+            assert time.monotonic() - t0 < 5.0  # the channel's reconnect backoff (0.25 s), not the delay
+            c.heartbeat()
+            t0 = time.monotonic()
+            assert c._pause(2.0, "down") == "connected" and time.monotonic() - t0 < 1.0
+            t0 = time.monotonic()
+            assert c._pause(0.4, "") == "up" and time.monotonic() - t0 >= 0.39
+        finally:
+            lh.stop()
 
 
 def test_outage_longer_than_the_limit_is_a_clear_error():
