@@ -116,6 +116,10 @@ def test_the_invariant_checks_can_fail():
     assert any("exactly once" in v for v in _report(gap).violations())
     assert any("backwards" in v for v in _report(ok, qids_seen={"0": [1, 3, 2]}).violations())
     assert any("past its deadline" in v for v in _report(ok, waits=[("x", 20.0, 10.0)]).violations())
+    ran_out = _report(ok, waits=[("replica 3 all-reduce", 10.0, 10.0), ("replica 4 all-reduce", 0.2, 10.0),
+                                 ("replica 5 get_quorum", 10.0, 10.0)]).violations()
+    assert ran_out == ["1 all-reduce(s) ran to their deadline instead of being aborted when a member could not "
+                       "join (replicas ['replica 3'])"]
     assert any("non-members" in v for v in _report(ok, committers={0: {"0", "5"}, 1: {"0"}}).violations())
     assert _report(ok, problems=["rank 3 disagrees"]).violations() == ["rank 3 disagrees"]
 

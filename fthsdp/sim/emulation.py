@@ -44,8 +44,10 @@ bandwidth, while everything that decides is real:
 :class:`Emulation` records what every replica and rank did and
 :meth:`EmulationReport.violations` checks the invariants the real tests
 check: every decision identical on all ranks of a replica and on all replicas
-of a quorum, no wait past its deadline, every emulated batch trained exactly
-once, quorum ids never going backwards.
+of a quorum, no wait past its deadline, no all-reduce run to its deadline (a
+member that cannot join is detected and the all-reduce aborted: survivors do
+not wait for it), every emulated batch trained exactly once, quorum ids never
+going backwards.
 """
 
 from __future__ import annotations
@@ -593,9 +595,19 @@ class EmulationReport:
         for rid, qids in self.qids_seen.items():
             if any(b < a for a, b in zip(qids, qids[1:])):
                 out.append(f"replica {rid}: quorum ids went backwards: {qids[:30]}")
+        ran_out = []
         for what, waited, deadline in self.waits:
             if waited > deadline + deadline_slack_s:
                 out.append(f"{what} waited {waited:.2f}s past its deadline {deadline:g}s")
+            elif what.endswith(" all-reduce") and waited >= 0.99 * deadline:
+                ran_out.append(what.removesuffix(" all-reduce"))
+        if ran_out:
+            # Survivors don't wait (invariant 5): a member that cannot join an all-reduce (dead,
+            # hung, never answered, asking again) is detected and the all-reduce aborted; one
+            # that runs to its deadline stalled the job for it (a lighthouse killed while
+            # answering did, until its heartbeats named the replicas asking).
+            out.append(f"{len(ran_out)} all-reduce(s) ran to their deadline instead of being aborted when a member "
+                       f"could not join (replicas {ran_out[:8]})")
         if self.unfinished:
             out.append(f"still running at the run's deadline: {self.unfinished[:10]}")
         return out
