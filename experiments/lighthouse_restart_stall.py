@@ -109,8 +109,9 @@ def run(where: str, replicas: int, ranks: int, steps: int, fault_step: int, down
 def client_reconnect(trials: int, down_s: float) -> dict:
     """The replicas' own (threaded) client across a restart: a LighthouseClient asks while its
     lighthouse (in-process, a one-replica job) is down, and the seconds from the restarted one
-    serving to the answer are taken, ``trials`` times, the outage varied over 0.1 s so that the
-    restart falls at every point of the client's retry cycle."""
+    serving to the answer are taken, ``trials`` times, the outage lengthened by up to 0.5 s (the
+    retry backoff's cap) from one to the next so that the restart falls at every point of the
+    client's retry cycle."""
     import socket
     import threading
 
@@ -135,7 +136,7 @@ def client_reconnect(trials: int, down_s: float) -> dict:
                 client.get_quorum(1, ftar_addresses=["127.0.0.1:1"], num_replicas=1, timeout_s=30) and
                 time.monotonic()))
             asker.start()
-            time.sleep(down_s + 0.1 * k / max(1, trials))
+            time.sleep(down_s + 0.5 * k / max(1, trials))
             second.start()
             serving = time.monotonic()
             asker.join(30)
