@@ -69,10 +69,10 @@ def extract(commit: str, into: Path) -> None:
 def measure(side: str, root: Path | None, shape: tuple[int, int], rounds: int, timeout_s: float) -> dict:
     """One row in its own process: ``root`` the baseline's extract (None: this tree); ``shape``
     (R, G): R leaders of G ranks, or R flat replicas when G is 0."""
-    env = dict(os.environ)
+    from fthsdp.sim.emulation import package_first
+
+    env = dict(os.environ) if root is None else package_first(root)
     experiments = str((root or REPO) / "experiments")
-    if root is not None:
-        env["PYTHONPATH"] = str(root) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     n, g = shape
     code = _ROW.format(experiments=experiments, system="fthsdp-flat" if g == 0 else "fthsdp-hierarchical", n=n,
                        g=max(1, g), rounds=rounds, heartbeat=0.0 if g == 0 else 0.1)

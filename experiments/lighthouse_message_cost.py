@@ -150,9 +150,9 @@ def _child(argv: list[str]) -> int:
 
 def measure(root: Path | None, replicas: int, ranks: int, rounds: int, budgets: bool, timeout_s: float) -> dict:
     """One arm in a fresh process; ``root``: a baseline's extract to import fthsdp from."""
-    env = dict(os.environ)
-    if root is not None:
-        env["PYTHONPATH"] = str(root) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    from fthsdp.sim.emulation import package_first
+
+    env = dict(os.environ) if root is None else package_first(root)
     with tempfile.TemporaryDirectory(prefix="fthsdp-message-cost-") as cwd:
         p = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--child", str(replicas), str(ranks),
                             str(rounds), "1" if budgets else "0"], env=env, cwd=cwd, capture_output=True, text=True,

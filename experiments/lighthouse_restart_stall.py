@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import pathlib
 import statistics
 import subprocess
@@ -45,7 +44,7 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "experiments"))
 
-from fthsdp.sim.emulation import EmulationConfig, Fault, run_emulation  # noqa: E402
+from fthsdp.sim.emulation import EmulationConfig, Fault, package_first, run_emulation  # noqa: E402
 from fthsdp.sim.mock_plane import ModelShape  # noqa: E402
 from fthsdp.timeouts import Timeouts  # noqa: E402
 
@@ -68,8 +67,7 @@ print("RUN " + json.dumps(x.{fn}(*{args!r})))
 def run_whole(root: str, *args, fn: str = "run") -> dict:
     """``fn`` (:func:`run`, :func:`client_reconnect`) with the fthsdp of the extract ``root``
     (emulator, clients and servers)."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([root] + ([os.environ["PYTHONPATH"]]
-                                                              if os.environ.get("PYTHONPATH") else [])))
+    env = package_first(root)
     code = _WHOLE.format(root=root, experiments=str(REPO / "experiments"), args=args, fn=fn)
     r = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True, timeout=600)
     line = next((x for x in r.stdout.splitlines() if x.startswith("RUN ")), None)

@@ -276,6 +276,14 @@ class HeartbeatReply:
     allreduce: tuple[int, int] | None = None
 
 
+def heartbeat_reply(resp: pb2.HeartbeatResponse, allreduce: tuple[int, int] | None) -> HeartbeatReply:
+    """A HeartbeatResponse as plain data; ``allreduce``: the (quorum id, step) of the all-reduce
+    the beat reported (its phase), which the reply's ``asking`` list is about."""
+    asking = tuple(resp.asking_replica_ids)
+    return HeartbeatReply(tuple(resp.dead_replica_ids), resp.quorum_id, tuple(resp.dead_members), asking,
+                          allreduce if asking else None)
+
+
 @dataclass(frozen=True)
 class ReplicaStatus:
     replica_id: str
@@ -1127,9 +1135,7 @@ class LighthouseClient:
     def _heard_beat(self, sent, resp, req) -> HeartbeatReply:
         # Sent and held: stop sending them; not held (a restarted lighthouse): send again.
         self.registration.heard(sent, resp.addresses_registered)
-        asking = tuple(resp.asking_replica_ids)
-        reply = HeartbeatReply(tuple(resp.dead_replica_ids), resp.quorum_id, tuple(resp.dead_members), asking,
-                               (req.phase.quorum_id, req.phase.step) if asking else None)
+        reply = heartbeat_reply(resp, (req.phase.quorum_id, req.phase.step))
         self.last_heartbeat = reply
         return reply
 

@@ -49,6 +49,7 @@ from fthsdp.control.lighthouse_client import (
     Registration,
     backoff_delays,
     endpoints_not_held,
+    heartbeat_reply,
     keep_members,
     keep_neighbourhood,
     keep_ring_delta,
@@ -601,9 +602,7 @@ class AioLighthouseClient:
         except (grpc.aio.AioRpcError, SessionError) as e:
             raise LighthouseError(f"heartbeat: {e.code()}: {e.details()}", e.code()) from None
         self.registration.heard(sent, resp.addresses_registered)
-        asking = tuple(resp.asking_replica_ids)
-        return HeartbeatReply(tuple(resp.dead_replica_ids), resp.quorum_id, tuple(resp.dead_members), asking,
-                              allreduce if asking else None)
+        return heartbeat_reply(resp, allreduce)
 
     async def leave(self, step: int, *, finished: bool, timeout_s: float = 5.0) -> bool:
         req = pb2.LeaveRequest(protocol_version=LIGHTHOUSE_PROTOCOL_VERSION, job_id=self.job_id,

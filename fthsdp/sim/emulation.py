@@ -83,7 +83,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("fthsdp.sim.emulation")
 
-__all__ = ["Fault", "EmulationConfig", "Emulation", "EmulationReport", "LighthouseProcess", "run_emulation"]
+__all__ = ["Fault", "EmulationConfig", "Emulation", "EmulationReport", "LighthouseProcess", "package_first",
+           "run_emulation"]
 
 FAULT_KINDS = ("kill", "hang", "ring", "rank", "lighthouse", "lighthouse_answering", "relay", "relay_stop")
 RELAY_FAULTS = ("relay", "relay_stop")  # their `replica` is a relay's number
@@ -239,6 +240,13 @@ class EmulationConfig:
         return self.replicas * self.ranks_per_replica
 
 
+def package_first(root: str) -> dict[str, str]:
+    """This process's environment with the fthsdp package under ``root`` first on the path
+    of a process started with it (an earlier commit's extract: experiments/before_after.py)."""
+    rest = [os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else []
+    return dict(os.environ, PYTHONPATH=os.pathsep.join([str(root), *rest]))
+
+
 _BIND = "import os, sys; os.sched_setaffinity(0, map(int, sys.argv[1].split(','))); os.execv(sys.argv[2], sys.argv[2:])"
 
 
@@ -281,9 +289,8 @@ class LighthouseProcess:
             bind = [sys.executable, "-c", _BIND, ",".join(map(str, cpus))] if cpus else []
             env, cwd = None, None
             if self.config.lighthouse_from:  # its package first on the path (and nothing of this tree's cwd)
-                root = os.path.abspath(self.config.lighthouse_from)
-                env, cwd = dict(os.environ, PYTHONPATH=os.pathsep.join(
-                    [root] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else []))), root
+                cwd = os.path.abspath(self.config.lighthouse_from)
+                env = package_first(cwd)
             self.proc = subprocess.Popen(bind + cmd, stdout=subprocess.PIPE, stderr=err, text=True, env=env, cwd=cwd)
         finally:
             err.close()
@@ -898,18 +905,22 @@ class EmulatedReplica:
         if self.inflight is None:
             return
         q, step = self.inflight
-        if reply.dead_members and reply.quorum_id == q.quorum_id:
-            members = fsm.membership(q)[0]
-            ours = [d for d in reply.dead_members if d != self.rid and d in members]
-            if ours and self.emu.fabric.abort(q.quorum_id, f"lighthouse declared {ours} dead"):
-                self.emu.events.append(f"replica {self.rid}: aborted quorum {q.quorum_id} ({ours} dead)")
-        if reply.asking and reply.allreduce == (q.quorum_id, step):
-            members = fsm.membership(q)[0]
-            ours = [d for d in reply.asking if d != self.rid and d in members]
-            names = ", ".join(ours[:4]) + (f" and {len(ours) - 4} more" if len(ours) > 4 else "")
-            if ours and self.emu.fabric.abort(q.quorum_id, f"{names} ask for a quorum at step <= {step}"):
-                self.emu.events.append(f"replica {self.rid}: aborted quorum {q.quorum_id} at step {step} "
-                                       f"({names} ask for a new quorum)")
+        ours = self._others_of(q, reply.dead_members) if reply.quorum_id == q.quorum_id else []
+        if ours and self.emu.fabric.abort(q.quorum_id, f"lighthouse declared {ours} dead"):
+            self.emu.events.append(f"replica {self.rid}: aborted quorum {q.quorum_id} ({ours} dead)")
+        ours = self._others_of(q, reply.asking) if reply.allreduce == (q.quorum_id, step) else []
+        names = ", ".join(ours[:4]) + (f" and {len(ours) - 4} more" if len(ours) > 4 else "")
+        if ours and self.emu.fabric.abort(q.quorum_id, f"{names} ask for a quorum at step <= {step}"):
+            self.emu.events.append(f"replica {self.rid}: aborted quorum {q.quorum_id} at step {step} "
+                                   f"({names} ask for a new quorum)")
+
+    def _others_of(self, q: qm.Quorum, named: tuple[str, ...]) -> list[str]:
+        """The members of ``q`` but this replica among ``named`` (the quorum's members only read
+        when some are named: every heartbeat reply comes here)."""
+        if not named:
+            return []
+        members = fsm.membership(q)[0]
+        return [d for d in named if d != self.rid and d in members]
 
 
 class Emulation:
