@@ -744,6 +744,7 @@ class LighthouseClient:
         self._route = SessionRoute(path, None if not session else SyncSession(self._relay_channel, relayed=True)
                                    if self._relay_channel else SyncSession(self._channel))
         self._lock_relay = threading.Lock()
+        self._relay_watch: Callable | None = None  # the subscription to the relay channel's state (_watch_relay)
         self._asked_at = -math.inf  # when get_quorum last sent a request (monotonic)
         self._step = 0
         self._hb_thread: threading.Thread | None = None
@@ -852,9 +853,38 @@ class LighthouseClient:
             log.info("process %d of replica %r is back on relay %s", self.process_index, self.replica_id, p.relay)
         if r.left:
             log.warning("relay %s failed (%s): process %d of replica %r speaks to lighthouse %s directly, "
-                        "and tries the relay again in %.0f s", p.relay, why, self.process_index,
-                        self.replica_id, self.address, p.retry_s)
+                        "and tries the relay again in %.0f s%s", p.relay, why, self.process_index,
+                        self.replica_id, self.address, p.retry_s,
+                        " or once it accepts connections again" if p.watching else "")
+            if p.watching:
+                self._watch_relay()
         self._closing(r.close)
+
+    def _watch_relay(self) -> None:
+        """Away from a relay left by its broken streams: follow its channel's state (a
+        subscription that also starts a connection attempt, which gRPC repeats every reconnect
+        backoff while it fails), so the next heartbeat returns to it as soon as it accepts
+        connections again (:meth:`RelayPath.channel_state`). One subscription at a time, each
+        leave a new one (its first state is the channel's now); dropped once it no longer
+        matters (back on the relay, or left again for a reason its channel cannot tell)."""
+
+        def heard(state: grpc.ChannelConnectivity) -> None:
+            with self._lock_relay:
+                p = self._route.path
+                if p.channel_state(state is grpc.ChannelConnectivity.READY, time.monotonic()):
+                    log.info("relay %s accepts connections again: process %d of replica %r returns to it",
+                             p.relay, self.process_index, self.replica_id)
+                done = not p.watching or self._relay_watch is not heard
+                if done and self._relay_watch is heard:
+                    self._relay_watch = None
+            if done:
+                self._relay_channel.unsubscribe(heard)
+
+        with self._lock_relay:
+            old, self._relay_watch = self._relay_watch, heard
+        if old is not None:
+            self._relay_channel.unsubscribe(old)
+        self._relay_channel.subscribe(heard, try_to_connect=True)
 
     @staticmethod
     def _closing(sessions) -> None:

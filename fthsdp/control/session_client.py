@@ -142,7 +142,16 @@ class RelayPath:
     answered; a quorum request never waits on a relay not known to answer. A failed probe goes
     back to the lighthouse at once (the beat is sent there in the time left) and doubles the wait
     (at most :data:`MAX_RETRY_S`). So a relay's failure takes its clients' fan-in away only while
-    it lasts, at the price of one probe per try."""
+    it lasts, at the price of one probe per try.
+
+    Or **return at once** when a relay left by its broken streams is seen to accept connections
+    again (:meth:`channel_state`: the client watches its channel meanwhile): the launcher restarts
+    a killed relay on its port within a second, often a little after the grace, and a client that
+    left it then waited out RETRY_S away from it (seen in ``fthsdp run``: a replica left a relay
+    restarted 0.31 s after its kill, 0.08 s after it listened again, and was still away when it was
+    killed itself 0.6 s later). Only a channel seen down since the leave and then connected
+    counts, once per leave: a relay whose connections stay up while its streams break, or a
+    stopped one (its connections stay up), says nothing new by them, and waits RETRY_S."""
 
     BREAKS = 3
     GRACE_S = 0.3
@@ -168,8 +177,11 @@ class RelayPath:
         self.retry_s = retry_s
         self.retry_at = math.inf
         self.left_why = ""  # why it last left the relay
+        self.watching = False  # left by broken streams: its channel connecting again means it is back
+        self.seen_down = False  # its channel was seen not connected since the client left
         self.leaves = 0
         self.returns = 0
+        self.reconnects = 0  # returns made at once because the relay's channel connected again
 
     def ok(self) -> bool:
         """A reply came on the current path; True: it was the first through the relay after a return."""
@@ -197,10 +209,28 @@ class RelayPath:
         if self.returning:
             self.retry_s = min(2 * self.retry_s, self.MAX_RETRY_S)
         self.via_relay = self.returning = False
+        self.watching, self.seen_down = not silent, False
         self.breaks, self.since, self.quiet_since = 0, None, None
         self.retry_at = now + self.retry_s
         self.left_why = why
         self.leaves += 1
+        return True
+
+    def channel_state(self, ready: bool, now: float) -> bool:
+        """What the relay's channel is (``ready``: connected) while the client is away from it. A
+        relay left by its broken streams whose channel is seen down and then connected again
+        was restarted on its address: the return is due now, not after the retry wait. True:
+        it just became due (once per leave)."""
+        if self.via_relay or not self.watching:
+            return False
+        if not ready:
+            self.seen_down = True
+            return False
+        if not self.seen_down:
+            return False  # up all along since the leave: its streams broke for another reason
+        self.watching = self.seen_down = False
+        self.retry_at = min(self.retry_at, now)
+        self.reconnects += 1
         return True
 
     def owns(self, current: bool, probe: bool) -> bool:
@@ -218,6 +248,7 @@ class RelayPath:
         if not self.return_due(now):
             return False
         self.via_relay = self.returning = True
+        self.watching = self.seen_down = False
         return True
 
 

@@ -585,8 +585,12 @@ class AioLighthouseClient:
         as one; the synchronous client's heartbeat thread does the same). ``allreduce``: the
         (quorum id, step) whose all-reduce the replica is in, reported as its phase (the reply
         then names the replicas asking for a quorum at or before that step)."""
+        path = self.relay_path
+        if path.watching:  # away from a relay left by its broken streams: is it back? (RelayPath.channel_state)
+            path.channel_state(self._relay_channel.get_state(try_to_connect=True) is grpc.ChannelConnectivity.READY,
+                               time.monotonic())
         if beat_covered(self.session, self.process_index, self.registration.endpoints is not None,
-                        time.perf_counter() - self.asked_at, skip_within_s, self.relay_path.return_due(time.monotonic())):
+                        time.perf_counter() - self.asked_at, skip_within_s, path.return_due(time.monotonic())):
             return None
         last = self.last_quorum
         req = pb2.HeartbeatRequest(protocol_version=LIGHTHOUSE_PROTOCOL_VERSION, job_id=self.job_id,

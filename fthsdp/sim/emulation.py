@@ -1274,7 +1274,8 @@ class Emulation:
             why = collections.Counter(re.sub(r"\d+", "N", p.left_why)[:200] for p in paths).most_common(1)[0][0]
             self.events.append(
                 f"{len(paths)} process(es) left a failed relay for the lighthouse (most often: {why}); "
-                f"{sum(1 for p in paths if p.via_relay)} are back on it, "
+                f"{sum(1 for p in paths if p.via_relay)} are back on it "
+                f"({sum(1 for p in paths if p.reconnects)} returned as soon as it accepted connections again), "
                 f"{sum(1 for p in paths if not p.via_relay)} still speak to the lighthouse directly")
 
     def _report(self, t0: float, cpu0: float) -> EmulationReport:
