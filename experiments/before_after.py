@@ -66,6 +66,35 @@ def extract(commit: str, into: Path) -> None:
     (into / "sitecustomize.py").write_text(_SITECUSTOMIZE)
 
 
+_CALL = '''\
+import json, sys
+import fthsdp
+assert {root!r} == "" or fthsdp.__file__.startswith({root!r}), fthsdp.__file__
+sys.path.insert(0, {experiments!r})
+import {module} as m
+print("RESULT " + json.dumps(m.{fn}(*{args!r})))
+'''
+
+
+def call_with(root: Path | str | None, module: str, fn: str, *args, timeout_s: float = 600.0):
+    """``experiments/<module>.py``'s ``fn(*args)`` (this tree's function; its result JSON-able)
+    in a Python process of its own whose fthsdp is the extract at ``root``'s (None: this
+    tree's), and so is that of every process it starts: a change on the clients' side
+    measured against an earlier commit's clients, servers and all."""
+    from fthsdp.sim.emulation import package_first
+
+    env = dict(os.environ) if root is None else package_first(str(root))
+    code = _CALL.format(root=str(root or ""), experiments=str(REPO / "experiments"), module=module, fn=fn, args=args)
+    with tempfile.TemporaryDirectory(prefix="fthsdp-before-after-") as cwd:
+        r = subprocess.run([sys.executable, "-c", code], env=env, cwd=cwd, capture_output=True, text=True,
+                           timeout=timeout_s)
+    line = next((x for x in r.stdout.splitlines() if x.startswith("RESULT ")), None)
+    if line is None:
+        raise RuntimeError(f"{module}.{fn} failed with {'the baseline' if root else 'this tree'} "
+                           f"(exit {r.returncode}): {r.stderr.strip()[-1500:]}")
+    return json.loads(line[len("RESULT "):])
+
+
 def measure(side: str, root: Path | None, shape: tuple[int, int], rounds: int, timeout_s: float) -> dict:
     """One row in its own process: ``root`` the baseline's extract (None: this tree); ``shape``
     (R, G): R leaders of G ranks, or R flat replicas when G is 0."""

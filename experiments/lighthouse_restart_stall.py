@@ -44,7 +44,7 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "experiments"))
 
-from fthsdp.sim.emulation import EmulationConfig, Fault, package_first, run_emulation  # noqa: E402
+from fthsdp.sim.emulation import EmulationConfig, Fault, run_emulation  # noqa: E402
 from fthsdp.sim.mock_plane import ModelShape  # noqa: E402
 from fthsdp.timeouts import Timeouts  # noqa: E402
 
@@ -52,28 +52,12 @@ from relay_failover import rounds_of  # noqa: E402
 
 WHERE = {"between": "lighthouse", "answering": "lighthouse_answering"}
 
-# One run with the whole emulation of a baseline's extract (--baseline-whole): its fthsdp
-# is imported first (PYTHONPATH), so this file's run() drives the baseline's modules.
-_WHOLE = """
-import json, sys
-import fthsdp.sim.emulation
-assert fthsdp.sim.emulation.__file__.startswith({root!r}), fthsdp.sim.emulation.__file__
-sys.path.insert(0, {experiments!r})
-import lighthouse_restart_stall as x
-print("RUN " + json.dumps(x.{fn}(*{args!r})))
-"""
-
-
 def run_whole(root: str, *args, fn: str = "run") -> dict:
     """``fn`` (:func:`run`, :func:`client_reconnect`) with the fthsdp of the extract ``root``
     (emulator, clients and servers)."""
-    env = package_first(root)
-    code = _WHOLE.format(root=root, experiments=str(REPO / "experiments"), args=args, fn=fn)
-    r = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True, timeout=600)
-    line = next((x for x in r.stdout.splitlines() if x.startswith("RUN ")), None)
-    if line is None:
-        raise RuntimeError(f"the baseline's run failed (exit {r.returncode}): {r.stderr.strip()[-1500:]}")
-    return json.loads(line[4:])
+    from before_after import call_with
+
+    return call_with(root, "lighthouse_restart_stall", fn, *args)
 
 
 def run(where: str, replicas: int, ranks: int, steps: int, fault_step: int, down_s: float, deadline_s: float,

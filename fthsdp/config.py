@@ -166,6 +166,11 @@ class LaunchConfig:
     # connection is held back. With an external launch.lighthouse it must stay at its default:
     # that lighthouse's budget is its own --connection-calls-per-s.
     lighthouse_connection_calls_per_s: float = FairnessLimits.connection_calls_per_s
+    # `fthsdp run` keeps a warm spare of its own lighthouse: a second process started and waiting
+    # to bind the lighthouse's port (`fthsdp lighthouse --standby`), told to serve the moment the
+    # lighthouse dies, so that a restart costs no Python start-up (README, "Lighthouse restarts").
+    # false: a dead lighthouse is started cold. (`fthsdp ray` restarts its lighthouse actor.)
+    lighthouse_standby: bool = True
     # Relays (`fthsdp relay`) the launcher (`fthsdp run`, `fthsdp ray`) starts between the replicas
     # and the lighthouse, each carrying the session streams of a contiguous block of replicas (it
     # sets ft.lighthouse_relays to their addresses). A relay that dies is restarted on its address;

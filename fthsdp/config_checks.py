@@ -323,6 +323,7 @@ RULES: dict[str, Rule] = {
     "launch.lighthouse_tls_key": Parsed(_readable_or_empty, "empty or the PEM private key of launch.lighthouse_tls_cert"),
     "launch.lighthouse_connection_calls_per_s": _real(0, 1e6, lo_open=True,
                                                       why="calls per second one connection may make"),
+    "launch.lighthouse_standby": Anything("true or false"),
     "launch.relays": _int(0, why="relay processes the launcher starts (0: none)"),
     "launch.hosts": Parsed(_advertisable_hosts, "comma-separated hosts, one per emulated machine (empty: ft.bind_host)"),
     "launch.kill": Parsed(_fault_specs("kill"), "comma-separated REPLICA@STEP"),

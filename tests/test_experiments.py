@@ -158,6 +158,37 @@ def test_lighthouse_restart_stall_quick(tmp_path):
     assert out.with_suffix(".png").stat().st_size > 10_000
 
 
+def test_relay_return_quick(tmp_path):
+    """A real relay SIGKILLed and restarted on its address twice, 2 threaded clients behind it,
+    this tree against its own extract (the ``--baseline`` plumbing: before_after.call_with):
+    the clients leave the dead relay and are back on the restarted one well before the 5 s
+    retry wait (they watch its channel)."""
+    out = tmp_path / "rr.json"
+    run("relay_return.py", "--quick", "--baseline", "HEAD", "--out", str(out))
+    res = json.loads(out.read_text())
+    assert set(res["sides"]) == {"now", "baseline"}
+    for s in res["sides"].values():
+        assert s["client_trials"] == 4 and s["left"] == 4 and s["not_back"] == 0, s
+        assert 0 <= s["median_back_after_serving_s"] <= s["max_back_after_serving_s"] < 2.5, s
+    assert out.with_suffix(".png").stat().st_size > 10_000
+
+
+@pytest.mark.multiprocess
+def test_lighthouse_standby_quick(tmp_path):
+    """`fthsdp run` with its lighthouse SIGKILLed once, with the launcher's warm spare and
+    without: the spare took over in one arm and a cold start in the other, each death's
+    restart, outage and stall were read, and both jobs ended identical without a fallback."""
+    out = tmp_path / "ls.json"
+    run("lighthouse_standby.py", "--quick", "--out", str(out), timeout=600)
+    res = json.loads(out.read_text())
+    assert sorted(r["arm"] for r in res["runs"]) == ["cold", "standby"]
+    for r in res["runs"]:
+        (d,) = r["deaths"]
+        assert d["standby"] is (r["arm"] == "standby") and d["restart_s"] > 0 and d["stall_s"] is not None
+        assert r["identical_final_state"] and r["job_restarts"] == []
+    assert out.with_suffix(".png").stat().st_size > 10_000
+
+
 def test_ring_forms_quick(tmp_path):
     """64 x 32 with a replica killed and restarted, a failed commit and the lighthouse restarted,
     leaders taking rings whole, as a delta and as their ring neighbours only: the same job each

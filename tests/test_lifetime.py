@@ -117,3 +117,66 @@ def test_sigterm_stops_fthsdp_run_with_its_replicas_and_lighthouse(tmp_path):
         if job.poll() is None:
             job.kill()
             job.wait(30)
+
+
+def test_a_standby_server_waits_for_its_word_and_refuses_other_lines(capsys):
+    import io
+
+    assert lifetime.wait_to_serve(io.StringIO("hello\n\nserve\nignored\n"), "fthsdp x")
+    err = capsys.readouterr().err
+    assert "fthsdp x --standby: ignoring 'hello' on stdin: only 'serve' makes it serve" in err
+    assert not lifetime.wait_to_serve(io.StringIO("nope\n"), "fthsdp x")  # its stdin ended: no spare needed
+
+
+def _refused(port: int) -> bool:
+    import socket
+
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) != 0
+
+
+def test_a_standby_lighthouse_binds_only_when_told_and_exits_when_its_stdin_closes(tmp_path):
+    """`fthsdp lighthouse --standby` (the launcher's warm spare): started and imported, not
+    listening until the line `serve`; then it serves on its --bind port at once. One whose stdin
+    closes first exits 0 without ever binding."""
+    import socket
+
+    from fthsdp.control.lighthouse_client import LighthouseClient
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    port_file = tmp_path / "lh.port"
+    cmd = [sys.executable, "-m", "fthsdp.control.lighthouse", "--insecure", "--standby", "--bind",
+           f"127.0.0.1:{port}", "--port-file", str(port_file), "--log-level", "WARNING"]
+    p = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        time.sleep(1.5)  # started (its imports done), waiting
+        assert p.poll() is None and _refused(port) and not port_file.exists()
+        p.stdin.write("now\n")
+        p.stdin.flush()
+        time.sleep(0.3)
+        assert p.poll() is None and _refused(port)  # a wrong word binds nothing
+        told = time.monotonic()
+        p.stdin.write("serve\n")
+        p.stdin.close()
+        while not port_file.exists() and time.monotonic() - told < 10:
+            time.sleep(0.01)
+        took = time.monotonic() - told
+        assert port_file.read_text().strip() == str(port), p.stderr.read()[-2000:] if p.poll() is not None else ""
+        with LighthouseClient(f"127.0.0.1:{port}", "standby", 0) as c:  # a real lighthouse answers
+            q = c.get_quorum(0, ftar_addresses=["127.0.0.1:1"], num_replicas=1, timeout_s=10)
+        assert q.quorum_id >= 1
+        print(f"standby served {took:.3f} s after its word")
+    finally:
+        lifetime.stop_process(p)
+        err = p.stderr.read()
+        p.stdout.close()
+        p.stderr.close()
+    assert "ignoring 'now' on stdin" in err
+    spare = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                             text=True)
+    spare.stdin.close()
+    assert spare.wait(60) == 0, spare.stderr.read()[-2000:]
+    spare.stderr.close()
+    assert _refused(port)

@@ -568,7 +568,8 @@ def test_fthsdp_run_with_relays_trains_through_kills_of_a_relay_a_replica_and_th
     (``--kill-relay 1@5``) and the launcher restarts it on its address (within ~0.3 s: its replica
     rides the gap out as an outage, or leaves it and returns once it accepts connections again;
     CI saw both), the replica behind it, SIGKILLed at step 12, rejoins through it, the lighthouse
-    is SIGKILLed and restarted behind both, and the job ends exactly once and bitwise identical."""
+    is SIGKILLed and restarted (cold: no standby) behind both, and the job ends exactly once and
+    bitwise identical."""
     import ast
 
     from fthsdp.launch import report
@@ -576,11 +577,12 @@ def test_fthsdp_run_with_relays_trains_through_kills_of_a_relay_a_replica_and_th
 
     out = tmp_path / "run"
     p = fthsdp_run(out, *job_args(2, 50, "--kill", "1@12", "--kill-relay", "1@5", "--kill-lighthouse", "35",
-                                  "launch.relays=2",
+                                  "launch.relays=2", "launch.lighthouse_standby=false",
                                   "ft.lighthouse_outage_s=30", "launch.restart_delay_s=0.5", "train.min_step_s=0.2"))
     assert p.returncode == 0, p.stderr[-3000:]
     s = summary(out)
     assert len(s["lighthouse_restarts"]) == 1 and s["job_restarts"] == []
+    assert s["lighthouse_restarts"][0]["standby"] is False and "lighthouse died (signal 9); restarted in" in p.stderr
     assert [r["index"] for r in s["relay_restarts"]] == [1] and "signal 9" in s["relay_restarts"][0]["died"]
     assert "relay 1 died (signal 9); restarted on its address in" in p.stderr
     run = report.load_run(out)

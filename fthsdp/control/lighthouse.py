@@ -1774,8 +1774,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--no-fairness", action="store_true",
                    help="no per-connection, per-host or per-job budgets: one client's flood then slows every job "
                         "(for measuring what the budgets buy; experiments/auth_cost.py)")
+    p.add_argument("--standby", action="store_true",
+                   help="start, then wait for a line `serve` on stdin before binding --bind: a launcher's warm "
+                        "spare, which takes a dead lighthouse's port without Python's start-up; exits when "
+                        "stdin closes first")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     return p
+
 
 
 async def _serve(config: LighthouseConfig, port_file: str | None) -> None:
@@ -1835,6 +1840,12 @@ def cli(argv: list[str]) -> int:
     from fthsdp import logs
 
     logs.setup("fthsdp.control.lighthouse", level=getattr(logging, args.log_level))  # text or JSON ($FTHSDP_LOG_FORMAT)
+    if args.standby:
+        from fthsdp.launch.lifetime import wait_to_serve  # (and what serving imports: imported while it waits)
+
+        if not wait_to_serve(sys.stdin, "fthsdp lighthouse"):
+            return 0
+        log.info("standby lighthouse: told to serve on %s", config.bind)
     try:
         asyncio.run(_serve(config, args.port_file))
     except OSError as e:

@@ -26,6 +26,9 @@ import subprocess
 import sys
 import types
 
+from fthsdp.atomic_file import write_atomic
+from fthsdp.gc_policy import low_pause_gc
+
 LAUNCHER_PID_ENV = "FTHSDP_LAUNCHER_PID"
 _PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
 
@@ -84,14 +87,27 @@ def stop_process(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
         proc.wait(grace_s)
 
 
+STANDBY_COMMAND = "serve"  # the line that makes a standby server bind and serve (`fthsdp lighthouse --standby`)
+
+
+def wait_to_serve(stream, what: str) -> bool:
+    """A standby server's wait (a launcher's warm spare, started and waiting to bind): True
+    once ``stream`` (its stdin) gives the line :data:`STANDBY_COMMAND`; False when it ends
+    first (the launcher needs no spare any more). Any other line is refused on stderr, naming
+    ``what`` (the command), and the wait goes on."""
+    for line in stream:
+        if line.strip() == STANDBY_COMMAND:
+            return True
+        print(f"{what} --standby: ignoring {line.strip()[:80]!r} on stdin: only {STANDBY_COMMAND!r} makes it "
+              "serve", file=sys.stderr, flush=True)
+    return False
+
+
 async def serve_until_terminated(port: int, port_file: str | None, ready_line: str) -> None:
     """A server process's life after it bound ``port``: write ``port_file`` (before the line, so
     whoever reads the line also finds the file), print ``ready_line``, then wait for SIGTERM or
     SIGINT under the low-pause collector (the process is the server's own: fthsdp.gc_policy)."""
     import asyncio
-
-    from fthsdp.atomic_file import write_atomic
-    from fthsdp.gc_policy import low_pause_gc
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -25,8 +25,10 @@ turns them into processes and signals. The run directory's bookkeeping
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
+import math
 import os
 import pathlib
 import secrets
@@ -48,6 +50,9 @@ from fthsdp.launch.faults import Fault, choose_sources, due, plan
 log = logging.getLogger("fthsdp.launch")
 
 LIGHTHOUSE_START_S = 60.0  # a (re)started lighthouse must listen within this long
+# A warm spare lighthouse is started this long after ours serves (not beside the replicas'
+# imports or reconnections, both CPU-heavy); a second death within it restarts one cold.
+STANDBY_DELAY_S = 2.0
 SERVER_RESTART_TRIES = 3  # tries to start a dead lighthouse or relay again on its address
 
 
@@ -71,6 +76,16 @@ class ReplicaProc:
 
 def _how_it_ended(returncode: int) -> str:
     return f"signal {-returncode}" if returncode < 0 else f"exit code {returncode}"
+
+
+def _reap(proc: subprocess.Popen) -> None:
+    """Kill ``proc`` if it still runs, wait for it, close the pipe the launcher held to it."""
+    if proc.poll() is None:
+        proc.kill()
+    proc.wait(10)
+    if proc.stdin is not None:
+        with contextlib.suppress(OSError):
+            proc.stdin.close()
 
 
 def _start_again(start: Callable[[], object]) -> RuntimeError | None:
@@ -140,6 +155,9 @@ class LocalJob:
     lighthouse_calls_per_s: float = FairnessLimits.connection_calls_per_s
     relays: int = 0  # relay processes between the replicas and the lighthouse (launch.relays)
     lighthouse_tls_ca: str = ""  # what the relays check the lighthouse's certificate against (ft.lighthouse_tls_ca)
+    # A warm spare of our own lighthouse (launch.lighthouse_standby): started, waiting to bind its
+    # port, so that a lighthouse that dies is replaced without Python's start-up.
+    lighthouse_standby: bool = True
 
     def __post_init__(self) -> None:
         self.out_dir = pathlib.Path(self.out_dir)
@@ -160,6 +178,9 @@ class LocalJob:
         self.lighthouse_port = 0
         self._lighthouse_down_ok = False  # we took it down on purpose (kill-all, fallback, shutdown)
         self.lighthouse_restarts: list[dict] = []
+        self._standby: subprocess.Popen | None = None  # the warm spare (lighthouse_standby), once started
+        self._standby_due = math.inf  # when the next spare is started (monotonic)
+        self.from_standby = False  # the lighthouse serving now was a standby told to serve
         self.job_restarts: list[dict] = []
         self.gave_up = ""  # why the launcher ended the job early, with the resume hint
         self.token = secrets.token_hex(16)  # the job's shared secret for peer state transfer
@@ -274,27 +295,75 @@ class LocalJob:
         bind_host, bind_port = split_host_port(self.lighthouse_bind)
         port_file = self.out_dir / "lighthouse.port"
         port_file.unlink(missing_ok=True)
-        logf = open(self.out_dir / "lighthouse.log", "a")
-        logf.write(f"--- lighthouse start {time.strftime('%H:%M:%S')} (attempt {self.attempt}) ---\n")
-        logf.flush()
-        self.lighthouse = subprocess.Popen(
-            [sys.executable, "-m", "fthsdp.control.lighthouse", "--bind",
-             join_host_port(bind_host, self.lighthouse_port or bind_port),
-             "--port-file", str(port_file), "--detect", str(self.detect_s),
-             "--join-timeout", str(self.join_timeout_s), "--replicas", str(self.replicas),
-             # its own /metrics (root-cause verdicts) on any free port of its bind host, named in
-             # its Status answers: `fthsdp status --prometheus-targets` lists it
-             "--metrics-bind", join_host_port(bind_host, 0),
-             "--connection-calls-per-s", repr(float(self.lighthouse_calls_per_s)),
-             *(["--tls-cert", self.lighthouse_tls[0], "--tls-key", self.lighthouse_tls[1]]
-               if self.lighthouse_tls[0] else [])],
-            stdout=logf, stderr=subprocess.STDOUT, env=self._lighthouse_env(), start_new_session=True)
-        logf.close()
+        spare, self._standby = self._standby, None
+        self.lighthouse = self._promote(spare) if spare is not None else None
+        self.from_standby = self.lighthouse is not None
+        if self.lighthouse is None:
+            self.lighthouse = self._spawn_lighthouse(join_host_port(bind_host, self.lighthouse_port or bind_port))
         self.lighthouse_port = _listening_port(self.lighthouse, port_file, "the lighthouse",
                                                self.out_dir / "lighthouse.log")
         self.lighthouse_addr = join_host_port(self.lighthouse_advertise or bind_host, self.lighthouse_port)
         self._lighthouse_down_ok = False
-        self.event("lighthouse", address=self.lighthouse_addr)
+        # its spare is started a little later, not beside the replicas' (re)connections
+        self._standby_due = time.monotonic() + STANDBY_DELAY_S if self.lighthouse_standby else math.inf
+        self.event("lighthouse", address=self.lighthouse_addr, standby=self.from_standby)
+
+    def _spawn_lighthouse(self, bind: str, standby: bool = False) -> subprocess.Popen:
+        """A lighthouse process on ``bind``, logging to lighthouse.log; ``standby``: a warm spare
+        that binds when told (its stdin, ``fthsdp lighthouse --standby``)."""
+        bind_host = split_host_port(bind)[0]
+        with open(self.out_dir / "lighthouse.log", "a") as logf:
+            what = "standby started" if standby else "start"
+            logf.write(f"--- lighthouse {what} {time.strftime('%H:%M:%S')} (attempt {self.attempt}) ---\n")
+            logf.flush()
+            return subprocess.Popen(
+                [sys.executable, "-m", "fthsdp.control.lighthouse", "--bind", bind,
+                 "--port-file", str(self.out_dir / "lighthouse.port"), "--detect", str(self.detect_s),
+                 "--join-timeout", str(self.join_timeout_s), "--replicas", str(self.replicas),
+                 # its own /metrics (root-cause verdicts) on any free port of its bind host, named in
+                 # its Status answers: `fthsdp status --prometheus-targets` lists it
+                 "--metrics-bind", join_host_port(bind_host, 0),
+                 "--connection-calls-per-s", repr(float(self.lighthouse_calls_per_s)),
+                 *(["--tls-cert", self.lighthouse_tls[0], "--tls-key", self.lighthouse_tls[1]]
+                   if self.lighthouse_tls[0] else []), *(["--standby"] if standby else [])],
+                stdin=subprocess.PIPE if standby else subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT,
+                env=self._lighthouse_env(), start_new_session=True, text=True)
+
+    def _promote(self, spare: subprocess.Popen) -> subprocess.Popen | None:
+        """Tell the warm spare to serve; None if it cannot be (it died: a cold start then)."""
+        try:
+            if spare.poll() is not None:
+                raise BrokenPipeError(f"it exited with {spare.returncode}")
+            with open(self.out_dir / "lighthouse.log", "a") as logf:
+                logf.write(f"--- lighthouse standby takes over {time.strftime('%H:%M:%S')} ---\n")
+            spare.stdin.write(lifetime.STANDBY_COMMAND + "\n")
+            spare.stdin.close()
+            return spare
+        except OSError as e:
+            log.warning("the standby lighthouse cannot take over (%s): starting one", e)
+            _reap(spare)
+            return None
+
+    def keep_standby(self) -> None:
+        """Start the warm spare when it is due: our lighthouse serves on its final port, and none
+        is waiting (or the last one died)."""
+        if self._standby is not None and self._standby.poll() is not None:
+            log.warning("the standby lighthouse exited (%s); starting another", _how_it_ended(self._standby.returncode))
+            _reap(self._standby)
+            self._standby, self._standby_due = None, time.monotonic() + STANDBY_DELAY_S
+        if self._standby is not None or time.monotonic() < self._standby_due or self._lighthouse_down_ok:
+            return
+        if self.lighthouse is None or self.lighthouse.poll() is not None:
+            return
+        self._standby = self._spawn_lighthouse(join_host_port(split_host_port(self.lighthouse_bind)[0],
+                                                              self.lighthouse_port), standby=True)
+        self._standby_due = math.inf
+
+    def stop_standby(self) -> None:
+        if self._standby is not None:
+            _reap(self._standby)
+            self._standby = None
+        self._standby_due = math.inf
 
     def start_relays(self) -> None:
         """Starts ``relays`` relay processes on the lighthouse's host (any free port each), in front
@@ -364,6 +433,7 @@ class LocalJob:
 
     def stop_lighthouse(self) -> None:
         self._lighthouse_down_ok = True
+        self.stop_standby()
         if self.lighthouse is not None and self.lighthouse.poll() is None:
             self.lighthouse.kill()
             self.lighthouse.wait(10)
@@ -371,6 +441,7 @@ class LocalJob:
     def supervise_lighthouse(self) -> bool:
         """Restarts a lighthouse that died; False (and `gave_up` set) if it cannot be."""
         if self.lighthouse is None or self._lighthouse_down_ok or self.lighthouse.poll() is None:
+            self.keep_standby()
             return True
         why = _how_it_ended(self.lighthouse.returncode)
         t0 = time.monotonic()
@@ -382,9 +453,11 @@ class LocalJob:
             self.event("lighthouse_lost", reason=why, error=str(err))
             return False
         took = time.monotonic() - t0
-        self.lighthouse_restarts.append({"died": why, "restart_s": took, "time": time.time()})
-        self.event("lighthouse_restart", died=why, restart_s=round(took, 3))
-        log.warning("lighthouse died (%s); restarted in %.2f s on %s", why, took, self.lighthouse_addr)
+        self.lighthouse_restarts.append({"died": why, "restart_s": took, "time": time.time(),
+                                         "standby": self.from_standby})
+        self.event("lighthouse_restart", died=why, restart_s=round(took, 3), standby=self.from_standby)
+        log.warning("lighthouse died (%s); %s in %.2f s on %s", why,
+                    "its standby took over" if self.from_standby else "restarted", took, self.lighthouse_addr)
         return True
 
     def start_replica(self, rid: int, mode: str = "start") -> None:
@@ -746,6 +819,7 @@ class LocalJob:
                 self.kill_replica(rp.rid)
         self._lighthouse_down_ok = True
         self.stop_relays()
+        self.stop_standby()
         if self.lighthouse is not None and self.lighthouse.poll() is None:
             lifetime.stop_process(self.lighthouse)
         self._events.close()
@@ -929,6 +1003,7 @@ def cli(argv: list[str]) -> int:
                    lighthouse_tls=(cfg.launch.lighthouse_tls_cert, cfg.launch.lighthouse_tls_key),
                    lighthouse_calls_per_s=cfg.launch.lighthouse_connection_calls_per_s,
                    relays=cfg.launch.relays, lighthouse_tls_ca=cfg.ft.lighthouse_tls_ca,
+                   lighthouse_standby=cfg.launch.lighthouse_standby,
                    progress=not args.no_progress and sys.stderr.isatty())
     log.info("job: %d replicas x %d devices, %d steps, faults (from %s) %s; logs in %s", cfg.launch.replicas,
              cfg.launch.devices_per_replica, cfg.train.steps, sources.origin,

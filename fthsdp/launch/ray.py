@@ -340,6 +340,7 @@ class RayJob(LocalJob):
         import ray
 
         super().__post_init__()
+        self.lighthouse_standby = False  # its lighthouse is an actor, restarted by Ray (no spare process)
         if self.kill_with not in KILL_WITH:
             raise ValueError(f"kill_with={self.kill_with!r}: expected one of {KILL_WITH}")
         self.checkpoint_dir = pathlib.Path(self.checkpoint_dir or self.out_dir / "checkpoints").resolve()

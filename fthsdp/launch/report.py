@@ -174,7 +174,8 @@ def describe(summary: dict) -> list[str]:
         lines.append(f"{f['kind']} of replica {f['replica']} (at step {f['step_at_fault']}): detected in {det}; "
                      f"survivors' stall {stalls or 'n/a'}")
     for lr in summary.get("lighthouse_restarts") or []:
-        lines.append(f"lighthouse died ({lr['died']}); restarted in {lr['restart_s']:.2f}s")
+        how = "its standby took over" if lr.get("standby") else "restarted"
+        lines.append(f"lighthouse died ({lr['died']}); {how} in {lr['restart_s']:.2f}s")
     for rr in summary.get("relay_restarts") or []:
         lines.append(f"relay {rr['index']} died ({rr['died']}); restarted on its address in {rr['restart_s']:.2f}s")
     for jr in summary.get("job_restarts") or []:
