@@ -12,8 +12,12 @@ both meet the same load. Per lighthouse death:
   restart_s     the launcher's own count: the death seen -> the new lighthouse listening
   outage_s      the replicas' count: how long their quorum request found the lighthouse
                 unreachable ("reachable again after X s" in their logs), the longest
-  stall_s       the longest step that began within a second before the kill or after it,
-                minus the run's median step (what the death cost the job)
+  stall_s       the longest step that began from a median step before the kill to 2 s after
+                it, minus the run's median step (what the death cost the job)
+
+Kills are at least 30 steps (3 s at the default pace) apart: the launcher starts the next
+spare 2 s after a lighthouse serves (``STANDBY_DELAY_S``) and it takes about a second to
+import, so a second death sooner than that is restarted cold in both arms.
 
 The JSON has every run, the medians per arm and their ratios (cold / standby); the plot
 shows each death's restart and stall per arm.
@@ -64,7 +68,7 @@ def one_run(out: pathlib.Path, arm: str, replicas: int, steps: int, kills: list[
             outages[int(m.group(2))] = max(outages.get(int(m.group(2)), 0.0), float(m.group(1)))
     deaths = []
     for k, (t, lr) in enumerate(zip(kill_times, summary["lighthouse_restarts"])):
-        near = [r["end"] - r["start"] for r in records if t - 1.0 <= r["start"] <= t + 5.0]
+        near = [r["end"] - r["start"] for r in records if t - median <= r["start"] <= t + 2.0]
         after = [s for s in outages if kills[k] <= s <= kills[k] + 3]
         deaths.append({"kill_step": kills[k], "restart_s": lr["restart_s"], "standby": lr.get("standby", False),
                        "outage_s": max((outages[s] for s in after), default=None),
@@ -103,16 +107,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="one pair, one kill, 30 steps (CI)")
     ap.add_argument("--replicas", type=int, default=2)
     ap.add_argument("--pairs", type=int, default=3, help="runs of each arm, alternating")
-    ap.add_argument("--kills", type=int, nargs="*", default=[15, 30, 45], help="steps the lighthouse is killed at")
-    ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--kills", type=int, nargs="*", default=[20, 55, 90], help="steps the lighthouse is killed at")
+    ap.add_argument("--steps", type=int, default=110)
     ap.add_argument("--min-step-s", type=float, default=0.1)
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
     pairs, kills, steps = (1, [12], 30) if args.quick else (args.pairs, sorted(args.kills), args.steps)
     if args.replicas < 2 or pairs < 1 or not kills or kills[0] < 5 or kills[-1] > steps - 5 or \
-            any(b - a < 10 for a, b in zip(kills, kills[1:])):
-        ap.error("need --replicas >= 2, --pairs >= 1, and --kills from step 5 to --steps - 5, 10 steps apart "
-                 "(the spare is started 2 s after a lighthouse serves)")
+            any(b - a < 30 for a, b in zip(kills, kills[1:])):
+        ap.error("need --replicas >= 2, --pairs >= 1, and --kills from step 5 to --steps - 5, 30 steps apart "
+                 "(the next spare is started 2 s after a lighthouse serves)")
     runs = []
     with tempfile.TemporaryDirectory(prefix="fthsdp-standby-") as d:
         for i in range(pairs):

@@ -119,6 +119,10 @@ def trials(n_clients: int, down_s: list[float], watch_s: float) -> dict:
             "median_away_s": statistics.median(away) if away else None}
 
 
+def _s(x: float | None) -> str:
+    return "-" if x is None else f"{x:.3f} s"
+
+
 def plot(sides: dict, path: pathlib.Path) -> None:
     import matplotlib
 
@@ -181,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
                     t["trial"] = downs.index(mine[t["trial"]])
                 sides[side]["trials"] += got["trials"]
                 print(f"pair {i} {side:8s}: {got['left']} of {got['client_trials']} left the relay; back "
-                      f"{got['median_back_after_serving_s']} s (median) after it listened again; "
+                      f"{_s(got['median_back_after_serving_s'])} (median) after it listened again; "
                       f"{got['not_back']} not back within 8 s", flush=True)
     for side, s in sides.items():
         ts = s["trials"]
@@ -191,8 +195,8 @@ def main(argv: list[str] | None = None) -> int:
                  median_back_after_serving_s=statistics.median(back) if back else None,
                  max_back_after_serving_s=max(back) if back else None,
                  median_away_s=statistics.median(away) if away else None)
-        print(f"{side:8s} ({s['commit']}): {s['left']} of {len(ts)} left; back {s['median_back_after_serving_s']} s "
-              f"after it listened (median; max {s['max_back_after_serving_s']}), away {s['median_away_s']} s")
+        print(f"{side:8s} ({s['commit']}): {s['left']} of {len(ts)} left; back {_s(s['median_back_after_serving_s'])} "
+              f"after it listened (median; max {_s(s['max_back_after_serving_s'])}), away {_s(s['median_away_s'])}")
     result = {"clients": n, "down_s": downs, "quick": args.quick, "sides": sides}
     b, m = sides.get("baseline", {}).get("median_back_after_serving_s"), sides["now"]["median_back_after_serving_s"]
     if b and m:
