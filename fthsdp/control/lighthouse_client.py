@@ -143,7 +143,7 @@ _CHANNEL_OPTIONS = [
     # so clients of one process (tests, tools) must not pool theirs into one.
     ("grpc.use_local_subchannel_pool", 1),
     ("grpc.max_receive_message_length", 256 * 1024 * 1024),  # a quorum answer of the largest job admitted
-    *RECONNECT_ARGS,  # reconnect within 0.25 s of a restart; a busy server gets time to connect
+    *RECONNECT_ARGS,  # reconnect within 0.1 s of a restart; a busy server gets time to connect
 ]
 
 
