@@ -52,6 +52,17 @@ print("ROW " + json.dumps({{k: row.get(k) for k in ("p50_s", "p99_s", "complete_
 '''
 
 
+def commit_name(rev: str = "HEAD") -> str:
+    """``rev``'s short hash (``rev`` itself where git cannot say), and for HEAD " with
+    uncommitted changes" when tracked files differ from it: what a study's "now" ran."""
+    name = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", rev], capture_output=True,
+                          text=True).stdout.strip() or rev
+    if rev == "HEAD" and subprocess.run(["git", "-C", str(REPO), "status", "--porcelain", "--untracked-files=no"],
+                                        capture_output=True, text=True).stdout.strip():
+        name += " with uncommitted changes"
+    return name
+
+
 def extract(commit: str, into: Path) -> None:
     """The baseline's fthsdp and experiments, and this build's generated stubs beside them."""
     tar = subprocess.run(["git", "-C", str(REPO), "archive", commit, "fthsdp", "experiments"], check=True,

@@ -207,13 +207,11 @@ def main(argv: list[str] | None = None) -> int:
 
     medians, registration = median_of("us_per_message"), median_of("registration_cpu_s")
     now, reg_now = medians["now"], registration["now"]
-    head = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True,
-                          text=True).stdout.strip()
-    dirty = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain", "--untracked-files=no"],
-                           capture_output=True, text=True).stdout.strip()
+    from before_after import commit_name
+
     out = {"experiment": "lighthouse_message_cost", "quick": args.quick, "replicas": replicas, "ranks": ranks,
            "rounds": rounds, "repeats": repeats, "baseline": args.baseline or None,
-           "now": f"{head or 'unknown'}{' with uncommitted changes' if dirty else ''}",
+           "now": commit_name(),
            "definition": "process CPU of the lighthouse's session handler per message (a heartbeat and a quorum "
                          "request per leader a round), stand-in streams instead of gRPC",
            "median_us_per_message": medians,

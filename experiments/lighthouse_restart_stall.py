@@ -35,7 +35,6 @@ import argparse
 import json
 import pathlib
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -233,19 +232,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"killed {w}: median stall now {s['now_stall_s']:.2f} s"
               + (f", baseline {s['baseline_stall_s']:.2f} s (x{s['ratio_baseline_over_now']:.1f})"
                  if "ratio_baseline_over_now" in s else ""))
-    def short(rev: str) -> str:
-        return subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", rev], capture_output=True,
-                              text=True).stdout.strip() or rev
+    from before_after import commit_name
 
-    head = short("HEAD")
-    if subprocess.run(["git", "-C", str(REPO), "status", "--porcelain", "--untracked-files=no"], capture_output=True,
-                      text=True).stdout.strip():
-        head += " with uncommitted changes"  # what "now" ran
+    head = commit_name()
     out = pathlib.Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"runs": runs, "summary": summary, "threaded_client": clients, "quick": args.quick,
                                "commit": head,
-                               "baseline": short(args.baseline) if args.baseline else None,
+                               "baseline": commit_name(args.baseline) if args.baseline else None,
                                "baseline_runs": ("whole emulation" if args.baseline_whole else "lighthouse only")
                                if args.baseline else None}, indent=1))
     plot(runs, out.with_suffix(".png"))

@@ -137,8 +137,9 @@ def main(argv: list[str] | None = None) -> int:
               if summary["cold"][k] and summary["standby"][k]}
     for k, v in ratios.items():
         print(f"{k}: cold {summary['cold'][k]:.3f} s, standby {summary['standby'][k]:.3f} s (median; x{v:.1f})")
-    commit = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True,
-                            text=True).stdout.strip()
+    from before_after import commit_name
+
+    commit = commit_name()
     out = pathlib.Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"runs": runs, "summary": summary, "ratio_cold_over_standby": ratios,

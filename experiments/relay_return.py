@@ -159,24 +159,16 @@ def main(argv: list[str] | None = None) -> int:
     pairs = 1 if args.quick else args.pairs
     if n < 1 or k < 1 or not 0 < args.down_s <= 10 or pairs < 1 or k < pairs:
         ap.error("need --clients >= 1, --trials >= --pairs >= 1 and 0 < --down-s <= 10")
-    from before_after import call_with, extract
-
-    def short(rev: str) -> str:
-        return subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", rev], capture_output=True,
-                              text=True).stdout.strip() or rev
+    from before_after import call_with, commit_name, extract
 
     downs = [args.down_s + 0.5 * i / k for i in range(k)]
-    head = short("HEAD")
-    if subprocess.run(["git", "-C", str(REPO), "status", "--porcelain", "--untracked-files=no"], capture_output=True,
-                      text=True).stdout.strip():
-        head += " with uncommitted changes"
-    sides: dict[str, dict] = {"now": {"commit": head, "trials": []}}
+    sides: dict[str, dict] = {"now": {"commit": commit_name(), "trials": []}}
     with tempfile.TemporaryDirectory(prefix="fthsdp-baseline-") as d:
         order = [("now", None)]
         if args.baseline:
             extract(args.baseline, pathlib.Path(d))
             order.append(("baseline", d))
-            sides["baseline"] = {"commit": short(args.baseline), "trials": []}
+            sides["baseline"] = {"commit": commit_name(args.baseline), "trials": []}
         for i in range(pairs):
             mine = downs[i::pairs]
             for side, root in (order if i % 2 == 0 else order[::-1]):

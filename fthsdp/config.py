@@ -169,7 +169,8 @@ class LaunchConfig:
     # `fthsdp run` keeps a warm spare of its own lighthouse: a second process started and waiting
     # to bind the lighthouse's port (`fthsdp lighthouse --standby`), told to serve the moment the
     # lighthouse dies, so that a restart costs no Python start-up (README, "Lighthouse restarts").
-    # false: a dead lighthouse is started cold. (`fthsdp ray` restarts its lighthouse actor.)
+    # false: a dead lighthouse is started cold. (`fthsdp ray`: a second lighthouse actor, created
+    # on the driver's node and not bound until the first dies.)
     lighthouse_standby: bool = True
     # Relays (`fthsdp relay`) the launcher (`fthsdp run`, `fthsdp ray`) starts between the replicas
     # and the lighthouse, each carrying the session streams of a contiguous block of replicas (it

@@ -175,9 +175,11 @@ def test_lighthouse_actor_killed_is_restarted_on_its_address(tmp_path, short_tmp
     assert p.returncode == 0, p.stderr[-4000:]
     events = read_metrics(out / "events.jsonl")
     starts = [e for e in events if e["kind"] == "lighthouse"]
-    # a new actor (another process) on the same address; the replicas reconnected and finished together
+    # a new actor (another process) on the same address: the warm spare, created before the kill
+    # and bound at it (launch.lighthouse_standby); the replicas reconnected and finished together
     assert len(starts) == 2 and starts[0]["address"] == starts[1]["address"]
     assert starts[0]["actor_pid"] != starts[1]["actor_pid"]
+    assert [s["standby"] for s in starts] == [False, True], starts
     assert [e["kind"] for e in events].count("lighthouse_restart") == 1
     summary = json.loads((out / "summary.json").read_text())
     assert summary["identical_final_state"] and set(summary["final_steps"].values()) == {80}

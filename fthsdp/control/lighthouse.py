@@ -1782,7 +1782,6 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-
 async def _serve(config: LighthouseConfig, port_file: str | None) -> None:
     from fthsdp.launch.lifetime import serve_until_terminated
 

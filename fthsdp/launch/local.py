@@ -83,7 +83,7 @@ def _reap(proc: subprocess.Popen) -> None:
     if proc.poll() is None:
         proc.kill()
     proc.wait(10)
-    if proc.stdin is not None:
+    if getattr(proc, "stdin", None) is not None:  # a Popen's (a Ray actor has none)
         with contextlib.suppress(OSError):
             proc.stdin.close()
 
@@ -355,9 +355,13 @@ class LocalJob:
             return
         if self.lighthouse is None or self.lighthouse.poll() is not None:
             return
-        self._standby = self._spawn_lighthouse(join_host_port(split_host_port(self.lighthouse_bind)[0],
-                                                              self.lighthouse_port), standby=True)
+        self._standby = self._new_standby()
         self._standby_due = math.inf
+
+    def _new_standby(self):
+        """A warm spare of the lighthouse serving now, for its port (``fthsdp ray``: an actor)."""
+        return self._spawn_lighthouse(join_host_port(split_host_port(self.lighthouse_bind)[0], self.lighthouse_port),
+                                      standby=True)
 
     def stop_standby(self) -> None:
         if self._standby is not None:

@@ -8,7 +8,9 @@ process). What differs:
 
 * the lighthouse is a Ray actor (fthsdp/launch/ray_actors.py, not detached:
   it lives and dies with the job's driver), pinned to the driver's node and
-  restarted there on the same address when it dies; so are its relays
+  restarted there on the same address when it dies (by its warm spare, a second
+  lighthouse actor created there and not bound until then:
+  ``launch.lighthouse_standby``); so are its relays
   (``launch.relays``, RelayActor), as `fthsdp run` starts them beside its lighthouse;
 * each replica is a placement group with one bundle per process (sized by the
   process's devices; GPUs when the cluster has them) holding one actor per
@@ -38,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
 import pathlib
 import secrets
@@ -51,7 +54,7 @@ from fthsdp.control.admission import FairnessLimits
 from fthsdp.launch import faults as faults_lib
 from fthsdp.launch import rundir as rundir_lib
 from fthsdp.launch import supervise
-from fthsdp.launch.local import LocalJob, ReplicaProc
+from fthsdp.launch.local import STANDBY_DELAY_S, LocalJob, ReplicaProc
 
 log = logging.getLogger("fthsdp.launch")
 
@@ -247,9 +250,11 @@ class ActorProcess:
 
 class ServerActorProcess:
     """A server actor (the lighthouse, a relay) through the Popen calls the local launcher makes:
-    pinned to ``node_id``, alive while its ``serve`` call is pending."""
+    pinned to ``node_id``, alive while its ``serve`` call is pending. ``standby``: a warm spare,
+    created (its worker process started, its imports done) and not bound until :meth:`promote`;
+    creating one does not wait for it."""
 
-    def __init__(self, actor_cls, node_id: str, *args) -> None:
+    def __init__(self, actor_cls, node_id: str, *args, standby: bool = False) -> None:
         import ray
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
@@ -257,11 +262,20 @@ class ServerActorProcess:
         cls = ray.remote(actor_cls).options(
             num_cpus=0, max_restarts=0, max_concurrency=4,
             scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False))
-        self.actor = cls.remote(*args)
-        self.address = ray.get(self.actor.address.remote(), timeout=60)
-        self.pid = ray.get(self.actor.pid.remote(), timeout=POLL_TIMEOUT_S)
-        self.serve_ref = self.actor.serve.remote()
+        self.actor = cls.remote(*args, **({"standby": True} if standby else {}))
+        self.serve_ref = self.actor.serve.remote()  # pending while the actor lives, standby or not
         self.returncode: int | None = None
+        self.address, self.pid = "", 0
+        if not standby:
+            self._serving(self._ray.get(self.actor.address.remote(), timeout=60))
+
+    def _serving(self, address: str) -> None:
+        self.address = address
+        self.pid = self._ray.get(self.actor.pid.remote(), timeout=POLL_TIMEOUT_S)
+
+    def promote(self) -> None:
+        """A standby's: bind and serve now (raises if it cannot: it died, or its port is taken)."""
+        self._serving(self._ray.get(self.actor.start.remote(), timeout=60))
 
     def poll(self) -> int | None:
         if self.returncode is None and self._ray.wait([self.serve_ref], timeout=0)[0]:
@@ -297,12 +311,19 @@ class LighthouseProcess(ServerActorProcess):
 
     def __init__(self, host: str, port: int, detect_s: float, join_timeout_s: float, replicas: int,
                  node_id: str, secret: bytes | None = None, tls: tuple[str, str] = ("", ""),
-                 connection_calls_per_s: float = FairnessLimits.connection_calls_per_s) -> None:
+                 connection_calls_per_s: float = FairnessLimits.connection_calls_per_s,
+                 standby: bool = False) -> None:
         from fthsdp.launch.ray_actors import LighthouseActor
 
         super().__init__(LighthouseActor, node_id, host, port, detect_s, join_timeout_s, replicas, secret, tls,
-                         connection_calls_per_s)
-        self.facts: dict = self._ray.get(self.actor.facts.remote(), timeout=POLL_TIMEOUT_S)
+                         connection_calls_per_s, standby=standby)
+        self.facts: dict = {}
+        if not standby:
+            self.facts = self._ray.get(self.actor.facts.remote(), timeout=POLL_TIMEOUT_S)
+
+    def promote(self) -> None:
+        super().promote()
+        self.facts = self._ray.get(self.actor.facts.remote(), timeout=POLL_TIMEOUT_S)
 
 
 class RelayProcess(ServerActorProcess):
@@ -340,7 +361,6 @@ class RayJob(LocalJob):
         import ray
 
         super().__post_init__()
-        self.lighthouse_standby = False  # its lighthouse is an actor, restarted by Ray (no spare process)
         if self.kill_with not in KILL_WITH:
             raise ValueError(f"kill_with={self.kill_with!r}: expected one of {KILL_WITH}")
         self.checkpoint_dir = pathlib.Path(self.checkpoint_dir or self.out_dir / "checkpoints").resolve()
@@ -430,17 +450,35 @@ class RayJob(LocalJob):
 
     def start_lighthouse(self) -> None:
         t0 = time.monotonic()
-        from fthsdp.launch.ray_actors import lighthouse_host
-
-        host = lighthouse_host(ray_nodes(), self.driver_node)
-        self.lighthouse = LighthouseProcess(host, self.lighthouse_port, self.detect_s, self.join_timeout_s,
-                                            self.replicas, self.driver_node, self.lighthouse_secret,
-                                            self.lighthouse_tls, self.lighthouse_calls_per_s)
+        spare, self._standby = self._standby, None
+        self.lighthouse = None
+        if spare is not None:  # its warm spare (launch.lighthouse_standby): an actor created, not bound
+            try:
+                spare.promote()
+                self.lighthouse = spare
+            except Exception as e:  # noqa: BLE001 - it died, or cannot bind: start one cold
+                log.warning("the standby lighthouse actor cannot take over (%s): starting one", e)
+                spare.kill()
+        self.from_standby = self.lighthouse is not None
+        if self.lighthouse is None:
+            self.lighthouse = self._lighthouse_actor()
         self.lighthouse_addr = self.lighthouse.address
         self.lighthouse_port = int(self.lighthouse_addr.rsplit(":", 1)[1])
         self._lighthouse_down_ok = False
+        self._standby_due = time.monotonic() + STANDBY_DELAY_S if self.lighthouse_standby else math.inf
         self.event("lighthouse", address=self.lighthouse_addr, actor_pid=self.lighthouse.pid,
-                   start_s=round(time.monotonic() - t0, 3), **self.lighthouse.facts)
+                   start_s=round(time.monotonic() - t0, 3), standby=self.from_standby, **self.lighthouse.facts)
+
+    def _lighthouse_actor(self, standby: bool = False) -> LighthouseProcess:
+        from fthsdp.launch.ray_actors import lighthouse_host
+
+        host = lighthouse_host(ray_nodes(), self.driver_node)
+        return LighthouseProcess(host, self.lighthouse_port, self.detect_s, self.join_timeout_s, self.replicas,
+                                 self.driver_node, self.lighthouse_secret, self.lighthouse_tls,
+                                 self.lighthouse_calls_per_s, standby=standby)
+
+    def _new_standby(self) -> LighthouseProcess:
+        return self._lighthouse_actor(standby=True)
 
     def _start_relay(self, i: int, port: int) -> tuple[RelayProcess, str]:
         """Relay ``i`` as an actor on the lighthouse's node (as `fthsdp run` puts its relays on the
@@ -713,7 +751,8 @@ def launch(config: str, overrides: list[str], out: str | pathlib.Path | None = N
                      lighthouse_tls=(cfg.launch.lighthouse_tls_cert, cfg.launch.lighthouse_tls_key),
                      lighthouse_calls_per_s=cfg.launch.lighthouse_connection_calls_per_s,
                      config_text=config_text, place_timeout_s=cfg.ft.startup_timeout_s,
-                     relays=cfg.launch.relays, lighthouse_tls_ca=cfg.ft.lighthouse_tls_ca)
+                     relays=cfg.launch.relays, lighthouse_tls_ca=cfg.ft.lighthouse_tls_ca,
+                     lighthouse_standby=cfg.launch.lighthouse_standby)
         log.info("ray job: %d replicas x %d process(es) x %d devices (placement %s), %d steps, faults (from %s) %s; "
                  "logs in %s", cfg.launch.replicas, cfg.launch.processes_per_replica, cfg.launch.devices_per_replica,
                  job.placement.bundles, cfg.train.steps,

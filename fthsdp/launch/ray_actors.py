@@ -46,10 +46,16 @@ class _ServerActor:
     Ray actor: ``serve`` stays pending while it serves, so the driver's call tells it whether the
     actor is alive (pending) or dead (an error)."""
 
-    def __init__(self, thread) -> None:
+    def __init__(self, thread, standby: bool = False) -> None:
         self.thread = thread
-        thread.start()
         self._stop = threading.Event()
+        if not standby:
+            thread.start()
+
+    def start(self) -> str:
+        """A standby's (a warm spare: its process and imports ready, not bound): bind and serve now;
+        its address."""
+        return self.thread.start()
 
     def address(self) -> str:
         return self.thread.address
@@ -78,7 +84,8 @@ class LighthouseActor(_ServerActor):
 
     def __init__(self, host: str, port: int, detect_s: float, join_timeout_s: float, replicas: int,
                  secret: bytes | None = None, tls: tuple[str, str] = ("", ""),
-                 connection_calls_per_s: float = FairnessLimits.connection_calls_per_s) -> None:
+                 connection_calls_per_s: float = FairnessLimits.connection_calls_per_s,
+                 standby: bool = False) -> None:
         from fthsdp.addresses import join_host_port
         from fthsdp.control.lighthouse import LighthouseConfig, LighthouseThread
 
@@ -88,7 +95,7 @@ class LighthouseActor(_ServerActor):
         super().__init__(LighthouseThread(LighthouseConfig(
             bind=join_host_port(host, port), detect_s=detect_s, join_timeout_s=join_timeout_s,
             num_replicas=replicas, secret=secret, tls_cert_file=tls[0], tls_key_file=tls[1], fairness=fairness,
-            metrics_bind=join_host_port(host, 0))))
+            metrics_bind=join_host_port(host, 0))), standby=standby)
 
     def facts(self) -> dict:
         """What the driver records of the running lighthouse (its events): where its /metrics
