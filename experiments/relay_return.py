@@ -110,12 +110,17 @@ def trials(n_clients: int, down_s: list[float], watch_s: float) -> dict:
                 c.close()
             relay.kill()
             relay.wait(10)
-    returned = [t["back_after_serving_s"] for t in out if t["left"] and t["back_after_serving_s"] is not None]
-    away = [t["away_s"] for t in out if t["away_s"] is not None]
-    return {"trials": out, "left": sum(t["left"] for t in out), "not_back": sum(not t["back"] for t in out),
-            "client_trials": len(out),
-            "median_back_after_serving_s": statistics.median(returned) if returned else None,
-            "max_back_after_serving_s": max(returned) if returned else None,
+    return {"trials": out, **summary(out)}
+
+
+def summary(ts: list[dict]) -> dict:
+    """Over client trials ``ts``: how many, how many left the relay and were not back, and the
+    median / max seconds from the restarted relay listening to a leaver back on it, and away."""
+    back = [t["back_after_serving_s"] for t in ts if t["left"] and t["back_after_serving_s"] is not None]
+    away = [t["away_s"] for t in ts if t["away_s"] is not None]
+    return {"client_trials": len(ts), "left": sum(t["left"] for t in ts), "not_back": sum(not t["back"] for t in ts),
+            "median_back_after_serving_s": statistics.median(back) if back else None,
+            "max_back_after_serving_s": max(back) if back else None,
             "median_away_s": statistics.median(away) if away else None}
 
 
@@ -180,14 +185,8 @@ def main(argv: list[str] | None = None) -> int:
                       f"{_s(got['median_back_after_serving_s'])} (median) after it listened again; "
                       f"{got['not_back']} not back within 8 s", flush=True)
     for side, s in sides.items():
-        ts = s["trials"]
-        back = [t["back_after_serving_s"] for t in ts if t["left"] and t["back_after_serving_s"] is not None]
-        away = [t["away_s"] for t in ts if t["away_s"] is not None]
-        s.update(client_trials=len(ts), left=sum(t["left"] for t in ts), not_back=sum(not t["back"] for t in ts),
-                 median_back_after_serving_s=statistics.median(back) if back else None,
-                 max_back_after_serving_s=max(back) if back else None,
-                 median_away_s=statistics.median(away) if away else None)
-        print(f"{side:8s} ({s['commit']}): {s['left']} of {len(ts)} left; back {_s(s['median_back_after_serving_s'])} "
+        s.update(summary(s["trials"]))
+        print(f"{side:8s} ({s['commit']}): {s['left']} of {s['client_trials']} left; back {_s(s['median_back_after_serving_s'])} "
               f"after it listened (median; max {_s(s['max_back_after_serving_s'])}), away {_s(s['median_away_s'])}")
     result = {"clients": n, "down_s": downs, "quick": args.quick, "sides": sides}
     b, m = sides.get("baseline", {}).get("median_back_after_serving_s"), sides["now"]["median_back_after_serving_s"]

@@ -295,18 +295,27 @@ class LocalJob:
         bind_host, bind_port = split_host_port(self.lighthouse_bind)
         port_file = self.out_dir / "lighthouse.port"
         port_file.unlink(missing_ok=True)
-        spare, self._standby = self._standby, None
-        self.lighthouse = self._promote(spare) if spare is not None else None
-        self.from_standby = self.lighthouse is not None
-        if self.lighthouse is None:
-            self.lighthouse = self._spawn_lighthouse(join_host_port(bind_host, self.lighthouse_port or bind_port))
+        self.lighthouse = self._take_standby() or \
+            self._spawn_lighthouse(join_host_port(bind_host, self.lighthouse_port or bind_port))
         self.lighthouse_port = _listening_port(self.lighthouse, port_file, "the lighthouse",
                                                self.out_dir / "lighthouse.log")
         self.lighthouse_addr = join_host_port(self.lighthouse_advertise or bind_host, self.lighthouse_port)
-        self._lighthouse_down_ok = False
-        # its spare is started a little later, not beside the replicas' (re)connections
-        self._standby_due = time.monotonic() + STANDBY_DELAY_S if self.lighthouse_standby else math.inf
+        self._serving()
         self.event("lighthouse", address=self.lighthouse_addr, standby=self.from_standby)
+
+    def _take_standby(self):
+        """The warm spare, told to serve (``from_standby`` says so); None when there is none or it
+        cannot (the caller starts one cold). Shared by `fthsdp run` and `fthsdp ray` (its ``_promote``)."""
+        spare, self._standby = self._standby, None
+        got = self._promote(spare) if spare is not None else None
+        self.from_standby = got is not None
+        return got
+
+    def _serving(self) -> None:
+        """Our lighthouse listens: supervised again, and its next spare is due a little later, not
+        beside the replicas' (re)connections."""
+        self._lighthouse_down_ok = False
+        self._standby_due = time.monotonic() + STANDBY_DELAY_S if self.lighthouse_standby else math.inf
 
     def _spawn_lighthouse(self, bind: str, standby: bool = False) -> subprocess.Popen:
         """A lighthouse process on ``bind``, logging to lighthouse.log; ``standby``: a warm spare
@@ -331,18 +340,19 @@ class LocalJob:
 
     def _promote(self, spare: subprocess.Popen) -> subprocess.Popen | None:
         """Tell the warm spare to serve; None if it cannot be (it died: a cold start then)."""
-        try:
-            if spare.poll() is not None:
-                raise BrokenPipeError(f"it exited with {spare.returncode}")
+        why = f"it exited with {spare.returncode}" if spare.poll() is not None else ""
+        if not why:
             with open(self.out_dir / "lighthouse.log", "a") as logf:
                 logf.write(f"--- lighthouse standby takes over {time.strftime('%H:%M:%S')} ---\n")
-            spare.stdin.write(lifetime.STANDBY_COMMAND + "\n")
-            spare.stdin.close()
-            return spare
-        except OSError as e:
-            log.warning("the standby lighthouse cannot take over (%s): starting one", e)
-            _reap(spare)
-            return None
+            try:
+                spare.stdin.write(lifetime.STANDBY_COMMAND + "\n")
+                spare.stdin.close()
+                return spare
+            except OSError as e:  # it died since
+                why = str(e)
+        log.warning("the standby lighthouse cannot take over (%s): starting one", why)
+        _reap(spare)
+        return None
 
     def keep_standby(self) -> None:
         """Start the warm spare when it is due: our lighthouse serves on its final port, and none

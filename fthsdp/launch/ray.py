@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import math
 import os
 import pathlib
 import secrets
@@ -54,7 +53,7 @@ from fthsdp.control.admission import FairnessLimits
 from fthsdp.launch import faults as faults_lib
 from fthsdp.launch import rundir as rundir_lib
 from fthsdp.launch import supervise
-from fthsdp.launch.local import STANDBY_DELAY_S, LocalJob, ReplicaProc
+from fthsdp.launch.local import LocalJob, ReplicaProc
 
 log = logging.getLogger("fthsdp.launch")
 
@@ -450,22 +449,10 @@ class RayJob(LocalJob):
 
     def start_lighthouse(self) -> None:
         t0 = time.monotonic()
-        spare, self._standby = self._standby, None
-        self.lighthouse = None
-        if spare is not None:  # its warm spare (launch.lighthouse_standby): an actor created, not bound
-            try:
-                spare.promote()
-                self.lighthouse = spare
-            except Exception as e:  # noqa: BLE001 - it died, or cannot bind: start one cold
-                log.warning("the standby lighthouse actor cannot take over (%s): starting one", e)
-                spare.kill()
-        self.from_standby = self.lighthouse is not None
-        if self.lighthouse is None:
-            self.lighthouse = self._lighthouse_actor()
+        self.lighthouse = self._take_standby() or self._lighthouse_actor()
         self.lighthouse_addr = self.lighthouse.address
         self.lighthouse_port = int(self.lighthouse_addr.rsplit(":", 1)[1])
-        self._lighthouse_down_ok = False
-        self._standby_due = time.monotonic() + STANDBY_DELAY_S if self.lighthouse_standby else math.inf
+        self._serving()
         self.event("lighthouse", address=self.lighthouse_addr, actor_pid=self.lighthouse.pid,
                    start_s=round(time.monotonic() - t0, 3), standby=self.from_standby, **self.lighthouse.facts)
 
@@ -479,6 +466,17 @@ class RayJob(LocalJob):
 
     def _new_standby(self) -> LighthouseProcess:
         return self._lighthouse_actor(standby=True)
+
+    def _promote(self, spare: LighthouseProcess) -> LighthouseProcess | None:
+        """The warm spare actor (created, not bound) bound now; None if it cannot be (it died, or
+        cannot bind: a cold start then)."""
+        try:
+            spare.promote()
+            return spare
+        except Exception as e:  # noqa: BLE001 - whatever Ray raised for it
+            log.warning("the standby lighthouse actor cannot take over (%s): starting one", e)
+            spare.kill()
+            return None
 
     def _start_relay(self, i: int, port: int) -> tuple[RelayProcess, str]:
         """Relay ``i`` as an actor on the lighthouse's node (as `fthsdp run` puts its relays on the
