@@ -177,6 +177,13 @@ class LaunchConfig:
     # sets ft.lighthouse_relays to their addresses). A relay that dies is restarted on its address;
     # meanwhile its replicas' processes speak to the lighthouse directly. 0: none.
     relays: int = 0
+    # Where the launcher's relays run. "lighthouse": all on the lighthouse's host (`fthsdp ray`:
+    # its node), so the replicas' messages cross the network once to it; "replicas": each relay on
+    # the host of the first replica of its block (`fthsdp run`: launch.hosts; `fthsdp ray`: the
+    # node that replica is placed on, the relay started when it is), so that the relays' CPU is
+    # spent beside the replicas they carry, not on the lighthouse's host (README, "The relay
+    # tier"). A relay whose node is lost is placed again with the next replica of its block.
+    relay_placement: str = "lighthouse"
     # Emulated hosts: replica r's listeners bind (and advertise) hosts[r % len(hosts)],
     # e.g. 127.0.0.2,127.0.0.3 so that each replica acts as its own machine on
     # loopback; empty: every replica uses ft.bind_host / ft.advertise_host.

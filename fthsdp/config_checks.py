@@ -143,6 +143,7 @@ def _real(lo: float | None = None, hi: float | None = None, lo_open: bool = Fals
 
 SEED = _int(0, 2**32 - 1, "a random seed")
 DTYPES = ("float32", "bfloat16", "float16")  # what the model and FTAR's reduction kernels support
+RELAY_PLACEMENTS = ("lighthouse", "replicas")  # launch.relay_placement: where the launcher's relays run
 FTAR_MAX_STREAMS = 64  # ffi/control_thread.cc refuses more streams per peer
 
 
@@ -325,6 +326,7 @@ RULES: dict[str, Rule] = {
                                                       why="calls per second one connection may make"),
     "launch.lighthouse_standby": Anything("true or false"),
     "launch.relays": _int(0, why="relay processes the launcher starts (0: none)"),
+    "launch.relay_placement": OneOf(RELAY_PLACEMENTS),
     "launch.hosts": Parsed(_advertisable_hosts, "comma-separated hosts, one per emulated machine (empty: ft.bind_host)"),
     "launch.kill": Parsed(_fault_specs("kill"), "comma-separated REPLICA@STEP"),
     "launch.restart": Anything("true or false"),

@@ -129,6 +129,7 @@ def test_shipped_configs_validate(name):
                                          r"1..65535"),
     ("launch.relays=5", r"launch.relays=5 must be <= launch.replicas=3: each relay carries a block"),
     ("launch.relays=-1", r"launch.relays=-1: must be an integer >= 0"),
+    ("launch.relay_placement=rack", r"launch.relay_placement='rack': must be one of lighthouse, replicas"),
     ("launch.replicas=0", r"launch.replicas=0: must be an integer >= 1"),
     ("launch.restart_delay_s=nan", r"launch.restart_delay_s=nan: must be a finite number >= 0"),
     ("launch.random_kills=-2", r"launch.random_kills=-2: must be an integer >= 0"),
@@ -176,6 +177,25 @@ def test_relays_split_the_replicas_in_contiguous_blocks():
     assert [relay_of(relays, i, 5) for i in range(5)] == [relays[0]] * 3 + [relays[1]] * 2
     assert relay_of(relays, 7, 5) == relays[0]  # a launcher's own numbering wraps around
     assert relay_of((), 3, 5) == ""
+
+
+def test_a_relay_placed_with_its_replicas_goes_to_its_blocks_first_replica():
+    from fthsdp.control.relay import block_first, relay_index
+
+    assert [block_first(i, 2, 5) for i in range(2)] == [0, 3]  # blocks 0-2 and 3-4
+    assert [block_first(i, 3, 3) for i in range(3)] == [0, 1, 2]
+    assert [block_first(i, 3, 8) for i in range(3)] == [0, 3, 6]
+    for replicas in range(1, 30):  # the first of each block is the lowest replica it carries
+        for relays in range(1, replicas + 1):
+            firsts = [block_first(i, relays, replicas) for i in range(relays)]
+            assert firsts == [min(r for r in range(replicas) if relay_index(relays, r, replicas) == i)
+                              for i in range(relays)]
+    with pytest.raises(ValueError, match="relay 2 of 2 for 5 replica"):
+        block_first(2, 2, 5)
+    with pytest.raises(ValueError, match="relays=0"):
+        relay_index(0, 1, 5)
+    cfg = config_lib.load("base", ["launch.replicas=4", "launch.relays=2", "launch.relay_placement=replicas"])
+    assert cfg.launch.relay_placement == "replicas"
 
 
 def test_launch_lighthouse_accepts_host_port_or_empty():

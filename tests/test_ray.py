@@ -23,7 +23,7 @@ import pytest
 from fthsdp.data.ledger import check_exactly_once
 from fthsdp.launch import report
 from fthsdp.launch.ray import cluster_cpus_needed, parse_ray_kills, placement_for
-from fthsdp.launch.ray_actors import lighthouse_host
+from fthsdp.launch.ray_actors import node_host
 from fthsdp.logs import read_metrics
 
 from test_fault_tolerance import TINY
@@ -52,11 +52,11 @@ def test_placement_is_one_bundle_per_process_sized_by_devices():
 def test_lighthouse_listens_on_loopback_on_one_machine_else_on_the_driver_node():
     one = [{"NodeID": "a", "Alive": True, "NodeManagerHostname": "h", "NodeManagerAddress": "10.0.0.1"},
            {"NodeID": "b", "Alive": True, "NodeManagerHostname": "h", "NodeManagerAddress": "10.0.0.1"}]
-    assert lighthouse_host(one, "a") == "127.0.0.1"
+    assert node_host(one, "a") == "127.0.0.1"
     two = [one[0], {"NodeID": "b", "Alive": True, "NodeManagerHostname": "g", "NodeManagerAddress": "10.0.0.2"}]
-    assert lighthouse_host(two, "a") == "10.0.0.1"
+    assert node_host(two, "a") == "10.0.0.1"
     dead = [one[0], {**two[1], "Alive": False}]
-    assert lighthouse_host(dead, "a") == "127.0.0.1"
+    assert node_host(dead, "a") == "127.0.0.1"
 
 
 def test_ray_fault_flags_parse_and_refuse_bad_input():
@@ -106,7 +106,8 @@ def test_ray_kill_and_worker_sigkill_replicas_are_replaced_and_rejoin(tmp_path, 
     out = tmp_path / "run"
     p = fthsdp_ray(out, short_tmp, "--config", "base", "--replicas", "3", "--devices-per-replica", "1",
                    "--kill", "1@15", "--kill-worker", "2@30", "--kill-relay", "45", *PACED, f"train.steps={STEPS}",
-                   "launch.lighthouse_connection_calls_per_s=333", "launch.relays=1")
+                   "launch.lighthouse_connection_calls_per_s=333", "launch.relays=2",
+                   "launch.relay_placement=replicas")
     assert p.returncode == 0, p.stderr[-4000:]
 
     # The driver left nothing behind: no process of its cluster, no work directory.
@@ -124,13 +125,23 @@ def test_ray_kill_and_worker_sigkill_replicas_are_replaced_and_rejoin(tmp_path, 
     # the lighthouse actor runs with the configured budget and serves its /metrics
     (lh,) = [e for e in events if e["kind"] == "lighthouse"]
     assert lh["connection_calls_per_s"] == 333.0 and lh["metrics_address"], lh
-    # every replica process's session went through the relay actor; killed, it was restarted on its
-    # address and the replicas went on through it (its own count: the replacements' processes too)
-    (relay,) = [e for e in events if e["kind"] == "relay"]
+    # launch.relay_placement=replicas: each relay actor was started when the first replica of its
+    # block (0-1, 2) was placed, on that replica's node; every replica process's session went
+    # through its block's relay; relay 0, killed, was restarted on its address and replicas 0 and 1
+    # went on through it (its own count: the replacement's processes too)
+    relays = {e["index"]: k for k, e in enumerate(events) if e["kind"] == "relay"}
+    assert sorted(relays) == [0, 1] and events[relays[1]]["with_replica"] == 2
+    assert events[relays[0]]["with_replica"] in (0, 1)
+    for k in relays.values():  # started while that replica's group was placed, before its actors ran
+        relay = events[k]
+        first = next(j for j, e in enumerate(events) if e["kind"] == "placed" and e["replica"] == relay["with_replica"])
+        assert k < first and not any(e["kind"] == "placed" for e in events[k:first]), events[k:first + 1]
+        assert events[first]["node"] == relay["node"] and relay["address"].startswith("127.0.0.1:"), relay
     (restart,) = [e for e in events if e["kind"] == "relay_restart"]
-    assert restart["index"] == 0 and relay["address"].startswith("127.0.0.1:")
-    (carried,) = [e for e in events if e["kind"] == "relay_stopped"]
-    assert carried["clients"] >= 3 and carried["messages_up"] >= 100 and carried["replies_down"] >= 100, carried
+    assert restart["index"] == 0
+    carried = {e["index"]: e for e in events if e["kind"] == "relay_stopped"}
+    assert carried[0]["clients"] >= 2 and carried[1]["clients"] >= 2, carried  # replica 2 and its replacement
+    assert all(c["messages_up"] >= 100 and c["replies_down"] >= 100 for c in carried.values()), carried
     placed = {}
     for e in events:
         if e["kind"] == "placed":

@@ -32,6 +32,7 @@ from fthsdp.control.lighthouse import LighthouseConfig, LighthouseThread
 from fthsdp.control.lighthouse_client import JobNotFound, LighthouseClient
 from fthsdp.control.session_client import (RelayPath, Routed, SessionError, SessionRoute, SyncSession,
                                            relay_gone)
+from fthsdp.logs import read_metrics
 from fthsdp.proto import LIGHTHOUSE_PROTOCOL_VERSION, lighthouse as load_stubs
 
 pb2, _ = load_stubs()
@@ -563,7 +564,8 @@ def test_replicas_of_several_processes_through_relays():
 
 @pytest.mark.multiprocess
 def test_fthsdp_run_with_relays_trains_through_kills_of_a_relay_a_replica_and_the_lighthouse(tmp_path):
-    """`fthsdp run` with launch.relays=2 (one replica behind each): every replica process's heartbeats
+    """`fthsdp run` with launch.relays=2 (one replica behind each), each relay on the emulated host of
+    its replica (launch.hosts, launch.relay_placement=replicas): every replica process's heartbeats
     and quorum requests go through its relay (its log counts them); relay 1 is SIGKILLed
     (``--kill-relay 1@5``) and the launcher restarts it on its address (within ~0.3 s: its replica
     rides the gap out as an outage, or leaves it and returns once it accepts connections again;
@@ -578,6 +580,7 @@ def test_fthsdp_run_with_relays_trains_through_kills_of_a_relay_a_replica_and_th
     out = tmp_path / "run"
     p = fthsdp_run(out, *job_args(2, 50, "--kill", "1@12", "--kill-relay", "1@5", "--kill-lighthouse", "35",
                                   "launch.relays=2", "launch.lighthouse_standby=false",
+                                  "launch.hosts=127.0.0.2,127.0.0.3", "launch.relay_placement=replicas",
                                   "ft.lighthouse_outage_s=30", "launch.restart_delay_s=0.5", "train.min_step_s=0.2"))
     assert p.returncode == 0, p.stderr[-3000:]
     s = summary(out)
@@ -590,6 +593,8 @@ def test_fthsdp_run_with_relays_trains_through_kills_of_a_relay_a_replica_and_th
     positions = exactly_once(out, run)
     assert positions[0] == 50 and 12 < positions[1] < 50, positions  # replica 1 rejoined and trained again
     assert relay.relay_of(("a", "b"), 1, 2) == "b"  # replica 1 is behind relay 1
+    relays = {e["index"]: e["address"] for e in read_metrics(out / "events.jsonl") if e["kind"] == "relay"}
+    assert relays[0].startswith("127.0.0.2:") and relays[1].startswith("127.0.0.3:"), relays  # on their replicas' hosts
     log_text = (out / "relay-1.log").read_text()
     stats = ast.literal_eval(log_text.rpartition("relay stopping (")[2].partition(")")[0])
     # the restarted relay's own count: replica 1's process behind it again, and its second one after

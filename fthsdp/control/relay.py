@@ -65,7 +65,7 @@ from fthsdp.proto import lighthouse as _load_stubs
 pb2, _ = _load_stubs()
 log = logging.getLogger("fthsdp.control.relay")
 
-__all__ = ["RelayConfig", "Relay", "RelayThread", "renumbered", "relay_of", "cli"]
+__all__ = ["RelayConfig", "Relay", "RelayThread", "renumbered", "relay_index", "block_first", "relay_of", "cli"]
 
 _CHANNEL_OPTIONS = [
     ("grpc.max_receive_message_length", 256 * 1024 * 1024),  # a batch of the largest quorum answers
@@ -82,15 +82,29 @@ def renumbered(raw: bytes, seq: int) -> bytes:
     return raw + b"\x08" + varint(seq)
 
 
-def relay_of(relays: tuple[str, ...], replica: int, replicas: int) -> str:
-    """Which of ``relays`` carries replica ``replica`` of ``replicas`` ("" = none): contiguous
-    blocks, so that a relay serves neighbouring replicas (launched together, often one rack). A
-    replica numbered past ``replicas`` (a launcher's own numbering) wraps around: any relay
-    serves any replica, the blocks only spread the load."""
-    if not relays:
-        return ""
+def relay_index(relays: int, replica: int, replicas: int) -> int:
+    """Which of ``relays`` relays carries replica ``replica`` of ``replicas``: contiguous blocks,
+    so that a relay serves neighbouring replicas (launched together, often one rack). A replica
+    numbered past ``replicas`` (a launcher's own numbering) wraps around: any relay serves any
+    replica, the blocks only spread the load."""
+    if relays < 1:
+        raise ValueError(f"relays={relays}: a block needs a relay")
     replicas = max(replicas, 1)
-    return relays[(replica % replicas) * len(relays) // replicas]
+    return (replica % replicas) * relays // replicas
+
+
+def block_first(index: int, relays: int, replicas: int) -> int:
+    """The lowest-numbered replica that relay ``index`` carries (its block's first): where
+    ``launch.relay_placement=replicas`` puts the relay."""
+    if not 0 <= index < relays <= max(replicas, 1):
+        raise ValueError(f"relay {index} of {relays} for {replicas} replica(s): no such block")
+    return -(-index * max(replicas, 1) // relays)  # the smallest r with r * relays // replicas >= index
+
+
+def relay_of(relays: tuple[str, ...], replica: int, replicas: int) -> str:
+    """The address in ``relays`` that carries replica ``replica`` of ``replicas`` ("" = none), by
+    :func:`relay_index`."""
+    return relays[relay_index(len(relays), replica, replicas)] if relays else ""
 
 
 @dataclass(frozen=True)

@@ -154,6 +154,7 @@ class LocalJob:
     # Our own lighthouse's budget per client connection (launch.lighthouse_connection_calls_per_s).
     lighthouse_calls_per_s: float = FairnessLimits.connection_calls_per_s
     relays: int = 0  # relay processes between the replicas and the lighthouse (launch.relays)
+    relay_placement: str = "lighthouse"  # where they run (launch.relay_placement): "lighthouse" or "replicas"
     lighthouse_tls_ca: str = ""  # what the relays check the lighthouse's certificate against (ft.lighthouse_tls_ca)
     # A warm spare of our own lighthouse (launch.lighthouse_standby): started, waiting to bind its
     # port, so that a lighthouse that dies is replaced without Python's start-up.
@@ -380,8 +381,8 @@ class LocalJob:
         self._standby_due = math.inf
 
     def start_relays(self) -> None:
-        """Starts ``relays`` relay processes on the lighthouse's host (any free port each), in front
-        of the lighthouse; the replicas are told their addresses (ft.lighthouse_relays)."""
+        """Starts ``relays`` relay processes (any free port each) in front of the lighthouse, each on
+        :meth:`_relay_host`; the replicas are told their addresses (ft.lighthouse_relays)."""
         for i in range(self.relays):
             proc, address = self._start_relay(i, 0)
             self.relay_procs.append(proc)
@@ -392,9 +393,18 @@ class LocalJob:
         """The launcher's relays, named to a replica as its relays (it starts none itself)."""
         return ["launch.relays=0", f"ft.lighthouse_relays={','.join(self.relay_addrs)}"] if self.relay_addrs else []
 
+    def _relay_host(self, i: int) -> str:
+        """Where relay ``i`` listens: the lighthouse's host, or with ``relay_placement="replicas"``
+        and emulated hosts (launch.hosts) the host of the first replica of its block."""
+        if self.relay_placement == "replicas" and self.hosts:
+            from fthsdp.control.relay import block_first
+
+            return self.hosts[block_first(i, self.relays, self.replicas) % len(self.hosts)]
+        return split_host_port(self.lighthouse_addr)[0]
+
     def _start_relay(self, i: int, port: int) -> tuple[subprocess.Popen, str]:
-        """Relay ``i`` on ``port`` of the lighthouse's host (0: any free port); (process, address)."""
-        host = split_host_port(self.lighthouse_addr)[0]
+        """Relay ``i`` on ``port`` of :meth:`_relay_host` (0: any free port); (process, address)."""
+        host = self._relay_host(i)
         port_file = self.out_dir / f"relay-{i}.port"
         port_file.unlink(missing_ok=True)
         logf = open(self.out_dir / f"relay-{i}.log", "a")
@@ -1016,8 +1026,8 @@ def cli(argv: list[str]) -> int:
                    processes=cfg.launch.processes_per_replica, secret_file=cfg.launch.secret_file,
                    lighthouse_tls=(cfg.launch.lighthouse_tls_cert, cfg.launch.lighthouse_tls_key),
                    lighthouse_calls_per_s=cfg.launch.lighthouse_connection_calls_per_s,
-                   relays=cfg.launch.relays, lighthouse_tls_ca=cfg.ft.lighthouse_tls_ca,
-                   lighthouse_standby=cfg.launch.lighthouse_standby,
+                   relays=cfg.launch.relays, relay_placement=cfg.launch.relay_placement,
+                   lighthouse_tls_ca=cfg.ft.lighthouse_tls_ca, lighthouse_standby=cfg.launch.lighthouse_standby,
                    progress=not args.no_progress and sys.stderr.isatty())
     log.info("job: %d replicas x %d devices, %d steps, faults (from %s) %s; logs in %s", cfg.launch.replicas,
              cfg.launch.devices_per_replica, cfg.train.steps, sources.origin,

@@ -11,7 +11,10 @@ process). What differs:
   restarted there on the same address when it dies (by its warm spare, a second
   lighthouse actor created there and not bound until then:
   ``launch.lighthouse_standby``); so are its relays
-  (``launch.relays``, RelayActor), as `fthsdp run` starts them beside its lighthouse;
+  (``launch.relays``, RelayActor), as `fthsdp run` starts them beside its lighthouse,
+  unless ``launch.relay_placement=replicas``: then each relay is started on the node
+  its block's first replica is placed on, when it is, and a relay whose node is lost
+  is placed again with the next replica of its block;
 * each replica is a placement group with one bundle per process (sized by the
   process's devices; GPUs when the cluster has them) holding one actor per
   process; each actor runs the replica entry point (fthsdp.replica.process.main).
@@ -161,8 +164,9 @@ class ActorProcess:
         self.where = wheres[0]
         self.pid = int(self.where["pid"])
         self.followers = []
+        relay = job.relay_for(self.rid, self.where["node_id"])  # launch.relay_placement=replicas
         for index, (actor, where) in enumerate(zip(actors, wheres)):
-            argv = [*self.argv, *(["--process-index", str(index), *group] if group else []),
+            argv = [*self.argv, *relay, *(["--process-index", str(index), *group] if group else []),
                     *(["--bind-host", where["ip"], "--advertise-host", where["ip"]] if job.listen_host else [])]
             ref = actor.run.remote(argv)
             if index == 0:
@@ -364,11 +368,12 @@ class RayJob(LocalJob):
             raise ValueError(f"kill_with={self.kill_with!r}: expected one of {KILL_WITH}")
         self.checkpoint_dir = pathlib.Path(self.checkpoint_dir or self.out_dir / "checkpoints").resolve()
         self.placement = placement_for(self.devices, self.processes, ray.cluster_resources().get("GPU", 0.0))
-        from fthsdp.launch.ray_actors import lighthouse_host
+        from fthsdp.launch.ray_actors import node_host
 
         # one machine: every listener on loopback; several: each process on its node's address
         self.driver_node = ray.get_runtime_context().get_node_id()
-        self.listen_host = "" if lighthouse_host(ray_nodes(), self.driver_node) == "127.0.0.1" else "node"
+        self.listen_host = "" if node_host(ray_nodes(), self.driver_node) == "127.0.0.1" else "node"
+        self.relay_nodes: list[str] = []  # relay i's node ("" or past the end: the driver's)
         self.work_prefix = f"fthsdp-ray-{secrets.token_hex(4)}-"  # this job's node-local work dirs
 
     # -- what the actors get -----------------------------------------------------------
@@ -457,9 +462,9 @@ class RayJob(LocalJob):
                    start_s=round(time.monotonic() - t0, 3), standby=self.from_standby, **self.lighthouse.facts)
 
     def _lighthouse_actor(self, standby: bool = False) -> LighthouseProcess:
-        from fthsdp.launch.ray_actors import lighthouse_host
+        from fthsdp.launch.ray_actors import node_host
 
-        host = lighthouse_host(ray_nodes(), self.driver_node)
+        host = node_host(ray_nodes(), self.driver_node)
         return LighthouseProcess(host, self.lighthouse_port, self.detect_s, self.join_timeout_s, self.replicas,
                                  self.driver_node, self.lighthouse_secret, self.lighthouse_tls,
                                  self.lighthouse_calls_per_s, standby=standby)
@@ -478,18 +483,69 @@ class RayJob(LocalJob):
             spare.kill()
             return None
 
-    def _start_relay(self, i: int, port: int) -> tuple[RelayProcess, str]:
-        """Relay ``i`` as an actor on the lighthouse's node (as `fthsdp run` puts its relays on the
-        lighthouse's host), on ``port`` (0: any free port)."""
-        from fthsdp.launch.ray_actors import lighthouse_host
+    def start_relays(self) -> None:
+        if self.relay_placement != "replicas":
+            return super().start_relays()
+        # none yet: each is started with the first replica of its block placed (relay_for)
+        n = self.relays
+        self.relay_procs, self.relay_addrs, self.relay_nodes = [None] * n, [""] * n, [""] * n
 
-        host = lighthouse_host(ray_nodes(), self.driver_node)
+    def relay_overrides(self) -> list[str]:
+        # relay_placement="replicas": a replica's relay is named once its group is placed (relay_for)
+        return [] if self.relay_placement == "replicas" else super().relay_overrides()
+
+    def relay_for(self, rid: int, node: str) -> list[str]:
+        """The overrides naming replica ``rid``'s relay, once its group is placed on ``node``
+        (``relay_placement="replicas"``; [] otherwise: relay_overrides named them). A block's relay
+        that runs nowhere (not started yet, lost with its node, or not restarted) is started on
+        ``node`` first; one that cannot be leaves the replica speaking to the lighthouse directly."""
+        if self.relay_placement != "replicas" or not self.relays:
+            return []
+        from fthsdp.control.relay import relay_index
+
+        i = relay_index(self.relays, rid, self.replicas)
+        if self.relay_procs[i] is None:
+            self.relay_nodes[i] = node
+            try:
+                self.relay_procs[i], self.relay_addrs[i] = self._start_relay(i, 0)
+            except RuntimeError as e:
+                self.relay_nodes[i] = ""
+                log.warning("%s; replica %d speaks to the lighthouse directly", e, rid)
+                self.event("relay_lost", index=i, reason=f"it did not start on replica {rid}'s node", error=str(e))
+                return []
+            self.event("relay", address=self.relay_addrs[i], index=i, node=node[:12], with_replica=rid)
+        return ["launch.relays=0", f"ft.lighthouse_relays={self.relay_addrs[i]}"]
+
+    def _start_relay(self, i: int, port: int) -> tuple[RelayProcess, str]:
+        """Relay ``i`` as an actor on its node (the lighthouse's, as `fthsdp run` puts its relays on
+        the lighthouse's host, or with ``relay_placement="replicas"`` its block's: relay_for), on
+        ``port`` (0: any free port)."""
+        from fthsdp.launch.ray_actors import node_host
+
+        node = (self.relay_nodes[i] if i < len(self.relay_nodes) else "") or self.driver_node
+        host = node_host(ray_nodes(), node)
         try:
-            proc = RelayProcess(host, port, self.lighthouse_addr, self.driver_node, self.lighthouse_tls,
-                                self.lighthouse_tls_ca)
+            proc = RelayProcess(host, port, self.lighthouse_addr, node, self.lighthouse_tls, self.lighthouse_tls_ca)
         except Exception as e:  # noqa: BLE001 - the actor failed to start (its port is taken, ...)
             raise RuntimeError(f"relay {i} did not start on {host}:{port}: {e}") from e
         return proc, proc.address
+
+    def supervise_relays(self) -> None:
+        """As locally (a dead relay restarted on its address), except that a relay whose node is gone
+        (``relay_placement="replicas"``) is not restarted there: it is placed again with the next
+        replica of its block (relay_for). Replicas that were speaking to it go on speaking to the
+        lighthouse directly (they know only its old address); their replacements use the new one."""
+        dead = [i for i, p in enumerate(self.relay_procs) if p is not None and p.poll() is not None]
+        if dead and self.relay_placement == "replicas":
+            alive = {n.get("NodeID") for n in ray_nodes() if n.get("Alive")}
+            for i in dead:
+                if self.relay_nodes[i] in alive:
+                    continue
+                log.warning("relay %d at %s died with its node %s; it is placed again with the next replica of "
+                            "its block", i, self.relay_addrs[i], self.relay_nodes[i][:12])
+                self.event("relay_lost", index=i, reason="its node is gone", node=self.relay_nodes[i][:12])
+                self.relay_procs[i], self.relay_addrs[i], self.relay_nodes[i] = None, "", ""
+        super().supervise_relays()
 
     def supervise_lighthouse(self) -> bool:
         # Called once per iteration of LocalJob.run's loop, first: the records come in here.
@@ -749,8 +805,8 @@ def launch(config: str, overrides: list[str], out: str | pathlib.Path | None = N
                      lighthouse_tls=(cfg.launch.lighthouse_tls_cert, cfg.launch.lighthouse_tls_key),
                      lighthouse_calls_per_s=cfg.launch.lighthouse_connection_calls_per_s,
                      config_text=config_text, place_timeout_s=cfg.ft.startup_timeout_s,
-                     relays=cfg.launch.relays, lighthouse_tls_ca=cfg.ft.lighthouse_tls_ca,
-                     lighthouse_standby=cfg.launch.lighthouse_standby)
+                     relays=cfg.launch.relays, relay_placement=cfg.launch.relay_placement,
+                     lighthouse_tls_ca=cfg.ft.lighthouse_tls_ca, lighthouse_standby=cfg.launch.lighthouse_standby)
         log.info("ray job: %d replicas x %d process(es) x %d devices (placement %s), %d steps, faults (from %s) %s; "
                  "logs in %s", cfg.launch.replicas, cfg.launch.processes_per_replica, cfg.launch.devices_per_replica,
                  job.placement.bundles, cfg.train.steps,

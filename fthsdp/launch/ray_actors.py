@@ -247,11 +247,12 @@ def remove_work_dirs(work_prefix: str) -> int:
     return n
 
 
-def lighthouse_host(nodes: list[dict], driver_node: str) -> str:
-    """Where the lighthouse listens: loopback when every live node is this machine
-    (a local cluster), else the driver node's address, which the others can reach."""
+def node_host(nodes: list[dict], node_id: str) -> str:
+    """Where a server on node ``node_id`` (the lighthouse, a relay) listens: loopback when every
+    live node is this machine (a local cluster), else that node's address, which the others can
+    reach."""
     live = [n for n in nodes if n.get("Alive")]
-    me = next((n for n in live if n.get("NodeID") == driver_node), None)
+    me = next((n for n in live if n.get("NodeID") == node_id), None)
     if me is None:
         return "127.0.0.1"
     if all(n.get("NodeManagerHostname") == me.get("NodeManagerHostname") for n in live):
