@@ -99,14 +99,17 @@ def cluster():
 
 @pytest.mark.parametrize("new_node", [True, False], ids=["replaced_on_a_new_node", "no_room_goes_on_fewer"])
 def test_kill_node(tmp_path, cluster, new_node):
-    """new_node: a node joins after the loss (the replacements go there); else there
-    is no room for them and the job goes on with the survivors, saying so."""
+    """new_node: a node joins after the loss (the replacements go there), and a relay runs beside
+    each replica (launch.relays=3, launch.relay_placement=replicas): replica 1's, on the lost node,
+    is placed again with its replacement; else there is no room for them and the job goes on with
+    the survivors, saying so."""
     out = tmp_path / "run"
     # without room, the placement deadline (ft.startup_timeout_s) must end well before the job does
     steps, timeout = (STEPS, 60) if new_node else (2 * STEPS, 20)
+    relays = ["launch.relays=3", "launch.relay_placement=replicas"] if new_node else []
     cmd = [sys.executable, "-m", "fthsdp.cli", "ray", "--no-progress", "--address", cluster["address"],
            "--out-dir", str(out), "--config", "base", "--replicas", "3", "--devices-per-replica", "1",
-           "--kill-node", "1@20", *PACED, f"train.steps={steps}", f"ft.startup_timeout_s={timeout}"]
+           "--kill-node", "1@20", *PACED, f"train.steps={steps}", f"ft.startup_timeout_s={timeout}", *relays]
     stderr = open(tmp_path / "run.stderr", "w")
     job = subprocess.Popen(cmd, stdout=stderr, stderr=subprocess.STDOUT, env=cluster["env"])
     try:
@@ -155,6 +158,31 @@ def test_kill_node(tmp_path, cluster, new_node):
     for r in lost:
         # the group was placed again, on a live node, and the replica rejoined
         assert len(placed[r]) == 2 and placed[r][1]["node"] != dead_node, placed[r]
+    # Each relay started on the node of the replica (relay i: replica i) whose placement started it;
+    # one on the lost node (replica 1's, and the other lost replica's if any) was not restarted there
+    # but placed again with its replica's replacement.
+    starts: dict[int, list[dict]] = {}
+    for e in events:
+        if e["kind"] == "relay":
+            starts.setdefault(e["index"], []).append(e)
+    assert sorted(starts) == [0, 1, 2] and all(ss[0]["with_replica"] == i for i, ss in starts.items()), starts
+    node_at = {(e["replica"], k): e["node"] for r in placed for k, e in enumerate(placed[r])}
+    for i, ss in starts.items():
+        for k, s in enumerate(ss):
+            assert s["node"] == node_at[(s["with_replica"], k)], (s, placed)
+    lost_relays = [e for e in events if e["kind"] == "relay_lost"]
+    for i, ss in starts.items():
+        if ss[0]["node"] == dead_node:
+            assert [e["index"] for e in lost_relays].count(i) == 1 and len(ss) == 2, (i, ss, lost_relays)
+            assert ss[1]["node"] != dead_node and ss[1]["with_replica"] in lost, ss
+            assert "its node is gone" in next(e for e in lost_relays if e["index"] == i)["reason"]
+        else:
+            assert len(ss) == 1 and i not in [e["index"] for e in lost_relays], (i, ss, lost_relays)
+    assert 1 in [e["index"] for e in lost_relays] and "died with its node" in log
+    carried = {e["index"]: e for e in events if e["kind"] == "relay_stopped"}  # the last of each relay
+    assert sorted(carried) == [0, 1, 2] and all(c["clients"] >= 1 and c["replies_down"] >= 50
+                                                for c in carried.values()), carried
+    assert {e["index"] for e in lost_relays} == {i for i in starts if i in lost}
     for r in set(placed) - lost:
         assert len(placed[r]) == 1
     assert set(summary["final_hashes"]) == {"0", "1", "2"}
