@@ -306,6 +306,8 @@ RULES: dict[str, Rule] = {
     "ft.fingerprint": Anything("true or false"),
     "ft.lighthouse_session": Anything("true or false"),
     "ft.lighthouse_relays": Parsed(_relay_addresses, "empty or host:port of each `fthsdp relay` (port 1..65535)"),
+    "ft.lighthouse_relay_file": Anything("empty or the path of a file the launcher writes a moved relay's "
+                                         "host:port to"),
     "ft.fingerprint_every": _int(1, why="fingerprint the state after every K-th committed step (1: every commit)"),
     "ft.test_flip_bit": Parsed(_flip_spec, "empty (off) or REPLICA@STEP[:BIT] (a test hook)"),
     "ft.test_hold_view": Parsed(_hold_view_spec, "empty (off), STEP:SECONDS or STEP:SECONDS:recovering (a test hook)"),

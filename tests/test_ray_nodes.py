@@ -188,3 +188,62 @@ def test_kill_node(tmp_path, cluster, new_node):
     assert set(summary["final_hashes"]) == {"0", "1", "2"}
     assert set(summary["final_steps"].values()) == {steps}
     assert "final state identical on every finishing replica (3): yes" in log
+
+
+def _parent(pid: int) -> int:
+    return int(pathlib.Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[1])
+
+
+def test_a_relay_lost_with_its_node_is_placed_again_and_its_survivors_move_to_it(tmp_path, cluster):
+    """launch.relays=1, launch.relay_placement=replicas: the one relay runs on the node of the first
+    replica placed. That node is lost as a machine is (its raylet SIGKILLed from outside the job,
+    not a fault the launcher planned) and a fresh node joins: the relay is placed again with the
+    first replacement, and the replicas that survived on the other node, which spoke to the
+    lighthouse directly meanwhile, are told its new address and move to it."""
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "fthsdp.cli", "ray", "--no-progress", "--address", cluster["address"],
+           "--out-dir", str(out), "--config", "base", "--replicas", "3", "--devices-per-replica", "1", *PACED,
+           f"train.steps={STEPS}", "ft.startup_timeout_s=60", "launch.relays=1", "launch.relay_placement=replicas"]
+    stderr = open(tmp_path / "run.stderr", "w")
+    job = subprocess.Popen(cmd, stdout=stderr, stderr=subprocess.STDOUT, env=cluster["env"])
+    try:
+        deadline = time.monotonic() + 300
+        relay, placed = None, {}
+        while time.monotonic() < deadline and job.poll() is None:  # every replica placed, and training
+            evs = read_metrics(out / "events.jsonl") if (out / "events.jsonl").exists() else []
+            relay = next((e for e in evs if e["kind"] == "relay"), None)
+            placed = {e["replica"]: e for e in evs if e["kind"] == "placed"}
+            steps = [read_metrics(p)[-1].get("step", 0) for p in out.glob("metrics-*.jsonl") if p.stat().st_size]
+            if relay is not None and len(placed) == 3 and len(steps) == 3 and min(steps) >= 20:
+                break
+            time.sleep(0.5)
+        assert relay is not None and len(placed) == 3, f"the job did not start: {relay} {placed}"
+        lost = {r for r, e in placed.items() if e["node"] == relay["node"]}
+        survivors = set(placed) - lost
+        assert relay["with_replica"] in lost and survivors, placed  # 2 CPUs a node: one survivor at least
+        raylet = _parent(placed[relay["with_replica"]]["pid"])
+        assert "raylet" in pathlib.Path(f"/proc/{raylet}/cmdline").read_text()
+        os.kill(raylet, signal.SIGKILL)
+        cluster["add_node"](2)
+        rc = job.wait(420)
+    finally:
+        if job.poll() is None:
+            job.kill()
+            job.wait(30)
+        stderr.close()
+    log = (tmp_path / "run.stderr").read_text()
+    assert rc == 0, log[-4000:]
+    events = read_metrics(out / "events.jsonl")
+    (gone,) = [e for e in events if e["kind"] == "relay_lost"]
+    assert gone["index"] == 0 and gone["node"] == relay["node"] and "its node is gone" in gone["reason"]
+    starts = [e for e in events if e["kind"] == "relay"]
+    assert len(starts) == 2 and starts[1]["node"] != relay["node"] and starts[1]["with_replica"] in lost, starts
+    (moved,) = [e for e in events if e["kind"] == "relay_moved"]
+    assert moved["address"] == starts[1]["address"] and set(moved["replicas"]) == survivors, moved
+    for r in survivors:  # each moved to the new relay (its client's log line)
+        assert f"its relay is now {moved['address']}" in (out / f"replica-{r}.log").read_text()
+    # the new relay carried the survivors and the replacements: every replica's process
+    (carried,) = [e for e in events if e["kind"] == "relay_stopped"]
+    assert carried["clients"] >= 3 and carried["replies_down"] >= 50, carried
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["identical_final_state"] and set(summary["final_steps"].values()) == {STEPS}, summary

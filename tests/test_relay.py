@@ -99,6 +99,27 @@ def test_a_client_returns_at_once_to_a_relay_left_by_broken_streams_once_it_acce
     assert q.try_relay(2.0 + q.RETRY_S)
 
 
+def test_a_client_moved_to_another_relay_probes_it_at_once_or_when_the_old_one_fails():
+    p = RelayPath("old:1")
+    assert not p.move("old:1", 1.0) and p.moves == 0  # the same relay: nothing to do
+    assert p.move("new:1", 1.0) and p.relay == "new:1" and p.moves == 1
+    assert p.via_relay and not p.try_relay(1.0)  # still answered through the old one: it stays there
+    for t in (2.0, 2.1, 2.5):  # the old one fails: left, and the return goes to the new one
+        p.failed(t, "refused")
+    assert not p.via_relay and p.try_relay(2.5 + p.RETRY_S)
+    q = RelayPath("old:1")
+    for t in (0.0, 0.1, 0.5):
+        q.failed(t, "refused")
+    assert q.try_relay(q.retry_at) and q.failed(10.0, "a failed return doubles the wait")
+    assert q.retry_s == 2 * q.RETRY_S and q.watching
+    # away from the old relay, a move is a return due now, with the backoff started over
+    assert q.move("new:1", 11.0) and q.try_relay(11.0) and q.retry_s == q.RETRY_S and not q.watching
+    none = RelayPath("")  # a client given a relay for the first time
+    assert none.move("new:1", 5.0) and none.try_relay(5.0)
+    with pytest.raises(ValueError, match="not empty"):
+        none.move("", 6.0)
+
+
 def test_a_failure_counts_for_the_relay_only_when_it_may_be_the_relays():
     assert relay_gone(SessionError(grpc.StatusCode.UNAVAILABLE, "ended", broken=True))  # a broken stream
     assert relay_gone(SessionError(grpc.StatusCode.DEADLINE_EXCEEDED, "no reply", unanswered=True))  # silence
@@ -501,6 +522,51 @@ def test_clients_leave_a_killed_relay_come_back_to_it_restarted_and_leave_it_sto
                 assert len({q.quorum_id for q in qs}) == 1 and qs[0].max_step == 4
                 assert [c.relay for c in clients] == [addr, addr]
                 assert clients[0].heartbeat(5).dead_members == ()
+        finally:
+            for c in clients:
+                c.close()
+
+
+def test_clients_follow_their_relay_file_to_a_relay_placed_elsewhere(lighthouse, tmp_path, caplog):
+    """A launcher that places a block's relay elsewhere (its node was lost) writes the new address
+    into each of the block's processes' relay files: a client still answered through the old relay
+    moves at its next beat, and one that left a dead relay returns through the new one at once,
+    not after its retry wait (30 s here)."""
+    with relay_process(lighthouse.address) as (a, pa), relay_process(lighthouse.address) as (b, _):
+        files = [tmp_path / f"relay-{r}" for r in range(2)]
+        clients = [_client(lighthouse.address, r, relay=a, relay_file=str(files[r]), outage_s=10.0,
+                           heartbeat_interval_s=0.05) for r in range(2)]
+        for c in clients:
+            c._route.path.first_retry_s = c._route.path.retry_s = 30.0
+
+        def until(cond, what: str, seconds: float = 5.0) -> None:
+            end = time.monotonic() + seconds
+            while not cond() and time.monotonic() < end:
+                time.sleep(0.02)
+            assert cond(), what
+
+        try:
+            assert len({q.quorum_id for q in _ask(clients, 0, 2)}) == 1
+            for c in clients:
+                c.start_heartbeats()
+            assert [c.relay for c in clients] == [a, a]
+            files[0].write_text(b + "\n")  # client 0's relay moved while the old one still answers
+            until(lambda: clients[0].relay == b, "client 0 did not move to the relay its file names")
+            assert clients[1].relay == a and clients[0]._route.path.moves == 1
+            pa.kill()  # the old relay dies: client 1 leaves it and speaks to the lighthouse directly
+            pa.wait(10)
+            until(lambda: clients[1].relay == "", "client 1 did not leave the dead relay")
+            t0 = time.monotonic()
+            files[1].write_text(b)
+            until(lambda: clients[1].relay == b, "client 1 did not return through its new relay")
+            assert time.monotonic() - t0 < 5.0  # its retry wait was 30 s
+            qs = _ask(clients, 1, 2)
+            assert len({q.quorum_id for q in qs}) == 1 and qs[0].max_step == 1
+            with caplog.at_level("WARNING", logger="fthsdp.control.lighthouse_client"):
+                files[0].write_text("not an address")
+                until(lambda: "relay file" in caplog.text, "a malformed relay file was not reported")
+            assert "the relay is unchanged" in caplog.text and clients[0].relay == b
+            assert all(c.heartbeat_failures == 0 for c in clients)
         finally:
             for c in clients:
                 c.close()

@@ -50,6 +50,7 @@ from dataclasses import dataclass
 
 import grpc
 
+from fthsdp.addresses import split_host_port
 from fthsdp.control import auth, quorum as qm
 from fthsdp.control.channel_args import RECONNECT_ARGS
 from fthsdp.control.session import SESSION_METHODS
@@ -674,6 +675,7 @@ class LighthouseClient:
         tls_ca_file: str = "",
         session: bool = True,
         relay: str = "",
+        relay_file: str = "",
         ring_form: str = "neighbours",
     ) -> None:
         """``outage_s``: how long ``get_quorum`` retries an unreachable lighthouse
@@ -687,6 +689,8 @@ class LighthouseClient:
         (:mod:`fthsdp.control.session`; unary calls when the lighthouse offers none).
         ``relay``: HOST:PORT of a relay (:mod:`fthsdp.control.relay`) to carry that stream (over
         TLS too when ``tls_ca_file`` is given); the lighthouse directly once the relay is gone.
+        ``relay_file``: a file where a launcher writes this process's relay when it places it
+        elsewhere (its node was lost): read when it changes, once a heartbeat (:meth:`move_relay`).
         ``ring_form``: how a new quorum's rings are asked for (:data:`RING_FORMS`; the default,
         this process's ring neighbours' endpoints only, is the smallest answer; the others are
         what older clients ask for, kept for tests and comparisons)."""
@@ -729,8 +733,12 @@ class LighthouseClient:
                 grpc.insecure_channel(to, options=_CHANNEL_OPTIONS)
 
         self._channel = channel(address)
+        self._channel_to = channel
         path = RelayPath(relay if session else "")  # through the relay, or directly, and when
         self._relay_channel = channel(relay) if path.relay else None
+        self._left_channels: list[grpc.Channel] = []  # relays moved from: closed with the client
+        self._relay_file = relay_file if session else ""
+        self._relay_file_seen: tuple | None = None  # its (inode, mtime, size) when last read
         # Requests go as bytes: the credential signs exactly the bytes before it.
         self._rpc = {
             name: self._channel.unary_unary(_SERVICE + name, request_serializer=None,
@@ -860,6 +868,45 @@ class LighthouseClient:
                 self._watch_relay()
         self._closing(r.close)
 
+    def move_relay(self, relay: str) -> bool:
+        """Speak through relay ``relay`` (HOST:PORT) from now on: its launcher placed this process's
+        relay elsewhere (the old one's node was lost), or gave it one. The next heartbeat probes it
+        (:meth:`RelayPath.move`); a session still answered through the old relay stays on it until it
+        fails. False: nothing changed (the same relay, or no session stream to carry). Raises
+        ValueError for a malformed address."""
+        split_host_port(relay)
+        with self._lock_relay:
+            if self._route.session is None:
+                return False
+            old, watch = self._relay_channel, self._relay_watch
+            if not self._route.path.move(relay, time.monotonic()):
+                return False
+            self._relay_channel, self._relay_watch = self._channel_to(relay), None
+            if old is not None:
+                self._left_channels.append(old)  # a session on it may still be answered
+        if old is not None and watch is not None:
+            old.unsubscribe(watch)
+        log.info("process %d of replica %r: its relay is now %s", self.process_index, self.replica_id, relay)
+        return True
+
+    def _follow_relay_file(self) -> None:
+        """Reads ``relay_file`` when it changed (one stat a beat) and moves to the relay it names."""
+        try:
+            st = os.stat(self._relay_file)
+        except FileNotFoundError:
+            return
+        seen = (st.st_ino, st.st_mtime_ns, st.st_size)
+        if seen == self._relay_file_seen:
+            return
+        self._relay_file_seen = seen
+        try:
+            with open(self._relay_file) as f:
+                relay = f.read().strip()
+            self.move_relay(relay)
+        except (OSError, ValueError) as e:
+            log.warning("relay file %s: %s (it should hold the relay's HOST:PORT); the relay is unchanged",
+                        self._relay_file, e)
+
     def _watch_relay(self) -> None:
         """Away from a relay left by its broken streams: follow its channel's state (a
         subscription that also starts a connection attempt, which gRPC repeats every reconnect
@@ -871,20 +918,22 @@ class LighthouseClient:
         def heard(state: grpc.ChannelConnectivity) -> None:
             with self._lock_relay:
                 p = self._route.path
-                if p.channel_state(state is grpc.ChannelConnectivity.READY, time.monotonic()):
+                if self._relay_watch is heard and p.channel_state(state is grpc.ChannelConnectivity.READY,
+                                                                  time.monotonic()):
                     log.info("relay %s accepts connections again: process %d of replica %r returns to it",
                              p.relay, self.process_index, self.replica_id)
                 done = not p.watching or self._relay_watch is not heard
                 if done and self._relay_watch is heard:
                     self._relay_watch = None
             if done:
-                self._relay_channel.unsubscribe(heard)
+                ch.unsubscribe(heard)
 
         with self._lock_relay:
+            ch = self._relay_channel  # the relay's channel now (a move replaces it)
             old, self._relay_watch = self._relay_watch, heard
         if old is not None:
-            self._relay_channel.unsubscribe(old)
-        self._relay_channel.subscribe(heard, try_to_connect=True)
+            ch.unsubscribe(old)
+        ch.subscribe(heard, try_to_connect=True)
 
     @staticmethod
     def _closing(sessions) -> None:
@@ -1286,6 +1335,8 @@ class LighthouseClient:
         next_at = time.monotonic()
         while not self._hb_stop.is_set():
             try:
+                if self._relay_file:
+                    self._follow_relay_file()
                 reply = self._beat()
                 if reply is not None:
                     if self.heartbeat_failures:
@@ -1313,8 +1364,9 @@ class LighthouseClient:
         with self._lock_relay:
             sessions = self._route.sessions()
         self._closing(sessions)
-        if self._relay_channel is not None:
-            self._relay_channel.close()
+        for ch in [self._relay_channel, *self._left_channels]:
+            if ch is not None:
+                ch.close()
         self._channel.close()
 
     def __enter__(self) -> LighthouseClient:

@@ -182,6 +182,7 @@ class RelayPath:
         self.leaves = 0
         self.returns = 0
         self.reconnects = 0  # returns made at once because the relay's channel connected again
+        self.moves = 0  # times the client was given another relay (move)
 
     def ok(self) -> bool:
         """A reply came on the current path; True: it was the first through the relay after a return."""
@@ -231,6 +232,24 @@ class RelayPath:
         self.watching = self.seen_down = False
         self.retry_at = min(self.retry_at, now)
         self.reconnects += 1
+        return True
+
+    def move(self, relay: str, now: float) -> bool:
+        """The client's relay is now ``relay``: its launcher placed it elsewhere (the old one's node
+        was lost) or gave it one. Away from the old relay, the next heartbeat probes the new one at
+        once, as a return; still on the old one (it answers), the client stays there until it
+        fails, and returns to the new one then. The backoff of failed returns starts over: they
+        were the old relay's. False: it is the relay the client has already."""
+        if not relay:
+            raise ValueError("a relay to move to is HOST:PORT, not empty")
+        if relay == self.relay:
+            return False
+        self.relay = relay
+        self.watching = self.seen_down = False  # the old relay's channel says nothing of the new one
+        self.retry_s = self.first_retry_s
+        if not self.via_relay:
+            self.retry_at = now
+        self.moves += 1
         return True
 
     def owns(self, current: bool, probe: bool) -> bool:

@@ -136,7 +136,7 @@ class ActorProcess:
             return
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        from fthsdp.launch.ray_actors import ReplicaActor
+        from fthsdp.launch.ray_actors import RELAY_FILE, ReplicaActor
 
         job = self.job
         actors = []
@@ -166,7 +166,8 @@ class ActorProcess:
         self.followers = []
         relay = job.relay_for(self.rid, self.where["node_id"])  # launch.relay_placement=replicas
         for index, (actor, where) in enumerate(zip(actors, wheres)):
-            argv = [*self.argv, *relay, *(["--process-index", str(index), *group] if group else []),
+            follow = [f"ft.lighthouse_relay_file={where['work_dir']}/{RELAY_FILE}"] if relay else []
+            argv = [*self.argv, *relay, *follow, *(["--process-index", str(index), *group] if group else []),
                     *(["--bind-host", where["ip"], "--advertise-host", where["ip"]] if job.listen_host else [])]
             ref = actor.run.remote(argv)
             if index == 0:
@@ -514,7 +515,27 @@ class RayJob(LocalJob):
                 self.event("relay_lost", index=i, reason=f"it did not start on replica {rid}'s node", error=str(e))
                 return []
             self.event("relay", address=self.relay_addrs[i], index=i, node=node[:12], with_replica=rid)
+            self._tell_block(i, rid)
         return ["launch.relays=0", f"ft.lighthouse_relays={self.relay_addrs[i]}"]
+
+    def _tell_block(self, i: int, placing: int) -> None:
+        """Relay ``i`` was (re)started with replica ``placing``: the other running replicas of its
+        block (survivors of the node that took its last life) are told its address, through the
+        relay file each of their processes follows (ReplicaActor.set_relay, ft.lighthouse_relay_file)."""
+        from fthsdp.control.relay import relay_index
+
+        told = []
+        for r, rp in self.procs.items():
+            ap = rp.proc
+            if (r == placing or relay_index(self.relays, r, self.replicas) != i or not isinstance(ap, ActorProcess)
+                    or not ap.placed or ap.returncode is not None):
+                continue
+            for a in (ap, *ap.followers):
+                a.actor.set_relay.remote(self.relay_addrs[i])  # not waited for: a dead one is the rules' business
+            told.append(r)
+        if told:
+            log.info("relay %d is now at %s: replicas %s move to it", i, self.relay_addrs[i], told)
+            self.event("relay_moved", index=i, address=self.relay_addrs[i], replicas=told)
 
     def _start_relay(self, i: int, port: int) -> tuple[RelayProcess, str]:
         """Relay ``i`` as an actor on its node (the lighthouse's, as `fthsdp run` puts its relays on
@@ -533,8 +554,8 @@ class RayJob(LocalJob):
     def supervise_relays(self) -> None:
         """As locally (a dead relay restarted on its address), except that a relay whose node is gone
         (``relay_placement="replicas"``) is not restarted there: it is placed again with the next
-        replica of its block (relay_for). Replicas that were speaking to it go on speaking to the
-        lighthouse directly (they know only its old address); their replacements use the new one."""
+        replica of its block (relay_for). Replicas that were speaking to it speak to the lighthouse
+        directly meanwhile, and are told the new address when it runs (_tell_block)."""
         dead = [i for i, p in enumerate(self.relay_procs) if p is not None and p.poll() is not None]
         if dead and self.relay_placement == "replicas":
             alive = {n.get("NodeID") for n in ray_nodes() if n.get("Alive")}

@@ -33,6 +33,8 @@ from fthsdp.control.admission import FairnessLimits
 APPENDED = ("metrics-{rid}.jsonl", "replica-{rid}.log", "ledger/replica_{rid}.jsonl")
 # Files a replica rewrites whole: the driver gets their latest content.
 REWRITTEN = ("status-{rid}.json", "loader_state/replica_{rid}.json")
+# Where the driver writes a process's relay when it places it elsewhere (ft.lighthouse_relay_file).
+RELAY_FILE = "relay"
 
 
 def node_ip() -> str:
@@ -206,6 +208,13 @@ class ReplicaActor:
             except FileNotFoundError:
                 pass
         return out
+
+    def set_relay(self, address: str) -> None:
+        """The replica process's relay was placed elsewhere: the new HOST:PORT goes to the file its
+        client follows (ft.lighthouse_relay_file, :data:`RELAY_FILE` in this actor's work dir)."""
+        from fthsdp.atomic_file import write_atomic
+
+        write_atomic(self.dir / RELAY_FILE, address + "\n")
 
     def free_port(self, host: str) -> int:
         """A free port on this node (process 0 serves the replica's JAX coordinator on it)."""

@@ -203,6 +203,7 @@ class ReplicaProcess:
         client = LighthouseClient(args.lighthouse, args.job, self.rid, key=job_key,
                                   tls_ca_file=cfg.ft.lighthouse_tls_ca, session=cfg.ft.lighthouse_session,
                                   relay=relay_of(cfg.ft.lighthouse_relays, int(args.replica_id), cfg.launch.replicas),
+                                  relay_file=cfg.ft.lighthouse_relay_file,
                                   heartbeat_interval_s=cfg.ft.heartbeat_interval_s,
                                   heartbeat_timeout_s=cfg.timeouts.heartbeat_rpc_s,
                                   outage_s=cfg.timeouts.lighthouse_outage_s, rejoin=args.rejoin,
