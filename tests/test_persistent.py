@@ -321,3 +321,39 @@ def test_processes_starting_together_agree_on_one_owner(tmp_path):
     winners = {w for w in won if w is not None}
     assert len(winners) == 1 and won.count(None) == 16  # one job owns it; every claim of the other refused
     assert not [p for p in os.listdir(d) if p.endswith(".tmp")]  # no temporaries left behind
+
+
+def test_a_process_lists_the_checkpoints_while_the_writer_prunes_them(tmp_path):
+    """The writer replica prunes its oldest checkpoint (max_to_keep) whenever it saves; another
+    process opening or listing the directory meanwhile read a step directory that was gone and
+    died of FileNotFoundError (a replacement replica at start-up, in a `fthsdp ray` run). Here a
+    writer process saves every step, keeping one, while this one opens and lists the directory
+    over and over: without the retry about one listing in eight failed."""
+    import time
+
+    d = str(tmp_path / "ckpt")
+    writer = subprocess.Popen([sys.executable, "-c", (
+        "import sys, numpy as np\n"
+        "from fthsdp.checkpoint.persistent import PersistentCheckpointer\n"
+        f"w = PersistentCheckpointer({d!r}, every=1, max_to_keep=1, async_save=False, job_id='j')\n"
+        "s = 1\n"
+        "while True:\n"
+        "    w.save(s, {'w': np.zeros(4, np.float32)}, {0: s}); s += 1\n")],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not (os.path.isdir(d) and any(p.isdigit() for p in os.listdir(d))) and time.monotonic() < deadline:
+            assert writer.poll() is None, writer.stderr.read()[-2000:]
+            time.sleep(0.1)
+        listings, steps, end = 0, set(), time.monotonic() + 4.0
+        while listings < 150 and time.monotonic() < end:
+            reader = PersistentCheckpointer(d, every=1, writer=False, job_id="j")
+            steps.update(reader.all_steps())
+            reader.latest_step()
+            reader.close()
+            listings += 1
+        assert writer.poll() is None, writer.stderr.read()[-2000:]
+    finally:
+        writer.kill()
+        writer.wait(10)
+    assert listings >= 40 and len(steps) >= 10, (listings, sorted(steps))  # it saved and pruned meanwhile

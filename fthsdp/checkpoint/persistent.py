@@ -39,6 +39,26 @@ class CheckpointError(RuntimeError):
     pass
 
 
+LISTING_TRIES = 8  # listings of the checkpoint directory before a vanished step is an error
+
+
+def _listed(list_steps):
+    """``list_steps()`` (an Orbax call that lists the directory's steps and then reads each one's
+    metadata) again while a step vanishes between the two: the writer replica prunes its oldest
+    checkpoint (``max_to_keep``) whenever it saves, and any other process listing at that moment
+    read a step directory that was no longer there. A replacement replica died of it at start-up
+    in a `fthsdp ray` run (FileNotFoundError for step 30 while the writer saved step 60); a
+    process listing while another saved every step failed 12% of its listings (181 of 1,528).
+    The next listing no longer holds the pruned step."""
+    for attempt in range(LISTING_TRIES):
+        try:
+            return list_steps()
+        except (FileNotFoundError, NotADirectoryError):
+            if attempt == LISTING_TRIES - 1:
+                raise
+            time.sleep(0.01 * (attempt + 1))
+
+
 @dataclass(frozen=True)
 class Restored:
     step: int
@@ -141,7 +161,8 @@ class PersistentCheckpointer:
             create=True,
             save_interval_steps=1,  # we decide with should_save (the committed step, not a call count)
         )
-        self._mngr = ocp.CheckpointManager(self.directory, options=options, item_names=("state", "loader", "meta"))
+        self._mngr = _listed(lambda: ocp.CheckpointManager(self.directory, options=options,
+                                                           item_names=("state", "loader", "meta")))
 
     def should_save(self, step: int) -> bool:
         return self.writer and step > 0 and step % self.every == 0
@@ -167,11 +188,11 @@ class PersistentCheckpointer:
         self._mngr.wait_until_finished()
 
     def latest_step(self) -> int | None:
-        self._mngr.reload()
+        _listed(self._mngr.reload)
         return self._mngr.latest_step()
 
     def all_steps(self) -> list[int]:
-        self._mngr.reload()
+        _listed(self._mngr.reload)
         return list(self._mngr.all_steps())
 
     def step_dir(self, step: int) -> str:
