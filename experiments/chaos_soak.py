@@ -1,7 +1,7 @@
 """Chaos soak: a long seeded run through the public launcher under many real faults,
 checked afterwards from the run's own artifacts.
 
-    python experiments/chaos_soak.py [--quick] [--seed S] [--out DIR]
+    python experiments/chaos_soak.py [--quick] [--seed S] [--relays K] [--out DIR]
 
 The job runs under `fthsdp run`'s Python entry (LocalJob: its lighthouse
 supervision, restarts and whole-job fallback are what is being soaked). A
@@ -18,6 +18,9 @@ checkpoint folder):
 * kill_lighthouse               SIGKILL of the launcher's lighthouse (it restarts it)
 * whole_job_kill                SIGKILL of every replica (the launcher falls back to the checkpoint)
 * cpu_hog                       a busy process competing for the cores for a few seconds
+* kill_relay / stop_relay       with --relays K: SIGKILL of one of the launcher's relays (it
+                                restarts it on its address) / SIGSTOP(+SIGCONT) of one: its
+                                block's processes leave it and speak to the lighthouse directly
 
 Fetches are slowed with ft.peer_serve_cap_gbps so that "mid-fetch" is a
 window that can be hit. The faults go to faults.jsonl in the run directory.
@@ -39,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import json
 import os
 import pathlib
@@ -67,6 +71,7 @@ class Chaos:
         self.log = open(log_path, "a", buffering=1)
         self.counts: collections.Counter = collections.Counter()
         self.stopped: dict[int, float] = {}  # pid -> SIGCONT time
+        self.stopped_relays: dict[int, float] = {}  # a relay's pid -> SIGCONT time
         self.hogs: list[tuple[subprocess.Popen, float]] = []
         self.halt = threading.Event()
         self.thread = threading.Thread(target=self.loop, daemon=True)
@@ -159,6 +164,30 @@ class Chaos:
         self.stopped[rp.proc.pid] = time.time() + seconds
         self.record(kind, rp, seconds=seconds)
 
+    def relay_fault(self, kind: str, index: int) -> None:
+        """A relay killed (the launcher restarts it) or stopped for a while: its block's processes
+        are cut off from the lighthouse until they leave it (RelayPath: ~0.3 s for broken streams,
+        SILENCE_S of silence), so the check excuses them as if signalled, for that long."""
+        from fthsdp.control.relay import relay_index
+        from fthsdp.control.session_client import RelayPath
+
+        relay = self.job.relay_procs[index]
+        n = len(self.job.relay_procs)
+        block = [rp for rp in self.procs() if relay_index(n, rp.rid, self.job.replicas) == index]
+        now = time.time()
+        try:
+            os.kill(relay.pid, signal.SIGKILL if kind == "kill_relay" else signal.SIGSTOP)
+        except ProcessLookupError:
+            return
+        if kind == "stop_relay":
+            seconds = self.rng.uniform(1.0, 4.0)
+            self.stopped_relays[relay.pid] = now + seconds
+            until = now + seconds + RelayPath.SILENCE_S + 1.0
+        else:
+            seconds, until = 0.0, now + 2.0
+        pids = [rp.proc.pid for rp in block] + [f.pid for rp in block for f in rp.followers]
+        self.record(kind, index=index, seconds=seconds, until=until, pids=pids)
+
     def wake(self, force: bool = False) -> None:
         for pid, at in list(self.stopped.items()):
             if force or time.time() >= at:
@@ -168,6 +197,11 @@ class Chaos:
                     pass
                 self.stopped.pop(pid)
                 self.log.write(json.dumps({"time": time.time(), "kind": "cont", "pid": pid}) + "\n")
+        for pid, at in list(self.stopped_relays.items()):
+            if force or time.time() >= at:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGCONT)
+                self.stopped_relays.pop(pid)
         for hog, until in list(self.hogs):
             if force or time.time() >= until:
                 hog.kill()
@@ -199,6 +233,9 @@ class Chaos:
             options = [("whole_job_kill", 1)]  # due: every replica at once, whatever its phase
         if not self.hogs:
             options.append(("cpu_hog", 1))
+        relays = [i for i, p in enumerate(self.job.relay_procs) if p is not None and p.poll() is None]
+        if relays and not self.stopped_relays:
+            options += [("kill_relay", 1), ("stop_relay", 1)]
         if not options:
             return False
         # kinds not seen yet first, so that even a short run covers each kind it can
@@ -231,6 +268,8 @@ class Chaos:
             self.whole_left -= 1
             self.whole_at = self.step() + (self.steps - self.step()) // 2
             self.record(kind)
+        elif kind in ("kill_relay", "stop_relay"):
+            self.relay_fault(kind, rng.choice(relays))
         elif kind == "cpu_hog":
             secs = rng.uniform(1.5, 3.0)
             hog = subprocess.Popen([sys.executable, "-c", "while True: pass"])
@@ -290,7 +329,11 @@ def check(out: pathlib.Path, steps: int, summary: dict) -> tuple[list[dict], dic
     conts = {c["pid"]: c["time"] for c in chaos if c["kind"] == "cont"}
     signalled = {c["pid"] for c in chaos if c.get("pid")}
     for c in chaos:
-        if c["kind"].startswith("stop"):
+        if c["kind"] in ("kill_relay", "stop_relay"):  # the block's processes: cut off for a while
+            signalled.update(c["pids"])
+            for pid in c["pids"]:
+                stops[pid].append((c["time"], c["until"]))
+        elif c["kind"].startswith("stop"):
             stops[c["pid"]].append((c["time"], conts.get(c["pid"], c["time"] + c.get("seconds", 0))))
     lighthouse_down: list[tuple[float, float]] = []
     runs = [(d, report.load_run(d)) for d in attempt_dirs(out)]
@@ -365,6 +408,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="fewest steps between two lighthouse kills (0: storms, which once let two rejoiners "
                         "train from step 0 on a freshly restarted lighthouse)")
     p.add_argument("--json", default=None, help="result file (default results/chaos_soak[_quick].json)")
+    p.add_argument("--relays", type=int, default=0,
+                   help="relays the launcher starts (launch.relays); > 0 adds the faults kill_relay and stop_relay")
     args = p.parse_args(argv)
 
     from fthsdp.launch.local import LocalJob
@@ -373,6 +418,8 @@ def main(argv: list[str] | None = None) -> int:
     name = "chaos_soak_quick" if quick else "chaos_soak"
     out = pathlib.Path(args.out or ROOT / "runs" / name)
     replicas, steps = (3, 160) if quick else (4, 600)
+    if not 0 <= args.relays <= replicas:
+        p.error(f"--relays {args.relays}: 0..{replicas} (each relay carries a block of the {replicas} replicas)")
     target = 12 if quick else 60
     ckpt_every = 10 if quick else 25
     step_s = 0.15
@@ -383,9 +430,9 @@ def main(argv: list[str] | None = None) -> int:
                         f"ft.checkpoint_every={ckpt_every}", f"train.min_step_s={step_s}",
                         f"ft.allreduce_timeout_s={ALLREDUCE_S}", "ft.max_retries=8", f"ft.detect_s={DETECT_S}",
                         "ft.peer_serve_cap_gbps=0.002",  # ~1.5 s to fetch the tiny state: a window to hit
-                        "ft.lighthouse_outage_s=30"]
+                        "ft.lighthouse_outage_s=30", f"launch.relays={args.relays}"]
     job = LocalJob(config="base", overrides=overrides, out_dir=out, replicas=replicas, steps=steps, faults=[],
-                   restart=True, restart_delay_s=0.3, detect_s=DETECT_S, join_timeout_s=0.5,
+                   restart=True, restart_delay_s=0.3, detect_s=DETECT_S, join_timeout_s=0.5, relays=args.relays,
                    deadline_s=240 if quick else 1500, progress=False, max_job_restarts=3 if quick else 6)
     chaos = Chaos(job, random.Random(args.seed), target, steps, ckpt_every, out / "faults.jsonl",
                   gap_s=(0.8, 1.8) if quick else (1.0, 2.5), whole_job_kills=1 if quick else 2,
@@ -400,7 +447,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         chaos.close()
     violations, stats = check(out, steps, summary)
-    result = {"quick": quick, "seed": args.seed, "replicas": replicas, "steps": steps,
+    result = {"quick": quick, "seed": args.seed, "replicas": replicas, "steps": steps, "relays": args.relays,
               "faults": dict(sorted(chaos.counts.items())), "fault_total": sum(chaos.counts.values()),
               "violations": violations, "finished": stats["finished"], "wall_s": round(time.time() - t0, 1),
               "job_restarts": len(summary.get("job_restarts") or []), "error": error, **stats,
