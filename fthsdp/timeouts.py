@@ -107,6 +107,17 @@ class Timeouts:
         the start-up limit; from the first step on, the detection window applies."""
         return min(self.startup_timeout_s, 10 * self.detect_s)
 
+    @property
+    def alone_rejoin_s(self) -> float:
+        """How long a restarted replica that finds itself the only member of its quorum keeps
+        asking before it decides every other replica died (and exits job-fatal rather than train
+        alone from its initial state). A healthy replica cut off from the lighthouse for a moment
+        (its relay stopped: it leaves it after 3 s of silence) is declared dead within the
+        detection window and is back once heard: in a chaos soak two rejoiners, alone for that
+        moment, both exited job-fatal while the only healthy replica was cut off, and the job
+        ended. Ten detection windows, within the start-up limit."""
+        return min(self.startup_timeout_s, 10 * self.detect_s)
+
 
 # The lighthouse holds a call over its connection's or job's budget (fthsdp/control/admission.py)
 # at most this long, and never more than half the call's own remaining deadline: a legitimate

@@ -454,3 +454,36 @@ def test_startup_barrier_gives_up_after_the_outage_limit():
         assert time.monotonic() - t0 < 30
     finally:
         waiter.close()
+
+
+@pytest.mark.multiprocess
+def test_a_restarted_replica_alone_asks_again_for_a_while_before_it_declares_the_job_dead(tmp_path):
+    """A replica restarted to rejoin (--rejoin) that is the only member of its quorum does not
+    exit job-fatal at once: a live replica may be cut off from the lighthouse for a moment (a chaos
+    soak lost its job so: both rejoiners gave up while the one healthy replica's relay was stopped).
+    It asks again for Timeouts.alone_rejoin_s (ten detection windows), then exits 78 with the reason."""
+    from fthsdp.errors import EXIT_JOB_FATAL
+
+    port = free_port()
+    lh = start_lighthouse(port, tmp_path / "lighthouse.log")
+    env = dict(os.environ, PYTHONUNBUFFERED="1", FTHSDP_PEER_TOKEN="alone-rejoin-test")
+    try:
+        p = subprocess.run(
+            [sys.executable, "-m", "fthsdp.replica.process", "--config", "base", "--replica-id", "1", "--rejoin",
+             "--lighthouse", f"127.0.0.1:{port}", "--job", "alone", "--out-dir", str(tmp_path), *TINY,
+             "launch.replicas=2", "launch.devices_per_replica=1", "train.steps=20", "ft.detect_s=0.4"],
+            cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
+    finally:
+        os.killpg(lh.pid, signal.SIGTERM)
+        lh.wait(10)
+    out = p.stdout + p.stderr
+    assert p.returncode == EXIT_JOB_FATAL, out[-3000:]
+    alone = [ln for ln in out.splitlines() if "is at step 0: asking again" in ln]
+    gave_up = [ln for ln in out.splitlines() if "no replica holding the job's state has been running for 4.0 s" in ln]
+    assert alone and gave_up, out[-3000:]
+
+    def at(line: str) -> float:
+        h, m, s = line.split()[0].split(":")
+        return 3600 * int(h) + 60 * int(m) + float(s)
+
+    assert at(gave_up[0]) - at(alone[0]) >= 3.9, (alone[0], gave_up[0])  # 10 x ft.detect_s, not at once

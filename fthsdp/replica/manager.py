@@ -305,7 +305,9 @@ class Manager:
         commit_failed = False
         events: list[str] = []
         rebuild_s = grads_s = catch_up_s = 0.0
-        for attempt in range(1, self.cfg.ft.max_retries + 2):
+        attempt, alone_since, alone_over = 0, None, False
+        while attempt <= self.cfg.ft.max_retries:
+            attempt += 1
             fetched: dict | None = None  # a behind replica's fetched data state, installed when the step commits
             self.phases.set(Phase.WAITING_FOR_QUORUM, step)
             accused = self.take_accused()
@@ -343,13 +345,38 @@ class Manager:
                 healthy = self.replica_id in q.healthy
                 if self.on_quorum:
                     self.on_quorum(self, q)
-                if (self.rejoin and not self.records and healthy and q.num_members == 1
-                        and self.cfg.launch.replicas > 1):
-                    raise ManagerJobError(
-                        f"replica {self.replica_id} was restarted to rejoin its job, but no other replica is "
-                        "running and the lighthouse does not know the job to have finished (every replica died); "
-                        "it will not train alone from its initial state. Resume the whole job from its "
-                        "persistent checkpoint (fthsdp run --resume).")
+                if (self.rejoin and not self.records and healthy and self.cfg.launch.replicas > 1
+                        and q.max_step == 0 and not alone_over):
+                    # Restarted to rejoin, and yet healthy at step 0: every other replica died, or
+                    # the replicas holding the job's state are cut off from a lighthouse that forgot
+                    # them (restarted) for a moment, and the quorum is this one alone or other
+                    # restarted ones: trained, it would redo the job from its start beside them (a
+                    # chaos soak saw both). Ask again for a while (no failed attempt of the step);
+                    # then alone is job-fatal, and with others the quorum is trusted (a job whose
+                    # first step never committed).
+                    now, grace = time.monotonic(), self.cfg.timeouts.alone_rejoin_s
+                    if alone_since is None:
+                        alone_since = now
+                        log.warning("replica %s was restarted to rejoin, but quorum %d (members %s) is at step 0: "
+                                    "asking again for up to %.1f s, in case replicas holding the job's state are "
+                                    "cut off for a moment", self.replica_id, q.quorum_id, list(q.member_ids), grace)
+                    if now - alone_since >= grace:
+                        if q.num_members == 1:
+                            raise ManagerJobError(
+                                f"replica {self.replica_id} was restarted to rejoin its job, but no replica holding "
+                                f"the job's state has been running for {grace:.1f} s and the lighthouse does not "
+                                "know the job to have finished (every replica died); it will not train from its "
+                                "initial state. Resume the whole job from its persistent checkpoint "
+                                "(fthsdp run --resume).")
+                        alone_over = True
+                        log.warning("replica %s: quorum %d is still at step 0 after %.1f s: training from the "
+                                    "start with %s", self.replica_id, q.quorum_id, grace, list(q.member_ids))
+                    else:
+                        events.append(f"attempt {attempt} on quorum {q.quorum_id}: at step 0, asking again")
+                        attempt -= 1
+                        self.comm.abort(f"step {step}: replica {self.replica_id} waits for the job's state")
+                        time.sleep(min(0.5, self.cfg.timeouts.detect_s / 2))
+                        continue
                 if healthy and self._fetched_uncommitted:
                     raise ReplicaFatalError(
                         f"replica {self.replica_id} holds the state of step {q.max_step - 1}'s end fetched for a "
