@@ -97,6 +97,21 @@ def cluster():
         assert not left, f"the test cluster's processes survived SIGKILL: {left}"
 
 
+def _ended(job: subprocess.Popen, tmp_path: pathlib.Path) -> str:
+    """The job's log once it ended on its own, asserted a success."""
+    rc = job.wait(420)
+    log = (tmp_path / "run.stderr").read_text()
+    assert rc == 0, log[-4000:]
+    return log
+
+
+def _stop(job: subprocess.Popen, stderr) -> None:
+    if job.poll() is None:
+        job.kill()
+        job.wait(30)
+    stderr.close()
+
+
 @pytest.mark.parametrize("new_node", [True, False], ids=["replaced_on_a_new_node", "no_room_goes_on_fewer"])
 def test_kill_node(tmp_path, cluster, new_node):
     """new_node: a node joins after the loss (the replacements go there), and a relay runs beside
@@ -122,14 +137,9 @@ def test_kill_node(tmp_path, cluster, new_node):
                     cluster["add_node"](2)
                 break
             time.sleep(0.5)
-        rc = job.wait(420)
+        log = _ended(job, tmp_path)
     finally:
-        if job.poll() is None:
-            job.kill()
-            job.wait(30)
-        stderr.close()
-    log = (tmp_path / "run.stderr").read_text()
-    assert rc == 0, log[-4000:]
+        _stop(job, stderr)
 
     events = read_metrics(out / "events.jsonl")
     (kill,) = [e for e in events if e["kind"] == "kill"]
@@ -225,14 +235,9 @@ def test_a_relay_lost_with_its_node_is_placed_again_and_its_survivors_move_to_it
         assert "raylet" in pathlib.Path(f"/proc/{raylet}/cmdline").read_text()
         os.kill(raylet, signal.SIGKILL)
         cluster["add_node"](2)
-        rc = job.wait(420)
+        _ended(job, tmp_path)
     finally:
-        if job.poll() is None:
-            job.kill()
-            job.wait(30)
-        stderr.close()
-    log = (tmp_path / "run.stderr").read_text()
-    assert rc == 0, log[-4000:]
+        _stop(job, stderr)
     events = read_metrics(out / "events.jsonl")
     (gone,) = [e for e in events if e["kind"] == "relay_lost"]
     assert gone["index"] == 0 and gone["node"] == relay["node"] and "its node is gone" in gone["reason"]
