@@ -105,17 +105,21 @@ class Timeouts:
         of a job on a busy host, a follower missed its beats for just over the detection window,
         and taking the replica out then restarted the whole job. Ten detection windows, within
         the start-up limit; from the first step on, the detection window applies."""
-        return min(self.startup_timeout_s, 10 * self.detect_s)
+        return self._ten_windows()
 
     @property
     def alone_rejoin_s(self) -> float:
-        """How long a restarted replica that finds itself the only member of its quorum keeps
-        asking before it decides every other replica died (and exits job-fatal rather than train
-        alone from its initial state). A healthy replica cut off from the lighthouse for a moment
-        (its relay stopped: it leaves it after 3 s of silence) is declared dead within the
-        detection window and is back once heard: in a chaos soak two rejoiners, alone for that
-        moment, both exited job-fatal while the only healthy replica was cut off, and the job
-        ended. Ten detection windows, within the start-up limit."""
+        """How long a replica restarted to rejoin, whose quorum is at step 0 (itself alone, or
+        other restarted replicas only), keeps asking for a quorum holding the job's state before
+        it gives up (alone: job-fatal) or trusts it (with others: trains from the start). A
+        healthy replica cut off from the lighthouse for a moment (its relay stopped: it leaves
+        it after 3 s of silence) is declared dead within the detection window and is back once
+        heard: in a chaos soak the rejoiners, alone for that moment, exited job-fatal and the
+        job ended, or met and redid it from step 0. Ten detection windows, within the start-up
+        limit."""
+        return self._ten_windows()
+
+    def _ten_windows(self) -> float:
         return min(self.startup_timeout_s, 10 * self.detect_s)
 
 

@@ -305,7 +305,7 @@ class Manager:
         commit_failed = False
         events: list[str] = []
         rebuild_s = grads_s = catch_up_s = 0.0
-        attempt, alone_since, alone_over = 0, None, False
+        attempt, step0_since, step0_trusted = 0, None, False
         while attempt <= self.cfg.ft.max_retries:
             attempt += 1
             fetched: dict | None = None  # a behind replica's fetched data state, installed when the step commits
@@ -346,7 +346,7 @@ class Manager:
                 if self.on_quorum:
                     self.on_quorum(self, q)
                 if (self.rejoin and not self.records and healthy and self.cfg.launch.replicas > 1
-                        and q.max_step == 0 and not alone_over):
+                        and q.max_step == 0 and not step0_trusted):
                     # Restarted to rejoin, and yet healthy at step 0: every other replica died, or
                     # the replicas holding the job's state are cut off from a lighthouse that forgot
                     # them (restarted) for a moment, and the quorum is this one alone or other
@@ -355,12 +355,12 @@ class Manager:
                     # then alone is job-fatal, and with others the quorum is trusted (a job whose
                     # first step never committed).
                     now, grace = time.monotonic(), self.cfg.timeouts.alone_rejoin_s
-                    if alone_since is None:
-                        alone_since = now
+                    if step0_since is None:
+                        step0_since = now
                         log.warning("replica %s was restarted to rejoin, but quorum %d (members %s) is at step 0: "
                                     "asking again for up to %.1f s, in case replicas holding the job's state are "
                                     "cut off for a moment", self.replica_id, q.quorum_id, list(q.member_ids), grace)
-                    if now - alone_since >= grace:
+                    if now - step0_since >= grace:
                         if q.num_members == 1:
                             raise ManagerJobError(
                                 f"replica {self.replica_id} was restarted to rejoin its job, but no replica holding "
@@ -368,7 +368,7 @@ class Manager:
                                 "know the job to have finished (every replica died); it will not train from its "
                                 "initial state. Resume the whole job from its persistent checkpoint "
                                 "(fthsdp run --resume).")
-                        alone_over = True
+                        step0_trusted = True
                         log.warning("replica %s: quorum %d is still at step 0 after %.1f s: training from the "
                                     "start with %s", self.replica_id, q.quorum_id, grace, list(q.member_ids))
                     else:
