@@ -48,9 +48,10 @@ def test_replicas_split_over_three_emulator_processes_keep_every_invariant():
 
 def test_a_killed_emulator_process_is_reported_and_the_others_go_on():
     """SIGKILL one of two emulator processes mid-run: its replicas fall silent (the lighthouse
-    declares them dead, the others' all-reduces time out and retry on a quorum without them;
-    their round barriers stop waiting for the dead process), the run ends, and the report
-    names the process that sent no report."""
+    declares them dead; the others' all-reduce in flight is aborted and retried on a quorum without
+    them, or, killed between steps, the next quorum forms without them; their round barriers stop
+    waiting for the dead process), the run ends, and the report names the process that sent no
+    report and no other broken invariant."""
     t = Timeouts(detect_s=1.0, join_timeout_s=0.5, allreduce_timeout_s=2.0, quorum_timeout_s=20.0,
                  lighthouse_outage_s=10.0)
     cfg = EmulationConfig(replicas=4, ranks_per_replica=2, steps=80, model=ModelShape(params=10**6, step_s=0.05),
@@ -81,7 +82,11 @@ def test_a_killed_emulator_process_is_reported_and_the_others_go_on():
     assert len(alive) == 2 and set(alive.values()) == {80}, alive
     # They trained with the other block's replicas first, then in a quorum of their own.
     assert rep.commits[0].members == ("0", "1", "2", "3") and rep.commits[79].members == ("0", "1")
-    assert "all-reduce failed" in "\n".join(rep.events)  # aborted (2 and 3 declared dead) or timed out
+    # Nothing else broke: exactly once, no wait past its deadline, no all-reduce run to its deadline
+    # (one in flight at the kill was aborted when 2 and 3 were declared dead; CI saw kills between
+    # steps too, with no all-reduce failed).
+    assert problems == rep.violations()
+    assert all("declared ['2', '3'] dead" in e for e in rep.events if "all-reduce failed" in e), rep.events
 
 
 def test_blocks_and_packed_data_states():
