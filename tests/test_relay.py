@@ -31,7 +31,7 @@ from fthsdp.control import relay, session
 from fthsdp.control.lighthouse import LighthouseConfig, LighthouseThread
 from fthsdp.control.lighthouse_client import JobNotFound, LighthouseClient
 from fthsdp.control.session_client import (RelayPath, Routed, SessionError, SessionRoute, SyncSession,
-                                           relay_gone)
+                                           connect_refused, relay_gone)
 from fthsdp.logs import read_metrics
 from fthsdp.proto import LIGHTHOUSE_PROTOCOL_VERSION, lighthouse as load_stubs
 
@@ -91,6 +91,15 @@ def test_a_client_returns_at_once_to_a_relay_left_by_broken_streams_once_it_acce
     assert p.failed(11.0, "refused") and p.watching and p.retry_at == 11.0 + 2 * p.RETRY_S
     assert not p.channel_state(False, 11.1) and p.channel_state(True, 11.2) and p.try_relay(11.2)
     assert p.ok() and p.returns == 1
+    # left on a refused connection (nothing listened), its channel connected again before the first
+    # look (the relay was restarted meanwhile: CI saw it): return now, not after the retry wait
+    for t in (20.0, 20.1, 20.0 + p.GRACE_S):
+        p.failed(t, "failed to connect to all addresses", refused=True)
+    assert not p.via_relay and p.seen_down and p.channel_state(True, 20.5) and p.try_relay(20.5)
+    # a refused silence is still a silence: not watched
+    r = RelayPath("relay:1", silence_s=1.0)
+    r.failed(1.0, "no reply", silent=True, refused=True)
+    assert r.failed(2.0, "no reply", silent=True, refused=True) and not r.watching and not r.seen_down
     # a relay left by its silence (a stopped one keeps its connections) waits out the retry
     q = RelayPath("relay:1", silence_s=1.0)
     q.failed(1.0, "no reply", silent=True)
@@ -126,6 +135,12 @@ def test_a_failure_counts_for_the_relay_only_when_it_may_be_the_relays():
     assert not relay_gone(SessionError(grpc.StatusCode.UNAVAILABLE, "the relay cannot reach the lighthouse"))
     assert not relay_gone(SessionError(grpc.StatusCode.DEADLINE_EXCEEDED, "no quorum in time"))  # a reply
     assert not relay_gone(ValueError("x"))
+    # a broken stream whose channel could not connect (gRPC's words): the relay was down at the leave
+    down = ("failed to connect to all addresses; last error: UNKNOWN: ipv4:127.0.0.3:41491: Failed to connect to "
+            "remote host: Connection refused")
+    assert connect_refused(SessionError(grpc.StatusCode.UNAVAILABLE, down, broken=True))
+    assert not connect_refused(SessionError(grpc.StatusCode.UNAVAILABLE, "Socket closed", broken=True))
+    assert not connect_refused(SessionError(grpc.StatusCode.UNAVAILABLE, down))  # a reply: the relay's upstream
 
 
 class _FakeSession:

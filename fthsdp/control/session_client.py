@@ -36,7 +36,7 @@ from fthsdp.proto import lighthouse as _load_stubs
 pb2, _ = _load_stubs()
 
 __all__ = ["SessionError", "SessionUnsupported", "SyncSession", "parse_reply", "beat_covered", "relay_gone",
-           "stop_stream", "RelayPath", "SessionRoute", "Routed", "CLOSED"]
+           "connect_refused", "stop_stream", "RelayPath", "SessionRoute", "Routed", "CLOSED"]
 
 
 CLOSED = "its client closed this session stream"  # why a request on a session closed under it failed
@@ -193,9 +193,12 @@ class RelayPath:
         self.returns += 1
         return True
 
-    def failed(self, now: float, why: str, silent: bool = False) -> bool:
+    def failed(self, now: float, why: str, silent: bool = False, refused: bool = False) -> bool:
         """A request through the relay failed as a gone relay makes it fail (a broken stream) or,
-        ``silent``, nothing answered it in time (:func:`relay_gone`); True: leave the relay now."""
+        ``silent``, nothing answered it in time (:func:`relay_gone`); True: leave the relay now.
+        ``refused``: the failure said nothing accepted a connection at the relay's address
+        (:func:`connect_refused`): its channel is known down at the leave, so a restarted relay
+        whose channel is already connected again at the first look is returned to at once."""
         if not self.via_relay:
             return False
         if silent:
@@ -210,7 +213,7 @@ class RelayPath:
         if self.returning:
             self.retry_s = min(2 * self.retry_s, self.MAX_RETRY_S)
         self.via_relay = self.returning = False
-        self.watching, self.seen_down = not silent, False
+        self.watching, self.seen_down = not silent, refused and not silent
         self.breaks, self.since, self.quiet_since = 0, None, None
         self.retry_at = now + self.retry_s
         self.left_why = why
@@ -282,6 +285,18 @@ def relay_gone(e: BaseException) -> bool:
     return e.unanswered or (e.broken and e.code() == grpc.StatusCode.UNAVAILABLE)
 
 
+def connect_refused(e: BaseException) -> bool:
+    """Whether ``e``, a broken session stream, says its channel could not connect (nothing
+    accepted a connection at the address: the relay process is gone, or not listening yet), as
+    gRPC words it in the status details. Seen at a leave, the channel was down then: the relay
+    listening again later is a restart, even when its channel connected before the client
+    looked (:meth:`RelayPath.channel_state`)."""
+    if not isinstance(e, SessionError) or not e.broken or e.code() != grpc.StatusCode.UNAVAILABLE:
+        return False
+    text = e.details().lower()
+    return "failed to connect" in text or "connection refused" in text
+
+
 @dataclass(frozen=True)
 class Routed:
     """What an outcome did to a :class:`SessionRoute`: ``close`` the sessions it dropped (the
@@ -339,7 +354,7 @@ class SessionRoute:
             return self.answered(s)  # a reply, if a refusal: the path works (a probe's: it is back)
         left, close = False, ()
         if self.path.owns(s is self.session, s.probe):
-            if not self.path.failed(now, e.details(), e.unanswered):
+            if not self.path.failed(now, e.details(), e.unanswered, connect_refused(e)):
                 return Routed()
             left, close = True, (s,)  # its channel stays open: the client returns to it later
             if s is self.session:
