@@ -370,3 +370,31 @@ def test_restarted_lighthouse_never_lets_restarted_replicas_train_from_step_0_al
     q, reason = decide_quorum(r, {k: 3.1 for k in hb}, None, CFG, 3.1, reported_quorum_ids={"0": 7})
     assert q is not None and q.quorum_id == 8, reason
     assert q.healthy == ("0",) and q.behind == ("1", "2") and q.max_step == 50
+
+
+def test_a_member_restarted_to_rejoin_at_step_0_is_marked_rejoining_and_a_rejoiner_decides_from_it():
+    """Member.rejoining: asked as restarted to rejoin (QuorumRequest.rejoin) at step 0, holding
+    none of the job's state; a rejoiner past step 0 (it caught up) is not. What a rejoiner healthy
+    at step 0 does with it (manager.rejoin_at_step_0): trains at once beside a first start, waits
+    and then gives up in a quorum of only rejoiners."""
+    import dataclasses
+
+    from fthsdp.replica.manager import rejoin_at_step_0
+
+    r = reqs(dataclasses.replace(req("0"), rejoin=True), req("1"))
+    q, reason = decide(r, {"0": 0.0, "1": 0.0}, now=0.01)
+    assert q is not None, reason
+    assert [m.rejoining for m in q.members] == [True, False]
+    assert rejoin_at_step_0(q, "0", 0.0, 4.0) == ("train", "['1'] at their first start (the job's first step "
+                                                          "never committed)")
+    only = reqs(*(dataclasses.replace(req(k), rejoin=True) for k in ("1", "2")))
+    q2, _ = decide(only, {"1": 0.0, "2": 0.0}, now=0.01)
+    assert all(m.rejoining for m in q2.members)
+    assert rejoin_at_step_0(q2, "1", 3.9, 4.0) == ("wait", "it holds only replicas restarted to rejoin (['1', '2'])")
+    verdict, why = rejoin_at_step_0(q2, "1", 4.0, 4.0)
+    assert verdict == "give up" and "has been running for 4.0 s (it holds only replicas restarted" in why
+    alone = Quorum(1, (Member("1", 0),), 0, ("1",), ())  # an older lighthouse sets no flag: itself counts
+    assert rejoin_at_step_0(alone, "1", 0.0, 4.0) == ("wait", "it is alone")
+    caught_up = reqs(dataclasses.replace(req("0", step=5), rejoin=True), req("1", step=5))
+    q3, _ = decide(caught_up, {"0": 0.0, "1": 0.0}, now=0.01)
+    assert not any(m.rejoining for m in q3.members)

@@ -457,33 +457,56 @@ def test_startup_barrier_gives_up_after_the_outage_limit():
 
 
 @pytest.mark.multiprocess
-def test_a_restarted_replica_alone_asks_again_for_a_while_before_it_declares_the_job_dead(tmp_path):
-    """A replica restarted to rejoin (--rejoin) that is the only member of its quorum does not
-    exit job-fatal at once: a live replica may be cut off from the lighthouse for a moment (a chaos
-    soak lost its job so: both rejoiners gave up while the one healthy replica's relay was stopped).
-    It asks again for Timeouts.alone_rejoin_s (ten detection windows), then exits 78 with the reason."""
+@pytest.mark.parametrize("roles", [("rejoin",), ("rejoin", "rejoin"), ("rejoin", "first start")],
+                         ids=["alone", "two-rejoiners", "with-a-first-start"])
+def test_a_restarted_replica_at_step_0_asks_again_for_a_while_before_it_gives_up_or_trains(tmp_path, roles):
+    """A replica restarted to rejoin (--rejoin) that is healthy at step 0 does not exit job-fatal
+    (nor train the job from its start) at once: a live replica may be cut off from the lighthouse
+    for a moment (a chaos soak lost its job so: both rejoiners gave up while the one healthy
+    replica's relay was stopped; in a rerun they met and redid the job from step 0, a fork). In a
+    quorum of only replicas restarted to rejoin (alone, or two of them: Member.rejoining) it asks
+    again for Timeouts.alone_rejoin_s (ten detection windows), then exits 78 with the reason; with
+    a replica at its first start (the job's first step never committed) it trains at once."""
     from fthsdp.errors import EXIT_JOB_FATAL
 
     port = free_port()
     lh = start_lighthouse(port, tmp_path / "lighthouse.log")
     env = dict(os.environ, PYTHONUNBUFFERED="1", FTHSDP_PEER_TOKEN="alone-rejoin-test")
+    procs = []
+    # rejoiners only: one replica of the job is away (cut off); with a first start, none is (it waits for all)
+    replicas = len(roles) if "first start" in roles else len(roles) + 1
+    first_id = replicas - len(roles)  # replica ids are 0 .. replicas - 1: the away one is 0
     try:
-        p = subprocess.run(
-            [sys.executable, "-m", "fthsdp.replica.process", "--config", "base", "--replica-id", "1", "--rejoin",
-             "--lighthouse", f"127.0.0.1:{port}", "--job", "alone", "--out-dir", str(tmp_path), *TINY,
-             "launch.replicas=2", "launch.devices_per_replica=1", "train.steps=20", "ft.detect_s=0.4"],
-            cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
+        for i, role in enumerate(roles):
+            procs.append(subprocess.Popen(
+                [sys.executable, "-m", "fthsdp.replica.process", "--config", "base", "--replica-id", str(first_id + i),
+                 *(["--rejoin"] if role == "rejoin" else []), "--lighthouse", f"127.0.0.1:{port}", "--job", "alone",
+                 "--out-dir", str(tmp_path / f"r{i}"), *TINY, f"launch.replicas={replicas}",
+                 "launch.devices_per_replica=1", "train.steps=6", "ft.detect_s=0.4"],
+                cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        outs = [p.communicate(timeout=240)[0] for p in procs]
     finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
         os.killpg(lh.pid, signal.SIGTERM)
         lh.wait(10)
-    out = p.stdout + p.stderr
-    assert p.returncode == EXIT_JOB_FATAL, out[-3000:]
-    alone = [ln for ln in out.splitlines() if "is at step 0: asking again" in ln]
-    gave_up = [ln for ln in out.splitlines() if "no replica holding the job's state has been running for 4.0 s" in ln]
-    assert alone and gave_up, out[-3000:]
+    rejoiner = outs[0]
 
     def at(line: str) -> float:
         h, m, s = line.split()[0].split(":")
         return 3600 * int(h) + 60 * int(m) + float(s)
 
-    assert at(gave_up[0]) - at(alone[0]) >= 3.9, (alone[0], gave_up[0])  # 10 x ft.detect_s, not at once
+    waits = [ln for ln in rejoiner.splitlines() if "asking again for up to 4.0 s" in ln]
+    if "first start" in roles:  # trusted at once (a wait cost the other its attempts): both trained 6 steps
+        assert [p.returncode for p in procs] == [0, 0], outs[0][-2000:] + outs[1][-2000:]
+        assert not waits and "['1'] at their first start (the job's first step never committed); training from " \
+            "the start" in rejoiner, rejoiner[-3000:]
+        return
+    for p, out in zip(procs, outs):
+        assert p.returncode == EXIT_JOB_FATAL, out[-3000:]
+        assert "no replica holding the job's state has been running for 4.0 s" in out, out[-3000:]
+        assert ("it is alone" if len(roles) == 1 else "holds only replicas restarted to rejoin (['1', '2'])") in out
+    gave_up = [ln for ln in rejoiner.splitlines() if "no replica holding the job's state has been running" in ln]
+    assert waits and gave_up, rejoiner[-3000:]
+    assert at(gave_up[0]) - at(waits[0]) >= 3.9, (waits[0], gave_up[0])  # 10 x ft.detect_s, not at once

@@ -186,6 +186,7 @@ def quorum_to_proto(q: qm.Quorum) -> pb2.Quorum:
                 state_server_address=m.state_server_address,
                 local_world_size=m.local_world_size,
                 num_processes=m.num_processes,
+                rejoining=m.rejoining,
             )
             for m in q.members
         ],
@@ -1399,6 +1400,7 @@ class Lighthouse(pb2_grpc.LighthouseServicer):
                 # request made a round O(N^2) in Python objects (8,192 x 8,192 at 8K).
                 last_members=tuple(request.last_members) if job.quorum is None else (),
                 num_processes=nproc,
+                rejoin=request.rejoin,
             ),
             future,
             request.request_id,

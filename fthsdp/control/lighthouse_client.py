@@ -632,7 +632,7 @@ def quorum_from_proto(p: pb2.Quorum) -> qm.Quorum:
         quorum_id=p.quorum_id,
         members=tuple(
             qm.Member(m.replica_id, m.step, tuple(m.ftar_addresses), m.state_server_address, m.local_world_size,
-                      m.num_processes or 1)
+                      m.num_processes or 1, rejoining=m.rejoining)
             for m in p.members
         ),
         max_step=p.max_step,

@@ -226,6 +226,8 @@ class QuorumRequest:
     # order (process p holds shards p*D .. p*D+D-1, D = local_world_size / num_processes).
     num_processes: int = 1
     state_server_addresses: tuple[str, ...] = ()
+    # Restarted to rejoin a running job (its process was restarted after a failure).
+    rejoin: bool = False
 
 
 @dataclass(frozen=True)
@@ -237,6 +239,9 @@ class Member:
     local_world_size: int = 1
     num_processes: int = 1
     state_server_addresses: tuple[str, ...] = ()  # per process (empty: state_server_address for all)
+    # Restarted to rejoin and asking at step 0: it holds none of the job's state (see
+    # Manager.train_step: a quorum of only such members does not train the job from its start).
+    rejoining: bool = False
 
     def identity(self) -> tuple:
         """What a ring connection depends on: a change here needs a new quorum id."""
@@ -400,7 +405,8 @@ def process_view(q: Quorum, replica_id: str, first_shard: int, num_shards: int, 
     for m in q.members:
         if m.ftar_addresses:
             check_shards(m, first_shard, num_shards)
-    members = tuple(Member(m.replica_id, m.step, (), m.server_for(first_shard), m.local_world_size, m.num_processes)
+    members = tuple(Member(m.replica_id, m.step, (), m.server_for(first_shard), m.local_world_size, m.num_processes,
+                           rejoining=m.rejoining)
                     for m in q.members)
     ring_list = tuple(tuple(m.ftar_addresses[k] for m in q.members) for k in range(first_shard, last)) if rings else ()
     recovery: dict[str, tuple[str, ...]] = {}
@@ -907,7 +913,7 @@ def decide_quorum(
     ordered = sorted(candidates, key=lambda c: ring_key(c.replica_id))
     members = tuple(
         Member(c.replica_id, c.step, tuple(c.ftar_addresses), c.state_server_address, c.local_world_size,
-               c.num_processes, tuple(c.state_server_addresses))
+               c.num_processes, tuple(c.state_server_addresses), rejoining=c.rejoin and c.step == 0)
         for c in ordered
     )
     max_step = max(m.step for m in members if m.replica_id not in fenced)

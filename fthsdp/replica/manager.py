@@ -80,6 +80,28 @@ def step_pace_s(min_step_s: float, pace: str, num_members: int, replicas: int) -
     return min_step_s
 
 
+
+def rejoin_at_step_0(q, replica_id: str, waited_s: float, grace_s: float) -> tuple[str, str]:
+    """What a replica restarted to rejoin, holding no state, does when quorum ``q`` calls it
+    healthy at step 0, having asked so for ``waited_s``: ("train" | "wait" | "give up", why).
+
+    Healthy at step 0 means no member holds a committed step. With a member at its first start
+    (not Member.rejoining) that is the truth: the job's first step never committed, so it trains
+    at once (waiting would only cost that member its step attempts, its all-reduces aborted). A
+    quorum of only replicas restarted to rejoin (this one alone, or others) proves nothing: every
+    replica holding the job's state died, or they are cut off from a lighthouse that forgot them
+    (restarted) for a moment. Trained, it would redo the job from its start beside them, a fork (a
+    chaos soak saw both that and a job given up while its healthy replica was away for seconds),
+    so it asks again for ``grace_s`` (Timeouts.alone_rejoin_s), then gives up (job-fatal)."""
+    restarted = [m.replica_id for m in q.members if m.rejoining or m.replica_id == replica_id]
+    if len(restarted) < q.num_members:
+        first = [m for m in q.member_ids if m not in restarted]
+        return "train", f"{first[:4]} at their first start (the job's first step never committed)"
+    who = "it is alone" if q.num_members == 1 else f"it holds only replicas restarted to rejoin ({restarted[:8]})"
+    if waited_s < grace_s:
+        return "wait", who
+    return "give up", f"no replica holding the job's state has been running for {grace_s:.1f} s ({who})"
+
 class ManagerError(ReplicaFatalError):
     """A fatal condition of the step loop: retries exhausted, no source to recover from.
     The replica exits and its supervisor restarts it (it rejoins from its peers)."""
@@ -349,29 +371,27 @@ class Manager:
                         and q.max_step == 0 and not step0_trusted):
                     # Restarted to rejoin, and yet healthy at step 0: every other replica died, or
                     # the replicas holding the job's state are cut off from a lighthouse that forgot
-                    # them (restarted) for a moment, and the quorum is this one alone or other
-                    # restarted ones: trained, it would redo the job from its start beside them (a
-                    # chaos soak saw both). Ask again for a while (no failed attempt of the step);
-                    # then alone is job-fatal, and with others the quorum is trusted (a job whose
-                    # first step never committed).
+                    # them (restarted) for a moment (rejoin_at_step_0).
                     now, grace = time.monotonic(), self.cfg.timeouts.alone_rejoin_s
-                    if step0_since is None:
-                        step0_since = now
-                        log.warning("replica %s was restarted to rejoin, but quorum %d (members %s) is at step 0: "
-                                    "asking again for up to %.1f s, in case replicas holding the job's state are "
-                                    "cut off for a moment", self.replica_id, q.quorum_id, list(q.member_ids), grace)
-                    if now - step0_since >= grace:
-                        if q.num_members == 1:
-                            raise ManagerJobError(
-                                f"replica {self.replica_id} was restarted to rejoin its job, but no replica holding "
-                                f"the job's state has been running for {grace:.1f} s and the lighthouse does not "
-                                "know the job to have finished (every replica died); it will not train from its "
-                                "initial state. Resume the whole job from its persistent checkpoint "
-                                "(fthsdp run --resume).")
+                    verdict, why = rejoin_at_step_0(q, self.replica_id, 0.0 if step0_since is None
+                                                    else now - step0_since, grace)
+                    if verdict == "give up":
+                        raise ManagerJobError(
+                            f"replica {self.replica_id} was restarted to rejoin its job, but {why}, and the "
+                            "lighthouse does not know the job to have finished (every replica died, or those "
+                            "holding its state are cut off from the lighthouse); it will not train from its "
+                            "initial state. Resume the whole job from its persistent checkpoint (fthsdp run --resume).")
+                    if verdict == "train":
                         step0_trusted = True
-                        log.warning("replica %s: quorum %d is still at step 0 after %.1f s: training from the "
-                                    "start with %s", self.replica_id, q.quorum_id, grace, list(q.member_ids))
+                        log.warning("replica %s was restarted to rejoin, and quorum %d is at step 0: %s; training "
+                                    "from the start with %s", self.replica_id, q.quorum_id, why, list(q.member_ids))
                     else:
+                        if step0_since is None:
+                            step0_since = now
+                            log.warning("replica %s was restarted to rejoin, but quorum %d (members %s) is at step 0 "
+                                        "and %s: asking again for up to %.1f s, in case replicas holding the job's "
+                                        "state are cut off for a moment", self.replica_id, q.quorum_id,
+                                        list(q.member_ids), why, grace)
                         events.append(f"attempt {attempt} on quorum {q.quorum_id}: at step 0, asking again")
                         attempt -= 1
                         self.comm.abort(f"step {step}: replica {self.replica_id} waits for the job's state")
