@@ -113,8 +113,9 @@ class FTConfig:
     # (fthsdp.control.session_client.RelayPath). Empty: every process speaks to the lighthouse.
     lighthouse_relays: tuple[str, ...] = ()
     # A file where the launcher writes this process's relay (HOST:PORT) when it places it elsewhere
-    # (`fthsdp ray` with launch.relay_placement=replicas, when the relay's node was lost): the
-    # process reads it when it changes (once a heartbeat) and moves to that relay. Empty: none.
+    # (`fthsdp ray` with launch.relay_placement=replicas, when the relay's node was lost; `fthsdp
+    # run`, when a restarted relay's port was taken): the process reads it when it changes (once a
+    # heartbeat) and moves to that relay. Empty: none.
     lighthouse_relay_file: str = ""
     # Where a replica's listeners (FTAR ring endpoints, peer state server,
     # metrics) bind, and the host its peers are told to connect to (empty: the

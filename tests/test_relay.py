@@ -123,6 +123,14 @@ def test_a_client_moved_to_another_relay_probes_it_at_once_or_when_the_old_one_f
     assert q.retry_s == 2 * q.RETRY_S and q.watching
     # away from the old relay, a move is a return due now, with the backoff started over
     assert q.move("new:1", 11.0) and q.try_relay(11.0) and q.retry_s == q.RETRY_S and not q.watching
+    # moved while still on the old relay (silent: a process squats its port), it fails later: the
+    # new relay is tried at once, not after the retry wait (it never failed)
+    m = RelayPath("old:1", silence_s=1.0)
+    assert m.move("new:1", 1.0) and m.via_relay and m.moved_from == "old:1"
+    m.failed(1.5, "no reply", silent=True)
+    assert m.failed(2.5, "no reply", silent=True) and m.left_relay == "old:1" and m.try_relay(2.5)
+    # the new one refuses its probe: its own failed return, waited out doubled as any
+    assert m.failed(2.9, "refused") and m.left_relay == "new:1" and m.retry_at == 2.9 + 2 * m.RETRY_S
     none = RelayPath("")  # a client given a relay for the first time
     assert none.move("new:1", 5.0) and none.try_relay(5.0)
     with pytest.raises(ValueError, match="not empty"):
@@ -684,3 +692,71 @@ def test_fthsdp_run_with_relays_trains_through_kills_of_a_relay_a_replica_and_th
     assert stats["upstream_breaks"] >= 1  # the lighthouse's death, ridden out behind the relay
     other = (out / "relay-0.log").read_text()  # relay 0 was never killed: one life, replica 0 behind it
     assert other.count("relay stopping (") == 1 and "relay 0 died" not in p.stderr
+
+
+@pytest.mark.multiprocess
+def test_fthsdp_run_moves_a_relay_whose_port_was_taken_and_its_replicas_follow_it(tmp_path):
+    """`fthsdp run` with one relay: the relay is SIGKILLed from outside the job and its port taken
+    at once by another process, so the launcher cannot restart it on its address; it starts it on
+    another port of its host and rewrites the relay file of its block (relay-0.address,
+    ft.lighthouse_relay_file): both replicas' processes, still on the old address (the squatter
+    accepts connections and answers nothing), leave it after its silence and try the new relay at
+    once (RelayPath.move), are carried by it, and the job ends exactly once and bitwise identical.
+    (Before, the relay stayed dead and its replicas spoke to the lighthouse for the rest of the job;
+    and a client moved while on a silent relay waited the 5 s retry out before trying the new one.)"""
+    import ast
+    import os
+    import socket
+
+    from fthsdp.addresses import split_host_port
+    from fthsdp.launch import report
+    from test_launcher import exactly_once, job_args, summary
+
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "fthsdp.cli", "run", "--no-progress", "--out-dir", str(out),
+           *job_args(2, 40, "launch.relays=1", "train.min_step_s=0.2")]
+    job = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    taken = socket.socket()
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:  # a few steps in
+            m = out / "metrics-1.jsonl"
+            if m.exists() and len(read_metrics(m)) >= 5:
+                break
+            time.sleep(0.1)
+        old = (out / "relay-0.address").read_text().strip()
+        pid = int(subprocess.run(["pgrep", "-f", f"fthsdp.control.relay .*{out / 'relay-0.port'}"],
+                                 capture_output=True, text=True).stdout.split()[0])
+        os.kill(pid, signal.SIGKILL)
+        host, port = split_host_port(old)
+        for _ in range(200):  # its port, as soon as the kernel frees it (no SO_REUSEPORT: gRPC cannot share it)
+            try:
+                taken.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                taken.bind((host, port))
+                break
+            except OSError:
+                time.sleep(0.005)
+        taken.listen()
+        _, err = job.communicate(timeout=300)
+    finally:
+        if job.poll() is None:
+            job.kill()
+        taken.close()
+    assert job.returncode == 0, err[-3000:]
+    s = summary(out)
+    (restart,) = s["relay_restarts"]
+    new = (out / "relay-0.address").read_text().strip()
+    assert restart["moved_from"] == old and new != old and new.startswith(host + ":"), (restart, new)
+    assert f"its address {old} could not be taken again" in err
+    moved = [e for e in read_metrics(out / "events.jsonl") if e["kind"] == "relay_moved"]
+    assert [(e["moved_from"], e["address"]) for e in moved] == [(old, new)]
+    for rid in (0, 1):  # each process moved to the new relay and was carried by it
+        text = (out / f"replica-{rid}.log").read_text()
+        assert f"its relay is now {new}" in text and f"is back on relay {new}" in text, text[-3000:]
+    stats = ast.literal_eval((out / "relay-0.log").read_text().rpartition("relay stopping (")[2].partition(")")[0])
+    assert stats["clients"] >= 2 and stats["messages_up"] >= 20, stats
+    run = report.load_run(out)
+    assert s["identical_final_state"] and all(d["step"] == 40 for d in run.done.values())
+    # the squatter's port is silent (it never accepts): the block was cut off ~3 s (the silence rule)
+    # and may have been declared dead and rejoined behind meanwhile; every batch still trained once
+    assert all(0 < p <= 40 for p in exactly_once(out, run))

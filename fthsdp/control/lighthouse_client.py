@@ -860,10 +860,11 @@ class LighthouseClient:
         if r.back:
             log.info("process %d of replica %r is back on relay %s", self.process_index, self.replica_id, p.relay)
         if r.left:
-            log.warning("relay %s failed (%s): process %d of replica %r speaks to lighthouse %s directly, "
-                        "and tries the relay again in %.0f s%s", p.relay, why, self.process_index,
-                        self.replica_id, self.address, p.retry_s,
-                        " or once it accepts connections again" if p.watching else "")
+            then = (f"tries its new relay {p.relay} at once" if p.left_relay != p.relay else
+                    f"tries the relay again in {p.retry_s:.0f} s" +
+                    (" or once it accepts connections again" if p.watching else ""))
+            log.warning("relay %s failed (%s): process %d of replica %r speaks to lighthouse %s directly, and %s",
+                        p.left_relay, why, self.process_index, self.replica_id, self.address, then)
             if p.watching:
                 self._watch_relay()
         self._closing(r.close)

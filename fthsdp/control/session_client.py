@@ -177,6 +177,8 @@ class RelayPath:
         self.retry_s = retry_s
         self.retry_at = math.inf
         self.left_why = ""  # why it last left the relay
+        self.left_relay = ""  # the relay it last left (the one it was moved from, after a move)
+        self.moved_from = ""  # moved while still on this relay (move): once it fails, the new one is tried at once
         self.watching = False  # left by broken streams: its channel connecting again means it is back
         self.seen_down = False  # its channel was seen not connected since the client left
         self.leaves = 0
@@ -216,6 +218,9 @@ class RelayPath:
         self.watching, self.seen_down = not silent, refused and not silent
         self.breaks, self.since, self.quiet_since = 0, None, None
         self.retry_at = now + self.retry_s
+        self.left_relay = self.moved_from or self.relay
+        if self.moved_from:  # the failed relay is the old one: the new one was never tried
+            self.retry_at, self.watching, self.seen_down, self.moved_from = now, False, False, ""
         self.left_why = why
         self.leaves += 1
         return True
@@ -241,12 +246,16 @@ class RelayPath:
         """The client's relay is now ``relay``: its launcher placed it elsewhere (the old one's node
         was lost) or gave it one. Away from the old relay, the next heartbeat probes the new one at
         once, as a return; still on the old one (it answers), the client stays there until it
-        fails, and returns to the new one then. The backoff of failed returns starts over: they
-        were the old relay's. False: it is the relay the client has already."""
+        fails, and then tries the new one at once, not after the retry wait (the new one never
+        failed: ``fthsdp run`` saw a client on a silent old address wait it out to the job's end).
+        The backoff of failed returns starts over: they were the old relay's. False: it is the
+        relay the client has already."""
         if not relay:
             raise ValueError("a relay to move to is HOST:PORT, not empty")
         if relay == self.relay:
             return False
+        if self.via_relay and not self.moved_from:
+            self.moved_from = self.relay
         self.relay = relay
         self.watching = self.seen_down = False  # the old relay's channel says nothing of the new one
         self.retry_s = self.first_retry_s

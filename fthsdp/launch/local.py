@@ -41,6 +41,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from fthsdp.addresses import family, join_host_port, split_host_port
+from fthsdp.atomic_file import write_atomic
 from fthsdp.control.admission import FairnessLimits
 from fthsdp.errors import EXIT_JOB_FATAL
 from fthsdp.launch import rundir as rundir_lib
@@ -387,7 +388,21 @@ class LocalJob:
             proc, address = self._start_relay(i, 0)
             self.relay_procs.append(proc)
             self.relay_addrs.append(address)
+            write_atomic(self._relay_file(i), address + "\n")
             self.event("relay", address=address, index=i)
+
+    def _relay_file(self, i: int) -> pathlib.Path:
+        """Where relay ``i``'s address is kept for the processes of its block to follow
+        (ft.lighthouse_relay_file): rewritten when it had to move to another port."""
+        return self.out_dir / f"relay-{i}.address"
+
+    def relay_file_override(self, rid: int) -> list[str]:
+        """The relay file replica ``rid``'s processes follow (none without the launcher's relays)."""
+        if not self.relay_addrs:
+            return []
+        from fthsdp.control.relay import relay_index
+
+        return [f"ft.lighthouse_relay_file={self._relay_file(relay_index(self.relays, rid, self.replicas))}"]
 
     def relay_overrides(self) -> list[str]:
         """The launcher's relays, named to a replica as its relays (it starts none itself)."""
@@ -432,8 +447,11 @@ class LocalJob:
 
     def supervise_relays(self) -> None:
         """Restarts a relay that died on its own address (its replicas went to the lighthouse
-        directly and come back to it: fthsdp.control.session_client.RelayPath). One that cannot
-        be restarted is left dead: its replicas stay on the lighthouse, the job goes on."""
+        directly and come back to it: fthsdp.control.session_client.RelayPath). One whose address
+        cannot be taken again (another process holds its port) is started on another port of its
+        host, and its block's processes are told through their relay file (they move to it, as
+        under `fthsdp ray`); one that cannot be started at all is left dead: its replicas stay on
+        the lighthouse, the job goes on."""
         for i, proc in enumerate(self.relay_procs):
             if proc is None or proc.poll() is None:
                 continue
@@ -444,6 +462,9 @@ class LocalJob:
                 self.relay_procs[i] = self._start_relay(i, split_host_port(self.relay_addrs[i])[1])[0]
 
             err = _start_again(again)
+            moved_from = ""
+            if err is not None:
+                moved_from, err = self._move_relay(i, why, err)
             if err is not None:
                 self.relay_procs[i] = None
                 log.warning("relay %d at %s died (%s) and could not be restarted (%s); its replicas speak to the "
@@ -451,9 +472,30 @@ class LocalJob:
                 self.event("relay_lost", index=i, reason=why, error=str(err))
                 continue
             took = time.monotonic() - t0
-            self.relay_restarts.append({"index": i, "died": why, "restart_s": took, "time": time.time()})
-            self.event("relay_restart", index=i, died=why, restart_s=round(took, 3))
-            log.warning("relay %d died (%s); restarted in %.2f s on %s", i, why, took, self.relay_addrs[i])
+            self.relay_restarts.append({"index": i, "died": why, "restart_s": took, "time": time.time(),
+                                        **({"moved_from": moved_from} if moved_from else {})})
+            self.event("relay_restart", index=i, died=why, restart_s=round(took, 3), address=self.relay_addrs[i])
+            log.warning("relay %d died (%s); restarted in %.2f s on %s%s", i, why, took, self.relay_addrs[i],
+                        "" if not moved_from else
+                        f" (its address {moved_from} could not be taken again: its replicas move to it)")
+
+    def _move_relay(self, i: int, why: str, err: RuntimeError) -> tuple[str, RuntimeError | None]:
+        """Relay ``i`` could not start on its own address (``err``): start it on any free port of
+        its host and write the new address to its relay file. (the old address, None) once it
+        listens; ("", the error) if it cannot start there either."""
+        old = self.relay_addrs[i]
+        log.warning("relay %d died (%s) and could not be restarted on %s (%s): starting it on another port", i, why,
+                    old, err)
+
+        def elsewhere() -> None:
+            self.relay_procs[i], self.relay_addrs[i] = self._start_relay(i, 0)
+
+        again = _start_again(elsewhere)
+        if again is not None:
+            return "", again
+        write_atomic(self._relay_file(i), self.relay_addrs[i] + "\n")
+        self.event("relay_moved", index=i, address=self.relay_addrs[i], moved_from=old)
+        return old, None
 
     def stop_lighthouse(self) -> None:
         self._lighthouse_down_ok = True
@@ -507,7 +549,7 @@ class LocalJob:
                  "--allreduce", self.allreduce, "--hash-every", str(self.hash_every),
                  *(["--resume", self.resume] if self.resume and mode == "start" else []),
                  *(["--rejoin"] if mode == "rejoin" else []), *self.host_flags(rid), *self.overrides,
-                 *self.relay_overrides()],
+                 *self.relay_overrides(), *self.relay_file_override(rid)],
                 stdout=logf, stderr=subprocess.STDOUT, env=self._env(), start_new_session=True)
             logf.close()
             if index == 0:
