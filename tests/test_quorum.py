@@ -379,7 +379,7 @@ def test_a_member_restarted_to_rejoin_at_step_0_is_marked_rejoining_and_a_rejoin
     and then gives up in a quorum of only rejoiners."""
     import dataclasses
 
-    from fthsdp.replica.manager import rejoin_at_step_0
+    from fthsdp.replica.fsm import rejoin_at_step_0
 
     r = reqs(dataclasses.replace(req("0"), rejoin=True), req("1"))
     q, reason = decide(r, {"0": 0.0, "1": 0.0}, now=0.01)

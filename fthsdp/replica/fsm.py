@@ -30,6 +30,10 @@ as transitions:
   transient quorum-request error retries on a new quorum (the first two
   with ``commit_failed`` so the lighthouse issues a new quorum id and every
   ring reconnects), at most ``max_retries`` times, then gives up.
+* :func:`rejoin_at_step_0` — a replica restarted to rejoin that a quorum calls
+  healthy at step 0 (no member holds a committed step): trains at once beside a
+  replica at its first start, else asks again for a while and then gives up
+  (job-fatal) rather than redo the job from its start beside other rejoiners.
 
 States are frozen dataclasses; nothing here imports jax, grpc or asyncio.
 """
@@ -41,7 +45,8 @@ from dataclasses import dataclass, replace
 
 from fthsdp.control import quorum as qm
 
-__all__ = ["Action", "Outcome", "StepState", "Plan", "initial", "plan", "after_attempt", "vote", "membership"]
+__all__ = ["Action", "Outcome", "StepState", "Plan", "initial", "plan", "after_attempt", "vote", "membership",
+           "rejoin_at_step_0"]
 
 
 class Action(enum.Enum):
@@ -202,3 +207,25 @@ def vote(rank_ok: "list[bool] | tuple[bool, ...]") -> Outcome:
     if len(rank_ok) == 0:
         raise ValueError("a vote needs at least one rank")
     return Outcome.COMMITTED if all(rank_ok) else Outcome.FAILED
+
+
+def rejoin_at_step_0(q: qm.Quorum, replica_id: str, waited_s: float, grace_s: float) -> tuple[str, str]:
+    """What a replica restarted to rejoin, holding no state, does when quorum ``q`` calls it
+    healthy at step 0, having asked so for ``waited_s``: ("train" | "wait" | "give up", why).
+
+    Healthy at step 0 means no member holds a committed step. With a member at its first start
+    (not Member.rejoining) that is the truth: the job's first step never committed, so it trains
+    at once (waiting would only cost that member its step attempts, its all-reduces aborted). A
+    quorum of only replicas restarted to rejoin (this one alone, or others) proves nothing: every
+    replica holding the job's state died, or they are cut off from a lighthouse that forgot them
+    (restarted) for a moment. Trained, it would redo the job from its start beside them, a fork (a
+    chaos soak saw both that and a job given up while its healthy replica was away for seconds),
+    so it asks again for ``grace_s`` (Timeouts.alone_rejoin_s), then gives up (job-fatal)."""
+    restarted = [m.replica_id for m in q.members if m.rejoining or m.replica_id == replica_id]
+    if len(restarted) < q.num_members:
+        first = [m for m in q.member_ids if m not in restarted]
+        return "train", f"{first[:4]} at their first start (the job's first step never committed)"
+    who = "it is alone" if q.num_members == 1 else f"it holds only replicas restarted to rejoin ({restarted[:8]})"
+    if waited_s < grace_s:
+        return "wait", who
+    return "give up", f"no replica holding the job's state has been running for {grace_s:.1f} s ({who})"

@@ -61,6 +61,7 @@ import numpy as np
 
 from fthsdp.control import quorum as qm
 from fthsdp.config import Config
+from fthsdp.replica import fsm
 from fthsdp.errors import JobFatalError, PeerFetchError, ReplicaFatalError, classify
 from fthsdp.data import LoaderState, ReplicaStream
 from fthsdp.observe.phase import Phase, PhaseTracker
@@ -80,27 +81,6 @@ def step_pace_s(min_step_s: float, pace: str, num_members: int, replicas: int) -
     return min_step_s
 
 
-
-def rejoin_at_step_0(q, replica_id: str, waited_s: float, grace_s: float) -> tuple[str, str]:
-    """What a replica restarted to rejoin, holding no state, does when quorum ``q`` calls it
-    healthy at step 0, having asked so for ``waited_s``: ("train" | "wait" | "give up", why).
-
-    Healthy at step 0 means no member holds a committed step. With a member at its first start
-    (not Member.rejoining) that is the truth: the job's first step never committed, so it trains
-    at once (waiting would only cost that member its step attempts, its all-reduces aborted). A
-    quorum of only replicas restarted to rejoin (this one alone, or others) proves nothing: every
-    replica holding the job's state died, or they are cut off from a lighthouse that forgot them
-    (restarted) for a moment. Trained, it would redo the job from its start beside them, a fork (a
-    chaos soak saw both that and a job given up while its healthy replica was away for seconds),
-    so it asks again for ``grace_s`` (Timeouts.alone_rejoin_s), then gives up (job-fatal)."""
-    restarted = [m.replica_id for m in q.members if m.rejoining or m.replica_id == replica_id]
-    if len(restarted) < q.num_members:
-        first = [m for m in q.member_ids if m not in restarted]
-        return "train", f"{first[:4]} at their first start (the job's first step never committed)"
-    who = "it is alone" if q.num_members == 1 else f"it holds only replicas restarted to rejoin ({restarted[:8]})"
-    if waited_s < grace_s:
-        return "wait", who
-    return "give up", f"no replica holding the job's state has been running for {grace_s:.1f} s ({who})"
 
 class ManagerError(ReplicaFatalError):
     """A fatal condition of the step loop: retries exhausted, no source to recover from.
@@ -371,9 +351,9 @@ class Manager:
                         and q.max_step == 0 and not step0_trusted):
                     # Restarted to rejoin, and yet healthy at step 0: every other replica died, or
                     # the replicas holding the job's state are cut off from a lighthouse that forgot
-                    # them (restarted) for a moment (rejoin_at_step_0).
+                    # them (restarted) for a moment (fsm.rejoin_at_step_0).
                     now, grace = time.monotonic(), self.cfg.timeouts.alone_rejoin_s
-                    verdict, why = rejoin_at_step_0(q, self.replica_id, 0.0 if step0_since is None
+                    verdict, why = fsm.rejoin_at_step_0(q, self.replica_id, 0.0 if step0_since is None
                                                     else now - step0_since, grace)
                     if verdict == "give up":
                         raise ManagerJobError(
