@@ -236,3 +236,35 @@ def test_a_fork_more_quorum_changes_back_than_reported_is_still_fenced():
                                  req("2", 10, 9.0, 7, members=("2",))), beats, None, CFG, 9.0, lineage=lin)
     assert q is not None and q.healthy == ("2",) and q.behind == ("0", "1"), why
     assert lin.forgotten_through(2) is lin and Lineage().merged([(2, 1)]).forgotten_through(2).entries == ()
+
+
+def test_a_quorum_of_only_rejoiners_decides_no_step_and_fences_no_returning_state_holder():
+    """Replayed from a chaos soak (seed 8 with 2 relays): after a lighthouse restart the only
+    replica holding the job's state (2, at step 90, last in quorum 4) was cut off; a rejoiner (0,
+    holding nothing) asked alone and was answered quorum 5 at step 0, and waited (fsm.rejoin_at_step_0).
+    Recorded in the lineage, that quorum "re-decided step 0" and fenced replica 2 as forked when it
+    came back: the rejoiners were then healthy at step 0 beside a member behind, and trained the
+    job from its start. A quorum of only rejoiners decides nothing (Lineage.after_quorum)."""
+    import dataclasses
+
+    from fthsdp.replica.fsm import rejoin_at_step_0
+
+    def rejoiner(rid: str, at: float) -> QuorumRequest:
+        return dataclasses.replace(req(rid, 0, at), rejoin=True)
+
+    lin = Lineage(((4, 89),))  # what replica 2 reported to the restarted lighthouse
+    beats = {"0": 9.0, "1": 9.0, "2": 9.0}
+    q5, why = decide_quorum(by_id(rejoiner("0", 9.0)), {"0": 9.0}, None, CFG, 9.0, lineage=lin, quorum_id_floor=4)
+    assert q5 is not None and q5.quorum_id == 5 and q5.only_rejoining, why
+    assert lin.after_quorum(q5) is lin and lin.answered_quorum(q5) is lin
+    assert rejoin_at_step_0(q5, "0", 0.0, 8.0)[0] == "wait"
+    back = by_id(rejoiner("0", 10.0), rejoiner("1", 10.0), req("2", 90, 10.0, 4))
+    q6, why = decide_quorum(back, beats, q5, CFG, 10.0, lineage=lin.after_quorum(q5))
+    assert q6 is not None and q6.healthy == ("2",) and q6.behind == ("0", "1") and "fenced" not in why, why
+    assert not q6.only_rejoining and lin.after_quorum(q6).entries[-1] == (6, 90)
+    # recorded as before, the rejoiners' quorum fenced the state holder and left them healthy at step 0;
+    # they wait for it then (a member behind is no first start), not train
+    q6_old, why = decide_quorum(back, beats, q5, CFG, 10.0, lineage=lin.after(5, 0))
+    assert q6_old.healthy == ("0", "1") and q6_old.behind == ("2",) and "fenced, behind" in why, why
+    verdict, said = rejoin_at_step_0(q6_old, "0", 0.0, 8.0)
+    assert verdict == "wait" and "['2'] hold steps the lighthouse fenced as forked" in said, said

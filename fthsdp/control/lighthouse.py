@@ -907,7 +907,7 @@ class Lighthouse(pb2_grpc.LighthouseServicer):
         if "fenced, behind" in reason:
             log.warning("job %r: %s", job.job_id, reason)
         job.quorum = quorum
-        job.lineage = job.lineage.after(quorum.quorum_id, quorum.max_step)
+        job.lineage = job.lineage.after_quorum(quorum)
         if job.lineage_from == 0:
             job.lineage_from = quorum.quorum_id
         job.remember(quorum)

@@ -1082,7 +1082,7 @@ class LighthouseClient:
         elif resp.quorum.neighbourhood_from:
             q = keep_neighbourhood(q, self.replica_id, resp.quorum.neighbourhood_from, self.last_quorum)
         if self.replica_id in q.member_ids:
-            self.lineage = self.lineage.answered(q.quorum_id, q.max_step)
+            self.lineage = self.lineage.answered_quorum(q)
             self.last_quorum = q
         return q
 

@@ -301,6 +301,13 @@ class Quorum:
     def num_members(self) -> int:
         return len(self.members)
 
+    @property
+    def only_rejoining(self) -> bool:
+        """Every member was restarted to rejoin and holds no state (Member.rejoining): none of
+        them trains on it (fsm.rejoin_at_step_0: they ask again, then give up), so it decides no
+        step of the job's lineage (Lineage.after_quorum)."""
+        return all(m.rejoining for m in self.members)
+
     def rank_of(self, replica_id: str) -> int:
         """Ring position of ``replica_id``; ValueError if it is not a member. O(1) after the first
         call for the same members tuple (the views of one decision share theirs)."""
@@ -557,6 +564,19 @@ class Lineage:
             dropped = entries[len(entries) - self.limit - 1][0]
             entries = entries[len(entries) - self.limit:]
         return Lineage(tuple(entries), dropped, self.limit)
+
+    def after_quorum(self, q: "Quorum") -> "Lineage":
+        """The lineage once quorum ``q`` is decided (:meth:`after` of its id and max step), but
+        for a quorum of only replicas restarted to rejoin, which decides nothing: recorded, its
+        step 0 would fence every replica holding the job's state that came back after it (a
+        chaos soak saw a rejoiner's waiting quorum fence the one healthy replica, at step 90,
+        as forked)."""
+        return self if q.only_rejoining else self.after(q.quorum_id, q.max_step)
+
+    def answered_quorum(self, q: "Quorum") -> "Lineage":
+        """A member's own lineage once answered ``q`` (:meth:`answered`; nothing for a quorum of
+        only rejoiners, as :meth:`after_quorum`)."""
+        return self if q.only_rejoining else self.answered(q.quorum_id, q.max_step)
 
     def answered(self, quorum_id: int, step: int) -> "Lineage":
         """A member's own lineage once it is answered quorum ``quorum_id`` at max step ``step``:

@@ -213,19 +213,25 @@ def rejoin_at_step_0(q: qm.Quorum, replica_id: str, waited_s: float, grace_s: fl
     """What a replica restarted to rejoin, holding no state, does when quorum ``q`` calls it
     healthy at step 0, having asked so for ``waited_s``: ("train" | "wait" | "give up", why).
 
-    Healthy at step 0 means no member holds a committed step. With a member at its first start
+    Healthy at step 0 means no member's step counts. With a healthy member at its first start
     (not Member.rejoining) that is the truth: the job's first step never committed, so it trains
     at once (waiting would only cost that member its step attempts, its all-reduces aborted). A
-    quorum of only replicas restarted to rejoin (this one alone, or others) proves nothing: every
+    member behind (fenced: it holds steps the lighthouse judged forked) is no such proof: it is
+    waited for as a rejoiner is (a chaos soak trained the job from step 0 beside one). A quorum
+    of only replicas restarted to rejoin (this one alone, or others) proves nothing: every
     replica holding the job's state died, or they are cut off from a lighthouse that forgot them
     (restarted) for a moment. Trained, it would redo the job from its start beside them, a fork (a
     chaos soak saw both that and a job given up while its healthy replica was away for seconds),
     so it asks again for ``grace_s`` (Timeouts.alone_rejoin_s), then gives up (job-fatal)."""
     restarted = [m.replica_id for m in q.members if m.rejoining or m.replica_id == replica_id]
-    if len(restarted) < q.num_members:
-        first = [m for m in q.member_ids if m not in restarted]
+    healthy = set(q.healthy)
+    first = [m.replica_id for m in q.members if m.replica_id not in restarted and m.replica_id in healthy]
+    if first:
         return "train", f"{first[:4]} at their first start (the job's first step never committed)"
-    who = "it is alone" if q.num_members == 1 else f"it holds only replicas restarted to rejoin ({restarted[:8]})"
+    held = [m.replica_id for m in q.members if m.replica_id not in restarted]  # behind: fenced, holding steps
+    who = ("it is alone" if q.num_members == 1 else
+           f"it holds only replicas restarted to rejoin ({restarted[:8]})" if not held else
+           f"its other members {held[:8]} hold steps the lighthouse fenced as forked")
     if waited_s < grace_s:
         return "wait", who
     return "give up", f"no replica holding the job's state has been running for {grace_s:.1f} s ({who})"

@@ -549,7 +549,7 @@ class AioLighthouseClient:
         elif got.neighbourhood_from:
             q = keep_neighbourhood(q, self.replica_id, got.neighbourhood_from, self.last_quorum)
         if self.replica_id in membership(q)[0]:
-            self.lineage = self.lineage.answered(q.quorum_id, q.max_step)
+            self.lineage = self.lineage.answered_quorum(q)
             self.last_quorum = q
         return QuorumReply(q, sent, received, outage)
 
