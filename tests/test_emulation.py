@@ -14,6 +14,7 @@ import pytest
 
 from fthsdp.sim.emulation import CommitRecord, EmulationConfig, EmulationReport, Fault, run_emulation
 from fthsdp.sim.mock_plane import FabricConfig, MockFabric, ModelShape
+from fthsdp.timeouts import Timeouts
 
 
 def test_10k_ranks_with_kills_hang_ring_rank_faults_and_a_lighthouse_restart():
@@ -236,3 +237,24 @@ def test_data_state_is_shared_and_a_replica_left_behind_still_shows():
     stale, _ = s0.commit(q2)  # a replica that missed step 0's commit
     commits = {0: CommitRecord(0, 1, ("0", "1"), ("0", "1"), b1), 1: CommitRecord(1, 2, ("0", "1"), ("0", "1"), stale)}
     assert any("exactly once" in v for v in _report(commits).violations())
+
+
+def test_every_replica_killed_its_rejoiners_ask_again_then_give_up_rather_than_redo_the_job():
+    """Both replicas of a job killed in the same step: restarted to rejoin, holding no state, they
+    meet in a quorum at step 0 of only rejoiners (Member.rejoining). As the real Manager
+    (fsm.rejoin_at_step_0) they ask again for Timeouts.alone_rejoin_s and then give up job-fatal;
+    they never train the job from its start again (before, the emulated ones did: its first
+    batches trained twice)."""
+    t = Timeouts(detect_s=0.4, join_timeout_s=0.2, allreduce_timeout_s=2.0, quorum_timeout_s=20.0,
+                 lighthouse_outage_s=10.0)
+    cfg = EmulationConfig(replicas=2, ranks_per_replica=2, steps=30, model=ModelShape(params=10**6, step_s=0.05),
+                          timeouts=t, faults=(Fault("kill", step=4, replica=0, seconds=0.3),
+                                              Fault("kill", step=4, replica=1, seconds=0.3)), run_timeout_s=60.0)
+    rep = run_emulation(cfg)
+    gave_up = [v for v in rep.violations() if "job-fatal: restarted to rejoin" in v]
+    assert len(gave_up) == 2 and all("has been running for 4.0 s" in v for v in gave_up), rep.violations()
+    assert not [v for v in rep.violations() if "exactly once" in v or "job-fatal" not in v and "still" not in v], \
+        rep.violations()
+    ev = "\n".join(rep.events)
+    assert "at step 0 (it holds only replicas restarted to rejoin" in ev or "(it is alone): asks again" in ev, ev
+    assert rep.final_steps == {"0": 0, "1": 0}, rep.final_steps  # no second run of the job from step 0

@@ -689,6 +689,8 @@ class EmulatedReplica:
         self.inflight: tuple[qm.Quorum, int] | None = None  # the quorum and step of the all-reduce it is in
         self.hung = False
         self.finished = False
+        self.step0_since: float | None = None  # a rejoiner healthy at step 0 asks again since (fsm.rejoin_at_step_0)
+        self.step0_trusted = False
         self.task: asyncio.Task | None = None
         self.hb_tasks: list[asyncio.Task] = []
 
@@ -766,6 +768,11 @@ class EmulatedReplica:
                     await emu.round_barrier((state.step, state.attempt))
                 else:
                     await asyncio.sleep(0)  # let the leaders whose answer arrived hand it out first
+                verdict = await self._rejoiner_at_step_0(q, state)
+                if verdict == "wait":
+                    continue
+                if verdict == "give up":
+                    return
                 outcome = await self._attempt(state, q, nbytes)
                 if outcome is None:
                     return
@@ -779,6 +786,32 @@ class EmulatedReplica:
                 await self.client.leave(self.state.step, finished=True)
             for cl in reversed(self.clients):  # the leader's (owning the channel) last
                 await cl.close()
+
+    async def _rejoiner_at_step_0(self, q: qm.Quorum, state: fsm.StepState) -> str:
+        """A restarted replica (holding no state) that ``q`` calls healthy at step 0 does what
+        the real Manager does (fsm.rejoin_at_step_0): "train", or "wait" (its quorum's all-reduce
+        aborted, it asks again after a pause, no attempt spent), or "give up" (job-fatal: the
+        run records it as a problem, since the emulated job then ends unfinished)."""
+        c = self.emu.config
+        if (not self.rejoin or self.step0_trusted or state.step != 0 or q.max_step != 0 or c.replicas < 2
+                or self.rid not in q.healthy):
+            return "train"
+        now = time.monotonic()
+        self.step0_since = now if self.step0_since is None else self.step0_since
+        verdict, why = fsm.rejoin_at_step_0(q, self.rid, now - self.step0_since, c.timeouts.alone_rejoin_s)
+        if verdict == "train":
+            self.step0_trusted = True
+            self.emu.events.append(f"replica {self.rid}: restarted to rejoin, trains from step 0: {why}")
+        elif verdict == "give up":
+            self._violation(f"job-fatal: restarted to rejoin, {why}")
+        else:
+            if self.step0_since == now:
+                self.emu.events.append(f"replica {self.rid}: restarted to rejoin, quorum {q.quorum_id} at step 0 "
+                                       f"({why}): asks again")
+            self.emu.fabric.refuse(q.quorum_id, 0, self.emu.member_set(q), f"replica {self.rid} waits for the "
+                                   "job's state")
+            await asyncio.sleep(min(0.5, c.timeouts.detect_s / 2))
+        return verdict
 
     async def _follower_views(self, q: qm.Quorum) -> None:
         """The followers fetch their own views of the leader's new quorum ``q`` (their

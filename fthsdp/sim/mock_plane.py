@@ -165,6 +165,15 @@ class MockFabric:
                 n += 1
         return n
 
+    def refuse(self, quorum_id: int, step: int, members: frozenset[str], reason: str) -> None:
+        """A member closes its ring of (``quorum_id``, ``step``) without entering it (a rejoiner
+        that asks again, fsm.rejoin_at_step_0): the all-reduce fails now for whoever is in it, and
+        at once for whoever enters later, as the real ring's closed sockets refuse them."""
+        rv = self._open.get((quorum_id, step))
+        if rv is None:
+            rv = self._open[(quorum_id, step)] = _Rendezvous((quorum_id, step), members, 0)
+        rv.fail(f"aborted: {reason}")
+
     # -- the all-reduce --------------------------------------------------------
 
     async def allreduce(self, quorum_id: int, step: int, replica_id: str, members: "tuple[str, ...] | frozenset[str]",
