@@ -240,7 +240,8 @@ class Member:
     num_processes: int = 1
     state_server_addresses: tuple[str, ...] = ()  # per process (empty: state_server_address for all)
     # Restarted to rejoin and asking at step 0: it holds none of the job's state (see
-    # Manager.train_step: a quorum of only such members does not train the job from its start).
+    # fthsdp.replica.fsm.rejoin_at_step_0: a quorum of only such members does not train the job
+    # from its start, and decides no step of its lineage: Lineage.after_quorum).
     rejoining: bool = False
 
     def identity(self) -> tuple:

@@ -81,7 +81,6 @@ def step_pace_s(min_step_s: float, pace: str, num_members: int, replicas: int) -
     return min_step_s
 
 
-
 class ManagerError(ReplicaFatalError):
     """A fatal condition of the step loop: retries exhausted, no source to recover from.
     The replica exits and its supervisor restarts it (it rejoins from its peers)."""
