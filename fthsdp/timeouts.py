@@ -111,7 +111,7 @@ class Timeouts:
     def alone_rejoin_s(self) -> float:
         """How long a replica restarted to rejoin, whose quorum at step 0 holds only replicas
         restarted to rejoin (itself alone, or others: Member.rejoining), keeps asking for a quorum
-        holding the job's state before it gives up (job-fatal; see manager.rejoin_at_step_0). A
+        holding the job's state before it gives up (job-fatal; see fsm.rejoin_at_step_0). A
         healthy replica cut off from the lighthouse for a moment (its relay stopped: it leaves
         it after 3 s of silence) is declared dead within the detection window and is back once
         heard: in a chaos soak the rejoiners, alone for that moment, exited job-fatal and the

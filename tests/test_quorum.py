@@ -375,7 +375,7 @@ def test_restarted_lighthouse_never_lets_restarted_replicas_train_from_step_0_al
 def test_a_member_restarted_to_rejoin_at_step_0_is_marked_rejoining_and_a_rejoiner_decides_from_it():
     """Member.rejoining: asked as restarted to rejoin (QuorumRequest.rejoin) at step 0, holding
     none of the job's state; a rejoiner past step 0 (it caught up) is not. What a rejoiner healthy
-    at step 0 does with it (manager.rejoin_at_step_0): trains at once beside a first start, waits
+    at step 0 does with it (fsm.rejoin_at_step_0): trains at once beside a first start, waits
     and then gives up in a quorum of only rejoiners."""
     import dataclasses
 
@@ -398,3 +398,25 @@ def test_a_member_restarted_to_rejoin_at_step_0_is_marked_rejoining_and_a_rejoin
     caught_up = reqs(dataclasses.replace(req("0", step=5), rejoin=True), req("1", step=5))
     q3, _ = decide(caught_up, {"0": 0.0, "1": 0.0}, now=0.01)
     assert not any(m.rejoining for m in q3.members)
+
+
+def test_the_step0_rule_applies_only_to_a_stateless_rejoiner_healthy_at_step_0_of_a_multi_replica_job():
+    """fsm.step0_rule_applies: the one guard the Manager and the emulation share before
+    fsm.rejoin_at_step_0. Each condition alone turns it off."""
+    import dataclasses
+
+    from fthsdp.replica.fsm import step0_rule_applies
+
+    q, reason = decide(reqs(dataclasses.replace(req("0"), rejoin=True), req("1")), {"0": 0.0, "1": 0.0}, now=0.01)
+    assert q is not None, reason
+    yes = dict(rejoin=True, step=0, replicas=2, trusted=False)
+    assert step0_rule_applies(q, "0", **yes)
+    assert not step0_rule_applies(q, "0", **{**yes, "rejoin": False})  # a first start: step 0 is the truth
+    assert not step0_rule_applies(q, "0", **{**yes, "step": 3})  # it holds a committed step
+    assert not step0_rule_applies(q, "0", **{**yes, "replicas": 1})  # alone by design, it is the job
+    assert not step0_rule_applies(q, "0", **{**yes, "trusted": True})  # already told to train
+    assert not step0_rule_applies(q, "9", **yes)  # not healthy in q (not a member)
+    later, _ = decide(reqs(dataclasses.replace(req("0"), rejoin=True), req("1", step=5)), {"0": 0.0, "1": 0.0},
+                      now=0.01)
+    assert later is not None and later.max_step == 5
+    assert not step0_rule_applies(later, "0", **yes)  # a member holds steps: it catches up instead

@@ -46,7 +46,7 @@ from dataclasses import dataclass, replace
 from fthsdp.control import quorum as qm
 
 __all__ = ["Action", "Outcome", "StepState", "Plan", "initial", "plan", "after_attempt", "vote", "membership",
-           "rejoin_at_step_0"]
+           "step0_rule_applies", "rejoin_at_step_0"]
 
 
 class Action(enum.Enum):
@@ -207,6 +207,18 @@ def vote(rank_ok: "list[bool] | tuple[bool, ...]") -> Outcome:
     if len(rank_ok) == 0:
         raise ValueError("a vote needs at least one rank")
     return Outcome.COMMITTED if all(rank_ok) else Outcome.FAILED
+
+
+def step0_rule_applies(q: qm.Quorum, replica_id: str, *, rejoin: bool, step: int, replicas: int,
+                       trusted: bool) -> bool:
+    """Whether :func:`rejoin_at_step_0` decides what replica ``replica_id`` does with quorum ``q``:
+    it was restarted to rejoin (``rejoin``), holds no committed step (``step`` 0), ``q`` calls it
+    healthy with no member's step counting (max step 0), the job has more than one replica
+    (``replicas``: alone by design, it is the job) and it has not yet been told to train from
+    step 0 in this step (``trusted``). The Manager and the emulation both ask this, so the rule
+    cannot apply in one and not the other."""
+    return (rejoin and not trusted and step == 0 and q.max_step == 0 and replicas > 1
+            and replica_id in q.healthy)
 
 
 def rejoin_at_step_0(q: qm.Quorum, replica_id: str, waited_s: float, grace_s: float) -> tuple[str, str]:

@@ -346,8 +346,8 @@ class Manager:
                 healthy = self.replica_id in q.healthy
                 if self.on_quorum:
                     self.on_quorum(self, q)
-                if (self.rejoin and not self.records and healthy and self.cfg.launch.replicas > 1
-                        and q.max_step == 0 and not step0_trusted):
+                if fsm.step0_rule_applies(q, self.replica_id, rejoin=self.rejoin, step=step,
+                                          replicas=self.cfg.launch.replicas, trusted=step0_trusted):
                     # Restarted to rejoin, and yet healthy at step 0: every other replica died, or
                     # the replicas holding the job's state are cut off from a lighthouse that forgot
                     # them (restarted) for a moment (fsm.rejoin_at_step_0).

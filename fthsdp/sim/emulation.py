@@ -793,8 +793,8 @@ class EmulatedReplica:
         aborted, it asks again after a pause, no attempt spent), or "give up" (job-fatal: the
         run records it as a problem, since the emulated job then ends unfinished)."""
         c = self.emu.config
-        if (not self.rejoin or self.step0_trusted or state.step != 0 or q.max_step != 0 or c.replicas < 2
-                or self.rid not in q.healthy):
+        if not fsm.step0_rule_applies(q, self.rid, rejoin=self.rejoin, step=state.step, replicas=c.replicas,
+                                      trusted=self.step0_trusted):
             return "train"
         now = time.monotonic()
         self.step0_since = now if self.step0_since is None else self.step0_since
