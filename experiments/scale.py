@@ -29,7 +29,8 @@ quorum with every replica in it.
 * ``fthsdp-flat`` — the same lighthouse with N directly connected replicas
   of one rank each (the emulation with G = 1), N = 16 ... 8,192. These do not
   heartbeat (N x 10 heartbeats/s would saturate this machine before the
-  quorum path is measured); an open quorum call is their sign of life, and
+  quorum path is measured; experiments/heartbeat_pacing.py measures flat rows
+  that do, with and without the lighthouse pacing the beats); an open quorum call is their sign of life, and
   their detection window is 30 s (it must outlast a round trip of the
   emulator itself, or all are declared dead between two rounds).
 * ``grpc-floor`` — beside each hierarchical row, the bare transport
@@ -160,7 +161,8 @@ def round_breakdown(rep, trace: dict, warmup: int = 1) -> dict:
 def fthsdp_row(system: str, replicas: int, ranks_per_replica: int, rounds: int, heartbeat_s: float,
                profile: str = "", processes: int = 1, trace: bool = False, warmup: int = 1,
                transport: str = "session", relays: int = 0, emulator_processes: int = 1,
-               lighthouse_cpus: tuple[int, ...] = ()) -> dict:
+               lighthouse_cpus: tuple[int, ...] = (), beats_per_s: float | None = None,
+               detect_s: float | None = None) -> dict:
     """``heartbeat_s``: the leaders' heartbeat interval (0: no heartbeats). ``trace``: run the
     lighthouse under fthsdp.sim.lighthouse_trace and add each round's breakdown. ``warmup``:
     rounds run first and not measured (round 0 connects and forms the first quorum). ``transport``:
@@ -168,7 +170,9 @@ def fthsdp_row(system: str, replicas: int, ranks_per_replica: int, rounds: int, 
     or ``unary`` (a call each). ``relays``: relay processes between the leaders and the lighthouse
     (fthsdp.control.relay; each carries a contiguous block of replicas), 0: none.
     ``emulator_processes``: processes the emulated replicas are split over (fthsdp.sim.shards).
-    ``lighthouse_cpus``: the CPUs the lighthouse is bound to (the emulator's are the caller's)."""
+    ``lighthouse_cpus``: the CPUs the lighthouse is bound to (the emulator's are the caller's).
+    ``beats_per_s``: the lighthouse's beat budget (None: its default; 0: no pacing,
+    fthsdp.control.pacing). ``detect_s``: the detection window (None: 5 s with heartbeats)."""
     import tempfile
 
     tmp = tempfile.TemporaryDirectory(prefix="fthsdp-scale-trace-") if trace else None
@@ -185,7 +189,8 @@ def fthsdp_row(system: str, replicas: int, ranks_per_replica: int, rounds: int, 
     # answer again, and no round completed. The limits bound waits; a steady round (nobody
     # new, nobody dead) never waits on them, so they do not change what is measured.
     f = 1.0 if heartbeats else max(1.0, replicas / 2048)
-    t = Timeouts(heartbeat_interval_s=heartbeat_s if heartbeats else 0.1, detect_s=5.0 if heartbeats else 30.0 * f,
+    window = detect_s if detect_s is not None else 5.0 if heartbeats else 30.0 * f
+    t = Timeouts(heartbeat_interval_s=heartbeat_s if heartbeats else 0.1, detect_s=window,
                  join_timeout_s=30.0 * f,
                  allreduce_timeout_s=60.0 * f, quorum_timeout_s=120.0 * f, lighthouse_outage_s=60.0 * f)
     cfg = EmulationConfig(
@@ -197,7 +202,7 @@ def fthsdp_row(system: str, replicas: int, ranks_per_replica: int, rounds: int, 
         job_id=f"scale-{replicas}x{ranks_per_replica}",
         lighthouse_profile=profile, processes_per_replica=processes, lighthouse_trace=trace_path,
         lighthouse_session=transport == "session", relays=relays, emulator_processes=emulator_processes,
-        lighthouse_cpus=lighthouse_cpus)
+        lighthouse_cpus=lighthouse_cpus, lighthouse_beats_per_s=beats_per_s)
     rep = run_emulation(cfg)
     where = None
     if tmp is not None:
@@ -251,6 +256,8 @@ def fthsdp_row(system: str, replicas: int, ranks_per_replica: int, rounds: int, 
             re.sub(r"\d+", "N", e.partition("quorum request failed: ")[2])[:160]
             for e in rep.events if "quorum request failed" in e).most_common(5),
         "requests_resent_after_unavailable": sum(1 for r in rep.quorum_records if r.outage_s > 0),
+        # how many replicas the lighthouse declared dead, and its beat-pacing lines (fthsdp.control.pacing)
+        "lighthouse_log": {k: rep.lighthouse_log.get(k) for k in ("declared_dead", "paced")},
         **({"breakdown": where} if where is not None else {}),
     }
 

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 from fthsdp.config_checks import ConfigError, check
 from fthsdp.control.admission import FairnessLimits
+from fthsdp.control.pacing import DEFAULT_BEATS_PER_S
 
 __all__ = ["Config", "ConfigError", "load", "load_module", "override", "to_dict"]
 
@@ -171,6 +172,12 @@ class LaunchConfig:
     # connection is held back. With an external launch.lighthouse it must stay at its default:
     # that lighthouse's budget is its own --connection-calls-per-s.
     lighthouse_connection_calls_per_s: float = FairnessLimits.connection_calls_per_s
+    # Heartbeats a second the launcher's own lighthouse asks of all the job's processes together
+    # (its --beats-per-s, fthsdp.control.pacing): past this budget x ft.heartbeat_interval_s
+    # processes (500 at the defaults) each is asked to beat less often, and failure detection
+    # widens to match (the lighthouse logs it). 0: never pace. With an external launch.lighthouse
+    # it must stay at its default: that lighthouse's own flag decides.
+    lighthouse_beats_per_s: float = DEFAULT_BEATS_PER_S
     # `fthsdp run` keeps a warm spare of its own lighthouse: a second process started and waiting
     # to bind the lighthouse's port (`fthsdp lighthouse --standby`), told to serve the moment the
     # lighthouse dies, so that a restart costs no Python start-up (README, "Lighthouse restarts").

@@ -326,6 +326,8 @@ RULES: dict[str, Rule] = {
     "launch.lighthouse_tls_key": Parsed(_readable_or_empty, "empty or the PEM private key of launch.lighthouse_tls_cert"),
     "launch.lighthouse_connection_calls_per_s": _real(0, 1e6, lo_open=True,
                                                       why="calls per second one connection may make"),
+    "launch.lighthouse_beats_per_s": _real(0, 1e7, why="heartbeats a second the launcher's lighthouse asks of all "
+                                           "processes together (0: never pace them)"),
     "launch.lighthouse_standby": Anything("true or false"),
     "launch.relays": _int(0, why="relay processes the launcher starts (0: none)"),
     "launch.relay_placement": OneOf(RELAY_PLACEMENTS),
@@ -398,6 +400,11 @@ def _check_lighthouse_budget(cfg: Any) -> None:
         raise ConfigError(f"launch.lighthouse_connection_calls_per_s={rate:g} is for the launcher's own lighthouse, "
                           f"but the job uses the external lighthouse launch.lighthouse={cfg.launch.lighthouse}: "
                           "give that lighthouse --connection-calls-per-s instead")
+    pace = cfg.launch.lighthouse_beats_per_s
+    if cfg.launch.lighthouse and pace != LaunchConfig.lighthouse_beats_per_s:
+        raise ConfigError(f"launch.lighthouse_beats_per_s={pace:g} is for the launcher's own lighthouse, but the job "
+                          f"uses the external lighthouse launch.lighthouse={cfg.launch.lighthouse}: give that "
+                          "lighthouse --beats-per-s instead")
     beats = 1.0 / cfg.ft.heartbeat_interval_s
     if rate < 2 * beats:
         raise ConfigError(f"launch.lighthouse_connection_calls_per_s={rate:g} leaves no room: a replica process's "

@@ -146,6 +146,9 @@ def test_out_of_range_values_are_refused_naming_the_field_and_what_is_allowed(ba
      r"=15 leaves no room: a replica process's heartbeats alone send 10 calls/s .* give at least 20"),
     (["launch.lighthouse_connection_calls_per_s=500", "launch.lighthouse=127.0.0.1:29510"],
      r"is for the launcher's own lighthouse, but the job uses the external lighthouse .* --connection-calls-per-s"),
+    (["launch.lighthouse_beats_per_s=-1"], r"launch.lighthouse_beats_per_s=-1.0: must be"),
+    (["launch.lighthouse_beats_per_s=800", "launch.lighthouse=127.0.0.1:29510"],
+     r"lighthouse_beats_per_s=800 is for the launcher's own lighthouse, .* give that lighthouse --beats-per-s"),
 ])
 def test_lighthouse_connection_budget_is_checked(overrides, msg):
     with pytest.raises(ConfigError, match=msg):

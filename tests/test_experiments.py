@@ -174,6 +174,24 @@ def test_relay_return_quick(tmp_path):
 
 
 @pytest.mark.multiprocess
+def test_heartbeat_pacing_quick(tmp_path):
+    """256 emulated replicas beating every 0.1 s against a real lighthouse, unpaced and with a
+    budget of 500 beats/s (so that pacing engages at this size): the paced lighthouse says it
+    paced them (0.512 s) and widened its window, every round formed with all 256, nobody was
+    declared dead, and the JSON and plot hold both arms."""
+    out = tmp_path / "hp.json"
+    run("heartbeat_pacing.py", "--quick", "--budgets", "500", "--out", str(out), timeout=600)
+    res = json.loads(out.read_text())
+    assert sorted(r["arm"] for r in res["rows"]) == ["paced 500/s", "unpaced"]
+    paced = next(r for r in res["rows"] if r["arm"] == "paced 500/s")
+    assert paced["complete_rounds"] == paced["rounds"] == 3 and paced["declared_dead"] == 0, paced
+    assert any("asked to beat every 0.512 s" in x for x in paced["pacing_log"]), paced["pacing_log"]
+    (s,) = res["summary"]
+    assert s["replicas"] == 256 and set(s) >= {"unpaced", "paced 500/s"}
+    assert out.with_suffix(".png").stat().st_size > 10_000
+
+
+@pytest.mark.multiprocess
 def test_lighthouse_standby_quick(tmp_path):
     """`fthsdp run` with its lighthouse SIGKILLed once, with the launcher's warm spare and
     without: the spare took over in one arm and a cold start in the other, each death's

@@ -288,6 +288,30 @@ def test_ray_lighthouse_actor_takes_the_connection_budget():
             a.stop()
 
 
+def test_both_launchers_lighthouses_get_the_configured_beat_budget(tmp_path):
+    """launch.lighthouse_beats_per_s reaches the lighthouse `fthsdp run` starts (its serving line
+    names its config) and the Ray launcher's lighthouse actor (run here without Ray), whose facts
+    the driver records; 0 (never pace) too."""
+    from fthsdp.control.pacing import DEFAULT_BEATS_PER_S
+    from fthsdp.launch.local import LocalJob
+    from fthsdp.launch.ray_actors import LighthouseActor
+
+    job = LocalJob(config="base", overrides=[], out_dir=tmp_path, replicas=2, steps=10, faults=[], progress=False,
+                   lighthouse_beats_per_s=0.0)
+    try:
+        job.start_lighthouse()
+        log_text = (tmp_path / "lighthouse.log").read_text()
+        assert "beats_per_s=0.0" in log_text, log_text[-2000:]
+    finally:
+        job.shutdown()
+    for given, want in (({}, DEFAULT_BEATS_PER_S), ({"beats_per_s": 123.0}, 123.0)):
+        a = LighthouseActor("127.0.0.1", 0, 1.0, 0.5, 2, None, ("", ""), **given)
+        try:
+            assert a.thread.config.beats_per_s == want and a.facts()["beats_per_s"] == want
+        finally:
+            a.stop()
+
+
 def test_ray_relay_actor_serves_in_front_of_a_lighthouse():
     """The Ray launcher's relay actor (run here as a plain object, without Ray): a client's
     session through it reaches the lighthouse, and its stats say what it carried."""

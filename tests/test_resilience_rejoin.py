@@ -41,9 +41,18 @@ def test_rejoin_never_makes_a_healthy_replica_catch_up(tmp_path):
     rejoin_step = back[0]["step"]
     for rid in ("0", "2"):
         recs = run.steps[rid]
-        assert [r["step"] for r in recs] == list(range(steps)), rid
-        behind = [r["step"] for r in recs if not r["healthy"] or any("caught up" in e for e in r["events"])]
-        assert behind == [], f"never-faulted replica {rid} was made to catch up at steps {behind}"
+        # The kill can land in an all-reduce's last exchange: one survivor then holds the whole sum
+        # and commits the step, the other does not ("commit failed on [2]") and catches up in the
+        # next quorum, one without replica 1 (seen once in CI). That is the death's doing, not the
+        # rejoin's; from the death on, no quorum with replica 1 in it makes a never-faulted replica
+        # catch up, and every step is trained but the one a death-time catch-up replaced.
+        behind = [r for r in recs if not r["healthy"] or any("caught up" in e for e in r["events"])]
+        by_rejoin = [r["step"] for r in behind if "1" in r["members"]]
+        assert by_rejoin == [], f"never-faulted replica {rid} was made to catch up at steps {by_rejoin}"
+        assert len(behind) <= 1, [r["step"] for r in behind]
+        trained = [r["step"] for r in recs]
+        assert trained == sorted(set(trained)) and trained[-1] == steps - 1, trained
+        assert set(range(steps)) - set(trained) <= {r["step"] - 1 for r in behind}, (rid, trained)
         # and it was a member of every quorum, the rejoin's included
         assert all(rid in r["members"] for r in recs)
         at = next(r for r in recs if r["step"] == rejoin_step)

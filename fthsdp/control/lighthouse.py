@@ -73,7 +73,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from fthsdp.addresses import split_host_port
-from fthsdp.control import admission, auth, guard, quorum as qm, session, wire
+from fthsdp.control import admission, auth, guard, quorum as qm, pacing, session, wire
 from fthsdp.control.guard import Refused
 from fthsdp.control.server_thread import ServerThread
 from fthsdp.observe import root_cause as rc
@@ -120,9 +120,14 @@ class LighthouseConfig:
     # verdicts, fthsdp/observe/verdict_metrics.py); "" = none. Unauthenticated like every
     # /metrics endpoint: it names jobs and replicas, so loopback unless decided otherwise.
     metrics_bind: str = ""
+    # Heartbeats a second this lighthouse asks of all its processes together once there are many
+    # (fthsdp/control/pacing.py): N beating processes are asked to beat every N / beats_per_s s at
+    # most, and the silence window widens to match. 0 = never pace.
+    beats_per_s: float = pacing.DEFAULT_BEATS_PER_S
 
     def __post_init__(self) -> None:
         qm.QuorumConfig(self.min_replicas, self.join_timeout_s, self.detect_s, self.num_replicas)
+        pacing.BeatPacer(self.beats_per_s, self.detect_s)  # its checks
         if not (0 < self.tick_s <= 1.0):
             raise ValueError(f"tick_s must be in (0, 1], got {self.tick_s}")
         if not (0 < self.rca_interval_s <= 60):
@@ -167,6 +172,9 @@ _RESPONSE_QUORUM = pb2.QuorumResponse.DESCRIPTOR.fields_by_name["quorum"].number
 _QUORUM_NEIGHBOURHOOD = pb2.Quorum.DESCRIPTOR.fields_by_name["neighbourhood"].number
 _HEARTBEAT_ASKING = pb2.HeartbeatResponse.DESCRIPTOR.fields_by_name["asking_replica_ids"].number
 _QUORUM_NEIGHBOURHOOD_FROM = pb2.Quorum.DESCRIPTOR.fields_by_name["neighbourhood_from"].number
+_HEARTBEAT_BEAT_INTERVAL = pb2.HeartbeatResponse.DESCRIPTOR.fields_by_name["beat_interval_ms"].number
+# How often the lighthouse recounts its beating processes to set their pace (pacing.BeatPacer).
+_PACE_RECOUNT_S = 0.25
 
 
 def quorum_to_proto(q: qm.Quorum) -> pb2.Quorum:
@@ -731,7 +739,7 @@ class Lighthouse(pb2_grpc.LighthouseServicer):
                       "sdc_mismatches": 0, "refused": 0, "forgotten_dead": 0,
                       "sessions_opened": 0, "session_messages": 0, "relay_batches": 0,
                       "sessions_open": 0, "relay_streams_open": 0, "relayed_messages": 0, "requests_endpoints_held": 0,
-                      "endpoints_not_held": 0, "answers_resent": 0}
+                      "endpoints_not_held": 0, "answers_resent": 0, "heartbeats": 0}
         self._auth = guard.CallAuthenticator(self.config.secret)
         # The verdicts as Prometheus series, served on config.metrics_bind (start()).
         self.rca_metrics = RootCauseMetrics()
@@ -743,6 +751,12 @@ class Lighthouse(pb2_grpc.LighthouseServicer):
         self._gate = guard.CallGate(self._auth, self.config.limits, self._admission, self._job_size)
         self._started = time.monotonic()  # the load's uptime
         self.rca_metrics.registry.register(LoadCollector(self.load_snapshot))
+        # The processes' beat pace and the silence window that goes with it (recounted each
+        # _PACE_RECOUNT_S by the tick): every liveness judgement reads self.detect_s.
+        self._pacer = pacing.BeatPacer(self.config.beats_per_s, self.config.detect_s)
+        self.detect_s = self.config.detect_s
+        self._pace_bytes = b""  # HeartbeatResponse.beat_interval_ms, appended to every beat's reply
+        self._paced_at = -math.inf
 
     # -- lifecycle ---------------------------------------------------------
 
@@ -852,7 +866,7 @@ class Lighthouse(pb2_grpc.LighthouseServicer):
         window. Replicas that heartbeat while they ask are judged by their
         heartbeats alone, so a stopped process is detected.
         """
-        window = self.config.detect_s
+        window = self.detect_s
         silent_waiters = [r for r, p in job.pending.items()
                           if r not in job.heartbeating
                           or job.last_heartbeat.get(r, -math.inf) < p.request.arrived_at - window]
@@ -867,7 +881,7 @@ class Lighthouse(pb2_grpc.LighthouseServicer):
     def _decision_config(self, job: _Job) -> qm.QuorumConfig:
         stated = next(iter(job.stated_replicas.by_value), 0)
         c = self.config
-        return qm.QuorumConfig(c.min_replicas, c.join_timeout_s, c.detect_s, stated or c.num_replicas)
+        return qm.QuorumConfig(c.min_replicas, c.join_timeout_s, self.detect_s, stated or c.num_replicas)
 
     def _evaluate(self, job: _Job) -> None:
         job.eval_scheduled = False
@@ -968,7 +982,7 @@ class Lighthouse(pb2_grpc.LighthouseServicer):
             if g is None:
                 out[r] = p.request
                 continue
-            ep = g.endpoints(now, self.config.detect_s)
+            ep = g.endpoints(now, self.detect_s)
             if isinstance(ep, str):
                 notes.append(f"replica {r}: {ep}")
                 continue
@@ -991,8 +1005,8 @@ class Lighthouse(pb2_grpc.LighthouseServicer):
         view = self._liveness(job, now)
         if members is None:
             members = job.quorum.member_ids if job.quorum is not None else ()
-        frozen_after_s = self.config.detect_s / 2
-        snap = rca_snapshot(job.phases, view, now, job.pending, job.dead, members, self.config.detect_s,
+        frozen_after_s = self.detect_s / 2
+        snap = rca_snapshot(job.phases, view, now, job.pending, job.dead, members, self.detect_s,
                             max(job.steps.values(), default=0), job.groups, frozen_after_s, job.process_phases)
         verdict = rc.analyse(snap, rc.Thresholds(frozen_after_s=frozen_after_s))
         job.last_rca_at, job.last_rca_cost_s = now, time.perf_counter() - t0
@@ -1050,7 +1064,7 @@ class Lighthouse(pb2_grpc.LighthouseServicer):
                 if rid in job.last_seen and rid not in job.dead:
                     job.last_seen[rid] = t
                 return
-            if rid in job.dead and now - t > self.config.detect_s:
+            if rid in job.dead and now - t > self.detect_s:
                 job.last_seen[rid] = t  # its leader is back, a follower is not (yet): still dead
                 return
         else:
@@ -1094,18 +1108,18 @@ class Lighthouse(pb2_grpc.LighthouseServicer):
         stalest last-heard time is within the window, nobody can be (the liveness view
         only raises times): one C-level min, not the O(replicas) Python pass that cost the
         flat lighthouse ~1 ms a tick at 4,096 replicas."""
-        if not job.dead and (not job.last_seen or now - min(job.last_seen.values()) <= self.config.detect_s):
+        if not job.dead and (not job.last_seen or now - min(job.last_seen.values()) <= self.detect_s):
             job.live_hint = len(job.last_seen)
             return []
         view = self._liveness(job, now)
-        dead = qm.dead_replicas(view, now, self.config.detect_s)
+        dead = qm.dead_replicas(view, now, self.detect_s)
         job.live_hint = len(view) - len(dead)
         for r in set(dead) - job.dead:
             g = job.groups.get(r)
             log.warning(
                 "job %r: replica %s declared dead (silent %.3fs > %gs)%s",
-                job.job_id, r, now - view[r], self.config.detect_s,
-                f": process(es) {g.silent(now, self.config.detect_s)} of {g.num_processes} silent" if g else "",
+                job.job_id, r, now - view[r], self.detect_s,
+                f": process(es) {g.silent(now, self.detect_s)} of {g.num_processes} silent" if g else "",
             )
         for r in job.dead - set(dead):
             log.info("job %r: replica %s is back", job.job_id, r)
@@ -1141,6 +1155,37 @@ class Lighthouse(pb2_grpc.LighthouseServicer):
             for g in job.groups.values():
                 g.shift(lag_s)
 
+    def beating_processes(self) -> int:
+        """The processes that beat this lighthouse now (every live replica's, followers
+        included): what its pace is set for. O(jobs + multi-process replicas)."""
+        n = 0
+        for job in self._jobs.values():
+            n += len(job.last_seen) - len(job.dead)
+            n += sum(g.num_processes - 1 for g in job.groups.values())
+        return max(n, 0)
+
+    def _pace(self, now: float) -> None:
+        """Recount the beating processes and set their pace and the silence window (pacing)."""
+        self._paced_at = now
+        was_window, was = self.detect_s, self._pacer.interval_s
+        n = self.beating_processes()
+        p = self._pacer.update(n, now)
+        self.detect_s = self._pacer.window()
+        ms = int(round(p * 1000.0))
+        self._pace_bytes = wire.varint_field(_HEARTBEAT_BEAT_INTERVAL, ms) if ms > 0 else b""
+        if self.detect_s != was_window and (self.detect_s > self.config.detect_s or was_window > self.config.detect_s):
+            if self.detect_s > was_window:
+                over = (f"; at one beat every {pacing.MAX_PACED_INTERVAL_S:g} s (the slowest it asks for) they "
+                        f"still send {n / pacing.MAX_PACED_INTERVAL_S:.0f} beats/s, past the budget"
+                        if n / self.config.beats_per_s > pacing.MAX_PACED_INTERVAL_S else "")
+                log.warning("%d processes beat this lighthouse (budget %g beats/s): each is asked to beat every "
+                            "%.3g s at most, and failure detection now takes %.3g s instead of %.3g s%s (raise "
+                            "--beats-per-s on a host with the CPU for it)", n, self.config.beats_per_s, p,
+                            self.detect_s, self.config.detect_s, over)
+            else:
+                log.info("%d processes beat this lighthouse: pace %.3g s (was %.3g s), failure detection %.3g s",
+                         n, p, was, self.detect_s)
+
     async def _tick_loop(self) -> None:
         last = time.monotonic()
         while True:
@@ -1149,6 +1194,8 @@ class Lighthouse(pb2_grpc.LighthouseServicer):
             lag, last = now - last - self.config.tick_s, now
             if lag > self.config.detect_s / 4:
                 self._absorb_stall(lag)
+            if now - self._paced_at >= _PACE_RECOUNT_S:
+                self._pace(now)
             for job in list(self._jobs.values()):
                 if not job.pending and now - job.last_activity > self.config.forget_after_s and all(
                         now - t > self.config.forget_after_s for t in job.last_seen.values()):
@@ -1198,7 +1245,7 @@ class Lighthouse(pb2_grpc.LighthouseServicer):
         if job is None:
             return None
         def is_live(r: str) -> bool:
-            return r in job.pending or now - job.last_seen.get(r, -math.inf) <= self.config.detect_s
+            return r in job.pending or now - job.last_seen.get(r, -math.inf) <= self.detect_s
 
         c = job.local_world_size.conflict(req.replica_id, req.local_world_size, is_live)
         if c is not None:
@@ -1249,7 +1296,7 @@ class Lighthouse(pb2_grpc.LighthouseServicer):
             proc = getattr(request, "process_index", 0)  # Leave: the replica's leader
             holder = job.incarnations.get(rid, {}).get(proc)
             live = rid in job.pending or (rid not in job.dead and
-                                          now - job.last_seen.get(rid, -math.inf) <= self.config.detect_s)
+                                          now - job.last_seen.get(rid, -math.inf) <= self.detect_s)
             err = guard.incarnation_problem(rid, request.job_id, holder, request.incarnation, live)
             if err:
                 return guard.Refusal(grpc.StatusCode.PERMISSION_DENIED, err)
@@ -1479,6 +1526,7 @@ class Lighthouse(pb2_grpc.LighthouseServicer):
         if err:
             raise Refused(grpc.StatusCode.INVALID_ARGUMENT, err)
         self._admitted(request, peer, now, relayed)
+        self.stats["heartbeats"] += 1
         job = self._job(request.job_id)
         self._bind(job, request)
         rid = request.replica_id
@@ -1495,7 +1543,7 @@ class Lighthouse(pb2_grpc.LighthouseServicer):
         if proc != 0:  # a follower: its liveness, addresses and phase; its leader speaks for the replica
             if request.HasField("phase") and nproc > 1:
                 job.process_phases.setdefault(rid, {})[proc] = request.phase  # analysed with its leader's
-            return job.heartbeat_reply(registered) + _asking(job, request)
+            return job.heartbeat_reply(registered) + _asking(job, request) + self._pace_bytes
         job.heartbeating.add(rid)
         job.last_heartbeat[rid] = now
         job.reported_qids[rid] = request.last_quorum_id
@@ -1508,7 +1556,7 @@ class Lighthouse(pb2_grpc.LighthouseServicer):
         # The dead set is recomputed each tick (tick_s adds to detection time;
         # per-heartbeat recomputation would cost O(replicas) per heartbeat), and
         # the reply is serialized once per (quorum, dead set), not per heartbeat.
-        return job.heartbeat_reply(registered) + _asking(job, request)
+        return job.heartbeat_reply(registered) + _asking(job, request) + self._pace_bytes
 
     async def GetView(self, request: pb2.ViewRequest, context: grpc.aio.ServicerContext) -> pb2.QuorumResponse:
         err = _version_error(request.protocol_version)
@@ -1631,7 +1679,7 @@ class Lighthouse(pb2_grpc.LighthouseServicer):
         out = []
         for job in jobs:
             view = self._liveness(job, now)
-            dead = set(qm.dead_replicas(view, now, self.config.detect_s))
+            dead = set(qm.dead_replicas(view, now, self.detect_s))
             replicas = [
                 pb2.ReplicaStatus(
                     replica_id=r,
@@ -1640,7 +1688,7 @@ class Lighthouse(pb2_grpc.LighthouseServicer):
                     dead=r in dead,
                     waiting=r in job.pending,
                     num_processes=job.groups[r].num_processes if r in job.groups else 1,
-                    silent_processes=job.groups[r].silent(now, self.config.detect_s) if r in job.groups else [],
+                    silent_processes=job.groups[r].silent(now, self.detect_s) if r in job.groups else [],
                     phase=job.phases.get(r),
                     metrics_addresses=_by_process(job.metrics_addresses.get(r, {})),
                     condemned=job.sdc.condemned[r].reason if r in job.sdc.condemned else "",
@@ -1674,7 +1722,8 @@ class Lighthouse(pb2_grpc.LighthouseServicer):
             jobs=out,
             min_replicas=c.min_replicas,
             join_timeout_s=c.join_timeout_s,
-            detect_s=c.detect_s,
+            detect_s=self.detect_s,  # the silence window now: wider than configured while beats are paced
+            beat_interval_s=self._pacer.interval_s,
             jobs_omitted=max(0, len(names) - lim.max_status_jobs),
             metrics_address=self.metrics_server.address if self.metrics_server is not None else "",
             # about every job: only for a Status of every job (the status key), never for one job's secret
@@ -1738,6 +1787,10 @@ def _parser() -> argparse.ArgumentParser:
                    help="seconds to wait for live replicas not yet asking before forming the quorum without them (default %(default)s)")
     p.add_argument("--detect", type=float, default=d.detect_s,
                    help="failure-detection window: a replica silent this long is dead (default %(default)s s)")
+    p.add_argument("--beats-per-s", type=float, default=d.beats_per_s,
+                   help="heartbeats a second asked of all processes together: past beats-per-s x their interval "
+                        "processes, each is asked to beat less often and failure detection widens to match "
+                        "(0 = never; default %(default)g)")
     p.add_argument("--replicas", type=int, default=d.num_replicas,
                    help="configured replicas per job when requests do not state it (0 = replicas seen; default %(default)s)")
     p.add_argument("--tick", type=float, default=d.tick_s, help="re-evaluation period in seconds (default %(default)s)")
@@ -1823,6 +1876,7 @@ def cli(argv: list[str]) -> int:
             min_replicas=args.min_replicas,
             join_timeout_s=args.join_timeout,
             detect_s=args.detect,
+            beats_per_s=args.beats_per_s,
             num_replicas=args.replicas,
             tick_s=args.tick,
             forget_after_s=args.forget_after,

@@ -53,6 +53,7 @@ import grpc
 from fthsdp.addresses import split_host_port
 from fthsdp.control import auth, quorum as qm
 from fthsdp.control.channel_args import RECONNECT_ARGS
+from fthsdp.control.pacing import paced_interval
 from fthsdp.control.session import SESSION_METHODS
 from fthsdp.control.session_client import (RelayPath, Routed, SessionError, SessionRoute, SessionUnsupported,
                                            SyncSession, beat_covered)
@@ -712,6 +713,7 @@ class LighthouseClient:
         self.replica_id = str(replica_id)
         self.rpc_timeout_s = rpc_timeout_s
         self.heartbeat_interval_s = heartbeat_interval_s
+        self.paced_s = 0.0  # the lighthouse's pace (HeartbeatResponse.beat_interval_ms; 0 = none)
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.outage_s = outage_s
         self.rejoin = rejoin
@@ -1208,13 +1210,14 @@ class LighthouseClient:
         counts as this beat (:func:`fthsdp.control.session_client.beat_covered`)."""
         now = time.monotonic()
         if beat_covered(self._route.session, self.process_index, self.registration.endpoints is not None,
-                        now - self._asked_at, self.heartbeat_interval_s, self._route.path.return_due(now)):
+                        now - self._asked_at, self.beat_interval_s, self._route.path.return_due(now)):
             return None
         return self.heartbeat()
 
     def _heard_beat(self, sent, resp, req) -> HeartbeatReply:
         # Sent and held: stop sending them; not held (a restarted lighthouse): send again.
         self.registration.heard(sent, resp.addresses_registered)
+        self.paced_s = resp.beat_interval_ms / 1000.0
         reply = heartbeat_reply(resp, (req.phase.quorum_id, req.phase.step))
         self.last_heartbeat = reply
         return reply
@@ -1332,6 +1335,12 @@ class LighthouseClient:
     def heartbeating(self) -> bool:
         return self._hb_thread is not None
 
+    @property
+    def beat_interval_s(self) -> float:
+        """How often the heartbeat thread beats: ``heartbeat_interval_s``, or the lighthouse's
+        slower pace while it asks for one (fthsdp.control.pacing)."""
+        return paced_interval(self.heartbeat_interval_s, self.paced_s)
+
     def _heartbeat_loop(self) -> None:
         next_at = time.monotonic()
         while not self._hb_stop.is_set():
@@ -1352,7 +1361,7 @@ class LighthouseClient:
                 self.last_heartbeat_error = e
                 if self.heartbeat_failures in (1, 10) or self.heartbeat_failures % 100 == 0:
                     log.warning("heartbeat failure %d: %s", self.heartbeat_failures, e)
-            next_at += self.heartbeat_interval_s
+            next_at += self.beat_interval_s
             delay = next_at - time.monotonic()
             if delay < 0:  # fell behind (slow RPC): do not burst to catch up
                 next_at, delay = time.monotonic(), 0.0

@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 from fthsdp.addresses import family, join_host_port, split_host_port
 from fthsdp.atomic_file import write_atomic
 from fthsdp.control.admission import FairnessLimits
+from fthsdp.control.pacing import DEFAULT_BEATS_PER_S
 from fthsdp.errors import EXIT_JOB_FATAL
 from fthsdp.launch import rundir as rundir_lib
 from fthsdp.launch import lifetime, supervise
@@ -154,6 +155,8 @@ class LocalJob:
     lighthouse_tls: tuple[str, str] = ("", "")
     # Our own lighthouse's budget per client connection (launch.lighthouse_connection_calls_per_s).
     lighthouse_calls_per_s: float = FairnessLimits.connection_calls_per_s
+    # Our own lighthouse's beat budget (launch.lighthouse_beats_per_s, fthsdp.control.pacing).
+    lighthouse_beats_per_s: float = DEFAULT_BEATS_PER_S
     relays: int = 0  # relay processes between the replicas and the lighthouse (launch.relays)
     relay_placement: str = "lighthouse"  # where they run (launch.relay_placement): "lighthouse" or "replicas"
     lighthouse_tls_ca: str = ""  # what the relays check the lighthouse's certificate against (ft.lighthouse_tls_ca)
@@ -335,6 +338,7 @@ class LocalJob:
                  # its Status answers: `fthsdp status --prometheus-targets` lists it
                  "--metrics-bind", join_host_port(bind_host, 0),
                  "--connection-calls-per-s", repr(float(self.lighthouse_calls_per_s)),
+                 "--beats-per-s", repr(float(self.lighthouse_beats_per_s)),
                  *(["--tls-cert", self.lighthouse_tls[0], "--tls-key", self.lighthouse_tls[1]]
                    if self.lighthouse_tls[0] else []), *(["--standby"] if standby else [])],
                 stdin=subprocess.PIPE if standby else subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT,
@@ -1068,6 +1072,7 @@ def cli(argv: list[str]) -> int:
                    processes=cfg.launch.processes_per_replica, secret_file=cfg.launch.secret_file,
                    lighthouse_tls=(cfg.launch.lighthouse_tls_cert, cfg.launch.lighthouse_tls_key),
                    lighthouse_calls_per_s=cfg.launch.lighthouse_connection_calls_per_s,
+                   lighthouse_beats_per_s=cfg.launch.lighthouse_beats_per_s,
                    relays=cfg.launch.relays, relay_placement=cfg.launch.relay_placement,
                    lighthouse_tls_ca=cfg.ft.lighthouse_tls_ca, lighthouse_standby=cfg.launch.lighthouse_standby,
                    progress=not args.no_progress and sys.stderr.isatty())

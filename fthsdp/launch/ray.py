@@ -53,6 +53,7 @@ from dataclasses import dataclass, field
 
 from fthsdp.atomic_file import write_atomic
 from fthsdp.control.admission import FairnessLimits
+from fthsdp.control.pacing import DEFAULT_BEATS_PER_S
 from fthsdp.launch import faults as faults_lib
 from fthsdp.launch import rundir as rundir_lib
 from fthsdp.launch import supervise
@@ -316,11 +317,11 @@ class LighthouseProcess(ServerActorProcess):
     def __init__(self, host: str, port: int, detect_s: float, join_timeout_s: float, replicas: int,
                  node_id: str, secret: bytes | None = None, tls: tuple[str, str] = ("", ""),
                  connection_calls_per_s: float = FairnessLimits.connection_calls_per_s,
-                 standby: bool = False) -> None:
+                 standby: bool = False, beats_per_s: float = DEFAULT_BEATS_PER_S) -> None:
         from fthsdp.launch.ray_actors import LighthouseActor
 
         super().__init__(LighthouseActor, node_id, host, port, detect_s, join_timeout_s, replicas, secret, tls,
-                         connection_calls_per_s, standby=standby)
+                         connection_calls_per_s, beats_per_s, standby=standby)
         self.facts: dict = {}
         if not standby:
             self.facts = self._ray.get(self.actor.facts.remote(), timeout=POLL_TIMEOUT_S)
@@ -468,7 +469,8 @@ class RayJob(LocalJob):
         host = node_host(ray_nodes(), self.driver_node)
         return LighthouseProcess(host, self.lighthouse_port, self.detect_s, self.join_timeout_s, self.replicas,
                                  self.driver_node, self.lighthouse_secret, self.lighthouse_tls,
-                                 self.lighthouse_calls_per_s, standby=standby)
+                                 self.lighthouse_calls_per_s, standby=standby,
+                                 beats_per_s=self.lighthouse_beats_per_s)
 
     def _new_standby(self) -> LighthouseProcess:
         return self._lighthouse_actor(standby=True)
@@ -825,6 +827,7 @@ def launch(config: str, overrides: list[str], out: str | pathlib.Path | None = N
                      checkpoint_dir=checkpoint_dir, secret_file=cfg.launch.secret_file,
                      lighthouse_tls=(cfg.launch.lighthouse_tls_cert, cfg.launch.lighthouse_tls_key),
                      lighthouse_calls_per_s=cfg.launch.lighthouse_connection_calls_per_s,
+                     lighthouse_beats_per_s=cfg.launch.lighthouse_beats_per_s,
                      config_text=config_text, place_timeout_s=cfg.ft.startup_timeout_s,
                      relays=cfg.launch.relays, relay_placement=cfg.launch.relay_placement,
                      lighthouse_tls_ca=cfg.ft.lighthouse_tls_ca, lighthouse_standby=cfg.launch.lighthouse_standby)

@@ -27,6 +27,7 @@ import threading
 import time
 
 from fthsdp.control.admission import FairnessLimits
+from fthsdp.control.pacing import DEFAULT_BEATS_PER_S
 
 # Files a replica appends to, relative to its work directory ({rid} filled in):
 # streamed to the driver line by line, in order.
@@ -87,7 +88,7 @@ class LighthouseActor(_ServerActor):
     def __init__(self, host: str, port: int, detect_s: float, join_timeout_s: float, replicas: int,
                  secret: bytes | None = None, tls: tuple[str, str] = ("", ""),
                  connection_calls_per_s: float = FairnessLimits.connection_calls_per_s,
-                 standby: bool = False) -> None:
+                 beats_per_s: float = DEFAULT_BEATS_PER_S, standby: bool = False) -> None:
         from fthsdp.addresses import join_host_port
         from fthsdp.control.lighthouse import LighthouseConfig, LighthouseThread
 
@@ -97,14 +98,15 @@ class LighthouseActor(_ServerActor):
         super().__init__(LighthouseThread(LighthouseConfig(
             bind=join_host_port(host, port), detect_s=detect_s, join_timeout_s=join_timeout_s,
             num_replicas=replicas, secret=secret, tls_cert_file=tls[0], tls_key_file=tls[1], fairness=fairness,
-            metrics_bind=join_host_port(host, 0))), standby=standby)
+            metrics_bind=join_host_port(host, 0), beats_per_s=beats_per_s)), standby=standby)
 
     def facts(self) -> dict:
         """What the driver records of the running lighthouse (its events): where its /metrics
-        are and the connection budget it runs with."""
+        are, and the connection and beat budgets it runs with."""
         server = self.thread.server
         return {"metrics_address": server.metrics_server.address if server.metrics_server is not None else "",
-                "connection_calls_per_s": server.config.fairness.connection_calls_per_s}
+                "connection_calls_per_s": server.config.fairness.connection_calls_per_s,
+                "beats_per_s": server.config.beats_per_s}
 
 
 class RelayActor(_ServerActor):

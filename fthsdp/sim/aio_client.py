@@ -356,6 +356,7 @@ class AioLighthouseClient:
         # This process's own shards' endpoints: sent with heartbeats until a reply says the
         # lighthouse holds them (the same Registration the synchronous client uses).
         self.registration = Registration()
+        self.paced_s = 0.0  # HeartbeatResponse.beat_interval_ms of the last beat (0 = none)
         self.held_endpoints = HeldEndpoints()  # may the quorum requests leave the endpoints out
         # Its newest entries go with every request, as the real client's (a restarted
         # lighthouse rebuilds the job's lineage fence from them, fthsdp.control.quorum rule 6).
@@ -606,6 +607,7 @@ class AioLighthouseClient:
         except (grpc.aio.AioRpcError, SessionError) as e:
             raise LighthouseError(f"heartbeat: {e.code()}: {e.details()}", e.code()) from None
         self.registration.heard(sent, resp.addresses_registered)
+        self.paced_s = resp.beat_interval_ms / 1000.0  # the lighthouse's pace (fthsdp.control.pacing)
         return heartbeat_reply(resp, allreduce)
 
     async def leave(self, step: int, *, finished: bool, timeout_s: float = 5.0) -> bool:

@@ -72,6 +72,7 @@ from fthsdp.gc_policy import low_pause_gc
 from fthsdp.control import quorum as qm
 from fthsdp.replica import fsm
 from fthsdp.control.lighthouse_client import JobFinished, LighthouseError, LighthouseUnavailable, ring_request_flags
+from fthsdp.control.pacing import paced_interval
 from fthsdp.control.relay import relay_of
 from fthsdp.control.session_client import RelayPath
 from fthsdp.sim.aio_client import AioLighthouseClient, DecodeCache
@@ -191,6 +192,9 @@ class EmulationConfig:
     # extract) to run the lighthouse and relays from, so that one emulator measures two servers
     # side by side (empty: this installation's).
     lighthouse_from: str = ""
+    # The lighthouse's beat budget (`fthsdp lighthouse --beats-per-s`; 0 = never pace the beats);
+    # None: its default (fthsdp.control.pacing).
+    lighthouse_beats_per_s: float | None = None
 
     def __post_init__(self) -> None:
         if self.replicas < 1 or self.ranks_per_replica < 1 or self.steps < 1:
@@ -277,7 +281,9 @@ class LighthouseProcess:
         return [sys.executable, *prof, *server, "--bind", f"127.0.0.1:{self.port}", "--insecure",
                 "--detect", str(t.detect_s), "--join-timeout", str(t.join_timeout_s),
                 "--replicas", str(self.config.replicas), "--tick", str(self.config.lighthouse_tick_s),
-                "--log-level", "WARNING"]
+                "--log-level", "WARNING",
+                *(["--beats-per-s", str(self.config.lighthouse_beats_per_s)]
+                  if self.config.lighthouse_beats_per_s is not None else [])]
 
     def start(self, timeout_s: float = 60.0) -> str:
         cmd = self.command()
@@ -567,6 +573,8 @@ class EmulationReport:
     cpu_at_step: dict[int, tuple[float, float, float]] = field(default_factory=dict)
     # perf_counter when each start of the lighthouse was serving (a restart's round is timed from it)
     lighthouse_started_at: list[float] = field(default_factory=list)
+    # What the lighthouse logged: {"declared_dead": N, "paced": [its pacing lines], "head": [...]}
+    lighthouse_log: dict = field(default_factory=dict)
 
     def cpu_per_round(self, first: int) -> tuple[float | None, float | None, float | None]:
         """(emulator, relays, lighthouse) CPU seconds per round from step ``first`` to the last one
@@ -918,12 +926,12 @@ class EmulatedReplica:
         # Independent processes heartbeat at unrelated phases, not in one burst.
         await asyncio.sleep(interval * (((self.index * len(self.clients) + process) * 0.618034) % 1.0))
         while True:
-            await asyncio.sleep(interval)
+            await asyncio.sleep(paced_interval(interval, client.paced_s))  # the lighthouse may ask for fewer
             if self.hung:
                 continue
             inflight = self.inflight if process == 0 else None
             try:
-                reply = await client.heartbeat(self.state.step, skip_within_s=interval,
+                reply = await client.heartbeat(self.state.step, skip_within_s=paced_interval(interval, client.paced_s),
                                                allreduce=inflight and (inflight[0].quorum_id, inflight[1]))
             except LighthouseError:
                 continue  # the lighthouse is down or slow: keep trying every interval
@@ -1329,7 +1337,22 @@ class Emulation:
             wire_sizes=self.wire_sizes,
             rank_work_s=dict(self._rank_work), emulator_cpu_s=time.process_time() - cpu0 + self.worker_cpu_s,
             relay_cpu_s=sum(r.cpu_s for r in self.relays), relay_stats=[r.stats for r in self.relays],
-            cpu_at_step=dict(self.cpu_at_step), lighthouse_started_at=list(self.lighthouse.started_at))
+            cpu_at_step=dict(self.cpu_at_step), lighthouse_started_at=list(self.lighthouse.started_at),
+            lighthouse_log=self._lighthouse_log())
+
+    def _lighthouse_log(self, keep: int = 20) -> dict:
+        """What the lighthouse logged (WARNING and up): how many replicas it declared dead, and
+        the first ``keep`` lines. Read before the run's folder goes."""
+        if self.lighthouse is None:
+            return {}
+        try:
+            with open(self.lighthouse.log_path, errors="replace") as f:
+                lines = [x.rstrip() for x in f]
+        except OSError:
+            return {}
+        return {"declared_dead": sum("declared dead" in x for x in lines),
+                "paced": [x for x in lines if "processes beat this lighthouse" in x][:keep],
+                "head": lines[:keep], "lines": len(lines)}
 
     def run(self) -> EmulationReport:
         try:
