@@ -53,6 +53,29 @@ def test_10k_ranks_with_kills_hang_ring_rank_faults_and_a_lighthouse_restart():
     assert min(len(c.healthy) for c in rep.commits.values()) < 32
 
 
+def test_paced_beats_ride_out_a_short_hang_and_still_find_a_long_one_and_a_kill():
+    """A lighthouse whose beat budget (80 beats/s) is below what 32 replicas beating every 0.1 s
+    send (320): it asks for one beat every 0.4 s and widens its window to 3.2 s (8 beats). A
+    1.6 s hang, which the configured 0.8 s window would call a death, is ridden out; a 4.5 s hang
+    and a kill are still found and the replicas caught up; every invariant holds (no rank waits
+    past its deadline: the 10 s all-reduce deadline is above the widened window)."""
+    faults = (Fault("kill", step=3, replica=2, seconds=0.5),
+              Fault("hang", step=6, replica=3, seconds=1.6),
+              Fault("hang", step=10, replica=5, seconds=4.5))
+    # 0.1 s steps, 30 after the long hang: the job is still training when replica 5 wakes
+    cfg = EmulationConfig(replicas=32, ranks_per_replica=32, steps=40, model=ModelShape(params=10**8, step_s=0.1),
+                          faults=faults, run_timeout_s=120.0, lighthouse_beats_per_s=80.0)
+    rep = run_emulation(cfg)
+    assert rep.violations() == []
+    assert rep.final_steps == {str(i): 40 for i in range(32)}
+    assert any("asked to beat every 0.4 s" in x and "now takes 3.2 s" in x for x in rep.lighthouse_log["paced"]), \
+        rep.lighthouse_log
+    ev = "\n".join(rep.events)
+    assert "replica 2: restarted" in ev and "replica 2: caught up" in ev
+    assert "lighthouse declared ['5'] dead" in ev and "replica 5: caught up" in ev
+    assert "['3'] dead" not in ev and "replica 3: caught up" not in ev, ev[-3000:]
+
+
 def test_a_lighthouse_killed_while_answering_costs_its_outage_not_an_all_reduce_deadline():
     """The lighthouse is SIGKILLed the moment replica 0 holds its answer for step 4, while it
     is still writing the others': the members that got one enter step 4's all-reduce, the rest

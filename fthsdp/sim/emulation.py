@@ -926,12 +926,13 @@ class EmulatedReplica:
         # Independent processes heartbeat at unrelated phases, not in one burst.
         await asyncio.sleep(interval * (((self.index * len(self.clients) + process) * 0.618034) % 1.0))
         while True:
-            await asyncio.sleep(paced_interval(interval, client.paced_s))  # the lighthouse may ask for fewer
+            every = paced_interval(interval, client.paced_s)  # the lighthouse may ask for fewer beats
+            await asyncio.sleep(every)
             if self.hung:
                 continue
             inflight = self.inflight if process == 0 else None
             try:
-                reply = await client.heartbeat(self.state.step, skip_within_s=paced_interval(interval, client.paced_s),
+                reply = await client.heartbeat(self.state.step, skip_within_s=every,
                                                allreduce=inflight and (inflight[0].quorum_id, inflight[1]))
             except LighthouseError:
                 continue  # the lighthouse is down or slow: keep trying every interval
