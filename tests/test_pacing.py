@@ -72,7 +72,7 @@ def test_lighthouse_config_refuses_a_negative_budget():
 def test_a_real_lighthouse_paces_real_clients_and_still_detects_a_stopped_one():
     """8 processes beating every 0.1 s against a budget of 20 beats/s: the replies ask for 0.4 s,
     the clients follow (the lighthouse hears ~20 beats/s, not 80), nobody is declared dead for
-    beating slowly, Status says the window widened, and a client whose beats stop is declared dead
+    beating slowly, the lighthouse's window widened, and a client whose beats stop is declared dead
     within the widened window (not the configured 0.8 s, which would have killed the paced)."""
     from fthsdp.control.lighthouse import LighthouseConfig, LighthouseThread
     from fthsdp.control.lighthouse_client import LighthouseClient
