@@ -754,7 +754,6 @@ class Lighthouse(pb2_grpc.LighthouseServicer):
         # The processes' beat pace and the silence window that goes with it (recounted each
         # _PACE_RECOUNT_S by the tick): every liveness judgement reads self.detect_s.
         self._pacer = pacing.BeatPacer(self.config.beats_per_s, self.config.detect_s)
-        self.detect_s = self.config.detect_s
         self._pace_bytes = b""  # HeartbeatResponse.beat_interval_ms, appended to every beat's reply
         self._paced_at = -math.inf
 
@@ -1155,6 +1154,12 @@ class Lighthouse(pb2_grpc.LighthouseServicer):
             for g in job.groups.values():
                 g.shift(lag_s)
 
+    @property
+    def detect_s(self) -> float:
+        """The silence that declares a process dead now: ``config.detect_s``, or wider while the
+        beats are paced (:class:`fthsdp.control.pacing.BeatPacer`)."""
+        return self._pacer.window()
+
     def beating_processes(self) -> int:
         """The processes that beat this lighthouse now (every live replica's, followers
         included): what its pace is set for. O(jobs + multi-process replicas)."""
@@ -1167,13 +1172,12 @@ class Lighthouse(pb2_grpc.LighthouseServicer):
     def _pace(self, now: float) -> None:
         """Recount the beating processes and set their pace and the silence window (pacing)."""
         self._paced_at = now
-        was_window, was = self.detect_s, self._pacer.interval_s
+        was_window, was, was_paced = self.detect_s, self._pacer.interval_s, self._pacer.paced
         n = self.beating_processes()
         p = self._pacer.update(n, now)
-        self.detect_s = self._pacer.window()
         ms = int(round(p * 1000.0))
         self._pace_bytes = wire.varint_field(_HEARTBEAT_BEAT_INTERVAL, ms) if ms > 0 else b""
-        if self.detect_s != was_window and (self.detect_s > self.config.detect_s or was_window > self.config.detect_s):
+        if self.detect_s != was_window and (self._pacer.paced or was_paced):
             if self.detect_s > was_window:
                 over = (f"; at one beat every {pacing.MAX_PACED_INTERVAL_S:g} s (the slowest it asks for) they "
                         f"still send {n / pacing.MAX_PACED_INTERVAL_S:.0f} beats/s, past the budget"

@@ -276,6 +276,8 @@ class HeartbeatReply:
     # itself in, and that all-reduce as (quorum id, step); empty / None unless it reported one.
     asking: tuple[str, ...] = ()
     allreduce: tuple[int, int] | None = None
+    # The lighthouse's pace: beat no more often than this (0.0 = at your own interval; pacing.py).
+    beat_interval_s: float = 0.0
 
 
 def heartbeat_reply(resp: pb2.HeartbeatResponse, allreduce: tuple[int, int] | None) -> HeartbeatReply:
@@ -283,7 +285,7 @@ def heartbeat_reply(resp: pb2.HeartbeatResponse, allreduce: tuple[int, int] | No
     the beat reported (its phase), which the reply's ``asking`` list is about."""
     asking = tuple(resp.asking_replica_ids)
     return HeartbeatReply(tuple(resp.dead_replica_ids), resp.quorum_id, tuple(resp.dead_members), asking,
-                          allreduce if asking else None)
+                          allreduce if asking else None, resp.beat_interval_ms / 1000.0)
 
 
 @dataclass(frozen=True)
@@ -1217,8 +1219,8 @@ class LighthouseClient:
     def _heard_beat(self, sent, resp, req) -> HeartbeatReply:
         # Sent and held: stop sending them; not held (a restarted lighthouse): send again.
         self.registration.heard(sent, resp.addresses_registered)
-        self.paced_s = resp.beat_interval_ms / 1000.0
         reply = heartbeat_reply(resp, (req.phase.quorum_id, req.phase.step))
+        self.paced_s = reply.beat_interval_s
         self.last_heartbeat = reply
         return reply
 

@@ -607,8 +607,9 @@ class AioLighthouseClient:
         except (grpc.aio.AioRpcError, SessionError) as e:
             raise LighthouseError(f"heartbeat: {e.code()}: {e.details()}", e.code()) from None
         self.registration.heard(sent, resp.addresses_registered)
-        self.paced_s = resp.beat_interval_ms / 1000.0  # the lighthouse's pace (fthsdp.control.pacing)
-        return heartbeat_reply(resp, allreduce)
+        reply = heartbeat_reply(resp, allreduce)
+        self.paced_s = reply.beat_interval_s  # the lighthouse's pace (fthsdp.control.pacing)
+        return reply
 
     async def leave(self, step: int, *, finished: bool, timeout_s: float = 5.0) -> bool:
         req = pb2.LeaveRequest(protocol_version=LIGHTHOUSE_PROTOCOL_VERSION, job_id=self.job_id,
