@@ -26,7 +26,11 @@ must know the fault kinds).
 
 What to expect: ``between`` costs about the outage; before the heartbeat replies named the
 replicas asking (``HeartbeatResponse.asking_replica_ids``), ``answering`` cost the
-all-reduce's deadline (``--deadline``), now about the outage too.
+all-reduce's deadline (``--deadline``), now about the outage too. Past 500 processes (e.g.
+``--replicas 2048 --ranks 1``) the lighthouse paces their beats (fthsdp/control/pacing.py);
+each run also counts the deaths it declared (every one false: only the lighthouse is killed)
+and keeps its pacing lines, which show whether the restarted one kept the pace its processes
+brought (``BeatPacer.inherit``) or rebuilt it from a growing count.
 """
 
 from __future__ import annotations
@@ -83,6 +87,9 @@ def run(where: str, replicas: int, ranks: int, steps: int, fault_step: int, down
         "failed_at_deadline": sum("deadline" in e for e in failed),
         "violations": rep.violations()[:5], "final_steps": sorted(set(rep.final_steps.values())),
         "lighthouse_starts": rep.lighthouse_starts, "wall_s": rep.wall_s,
+        # nobody is killed but the lighthouse: every death it declared is false (beats taken for
+        # silence); and its pacing lines, both starts (past 500 processes at the defaults)
+        "declared_dead": rep.lighthouse_log.get("declared_dead", 0), "pacing_log": rep.lighthouse_log.get("paced", []),
         "rounds_s": {str(k): round(v, 6) for k, v in sorted(by_step.items())},
     }
 
@@ -208,7 +215,8 @@ def main(argv: list[str] | None = None) -> int:
                           f"stall {r['stall_s']:.2f} s (step {r['stalled_step']}), longest all-reduce wait "
                           f"{r['max_allreduce_wait_s']:.2f} s of {args.deadline:g}; {r['in_allreduce_at_kill']} in "
                           f"the all-reduce: {r['aborted_on_asking']} aborted on hearing who asks, "
-                          f"{r['failed_at_deadline']} at the deadline; violations: {r['violations'] or 'none'}",
+                          f"{r['failed_at_deadline']} at the deadline; {r['declared_dead']} declared dead; "
+                          f"violations: {r['violations'] or 'none'}",
                           flush=True)
 
         clients = {}

@@ -426,14 +426,15 @@ def test_status_command_shows_quorum_reason_and_replicas(lighthouse, capsys):
         out = capsys.readouterr().out
         assert "job 'statusjob'" in out and "members ['0', '1'] at step 3" in out
         assert "last decision: quorum" in out
+        assert "failure detection: " in out and "asked to beat" not in out  # 2 processes: not paced
         assert out.count("training") + out.count("waiting for quorum") == 2
         # every job's status carries the lighthouse's own load: 2 replicas asked and beat here
         load = next(line for line in out.splitlines() if line.startswith("lighthouse since it started"))
         assert "1 job(s)" in load and "% of a core" in load and "ms each" in load and "refused: none" in load, load
-        jobs, got = clients[0].status_and_load("")
+        jobs, got = (r := clients[0].status_reply("")).jobs, r.load
         assert [j.job_id for j in jobs] == ["statusjob"] and got.jobs == 1 and got.evaluations >= 1
         assert got.cpu_s > 0 and got.uptime_s > 0
-        assert clients[0].status_and_load()[1] is None  # one job's status: not the lighthouse's load
+        assert clients[0].status_reply().load is None  # one job's status: not the lighthouse's load
         assert fthsdp_main(["status", "--lighthouse", lighthouse.address, "--job", "statusjob"]) == 0
         assert "lighthouse since" not in capsys.readouterr().out
     finally:

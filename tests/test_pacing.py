@@ -1,5 +1,6 @@
 """Heartbeat pacing (fthsdp.control.pacing): the pure rule, then a real lighthouse that paces
-real clients' beats and still detects a stopped one."""
+real clients' beats and still detects a stopped one, and one restarted under paced clients that
+keeps their pace."""
 
 from __future__ import annotations
 
@@ -8,8 +9,8 @@ import time
 
 import pytest
 
-from fthsdp.control.pacing import (MAX_PACED_INTERVAL_S, PACED_BEATS_PER_WINDOW, BeatPacer,
-                                   paced_interval)
+from fthsdp.control.pacing import (INHERIT_S, MAX_PACED_INTERVAL_S, PACED_BEATS_PER_WINDOW, BeatPacer,
+                                   paced_interval, reported_ms)
 
 
 def test_few_processes_are_not_paced_and_the_window_stays_as_configured():
@@ -46,6 +47,24 @@ def test_the_window_narrows_only_after_every_process_can_have_beaten_at_the_fast
     assert p.window() == 0.8 and not p.paced
 
 
+def test_a_restarted_lighthouse_keeps_the_pace_its_processes_bring_while_it_recounts_them():
+    """A lighthouse restarted under 4,096 processes paced to 0.819 s counts them as they come back:
+    from its first count (300) it would ask them to beat every 0.1 s. For INHERIT_S it keeps the
+    slowest pace they report, with its window; then its own count rules (here: fewer came back)."""
+    p = BeatPacer(beats_per_s=5_000, detect_s=0.8, started_at=100.0)
+    assert p.inherit(0.819, now=100.1)  # raised: update now
+    assert p.update(300, now=100.1) == 0.819 and p.window() == pytest.approx(PACED_BEATS_PER_WINDOW * 0.819)
+    assert not p.inherit(0.5, now=100.2) and not p.inherit(math.nan, now=100.2)  # not slower
+    assert not p.inherit(0.819, now=100.2)
+    assert p.update(4096, now=100.35) == 0.819  # all back: the same pace by its own count
+    assert p.inherit(3600.0, now=100.4) and p.update(4096, now=100.4) == MAX_PACED_INTERVAL_S  # capped
+    assert p.update(2048, now=100.0 + INHERIT_S - 0.1) == MAX_PACED_INTERVAL_S  # recounted every 0.25 s
+    assert p.update(2048, now=100.0 + INHERIT_S) == 0.409  # past INHERIT_S: its count
+    assert p.window() == PACED_BEATS_PER_WINDOW * MAX_PACED_INTERVAL_S  # some still beat at 1 s
+    assert not p.inherit(1.0, now=100.0 + INHERIT_S) and p.update(2048, now=120.0) == 0.409  # ignored now
+    assert not BeatPacer(beats_per_s=0, detect_s=0.8).inherit(0.8, now=0.0)  # no budget: their own pace
+
+
 def test_no_budget_never_paces_and_bad_budgets_are_refused():
     p = BeatPacer(beats_per_s=0, detect_s=0.8)
     assert p.update(1_000_000, now=0.0) == 0.0 and p.window() == 0.8
@@ -59,6 +78,9 @@ def test_a_client_never_beats_faster_than_its_own_interval_nor_trusts_a_wild_ann
     assert paced_interval(0.5, 0.2) == 0.5  # its own is slower: its own
     assert paced_interval(0.1, 3600.0) == MAX_PACED_INTERVAL_S
     assert paced_interval(0.1, math.nan) == 0.1 and paced_interval(0.1, -4.0) == 0.1
+    # what its beats say of its pace: only a pace slower than its own (BeatPacer.inherit reads it)
+    assert reported_ms(0.1, 0.409) == 409 and reported_ms(0.1, 0.0) == 0 and reported_ms(0.5, 0.2) == 0
+    assert reported_ms(0.1, 3600.0) == 1000
 
 
 def test_lighthouse_config_refuses_a_negative_budget():
@@ -75,7 +97,7 @@ def test_a_real_lighthouse_paces_real_clients_and_still_detects_a_stopped_one():
     beating slowly, the lighthouse's window widened, and a client whose beats stop is declared dead
     within the widened window (not the configured 0.8 s, which would have killed the paced)."""
     from fthsdp.control.lighthouse import LighthouseConfig, LighthouseThread
-    from fthsdp.control.lighthouse_client import LighthouseClient
+    from fthsdp.control.lighthouse_client import LighthouseClient, format_detection
 
     with LighthouseThread(LighthouseConfig(join_timeout_s=0.3, detect_s=0.8, beats_per_s=20.0)) as lh:
         clients = [LighthouseClient(lh.address, "paced", str(i), heartbeat_interval_s=0.1, heartbeat_timeout_s=2.0)
@@ -88,6 +110,8 @@ def test_a_real_lighthouse_paces_real_clients_and_still_detects_a_stopped_one():
                 time.sleep(0.05)
             assert [c.beat_interval_s for c in clients] == [0.4] * 8
             assert lh.server.detect_s == pytest.approx(PACED_BEATS_PER_WINDOW * 0.4)
+            shown = format_detection(clients[0].status_reply())  # what `fthsdp status` prints
+            assert shown.startswith("failure detection: 3.2 s") and "beat every 0.4 s at most" in shown, shown
             beats0 = lh.server.stats["heartbeats"]
             time.sleep(2.0)
             rate = (lh.server.stats["heartbeats"] - beats0) / 2.0
@@ -109,3 +133,50 @@ def test_a_real_lighthouse_paces_real_clients_and_still_detects_a_stopped_one():
         finally:
             for c in clients:
                 c.close()
+
+
+@pytest.mark.multiprocess
+def test_a_restarted_lighthouse_keeps_its_processes_pace_instead_of_calling_a_storm_of_beats():
+    """8 clients paced to 0.4 s (budget 20 beats/s) and their lighthouse restarted on its port: the
+    new one knows nobody at first, and from its first counts would ask them for their own 0.1 s
+    (a storm of beats while it is busiest). Their beats say 0.4 s; it keeps that pace and its
+    window from the first reply on, and nobody is declared dead."""
+    from fthsdp.control.lighthouse import LighthouseConfig, LighthouseThread
+    from fthsdp.control.lighthouse_client import LighthouseClient
+    from test_resilience_lighthouse import free_port
+
+    port = free_port()
+    cfg = LighthouseConfig(bind=f"127.0.0.1:{port}", join_timeout_s=0.3, detect_s=0.8, beats_per_s=20.0)
+    clients = [LighthouseClient(f"127.0.0.1:{port}", "paced", str(i), heartbeat_interval_s=0.1,
+                                heartbeat_timeout_s=2.0, outage_s=30.0) for i in range(8)]
+    first, second = LighthouseThread(cfg), None
+    first.start()
+    try:
+        for c in clients:
+            c.start_heartbeats()
+        deadline = time.monotonic() + 10.0
+        while time.monotonic() < deadline and not all(c.beat_interval_s == 0.4 for c in clients):
+            time.sleep(0.05)
+        assert [c.beat_interval_s for c in clients] == [0.4] * 8
+        first.stop()
+        time.sleep(0.5)  # their beats fail meanwhile; they keep the pace of their last reply
+        second = LighthouseThread(cfg)
+        second.start()
+        started, fastest, heard = time.monotonic(), 1.0, False
+        while time.monotonic() - started < 3.0:
+            fastest = min(fastest, *(c.beat_interval_s for c in clients))
+            heard = heard or second.server.stats["heartbeats"] >= 8
+            time.sleep(0.005)
+        assert heard, "the clients never reached the restarted lighthouse"
+        assert fastest == 0.4, f"a client was told to beat every {fastest} s after the restart"
+        assert second.server.detect_s == pytest.approx(PACED_BEATS_PER_WINDOW * 0.4)
+        rate = second.server.stats["heartbeats"] / (time.monotonic() - started)
+        assert rate <= 35.0, f"{rate:.0f} beats/s at the restarted lighthouse (paced: ~20, unpaced: 80)"
+        (job,) = clients[0].status()
+        assert [r.replica_id for r in job.replicas if r.dead] == []
+    finally:
+        for c in clients:
+            c.close()
+        for lh in (first, second):
+            if lh is not None:
+                lh.stop()

@@ -357,14 +357,14 @@ def test_status_needs_a_credential_and_never_lists_other_jobs(secure):
     with LighthouseClient(secure.address, "job", "0", key=auth.job_key(SECRET, "job")) as c:
         c.heartbeat(0)
         assert [j.job_id for j in c.status()] == ["job"]  # a job's secret reads its own job
-        assert c.status_and_load()[1] is None  # and not the lighthouse's load (about every job)
+        assert c.status_reply().load is None  # and not the lighthouse's load (about every job)
         with pytest.raises(NotAuthorized, match="reads that job only"):
             c.status("")
         with pytest.raises(NotAuthorized, match="does not verify"):
             c.status("secret-other-job")
     with LighthouseClient(secure.address, "x", "x", status_key=auth.status_key(SECRET)) as reader:
         assert [j.job_id for j in reader.status("")] == ["job"]
-        load = reader.status_and_load("")[1]  # the status key reads every job, and the load
+        load = reader.status_reply("").load  # the status key reads every job, and the load
         assert load is not None and load.jobs == 1 and load.refused_by_code.get("PERMISSION_DENIED", 0) >= 1
         with pytest.raises(JobNotFound) as ei:
             reader.status("nope")

@@ -753,7 +753,7 @@ class Lighthouse(pb2_grpc.LighthouseServicer):
         self.rca_metrics.registry.register(LoadCollector(self.load_snapshot))
         # The processes' beat pace and the silence window that goes with it (recounted each
         # _PACE_RECOUNT_S by the tick): every liveness judgement reads self.detect_s.
-        self._pacer = pacing.BeatPacer(self.config.beats_per_s, self.config.detect_s)
+        self._pacer = pacing.BeatPacer(self.config.beats_per_s, self.config.detect_s, started_at=self._started)
         self._pace_bytes = b""  # HeartbeatResponse.beat_interval_ms, appended to every beat's reply
         self._paced_at = -math.inf
 
@@ -1531,6 +1531,8 @@ class Lighthouse(pb2_grpc.LighthouseServicer):
             raise Refused(grpc.StatusCode.INVALID_ARGUMENT, err)
         self._admitted(request, peer, now, relayed)
         self.stats["heartbeats"] += 1
+        if request.beat_interval_ms and self._pacer.inherit(request.beat_interval_ms / 1000.0, now):
+            self._pace(now)  # paced by the lighthouse before this one: keep that pace (BeatPacer.inherit)
         job = self._job(request.job_id)
         self._bind(job, request)
         rid = request.replica_id

@@ -53,7 +53,7 @@ import grpc
 from fthsdp.addresses import split_host_port
 from fthsdp.control import auth, quorum as qm
 from fthsdp.control.channel_args import RECONNECT_ARGS
-from fthsdp.control.pacing import paced_interval
+from fthsdp.control.pacing import paced_interval, reported_ms
 from fthsdp.control.session import SESSION_METHODS
 from fthsdp.control.session_client import (RelayPath, Routed, SessionError, SessionRoute, SessionUnsupported,
                                            SyncSession, beat_covered)
@@ -372,6 +372,27 @@ class JobStatus:
     sdc_fatal: str = ""
 
 
+@dataclass(frozen=True)
+class StatusReply:
+    """A lighthouse's Status: its jobs, its own load (a Status of every job only, which needs its
+    status key; else None), and how fast it detects a death now."""
+
+    jobs: list[JobStatus]
+    load: LoadSnapshot | None
+    detect_s: float  # the silence that declares a process dead: wider than configured while paced
+    beat_interval_s: float  # the slowest it asks its processes to beat (0 = their own interval)
+
+
+def format_detection(reply: StatusReply) -> str:
+    """A person's line about failure detection, and why it is slower when the beats are paced."""
+    line = f"failure detection: {reply.detect_s:.3g} s of silence"
+    if reply.beat_interval_s > 0:
+        line += (f"; processes asked to beat every {reply.beat_interval_s:.3g} s at most (the lighthouse's beat "
+                 f"budget, `fthsdp lighthouse --beats-per-s`: more processes than it carries at their own "
+                 f"interval widen detection; raise it on a host with the CPU for it)")
+    return line
+
+
 def load_from_proto(p: "pb2.LighthouseLoad") -> LoadSnapshot:
     """The lighthouse's load as a Status of every job carries it (the proto's fields are named as
     the snapshot's)."""
@@ -493,14 +514,15 @@ def status_cli(argv: list[str]) -> int:
     try:
         while True:
             try:
-                jobs, load = client.status_and_load(args.job)
+                reply = client.status_reply(args.job)
             except LighthouseError as e:
                 print(f"fthsdp status: {e}", file=sys.stderr)
                 return 1
-            if load is not None:  # a Status of every job (the status key): the lighthouse's own load
-                print(format_load(load, before), flush=True)
-                before = load
-            print(format_status(jobs), flush=True)
+            if reply.load is not None:  # a Status of every job (the status key): the lighthouse's own load
+                print(format_load(reply.load, before), flush=True)
+                before = reply.load
+            print(format_detection(reply), flush=True)
+            print(format_status(reply.jobs), flush=True)
             if args.watch <= 0:
                 return 0
             time.sleep(args.watch)
@@ -1246,6 +1268,7 @@ class LighthouseClient:
             step=self._step, last_quorum_id=last.quorum_id if last is not None else 0,
             process_index=self.process_index, num_processes=self.num_processes,
             metrics_address=self.metrics_address, **self._fingerprint_fields(), incarnation=self.incarnation,
+            beat_interval_ms=reported_ms(self.heartbeat_interval_s, self.paced_s),
         )
         sent = self.registration.fill(req)
         if self.phase_source is not None:
@@ -1257,17 +1280,19 @@ class LighthouseClient:
 
     def status(self, job_id: str | None = None) -> list[JobStatus]:
         """Introspection: every job (``job_id=""``) or one (default: this client's job)."""
-        return self.status_and_load(job_id)[0]
+        return self.status_reply(job_id).jobs
 
-    def status_and_load(self, job_id: str | None = None) -> tuple[list[JobStatus], LoadSnapshot | None]:
-        """:meth:`status`, and the lighthouse's own load when it says (a Status of every job)."""
+    def status_reply(self, job_id: str | None = None) -> StatusReply:
+        """:meth:`status`, the lighthouse's own load when it says (a Status of every job), and its
+        failure detection now."""
         jid = self.job_id if job_id is None else job_id
         try:
             resp = self._call("Status", pb2.StatusRequest(protocol_version=LIGHTHOUSE_PROTOCOL_VERSION, job_id=jid),
                               self.rpc_timeout_s)
         except grpc.RpcError as e:
             raise self._error("status", e, self.rpc_timeout_s) from None
-        return self._jobs_of(resp), load_from_proto(resp.load) if resp.HasField("load") else None
+        return StatusReply(self._jobs_of(resp), load_from_proto(resp.load) if resp.HasField("load") else None,
+                           resp.detect_s, resp.beat_interval_s)
 
     @staticmethod
     def _jobs_of(resp) -> list[JobStatus]:

@@ -24,6 +24,16 @@ beat's reply, so after the pace falls the lighthouse keeps the wider window for
 has beaten at the new pace by then); when the pace rises the window widens at
 once, before any process has slowed down.
 
+**A restarted lighthouse.** It knows none of its processes at first and counts them as they
+come back, so its first count is low, and a pace set from it would tell processes paced by
+the lighthouse before it to beat as fast as their own interval: a storm of beats at the
+moment it is busiest. Each heartbeat therefore says the interval its process beats at
+(``HeartbeatRequest.beat_interval_ms``, 0 when its own), and for its first
+:data:`INHERIT_S` seconds a lighthouse keeps at least the slowest pace so reported
+(:meth:`BeatPacer.inherit`), with the window that goes with it; after that its own count
+rules. Reports are honoured only then so that processes repeating a pace back to the
+lighthouse that set it cannot hold it after the processes that needed it are gone.
+
 :class:`BeatPacer` is plain data and a clock passed in (unit-tested without a
 server); :func:`paced_interval` is the client's side of the rule.
 """
@@ -33,7 +43,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-__all__ = ["BeatPacer", "paced_interval", "PACED_BEATS_PER_WINDOW", "MAX_PACED_INTERVAL_S", "DEFAULT_BEATS_PER_S"]
+__all__ = ["BeatPacer", "paced_interval", "reported_ms", "PACED_BEATS_PER_WINDOW", "MAX_PACED_INTERVAL_S", "DEFAULT_BEATS_PER_S",
+           "INHERIT_S"]
 
 # Beats that fit in a paced silence window: as many as in the default configuration (ft.detect_s
 # 0.8 s / ft.heartbeat_interval_s 0.1 s). With 4 (the Timeouts' minimum of 3, plus one), 2,048
@@ -52,6 +63,11 @@ MAX_PACED_INTERVAL_S = 1.0
 # (experiments/heartbeat_pacing.py): 2,048 processes at 10,000 beats/s still saw late beats
 # taken for deaths; at 2,000 none.
 DEFAULT_BEATS_PER_S = 5_000.0
+# How long a lighthouse keeps the pace its processes say they beat at (BeatPacer.inherit): long
+# enough for every process to find it again after a restart (a restart at 512 x 196 took
+# 0.9-1.3 s to reach every rank, README "At scale"), and each has then beaten at least once
+# at the slowest pace (1 s).
+INHERIT_S = 10.0
 
 
 def paced_interval(own_s: float, announced_s: float) -> float:
@@ -61,6 +77,14 @@ def paced_interval(own_s: float, announced_s: float) -> float:
     if not (isinstance(announced_s, float | int) and math.isfinite(announced_s)) or announced_s <= own_s:
         return own_s
     return max(own_s, min(float(announced_s), MAX_PACED_INTERVAL_S))
+
+
+def reported_ms(own_s: float, announced_s: float) -> int:
+    """What a heartbeat says of its process's pace (``HeartbeatRequest.beat_interval_ms``): the
+    interval it beats at in whole milliseconds when a lighthouse paced it slower than its own,
+    else 0 (:meth:`BeatPacer.inherit` reads it)."""
+    s = paced_interval(own_s, announced_s)
+    return int(round(s * 1000.0)) if s > own_s else 0
 
 
 @dataclass
@@ -73,7 +97,9 @@ class BeatPacer:
 
     beats_per_s: float  # the budget; 0 = never pace
     detect_s: float  # the configured silence window
+    started_at: float = 0.0  # when the lighthouse started (the clock of ``now``): inherit() until INHERIT_S after
     interval_s: float = 0.0
+    _inherited_s: float = 0.0  # the slowest pace processes brought from an earlier lighthouse
     _slowest_s: float = 0.0  # the slowest interval announced that a process may still be beating at
     _slowest_until: float = field(default=-math.inf)
 
@@ -89,11 +115,29 @@ class BeatPacer:
         if self.beats_per_s > 0 and processes > 0:
             p = min(processes / self.beats_per_s, MAX_PACED_INTERVAL_S)
             p = math.floor(p * 1000.0) / 1000.0  # whole milliseconds, as the reply carries it
+        if self._inheriting(now):
+            p = max(p, self._inherited_s)  # the count is still growing: keep the pace they brought
         self.interval_s = p
         if p >= self._slowest_s or now >= self._slowest_until:
             self._slowest_s = p
             self._slowest_until = now + PACED_BEATS_PER_WINDOW * p
         return p
+
+    def inherit(self, interval_s: float, now: float) -> bool:
+        """A process says it beats every ``interval_s`` (an earlier lighthouse paced it). In the
+        first :data:`INHERIT_S` seconds the pace announced does not fall below the slowest such
+        report (at most :data:`MAX_PACED_INTERVAL_S`; a budget of 0 inherits nothing). Returns
+        True when that raised the pace: :meth:`update` it now, before more replies go out."""
+        if not (self.beats_per_s > 0 and self._inheriting(now) and math.isfinite(interval_s)):
+            return False
+        s = math.floor(min(interval_s, MAX_PACED_INTERVAL_S) * 1000.0) / 1000.0
+        if s <= self._inherited_s:
+            return False
+        self._inherited_s = s
+        return s > self.interval_s
+
+    def _inheriting(self, now: float) -> bool:
+        return now - self.started_at < INHERIT_S
 
     def window(self) -> float:
         """The silence that declares a process dead now: the configured window, or

@@ -36,6 +36,7 @@ import grpc
 
 from fthsdp.control import quorum as qm, session as sess
 from fthsdp.control.channel_args import RECONNECT_ARGS
+from fthsdp.control.pacing import reported_ms
 from fthsdp.control.session_client import (SessionError, SessionUnsupported, beat_covered, parse_reply,
                                            RelayPath, SessionRoute, stop_stream, stream_error, CLOSED)
 from fthsdp.replica.fsm import membership
@@ -579,13 +580,14 @@ class AioLighthouseClient:
         except TimeoutError:
             return False
 
-    async def heartbeat(self, step: int, *, skip_within_s: float = 0.0,
-                        allreduce: tuple[int, int] | None = None) -> HeartbeatReply | None:
+    async def heartbeat(self, step: int, *, skip_within_s: float = 0.0, allreduce: tuple[int, int] | None = None,
+                        own_interval_s: float = 0.0) -> HeartbeatReply | None:
         """One heartbeat and its reply. A leader on a session that sent a quorum request less than
         ``skip_within_s`` ago skips the beat and returns None (the lighthouse counts the request
         as one; the synchronous client's heartbeat thread does the same). ``allreduce``: the
         (quorum id, step) whose all-reduce the replica is in, reported as its phase (the reply
-        then names the replicas asking for a quorum at or before that step)."""
+        then names the replicas asking for a quorum at or before that step). ``own_interval_s``:
+        the process's own beat interval, so that the beat says when it is paced slower."""
         path = self.relay_path
         if path.watching:  # away from a relay left by its broken streams: is it back? (RelayPath.channel_state)
             path.channel_state(self._relay_channel.get_state(try_to_connect=True) is grpc.ChannelConnectivity.READY,
@@ -597,7 +599,8 @@ class AioLighthouseClient:
         req = pb2.HeartbeatRequest(protocol_version=LIGHTHOUSE_PROTOCOL_VERSION, job_id=self.job_id,
                                    replica_id=self.replica_id, step=step,
                                    last_quorum_id=last.quorum_id if last is not None else 0,
-                                   process_index=self.process_index, num_processes=self.num_processes)
+                                   process_index=self.process_index, num_processes=self.num_processes,
+                                   beat_interval_ms=reported_ms(own_interval_s, self.paced_s) if own_interval_s else 0)
         if allreduce is not None:
             req.phase.phase, req.phase.quorum_id, req.phase.step = pb2.PHASE_ALLREDUCE, *allreduce
         sent = self.registration.fill(req)

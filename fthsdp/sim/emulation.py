@@ -932,7 +932,7 @@ class EmulatedReplica:
                 continue
             inflight = self.inflight if process == 0 else None
             try:
-                reply = await client.heartbeat(self.state.step, skip_within_s=every,
+                reply = await client.heartbeat(self.state.step, skip_within_s=every, own_interval_s=interval,
                                                allreduce=inflight and (inflight[0].quorum_id, inflight[1]))
             except LighthouseError:
                 continue  # the lighthouse is down or slow: keep trying every interval
