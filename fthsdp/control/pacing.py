@@ -43,8 +43,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-__all__ = ["BeatPacer", "paced_interval", "reported_ms", "PACED_BEATS_PER_WINDOW", "MAX_PACED_INTERVAL_S", "DEFAULT_BEATS_PER_S",
-           "INHERIT_S"]
+__all__ = ["BeatPacer", "paced_interval", "reported_ms", "PACED_BEATS_PER_WINDOW", "MAX_PACED_INTERVAL_S",
+           "DEFAULT_BEATS_PER_S", "INHERIT_S"]
 
 # Beats that fit in a paced silence window: as many as in the default configuration (ft.detect_s
 # 0.8 s / ft.heartbeat_interval_s 0.1 s). With 4 (the Timeouts' minimum of 3, plus one), 2,048
