@@ -162,7 +162,7 @@ def fthsdp_row(system: str, replicas: int, ranks_per_replica: int, rounds: int, 
                profile: str = "", processes: int = 1, trace: bool = False, warmup: int = 1,
                transport: str = "session", relays: int = 0, emulator_processes: int = 1,
                lighthouse_cpus: tuple[int, ...] = (), beats_per_s: float | None = None,
-               detect_s: float | None = None) -> dict:
+               detect_s: float | None = None, faults: tuple = (), lighthouse_from: str = "") -> dict:
     """``heartbeat_s``: the leaders' heartbeat interval (0: no heartbeats). ``trace``: run the
     lighthouse under fthsdp.sim.lighthouse_trace and add each round's breakdown. ``warmup``:
     rounds run first and not measured (round 0 connects and forms the first quorum). ``transport``:
@@ -172,7 +172,9 @@ def fthsdp_row(system: str, replicas: int, ranks_per_replica: int, rounds: int, 
     ``emulator_processes``: processes the emulated replicas are split over (fthsdp.sim.shards).
     ``lighthouse_cpus``: the CPUs the lighthouse is bound to (the emulator's are the caller's).
     ``beats_per_s``: the lighthouse's beat budget (None: its default; 0: no pacing,
-    fthsdp.control.pacing). ``detect_s``: the detection window (None: 5 s with heartbeats)."""
+    fthsdp.control.pacing). ``detect_s``: the detection window (None: 5 s with heartbeats).
+    ``faults``: the emulation's (fthsdp.sim.emulation.Fault). ``lighthouse_from``: an extract of
+    another commit to run the lighthouse from (EmulationConfig.lighthouse_from)."""
     import tempfile
 
     tmp = tempfile.TemporaryDirectory(prefix="fthsdp-scale-trace-") if trace else None
@@ -202,7 +204,8 @@ def fthsdp_row(system: str, replicas: int, ranks_per_replica: int, rounds: int, 
         job_id=f"scale-{replicas}x{ranks_per_replica}",
         lighthouse_profile=profile, processes_per_replica=processes, lighthouse_trace=trace_path,
         lighthouse_session=transport == "session", relays=relays, emulator_processes=emulator_processes,
-        lighthouse_cpus=lighthouse_cpus, lighthouse_beats_per_s=beats_per_s)
+        lighthouse_cpus=lighthouse_cpus, lighthouse_beats_per_s=beats_per_s, faults=faults,
+        lighthouse_from=lighthouse_from)
     rep = run_emulation(cfg)
     where = None
     if tmp is not None:

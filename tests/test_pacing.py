@@ -53,7 +53,7 @@ def test_a_restarted_lighthouse_keeps_the_pace_its_processes_bring_while_it_reco
     slowest pace they report, with its window; then its own count rules (here: fewer came back)."""
     p = BeatPacer(beats_per_s=5_000, detect_s=0.8, started_at=100.0)
     assert p.inherit(0.819, now=100.1)  # raised: update now
-    assert p.update(300, now=100.1) == 0.819 and p.window() == pytest.approx(PACED_BEATS_PER_WINDOW * 0.819)
+    assert p.update(300, now=100.1) == 0.819 and p.counted_s == 0.06 and p.window() == pytest.approx(PACED_BEATS_PER_WINDOW * 0.819)
     assert not p.inherit(0.5, now=100.2) and not p.inherit(math.nan, now=100.2)  # not slower
     assert not p.inherit(0.819, now=100.2)
     assert p.update(4096, now=100.35) == 0.819  # all back: the same pace by its own count
@@ -90,6 +90,16 @@ def test_lighthouse_config_refuses_a_negative_budget():
         LighthouseConfig(beats_per_s=-5)
 
 
+def beat_until_paced(clients, pace_s: float) -> None:
+    """Start the clients' heartbeats and wait until every one beats at ``pace_s``."""
+    for c in clients:
+        c.start_heartbeats()
+    deadline = time.monotonic() + 10.0
+    while time.monotonic() < deadline and not all(c.beat_interval_s == pace_s for c in clients):
+        time.sleep(0.05)
+    assert [c.beat_interval_s for c in clients] == [pace_s] * len(clients)
+
+
 @pytest.mark.multiprocess
 def test_a_real_lighthouse_paces_real_clients_and_still_detects_a_stopped_one():
     """8 processes beating every 0.1 s against a budget of 20 beats/s: the replies ask for 0.4 s,
@@ -103,12 +113,7 @@ def test_a_real_lighthouse_paces_real_clients_and_still_detects_a_stopped_one():
         clients = [LighthouseClient(lh.address, "paced", str(i), heartbeat_interval_s=0.1, heartbeat_timeout_s=2.0)
                    for i in range(8)]
         try:
-            for c in clients:
-                c.start_heartbeats()
-            deadline = time.monotonic() + 10.0
-            while time.monotonic() < deadline and not all(c.beat_interval_s == 0.4 for c in clients):
-                time.sleep(0.05)
-            assert [c.beat_interval_s for c in clients] == [0.4] * 8
+            beat_until_paced(clients, 0.4)
             assert lh.server.detect_s == pytest.approx(PACED_BEATS_PER_WINDOW * 0.4)
             shown = format_detection(clients[0].status_reply())  # what `fthsdp status` prints
             assert shown.startswith("failure detection: 3.2 s") and "beat every 0.4 s at most" in shown, shown
@@ -136,7 +141,7 @@ def test_a_real_lighthouse_paces_real_clients_and_still_detects_a_stopped_one():
 
 
 @pytest.mark.multiprocess
-def test_a_restarted_lighthouse_keeps_its_processes_pace_instead_of_calling_a_storm_of_beats():
+def test_a_restarted_lighthouse_keeps_its_processes_pace_instead_of_calling_a_storm_of_beats(caplog):
     """8 clients paced to 0.4 s (budget 20 beats/s) and their lighthouse restarted on its port: the
     new one knows nobody at first, and from its first counts would ask them for their own 0.1 s
     (a storm of beats while it is busiest). Their beats say 0.4 s; it keeps that pace and its
@@ -152,12 +157,7 @@ def test_a_restarted_lighthouse_keeps_its_processes_pace_instead_of_calling_a_st
     first, second = LighthouseThread(cfg), None
     first.start()
     try:
-        for c in clients:
-            c.start_heartbeats()
-        deadline = time.monotonic() + 10.0
-        while time.monotonic() < deadline and not all(c.beat_interval_s == 0.4 for c in clients):
-            time.sleep(0.05)
-        assert [c.beat_interval_s for c in clients] == [0.4] * 8
+        beat_until_paced(clients, 0.4)
         first.stop()
         time.sleep(0.5)  # their beats fail meanwhile; they keep the pace of their last reply
         second = LighthouseThread(cfg)
@@ -174,6 +174,8 @@ def test_a_restarted_lighthouse_keeps_its_processes_pace_instead_of_calling_a_st
         assert rate <= 35.0, f"{rate:.0f} beats/s at the restarted lighthouse (paced: ~20, unpaced: 80)"
         (job,) = clients[0].status()
         assert [r.replica_id for r in job.replicas if r.dead] == []
+        said = [r.getMessage() for r in caplog.records if "kept from what its processes report" in r.getMessage()]
+        assert said and "every 0.4 s at most" in said[0], said  # its log says where the pace came from
     finally:
         for c in clients:
             c.close()

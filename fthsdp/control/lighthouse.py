@@ -1182,9 +1182,11 @@ class Lighthouse(pb2_grpc.LighthouseServicer):
                 over = (f"; at one beat every {pacing.MAX_PACED_INTERVAL_S:g} s (the slowest it asks for) they "
                         f"still send {n / pacing.MAX_PACED_INTERVAL_S:.0f} beats/s, past the budget"
                         if n / self.config.beats_per_s > pacing.MAX_PACED_INTERVAL_S else "")
+                kept = (f" (kept from what its processes report: a lighthouse before it paced them; its own "
+                        f"count asks for {self._pacer.counted_s:.3g} s)" if p > self._pacer.counted_s else "")
                 log.warning("%d processes beat this lighthouse (budget %g beats/s): each is asked to beat every "
-                            "%.3g s at most, and failure detection now takes %.3g s instead of %.3g s%s (raise "
-                            "--beats-per-s on a host with the CPU for it)", n, self.config.beats_per_s, p,
+                            "%.3g s at most%s, and failure detection now takes %.3g s instead of %.3g s%s (raise "
+                            "--beats-per-s on a host with the CPU for it)", n, self.config.beats_per_s, p, kept,
                             self.detect_s, self.config.detect_s, over)
             else:
                 log.info("%d processes beat this lighthouse: pace %.3g s (was %.3g s), failure detection %.3g s",

@@ -99,6 +99,7 @@ class BeatPacer:
     detect_s: float  # the configured silence window
     started_at: float = 0.0  # when the lighthouse started (the clock of ``now``): inherit() until INHERIT_S after
     interval_s: float = 0.0
+    counted_s: float = 0.0  # the pace its own count asks for (interval_s is more while it inherits)
     _inherited_s: float = 0.0  # the slowest pace processes brought from an earlier lighthouse
     _slowest_s: float = 0.0  # the slowest interval announced that a process may still be beating at
     _slowest_until: float = field(default=-math.inf)
@@ -115,6 +116,7 @@ class BeatPacer:
         if self.beats_per_s > 0 and processes > 0:
             p = min(processes / self.beats_per_s, MAX_PACED_INTERVAL_S)
             p = math.floor(p * 1000.0) / 1000.0  # whole milliseconds, as the reply carries it
+        self.counted_s = p
         if self._inheriting(now):
             p = max(p, self._inherited_s)  # the count is still growing: keep the pace they brought
         self.interval_s = p
