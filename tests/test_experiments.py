@@ -192,6 +192,20 @@ def test_heartbeat_pacing_quick(tmp_path):
 
 
 @pytest.mark.multiprocess
+def test_paced_restart_quick(tmp_path):
+    """128 emulated replicas of 2 processes paced to 0.512 s (a budget of 500 beats/s) and their
+    lighthouse SIGKILLed and restarted: both starts paced them to 0.512 s (the restarted one from
+    its first recount or from what their beats said, whichever came first; tests/test_pacing.py
+    pins the second), nobody was declared dead, every invariant held."""
+    out = tmp_path / "pr.json"
+    run("paced_restart.py", "--quick", "--out", str(out), timeout=600)
+    (r,) = json.loads(out.read_text())["runs"]
+    assert r["side"] == "now" and r["declared_dead"] == 0 and r["violations"] == [] and r["final_steps"] == [6], r
+    assert sum("every 0.512 s" in x for x in r["pacing_log"]) >= 2, r["pacing_log"]  # one line a start
+    assert r["complete_rounds"] >= r["rounds"] - 1, r  # the restart's: requests in flight at the kill fail
+
+
+@pytest.mark.multiprocess
 def test_lighthouse_standby_quick(tmp_path):
     """`fthsdp run` with its lighthouse SIGKILLed once, with the launcher's warm spare and
     without: the spare took over in one arm and a cold start in the other, each death's

@@ -469,3 +469,8 @@ def test_the_load_line_gives_rates_between_two_readings_and_restarts_from_a_new_
     c, d = load(100.0, 20.0, 10_000, 200, 0.4, {}, 6_000, 1_000), load(110.0, 25.0, 12_000, 300, 0.6, {}, 6_500, 1_100)
     assert "200 session messages/s (3 sessions open, 4 opened; 50/s of them through 1 relay stream(s) in 10 " \
            "batches/s)" in format_load(d, c)
+    # the heartbeats, once it has counted processes beating it (pacing: what its pace is set for)
+    import dataclasses
+
+    e, f = (dataclasses.replace(x, heartbeats=h, beating_processes=2048) for x, h in ((a, 40_000), (b, 60_000)))
+    assert "; 2000 heartbeats/s from 2048 process(es);" in format_load(f, e)

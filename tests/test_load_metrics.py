@@ -3,6 +3,7 @@ held back, calls its checks refused (by status code), its budget, the decision's
 
 from __future__ import annotations
 
+import time
 import urllib.request
 
 import grpc
@@ -27,7 +28,8 @@ def test_a_snapshot_becomes_conventional_series():
     snap = LoadSnapshot(held_total=7, held_now=2, refused_by_code={"UNAUTHENTICATED": 3, "INVALID_ARGUMENT": 1},
                         connection_budget_calls_per_s=100.0, sessions_opened=4, session_messages=900,
                         relay_batches=120, evaluations=50, evaluation_s=0.25, jobs=1, sessions_open=3,
-                        relay_streams_open=1, relayed_messages=600)
+                        relay_streams_open=1, relayed_messages=600, heartbeats=5_000, beating_processes=2_048,
+                        detect_s=3.27, beat_interval_s=0.409)
     reg = CollectorRegistry()
     reg.register(LoadCollector(lambda: snap))
     got = samples(generate_latest(reg).decode())
@@ -42,6 +44,10 @@ def test_a_snapshot_becomes_conventional_series():
     assert got[("fthsdp_lighthouse_sessions_open", ())] == 3 and got[("fthsdp_lighthouse_relay_streams_open", ())] == 1
     assert got[("fthsdp_lighthouse_quorum_evaluation_seconds_total", ())] == 0.25
     assert got[("fthsdp_lighthouse_jobs", ())] == 1
+    assert got[("fthsdp_lighthouse_heartbeats_total", ())] == 5_000
+    assert got[("fthsdp_lighthouse_beating_processes", ())] == 2_048
+    assert got[("fthsdp_lighthouse_detect_seconds", ())] == 3.27  # an alert: detection wider than configured
+    assert got[("fthsdp_lighthouse_beat_interval_seconds", ())] == 0.409
 
 
 @pytest.fixture
@@ -72,6 +78,9 @@ def test_a_running_lighthouse_serves_what_it_held_and_refused(busy_lighthouse):
         with pytest.raises(grpc.RpcError) as bad:
             call(b"\xff\xff\xff not a protobuf", timeout=5)
         assert bad.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    with LighthouseClient(lh.address, "job", "0", key=auth.job_key(secret, "job")) as member:
+        member.heartbeat(0)
+        time.sleep(0.6)  # the lighthouse recounts its beating processes every 0.25 s
     url = f"http://{lh.server.metrics_server.address}/metrics"
     text = urllib.request.urlopen(url, timeout=10).read().decode()
     got = samples(text)
@@ -81,4 +90,8 @@ def test_a_running_lighthouse_serves_what_it_held_and_refused(busy_lighthouse):
     assert sum(v for (name, labels), v in got.items() if name == "fthsdp_lighthouse_calls_refused_total"
                and labels[0][1] in ("UNAUTHENTICATED", "PERMISSION_DENIED")) >= 1
     assert got[("fthsdp_lighthouse_calls_parked", ())] == 0  # every held call was served by now
+    assert got[("fthsdp_lighthouse_heartbeats_total", ())] == 1  # the member's (the stranger's was refused)
+    assert got[("fthsdp_lighthouse_beating_processes", ())] == 1
+    assert got[("fthsdp_lighthouse_detect_seconds", ())] == lh.config.detect_s  # one process: not paced
+    assert got[("fthsdp_lighthouse_beat_interval_seconds", ())] == 0
     assert "# TYPE fthsdp_root_cause_info gauge" in text  # beside the verdicts, in one exposition

@@ -756,6 +756,7 @@ class Lighthouse(pb2_grpc.LighthouseServicer):
         self._pacer = pacing.BeatPacer(self.config.beats_per_s, self.config.detect_s, started_at=self._started)
         self._pace_bytes = b""  # HeartbeatResponse.beat_interval_ms, appended to every beat's reply
         self._paced_at = -math.inf
+        self._beating = 0  # the processes beating it at the last count (load_snapshot reads it)
 
     # -- lifecycle ---------------------------------------------------------
 
@@ -770,6 +771,8 @@ class Lighthouse(pb2_grpc.LighthouseServicer):
                             relay_batches=st["relay_batches"], sessions_open=st["sessions_open"],
                             relay_streams_open=st["relay_streams_open"], relayed_messages=st["relayed_messages"],
                             evaluations=st["evaluations"], evaluation_s=st["evaluation_s"], jobs=len(self._jobs),
+                            heartbeats=st["heartbeats"], beating_processes=self._beating, detect_s=self.detect_s,
+                            beat_interval_s=self._pacer.interval_s,
                             uptime_s=time.monotonic() - self._started, cpu_s=time.process_time())
 
     @property
@@ -1173,7 +1176,7 @@ class Lighthouse(pb2_grpc.LighthouseServicer):
         """Recount the beating processes and set their pace and the silence window (pacing)."""
         self._paced_at = now
         was_window, was, was_paced = self.detect_s, self._pacer.interval_s, self._pacer.paced
-        n = self.beating_processes()
+        n = self._beating = self.beating_processes()
         p = self._pacer.update(n, now)
         ms = int(round(p * 1000.0))
         self._pace_bytes = wire.varint_field(_HEARTBEAT_BEAT_INTERVAL, ms) if ms > 0 else b""
@@ -1533,8 +1536,6 @@ class Lighthouse(pb2_grpc.LighthouseServicer):
             raise Refused(grpc.StatusCode.INVALID_ARGUMENT, err)
         self._admitted(request, peer, now, relayed)
         self.stats["heartbeats"] += 1
-        if request.beat_interval_ms and self._pacer.inherit(request.beat_interval_ms / 1000.0, now):
-            self._pace(now)  # paced by the lighthouse before this one: keep that pace (BeatPacer.inherit)
         job = self._job(request.job_id)
         self._bind(job, request)
         rid = request.replica_id
@@ -1546,6 +1547,8 @@ class Lighthouse(pb2_grpc.LighthouseServicer):
                 g.ftar[proc], g.server[proc] = tuple(request.ftar_addresses), request.state_server_address
             registered = proc in g.ftar
         self._heard(job, rid, now, proc, nproc)
+        if request.beat_interval_ms and self._pacer.inherit(request.beat_interval_ms / 1000.0, now):
+            self._pace(now)  # paced by the lighthouse before this one: keep that pace (BeatPacer.inherit)
         if request.metrics_address:
             job.metrics_addresses.setdefault(rid, {})[proc] = request.metrics_address
         if proc != 0:  # a follower: its liveness, addresses and phase; its leader speaks for the replica

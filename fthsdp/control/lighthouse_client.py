@@ -427,6 +427,8 @@ def format_load(load: LoadSnapshot, before: LoadSnapshot | None = None) -> str:
            f"in {rate(delta('relay_batches')):.0f} batches/s" if load.relay_batches else "") + ")",
         (f"{rate(evals):.1f} quorum decisions/s, {1e3 * delta('evaluation_s') / evals:.2f} ms each"
          if evals else "no quorum decision"),
+        *([f"{rate(delta('heartbeats')):.0f} heartbeats/s from {load.beating_processes} process(es)"]
+          if load.beating_processes else []),
         f"{held} call(s) held by a budget ({load.held_now} now, {budget})",
         "refused: " + (", ".join(f"{v} {k}" for k, v in refused.items() if v) or "none"),
     ]

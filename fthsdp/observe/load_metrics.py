@@ -66,6 +66,10 @@ class LoadSnapshot:
     evaluations: int = 0
     evaluation_s: float = 0.0
     jobs: int = 0
+    heartbeats: int = 0  # heartbeats read
+    beating_processes: int = 0  # processes beating it, at its last count (what the pace is set for)
+    detect_s: float = 0.0  # the silence that declares a process dead now (wider while paced)
+    beat_interval_s: float = 0.0  # the slowest it asks its processes to beat (0: their own interval)
     uptime_s: float = 0.0  # since the lighthouse started (fthsdp status; not a series)
     cpu_s: float = 0.0  # the lighthouse process's CPU time (fthsdp status; not a series)
 
@@ -105,14 +109,21 @@ class LoadCollector(Collector):
                  s.relayed_messages),
                 ("fthsdp_lighthouse_quorum_evaluations", "Runs of the quorum decision", s.evaluations),
                 ("fthsdp_lighthouse_quorum_evaluation_seconds", "Seconds spent in the quorum decision",
-                 s.evaluation_s)):
+                 s.evaluation_s),
+                ("fthsdp_lighthouse_heartbeats", "Heartbeats read", s.heartbeats)):
             c = CounterMetricFamily(name, doc)
             c.add_metric([], value)
             yield c
         for name, doc, value in (
                 ("fthsdp_lighthouse_jobs", "Jobs the lighthouse holds", s.jobs),
                 ("fthsdp_lighthouse_sessions_open", "Processes' own session streams open now", s.sessions_open),
-                ("fthsdp_lighthouse_relay_streams_open", "Relays' streams open now", s.relay_streams_open)):
+                ("fthsdp_lighthouse_relay_streams_open", "Relays' streams open now", s.relay_streams_open),
+                ("fthsdp_lighthouse_beating_processes", "Processes beating the lighthouse (its last count)",
+                 s.beating_processes),
+                ("fthsdp_lighthouse_detect_seconds", "Silence that declares a process dead now: wider than "
+                 "configured while the beats are paced", s.detect_s),
+                ("fthsdp_lighthouse_beat_interval_seconds", "Slowest interval the processes are asked to beat at "
+                 "(0: their own)", s.beat_interval_s)):
             g = GaugeMetricFamily(name, doc)
             g.add_metric([], value)
             yield g
