@@ -9,14 +9,20 @@ own interval (0.1 s) again, at the moment it is busiest. Now each beat says the 
 and a lighthouse keeps the slowest reported for its first seconds (``BeatPacer.inherit``).
 
 Each run is the emulation (fthsdp/sim/emulation.py, the real lighthouse in its own process) of N
-replicas of one rank each beating at the defaults (0.1 s, a 0.8 s window) against the
-lighthouse's beat budget (its default unless ``--budget``), the lighthouse SIGKILLed when replica 0 reaches step ``--fault-step`` and restarted on
-its port ``--down-s`` later. With ``--baseline COMMIT`` every pair also runs that commit's
-lighthouse (the emulated clients are this tree's; an older lighthouse ignores what their beats
-say of their pace), in alternating order. Per run: the deaths the lighthouse declared (every one
-false: only the lighthouse is killed), quorum rounds complete (every replica in one quorum), the
-longest round (the restart's), the lighthouse's pacing lines from both of its starts, and every
+replicas of ``--processes`` processes (one rank each) beating at the defaults (0.1 s, a 0.8 s
+window) against the lighthouse's beat budget (its default unless ``--budget``), the lighthouse
+SIGKILLed when replica 0 reaches step ``--fault-step`` and restarted on its port ``--down-s``
+later. With ``--baseline COMMIT`` every pair also runs that commit's lighthouse (the emulated
+clients are this tree's; an older lighthouse ignores what their beats say of their pace), in
+alternating order. Per run: the deaths the lighthouse declared (every one false: only the
+lighthouse is killed), quorum rounds complete (every replica in one quorum), the longest
+complete round, the restart's round (the requests in flight at the SIGKILL fail and are asked
+again, so it is not complete), the lighthouse's pacing lines from both of its starts, and every
 invariant of the emulation. JSON: ``runs`` and ``summary`` (per side: medians over pairs).
+
+What was found (2,048 x 1 on a 2-core host): the restarted lighthouse also counts processes from
+their quorum requests (a leader's counts its followers), which come back as fast as the beats, so
+its own count was right within 0.25-0.5 s; no death was declared on either side.
 """
 
 from __future__ import annotations
@@ -46,7 +52,8 @@ def run(n: int, rounds: int, fault_step: int, down_s: float, lighthouse_from: st
                    faults=(Fault("lighthouse", step=fault_step, seconds=down_s),), lighthouse_from=lighthouse_from)
     log = r["lighthouse_log"]
     return {
-        "replicas": n, "processes_per_replica": processes, "beats_per_s": budget, "fault_step": fault_step, "down_s": down_s, "rounds": r["rounds"],
+        "replicas": n, "processes_per_replica": processes, "beats_per_s": budget, "fault_step": fault_step,
+        "down_s": down_s, "rounds": r["rounds"],
         "complete_rounds": r["complete_rounds"], "p50_s": r["p50_s"], "max_s": r["max_s"],
         "incomplete_rounds": r["incomplete_rounds"], "declared_dead": log.get("declared_dead", 0),
         # the restart's round (the requests in flight at the SIGKILL fail and are asked again, so it
@@ -81,7 +88,8 @@ def main(argv: list[str] | None = None) -> int:
     budget = args.budget if args.budget is not None else (500.0 if args.quick else None)
     rounds, fault_step = args.rounds or (5 if args.quick else 8), args.fault_step or (3 if args.quick else 4)
     pairs = args.pairs or (1 if args.quick else 2)
-    if n < 2 or procs < 1 or pairs < 1 or not 1 <= fault_step < rounds or args.down_s <= 0 or (budget is not None and budget <= 0):
+    if (n < 2 or procs < 1 or pairs < 1 or not 1 <= fault_step < rounds or args.down_s <= 0
+            or (budget is not None and budget <= 0)):
         ap.error("need --replicas >= 2, --pairs >= 1, 1 <= --fault-step < --rounds, --down-s > 0 and --budget > 0")
     from before_after import commit_name
 
@@ -107,7 +115,8 @@ def main(argv: list[str] | None = None) -> int:
         xs = [r[key] for r in runs if r["side"] == side and r[key] is not None]
         return statistics.median(xs) if xs else None
 
-    summary = {side: {k: med(side, k) for k in ("declared_dead", "complete_rounds", "max_s", "p50_s", "restart_round_s")}
+    keys = ("declared_dead", "complete_rounds", "max_s", "p50_s", "restart_round_s")
+    summary = {side: {k: med(side, k) for k in keys}
                for side in dict.fromkeys(r["side"] for r in runs)}
     out = pathlib.Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
