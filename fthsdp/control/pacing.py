@@ -34,8 +34,8 @@ moment it is busiest. Each heartbeat therefore says the interval its process bea
 rules. Reports are honoured only then so that processes repeating a pace back to the
 lighthouse that set it cannot hold it after the processes that needed it are gone. (A
 lighthouse restarted with a larger budget therefore takes its own, faster pace only after
-those seconds; a report can slow the pace and detection, for every job on the lighthouse, by
-at most the 1 s cap and for at most those seconds.)
+those seconds; a report can slow the pace and detection, for every job on the lighthouse, to
+at most the 1 s cap and its 8 s window, and only until 8 such intervals after those seconds.)
 
 :class:`BeatPacer` is plain data and a clock passed in (unit-tested without a
 server); :func:`paced_interval` is the client's side of the rule.
