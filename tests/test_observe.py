@@ -356,6 +356,7 @@ def test_dashboard_against_a_real_lighthouse_shows_a_replica_dying():
                 s = wait_until(lambda: (x := status())["jobs"] and len(x["jobs"][0]["replicas"]) == 2 and x,
                                what="both replicas on the dashboard")
                 assert s["up"] and s["lighthouse"] == lh.address
+                assert s["detect_s"] == 0.5 and s["beat_interval_s"] == 0  # 2 processes: not paced
                 assert {r["state"] for r in s["jobs"][0]["replicas"]} == {OUTSIDE}  # alive, no quorum asked for
                 clients[1].stop_heartbeats()
                 s = wait_until(lambda: (x := status())["jobs"][0]["failures"] and x, what="the failure")

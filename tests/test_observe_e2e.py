@@ -16,6 +16,7 @@ metrics from polling the job's lighthouse over its Status RPC.
 import json
 import os
 import pathlib
+import re
 import shutil
 import signal
 import socket
@@ -286,6 +287,8 @@ def test_dashboard_in_headless_chromium_shows_the_kill_and_the_rejoin(observed, 
         dead = wait_until(lambda: (p := page()) and p["rows"].get("1") == DEAD and p, START_S,
                           "the page to show replica 1 dead")
         assert dead["rows"]["0"] != DEAD and "DEAD" in dead["row_text"]["1"]
+        shown = driver.execute_script("return document.getElementById('detection').textContent")
+        assert re.fullmatch(r"· failure detection [0-9.]+ s of silence", shown), shown  # 2 processes: not paced
         driver.save_screenshot(str(tmp_path / "dashboard-dead.png"))
         back = wait_until(lambda: (p := page()) and p["rows"].get("1") in (HEALTHY, BEHIND)
                           and any(f["replica"] == "1" and f["kind"] == "dead" and f["back"] == "1" for f in p["failures"])

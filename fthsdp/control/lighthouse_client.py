@@ -559,7 +559,7 @@ def _print_targets(address: str, job: str, status_key: bytes | None = None) -> i
             print(f"fthsdp status: no job {job!r} on lighthouse {address}; known jobs: "
                   f"{[j.job_id for j in view.jobs]}", file=sys.stderr)
             return 1
-        view = type(view)(view.time, (view.job(job),), view.detect_s, view.min_replicas, view.metrics_address)
+        view = dataclasses.replace(view, jobs=(view.job(job),))
     print(json.dumps(status_targets(view), indent=1), flush=True)
     return 0
 

@@ -56,6 +56,7 @@ def status_json(address: str, view: LighthouseView | None, history: History, err
         "error": error,
         "time": view.time if view is not None else time.time(),
         "detect_s": view.detect_s if view is not None else None,
+        "beat_interval_s": view.beat_interval_s if view is not None else None,
         "jobs": [history.job_json(j) for j in view.jobs] if view is not None else [],
     }
 

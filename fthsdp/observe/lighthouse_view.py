@@ -117,6 +117,7 @@ class LighthouseView:
     detect_s: float
     min_replicas: int
     metrics_address: str = ""  # where the lighthouse serves its own /metrics ("" = it does not)
+    beat_interval_s: float = 0.0  # the slowest it asks processes to beat (0: their own; pacing widens detect_s)
 
     def job(self, job_id: str) -> JobView | None:
         return next((j for j in self.jobs if j.job_id == job_id), None)
@@ -175,7 +176,7 @@ def view_from_proto(resp: Any, now: float) -> LighthouseView:
         for j in resp.jobs
     )
     return LighthouseView(now, jobs, float(getattr(resp, "detect_s", 0.0)), int(getattr(resp, "min_replicas", 0)),
-                          str(getattr(resp, "metrics_address", "")))
+                          str(getattr(resp, "metrics_address", "")), float(getattr(resp, "beat_interval_s", 0.0)))
 
 
 class StatusPoller:

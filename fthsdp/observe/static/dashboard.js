@@ -197,6 +197,11 @@ function render(data) {
   state.textContent = data.up ? "up" : "unreachable";
   state.className = `pill ${data.up ? "up" : "down"}`;
   document.getElementById("updated").textContent = clock(data.time);
+  // Failure detection in force: wider than configured while the lighthouse paces the beats.
+  const paced = data.beat_interval_s > 0 ? `; beats paced to one every ${+data.beat_interval_s.toPrecision(3)} s ` +
+    "by the lighthouse's beat budget (fthsdp lighthouse --beats-per-s)" : "";
+  document.getElementById("detection").textContent =
+    data.detect_s == null ? "" : `· failure detection ${+data.detect_s.toPrecision(3)} s of silence${paced}`;
   const err = document.getElementById("error");
   err.hidden = !data.error;
   err.textContent = data.error || "";
