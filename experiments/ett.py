@@ -42,6 +42,7 @@ import time
 REPO = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from fthsdp.control.pacing import DEFAULT_BEATS_PER_S, BeatPacer  # noqa: E402
 from fthsdp.sim import ett as E  # noqa: E402
 
 TARGET = 0.93
@@ -242,7 +243,23 @@ def main(argv=None) -> int:
         return E.closed_form(ref, failures, E.fthsdp_at_scale(measured, dataclasses.replace(scale, **changes),
                                                               step_s=args.step_s, replicas=args.replicas))
 
+    # Every process beats the lighthouse; past its budget it paces them and widens the silence window
+    # (fthsdp/control/pacing.py). A SIGKILLed process is found by its broken connections (the measured
+    # detection); a lost host or a hang only by that silence.
+    procs = math.ceil(ref / scale.gpus_per_host)
+    pacer = BeatPacer(DEFAULT_BEATS_PER_S, detect_s=0.8)
+    pacer.update(procs, now=0.0)
+    paced_window = pacer.window()
+
     sensitivity = [
+        {"name": "fthsdp, found by paced heartbeats alone",
+         "what": f"{procs:,} processes ({scale.gpus_per_host} GPUs each) beating one lighthouse at its default "
+                 f"budget ({DEFAULT_BEATS_PER_S:g} beats/s) are paced to one beat every {pacer.interval_s:g} s: every "
+                 f"failure found by {paced_window:g} s of silence (none by a broken connection)",
+         "detection_s": paced_window,
+         "fthsdp": E.closed_form(ref, failures, E.fthsdp_at_scale(
+             dataclasses.replace(measured, detection_s=paced_window), scale, step_s=args.step_s,
+             replicas=args.replicas))},
         {"name": "sync, optimistic overlap", "what": "a failure during a restart restarts its clock (not a new "
          "full restart)", "sync": E.closed_form(ref, failures, dataclasses.replace(E.PAPER_SYNC, overlap="restart"))},
         {"name": "sync, checkpoint every 30 min", "what": "redone work since the last checkpoint counted",

@@ -262,6 +262,13 @@ def test_experiment_figures_follow_from_inputs(tmp_path):
     assert t["met"] == (min(t["fthsdp_closed_form"], t["fthsdp_simulation"]) >= 0.93)
     assert t["dominant"] in d["at_reference"]["fthsdp"]["lost_shares_first_order"]
     assert at[100_000]["sync"] < at[100_000]["paper"] < at[100_000]["fthsdp"]
+    # every failure found only by heartbeat silence, paced at this size: 12,500 processes of 8 GPUs against
+    # the default budget beat once a second (the cap), an 8 s window
+    (paced,) = [s for s in d["sensitivity"] if s["name"] == "fthsdp, found by paced heartbeats alone"]
+    slow = E.fthsdp_at_scale(dataclasses.replace(measured, detection_s=8.0), E.ScaleParams(), step_s=20.0, replicas=12)
+    assert paced["detection_s"] == 8.0 and "12,500 processes" in paced["what"], paced
+    assert paced["fthsdp"] == pytest.approx(E.replica_closed_form(G, F, slow), rel=1e-9)
+    assert paced["fthsdp"] < t["fthsdp_closed_form"]
 
     # a 60 s detection (the paper's timeout) in the measured input lowers fthsdp by about rate x 59.7 s
     fs2, _ = write_inputs(tmp_path, detection_s=60.0)
