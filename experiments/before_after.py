@@ -63,6 +63,15 @@ def commit_name(rev: str = "HEAD") -> str:
     return name
 
 
+def sides(baseline: str, into: Path) -> list[tuple[str, str]]:
+    """The arms of a study run against a baseline commit: ("now", "") and, when ``baseline`` is
+    given, ("baseline", ``into``) with that commit extracted there (:func:`extract`)."""
+    if not baseline:
+        return [("now", "")]
+    extract(baseline, into)
+    return [("now", ""), ("baseline", str(into))]
+
+
 def extract(commit: str, into: Path) -> None:
     """The baseline's fthsdp and experiments, and this build's generated stubs beside them."""
     tar = subprocess.run(["git", "-C", str(REPO), "archive", commit, "fthsdp", "experiments"], check=True,

@@ -194,14 +194,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.baseline_whole and not args.baseline:
         ap.error("--baseline-whole needs --baseline COMMIT")
     fault_step, steps = 5, 10
+    from before_after import sides as baseline_sides
+
     runs = []
     with tempfile.TemporaryDirectory(prefix="fthsdp-baseline-") as d:
-        sides = [("now", "")]
-        if args.baseline:
-            from before_after import extract
-
-            extract(args.baseline, pathlib.Path(d))
-            sides.append(("baseline", d))
+        sides = baseline_sides(args.baseline, pathlib.Path(d))
         for i in range(pairs):
             for where in args.where:
                 for side, root in (sides if i % 2 == 0 else sides[::-1]):

@@ -91,16 +91,11 @@ def main(argv: list[str] | None = None) -> int:
     if (n < 2 or procs < 1 or pairs < 1 or not 1 <= fault_step < rounds or args.down_s <= 0
             or (budget is not None and budget <= 0)):
         ap.error("need --replicas >= 2, --pairs >= 1, 1 <= --fault-step < --rounds, --down-s > 0 and --budget > 0")
-    from before_after import commit_name
+    from before_after import commit_name, sides as baseline_sides
 
     runs = []
     with tempfile.TemporaryDirectory(prefix="fthsdp-baseline-") as d:
-        sides = [("now", "")]
-        if args.baseline:
-            from before_after import extract
-
-            extract(args.baseline, pathlib.Path(d))
-            sides.append(("baseline", d))
+        sides = baseline_sides(args.baseline, pathlib.Path(d))
         for i in range(pairs):
             for side, root in (sides if i % 2 == 0 else sides[::-1]):
                 r = run(n, rounds, fault_step, args.down_s, root, budget, procs)
@@ -108,7 +103,8 @@ def main(argv: list[str] | None = None) -> int:
                 runs.append(r)
                 print(f"pair {i} {side:8s}: {r['declared_dead']} declared dead, {r['complete_rounds']}/{r['rounds']} "
                       f"rounds complete, longest {r['max_s'] or float('nan'):.2f} s, the restart's "
-                      f"{r['restart_round_s'] or float('nan'):.2f} s, violations: "
+                      + (f"{r['restart_round_s']:.2f} s" if r["restart_round_s"] is not None else "complete")
+                      + f", violations: "
                       f"{r['violations'] or 'none'}; pacing: {r['pacing_log'][-3:]}", flush=True)
 
     def med(side: str, key: str):
