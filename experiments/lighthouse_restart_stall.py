@@ -73,6 +73,10 @@ def run(where: str, replicas: int, ranks: int, steps: int, fault_step: int, down
                           lighthouse_from=lighthouse_from)
     rep = run_emulation(cfg)
     by_step = rounds_of(rep, {str(i) for i in range(replicas)})
+    if not by_step:  # no stall can be read: say why instead of failing on an empty median
+        raise SystemExit(f"lighthouse_restart_stall: no round of {replicas} replicas x {ranks} ranks completed "
+                         f"(killed {where}); first violations: {rep.violations()[:3]}; this host is likely too "
+                         f"small for the shape: try fewer --replicas or a longer --deadline")
     median = statistics.median(by_step.values())
     waits = [w for what, w, _ in rep.waits if "all-reduce" in what]
     failed = [e for e in rep.events if f"step {fault_step} " in e and "all-reduce failed" in e]
