@@ -434,6 +434,7 @@ def test_status_command_shows_quorum_reason_and_replicas(lighthouse, capsys):
         jobs, got = (r := clients[0].status_reply("")).jobs, r.load
         assert [j.job_id for j in jobs] == ["statusjob"] and got.jobs == 1 and got.evaluations >= 1
         assert got.cpu_s > 0 and got.uptime_s > 0
+        assert got.detect_s == r.detect_s > 0 and got.beat_interval_s == r.beat_interval_s == 0  # the reply's own
         assert clients[0].status_reply().load is None  # one job's status: not the lighthouse's load
         assert fthsdp_main(["status", "--lighthouse", lighthouse.address, "--job", "statusjob"]) == 0
         assert "lighthouse since" not in capsys.readouterr().out

@@ -1738,9 +1738,15 @@ class Lighthouse(pb2_grpc.LighthouseServicer):
             jobs_omitted=max(0, len(names) - lim.max_status_jobs),
             metrics_address=self.metrics_server.address if self.metrics_server is not None else "",
             # about every job: only for a Status of every job (the status key), never for one job's secret
-            load=None if request.job_id else pb2.LighthouseLoad(**dataclasses.asdict(self.load_snapshot())),
+            load=None if request.job_id else self._load_proto(),
         )
 
+    def _load_proto(self) -> "pb2.LighthouseLoad":
+        """:meth:`load_snapshot` as a Status carries it: the detection in force travels at the
+        reply's top level (``StatusResponse.detect_s``, ``beat_interval_s``), not twice."""
+        fields = dataclasses.asdict(self.load_snapshot())
+        del fields["detect_s"], fields["beat_interval_s"]
+        return pb2.LighthouseLoad(**fields)
 
     @staticmethod
     def _fingerprint_status(job: _Job, rid: str) -> dict:

@@ -71,7 +71,7 @@ __all__ = [
     "Registration",
     "ReplicaStatus",
     "JobStatus",
-    "load_from_proto",
+    "load_from_status",
     "format_load",
     "LighthouseError",
     "QuorumTimeout",
@@ -393,11 +393,17 @@ def format_detection(reply: StatusReply) -> str:
     return line
 
 
-def load_from_proto(p: "pb2.LighthouseLoad") -> LoadSnapshot:
-    """The lighthouse's load as a Status of every job carries it (the proto's fields are named as
-    the snapshot's)."""
+def load_from_status(resp: "pb2.StatusResponse") -> LoadSnapshot | None:
+    """The lighthouse's load as a Status of every job carries it (``LighthouseLoad``, its fields
+    named as the snapshot's), with the failure detection in force from the reply's top level;
+    None when the reply has no load (a Status of one job)."""
+    if not resp.HasField("load"):
+        return None
+    top = {"detect_s": resp.detect_s, "beat_interval_s": resp.beat_interval_s}
+    p = resp.load
     return LoadSnapshot(**{f.name: getattr(p, f.name) for f in dataclasses.fields(LoadSnapshot)
-                           if f.name != "refused_by_code"}, refused_by_code=dict(p.refused_by_code))
+                           if f.name not in top and f.name != "refused_by_code"},
+                        refused_by_code=dict(p.refused_by_code), **top)
 
 
 def format_load(load: LoadSnapshot, before: LoadSnapshot | None = None) -> str:
@@ -1293,8 +1299,7 @@ class LighthouseClient:
                               self.rpc_timeout_s)
         except grpc.RpcError as e:
             raise self._error("status", e, self.rpc_timeout_s) from None
-        return StatusReply(self._jobs_of(resp), load_from_proto(resp.load) if resp.HasField("load") else None,
-                           resp.detect_s, resp.beat_interval_s)
+        return StatusReply(self._jobs_of(resp), load_from_status(resp), resp.detect_s, resp.beat_interval_s)
 
     @staticmethod
     def _jobs_of(resp) -> list[JobStatus]:

@@ -90,6 +90,11 @@ def reported_ms(own_s: float, announced_s: float) -> int:
     return int(round(s * 1000.0)) if s > own_s else 0
 
 
+def _whole_ms(s: float) -> float:
+    """``s`` rounded down to whole milliseconds, as a reply (``beat_interval_ms``) carries it."""
+    return math.floor(s * 1000.0) / 1000.0
+
+
 @dataclass
 class BeatPacer:
     """The lighthouse's pace (the interval it announces) and its silence window.
@@ -117,8 +122,7 @@ class BeatPacer:
         """Recount: ``processes`` beat this lighthouse now. Returns the interval announced."""
         p = 0.0
         if self.beats_per_s > 0 and processes > 0:
-            p = min(processes / self.beats_per_s, MAX_PACED_INTERVAL_S)
-            p = math.floor(p * 1000.0) / 1000.0  # whole milliseconds, as the reply carries it
+            p = _whole_ms(min(processes / self.beats_per_s, MAX_PACED_INTERVAL_S))
         self.counted_s = p
         if self._inheriting(now):
             p = max(p, self._inherited_s)  # the count is still growing: keep the pace they brought
@@ -135,7 +139,7 @@ class BeatPacer:
         True when that raised the pace: :meth:`update` it now, before more replies go out."""
         if not (self.beats_per_s > 0 and self._inheriting(now) and math.isfinite(interval_s)):
             return False
-        s = math.floor(min(interval_s, MAX_PACED_INTERVAL_S) * 1000.0) / 1000.0
+        s = _whole_ms(min(interval_s, MAX_PACED_INTERVAL_S))
         if s <= self._inherited_s:
             return False
         self._inherited_s = s

@@ -51,7 +51,8 @@ __all__ = ["LoadSnapshot", "LoadCollector"]
 class LoadSnapshot:
     """The lighthouse's load counters at one moment (plain data; tests build these by hand).
     The same record travels in a Status of every job (``LighthouseLoad``, its fields by these
-    names) to ``fthsdp status``, with two fields only that line shows."""
+    names; ``detect_s`` and ``beat_interval_s`` as the reply's own fields) to ``fthsdp status``,
+    with two fields only that line shows."""
 
     held_total: int = 0
     held_now: int = 0
