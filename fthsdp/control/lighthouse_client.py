@@ -72,6 +72,7 @@ __all__ = [
     "ReplicaStatus",
     "JobStatus",
     "load_from_status",
+    "status_from_proto",
     "format_load",
     "LighthouseError",
     "QuorumTimeout",
@@ -375,12 +376,47 @@ class JobStatus:
 @dataclass(frozen=True)
 class StatusReply:
     """A lighthouse's Status: its jobs, its own load (a Status of every job only, which needs its
-    status key; else None), and how fast it detects a death now."""
+    status key; else None), and how fast it detects a death now. The one reading of a
+    ``StatusResponse`` (:func:`status_from_proto`): ``fthsdp status`` prints it, the dashboard and
+    the lighthouse's exporter view it (fthsdp/observe/lighthouse_view.py)."""
 
     jobs: list[JobStatus]
     load: LoadSnapshot | None
     detect_s: float  # the silence that declares a process dead: wider than configured while paced
     beat_interval_s: float  # the slowest it asks its processes to beat (0 = their own interval)
+    min_replicas: int = 0
+    metrics_address: str = ""  # where the lighthouse serves its own /metrics ("" = it does not)
+
+
+def status_from_proto(resp: "pb2.StatusResponse") -> StatusReply:
+    """A ``StatusResponse`` as plain data (a field an older lighthouse does not send reads as its
+    default)."""
+    jobs = [
+        JobStatus(
+            job_id=j.job_id,
+            replicas=tuple(
+                ReplicaStatus(r.replica_id, r.step, r.last_heartbeat_age_s, r.dead, r.waiting,
+                              r.num_processes or 1, tuple(r.silent_processes),
+                              phase_from_proto(r.phase) if r.HasField("phase") else None,
+                              metrics_addresses=tuple(r.metrics_addresses),
+                              fingerprint=r.fingerprint if r.HasField("fingerprint") else None,
+                              fingerprint_step=r.fingerprint_step,
+                              condemned=r.condemned)
+                for r in j.replicas
+            ),
+            quorum=quorum_from_proto(j.quorum) if j.has_quorum else None,
+            last_reason=j.last_reason,
+            local_world_size=j.local_world_size,
+            num_configured=j.num_configured,
+            root_cause=root_cause_from_proto(j.root_cause) if j.HasField("root_cause") else None,
+            last_stall=root_cause_from_proto(j.last_stall) if j.HasField("last_stall") else None,
+            sdc_events=tuple(j.sdc_events),
+            sdc_fatal=j.sdc_fatal,
+        )
+        for j in resp.jobs
+    ]
+    return StatusReply(jobs, load_from_status(resp), resp.detect_s, resp.beat_interval_s, resp.min_replicas,
+                       resp.metrics_address)
 
 
 def format_detection(reply: StatusReply) -> str:
@@ -1299,34 +1335,7 @@ class LighthouseClient:
                               self.rpc_timeout_s)
         except grpc.RpcError as e:
             raise self._error("status", e, self.rpc_timeout_s) from None
-        return StatusReply(self._jobs_of(resp), load_from_status(resp), resp.detect_s, resp.beat_interval_s)
-
-    @staticmethod
-    def _jobs_of(resp) -> list[JobStatus]:
-        return [
-            JobStatus(
-                job_id=j.job_id,
-                replicas=tuple(
-                    ReplicaStatus(r.replica_id, r.step, r.last_heartbeat_age_s, r.dead, r.waiting,
-                                  r.num_processes or 1, tuple(r.silent_processes),
-                                  phase_from_proto(r.phase) if r.HasField("phase") else None,
-                                  metrics_addresses=tuple(r.metrics_addresses),
-                                  fingerprint=r.fingerprint if r.HasField("fingerprint") else None,
-                                  fingerprint_step=r.fingerprint_step,
-                                  condemned=r.condemned)
-                    for r in j.replicas
-                ),
-                quorum=quorum_from_proto(j.quorum) if j.has_quorum else None,
-                last_reason=j.last_reason,
-                local_world_size=j.local_world_size,
-                num_configured=j.num_configured,
-                root_cause=root_cause_from_proto(j.root_cause) if j.HasField("root_cause") else None,
-                last_stall=root_cause_from_proto(j.last_stall) if j.HasField("last_stall") else None,
-                sdc_events=tuple(j.sdc_events),
-                sdc_fatal=j.sdc_fatal,
-            )
-            for j in resp.jobs
-        ]
+        return status_from_proto(resp)
 
     # -- heartbeat thread ----------------------------------------------------
 

@@ -17,7 +17,10 @@ from __future__ import annotations
 import collections
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from fthsdp.control.lighthouse_client import StatusReply
 
 # Replica states as the dashboard and metrics name them.
 DEAD = "dead"  # the lighthouse declared it dead (heartbeat silence > detect_s)
@@ -123,60 +126,42 @@ class LighthouseView:
         return next((j for j in self.jobs if j.job_id == job_id), None)
 
 
-def view_from_proto(resp: Any, now: float) -> LighthouseView:
-    """A ``StatusResponse`` as plain data. Fields are read by name with defaults,
-    so an older or newer lighthouse that lacks one still gives a view."""
+def view_from_status(reply: "StatusReply", now: float) -> LighthouseView:
+    """A lighthouse's Status, as the client reads it (:class:`StatusReply`), in the dashboard's
+    terms: ids instead of members, a phase as its word, a fingerprint as hex."""
 
-    def quorum(j) -> QuorumView | None:
-        if not getattr(j, "has_quorum", False):
-            return None
-        q = j.quorum
-        return QuorumView(int(q.quorum_id), tuple(m.replica_id for m in q.members), tuple(q.healthy),
-                          tuple(q.behind), int(q.max_step), str(q.reason))
+    def quorum(q) -> QuorumView | None:
+        return None if q is None else QuorumView(q.quorum_id, q.member_ids, q.healthy, q.behind, q.max_step, q.reason)
 
-    def verdict(j, name: str) -> RootCauseView | None:
-        if not (hasattr(j, "HasField") and name in j.DESCRIPTOR.fields_by_name and j.HasField(name)):
-            return None
-        v = getattr(j, name)
-        return RootCauseView(v.kind, v.culprit, v.peer, v.evidence, float(v.confidence), int(v.step), float(v.age_s),
-                             int(getattr(v, "process", -1)))
+    def verdict(v) -> RootCauseView | None:
+        return None if v is None else RootCauseView(v.kind, v.culprit, v.peer, v.evidence, v.confidence, v.step,
+                                                     v.age_s, v.process)
 
-    def phase(r) -> tuple[str, float, str]:
-        if not (hasattr(r, "HasField") and "phase" in r.DESCRIPTOR.fields_by_name and r.HasField("phase")):
-            return "", 0.0, ""
-        p = r.phase
-        name = type(p).DESCRIPTOR.fields_by_name["phase"].enum_type.values_by_number.get(p.phase)
-        word = name.name.removeprefix("PHASE_").lower().replace("_", "-") if name is not None else ""
-        return ("" if word == "unknown" else word), float(p.in_phase_s), p.waiting_on
-
-    def sdc_fields(r) -> dict:
-        addrs = tuple(str(a) for a in getattr(r, "metrics_addresses", ()))
-        fp = ""
-        if hasattr(r, "HasField") and "fingerprint" in r.DESCRIPTOR.fields_by_name and r.HasField("fingerprint"):
-            fp = f"{int(r.fingerprint):016x}@{int(r.fingerprint_step)}"
-        return {"metrics_addresses": addrs, "fingerprint": fp, "condemned": str(getattr(r, "condemned", ""))}
+    def replica(r) -> ReplicaView:
+        word = r.phase.phase.name.lower().replace("_", "-") if r.phase is not None else ""
+        return ReplicaView(r.replica_id, r.step, r.last_heartbeat_age_s, r.dead, r.waiting,
+                           r.metrics_addresses[0] if r.metrics_addresses else "",
+                           "" if word == "unknown" else word, r.phase.in_phase_s if r.phase is not None else 0.0,
+                           r.phase.waiting_on if r.phase is not None else "", r.metrics_addresses,
+                           f"{r.fingerprint:016x}@{r.fingerprint_step}" if r.fingerprint is not None else "",
+                           r.condemned)
 
     jobs = tuple(
-        JobView(
-            job_id=j.job_id,
-            replicas=tuple(ReplicaView(r.replica_id, int(r.step), float(r.last_heartbeat_age_s), bool(r.dead),
-                                       bool(getattr(r, "waiting", False)),
-                                       next(iter(getattr(r, "metrics_addresses", ())), ""),
-                                       *phase(r), **sdc_fields(r))
-                           for r in j.replicas),
-            quorum=quorum(j),
-            last_reason=str(getattr(j, "last_reason", "")),
-            num_configured=int(getattr(j, "num_configured", 0)),
-            local_world_size=int(getattr(j, "local_world_size", 0)),
-            root_cause=verdict(j, "root_cause"),
-            last_stall=verdict(j, "last_stall"),
-            sdc_events=tuple(SdcView(int(e.step), tuple(e.culprits), bool(e.fatal), str(e.reason))
-                             for e in getattr(j, "sdc_events", ())),
-        )
-        for j in resp.jobs
+        JobView(j.job_id, tuple(replica(r) for r in j.replicas), quorum(j.quorum), j.last_reason, j.num_configured,
+                j.local_world_size, verdict(j.root_cause), verdict(j.last_stall),
+                tuple(SdcView(e.step, tuple(e.culprits), e.fatal, e.reason) for e in j.sdc_events))
+        for j in reply.jobs
     )
-    return LighthouseView(now, jobs, float(getattr(resp, "detect_s", 0.0)), int(getattr(resp, "min_replicas", 0)),
-                          str(getattr(resp, "metrics_address", "")), float(getattr(resp, "beat_interval_s", 0.0)))
+    return LighthouseView(now, jobs, reply.detect_s, reply.min_replicas, reply.metrics_address,
+                          reply.beat_interval_s)
+
+
+def view_from_proto(resp: Any, now: float) -> LighthouseView:
+    """A ``StatusResponse`` as the dashboard's plain data (read once, by the client's
+    :func:`~fthsdp.control.lighthouse_client.status_from_proto`)."""
+    from fthsdp.control.lighthouse_client import status_from_proto
+
+    return view_from_status(status_from_proto(resp), now)
 
 
 class StatusPoller:
