@@ -24,6 +24,7 @@ from fthsdp.observe.lighthouse_view import (
     WAITING,
     History,
     JobView,
+    LighthouseUnreachable,
     LighthouseView,
     QuorumView,
     ReplicaView,
@@ -391,6 +392,33 @@ def test_dashboard_reports_an_unreachable_lighthouse():
         assert "fthsdp_lighthouse_up 0.0" in get(d.url + "metrics")[2].decode()
     with pytest.raises(ValueError, match="HOST:PORT"):
         StatusPoller("no-port")
+
+
+def test_a_status_answer_that_cannot_be_read_is_reported_not_raised():
+    """A lighthouse (mismatched or lying) whose Status quorum carries a ring neighbourhood that is
+    not three runs of endpoints: the poller says so as it says an unreachable lighthouse, which the
+    dashboard and the exporter report, instead of an error that ends their poll loop."""
+    from concurrent import futures
+
+    import grpc
+
+    from fthsdp.proto import lighthouse
+
+    pb2, _ = lighthouse()
+    bad = pb2.StatusResponse(detect_s=0.8, jobs=[pb2.JobStatus(job_id="j", has_quorum=True, quorum=pb2.Quorum(
+        quorum_id=3, neighbourhood=[pb2.MemberEndpoints(first_shard=0, addresses=["127.0.0.1:1"])]))])
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler("fthsdp.v1.Lighthouse", {
+        "Status": grpc.unary_unary_rpc_method_handler(lambda req, ctx: bad.SerializeToString())})])
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    poller = StatusPoller(f"127.0.0.1:{port}", rpc_timeout_s=5.0)
+    try:
+        with pytest.raises(LighthouseUnreachable, match="Status answer cannot be read.*neighbourhood"):
+            poller.poll()
+    finally:
+        poller.close()
+        server.stop(None)
 
 
 def test_dashboard_cli_serves_on_the_port_it_writes(tmp_path):

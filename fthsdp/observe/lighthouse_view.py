@@ -32,7 +32,8 @@ STATES = (HEALTHY, BEHIND, WAITING, OUTSIDE, DEAD)
 
 
 class LighthouseUnreachable(ConnectionError):
-    """The lighthouse's Status call failed; the message says where and why."""
+    """The lighthouse's Status call failed, or its answer could not be read; the message says
+    where and why."""
 
 
 @dataclass(frozen=True)
@@ -199,7 +200,12 @@ class StatusPoller:
             raise LighthouseUnreachable(
                 f"lighthouse {self.address}: Status failed ({e.code().name}: {e.details()}); "
                 "is `fthsdp lighthouse` running there?") from e
-        return view_from_proto(resp, time.time())
+        from fthsdp.control.lighthouse_client import LighthouseError
+
+        try:
+            return view_from_proto(resp, time.time())
+        except LighthouseError as e:  # an answer it cannot read (a mismatched or lying lighthouse)
+            raise LighthouseUnreachable(f"lighthouse {self.address}: its Status answer cannot be read: {e}") from e
 
     def close(self) -> None:
         self._channel.close()
