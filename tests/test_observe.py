@@ -225,7 +225,9 @@ def test_lighthouse_metrics_from_views_and_stale_series_removed():
     lm = LighthouseMetrics()
     r = lm.registry
     views = kill_and_rejoin_views()
-    for v in views[:3]:
+    lm.update(views[0])  # before any failure, each kind is exported at 0 (alerts.yml's increase() counts the first)
+    assert [value(r, "fthsdp_lighthouse_failures_total", job="j", kind=k) for k in ("dead", "left quorum")] == [0, 0]
+    for v in views[1:3]:
         lm.update(v)
     assert value(r, "fthsdp_lighthouse_quorum_size", job="j") == 2
     assert value(r, "fthsdp_lighthouse_quorum_id", job="j") == 2

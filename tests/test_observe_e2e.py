@@ -35,6 +35,7 @@ from fthsdp.observe.metrics import (
     LighthouseMetrics,
     MetricsFileFollower,
     ReplicaMetrics,
+    alerts_file,
     pytree_bytes,
     scrape_config,
     serve,
@@ -163,7 +164,8 @@ class ObservedJob:
         targets += [(s.address, {"role": "replica"}) for s in self.rep_servers.values()]
         sd = write_targets(self.out.parent / "targets.json", targets)
         cfg = self.out.parent / "prometheus.yml"
-        config = json.loads(scrape_config(sd, scrape_interval="500ms"))
+        # fthsdp's alerting rules, evaluated every 500 ms against the job's real series
+        config = json.loads(scrape_config(sd, scrape_interval="500ms", rule_files=[alerts_file()]))
         # A second scrape job over `fthsdp status --prometheus-targets` (refreshed by
         # status_targets()): its series carry sd="status", and of what the replicas serve only
         # the verdict series are kept, so the first job's series are not counted twice.
@@ -404,3 +406,15 @@ def test_prometheus_scrapes_the_job_and_sees_the_kill(observed):
     assert is_subsequence([2, 1, 2], [s for i, s in enumerate(sizes) if i == 0 or s != sizes[i - 1]]), sizes
     bw = scalar(url, f'fthsdp_allreduce_bus_bandwidth_bytes_per_second{{job="{JOB}",replica="0"}}')
     assert bw is not None and bw > 0
+
+    # fthsdp's alerting rules (fthsdp/observe/alerts.yml) loaded and evaluated without an error, and
+    # the kill made FthsdpJobDegraded pending (its 10 minutes never passed): its expression matched
+    # the lighthouse's real quorum_size and replicas_configured series.
+    body = json.loads(urllib.request.urlopen(f"{url}/api/v1/rules?type=alert", timeout=10).read())
+    loaded = [r for g in body["data"]["groups"] for r in g["rules"]]
+    assert len(loaded) == 11 and all(r["health"] == "ok" for r in loaded), [(r["name"], r.get("lastError"))
+                                                                            for r in loaded]
+    degraded = prom_query(url, f'ALERTS{{alertname="FthsdpJobDegraded",job="{JOB}"}}', start=t_start,
+                          end=time.time(), step="0.5")
+    assert degraded and {s["metric"]["alertstate"] for s in degraded} == {"pending"}, degraded
+    assert not prom_query(url, 'ALERTS{alertstate="firing"}', start=t_start, end=time.time(), step="0.5")

@@ -523,16 +523,21 @@ def format_status(jobs: Sequence[JobStatus]) -> str:
 
 
 def status_cli(argv: list[str]) -> int:
-    """``fthsdp status --lighthouse HOST:PORT [--job ID] [--watch S]``."""
+    """``fthsdp status --lighthouse HOST:PORT [--job ID] [--watch S]``, or ``--prometheus-rules``."""
     import argparse
 
     p = argparse.ArgumentParser(prog="fthsdp status", description="Show a lighthouse's jobs, quorums and replicas.")
-    p.add_argument("--lighthouse", required=True, help="HOST:PORT of `fthsdp lighthouse`")
+    p.add_argument("--lighthouse", default=None, help="HOST:PORT of `fthsdp lighthouse` (required but with "
+                                                          "--prometheus-rules)")
     p.add_argument("--job", default="", help="one job (default: every job)")
     p.add_argument("--watch", type=float, default=0.0, help="refresh every S seconds until interrupted")
     p.add_argument("--prometheus-targets", action="store_true",
                    help="print a Prometheus file_sd target list (JSON) of every live replica process's /metrics "
                         "(labels job, replica, process) instead of the status")
+    p.add_argument("--prometheus-rules", action="store_true",
+                   help="print fthsdp's Prometheus alerting rules (a rule_files entry: lighthouse down, a job "
+                        "degraded or stalled, failures, silent data corruption, stragglers, the lighthouse's "
+                        "load) and exit")
     p.add_argument("--status-key-file", default=None,
                    help="the lighthouse's read-only status key (`fthsdp lighthouse --print-status-key`; "
                         "`fthsdp run` writes status.key in its run directory): read every job")
@@ -541,6 +546,14 @@ def status_cli(argv: list[str]) -> int:
                    help=f"a job's secret (default ${auth.SECRET_FILE_ENV} / ${auth.SECRET_ENV}): read that --job only")
     p.add_argument("--tls-ca", default="", help="PEM certificate to trust: connect over TLS")
     args = p.parse_args(argv)
+    if args.prometheus_rules:
+        from fthsdp.observe.metrics import alerts_file
+
+        print(alerts_file().read_text(), end="")
+        return 0
+    if not args.lighthouse:
+        p.error("--lighthouse HOST:PORT is required (the address `fthsdp lighthouse` serves; `fthsdp run` writes "
+                "it to lighthouse.port in its run directory)")
     try:
         status_key = auth.load_secret(args.status_key_file) if args.status_key_file else None
         if status_key is None and args.secret_file:

@@ -29,6 +29,9 @@ BEHIND = "behind"  # member of the current quorum below its max step: fetches st
 WAITING = "waiting"  # alive, asking for a quorum that does not include it yet
 OUTSIDE = "outside"  # alive, not in the current quorum, not asking (starting, compiling, done)
 STATES = (HEALTHY, BEHIND, WAITING, OUTSIDE, DEAD)
+# How a replica was lost (Failure.kind): declared dead, or dropped from the quorum while alive.
+LEFT_QUORUM = "left quorum"
+FAILURE_KINDS = (DEAD, LEFT_QUORUM)
 
 
 class LighthouseUnreachable(ConnectionError):
@@ -230,7 +233,7 @@ class Failure:
 
     job: str
     replica: str
-    kind: str  # "dead" | "left quorum"
+    kind: str  # one of FAILURE_KINDS
     time: float  # when a poll first showed it
     quorum_id: int  # the quorum it was lost from
     silence_s: float | None = None  # heartbeat silence when first seen dead (detection time, to one poll)
@@ -299,7 +302,7 @@ class History:
                 elif (prev is not None and not r.dead and r.replica_id in prev.members
                       and s.quorum_id != prev.quorum_id and r.replica_id not in s.members
                       and r.replica_id not in open_):
-                    new.append(Failure(job.job_id, r.replica_id, "left quorum", view.time, prev.quorum_id))
+                    new.append(Failure(job.job_id, r.replica_id, LEFT_QUORUM, view.time, prev.quorum_id))
                 f = open_.get(r.replica_id)
                 if f is not None and not r.dead and r.replica_id in s.members and s.quorum_id > f.quorum_id:
                     f.back_time = view.time

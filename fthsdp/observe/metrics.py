@@ -32,6 +32,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, star
 
 from fthsdp.addresses import join_host_port
 from fthsdp.observe.lighthouse_view import (
+    FAILURE_KINDS,
     STATES,
     History,
     LighthouseUnreachable,
@@ -285,6 +286,8 @@ class LighthouseMetrics:
             self._set(self.quorum_healthy, (j,), len(q.healthy) if q else 0, seen)
             self._set(self.max_step, (j,), q.max_step if q else 0, seen)
             self._set(self.configured, (j,), job.num_configured, seen)
+            for kind in FAILURE_KINDS:  # exported at 0 from the start, so increase() counts the first failure
+                self.failures.labels(j, kind)
             counts = dict.fromkeys(STATES, 0)
             for r in job.replicas:
                 counts[job.state_of(r)] += 1
@@ -442,10 +445,18 @@ def write_targets(path: str | pathlib.Path, targets: Iterable[tuple[str, Mapping
     return path
 
 
-def scrape_config(file_sd_path: str | pathlib.Path, scrape_interval: str = "15s", job_name: str = "fthsdp") -> str:
+def alerts_file() -> pathlib.Path:
+    """The alerting rules shipped with fthsdp (``alerts.yml`` beside this module; ``fthsdp status
+    --prometheus-rules`` prints it): a Prometheus ``rule_files`` entry."""
+    return pathlib.Path(__file__).with_name("alerts.yml")
+
+
+def scrape_config(file_sd_path: str | pathlib.Path, scrape_interval: str = "15s", job_name: str = "fthsdp",
+                  rule_files: Sequence[str | pathlib.Path] = ()) -> str:
     """A minimal ``prometheus.yml`` scraping the targets of a file_sd list (YAML is
-    a JSON superset, so this is JSON). ``honor_labels`` keeps fthsdp's ``job`` label."""
-    return json.dumps({
+    a JSON superset, so this is JSON). ``honor_labels`` keeps fthsdp's ``job`` label;
+    ``rule_files``: e.g. ``[alerts_file()]``, evaluated every ``scrape_interval``."""
+    config: dict[str, Any] = {
         "global": {"scrape_interval": scrape_interval, "evaluation_interval": scrape_interval},
         "scrape_configs": [{
             "job_name": job_name,
@@ -454,4 +465,7 @@ def scrape_config(file_sd_path: str | pathlib.Path, scrape_interval: str = "15s"
             "scrape_timeout": scrape_interval,
             "file_sd_configs": [{"files": [str(file_sd_path)], "refresh_interval": "1s"}],
         }],
-    }, indent=1)
+    }
+    if rule_files:
+        config["rule_files"] = [str(f) for f in rule_files]
+    return json.dumps(config, indent=1)
