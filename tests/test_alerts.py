@@ -60,16 +60,22 @@ CASES = {
         [alert("FthsdpLighthouseUnreachable", "2m"),  # just gone: pending, not firing
          alert("FthsdpLighthouseUnreachable", "4m", {"severity": "critical", "instance": "dash:1"},
                "The dashboard at dash:1 cannot read the lighthouse's Status")]),
-    "a job below its configured replicas for 10 minutes, another whole": (
+    "a job below its configured replicas for 10 minutes; another whole; one that finished short": (
         [("fthsdp_lighthouse_quorum_size{job='j',instance='d'}", "3x5 2x20"),
          ("fthsdp_lighthouse_replicas_configured{job='j',instance='d'}", "3x26"),
+         ("fthsdp_lighthouse_job_finished{job='j',instance='d'}", "0x26"),
+         ("fthsdp_lighthouse_quorum_size{job='f',instance='d'}", "3x5 2x20"),
+         ("fthsdp_lighthouse_replicas_configured{job='f',instance='d'}", "3x26"),
+         ("fthsdp_lighthouse_job_finished{job='f',instance='d'}", "0x5 1x20"),
          ("fthsdp_lighthouse_quorum_size{job='k',instance='d'}", "3x26"),
          ("fthsdp_lighthouse_replicas_configured{job='k',instance='d'}", "3x26")],
         [alert("FthsdpJobDegraded", "12m"),
          alert("FthsdpJobDegraded", "20m", {"severity": "warning", "job": "j", "instance": "d"},
                "Job j trains on 2 replica(s), fewer than configured")]),
-    "a job whose steps stopped, another stepping": (
-        [("fthsdp_lighthouse_replica_step{job='j',replica='0',instance='d'}", "0+1x10 10x30"),
+    "a job whose steps stopped; another stepping; one that finished": (
+        [("fthsdp_lighthouse_replica_step{job='f',replica='0',instance='d'}", "0+1x10 10x30"),
+         ("fthsdp_lighthouse_job_finished{job='f',instance='d'}", "0x10 1x30"),
+         ("fthsdp_lighthouse_replica_step{job='j',replica='0',instance='d'}", "0+1x10 10x30"),
          ("fthsdp_lighthouse_replica_step{job='j',replica='1',instance='d'}", "0+1x10 10x30"),
          ("fthsdp_lighthouse_replica_step{job='k',replica='0',instance='d'}", "0+1x40")],
         [alert("FthsdpJobStalled", "22m"),  # stalled 12 minutes: not yet

@@ -30,6 +30,7 @@ from fthsdp.observe.lighthouse_view import (
     ReplicaView,
     StatusPoller,
     changes,
+    view_from_proto,
 )
 from fthsdp.observe.metrics import (
     LighthouseMetrics,
@@ -247,6 +248,25 @@ def test_lighthouse_metrics_from_views_and_stale_series_removed():
     assert value(r, "fthsdp_lighthouse_quorum_size", job="j") is None
     assert value(r, "fthsdp_lighthouse_heartbeat_age_seconds", job="j", replica="0") is None
     assert value(r, "fthsdp_lighthouse_quorum_size", job="other") == 1
+
+
+def test_a_finished_job_is_read_from_the_status_shown_and_exported():
+    """JobStatus.finished_step (-1 on the wire: not finished) reaches `fthsdp status`, the view and
+    fthsdp_lighthouse_job_finished, which alerts.yml's degraded and stalled rules leave out."""
+    from fthsdp.control.lighthouse_client import format_status, status_from_proto
+    from fthsdp.proto import lighthouse
+
+    pb2, _ = lighthouse()
+    resp = pb2.StatusResponse(jobs=[pb2.JobStatus(job_id="done", num_configured=3, finished_step=40),
+                                    pb2.JobStatus(job_id="going", num_configured=3, finished_step=-1)])
+    reply = status_from_proto(resp)
+    assert [j.finished_step for j in reply.jobs] == [40, None]
+    text = format_status(reply.jobs)
+    assert "job 'done': 3 configured, finished at step 40" in text and "going': 3 configured\n" in text, text
+    lm = LighthouseMetrics()
+    lm.update(view_from_proto(resp, 1.0))
+    assert value(lm.registry, "fthsdp_lighthouse_job_finished", job="done") == 1
+    assert value(lm.registry, "fthsdp_lighthouse_job_finished", job="going") == 0
 
 
 def test_exporter_serves_the_registry_on_an_ephemeral_loopback_port():

@@ -371,6 +371,7 @@ class JobStatus:
     last_stall: RootCauseStatus | None = None  # the last verdict that named a culprit
     sdc_events: tuple = ()  # pb2.SdcEvent: fingerprint mismatches, oldest first
     sdc_fatal: str = ""
+    finished_step: int | None = None  # the job finished at this step (a replica left having reached it)
 
 
 @dataclass(frozen=True)
@@ -412,6 +413,7 @@ def status_from_proto(resp: "pb2.StatusResponse") -> StatusReply:
             last_stall=root_cause_from_proto(j.last_stall) if j.HasField("last_stall") else None,
             sdc_events=tuple(j.sdc_events),
             sdc_fatal=j.sdc_fatal,
+            finished_step=j.finished_step if j.finished_step >= 0 else None,
         )
         for j in resp.jobs
     ]
@@ -499,6 +501,8 @@ def format_status(jobs: Sequence[JobStatus]) -> str:
     for j in jobs:
         q = j.quorum
         head = f"job {j.job_id!r}: {j.num_configured or '?'} configured"
+        if j.finished_step is not None:
+            head += f", finished at step {j.finished_step}"
         if q is not None:
             head += (f", quorum {q.quorum_id} members {list(q.member_ids)} at step {q.max_step} "
                      f"(healthy {list(q.healthy)}, behind {list(q.behind)})")

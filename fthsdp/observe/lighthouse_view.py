@@ -106,6 +106,7 @@ class JobView:
     root_cause: RootCauseView | None = None  # the verdict now
     last_stall: RootCauseView | None = None  # the last verdict that named a culprit
     sdc_events: tuple[SdcView, ...] = ()  # fingerprint mismatches, oldest first
+    finished_step: int | None = None  # the job finished at this step (None: it has not)
 
     def state_of(self, r: ReplicaView) -> str:
         """One word for a replica, from the lighthouse's point of view."""
@@ -153,7 +154,7 @@ def view_from_status(reply: "StatusReply", now: float) -> LighthouseView:
     jobs = tuple(
         JobView(j.job_id, tuple(replica(r) for r in j.replicas), quorum(j.quorum), j.last_reason, j.num_configured,
                 j.local_world_size, verdict(j.root_cause), verdict(j.last_stall),
-                tuple(SdcView(e.step, tuple(e.culprits), e.fatal, e.reason) for e in j.sdc_events))
+                tuple(SdcView(e.step, tuple(e.culprits), e.fatal, e.reason) for e in j.sdc_events), j.finished_step)
         for j in reply.jobs
     )
     return LighthouseView(now, jobs, reply.detect_s, reply.min_replicas, reply.metrics_address,

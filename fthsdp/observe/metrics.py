@@ -243,6 +243,8 @@ class LighthouseMetrics:
         self.max_step = Gauge("fthsdp_lighthouse_quorum_max_step", "Step of the current quorum", ["job"], registry=r)
         self.configured = Gauge("fthsdp_lighthouse_replicas_configured", "Replicas the job is configured with",
                                 ["job"], registry=r)
+        self.finished = Gauge("fthsdp_lighthouse_job_finished", "1 once a replica left the job having reached its "
+                              "last step (the lighthouse forgets the job later), else 0", ["job"], registry=r)
         self.replicas = Gauge("fthsdp_lighthouse_replicas", "Replicas per state (healthy, behind, waiting, outside, dead)",
                               ["job", "state"], registry=r)
         self.heartbeat_age = Gauge("fthsdp_lighthouse_heartbeat_age_seconds", "Seconds since a replica was last heard",
@@ -286,6 +288,7 @@ class LighthouseMetrics:
             self._set(self.quorum_healthy, (j,), len(q.healthy) if q else 0, seen)
             self._set(self.max_step, (j,), q.max_step if q else 0, seen)
             self._set(self.configured, (j,), job.num_configured, seen)
+            self._set(self.finished, (j,), 0 if job.finished_step is None else 1, seen)
             for kind in FAILURE_KINDS:  # exported at 0 from the start, so increase() counts the first failure
                 self.failures.labels(j, kind)
             counts = dict.fromkeys(STATES, 0)
