@@ -29,6 +29,7 @@ import urllib.request
 
 import pytest
 
+from fthsdp.observe import grafana
 from fthsdp.observe.dashboard import Dashboard
 from fthsdp.observe.lighthouse_view import BEHIND, DEAD, HEALTHY
 from fthsdp.observe.metrics import (
@@ -167,15 +168,16 @@ class ObservedJob:
         # fthsdp's alerting rules, evaluated every 500 ms against the job's real series
         config = json.loads(scrape_config(sd, scrape_interval="500ms", rule_files=[alerts_file()]))
         # A second scrape job over `fthsdp status --prometheus-targets` (refreshed by
-        # status_targets()): its series carry sd="status", and of what the replicas serve only
-        # the verdict series are kept, so the first job's series are not counted twice.
+        # status_targets()): its series carry sd="status"; the lighthouse's own /metrics (its load
+        # and verdicts) are kept whole, and of what the replicas serve only the verdict series,
+        # so the first job's series are not counted twice.
         self.status_sd = self.out.parent / "status-targets.json"
         self.status_sd.write_text("[]")
         status_job = json.loads(scrape_config(self.status_sd, scrape_interval="500ms",
                                               job_name="fthsdp-status"))["scrape_configs"][0]
         status_job["relabel_configs"] = [{"target_label": "sd", "replacement": "status"}]
-        status_job["metric_relabel_configs"] = [{"source_labels": ["__name__"], "regex": "fthsdp_root_cause_.*",
-                                                 "action": "keep"}]
+        status_job["metric_relabel_configs"] = [{"source_labels": ["role", "__name__"],
+                                                 "regex": "lighthouse;.*|.*;fthsdp_root_cause_.*", "action": "keep"}]
         config["scrape_configs"].append(status_job)
         cfg.write_text(json.dumps(config, indent=1))
         port = free_port()
@@ -266,7 +268,8 @@ def observed(tmp_path_factory):
         job.close()
 
 
-def test_dashboard_in_headless_chromium_shows_the_kill_and_the_rejoin(observed, tmp_path):
+def headless_chromium():
+    """A Selenium driver of headless Chromium (skips the test where either is not installed)."""
     if not (CHROMIUM and CHROMEDRIVER):
         pytest.skip("chromium and chromium-driver are not installed (scripts/install_system_deps.sh installs them)")
     pytest.importorskip("selenium", reason="selenium is in the `test` extra: pip install -e '.[test]'")
@@ -276,7 +279,11 @@ def test_dashboard_in_headless_chromium_shows_the_kill_and_the_rejoin(observed, 
     opts.binary_location = CHROMIUM
     for a in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu", "--window-size=1280,1100"):
         opts.add_argument(a)
-    driver = webdriver.Chrome(options=opts, service=webdriver.ChromeService(executable_path=CHROMEDRIVER))
+    return webdriver.Chrome(options=opts, service=webdriver.ChromeService(executable_path=CHROMEDRIVER))
+
+
+def test_dashboard_in_headless_chromium_shows_the_kill_and_the_rejoin(observed, tmp_path):
+    driver = headless_chromium()
     try:
         driver.get(observed.dashboard.url + "?interval=250")
 
@@ -311,6 +318,44 @@ def test_dashboard_in_headless_chromium_shows_the_kill_and_the_rejoin(observed, 
         print(f"screenshots: {tmp_path / 'dashboard-dead.png'} {path}")
     finally:
         driver.quit()
+
+
+def test_dashboard_page_shows_a_finished_job(tmp_path):
+    """A job the lighthouse reports finished (a replica left having trained its last step) reads
+    "finished at step N" in its summary, so a quorum short of members is not taken for a degraded
+    job; a job still training shows no such line. The Status comes from a real gRPC server."""
+    from concurrent import futures
+
+    import grpc
+
+    from fthsdp.proto import lighthouse
+
+    pb2, _ = lighthouse()
+    answer = pb2.StatusResponse(detect_s=0.8, jobs=[
+        pb2.JobStatus(job_id="done", num_configured=3, finished_step=40, has_quorum=True,
+                      quorum=pb2.Quorum(quorum_id=7, max_step=40)),
+        pb2.JobStatus(job_id="going", num_configured=3, finished_step=-1)]).SerializeToString()
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler("fthsdp.v1.Lighthouse", {
+        "Status": grpc.unary_unary_rpc_method_handler(lambda req, ctx: answer)})])
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    board = Dashboard(f"127.0.0.1:{port}", "127.0.0.1:0", interval_s=0.25).start()
+    driver = None
+    try:
+        driver = headless_chromium()
+        driver.get(board.url + "?interval=250")
+        summary = """const s = {}; for (const j of document.querySelectorAll('section.job')) {
+          const f = j.querySelector('.summary .finished'); s[j.dataset.job] = {
+          finished: f ? f.textContent : null, text: j.querySelector('.summary').innerText}; } return s;"""
+        shown = wait_until(lambda: (s := driver.execute_script(summary)) and len(s) == 2 and s, 60, "both jobs shown")
+        assert shown["done"]["finished"] == "40" and "finished at step 40" in shown["done"]["text"], shown
+        assert shown["going"]["finished"] is None and "finished" not in shown["going"]["text"], shown
+    finally:
+        if driver is not None:
+            driver.quit()
+        board.close()
+        server.stop(None)
 
 
 PAGE_STATE_JS = """
@@ -418,3 +463,17 @@ def test_prometheus_scrapes_the_job_and_sees_the_kill(observed):
                           end=time.time(), step="0.5")
     assert degraded and {s["metric"]["alertstate"] for s in degraded} == {"pending"}, degraded
     assert not prom_query(url, 'ALERTS{alertstate="firing"}', start=t_start, end=time.time(), step="0.5")
+
+    # fthsdp's Grafana dashboard (`fthsdp status --grafana-dashboard`): every panel's query, as Grafana
+    # sends it with this job chosen, returns this job's series over its run (the lighthouse's load
+    # through the status job's scrape of its /metrics). Only the events this job has none of may
+    # come back empty: silent data corruption and refused calls.
+    eventless = ("fthsdp_lighthouse_sdc_mismatches_total", "fthsdp_lighthouse_calls_refused_total")
+    empty = []
+    for title, expr in grafana.queries(grafana.dashboard()):
+        promql = expr.replace("$job", JOB).replace("$__rate_interval", "5s")  # 10 scrapes a window
+        got = prom_query(url, promql, start=t_start, end=time.time(), step="1")
+        finite = [v for s in got for _, v in s["values"] if v not in ("NaN", "+Inf", "-Inf")]
+        if not finite and not any(e in expr for e in eventless):
+            empty.append((title, promql))
+    assert not empty, empty

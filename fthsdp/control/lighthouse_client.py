@@ -527,12 +527,13 @@ def format_status(jobs: Sequence[JobStatus]) -> str:
 
 
 def status_cli(argv: list[str]) -> int:
-    """``fthsdp status --lighthouse HOST:PORT [--job ID] [--watch S]``, or ``--prometheus-rules``."""
+    """``fthsdp status --lighthouse HOST:PORT [--job ID] [--watch S]``, or ``--prometheus-rules`` or
+    ``--grafana-dashboard`` (no lighthouse needed)."""
     import argparse
 
     p = argparse.ArgumentParser(prog="fthsdp status", description="Show a lighthouse's jobs, quorums and replicas.")
     p.add_argument("--lighthouse", default=None, help="HOST:PORT of `fthsdp lighthouse` (required but with "
-                                                          "--prometheus-rules)")
+                                                          "--prometheus-rules or --grafana-dashboard)")
     p.add_argument("--job", default="", help="one job (default: every job)")
     p.add_argument("--watch", type=float, default=0.0, help="refresh every S seconds until interrupted")
     p.add_argument("--prometheus-targets", action="store_true",
@@ -542,6 +543,9 @@ def status_cli(argv: list[str]) -> int:
                    help="print fthsdp's Prometheus alerting rules (a rule_files entry: lighthouse down, a job "
                         "degraded or stalled, failures, silent data corruption, stragglers, the lighthouse's "
                         "load) and exit")
+    p.add_argument("--grafana-dashboard", action="store_true",
+                   help="print a Grafana dashboard (JSON, to import) of fthsdp's Prometheus series: quorum, "
+                        "failures and stalls, the data plane, the lighthouse's load; and exit")
     p.add_argument("--status-key-file", default=None,
                    help="the lighthouse's read-only status key (`fthsdp lighthouse --print-status-key`; "
                         "`fthsdp run` writes status.key in its run directory): read every job")
@@ -554,6 +558,11 @@ def status_cli(argv: list[str]) -> int:
         from fthsdp.observe.metrics import alerts_file
 
         print(alerts_file().read_text(), end="")
+        return 0
+    if args.grafana_dashboard:
+        from fthsdp.observe.grafana import dashboard_json
+
+        print(dashboard_json(), end="")
         return 0
     if not args.lighthouse:
         p.error("--lighthouse HOST:PORT is required (the address `fthsdp lighthouse` serves; `fthsdp run` writes "

@@ -56,6 +56,10 @@ function renderSummary(job) {
   } else {
     box.append(el("span", { class: "empty quorum-id" }, "no quorum yet"));
   }
+  // A replica left having trained every step: the lighthouse keeps the job a while, short of members.
+  if (job.finished_step !== null && job.finished_step !== undefined) {
+    box.append(kv("finished at step", String(job.finished_step), "finished"));
+  }
   return box;
 }
 
