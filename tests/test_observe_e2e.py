@@ -467,8 +467,8 @@ def test_prometheus_scrapes_the_job_and_sees_the_kill(observed):
     # fthsdp's Grafana dashboard (`fthsdp status --grafana-dashboard`): every panel's query, as Grafana
     # sends it with this job chosen, returns this job's series over its run (the lighthouse's load
     # through the status job's scrape of its /metrics). Only the events this job has none of may
-    # come back empty: silent data corruption and refused calls.
-    eventless = ("fthsdp_lighthouse_sdc_mismatches_total", "fthsdp_lighthouse_calls_refused_total")
+    # come back empty: silent data corruption, refused calls, and the annotation of firing alerts.
+    eventless = ("fthsdp_lighthouse_sdc_mismatches_total", "fthsdp_lighthouse_calls_refused_total", "ALERTS{")
     empty = []
     for title, expr in grafana.queries(grafana.dashboard()):
         promql = expr.replace("$job", JOB).replace("$__rate_interval", "5s")  # 10 scrapes a window

@@ -152,6 +152,10 @@ ROWS: tuple[Row, ...] = (
 )
 
 PANEL_H, PANEL_W = 8, 12  # Grafana's grid is 24 wide
+# fthsdp's alerts (alerts.yml) marked on every panel while they fire: Prometheus's ALERTS series.
+ALERTS_ANNOTATION = {"name": "fthsdp alerts firing", "datasource": DATASOURCE, "enable": True, "iconColor": "red",
+                     "expr": 'ALERTS{alertname=~"Fthsdp.*", alertstate="firing"}', "step": "30s",
+                     "titleFormat": "{{alertname}}", "textFormat": "{{job}} {{replica}} {{severity}}"}
 
 
 def _panel(p: Panel, pid: int, x: int, y: int) -> dict:
@@ -197,7 +201,7 @@ def dashboard(title: str = "fthsdp", rows: tuple[Row, ...] = ROWS) -> dict:
              "current": {}, "hide": 0},
             job_var,
         ]},
-        "annotations": {"list": []},
+        "annotations": {"list": [ALERTS_ANNOTATION]},
         "panels": panels,
     }
 
@@ -207,5 +211,6 @@ def dashboard_json(title: str = "fthsdp") -> str:
 
 
 def queries(board: dict) -> list[tuple[str, str]]:
-    """Every (panel title, PromQL) of a dashboard, row headers skipped."""
-    return [(p["title"], t["expr"]) for p in board["panels"] if p["type"] != "row" for t in p["targets"]]
+    """Every (panel or annotation title, PromQL) of a dashboard, row headers skipped."""
+    return ([(p["title"], t["expr"]) for p in board["panels"] if p["type"] != "row" for t in p["targets"]]
+            + [(a["name"], a["expr"]) for a in board["annotations"]["list"]])
