@@ -110,6 +110,41 @@ def _timeout_and_withdraw(lighthouse) -> None:
         a.close()
 
 
+def test_a_reply_that_lands_as_the_wait_times_out_is_returned_not_dropped(lighthouse, monkeypatch):
+    """The reader thread takes a reply's waiter and sets its event; a request whose wait ended at
+    that moment returns the reply instead of DEADLINE_EXCEEDED (a quorum's answer thrown away is
+    asked for again, and a relay that answered would count as silent). The race is made certain:
+    the waiter's first wait returns "timed out" only once the reply has been delivered."""
+    from fthsdp.control import session_client
+
+    class LateEvent(threading.Event):
+        def __init__(self) -> None:
+            super().__init__()
+            self.late = True
+
+        def wait(self, timeout=None) -> bool:
+            if self.late:  # the caller's deadline strikes just as the reader delivers
+                self.late = False
+                assert super().wait(10.0), "no reply at all"
+                return False
+            return super().wait(timeout)
+
+    real_init = session_client._Waiter.__init__
+
+    def late_waiter(self) -> None:
+        real_init(self)
+        self.event = LateEvent()
+
+    monkeypatch.setattr(session_client._Waiter, "__init__", late_waiter)
+    s = SyncSession(grpc.insecure_channel(lighthouse.address))
+    try:
+        hb = pb2.HeartbeatRequest(protocol_version=LIGHTHOUSE_PROTOCOL_VERSION, job_id="job", replica_id="0")
+        body = s.request("Heartbeat", hb.SerializeToString(), 5.0)
+        pb2.HeartbeatResponse.FromString(body)  # the reply itself, not an error
+    finally:
+        s.close()
+
+
 def test_a_client_falls_back_to_unary_calls_without_sessions():
     """A real gRPC server offering only the unary Heartbeat (an older lighthouse)."""
     seen = []

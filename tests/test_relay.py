@@ -342,6 +342,117 @@ def test_a_client_that_leaves_the_relay_has_its_open_request_withdrawn():
             watcher.close()
 
 
+def test_a_withdrawal_in_a_relay_batch_the_budget_refuses_is_still_honoured():
+    """A relay sends a withdrawal once. In a batch that the relay stream's budget refuses, its
+    messages are refused but its withdrawals still count: otherwise the request of a client that
+    left stays open at the lighthouse until its own deadline (60 s by default), counting its replica
+    as live and keeping its id from the client's restarted process."""
+    from queue import SimpleQueue
+
+    from fthsdp.control import admission
+
+    tight = admission.FairnessLimits(relay_batches_per_s=0.01, relay_burst=1, new_connection_tokens=1)
+    with LighthouseThread(LighthouseConfig(min_replicas=2, join_timeout_s=0.3, detect_s=DETECT,
+                                           fairness=tight)) as lh:
+        watcher = _client(lh.address, "watcher", session=False)
+        out: SimpleQueue = SimpleQueue()
+        channel = grpc.insecure_channel(lh.address, options=[("grpc.use_local_subchannel_pool", 1)])
+        call = channel.stream_stream(session.RELAY_METHOD, request_serializer=None, response_deserializer=None)(
+            iter(out.get, None), timeout=30)
+
+        def waiting() -> bool:
+            try:
+                return any(r.replica_id == "1" and r.waiting for j in watcher.status() for r in j.replicas)
+            except JobNotFound:
+                return False
+
+        try:
+            body = pb2.QuorumRequest(protocol_version=LIGHTHOUSE_PROTOCOL_VERSION, job_id="job", replica_id="1",
+                                     step=0, ftar_addresses=["127.0.0.1:9001"], local_world_size=1, num_replicas=2)
+            out.put(session.batch([session.envelope(5, "GetQuorum", body.SerializeToString(), 30.0)]))
+            deadline = time.monotonic() + 5
+            while time.monotonic() < deadline and not waiting():
+                time.sleep(0.02)
+            assert waiting(), "the relayed quorum request never reached the lighthouse"
+            # the client left: the next batch withdraws seq 5, and the stream's budget refuses it
+            out.put(session.batch([session.envelope(6, "Heartbeat", _hb("2"))], withdrawn=[5]))
+            refusal = [pb2.SessionReply.FromString(r) for r in pb2.RelayBatch.FromString(next(call)).messages]
+            assert [(r.seq, r.code) for r in refusal] == [(6, EXHAUSTED)], refusal
+            deadline = time.monotonic() + 5
+            while time.monotonic() < deadline and waiting():
+                time.sleep(0.02)
+            assert not waiting(), "the refused batch's withdrawal was lost: replica 1's request is still open"
+        finally:
+            out.put(None)
+            call.cancel()
+            channel.close()
+            watcher.close()
+
+
+def test_the_relay_holds_back_a_client_the_lighthouse_keeps_refusing_for_what_it_sends():
+    h = relay.RefusalHold()
+    unauth, invalid = grpc.StatusCode.UNAUTHENTICATED.value[0], grpc.StatusCode.INVALID_ARGUMENT.value[0]
+    # refusals for other reasons (a budget, an id held by a live process, no quorum yet) do not count
+    for code in (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.PERMISSION_DENIED,
+                 grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE):
+        for _ in range(10):
+            h.reply(1.0, code.value[0], "x")
+    assert not h.holds(1.0) and h.refusals == 0
+    h.reply(1.0, unauth, "wrong job secret")
+    h.reply(1.0, invalid, "not a valid HeartbeatRequest")
+    assert not h.holds(1.0)  # two: not yet
+    h.reply(1.0, unauth, "wrong job secret")
+    assert h.holds(1.0) and h.holds(5.9) and not h.holds(6.0)  # held, then one let through after 1 / PER_S
+    code, details = h.answer()
+    assert code == grpc.StatusCode.UNAUTHENTICATED and details.startswith("wrong job secret [repeated by the relay")
+    assert "refused 3 in a row" in details
+    h.reply(6.1, unauth, "wrong job secret")  # the one let through: refused again, held again
+    assert h.holds(6.2) and h.holds(10.9) and not h.holds(11.2)
+    h.reply(11.3, unauth, "x")  # and once more
+    assert h.holds(11.4)
+    h.reply(11.5, 0, "")  # accepted (fixed): the hold lifts at once, the count starts again
+    assert not h.holds(11.5) and h.refusals == 0
+    h.reply(11.6, unauth, "x")
+    assert not h.holds(11.6)
+
+
+def test_a_client_with_a_wrong_secret_behind_a_relay_does_not_cost_the_others_their_beats():
+    """One process with a wrong job secret beats through the relay as fast as it gets answers. The
+    lighthouse charges each refusal to the relay's one stream (~1,000 of its 5,000 batches/s): 40 of
+    them would put the stream 8 s in debt, and every batch of the block, the other processes' beats
+    among them, would be held back (up to 1 s each: longer than a detection window) or refused. The
+    relay holds the bad client back after 3, answering it with the lighthouse's own refusal, so the
+    stream's budget (full after a quiet moment) is never short: nothing is held."""
+    from fthsdp.control import auth
+
+    secret, wrong = auth.new_secret(), auth.new_secret()
+
+    def beat(key: bytes, rid: str) -> bytes:
+        return auth.signed_request(auth.derive(auth.job_key(key, "job"), "lighthouse"), "Heartbeat", "job", rid,
+                                   _hb(rid), "job")
+
+    with LighthouseThread(LighthouseConfig(join_timeout_s=0.3, detect_s=DETECT, secret=secret)) as lh, \
+            relay_process(lh.address) as (addr, _):
+        bad, good = SyncSession(grpc.insecure_channel(addr)), SyncSession(grpc.insecure_channel(addr))
+        try:
+            good.request("Heartbeat", beat(secret, "1"), 5.0)
+            time.sleep(2.5)  # the relay stream's budget fills to its burst (a new stream starts nearly empty)
+            held = lh.server.load_snapshot().held_total
+            seen = []
+            for _ in range(40):
+                with pytest.raises(SessionError) as e:
+                    bad.request("Heartbeat", beat(wrong, "7"), 5.0)
+                seen.append((e.value.code(), "repeated by the relay" in str(e.value)))
+            assert seen[:3] == [(grpc.StatusCode.UNAUTHENTICATED, False)] * 3, seen
+            assert seen[3:] == [(grpc.StatusCode.UNAUTHENTICATED, True)] * 37, seen
+            for _ in range(10):  # not refused (a budget's refusal would raise RESOURCE_EXHAUSTED) ...
+                good.request("Heartbeat", beat(secret, "1"), 5.0)
+            assert lh.server.load_snapshot().held_total == held  # ... nor held back
+        finally:
+            bad.close()
+            good.close()
+
+
 def test_an_authenticated_lighthouse_checks_every_message_a_relay_carries():
     from fthsdp.control import auth
 

@@ -50,6 +50,7 @@ import collections
 import itertools
 import logging
 import sys
+import time
 from dataclasses import dataclass
 
 import grpc
@@ -65,7 +66,7 @@ from fthsdp.proto import lighthouse as _load_stubs
 pb2, _ = _load_stubs()
 log = logging.getLogger("fthsdp.control.relay")
 
-__all__ = ["RelayConfig", "Relay", "RelayThread", "renumbered", "relay_index", "block_first", "relay_of", "cli"]
+__all__ = ["RefusalHold", "RelayConfig", "Relay", "RelayThread", "renumbered", "relay_index", "block_first", "relay_of", "cli"]
 
 _CHANNEL_OPTIONS = [
     ("grpc.max_receive_message_length", 256 * 1024 * 1024),  # a batch of the largest quorum answers
@@ -105,6 +106,59 @@ def relay_of(relays: tuple[str, ...], replica: int, replicas: int) -> str:
     """The address in ``relays`` that carries replica ``replica`` of ``replicas`` ("" = none), by
     :func:`relay_index`."""
     return relays[relay_index(len(relays), replica, replicas)] if relays else ""
+
+
+class RefusalHold:
+    """The relay's hold on one client that the lighthouse keeps refusing for what its messages
+    carry (``INVALID_ARGUMENT``: malformed; ``UNAUTHENTICATED``: a wrong or missing credential).
+
+    Why: the lighthouse charges each such refusal to the relay's one stream, at the price of
+    ``FairnessLimits.failure_cost`` calls of a connection scaled to the relay's rate (~1,000 of its
+    5,000 batches/s), so one misconfigured process beating at 10 Hz would put the whole block's
+    stream in debt and every other process behind the relay would have its beats held back or
+    refused, and be declared dead. After ``BURST`` such refusals the relay answers that client's
+    messages itself, with the lighthouse's last refusal (the same code, so the client reacts as it
+    would to the lighthouse), and lets one through every ``1 / PER_S`` s to see whether it was
+    fixed; a message the lighthouse accepts lifts the hold at once. Plain data: the relay feeds it
+    each reply's code and asks it before forwarding."""
+
+    BURST = 3
+    PER_S = 0.2
+    CODES = (grpc.StatusCode.INVALID_ARGUMENT.value[0], grpc.StatusCode.UNAUTHENTICATED.value[0])
+
+    def __init__(self) -> None:
+        self.tokens = float(self.BURST)
+        self.at = 0.0
+        self.refusals = 0  # in a row, since the last accepted message
+        self.last: tuple[int, str] = (0, "")  # the lighthouse's last refusal: code, details
+
+    def _refill(self, now: float) -> None:
+        if now > self.at:
+            self.tokens = min(float(self.BURST), self.tokens + (now - self.at) * self.PER_S)
+            self.at = now
+
+    def reply(self, now: float, code: int, details: str) -> None:
+        """The lighthouse answered one of this client's messages with ``code``."""
+        if code == 0:
+            self.tokens, self.refusals = float(self.BURST), 0
+        elif code in self.CODES:
+            self._refill(now)
+            self.tokens = max(self.tokens - 1.0, -1.0)  # held at most one let-through interval past refill
+            self.refusals += 1
+            self.last = (code, details)
+
+    def holds(self, now: float) -> bool:
+        """Whether the client's next message is answered by the relay instead of forwarded."""
+        self._refill(now)
+        return self.tokens < 1.0  # only refusals take tokens
+
+    def answer(self) -> tuple[grpc.StatusCode, str]:
+        code, details = self.last
+        return sess.status_code(code), (
+            f"{details} [repeated by the relay, which holds back this process's messages: the lighthouse "
+            f"refused {self.refusals} in a row for what they carry, and each refusal costs the budget of "
+            f"every process behind the relay; it lets one through every {1 / self.PER_S:g} s to see whether "
+            f"this was fixed]")
 
 
 @dataclass(frozen=True)
@@ -153,7 +207,7 @@ class Relay:
         # upstream seq -> (the client's stream, the client's own seq) of every message not yet answered
         self._routes: dict[int, tuple[sess.Stream, int]] = {}
         self.stats = {"clients": 0, "messages_up": 0, "batches_up": 0, "replies_down": 0, "batches_down": 0,
-                      "withdrawn": 0, "upstream_streams": 0, "upstream_breaks": 0}
+                      "withdrawn": 0, "upstream_streams": 0, "upstream_breaks": 0, "held_back": 0}
 
     @property
     def address(self) -> str:
@@ -209,6 +263,7 @@ class Relay:
     async def _serve(self, request_iterator, context: grpc.aio.ServicerContext) -> None:
         """One client's session: each message renumbered and queued upstream."""
         c = sess.Stream(context, context.peer() or "")
+        c.hold = RefusalHold()  # type: ignore[attr-defined] - the relay's own bookkeeping of this client
         self.stats["clients"] += 1
         writer = asyncio.get_running_loop().create_task(c.writer())
         half_closed = False
@@ -217,17 +272,19 @@ class Relay:
                 self._forward(c, raw)
             half_closed = True
         finally:
-            # A client that goes away withdraws its open quorum requests, as on its own stream.
-            self._withdraw(c, [up for up, (_, quorum) in c.open.items() if quorum])
-            if half_closed and c.open:
-                # It only stopped sending: its heartbeats' answers are on their way (the lighthouse
-                # itself answers those before it reads on), so they are still delivered.
-                deadline = asyncio.get_running_loop().time() + 1.0
-                while c.open and asyncio.get_running_loop().time() < deadline:
-                    await asyncio.sleep(0.005)
-            self._withdraw(c, list(c.open))
-            c.closed = True
-            c.wake.set()
+            try:
+                # A client that goes away withdraws its open quorum requests, as on its own stream.
+                self._withdraw(c, [up for up, (_, quorum) in c.open.items() if quorum])
+                if half_closed and c.open:
+                    # It only stopped sending: its heartbeats' answers are on their way (the lighthouse
+                    # itself answers those before it reads on), so they are still delivered.
+                    deadline = asyncio.get_running_loop().time() + 1.0
+                    while c.open and asyncio.get_running_loop().time() < deadline:
+                        await asyncio.sleep(0.005)
+            finally:  # even when the wait above is cancelled (the client cancelled its call)
+                self._withdraw(c, list(c.open))
+                c.closed = True
+                c.wake.set()
             try:
                 await asyncio.wait_for(writer, 1.0)
             except (asyncio.TimeoutError, asyncio.CancelledError, Exception):  # noqa: BLE001 - it is gone
@@ -255,6 +312,11 @@ class Relay:
         err = sess.envelope_problem(env)  # the lighthouse's own envelope checks, answered here
         if err:
             c.send(sess.reply(seq, code=grpc.StatusCode.INVALID_ARGUMENT, details=err))
+            return
+        if c.hold.holds(time.monotonic()):  # the lighthouse keeps refusing it: spare the block's budget
+            code, details = c.hold.answer()
+            self.stats["held_back"] += 1
+            c.send(sess.reply(seq, code=code, details=details))
             return
         if len(c.open) >= sess.MAX_OPEN:
             c.send(sess.reply(seq, code=grpc.StatusCode.RESOURCE_EXHAUSTED, details=(
@@ -341,6 +403,7 @@ class Relay:
             return
         c, seq = route
         c.open.pop(rep.seq, None)
+        c.hold.reply(time.monotonic(), rep.code, rep.details)
         self.stats["replies_down"] += 1
         c.send(renumbered(raw, seq))
 

@@ -329,27 +329,32 @@ def generic_handler(lighthouse, gate: guard.CallGate) -> grpc.GenericRpcHandler:
             return refused(s, 0, guard.INVALID, (
                 "a relay message is not a valid RelayBatch protobuf message: send fthsdp's lighthouse protocol "
                 "(fthsdp/proto/lighthouse.proto)"), refusal is None)
-        if refusal is not None:  # each message gets the refusal, so that its client hears it at once
-            return refuse_each(s, msg.messages[:MAX_BATCH], refusal.code, refusal.reason)
-        err = batch_problem(msg)
-        if err:
-            return refused(s, 0, guard.INVALID, err)
-        stats["relay_batches"] += 1
-        s.charged = 0
-        for i, inner in enumerate(msg.messages):
-            if s.charged >= MAX_REFUSED_PER_BATCH:  # garbage: the rest of the batch goes unchecked
-                refuse_each(s, msg.messages[i:], guard.EXHAUSTED, (
-                    f"{s.charged} messages of this relay batch were refused (malformed or unauthenticated): "
-                    f"the rest of it was not read; fix what the relay's clients send"))
-                break
-            stats["session_messages"] += 1
-            stats["relayed_messages"] += 1
-            await message(s, inner)
-        # After the messages: a client that sent a request and went away before the batch left
-        # has both in it, and its request must not stay open. No reply: nobody waits for one (a
-        # seq answered already, its answer crossing the relay's notice, is no longer open).
-        for seq in msg.withdrawn:
-            drop(s, seq)
+        try:
+            if refusal is not None:  # each message gets the refusal, so that its client hears it at once
+                return refuse_each(s, msg.messages[:MAX_BATCH], refusal.code, refusal.reason)
+            err = batch_problem(msg)
+            if err:
+                return refused(s, 0, guard.INVALID, err)
+            stats["relay_batches"] += 1
+            s.charged = 0
+            for i, inner in enumerate(msg.messages):
+                if s.charged >= MAX_REFUSED_PER_BATCH:  # garbage: the rest of the batch goes unchecked
+                    refuse_each(s, msg.messages[i:], guard.EXHAUSTED, (
+                        f"{s.charged} messages of this relay batch were refused (malformed or unauthenticated): "
+                        f"the rest of it was not read; fix what the relay's clients send"))
+                    break
+                stats["session_messages"] += 1
+                stats["relayed_messages"] += 1
+                await message(s, inner)
+        finally:
+            # After the messages: a client that sent a request and went away before the batch left
+            # has both in it, and its request must not stay open. No reply: nobody waits for one (a
+            # seq answered already, its answer crossing the relay's notice, is no longer open).
+            # Whatever became of the messages (refused by the budget, a batch too large, a failure):
+            # the relay sends a withdrawal once, and a request left open would count its replica as
+            # live and keep its id from a restarted process until the request's own deadline.
+            for seq in msg.withdrawn[:MAX_OPEN_RELAYED]:
+                drop(s, seq)
 
     async def serve(relayed: bool, context: grpc.aio.ServicerContext) -> None:
         s = Stream(context, context.peer() or "", relayed)

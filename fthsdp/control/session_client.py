@@ -420,9 +420,14 @@ class SyncSession:
             self._outgoing.put(session.envelope(seq, method, body, timeout_s))
         if not w.event.wait(timeout_s):
             with self._lock:
-                self._waiters.pop(seq, None)
-            raise SessionError(grpc.StatusCode.DEADLINE_EXCEEDED,
-                               f"no reply to {method} on the session stream within {timeout_s:g}s", unanswered=True)
+                still_waiting = self._waiters.pop(seq, None) is not None
+            # Not there: the reader took it as the wait ended, and sets its reply (or the stream's
+            # error) at once; a reply that made it is not thrown away (a quorum's answer would be
+            # asked for again, and a relay that answered counted as silent).
+            if still_waiting or not w.event.wait(1.0):
+                raise SessionError(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                   f"no reply to {method} on the session stream within {timeout_s:g}s",
+                                   unanswered=True)
         if w.error is not None:
             raise w.error
         rep = w.reply
