@@ -155,6 +155,59 @@ def test_lying_peers_are_caught_and_their_pieces_refetched(peers):
     assert "corrupt body" in reasons and "connection error" in reasons and "disagrees with the manifest" in reasons
 
 
+def test_a_peer_whose_manifest_lies_is_left_out_and_the_honest_one_serves(peers):
+    """A source whose manifest is not a manifest of anything (a number out of any range, a body
+    nested past the parser, leaves whose bytes do not follow from their shapes, overlapping leaves)
+    fails alone, with its reason; the fetch goes on from the honest peer."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from fthsdp.checkpoint.peer_fetch import PeerFetcher
+
+    status, body, _ = _get(peers["a"].url, f"/v1/snapshot/{STEP}/manifest")
+    assert status == 200
+    honest = json.loads(body)
+    leaves = honest["leaves"]
+    lies = {
+        "/huge": {**honest, "step": "__HUGE__"},
+        "/deep": "[" * 100_000 + "]" * 100_000,
+        "/zero-bytes": {**honest, "leaves": [{**x, "nbytes": 0} for x in leaves]},
+        "/overlap": {**honest, "leaves": [*leaves[:-1], {**leaves[-1], "offset": leaves[-2]["offset"]}]},
+    }
+
+    class Liar(BaseHTTPRequestHandler):
+        def do_GET(self):
+            lie = lies[self.server.lie]
+            out = (lie if isinstance(lie, str) else json.dumps(lie).replace('"__HUGE__"', "1e400")).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(out)))
+            self.end_headers()
+            self.wfile.write(out)
+
+        def log_message(self, *args):
+            pass
+
+    servers = []
+    try:
+        for lie in lies:
+            srv = ThreadingHTTPServer(("127.0.0.1", 0), Liar)
+            srv.lie = lie
+            threading.Thread(target=srv.serve_forever, daemon=True).start()
+            servers.append(srv)
+        urls = [f"http://127.0.0.1:{srv.server_address[1]}" for srv in servers]
+        session = PeerFetcher([*urls, peers["a"].url], TOKEN, step=STEP, timeout_s=5).start()
+        assert _same(session.tree(like=make_state(0)), make_state(0))
+        reasons = dict(zip(lies, (session.stats[u].dead for u in urls)))
+        assert "OverflowError" in reasons["/huge"], reasons
+        assert "not valid JSON" in reasons["/deep"], reasons
+        assert "says 0 bytes for shape" in reasons["/zero-bytes"], reasons
+        assert "overlaps the leaf before it" in reasons["/overlap"], reasons
+    finally:
+        for srv in servers:
+            srv.shutdown()
+            srv.server_close()
+
+
 def test_only_liars_fail_with_every_reason(peers):
     from fthsdp.checkpoint.peer_fetch import FetchError, PeerFetcher
 

@@ -157,6 +157,34 @@ def test_manifest_json_roundtrip_and_validation():
         Manifest.from_json(json.dumps(bad))
 
 
+def test_a_manifest_that_describes_no_real_buffer_is_refused():
+    """What a lying or broken peer could claim: each is refused before anything is allocated."""
+    tree = {"a": np.arange(1000, dtype=np.float32), "b": np.ones((3, 5), np.int8)}
+    snap = Snapshotter(piece_bytes=512).take(9, tree)
+    d = json.loads(snap.manifest.to_json())
+    a, b = d["leaves"]
+
+    def refused(match: str, **changes) -> None:
+        with pytest.raises(SnapshotError, match=match):
+            Manifest.from_json(json.dumps({**d, **changes}).replace('"HUGE"', "1e400"))
+
+    refused("says 0 bytes for shape", leaves=[{**a, "nbytes": 0}, b], checksums=[[0], d["checksums"][1]])
+    refused("says -4 bytes", leaves=[{**a, "nbytes": -4}, b])
+    refused("overlaps the leaf before it", leaves=[a, {**b, "offset": a["offset"] + 64}])
+    refused("lies outside", leaves=[a, {**b, "offset": d["total_bytes"]}])
+    refused("buffer for leaves that end at byte", total_bytes=10**30)
+    refused("dtype 'float99'", leaves=[{**a, "dtype": "float99"}, b])
+    refused("malformed: OverflowError", step="HUGE")
+    with pytest.raises(SnapshotError, match="not valid JSON"):
+        Manifest.from_json("[" * 100_000)
+    assert Manifest.from_json(json.dumps(d)) == snap.manifest  # the honest one still reads
+    # a manifest valid on its own, but not where this build lays those leaves out: refused on restore
+    moved = Manifest.from_json(json.dumps({**d, "leaves": [a, {**b, "offset": b["offset"] + 64}],
+                                           "total_bytes": d["total_bytes"] + 64}))
+    with pytest.raises(SnapshotError, match="lays its leaves out"):
+        restore_tree(moved, HostBuffer(moved.total_bytes), like=tree)
+
+
 def test_restore_into_a_different_structure_is_refused():
     snap = Snapshotter().take(1, {"a": np.zeros(4, np.float32)})
     with pytest.raises(SnapshotError, match="target pytree has 2 leaves"):

@@ -126,11 +126,16 @@ def _key_bytes(key: bytes | str | None) -> bytes | None:
     return key
 
 
+MAX_ERROR_BODY = 64 << 10  # an error's JSON body is a sentence: more is not read
+
+
 def _error_reason(resp: http.client.HTTPResponse) -> str:
-    body = resp.read()
+    body = resp.read(MAX_ERROR_BODY)
+    while resp.read(MAX_ERROR_BODY):  # the rest drained, not kept: the connection stays usable
+        pass
     try:
-        return f"HTTP {resp.status}: {json.loads(body)['error']}"
-    except (ValueError, KeyError, TypeError):
+        return f"HTTP {resp.status}: {str(json.loads(body)['error'])[:1000]}"
+    except (ValueError, KeyError, TypeError, RecursionError):
         return f"HTTP {resp.status}: {body[:200]!r}"
 
 
@@ -486,6 +491,8 @@ class PeerFetcher:
                 return url, None, str(e)
             except (OSError, http.client.HTTPException) as e:
                 return url, None, f"unreachable: {type(e).__name__}: {e}"
+            except Exception as e:  # noqa: BLE001 - whatever one peer sent: that source fails, not the fetch
+                return url, None, f"its manifest could not be read: {type(e).__name__}: {str(e)[:300]}"
 
         with ThreadPoolExecutor(max_workers=len(self.sources)) as pool:
             for url, m, err in pool.map(one, self.sources):

@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import math
 import mmap
 import os
 import threading
@@ -112,7 +113,7 @@ class Manifest:
     def from_json(text: str | bytes) -> "Manifest":
         try:
             d = json.loads(text)
-        except (ValueError, UnicodeDecodeError) as e:
+        except (ValueError, UnicodeDecodeError, RecursionError) as e:  # RecursionError: a body nested too deep
             raise SnapshotError(f"snapshot manifest is not valid JSON ({e}); is the peer an fthsdp peer server?") from None
         if not isinstance(d, dict) or d.get("format") != FORMAT:
             got = d.get("format") if isinstance(d, dict) else type(d).__name__
@@ -136,21 +137,40 @@ class Manifest:
                 checksums=tuple(tuple(int(c) for c in cs) for cs in d["checksums"]),
                 total_bytes=int(d["total_bytes"]),
             )
-        except (KeyError, TypeError, ValueError) as e:
+        except (KeyError, TypeError, ValueError, OverflowError) as e:  # OverflowError: a number like 1e400
             raise SnapshotError(f"snapshot manifest is malformed: {type(e).__name__}: {e}") from None
         m.validate()
         return m
 
     def validate(self) -> None:
+        """A manifest that describes a buffer it could have come from: each leaf's bytes are its
+        shape times its dtype's size, the leaves lie in order without overlapping (a piece written
+        over bytes already verified would install what was not), inside a buffer no larger than
+        their aligned sum. A peer that lies about any of it is refused before anything is allocated."""
         if self.piece_bytes <= 0:
             raise SnapshotError(f"manifest piece_bytes must be > 0, got {self.piece_bytes}")
         if len(self.checksums) != len(self.leaves):
             raise SnapshotError(f"manifest has {len(self.leaves)} leaves but {len(self.checksums)} checksum lists")
+        end = 0
         for i, (leaf, cs) in enumerate(zip(self.leaves, self.checksums)):
-            if leaf.offset < 0 or leaf.offset + leaf.nbytes > self.total_bytes:
-                raise SnapshotError(f"manifest leaf {i} ({leaf.path}) lies outside the {self.total_bytes}-byte buffer")
+            try:
+                itemsize = _np_dtype(leaf.dtype).itemsize
+            except (TypeError, AttributeError):
+                raise SnapshotError(f"manifest leaf {i} ({leaf.path[:200]}) has dtype {leaf.dtype[:64]!r}, which "
+                                    "numpy does not know") from None
+            if any(d < 0 for d in leaf.shape) or leaf.nbytes != math.prod(leaf.shape) * itemsize:
+                raise SnapshotError(f"manifest leaf {i} ({leaf.path[:200]}) says {leaf.nbytes} bytes for shape "
+                                    f"{leaf.shape} of {leaf.dtype}: the peer's manifest is inconsistent")
+            if leaf.offset < end or leaf.offset + leaf.nbytes > self.total_bytes:
+                raise SnapshotError(f"manifest leaf {i} ({leaf.path[:200]}) at bytes [{leaf.offset}, "
+                                    f"{leaf.offset + leaf.nbytes}) overlaps the leaf before it or lies outside the "
+                                    f"{self.total_bytes}-byte buffer")
+            end = leaf.offset + leaf.nbytes
             if len(cs) != self.num_pieces(i):
-                raise SnapshotError(f"manifest leaf {i} ({leaf.path}) has {len(cs)} checksums for {self.num_pieces(i)} pieces")
+                raise SnapshotError(f"manifest leaf {i} ({leaf.path[:200]}) has {len(cs)} checksums for "
+                                    f"{self.num_pieces(i)} pieces")
+        if self.total_bytes != end:
+            raise SnapshotError(f"manifest says a {self.total_bytes}-byte buffer for leaves that end at byte {end}")
 
 
 def num_pieces(nbytes: int, piece_bytes: int) -> int:
@@ -494,3 +514,8 @@ def check_matches(manifest: Manifest, paths: Sequence[str], leaves: Sequence[Any
                 f"leaf {i} differs from the snapshot: target {p} {shape} {dtype}, snapshot {spec.path} "
                 f"{spec.shape} {spec.dtype}"
             )
+    planned, total = plan_layout(paths, leaves)
+    if (planned, total) != (manifest.leaves, manifest.total_bytes):  # where each leaf's bytes lie, too
+        raise SnapshotError(f"the snapshot of step {manifest.step} lays its leaves out in a {manifest.total_bytes}-byte "
+                            f"buffer where this build puts them in {total} bytes: the peer's manifest is "
+                            "inconsistent (a different fthsdp version, or a broken peer)")
