@@ -26,6 +26,7 @@ from fthsdp.control.lighthouse_client import (
     LighthouseUnavailable,
     QuorumTimeout,
 )
+from fthsdp.replica.group import DecisionTimeout
 from fthsdp.replica.manager import ManagerError, ManagerJobError
 
 R, RF, JF = FaultClass.RECOVERABLE, FaultClass.REPLICA_FATAL, FaultClass.JOB_FATAL
@@ -66,6 +67,9 @@ def test_xla_error_outside_ftar_is_replica_fatal():
     (LighthouseError("get_quorum failed: ABORTED: superseded", grpc.StatusCode.ABORTED), R),
     (QuorumTimeout("get_quorum(step=3): no answer within 120s", grpc.StatusCode.DEADLINE_EXCEEDED), RF),
     (ManagerError("step 9: 5 attempts failed; giving up"), RF),
+    # a follower's wait for its leader past the deadline: the replica fails as a unit (asking again
+    # would read the leader's next decision while the leader publishes this one)
+    (DecisionTimeout("replica 0 process 1: no 'quorum' decision from the leader within 300.0s"), RF),
     (MemoryError(), RF),
     (KeyError("a bug"), RF),
     (LighthouseUnavailable("cannot reach lighthouse", grpc.StatusCode.UNAVAILABLE, outage_s=61.0), JF),

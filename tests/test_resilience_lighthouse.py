@@ -456,6 +456,31 @@ def test_startup_barrier_gives_up_after_the_outage_limit():
         waiter.close()
 
 
+def test_startup_barrier_rides_out_a_slow_status_answer():
+    """A Status past its deadline (QuorumTimeout, a TimeoutError) is ridden out like an
+    unreachable lighthouse, not raised at once out of the barrier."""
+    import dataclasses
+    import types
+
+    from fthsdp.config import Config
+    from fthsdp.control.lighthouse_client import JobStatus, QuorumTimeout, ReplicaStatus
+    from fthsdp.replica.manager import Manager
+
+    base = Config()
+    cfg = dataclasses.replace(base, ft=dataclasses.replace(base.ft, lighthouse_outage_s=5.0))
+    calls = []
+
+    def status():
+        calls.append(time.monotonic())
+        if len(calls) <= 2:
+            raise QuorumTimeout("Status: no answer within 5s")
+        live = (ReplicaStatus("0", 0, 0.1, False, False), ReplicaStatus("1", 0, 0.1, False, False))
+        return [JobStatus("job", live, None, "", 1, 2)]
+
+    assert Manager.wait_for_peers(types.SimpleNamespace(cfg=cfg), status, 2, 60.0) == 2
+    assert len(calls) == 3
+
+
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("roles", [("rejoin",), ("rejoin", "rejoin"), ("rejoin", "first start")],
                          ids=["alone", "two-rejoiners", "with-a-first-start"])

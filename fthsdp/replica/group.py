@@ -140,9 +140,11 @@ def initialize(spec: GroupSpec, timeout_s: float = 120.0) -> None:
                                process_id=spec.process_index, initialization_timeout=int(max(1, timeout_s)))
 
 
-class DecisionTimeout(TimeoutError):
+class DecisionTimeout(ReplicaFatalError, TimeoutError):
     """A follower waited past its deadline for its leader's decision: the leader is dead or
-    hung, and the replica must fail as a unit (the launcher restarts the group)."""
+    hung, and the replica must fail as a unit (the launcher restarts the group). Replica-fatal,
+    not a timeout to retry: the decision's key is spent, so a follower that asked again would
+    read the leader's next decision while the leader publishes this one."""
 
 
 class DecisionChannel:

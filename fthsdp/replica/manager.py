@@ -597,9 +597,9 @@ class Manager:
                 unreachable_since = None
             except LookupError:
                 jobs = []  # the job does not exist on the lighthouse until a replica heartbeats
-            except ConnectionError as e:
-                # The lighthouse is down (its supervisor restarts it): ride it out
-                # like get_quorum does, for at most the outage limit.
+            except (ConnectionError, TimeoutError) as e:
+                # The lighthouse is down (its supervisor restarts it) or slow to answer (a Status
+                # past its deadline): ride it out like get_quorum does, for at most the outage limit.
                 now = time.monotonic()
                 unreachable_since = unreachable_since if unreachable_since is not None else now
                 if now - unreachable_since > outage_s:

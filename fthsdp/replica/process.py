@@ -543,14 +543,16 @@ class ReplicaProcess:
             # request is its sign of life until then, so the lighthouse never sees it
             # "live but not asking" and the others never wait a join limit for it.
             self.client.start_heartbeats(on_dead=mgr.on_dead, on_asking=mgr.on_asking)
-        if cfg.launch.replicas > 1 and not self.args.rejoin and self.leader:  # a job's (re)start: begin together
-            live = mgr.wait_for_peers(self.client.status, cfg.launch.replicas, cfg.ft.startup_timeout_s)
-            log.info("replica %s: %d replica(s) live, starting", self.rid, live)
         from fthsdp.errors import classify, exit_code
         from fthsdp.gc_policy import low_pause_gc
         from fthsdp.control.lighthouse_client import JobFinished
 
         try:
+            if cfg.launch.replicas > 1 and not self.args.rejoin and self.leader:  # a job's (re)start: begin together
+                # in the try: a lighthouse that stays unreachable past the outage limit is job-fatal
+                # (exit 78, with a final status and a Leave) as it is in the step loop
+                live = mgr.wait_for_peers(self.client.status, cfg.launch.replicas, cfg.ft.startup_timeout_s)
+                log.info("replica %s: %d replica(s) live, starting", self.rid, live)
             # Everything start-up built (jax, the compiled step) frozen, and young collections
             # rare: CPython's defaults paused a training replica up to 136 ms (a full
             # collection), its heartbeat thread with it (fthsdp.gc_policy).
