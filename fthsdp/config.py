@@ -146,6 +146,10 @@ class FTConfig:
     # after it commits step STEP, before it writes that commit's ledger line (once per run
     # directory), so that a test can check the batch is recorded when a later state holds it.
     test_die_before_ledger: str = ""
+    # A test hook, off by default: "R.P" (process P of replica R; "R" for a one-process replica)
+    # makes that process's first state fetch from its peers fail at once, so that a test can
+    # check that a replica whose other processes fetched theirs fails the step together.
+    test_fail_fetch: str = ""
 
 
 @dataclass(frozen=True)

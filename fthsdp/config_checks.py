@@ -214,6 +214,13 @@ def _die_before_ledger_spec(value: Any) -> None:
         parse_fault(str(value).strip(), "test_die_before_ledger")
 
 
+def _fail_fetch_spec(value: Any) -> None:
+    import re
+
+    if str(value).strip() and not re.fullmatch(r"\d+(\.\d+)?", str(value).strip()):
+        raise ValueError(f"{value!r} is not a process: give REPLICA (e.g. 1) or REPLICA.PROCESS (e.g. 1.0)")
+
+
 def _hold_view_spec(value: Any) -> None:
     from fthsdp.replica.group import parse_hold_view
 
@@ -312,6 +319,7 @@ RULES: dict[str, Rule] = {
     "ft.test_flip_bit": Parsed(_flip_spec, "empty (off) or REPLICA@STEP[:BIT] (a test hook)"),
     "ft.test_hold_view": Parsed(_hold_view_spec, "empty (off), STEP:SECONDS or STEP:SECONDS:recovering (a test hook)"),
     "ft.test_die_before_ledger": Parsed(_die_before_ledger_spec, "empty (off) or REPLICA@STEP (a test hook)"),
+    "ft.test_fail_fetch": Parsed(_fail_fetch_spec, "empty (off), REPLICA or REPLICA.PROCESS (a test hook)"),
     # launch
     "launch.replicas": _int(1),
     "launch.devices_per_replica": _int(1),

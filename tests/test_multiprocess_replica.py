@@ -169,6 +169,38 @@ def test_a_killed_process_takes_its_replica_out_whole_and_it_rejoins_as_a_group(
         assert any("caught up to step" in e for e in rejoin["events"]), rejoin["events"]
 
 
+@pytest.mark.slow
+def test_a_rejoining_group_whose_leader_fails_its_fetch_fails_the_step_together(tmp_path):
+    """The restarted replica 1's leader fails its first state fetch (the test hook
+    ft.test_fail_fetch=1.0) while its follower fetches its shards. The follower goes on to the
+    step's commit vote, a collective over both processes: the leader takes part with its ring
+    closed, the vote fails on both, and the group asks again together and rejoins. Before, the
+    leader asked again at once, and its next step met the follower's vote on this one (its
+    processes a decision apart). No second restart, states identical, every batch once."""
+    steps = 120
+    out = tmp_path / "run"
+    rc, err, _ = _run_and_kill_the_lighthouse(
+        out, ["--config", "base", "--replicas", "2", "--processes-per-replica", "2", "--devices-per-replica", "1",
+              "--kill", "1.1@8", *TINY, f"train.steps={steps}", "train.min_step_s=0.5", "train.pace=degraded",
+              "ft.test_fail_fetch=1.0"], None, within_s=0, timeout=600)
+    assert rc == 0, err[-3000:]
+    run = report.load_run(out)
+    kinds = [(e["kind"], e.get("replica")) for e in read_metrics(out / "events.jsonl")]
+    assert kinds.count(("restart", 1)) == 1, kinds  # the failed fetch did not fail the group again
+    from test_fault_tolerance import assert_identical_after_every_commit
+
+    assert {r for r, d in run.done.items() if d.get("step") == steps} == {"0", "1"}, run.done
+    assert assert_identical_after_every_commit(run) >= steps - 10
+    exactly_once(out, run)
+    rejoin = next(rec for rec in run.steps["1"] if not rec["healthy"])
+    assert rejoin["attempts"] >= 2 and any("this process's state fetch failed" in e for e in rejoin["events"]), rejoin
+    assert any("caught up to step" in e for e in rejoin["events"]), rejoin["events"]
+    for r in (0, 1):  # both processes of each replica hold their leader's state at every step both recorded
+        lead, follow = _steps(out / f"metrics-{r}.jsonl"), _steps(out / "followers" / f"{r}.1" / f"metrics-{r}.jsonl")
+        common = set(lead) & set(follow)
+        assert max(common) > 10 and all(lead[s] == follow[s] for s in common), r
+
+
 def _fetches(out: pathlib.Path, r: int) -> dict[int, list[dict]]:
     """The rejoiner's state fetches, per process of replica r (leader's and follower's metrics)."""
     paths = {0: out / f"metrics-{r}.jsonl", 1: out / "followers" / f"{r}.1" / f"metrics-{r}.jsonl"}

@@ -319,6 +319,27 @@ def test_peer_killed_mid_transfer_is_finished_by_the_other():
         survivor.kill()
 
 
+def test_a_fetch_where_no_piece_lands_for_the_stall_limit_fails_instead_of_waiting_forever():
+    """Every read of a slow source may come within its timeout while no piece lands (a peer that
+    trickles, or one sleeping just under the timeout before each piece): the wait for the state
+    ends with a FetchError once nothing landed for the session's stall limit (by default
+    max(30 s, 4 x the read timeout); shortened here), and the rejoiner tries other sources."""
+    from fthsdp.checkpoint.peer_fetch import STALL_FLOOR_S, FetchError, PeerFetcher
+    from fthsdp.checkpoint.peer_server import PeerServer, StaticSource
+    from fthsdp.checkpoint.snapshot import Snapshotter
+
+    snap = Snapshotter(piece_bytes=PIECE).take(STEP, make_state(0))
+    with PeerServer(StaticSource(snap), TOKEN, fault=Fault("delay", delay_s=3.0)) as slow:
+        session = PeerFetcher([slow.url], TOKEN, step=STEP, timeout_s=5.0, streams_per_source=1).start()
+        assert session.stall_s == max(STALL_FLOOR_S, 20.0)
+        session.stall_s = 1.0
+        t0 = time.monotonic()
+        with pytest.raises(FetchError, match=r"no piece of step 12's state landed for 1 s \(0 of"):
+            session.wait()
+        assert time.monotonic() - t0 < 2.9  # before the first piece could land
+        session.close()
+
+
 def test_capped_peers_add_up_when_striped():
     """Each server caps its serving bandwidth; striping over two gets about twice one."""
     from fthsdp.checkpoint.peer_fetch import PeerFetcher

@@ -126,6 +126,10 @@ def _key_bytes(key: bytes | str | None) -> bytes | None:
     return key
 
 
+# A fetch waiting for pieces fails when none landed for max(STALL_FLOOR_S, STALL_TIMEOUTS x the
+# per-read timeout): generous for an 8 MiB piece on a slow link, bounded against a trickling peer.
+STALL_FLOOR_S = 30.0
+STALL_TIMEOUTS = 4.0
 MAX_ERROR_BODY = 64 << 10  # an error's JSON body is a sentence: more is not read
 
 
@@ -193,6 +197,10 @@ class FetchSession:
         self._done = 0
         self._error: FetchError | None = None
         self._cond = threading.Condition()
+        # A wait for pieces ends when none has landed for this long: a source that trickles bytes
+        # (each read within timeout_s) must not hold a rejoining replica forever.
+        self.stall_s = max(STALL_FLOOR_S, STALL_TIMEOUTS * timeout_s)
+        self._progress_at = time.monotonic()
         self.retries = 0
         self.t_start = time.perf_counter()
         self.t_end: float | None = None
@@ -224,6 +232,7 @@ class FetchSession:
         with self._cond:
             self._in_flight -= 1
             self._done += 1
+            self._progress_at = time.monotonic()
             st = self.stats[url]
             st.pieces += 1
             st.bytes += nbytes
@@ -298,6 +307,9 @@ class FetchSession:
                     except OSError as e2:
                         self._fail(url, None, f"unreachable: {type(e2).__name__}: {e2}", dead=True)
                         return
+                except Exception as e:  # noqa: BLE001 - whatever this source caused: it is dropped, its piece
+                    self._fail(url, pid, f"{type(e).__name__}: {str(e)[:300]}", dead=True)  # goes to another
+                    return
                 else:
                     leaf, k = self.pieces[pid]
                     start, end = self.manifest.piece_range(leaf, k)
@@ -356,9 +368,17 @@ class FetchSession:
             while not ready():
                 if self._error is not None:
                     raise self._error
-                left = None if deadline is None else deadline - time.monotonic()
+                now = time.monotonic()
+                left = None if deadline is None else deadline - now
                 if left is not None and left <= 0:
                     raise TimeoutError(f"fetch of step {self.manifest.step} not finished after {timeout}s")
+                if now - self._progress_at > self.stall_s:
+                    self._error = FetchError(
+                        f"no piece of step {self.manifest.step}'s state landed for {self.stall_s:g} s "
+                        f"({self._done} of {len(self.pieces)} done; sources {sorted(self._alive)} are stalled "
+                        "or too slow): fetching from other peers")
+                    self._cond.notify_all()
+                    raise self._error
                 self._cond.wait(0.5 if left is None else min(left, 0.5))
             if self._error is not None:
                 raise self._error

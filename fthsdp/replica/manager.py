@@ -381,6 +381,7 @@ class Manager:
                         f"replica {self.replica_id} holds the state of step {q.max_step - 1}'s end fetched for a "
                         f"catch-up that did not commit, and quorum {q.quorum_id} calls it healthy at step {step}: "
                         "it cannot train on that state; restarting it to rejoin from its peers")
+                fetch_failed = ""
                 if not healthy:
                     grads = None
                     if not no_view:  # without its view this process has no sources: the attempt fails anyway
@@ -391,6 +392,17 @@ class Manager:
                             # the data state and the loader follow only if the step commits
                             self.state, fetched = self._fetch_peers_state(q, step, events)
                             self._fetched_uncommitted = True
+                        except PeerFetchError as e:
+                            # The replica's other processes may have fetched their shards: they go on to
+                            # the commit vote, a collective over every process of the replica. This one
+                            # takes part with its ring closed (its state untouched), so the vote fails on
+                            # all of them and they ask again together, as without a view; asking at once
+                            # would pair its next step with their vote on this one.
+                            fetch_failed = f"step {step}: this process's state fetch failed: {e}"
+                            self.comm.abort(fetch_failed)
+                            events.append(f"attempt {attempt} on quorum {q.quorum_id}: {fetch_failed}")
+                            log.warning("step %d attempt %d on quorum %d: %s; failing the commit vote",
+                                        step, attempt, q.quorum_id, fetch_failed)
                         finally:
                             catch_up_s += time.perf_counter() - t0
                 elif grads is None:
@@ -414,6 +426,7 @@ class Manager:
                     committed, fingerprint = read_commit(m["commit_words"])
                 else:
                     committed, fingerprint = bool(m["committed"]), None
+                committed = committed and not fetch_failed  # (its closed ring failed the vote already)
                 allreduce_s = time.perf_counter() - t0
             except Exception as e:  # noqa: BLE001 - classified: RECOVERABLE retries, the rest propagates
                 c = classify(e)

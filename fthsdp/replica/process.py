@@ -180,6 +180,9 @@ class ReplicaProcess:
         from fthsdp.control.sdc import parse_flip
 
         self.flip = parse_flip(cfg.ft.test_flip_bit)  # a test hook, off by default
+        # another (ft.test_fail_fetch): this process's first state fetch fails at once
+        self.fail_fetch_once = bool(cfg.ft.test_fail_fetch.strip()) and cfg.ft.test_fail_fetch.strip() in (
+            self.group.label, f"{self.group.replica_id}.{self.group.process_index}")
         self.die_before_ledger = None  # another (ft.test_die_before_ledger): (replica, step)
         if cfg.ft.test_die_before_ledger.strip():
             from fthsdp.launch.faults import parse_fault
@@ -296,6 +299,11 @@ class ReplicaProcess:
         from fthsdp.checkpoint import local_shards, orbax_peer
         from fthsdp.errors import PeerFetchError
 
+        if self.fail_fetch_once:  # the test hook ft.test_fail_fetch
+            self.fail_fetch_once = False
+            log.warning("TEST HOOK ft.test_fail_fetch=%r: failing this process's fetch of step %d",
+                        self.cfg.ft.test_fail_fetch, step)
+            raise PeerFetchError(f"test hook ft.test_fail_fetch: the fetch of step {step} failed")
         assigned = ([s.state_server_address for s in q.sources] if q.sources else
                     [q.member(src).state_server_address for src in q.sources_for(self.rid)])
         others = [q.member(h).state_server_address for h in q.healthy]
