@@ -414,6 +414,9 @@ def test_prometheus_scrapes_the_job_and_sees_the_kill(observed):
     assert info[0]["metric"]["kind"] in ("none", "dead", "frozen", "slow", "slow_link", "unknown"), info
     stalls = scalar(url, f'sum(fthsdp_root_cause_changes_total{{job="{JOB}",sd="status",kind=~"dead|frozen"}})')
     assert stalls is not None and stalls >= 1, stalls  # the SIGKILL of replica 1 was a verdict
+    # a few scrapes of the lighthouse's own /metrics (its load), for the Grafana queries below
+    wait_until(lambda: (scalar(url, 'count_over_time(fthsdp_lighthouse_heartbeats_total{sd="status"}[1m])') or 0)
+               >= 6, 30, "six scrapes of the lighthouse's own /metrics")
     observed.stop_job()
     steps = {r: f.poll() or f.steps for r, f in observed.followers.items()}
     time.sleep(1.5)  # three scrape intervals: the final values are in Prometheus
@@ -472,7 +475,7 @@ def test_prometheus_scrapes_the_job_and_sees_the_kill(observed):
     empty = []
     for title, expr in grafana.queries(grafana.dashboard()):
         promql = expr.replace("$job", JOB).replace("$__rate_interval", "5s")  # 10 scrapes a window
-        got = prom_query(url, promql, start=t_start, end=time.time(), step="1")
+        got = prom_query(url, promql, start=t_start, end=time.time(), step="0.5")
         finite = [v for s in got for _, v in s["values"] if v not in ("NaN", "+Inf", "-Inf")]
         if not finite and not any(e in expr for e in eventless):
             empty.append((title, promql))

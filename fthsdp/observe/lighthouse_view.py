@@ -351,6 +351,7 @@ class History:
             "job_id": job.job_id,
             "num_configured": job.num_configured,
             "local_world_size": job.local_world_size,
+            "finished_step": job.finished_step,  # None while it trains
             "quorum": None if q is None else {
                 "quorum_id": q.quorum_id, "members": list(q.members), "healthy": list(q.healthy),
                 "behind": list(q.behind), "max_step": q.max_step, "reason": q.reason},

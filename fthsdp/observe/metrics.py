@@ -291,6 +291,8 @@ class LighthouseMetrics:
             self._set(self.finished, (j,), 0 if job.finished_step is None else 1, seen)
             for kind in FAILURE_KINDS:  # exported at 0 from the start, so increase() counts the first failure
                 self.failures.labels(j, kind)
+            self.detection.labels(j)  # (and a histogram's rate() its first observation)
+            self.stall.labels(j)
             counts = dict.fromkeys(STATES, 0)
             for r in job.replicas:
                 counts[job.state_of(r)] += 1
