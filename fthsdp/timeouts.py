@@ -116,8 +116,12 @@ class Timeouts:
         it after 3 s of silence) is declared dead within the detection window and is back once
         heard: in a chaos soak the rejoiners, alone for that moment, exited job-fatal and the
         job ended, or met and redid it from step 0. Ten detection windows, within the start-up
-        limit."""
-        return self._ten_windows()
+        limit, and never less than that moment itself: a relay's silence limit (RelayPath.SILENCE_S),
+        the beat that finds it, and a detection window to be heard again (a short ft.detect_s or
+        ft.startup_timeout_s would otherwise give up before the healthy replica is back)."""
+        from fthsdp.control.session_client import RelayPath
+
+        return max(self._ten_windows(), RelayPath.SILENCE_S + self.heartbeat_rpc_s + self.detect_s)
 
     def _ten_windows(self) -> float:
         return min(self.startup_timeout_s, 10 * self.detect_s)

@@ -102,6 +102,19 @@ def test_the_startup_window_is_ten_detection_windows_within_the_startup_limit():
     assert Timeouts(detect_s=5.0, allreduce_timeout_s=60.0, startup_timeout_s=6.0).follower_startup_silence_s == 6.0
 
 
+def test_a_lone_rejoiner_waits_at_least_for_a_replica_cut_off_by_a_stopped_relay():
+    """Timeouts.alone_rejoin_s: ten detection windows within the start-up limit, but never less
+    than a relay's silence limit + a beat's deadline + a detection window (the moment a healthy
+    replica behind a stopped relay needs to be heard again), however short those two are."""
+    from fthsdp.control.session_client import RelayPath
+    from fthsdp.timeouts import Timeouts
+
+    assert Timeouts().alone_rejoin_s == 8.0
+    t = Timeouts(heartbeat_interval_s=0.1, detect_s=0.3)
+    assert t.alone_rejoin_s == RelayPath.SILENCE_S + t.heartbeat_rpc_s + 0.3 > 10 * 0.3
+    assert Timeouts(startup_timeout_s=1.0).alone_rejoin_s == RelayPath.SILENCE_S + 0.4 + 0.8
+
+
 class Store:
     """In memory, the two calls GroupWatchdog makes of jax.distributed's key-value client."""
 

@@ -113,6 +113,18 @@ def peer_and_disk(tmp_path, states):
     pc.close()
 
 
+def test_corrupt_loader_positions_are_a_checkpoint_error():
+    """A loader-positions item with a null, infinite, non-number or negative position (a corrupt
+    file) says so as a CheckpointError, not a TypeError from deep inside the restore."""
+    from fthsdp.checkpoint.persistent import LOADER_FORMAT, LOADER_VERSION, positions_from_json
+
+    ok = {"format": LOADER_FORMAT, "version": LOADER_VERSION, "step": 3, "positions": {"0": 3, "1": 103}}
+    assert positions_from_json(ok, "x") == {0: 3, 1: 103}
+    for bad in (None, float("inf"), "three", [1], -1):
+        with pytest.raises(CheckpointError, match="x: .*(malformed|negative)"):
+            positions_from_json({**ok, "positions": {"0": bad}}, "x")
+
+
 def test_orbax_handler_restores_from_peers(peer_and_disk):
     server, pc, s1, s2 = peer_and_disk
     handler = PeerCheckpointHandler()

@@ -85,9 +85,12 @@ def positions_from_json(d: Any, where: str) -> dict[int, int]:
     if d.get("version") != LOADER_VERSION:
         raise CheckpointError(f"{where}: loader-positions version {d.get('version')!r} unsupported (expected {LOADER_VERSION})")
     try:
-        return {int(r): int(p) for r, p in d["positions"].items()}
-    except (KeyError, AttributeError, ValueError) as e:
-        raise CheckpointError(f"{where}: malformed loader positions: {e}") from None
+        positions = {int(r): int(p) for r, p in d["positions"].items()}
+    except (KeyError, AttributeError, ValueError, TypeError, OverflowError) as e:  # null, Infinity, a list
+        raise CheckpointError(f"{where}: malformed loader positions: {type(e).__name__}: {e}") from None
+    if any(p < 0 for p in positions.values()):
+        raise CheckpointError(f"{where}: a loader position is negative ({positions}): the item is corrupt")
+    return positions
 
 
 class CheckpointOwnedError(CheckpointError, JobFatalError):
