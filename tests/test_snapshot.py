@@ -135,6 +135,48 @@ def test_double_buffering_and_leases():
     snaps.close()
 
 
+def test_a_slot_to_reuse_takes_no_new_lease_so_overlapping_readers_cannot_hold_it():
+    """A peer fetching the older step with two streams takes a lease per piece and the leases
+    overlap, so the slot's count may never reach 0 on its own: begin() of the next-but-one step
+    stops new leases of that slot (their fetch is told the step is stale) and waits only for the
+    pieces in flight, instead of timing out and failing the healthy replica."""
+    import threading
+
+    snaps = Snapshotter(piece_bytes=4096, lease_timeout_s=5.0)
+    snaps.take(1, _tree(1))
+    snaps.take(2, _tree(2))
+    stop, stale, served = threading.Event(), [], []
+
+    def stream():
+        while not stop.is_set():
+            try:
+                with snaps.lease(1):
+                    served.append(1)
+                    time.sleep(0.03)
+            except StaleStepError:
+                stale.append(1)
+                return
+
+    readers = [threading.Thread(target=stream) for _ in range(2)]
+    for t in readers:
+        t.start()
+        time.sleep(0.015)  # staggered: one of them holds a lease at every moment
+    try:
+        while len(served) < 6:
+            time.sleep(0.01)
+        t0 = time.monotonic()
+        s3 = snaps.take(3, _tree(3))
+        assert time.monotonic() - t0 < 1.0 and s3.step == 3  # not the 5 s lease timeout
+        for t in readers:
+            t.join(5)
+        assert len(stale) == 2  # both streams were told step 1 is gone
+    finally:
+        stop.set()
+        for t in readers:
+            t.join(5)
+        snaps.close()
+
+
 def test_no_snapshot_yet_is_stale():
     with pytest.raises(StaleStepError, match="no snapshot yet"):
         with Snapshotter().lease(0):

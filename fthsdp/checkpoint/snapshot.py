@@ -379,6 +379,7 @@ class Snapshotter:
 
     def _free_slot(self) -> _Slot:
         deadline = time.monotonic() + self.lease_timeout_s
+        draining: _Slot | None = None
         with self._cond:
             while True:
                 served = self._served[0] if self._served else None
@@ -387,6 +388,13 @@ class Snapshotter:
                 if free:
                     free[0].snap = None  # no longer servable: it is about to be overwritten
                     return free[0]
+                if draining is None:
+                    # Every spare slot is being read. The least-read one takes no new lease from
+                    # now on (its older step is about to be overwritten: a fetch of it is told it
+                    # is stale and asks for the new one), so only the pieces in flight are waited
+                    # for: a fetcher whose streams overlap their leases must not hold it forever.
+                    draining = min(candidates, key=lambda s: s.leases)
+                    draining.snap = None
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise SnapshotError(
