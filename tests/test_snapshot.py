@@ -216,6 +216,7 @@ def test_a_manifest_that_describes_no_real_buffer_is_refused():
     refused("lies outside", leaves=[a, {**b, "offset": d["total_bytes"]}])
     refused("buffer for leaves that end at byte", total_bytes=10**30)
     refused("dtype 'float99'", leaves=[{**a, "dtype": "float99"}, b])
+    refused("dtype 'object'", leaves=[{**a, "dtype": "object", "nbytes": 8000}, b])
     refused("malformed: OverflowError", step="HUGE")
     with pytest.raises(SnapshotError, match="not valid JSON"):
         Manifest.from_json("[" * 100_000)

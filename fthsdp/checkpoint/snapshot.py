@@ -154,10 +154,13 @@ class Manifest:
         end = 0
         for i, (leaf, cs) in enumerate(zip(self.leaves, self.checksums)):
             try:
-                itemsize = _np_dtype(leaf.dtype).itemsize
-            except (TypeError, AttributeError):
+                dtype = _np_dtype(leaf.dtype)
+                if dtype.hasobject:  # Python objects are not bytes to fetch
+                    raise TypeError(leaf.dtype)
+                itemsize = dtype.itemsize
+            except (TypeError, ValueError, AttributeError):
                 raise SnapshotError(f"manifest leaf {i} ({leaf.path[:200]}) has dtype {leaf.dtype[:64]!r}, which "
-                                    "numpy does not know") from None
+                                    "is not a numpy array type of plain bytes") from None
             if any(d < 0 for d in leaf.shape) or leaf.nbytes != math.prod(leaf.shape) * itemsize:
                 raise SnapshotError(f"manifest leaf {i} ({leaf.path[:200]}) says {leaf.nbytes} bytes for shape "
                                     f"{leaf.shape} of {leaf.dtype}: the peer's manifest is inconsistent")
@@ -524,6 +527,6 @@ def check_matches(manifest: Manifest, paths: Sequence[str], leaves: Sequence[Any
             )
     planned, total = plan_layout(paths, leaves)
     if (planned, total) != (manifest.leaves, manifest.total_bytes):  # where each leaf's bytes lie, too
-        raise SnapshotError(f"the snapshot of step {manifest.step} lays its leaves out in a {manifest.total_bytes}-byte "
-                            f"buffer where this build puts them in {total} bytes: the peer's manifest is "
-                            "inconsistent (a different fthsdp version, or a broken peer)")
+        raise SnapshotError(f"the snapshot of step {manifest.step} lays its leaves out in a "
+                            f"{manifest.total_bytes}-byte buffer where this build puts them in {total} bytes: the "
+                            "peer's manifest is inconsistent (a different fthsdp version, or a broken peer)")

@@ -66,7 +66,8 @@ from fthsdp.proto import lighthouse as _load_stubs
 pb2, _ = _load_stubs()
 log = logging.getLogger("fthsdp.control.relay")
 
-__all__ = ["RefusalHold", "RelayConfig", "Relay", "RelayThread", "renumbered", "relay_index", "block_first", "relay_of", "cli"]
+__all__ = ["RefusalHold", "RelayConfig", "Relay", "RelayThread", "renumbered", "relay_index", "block_first", "relay_of",
+           "cli"]
 
 _CHANNEL_OPTIONS = [
     ("grpc.max_receive_message_length", 256 * 1024 * 1024),  # a batch of the largest quorum answers
