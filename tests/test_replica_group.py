@@ -218,3 +218,69 @@ def test_followers_learn_the_leaders_forked_verdict_at_leave():
                 threading.Thread(target=c.shutdown, daemon=True).start()
             time.sleep(0.2)
             service.shutdown()
+
+
+def test_a_followers_accusation_reaches_the_lighthouse_through_its_leader():
+    """A follower process caught a ring neighbour (replica 2) breaking FTAR's protocol on its own
+    shard's ring. Only the leader asks the lighthouse, so the follower leaves its accusation in
+    the replica's mailbox (jax.distributed's key-value store, real gRPC on loopback) and the
+    leader sends it with its next quorum request: the lighthouse leaves replica 2 out. Before,
+    a follower's accusations were dropped, and a faulty neighbour on a follower's ring failed
+    every attempt of every replica on it until they ran out of retries."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    from fthsdp.control.lighthouse import LighthouseConfig, LighthouseThread
+    from fthsdp.replica.group import DecisionChannel, FollowerQuorumSource, LeaderQuorumSource
+    from test_lighthouse_processes import beat_until_registered, clients, ftar, server
+
+    service, (kv0, kv1) = _kv_pair()
+    spec = dict(replica_id=0, num_processes=2, coordinator="127.0.0.1:1")
+    with LighthouseThread(LighthouseConfig(join_timeout_s=0.3, detect_s=1.0, tick_s=0.02)) as lh:
+        cs = clients(lh.address, "job", 3, 2, 1)  # 3 replicas x 2 processes x 1 device
+        try:
+            beat_until_registered(cs)
+            leader = LeaderQuorumSource(cs[(0, 0)], DecisionChannel(GroupSpec(process_index=0, **spec), client=kv0))
+            follower_channel = DecisionChannel(GroupSpec(process_index=1, **spec), client=kv1)
+            follower = FollowerQuorumSource(follower_channel, 20.0, cs[(0, 1)])
+            sources = {0: leader, 1: cs[(1, 0)], 2: cs[(2, 0)]}
+
+            def ask(r, step, **kw):
+                return sources[r].get_quorum(step, ftar_addresses=ftar(r, 0, 1), state_server_address=server(r, 0),
+                                             num_replicas=3, timeout_s=20, **kw)
+
+            with ThreadPoolExecutor(4) as ex:
+                others = [ex.submit(ask, r, 0) for r in (1, 2)]
+                followed = ex.submit(follower.get_quorum, 0)
+                q = ask(0, 0)
+                assert q.member_ids == ("0", "1", "2") and followed.result(20).quorum_id == q.quorum_id
+                [f.result(20) for f in others]
+                # the step failed; the follower's ring saw replica 2 break the protocol
+                accused = ex.submit(ask, 2, 0, commit_failed=True)
+                time.sleep(0.1)
+                other = ex.submit(ask, 1, 0, commit_failed=True)
+                followed = ex.submit(follower.get_quorum, 0, accused=["2"])
+                deadline = time.monotonic() + 10
+                while not kv0.key_value_dir_get(follower_channel.mailbox("accused")):
+                    assert time.monotonic() < deadline, "the follower's accusation never reached the mailbox"
+                    time.sleep(0.01)
+                q0 = ask(0, 0, commit_failed=True)  # the leader accuses nobody itself
+                assert q0.member_ids == other.result(20).member_ids == ("0", "1"), q0
+                assert "excluded [2]" in q0.reason and followed.result(20).quorum_id == q0.quorum_id
+                assert not accused.done()  # left out of this quorum
+                assert not kv0.key_value_dir_get(follower_channel.mailbox("accused"))  # taken once
+                assert leader.channel.collect("accused") == []
+                # the survivors commit step 0; the accused rejoins at step 1
+                other = ex.submit(ask, 1, 1)
+                followed = ex.submit(follower.get_quorum, 1)
+                q1 = ask(0, 1)
+                assert accused.result(20).member_ids == q1.member_ids == ("0", "1", "2")
+                other.result(20)
+                followed.result(20)
+        finally:
+            for c in cs.values():
+                c.close()
+            for c in (kv0, kv1):
+                threading.Thread(target=c.shutdown, daemon=True).start()
+            time.sleep(0.2)
+            service.shutdown()

@@ -198,6 +198,34 @@ class DecisionChannel:
                                   "so this replica fails as a unit") from e
         return json.loads(text)
 
+    def mailbox(self, kind: str) -> str:
+        """The key prefix of a follower -> leader mailbox of ``kind`` (:meth:`post`, :meth:`collect`)."""
+        return f"{self.namespace}/r{self.spec.replica_id}/mail/{kind}/"
+
+    def post(self, kind: str, payload: Any) -> None:
+        """Follower -> leader, without waiting: ``payload`` left in the ``kind`` mailbox, where
+        the leader's next :meth:`collect` finds it (for what the leader needs but need not wait
+        for, like a follower's accusations)."""
+        if self._client is None:
+            return
+        seq = self._seq.get(f"mail/{kind}", 0)
+        self._seq[f"mail/{kind}"] = seq + 1
+        self._client.key_value_set(f"{self.mailbox(kind)}p{self.spec.process_index}.{seq}", json.dumps(payload))
+
+    def collect(self, kind: str) -> list[Any]:
+        """Leader: every payload posted to the ``kind`` mailbox since the last collect (each
+        taken once: its key is deleted). Best effort: a store that cannot be read yields []."""
+        if self._client is None:
+            return []
+        out = []
+        try:
+            for key, text in self._client.key_value_dir_get(self.mailbox(kind)):
+                self._client.key_value_delete(key)
+                out.append(json.loads(text))
+        except Exception as e:  # noqa: BLE001 - advisory mail: the replica goes on without it
+            log.warning("replica %s: the %r mailbox could not be read: %s", self.spec.replica_id, kind, e)
+        return out
+
     def share(self, kind: str, payload: Any, timeout_s: float) -> Any:
         """The same value on every process: the leader's `payload`, published; followers' ignored."""
         if self.spec.num_processes == 1:
@@ -292,6 +320,14 @@ class LeaderQuorumSource:
     def get_quorum(self, step: int, **kwargs):
         from fthsdp.control.lighthouse_client import JobFinished
 
+        # The followers' accusations (a ring neighbour of theirs broke FTAR's protocol), sent
+        # with the leader's own: only the leader asks the lighthouse.
+        mail = [str(r) for posted in self.channel.collect("accused") if isinstance(posted, list) for r in posted]
+        if mail:
+            from fthsdp.control.lighthouse import MAX_ACCUSED  # what one request may carry
+
+            kwargs["accused"] = list(dict.fromkeys([*kwargs.get("accused", ()), *mail]))[:MAX_ACCUSED]
+            log.info("step %d: accusing %s for this replica's followers", step, mail)
         try:
             q = self.client.get_quorum(step, **kwargs)
         except JobFinished as e:  # the followers end the same way (exit 0), not at a timeout
@@ -345,7 +381,9 @@ class FollowerQuorumSource:
     def heartbeating(self) -> bool:
         return self.client.heartbeating
 
-    def get_quorum(self, step: int, **kwargs):
+    def get_quorum(self, step: int, accused: list | tuple = (), **kwargs):
+        if accused:  # this process's ring neighbours that broke FTAR's protocol: its leader sends them
+            self.channel.post("accused", [str(r) for r in accused])
         d = self.channel.receive("quorum", self.timeout_s)
         if "job_finished" in d:
             from fthsdp.control.lighthouse_client import JobFinished
