@@ -67,7 +67,7 @@ def _split_host_port(address: str, allow_zero_port: bool) -> tuple[str, int]:
         if ":" in host or "[" in host or "]" in host:
             raise ValueError(f"address {address!r} is not HOST:PORT: write an IPv6 literal in brackets, "
                              f"e.g. [::1]:29510")
-    if not port.isdigit() or len(port) > 5 or int(port) > 65535:
+    if not (port.isascii() and port.isdigit()) or len(port) > 5 or int(port) > 65535:
         raise ValueError(f"address {address!r} has a bad port {port!r} (0..65535)")
     if int(port) == 0 and not allow_zero_port:
         raise ValueError(f"address {address!r}: port 0 cannot be connected to (give the listener's real port)")

@@ -108,6 +108,9 @@ def test_http09_and_malformed_request_lines_are_refused_with_the_reason():
     assert check_request(sign(_KEY, "GET", _AUTHORITY, odd), _KEY, "GET", _AUTHORITY, odd, time.time(), cache) is None
     r = parse_head(b"GET /x HTTP/1.1\r\nHost: a\r\nContent-Length: 5\r\n\r\n", lim)
     assert isinstance(r, Refusal) and r.status == 413
+    # "\xb2" reads as "²" (ISO-8859-1), a digit to str.isdigit() that int() refuses: it raised
+    r = parse_head(b"GET /x HTTP/1.1\r\nHost: a\r\nContent-Length: \xb2\r\n\r\n", lim)
+    assert isinstance(r, Refusal) and r.status == 400 and "Content-Length" in r.error
     r = parse_head(b"GET /x HTTP/1.1\r\n" + b"X: y\r\n" * 40 + b"Host: a\r\n\r\n", lim)
     assert isinstance(r, Refusal) and r.status == 431 and "header fields" in r.error
     r = parse_head(b"GET /x?q HTTP/1.1\r\nHost: a\r\nConnection: close\r\n\r\nGET", lim)

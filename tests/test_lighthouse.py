@@ -88,6 +88,29 @@ def test_three_replicas_form_one_quorum(lighthouse):
         close_all(clients)
 
 
+def test_a_replica_id_of_non_ascii_digits_is_ordered_and_declared_dead_like_any_other(lighthouse):
+    """"²" is a digit to str.isdigit() but not to int(): ordering the ring by it raised in the
+    quorum decision, in failure detection (no replica of the job was declared dead again) and in
+    Status (every caller). It is ordered as a name now: the job forms its quorum, Status reads,
+    and the id is declared dead when it goes silent."""
+    a, b = LighthouseClient(lighthouse.address, "odd", "0"), LighthouseClient(lighthouse.address, "odd", "²")
+    try:
+        for c in (a, b):
+            c.start_heartbeats()
+        time.sleep(0.15)
+        with ThreadPoolExecutor(2) as ex:
+            qs = list(ex.map(lambda c: c.get_quorum(0, ftar_addresses=["127.0.0.1:20001"], timeout_s=10.0), (a, b)))
+        assert qs[0].member_ids == qs[1].member_ids == ("0", "²")
+        b.close()  # silent from now on
+        deadline = time.monotonic() + 10
+        while not any(r.replica_id == "²" and r.dead for j in a.status() for r in j.replicas):
+            assert time.monotonic() < deadline, "the silent replica was never declared dead"
+            time.sleep(0.05)
+    finally:
+        a.close()
+        b.close()
+
+
 def test_silent_replica_declared_dead_and_reported_to_survivors(lighthouse):
     seen: dict[str, tuple[float, tuple[str, ...], int]] = {}
     lock = threading.Lock()

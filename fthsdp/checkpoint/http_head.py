@@ -144,7 +144,7 @@ def parse_head(buf: bytes | bytearray, limits: HeadLimits) -> Request | Refusal 
     if "transfer-encoding" in headers:
         return Refusal(400, "request bodies are not accepted (Transfer-Encoding): the peer server is read-only")
     length = headers.get("content-length", "0")
-    if not length.isdigit() or len(length) > 18:
+    if not (length.isascii() and length.isdigit()) or len(length) > 18:
         return Refusal(400, "malformed Content-Length")
     if int(length) != 0:
         return Refusal(413, "request bodies are not accepted: the peer server is read-only, send GET without a body")

@@ -119,7 +119,7 @@ def _step_of(directory) -> int | None:
         return None
     p = epath.Path(directory)
     for name in (p.name, p.parent.name):
-        if name.isdigit():
+        if name.isascii() and name.isdigit():
             return int(name)
     return None
 

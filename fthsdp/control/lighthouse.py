@@ -1467,7 +1467,12 @@ class Lighthouse(pb2_grpc.LighthouseServicer):
             # The last request a decision waits for decides at once: scheduled behind the
             # loop's other ready callbacks (the next reads, heartbeats) it waited ~8 ms at
             # 512 replicas. Its own answer is pushed by its future's callback, as any other.
-            self._evaluate(job)
+            try:
+                self._evaluate(job)
+            except Exception:  # a decision's bug must not leave this request pending for ever
+                log.exception("job %r: the quorum decision failed on replica %r's request", job.job_id, rid)
+                self.withdraw(job, entry)
+                raise
         return job, entry
 
     def _held_endpoints(self, request: pb2.QuorumRequest) -> tuple[tuple[str, ...], str]:

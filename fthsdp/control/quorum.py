@@ -180,7 +180,7 @@ LINEAGE_REPORTED = 4
 
 def ring_key(replica_id: str) -> tuple[int, int, str]:
     """Natural order of replica ids: numeric ids numerically ("2" < "10"), then others."""
-    if replica_id.isdigit():
+    if replica_id.isascii() and replica_id.isdigit():  # "²" is a digit int() cannot read
         return (0, int(replica_id), replica_id)
     return (1, 0, replica_id)
 

@@ -122,7 +122,7 @@ class LoaderStateStore:
         out = {}
         for p in sorted(self.directory.glob("replica_*.json")):
             stem = p.stem.removeprefix("replica_")
-            if stem.isdigit():
+            if stem.isascii() and stem.isdigit():
                 rec = self.load(int(stem))
                 if rec is not None:
                     out[rec.replica] = rec

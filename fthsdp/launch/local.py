@@ -751,7 +751,7 @@ class LocalJob:
         return ", ".join(self.procs[r].log_path.name for r in rids if self.procs[r].log_path is not None) or "the logs"
 
     def latest_checkpoint(self) -> int | None:
-        steps = [int(p.name) for p in (self.out_dir / "checkpoints").glob("*") if p.name.isdigit()]
+        steps = [int(p.name) for p in (self.out_dir / "checkpoints").glob("*") if p.name.isascii() and p.name.isdigit()]
         return max(steps, default=None)
 
     def maybe_fall_back(self) -> None:

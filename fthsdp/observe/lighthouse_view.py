@@ -180,7 +180,7 @@ class StatusPoller:
         from fthsdp.proto import LIGHTHOUSE_PROTOCOL_VERSION, lighthouse
 
         host, sep, port = address.rpartition(":")
-        if not sep or not host or not port.isdigit():
+        if not sep or not host or not (port.isascii() and port.isdigit()):
             raise ValueError(f"lighthouse address {address!r} is not HOST:PORT (e.g. 127.0.0.1:29510)")
         self.address = address
         self.rpc_timeout_s = rpc_timeout_s

@@ -366,7 +366,7 @@ def parse_bind(bind: str, default_host: str = "127.0.0.1") -> tuple[str, int]:
     if not sep:
         host, port = "", bind
     host = host.strip("[]") or default_host
-    if not port.isdigit() or not 0 <= int(port) < 65536:
+    if not (port.isascii() and port.isdigit()) or not 0 <= int(port) < 65536:
         raise ValueError(f"bind address {bind!r}: expected HOST:PORT with a port in 0..65535 (0 = any free port)")
     return host, int(port)
 
