@@ -441,6 +441,27 @@ def test_decide_quorum_leaves_the_excluded_out_entirely():
     assert q is None and "not asking yet" in reason
 
 
+def test_an_exclusion_that_leaves_too_few_for_any_quorum_is_lifted():
+    """An exclusion holds until a quorum forms; if the replicas left are too few for one (a job
+    of two with min_replicas=2, or the accuser died and only the accused asks), no quorum would
+    ever form and the job would wait for ever: the exclusion is lifted, and the reason says so."""
+    prev = _quorum(5, ("0", "1"))
+    requests = {r: qm.QuorumRequest(r, 3, 0.0, (f"127.0.0.1:{20000 + int(r)}",), commit_failed=True)
+                for r in ("0", "1")}
+    beats = {"0": 0.0, "1": 0.0}
+    two = qm.QuorumConfig(min_replicas=2, join_timeout_s=1.0, heartbeat_window_s=1.0)
+    q, reason = qm.decide_quorum(requests, beats, prev, two, 0.01, excluded={"1"})
+    assert q is not None and q.member_ids == ("0", "1"), reason
+    assert "exclusion of [1] lifted: without them waiting for replicas: 1 live requesting, min_replicas=2" in reason
+    one = qm.QuorumConfig(min_replicas=1, join_timeout_s=1.0, heartbeat_window_s=1.0)
+    # the accuser 0 died (silent past the window): only the accused asks
+    q, reason = qm.decide_quorum({"1": requests["1"]}, {"0": -5.0, "1": 0.0}, prev, one, 0.01, excluded={"1"})
+    assert q is not None and q.member_ids == ("1",) and "exclusion of [1] lifted" in reason, reason
+    # enough without the accused: the exclusion holds
+    q, reason = qm.decide_quorum(requests, beats, prev, one, 0.01, excluded={"1"})
+    assert q is not None and q.member_ids == ("0",) and "lifted" not in reason, reason
+
+
 def test_lighthouse_leaves_an_accused_replica_out_of_the_next_quorum_only():
     from concurrent.futures import ThreadPoolExecutor
 
