@@ -321,3 +321,23 @@ def test_a_followers_neighbour_view_holds_its_shards_of_its_ring_neighbourhood(l
     finally:
         for c in cs.values():
             c.close()
+
+
+def test_a_dead_replicas_followers_no_longer_count_as_beating(lighthouse):
+    """The lighthouse paces beats for the processes that beat it; a dead replica's group stays
+    until the replica is forgotten, and its followers were still counted: every process was paced
+    (and detection widened) for processes long dead."""
+    cs = clients(lighthouse.address, "count", 2, 2, 1)
+    try:
+        beat_until_registered(cs)
+        assert lighthouse.server.beating_processes() == 4
+        for p in (0, 1):
+            cs[(1, p)].close()  # replica 1 dies, both its processes
+        deadline = time.monotonic() + 10
+        while not any(r.replica_id == "1" and r.dead for j in cs[(0, 0)].status() for r in j.replicas):
+            assert time.monotonic() < deadline, "replica 1 was never declared dead"
+            time.sleep(0.05)
+        assert lighthouse.server.beating_processes() == 2  # replica 0's two processes
+    finally:
+        for c in cs.values():
+            c.close()

@@ -1169,7 +1169,10 @@ class Lighthouse(pb2_grpc.LighthouseServicer):
         n = 0
         for job in self._jobs.values():
             n += len(job.last_seen) - len(job.dead)
-            n += sum(g.num_processes - 1 for g in job.groups.values())
+            # followers of live replicas only: a dead replica's group is kept until it is forgotten
+            # (counting it slowed every process's beats and widened detection for every job)
+            n += sum(g.num_processes - 1 for rid, g in job.groups.items()
+                     if rid in job.last_seen and rid not in job.dead)
         return max(n, 0)
 
     def _pace(self, now: float) -> None:
