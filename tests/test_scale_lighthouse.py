@@ -78,6 +78,24 @@ def test_a_stalled_lighthouse_declares_nobody_dead_for_its_own_silence():
                 c.close()
 
 
+def test_a_stall_moves_only_what_was_heard_before_it():
+    """The lighthouse's own stall is not the replicas' silence: what it heard before the stall
+    is moved past it. A beat read after the stall (before the tick that measured it) is not
+    moved: pushed into the future, a replica that died right after the stall was declared dead
+    up to the stall's length late."""
+    from fthsdp.control.lighthouse import Lighthouse, _Group
+
+    lh = Lighthouse(LighthouseConfig(detect_s=0.5))
+    job = lh._job("j")
+    now, lag = 100.0, 2.0  # stalled from 98.0 to 100.0
+    job.last_seen.update({"old": 97.9, "fresh": 99.95})
+    g = job.groups["g"] = _Group(2, since=97.0, seen={0: 97.5, 1: 99.99})
+    lh._absorb_stall(lag, now)
+    assert job.last_seen == {"old": 99.9, "fresh": 99.95}
+    assert (g.since, g.seen) == (99.0, {0: 99.5, 1: 99.99})
+    assert lh.stats["stalls"] == 1
+
+
 def test_members_answered_late_are_not_declared_dead():
     """Found by the emulation at 4,096 flat replicas: answering a large quorum took longer
     than the detection window, members that do not heartbeat were judged by their

@@ -371,10 +371,13 @@ class _Group:
         return (tuple(a for p in range(self.num_processes) for a in self.ftar[p]),
                 tuple(self.server[p] for p in range(self.num_processes)))
 
-    def shift(self, lag_s: float) -> None:
-        self.since += lag_s
-        for p in self.seen:
-            self.seen[p] += lag_s
+    def shift(self, lag_s: float, before: float) -> None:
+        """Times older than ``before`` (a lighthouse stall's start) moved ``lag_s`` later."""
+        if self.since < before:
+            self.since += lag_s
+        for p, t in self.seen.items():
+            if t < before:
+                self.seen[p] = t + lag_s
 
 
 @dataclass
@@ -1144,18 +1147,22 @@ class Lighthouse(pb2_grpc.LighthouseServicer):
                     self.config.limits.max_dead_listed)
         return [r for r in dead if r not in drop]
 
-    def _absorb_stall(self, lag_s: float) -> None:
-        """The lighthouse itself did not run for ``lag_s`` (a GC pause, an overloaded
-        host, SIGSTOP): heartbeats it could not read are not the replicas' silence.
+    def _absorb_stall(self, lag_s: float, now: float) -> None:
+        """The lighthouse itself did not run for ``lag_s`` until ``now`` (a GC pause, an
+        overloaded host, SIGSTOP): heartbeats it could not read are not the replicas' silence.
         Without this, a stall longer than the detection window declared every
-        replica dead at once and let the first requester form a quorum alone."""
+        replica dead at once and let the first requester form a quorum alone. Only what was
+        heard before the stall moves: a beat read after it (before this tick) is not pushed
+        into the future, which would detect a death right after the stall that much later."""
         self.stats["stalls"] += 1
         log.warning("lighthouse stalled %.2fs (> detection window / 4): not counting it as replicas' silence", lag_s)
+        before = now - lag_s
         for job in self._jobs.values():
-            for r in job.last_seen:
-                job.last_seen[r] += lag_s
+            for r, t in job.last_seen.items():
+                if t < before:
+                    job.last_seen[r] = t + lag_s
             for g in job.groups.values():
-                g.shift(lag_s)
+                g.shift(lag_s, before)
 
     @property
     def detect_s(self) -> float:
@@ -1205,7 +1212,7 @@ class Lighthouse(pb2_grpc.LighthouseServicer):
             now = time.monotonic()
             lag, last = now - last - self.config.tick_s, now
             if lag > self.config.detect_s / 4:
-                self._absorb_stall(lag)
+                self._absorb_stall(lag, now)
             if now - self._paced_at >= _PACE_RECOUNT_S:
                 self._pace(now)
             for job in list(self._jobs.values()):
