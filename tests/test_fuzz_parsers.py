@@ -115,3 +115,49 @@ def test_http09_and_malformed_request_lines_are_refused_with_the_reason():
     assert isinstance(r, Refusal) and r.status == 431 and "header fields" in r.error
     r = parse_head(b"GET /x?q HTTP/1.1\r\nHost: a\r\nConnection: close\r\n\r\nGET", lim)
     assert isinstance(r, Request) and r.target == "/x?q" and not r.keep_alive and r.head_bytes == 49
+
+
+# A snapshot manifest as a lying or broken peer may send it: a real one with one field (or one
+# leaf's field) replaced by any JSON value, Python's json extensions (Infinity, NaN) included.
+_JSON = st.recursive(st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats() | st.text(max_size=8),
+                     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=6), inner,
+                                                                                  max_size=4), max_leaves=12)
+
+
+def _honest_manifest() -> dict:
+    import json
+
+    import numpy as np
+
+    from fthsdp.checkpoint.snapshot import Snapshotter
+
+    tree = {"a": np.arange(300, dtype=np.float32), "b": np.ones((3, 5), np.int8), "c": np.zeros((0, 2), np.float16)}
+    return json.loads(Snapshotter(piece_bytes=256).take(4, tree).manifest.to_json())
+
+
+_HONEST = _honest_manifest()
+
+
+@settings(max_examples=600, deadline=None)
+@given(st.sampled_from(sorted(_HONEST) + ["leaf.path", "leaf.shape", "leaf.dtype", "leaf.offset", "leaf.nbytes"]),
+       st.integers(0, 2), _JSON)
+def test_a_manifest_from_a_peer_is_read_whole_or_refused_with_a_snapshot_error(field, leaf, value):
+    import copy
+    import json
+
+    from fthsdp.checkpoint.snapshot import Manifest, SnapshotError
+
+    d = copy.deepcopy(_HONEST)
+    if field.startswith("leaf."):
+        d["leaves"][leaf][field[5:]] = value
+    else:
+        d[field] = value
+    try:
+        m = Manifest.from_json(json.dumps(d))
+    except SnapshotError:
+        return
+    end = 0  # read: a buffer its leaves could fill, in order, each its shape's bytes
+    for spec in m.leaves:
+        assert spec.offset >= end and spec.nbytes >= 0
+        end = spec.offset + spec.nbytes
+    assert m.total_bytes == end and m.piece_bytes > 0
