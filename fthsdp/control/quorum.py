@@ -787,6 +787,10 @@ def admit_accusation(acc: Accusation, current: Quorum | None, excluded: Collecti
                   f"{acc.accused} is left out of the next quorum, then rejoins behind")
 
 
+# The reasons that say the replicas asking are too few for any quorum (an exclusion is lifted then).
+_TOO_FEW = ("no replica is asking for a quorum", "waiting for replicas:")
+
+
 def decide_quorum(
     requests: Mapping[str, QuorumRequest],
     heartbeats: Mapping[str, float],
@@ -798,6 +802,7 @@ def decide_quorum(
     condemned: Iterable[str] = (),
     excluded: Collection[str] = frozenset(),
     lineage: Lineage | None = None,
+    lift_exclusion: bool = True,
 ) -> tuple[Quorum | None, str]:
     """Decide the quorum of one job, or explain why there is none yet.
 
@@ -819,33 +824,17 @@ def decide_quorum(
     An exclusion never starves the job: when the replicas left once it is applied are too few
     to form any quorum (fewer than ``min_replicas`` asking, or none: the accuser died after
     accusing), while with the excluded ones a quorum forms, the exclusion is lifted and the
-    reason says so (otherwise it holds until a quorum forms, and none ever would).
+    reason says so (otherwise it holds until a quorum forms, and none ever would);
+    ``lift_exclusion=False`` decides with the exclusion whatever the outcome.
     """
-    args = (requests, heartbeats, previous, config, now, quorum_id_floor, reported_quorum_ids, condemned)
-    q, why = _decide_quorum(*args, excluded=excluded, lineage=lineage)
-    if q is None and excluded and why.startswith(_TOO_FEW):
-        q2, why2 = _decide_quorum(*args, excluded=frozenset(), lineage=lineage)
-        if q2 is not None:
-            return q2, f"{why2}; exclusion of {_fmt(sorted(excluded, key=ring_key))} lifted: without them {why}"
-    return q, why
-
-
-# The reasons that say the replicas asking are too few for any quorum.
-_TOO_FEW = ("no replica is asking for a quorum", "waiting for replicas:")
-
-
-def _decide_quorum(
-    requests: Mapping[str, QuorumRequest],
-    heartbeats: Mapping[str, float],
-    previous: Quorum | None,
-    config: QuorumConfig,
-    now: float,
-    quorum_id_floor: int = 0,
-    reported_quorum_ids: Mapping[str, int] | None = None,
-    condemned: Iterable[str] = (),
-    excluded: Collection[str] = frozenset(),
-    lineage: Lineage | None = None,
-) -> tuple[Quorum | None, str]:
+    if excluded and lift_exclusion:
+        args = (requests, heartbeats, previous, config, now, quorum_id_floor, reported_quorum_ids, condemned)
+        q, why = decide_quorum(*args, excluded=excluded, lineage=lineage, lift_exclusion=False)
+        if q is None and why.startswith(_TOO_FEW):
+            q2, why2 = decide_quorum(*args, lineage=lineage)
+            if q2 is not None:
+                return q2, f"{why2}; exclusion of {_fmt(sorted(excluded, key=ring_key))} lifted: without them {why}"
+        return q, why
     excluded_note = ""
     if excluded:
         requests = {r: q for r, q in requests.items() if r not in excluded}

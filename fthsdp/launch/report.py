@@ -216,7 +216,8 @@ def plot_timeline(out_dir: str | pathlib.Path, path: str | pathlib.Path | None =
     fig, (ax_loss, ax_time, ax_mem) = plt.subplots(3, 1, figsize=(9, 7.5), sharex=True,
                                                     gridspec_kw={"height_ratios": [3, 2, 1]})
     members_by_step: dict[int, int] = {}
-    for rid, recs in sorted(run.steps.items(), key=lambda kv: int(kv[0]) if kv[0].isascii() and kv[0].isdigit() else kv[0]):
+    for rid, recs in sorted(run.steps.items(),
+                            key=lambda kv: int(kv[0]) if kv[0].isascii() and kv[0].isdigit() else kv[0]):
         xs, ys = [], []
         for r in recs:
             if r.get("loss") is None:
