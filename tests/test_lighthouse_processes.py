@@ -344,3 +344,56 @@ def test_a_dead_replicas_followers_no_longer_count_as_beating(lighthouse):
     finally:
         for c in cs.values():
             c.close()
+
+
+def test_a_restarted_groups_follower_takes_over_while_its_new_leader_asks(lighthouse):
+    """A replica of two processes dies whole (no Leave) and restarts: its new leader asks for a
+    quorum first, then its new follower beats. The follower's old process is judged by its own
+    beats, so the new one takes the id over at once; before, the replica's pending request (its
+    own new leader's) counted the old follower live, every beat of the new one was refused
+    (PERMISSION_DENIED) and the replica stayed out until the leader's quorum wait ran out. A
+    second process claiming a live follower's id is still refused."""
+    cs = clients(lighthouse.address, "t", 2, 2, 1)
+    new: list[LighthouseClient] = []
+
+    def ask(c, r, step):
+        return c.get_quorum(step, ftar_addresses=ftar(r, 0, 1), state_server_address=server(r, 0), num_replicas=2,
+                            timeout_s=8)
+
+    try:
+        beat_until_registered(cs)
+        assert [q.member_ids for q in ask_all_of(cs, 0, ask)] == [("0", "1")] * 2
+        stranger = LighthouseClient(lighthouse.address, "t", 0, process_index=1, num_processes=2)
+        new.append(stranger)
+        with pytest.raises(Exception, match="held by another live process"):  # replica 0's follower beats
+            stranger._beat()
+        for p in (0, 1):
+            cs[(1, p)].stop_heartbeats()  # replica 1 dies whole, without a Leave
+        deadline = time.monotonic() + 10
+        while not any(r.replica_id == "1" and r.dead for j in cs[(0, 0)].status() for r in j.replicas):
+            assert time.monotonic() < deadline, "replica 1 was never declared dead"
+            time.sleep(0.05)
+        for p in (0, 1):
+            c = LighthouseClient(lighthouse.address, "t", 1, heartbeat_interval_s=0.05, heartbeat_timeout_s=0.5,
+                                 process_index=p, num_processes=2, rejoin=True)
+            c.register(ftar(1, p, 1), server(1, p), 2)
+            new.append(c)
+        leader, follower = new[1], new[2]
+        with ThreadPoolExecutor(2) as ex:
+            rejoining = ex.submit(ask, leader, 1, 1)
+            time.sleep(0.3)  # the new leader's request is pending
+            follower._beat()  # accepted: its old process is silent
+            follower.start_heartbeats()
+            q = ask(cs[(0, 0)], 0, 1)
+            assert q.member_ids == rejoining.result(10).member_ids == ("0", "1"), q
+        assert follower.heartbeat_failures == 0
+    finally:
+        for c in [*cs.values(), *new]:
+            c.close()
+
+
+def ask_all_of(cs: dict, step: int, ask) -> list[qm.Quorum]:
+    """Every replica's leader (process 0) asks at once."""
+    leaders = sorted(r for r, p in cs if p == 0)
+    with ThreadPoolExecutor(len(leaders)) as ex:
+        return list(ex.map(lambda r: ask(cs[(r, 0)], r, step), leaders))

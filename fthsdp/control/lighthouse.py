@@ -1314,8 +1314,15 @@ class Lighthouse(pb2_grpc.LighthouseServicer):
         if job is not None:
             proc = getattr(request, "process_index", 0)  # Leave: the replica's leader
             holder = job.incarnations.get(rid, {}).get(proc)
-            live = rid in job.pending or (rid not in job.dead and
-                                          now - job.last_seen.get(rid, -math.inf) <= self.detect_s)
+            if proc > 0:
+                # A follower's holder is live by its own beats: its replica's new leader, asking
+                # already, must not keep the restarted group's follower out (refused until the
+                # leader's quorum wait ran out, the replica dead for want of that follower).
+                g = job.groups.get(rid)
+                live = g is not None and now - g.seen.get(proc, -math.inf) <= self.detect_s
+            else:
+                live = rid in job.pending or (rid not in job.dead and
+                                              now - job.last_seen.get(rid, -math.inf) <= self.detect_s)
             err = guard.incarnation_problem(rid, request.job_id, holder, request.incarnation, live)
             if err:
                 return guard.Refusal(grpc.StatusCode.PERMISSION_DENIED, err)
