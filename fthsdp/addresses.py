@@ -22,6 +22,8 @@ import ipaddress
 import re
 import socket
 
+from fthsdp.digits import ascii_int
+
 __all__ = ["LOOPBACK", "WILDCARDS", "split_host_port", "join_host_port", "check_host", "is_wildcard",
            "advertised", "family", "url"]
 
@@ -67,12 +69,13 @@ def _split_host_port(address: str, allow_zero_port: bool) -> tuple[str, int]:
         if ":" in host or "[" in host or "]" in host:
             raise ValueError(f"address {address!r} is not HOST:PORT: write an IPv6 literal in brackets, "
                              f"e.g. [::1]:29510")
-    if not (port.isascii() and port.isdigit()) or len(port) > 5 or int(port) > 65535:
+    number = ascii_int(port, max_digits=5)
+    if number is None or number > 65535:
         raise ValueError(f"address {address!r} has a bad port {port!r} (0..65535)")
-    if int(port) == 0 and not allow_zero_port:
+    if number == 0 and not allow_zero_port:
         raise ValueError(f"address {address!r}: port 0 cannot be connected to (give the listener's real port)")
     check_host(host)
-    return host, int(port)
+    return host, number
 
 
 def join_host_port(host: str, port: int) -> str:

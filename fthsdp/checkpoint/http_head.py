@@ -18,6 +18,7 @@ import re
 from dataclasses import dataclass
 
 from fthsdp.checkpoint.peer_auth import Refusal
+from fthsdp.digits import ascii_int
 
 _TOKEN = re.compile(rb"[!#$%&'*+.^_`|~0-9A-Za-z-]+")  # RFC 9110 token (method, header name)
 _TARGET = re.compile(rb"/[\x21-\x7e]*")  # origin-form, visible ASCII only
@@ -144,9 +145,10 @@ def parse_head(buf: bytes | bytearray, limits: HeadLimits) -> Request | Refusal 
     if "transfer-encoding" in headers:
         return Refusal(400, "request bodies are not accepted (Transfer-Encoding): the peer server is read-only")
     length = headers.get("content-length", "0")
-    if not (length.isascii() and length.isdigit()) or len(length) > 18:
+    nbytes = ascii_int(length)
+    if nbytes is None:
         return Refusal(400, "malformed Content-Length")
-    if int(length) != 0:
+    if nbytes != 0:
         return Refusal(413, "request bodies are not accepted: the peer server is read-only, send GET without a body")
     if version == "HTTP/1.1" and "host" not in headers:
         return Refusal(400, "missing Host header (required by HTTP/1.1)")

@@ -35,6 +35,7 @@ from etils import epath
 
 from fthsdp.checkpoint.peer_fetch import FetchError, PeerFetcher
 from fthsdp.checkpoint.snapshot import SnapshotError, flatten, place
+from fthsdp.digits import ascii_int
 
 log = logging.getLogger(__name__)
 
@@ -119,8 +120,8 @@ def _step_of(directory) -> int | None:
         return None
     p = epath.Path(directory)
     for name in (p.name, p.parent.name):
-        if name.isascii() and name.isdigit():
-            return int(name)
+        if (step := ascii_int(name)) is not None:
+            return step
     return None
 
 

@@ -82,6 +82,7 @@ from fthsdp.addresses import LOOPBACK, check_host, family, is_wildcard, join_hos
 from fthsdp.checkpoint.http_head import HeadLimits, Request, parse_head
 from fthsdp.checkpoint.peer_auth import CLOCK_WINDOW_S, PURPOSE, ReplayCache, Refusal, check_request
 from fthsdp.checkpoint.snapshot import Snapshot, StaleStepError
+from fthsdp.digits import ascii_int
 from fthsdp.timeouts import Timeouts
 
 log = logging.getLogger(__name__)
@@ -113,10 +114,10 @@ class Route:
 
 
 def _nonnegative(name: str, text: str) -> int | Refusal:
-    # ASCII digits only: int() would also take "+5", " 5", "1_0" and other scripts' digits.
-    if not (text.isascii() and text.isdigit()) or len(text) > 18:
+    number = ascii_int(text)
+    if number is None:
         return Refusal(400, f"{name} must be a non-negative integer (at most 18 digits), got {text[:40]!r}")
-    return int(text)
+    return number
 
 
 def parse_route(raw_path: str) -> Route | Refusal:

@@ -133,6 +133,8 @@ import math
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from fthsdp.digits import ascii_int
+
 __all__ = [
     "QuorumConfig",
     "QuorumRequest",
@@ -180,8 +182,9 @@ LINEAGE_REPORTED = 4
 
 def ring_key(replica_id: str) -> tuple[int, int, str]:
     """Natural order of replica ids: numeric ids numerically ("2" < "10"), then others."""
-    if replica_id.isascii() and replica_id.isdigit():  # "²" is a digit int() cannot read
-        return (0, int(replica_id), replica_id)
+    number = ascii_int(replica_id, max_digits=len(replica_id))  # "²" is a digit int() cannot read
+    if number is not None:
+        return (0, number, replica_id)
     return (1, 0, replica_id)
 
 

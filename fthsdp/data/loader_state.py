@@ -23,6 +23,7 @@ from pathlib import Path
 
 from fthsdp.atomic_file import temporaries, write_atomic
 from fthsdp.data.stream import LoaderState
+from fthsdp.digits import ascii_int
 
 FORMAT = "fthsdp.loader_state"
 VERSION = 1
@@ -121,9 +122,9 @@ class LoaderStateStore:
     def load_all(self) -> dict[int, LoaderRecord]:
         out = {}
         for p in sorted(self.directory.glob("replica_*.json")):
-            stem = p.stem.removeprefix("replica_")
-            if stem.isascii() and stem.isdigit():
-                rec = self.load(int(stem))
+            number = ascii_int(p.stem.removeprefix("replica_"))
+            if number is not None:
+                rec = self.load(number)
                 if rec is not None:
                     out[rec.replica] = rec
         return out

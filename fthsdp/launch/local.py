@@ -44,6 +44,7 @@ from fthsdp.addresses import family, join_host_port, split_host_port
 from fthsdp.atomic_file import write_atomic
 from fthsdp.control.admission import FairnessLimits
 from fthsdp.control.pacing import DEFAULT_BEATS_PER_S
+from fthsdp.digits import ascii_int
 from fthsdp.errors import EXIT_JOB_FATAL
 from fthsdp.launch import rundir as rundir_lib
 from fthsdp.launch import lifetime, supervise
@@ -751,8 +752,8 @@ class LocalJob:
         return ", ".join(self.procs[r].log_path.name for r in rids if self.procs[r].log_path is not None) or "the logs"
 
     def latest_checkpoint(self) -> int | None:
-        steps = [int(p.name) for p in (self.out_dir / "checkpoints").glob("*") if p.name.isascii() and p.name.isdigit()]
-        return max(steps, default=None)
+        steps = (ascii_int(p.name) for p in (self.out_dir / "checkpoints").glob("*"))
+        return max((s for s in steps if s is not None), default=None)
 
     def maybe_fall_back(self) -> None:
         if self.killed_all or self.gave_up or not supervise.needs_fallback(self.views()):

@@ -13,6 +13,7 @@ import pathlib
 import statistics
 from dataclasses import dataclass, field
 
+from fthsdp.control.quorum import ring_key
 from fthsdp.logs import read_metrics
 
 
@@ -217,7 +218,7 @@ def plot_timeline(out_dir: str | pathlib.Path, path: str | pathlib.Path | None =
                                                     gridspec_kw={"height_ratios": [3, 2, 1]})
     members_by_step: dict[int, int] = {}
     for rid, recs in sorted(run.steps.items(),
-                            key=lambda kv: int(kv[0]) if kv[0].isascii() and kv[0].isdigit() else kv[0]):
+                            key=lambda kv: ring_key(kv[0])):
         xs, ys = [], []
         for r in recs:
             if r.get("loss") is None:

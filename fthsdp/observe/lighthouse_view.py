@@ -19,6 +19,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from fthsdp.digits import ascii_int
+
 if TYPE_CHECKING:
     from fthsdp.control.lighthouse_client import StatusReply
 
@@ -180,7 +182,7 @@ class StatusPoller:
         from fthsdp.proto import LIGHTHOUSE_PROTOCOL_VERSION, lighthouse
 
         host, sep, port = address.rpartition(":")
-        if not sep or not host or not (port.isascii() and port.isdigit()):
+        if not sep or not host or ascii_int(port, max_digits=5) is None:
             raise ValueError(f"lighthouse address {address!r} is not HOST:PORT (e.g. 127.0.0.1:29510)")
         self.address = address
         self.rpc_timeout_s = rpc_timeout_s

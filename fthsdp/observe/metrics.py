@@ -31,6 +31,7 @@ from typing import Any, Iterable, Mapping, Sequence
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 from fthsdp.addresses import join_host_port
+from fthsdp.digits import ascii_int
 from fthsdp.observe.lighthouse_view import (
     FAILURE_KINDS,
     STATES,
@@ -366,9 +367,10 @@ def parse_bind(bind: str, default_host: str = "127.0.0.1") -> tuple[str, int]:
     if not sep:
         host, port = "", bind
     host = host.strip("[]") or default_host
-    if not (port.isascii() and port.isdigit()) or not 0 <= int(port) < 65536:
+    number = ascii_int(port, max_digits=5)
+    if number is None or number > 65535:
         raise ValueError(f"bind address {bind!r}: expected HOST:PORT with a port in 0..65535 (0 = any free port)")
-    return host, int(port)
+    return host, number
 
 
 @dataclass

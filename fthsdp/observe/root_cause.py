@@ -52,6 +52,8 @@ import functools
 import statistics
 from dataclasses import dataclass, field
 
+from fthsdp.control.quorum import ring_key
+
 NONE, DEAD, FROZEN, SLOW, SLOW_LINK, UNKNOWN = "none", "dead", "frozen", "slow", "slow_link", "unknown"
 KINDS = (NONE, DEAD, FROZEN, SLOW, SLOW_LINK, UNKNOWN)
 
@@ -357,7 +359,7 @@ def _order_key(members: tuple[str, ...]):
     pos = {m: i for i, m in enumerate(members)}
 
     def key(r: str):
-        return (pos.get(r, len(pos)), int(r) if r.isascii() and r.isdigit() else 0, r)
+        return (pos.get(r, len(pos)), ring_key(r))
 
     return key
 
