@@ -117,10 +117,12 @@ class Bucket:
         self.tokens -= cost
         return w
 
-    def charge(self, now: float, cost: float) -> None:
-        """Take ``cost`` tokens after the fact (a refused call's extra price)."""
+    def charge(self, now: float, cost: float, max_debt: float | None = None) -> None:
+        """Take ``cost`` tokens after the fact (a refused call's extra price), leaving at most
+        ``max_debt`` tokens owed (default: the burst and a minute of the rate)."""
         self._refill(now)
-        self.tokens = max(self.tokens - cost, -self.burst - self.rate * 60.0)  # debt of at most a minute
+        floor = -(self.burst + self.rate * 60.0 if max_debt is None else max_debt)
+        self.tokens = max(self.tokens - cost, floor)
 
     def set_rate(self, rate: float, burst: float) -> None:
         self.rate, self.burst = rate, float(burst)

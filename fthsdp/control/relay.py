@@ -57,6 +57,7 @@ import grpc
 
 from fthsdp.addresses import split_host_port
 from fthsdp.control import session as sess
+from fthsdp.control.admission import Bucket
 from fthsdp.control.channel_args import RECONNECT_ARGS
 from fthsdp.control.server_thread import ServerThread
 from fthsdp.control.session_client import stop_stream
@@ -128,30 +129,22 @@ class RefusalHold:
     CODES = (grpc.StatusCode.INVALID_ARGUMENT.value[0], grpc.StatusCode.UNAUTHENTICATED.value[0])
 
     def __init__(self) -> None:
-        self.tokens = float(self.BURST)
-        self.at = 0.0
+        self.bucket = Bucket(rate=self.PER_S, burst=self.BURST, now=0.0)  # only refusals take tokens
         self.refusals = 0  # in a row, since the last accepted message
         self.last: tuple[int, str] = (0, "")  # the lighthouse's last refusal: code, details
-
-    def _refill(self, now: float) -> None:
-        if now > self.at:
-            self.tokens = min(float(self.BURST), self.tokens + (now - self.at) * self.PER_S)
-            self.at = now
 
     def reply(self, now: float, code: int, details: str) -> None:
         """The lighthouse answered one of this client's messages with ``code``."""
         if code == 0:
-            self.tokens, self.refusals = float(self.BURST), 0
+            self.bucket.tokens, self.refusals = self.bucket.burst, 0
         elif code in self.CODES:
-            self._refill(now)
-            self.tokens = max(self.tokens - 1.0, -1.0)  # held at most one let-through interval past refill
+            self.bucket.charge(now, 1.0, max_debt=1.0)  # held at most one let-through interval past refill
             self.refusals += 1
             self.last = (code, details)
 
     def holds(self, now: float) -> bool:
         """Whether the client's next message is answered by the relay instead of forwarded."""
-        self._refill(now)
-        return self.tokens < 1.0  # only refusals take tokens
+        return self.bucket.wait_s(now) > 0.0
 
     def answer(self) -> tuple[grpc.StatusCode, str]:
         code, details = self.last
