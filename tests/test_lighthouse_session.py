@@ -369,3 +369,13 @@ def test_the_heartbeat_thread_skips_beats_while_its_leader_asks_more_often(light
         assert beats_idle >= 2
     finally:
         c.close()
+
+
+@pytest.mark.parametrize("timeout_s", [math.inf, math.nan, 0.0, -1.0, 8 * 24 * 3600.0])
+def test_a_session_request_without_a_usable_deadline_is_refused_before_it_is_sent(timeout_s):
+    s = SyncSession(grpc.insecure_channel("127.0.0.1:9"))  # never connected: refused before sending
+    try:
+        with pytest.raises(ValueError, match="timeout_s is .*finite number of seconds"):
+            s.request("Heartbeat", b"", timeout_s)
+    finally:
+        s.close()

@@ -59,6 +59,7 @@ from fthsdp.addresses import split_host_port
 from fthsdp.control import session as sess
 from fthsdp.control.admission import Bucket
 from fthsdp.control.channel_args import RECONNECT_ARGS
+from fthsdp.control.guard import Limits
 from fthsdp.control.server_thread import ServerThread
 from fthsdp.control.session_client import stop_stream
 from fthsdp.control.wire import varint
@@ -66,6 +67,7 @@ from fthsdp.proto import lighthouse as _load_stubs
 
 pb2, _ = _load_stubs()
 log = logging.getLogger("fthsdp.control.relay")
+MESSAGE_MARGIN = 64 * 1024  # a batch's framing around one client's message, with room to spare
 
 __all__ = ["RefusalHold", "RelayConfig", "Relay", "RelayThread", "renumbered", "relay_index", "block_first", "relay_of",
            "cli"]
@@ -165,6 +167,9 @@ class RelayConfig:
     tls_key_file: str = ""
     lighthouse_tls_ca: str = ""  # PEM CA the lighthouse's certificate is checked against (TLS upstream)
     max_batch: int = sess.MAX_BATCH  # messages in one batch to the lighthouse
+    # The lighthouse's own message limit (guard.Limits.max_request_bytes): a client's message must
+    # fit in a batch under it, so a larger one is refused here, on its own client's stream.
+    lighthouse_max_request_bytes: int = Limits().max_request_bytes
 
     def __post_init__(self) -> None:
         for name in ("lighthouse", "bind"):
@@ -176,6 +181,9 @@ class RelayConfig:
             raise ValueError("TLS needs both a certificate file and its key file (--tls-cert, --tls-key)")
         if not 1 <= self.max_batch <= sess.MAX_BATCH:
             raise ValueError(f"max_batch {self.max_batch}: must be in 1..{sess.MAX_BATCH} (the lighthouse's limit)")
+        if self.lighthouse_max_request_bytes < 2 * MESSAGE_MARGIN:
+            raise ValueError(f"lighthouse_max_request_bytes {self.lighthouse_max_request_bytes}: give the lighthouse's "
+                             f"limit (guard.Limits.max_request_bytes), at least {2 * MESSAGE_MARGIN} bytes")
 
 
 class Relay:
@@ -221,9 +229,7 @@ class Relay:
         self._wake = asyncio.Event()
         # A client's message must fit the lighthouse's limit inside a batch: a larger one would break
         # the relay's one stream (every client's), so it breaks only its own client's stream here.
-        from fthsdp.control.guard import Limits
-
-        limit = Limits().max_request_bytes - 64 * 1024
+        limit = c.lighthouse_max_request_bytes - MESSAGE_MARGIN
         self._server = grpc.aio.server(options=[("grpc.max_receive_message_length", limit)])
         handler = grpc.stream_stream_rpc_method_handler(self._serve, request_deserializer=None,
                                                         response_serializer=None)
