@@ -385,7 +385,10 @@ void RingEndpoint::start_op(Clock::time_point now) {
     return;
   }
   const int32_t n = static_cast<int32_t>(cfg_->members.size());
-  if (op.quorum_id != cfg_->quorum_id) {
+  // The step carries the low 31 bits of the quorum id (an int32 array input; ids run to 2**53),
+  // the host path the whole id: compare what both carry (fthsdp/step/quorum_inputs.py).
+  constexpr int64_t kStepQuorumIdMask = 0x7FFFFFFF;
+  if ((op.quorum_id & kStepQuorumIdMask) != (cfg_->quorum_id & kStepQuorumIdMask)) {
     finish_op(OpStatus::kRecoverable, false,
               "stale quorum id: the step carries quorum " + std::to_string(op.quorum_id) +
                   " but the communicator is configured for quorum " +

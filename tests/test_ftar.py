@@ -217,6 +217,22 @@ def test_step_with_stale_quorum_id_is_recoverable_and_bad_rank_is_fatal():
             a.allreduce_host(np.ones(4, np.float32), quorum_id=3, rank=1, n=2)
 
 
+def test_a_quorum_id_past_int32_is_checked_on_the_low_31_bits_the_step_carries():
+    """Quorum ids run to 2**53; the jitted step carries them as int32 scalars (their low 31 bits)."""
+    from fthsdp.step.quorum_inputs import STEP_QUORUM_ID_MASK, make_quorum_inputs
+
+    qid = 2**40 + 3
+    step_qid = int(make_quorum_inputs(quorum_id=qid).quorum_id)
+    assert step_qid == qid & STEP_QUORUM_ID_MASK == 3
+    a, b = pair()
+    with a, b:
+        assert all(configure_both(a, b, qid, qid))
+        out, _ = run_both(a, b, np.ones(4, np.float32), np.ones(4, np.float32), step_qid, step_qid)
+        assert out["a"][0][0] == out["b"][0][0] == ftar.STATUS_OK, out
+        status, reason = a.allreduce_host(np.ones(4, np.float32), quorum_id=qid - 1, rank=0, n=2)
+        assert status == ftar.STATUS_RECOVERABLE and "stale quorum id" in reason
+
+
 def test_abort_unblocks_an_inflight_allreduce_promptly():
     a, b = pair(timeout_s=30.0)
     with a, b:

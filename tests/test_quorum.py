@@ -8,6 +8,7 @@ from collections import Counter
 import pytest
 
 from fthsdp.control.quorum import (
+    MAX_REPORTED_QUORUM_ID,
     Member,
     Quorum,
     QuorumConfig,
@@ -420,3 +421,21 @@ def test_the_step0_rule_applies_only_to_a_stateless_rejoiner_healthy_at_step_0_o
                       now=0.01)
     assert later is not None and later.max_step == 5
     assert not step0_rule_applies(later, "0", **yes)  # a member holds steps: it catches up instead
+
+
+def test_a_reported_quorum_id_moves_the_ids_only_up_to_the_cap():
+    """A replica may report any id up to the protocol's 2**53; followed whole, 2**53 would leave no
+    id to issue. Followed up to 2**52, the job keeps 2**52 ids; lower reports are followed exactly."""
+    hb = {"0": 0.0, "1": 0.0}
+    both = ("0", "1")
+    q, reason = decide(reqs(req("0", last_qid=2**53, last_members=both), req("1", last_qid=2**53, last_members=both)),
+                       hb, now=0.01)
+    assert q is not None and q.quorum_id == MAX_REPORTED_QUORUM_ID + 1 == 2**52 + 1, reason
+    assert "followed only up to" in reason
+    capped, reason = decide(reqs(req("0"), req("1")), hb, now=0.01, floor=2**53)
+    assert capped is not None and capped.quorum_id == 2**52 + 1, reason
+    again, reason = decide(reqs(req("0", last_qid=2**52 + 1), req("1", last_qid=2**52 + 1)), hb, capped, now=0.02,
+                           floor=2**53)
+    assert again is not None and again.quorum_id == 2**52 + 1, reason  # unchanged membership keeps its id
+    q, reason = decide(reqs(req("0"), req("1")), hb, now=0.01, floor=1000)
+    assert q is not None and q.quorum_id == 1001 and "followed only" not in reason, reason

@@ -136,6 +136,7 @@ from dataclasses import dataclass, field
 from fthsdp.digits import ascii_int
 
 __all__ = [
+    "MAX_REPORTED_QUORUM_ID",
     "QuorumConfig",
     "QuorumRequest",
     "Member",
@@ -178,6 +179,13 @@ LAST_MEMBERS_SENDERS = 3
 # Lineage entries each replica reports with its quorum requests (its newest ones): what a
 # restarted lighthouse rebuilds the lineage fence from (rule 6). Four pairs, ~30 bytes a request.
 LINEAGE_REPORTED = 4
+
+# How far a replica's report can move the job's quorum ids (rule 5). Reports are followed so that
+# a restarted lighthouse does not reuse ids, but a process holding the job's secret could report
+# 2**53 (the protocol's limit) and leave no id to issue after it. Followed only up to 2**52, a
+# report leaves 2**52 ids: more than any job decides. (A job's own ids reach this only after a
+# report pushed them here; a lighthouse restarted after that may then issue an id its replicas saw.)
+MAX_REPORTED_QUORUM_ID = 2**52
 
 
 def ring_key(replica_id: str) -> tuple[int, int, str]:
@@ -981,7 +989,8 @@ def decide_quorum(
     if previous is None and not rebuilt:
         quorum_id, why_id = 1, "first quorum"
     elif previous is None:
-        quorum_id, why_id = prev_qid + 1, f"lighthouse restarted: replicas last saw quorum {prev_qid}"
+        quorum_id = min(prev_qid, MAX_REPORTED_QUORUM_ID) + 1
+        why_id = f"lighthouse restarted: replicas last saw quorum {prev_qid}"
     elif failed:
         quorum_id, why_id = previous.quorum_id + 1, f"commit failed on {_fmt(failed)}"
     elif identity != tuple(m.identity() for m in previous.members):
@@ -997,9 +1006,13 @@ def decide_quorum(
     else:
         quorum_id, why_id = previous.quorum_id, "same membership"
     floor = max([quorum_id_floor, *(c.last_quorum_id for c in candidates)])
+    capped = floor > MAX_REPORTED_QUORUM_ID
+    floor = min(floor, MAX_REPORTED_QUORUM_ID)
     reused = previous is None or quorum_id != previous.quorum_id
     if quorum_id < floor or (quorum_id == floor and reused):
         quorum_id, why_id = floor + 1, f"{why_id}; above quorum {floor} reported by a replica"
+    if capped and quorum_id == MAX_REPORTED_QUORUM_ID + 1:
+        why_id += f" (a higher id was reported: followed only up to {MAX_REPORTED_QUORUM_ID})"
 
     left_out = tuple(sorted(not_asking, key=ring_key))
     if left_out:

@@ -22,6 +22,12 @@ STATUS_RECOVERABLE = 1
 # next all-reduce call raises it as an ffi::Error (JaxRuntimeError).
 STATUS_FATAL = 2
 
+# The step carries a quorum id as an int32 scalar, so only its low 31 bits: enough to tell the
+# communicator's quorum from a stale one (two quorums 2**31 decisions apart are never both live),
+# and a lighthouse's ids past 2**31 - 1 (a long job, or a restarted lighthouse following a high
+# reported id) cannot overflow the array. ffi/control_thread.cc compares the same bits.
+STEP_QUORUM_ID_MASK = 0x7FFFFFFF
+
 
 class QuorumInputs(NamedTuple):
     """Per-step quorum arrays (all int32 scalars).
@@ -33,7 +39,8 @@ class QuorumInputs(NamedTuple):
     num_configured:    replicas the job is configured with (total).
     lr_mode:           fthsdp.step.intervention.Intervention value (none/linear/sqrt).
     rank:              this replica's position in the ring, 0..num_members-1.
-    quorum_id:         the lighthouse's quorum id; FTAR refuses a stale one.
+    quorum_id:         the lighthouse's quorum id, its low 31 bits (STEP_QUORUM_ID_MASK: an int32
+                       holds no more, and ids run to 2**53); FTAR refuses a stale one.
     comm:              communicator handle: a small integer id into the native
                        registry of FTAR communicators (never a pointer).
 
@@ -82,7 +89,7 @@ def make_quorum_inputs(
         num_configured=i32(num_configured),
         lr_mode=i32(lr_mode),
         rank=i32(rank),
-        quorum_id=i32(quorum_id),
+        quorum_id=i32(quorum_id & STEP_QUORUM_ID_MASK),
         comm=i32(comm),
     )
 
