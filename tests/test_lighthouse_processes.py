@@ -231,6 +231,69 @@ def test_replicas_of_different_process_counts_are_refused(lighthouse):
         b.close()
 
 
+def test_a_followers_endpoint_count_is_its_leaders():
+    """A follower registering another number of shards than its leader made the replica's endpoint
+    list the wrong length, and cutting any member's view of a quorum holding it raised. The
+    leader's count rules; a follower registered before its leader with another count is dropped."""
+    from fthsdp.control.lighthouse import _Group
+
+    g = _Group(2, since=0.0)
+    assert g.register(1, ("a:1", "a:2"), "s1") is None  # before its leader: kept for now
+    assert g.register(0, ("b:1",), "s0") is None  # the leader holds one shard: the follower's two go
+    assert 1 not in g.ftar and 1 not in g.server
+    err = g.register(1, ("a:1", "a:2"), "s1")
+    assert err is not None and "registers 2 FTAR endpoint(s) but its leader (process 0) registered 1" in err
+    assert g.register(1, ("a:1",), "s1") is None and g.endpoints(0.0, 1.0) == (("b:1", "a:1"), ("s0", "s1"))
+
+
+def test_a_follower_of_another_shape_than_its_live_leader_is_refused(lighthouse):
+    cs = clients(lighthouse.address, "shape2", 1, 2, 1)
+    wrong: list[LighthouseClient] = []
+    try:
+        beat_until_registered(cs)
+        cs[(0, 1)].stop_heartbeats()  # the follower dies; one of another shape comes in its place
+        time.sleep(DETECT + 0.3)  # its old process is silent: the id is free to take over
+        for procs, d, match in ((2, 2, "registers 2 FTAR endpoint.* its leader .*registered 1"),
+                                (3, 1, "says its replica has 3 processes but its leader .* registered 2")):
+            c = LighthouseClient(lighthouse.address, "shape2", 0, process_index=1, num_processes=procs)
+            wrong.append(c)
+            c.register(ftar(0, 1, d), server(0, 1), procs * d)
+            with pytest.raises(LighthouseError, match=match):
+                c._beat()
+        assert lighthouse.server._jobs["shape2"].groups["0"].num_processes == 2  # the leader's group is whole
+    finally:
+        for c in [*cs.values(), *wrong]:
+            c.close()
+
+
+def test_followers_whose_leader_never_comes_are_bounded_and_forgotten():
+    """A follower whose leader was never heard opens a process group: at most as many as the job
+    may have replicas, and dropped once silent (they count in the job's size, its budget)."""
+    from fthsdp.control.guard import Limits
+
+    cfg = LighthouseConfig(join_timeout_s=0.3, detect_s=DETECT, tick_s=0.02, limits=Limits(max_replicas_per_job=2))
+    orphans: list[LighthouseClient] = []
+    with LighthouseThread(cfg) as lh:
+        try:
+            for r in range(3):
+                orphans.append(LighthouseClient(lh.address, "orphans", 10 + r, process_index=1, num_processes=2))
+            orphans[0]._beat()
+            orphans[1]._beat()
+            with pytest.raises(LighthouseError, match="already holds 2 replicas of several processes"):
+                orphans[2]._beat()
+            job = lh.server._jobs["orphans"]
+            assert set(job.groups) == {"10", "11"} and lh.server._job_size("orphans") == 2
+            deadline = time.monotonic() + DETECT + 5
+            while job.groups:  # silent a detection window: dropped at the next sweep (every 2 s)
+                assert time.monotonic() < deadline, sorted(job.groups)
+                time.sleep(0.05)
+            assert lh.server._job_size("orphans") == 0
+            orphans[2]._beat()  # room again
+        finally:
+            for c in orphans:
+                c.close()
+
+
 def test_a_replica_asks_only_once_all_its_processes_registered(lighthouse):
     cs = clients(lighthouse.address, "reg", 2, 2, 1)
     try:

@@ -284,3 +284,33 @@ def test_a_followers_accusation_reaches_the_lighthouse_through_its_leader():
                 threading.Thread(target=c.shutdown, daemon=True).start()
             time.sleep(0.2)
             service.shutdown()
+
+
+def test_a_followers_step0_verdict_is_its_leaders():
+    """A replica restarted to rejoin, at step 0: whether to train, wait or give up is taken on the
+    leader's clock for every process (each on its own could cross the grace on different attempts
+    and the group exit with mixed codes), through the replica's real key-value store."""
+    import threading
+
+    from fthsdp.replica.group import DecisionChannel, FollowerQuorumSource, LeaderQuorumSource, ViewUnavailable
+
+    service, (kv0, kv1) = _kv_pair()
+    spec = dict(replica_id=0, num_processes=2, coordinator="127.0.0.1:1")
+    try:
+        leader = LeaderQuorumSource(None, DecisionChannel(GroupSpec(process_index=0, **spec), client=kv0))
+        follower = FollowerQuorumSource(DecisionChannel(GroupSpec(process_index=1, **spec), client=kv1), 10.0, None)
+        for mine, leaders in (("wait", "wait"), ("wait", "give up"), ("give up", "train")):
+            got = {}
+            t = threading.Thread(target=lambda: got.setdefault("v", follower.step0_verdict(mine, "its own clock")))
+            t.start()  # the follower asks first and waits for its leader's verdict
+            assert leader.step0_verdict(leaders, "the leader's clock") == (leaders, "the leader's clock")
+            t.join(15)
+            assert got["v"] == (leaders, "the leader's clock"), got
+        kv0.key_value_set("fthsdp/r0/step0/3", '"train"')  # a leader's malformed verdict: the replica fails
+        with pytest.raises(ViewUnavailable, match="not \\[verdict, why\\]"):
+            follower.step0_verdict("wait", "x")
+    finally:
+        for c in (kv0, kv1):
+            threading.Thread(target=c.shutdown, daemon=True).start()
+        time.sleep(0.2)
+        service.shutdown()

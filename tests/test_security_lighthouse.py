@@ -9,6 +9,7 @@ unharmed: identical final states and an exactly-once ledger.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pathlib
 import re
@@ -404,6 +405,34 @@ def test_a_replica_id_is_bound_to_the_process_that_registered_it(secure):
     finally:
         a.close()
         b.close()
+
+
+def test_a_silent_holders_pending_request_does_not_keep_its_id_from_a_new_process():
+    """A replica's host dies while its leader's quorum request is pending, and the connection stays
+    open (no FIN: a power loss, a partition). The holder beats no more; its request alone must not
+    count it live for the request's whole deadline: its restarted process takes the id over after
+    one detection window, as after any silence. (Two replicas needed: the request stays pending.)"""
+    key = auth.job_key(SECRET, "job")
+    cfg = LighthouseConfig(secret=SECRET, join_timeout_s=0.2, detect_s=0.5, min_replicas=2)
+    with LighthouseThread(cfg) as lh, LighthouseClient(lh.address, "job", "0", key=key) as old, \
+            LighthouseClient(lh.address, "job", "0", key=key) as new:
+        def ask():
+            with contextlib.suppress(Exception):  # the old process's request ends either way
+                old.get_quorum(3, ftar_addresses=["127.0.0.1:9000"], num_replicas=2, timeout_s=20)
+
+        t = threading.Thread(target=ask, daemon=True)
+        old.heartbeat(3)  # it beats (and so is judged by its beats) ...
+        t.start()  # ... and asks; then it beats no more
+        deadline = time.monotonic() + 5
+        while not any(r.waiting for j in new.status() for r in j.replicas):
+            assert time.monotonic() < deadline, "the old process's request never reached the lighthouse"
+            time.sleep(0.02)
+        with pytest.raises(ReplicaIdHeld, match="held by another live process"):
+            new.heartbeat(0)  # within the window: still the old process's
+        time.sleep(0.8)  # silent past the 0.5 s detection window, its request still pending
+        assert any(r.waiting for j in new.status() for r in j.replicas)
+        new.heartbeat(0)  # taken over at once, not after the request's 20 s
+    t.join(25)
 
 
 def test_job_and_replica_limits_and_the_dead_list_are_bounded():

@@ -175,6 +175,7 @@ _QUORUM_NEIGHBOURHOOD_FROM = pb2.Quorum.DESCRIPTOR.fields_by_name["neighbourhood
 _HEARTBEAT_BEAT_INTERVAL = pb2.HeartbeatResponse.DESCRIPTOR.fields_by_name["beat_interval_ms"].number
 # How often the lighthouse recounts its beating processes to set their pace (pacing.BeatPacer).
 _PACE_RECOUNT_S = 0.25
+_ORPHAN_SWEEP_S = 2.0  # how often groups of replicas whose leader was never heard are looked for
 
 
 def quorum_to_proto(q: qm.Quorum) -> pb2.Quorum:
@@ -359,6 +360,28 @@ class _Group:
 
     def silent(self, now: float, window: float) -> list[int]:
         return [p for p in range(self.num_processes) if now - self.seen.get(p, self.since) > window]
+
+    def register(self, process: int, ftar: tuple[str, ...], server: str) -> str | None:
+        """Keep ``process``'s own shards' endpoints, or say why not. Every process of a replica
+        holds as many shards as its leader: a follower registering another count made the
+        replica's endpoint list the wrong length, and cutting any view of a quorum holding it
+        raised (every member's GetView failed). The leader's count rules: a follower's that
+        differs is refused, and a follower registered before its leader with another count is
+        dropped (it registers again, and is refused then, with the reason)."""
+        if process == 0:
+            for p in [p for p, a in self.ftar.items() if p != 0 and len(a) != len(ftar)]:
+                del self.ftar[p]
+                self.server.pop(p, None)
+        elif 0 in self.ftar and len(ftar) != len(self.ftar[0]):
+            return (f"registers {len(ftar)} FTAR endpoint(s) but its leader (process 0) registered "
+                    f"{len(self.ftar[0])}: every process of a replica holds the same number of shards (start every "
+                    f"process with the same devices per process and --processes-per-replica)")
+        self.ftar[process], self.server[process] = ftar, server
+        return None
+
+    def last_heard(self) -> float:
+        """When any of its processes was last heard (``since`` when none was)."""
+        return max(self.seen.values(), default=self.since)
 
     def endpoints(self, now: float, window: float) -> tuple[tuple[str, ...], tuple[str, ...]] | str:
         """Every shard's endpoint and each process's state server, or why not yet."""
@@ -759,6 +782,7 @@ class Lighthouse(pb2_grpc.LighthouseServicer):
         self._pacer = pacing.BeatPacer(self.config.beats_per_s, self.config.detect_s, started_at=self._started)
         self._pace_bytes = b""  # HeartbeatResponse.beat_interval_ms, appended to every beat's reply
         self._paced_at = -math.inf
+        self._orphans_swept_at = -math.inf
         self._beating = 0  # the processes beating it at the last count (load_snapshot reads it)
 
     # -- lifecycle ---------------------------------------------------------
@@ -1164,6 +1188,18 @@ class Lighthouse(pb2_grpc.LighthouseServicer):
             for g in job.groups.values():
                 g.shift(lag_s, before)
 
+    def _drop_orphan_groups(self, now: float) -> None:
+        """Forget the process groups of replicas whose leader was never heard (followers started
+        alone, or a secret's holder beating as followers under fresh ids) once all their processes
+        were silent a detection window: they count in their job's size (its budget) until then.
+        O(jobs + multi-process replicas), every ``_ORPHAN_SWEEP_S``."""
+        for job in self._jobs.values():
+            for rid in [r for r, g in job.groups.items() if r not in job.last_seen and r not in job.pending
+                        and now - g.last_heard() > self.detect_s]:
+                job.drop_group(rid)
+                log.info("job %r: processes of replica %s dropped: its leader was never heard and they are "
+                         "silent", job.job_id, rid)
+
     @property
     def detect_s(self) -> float:
         """The silence that declares a process dead now: ``config.detect_s``, or wider while the
@@ -1215,6 +1251,9 @@ class Lighthouse(pb2_grpc.LighthouseServicer):
                 self._absorb_stall(lag, now)
             if now - self._paced_at >= _PACE_RECOUNT_S:
                 self._pace(now)
+            if now - self._orphans_swept_at >= _ORPHAN_SWEEP_S:
+                self._orphans_swept_at = now
+                self._drop_orphan_groups(now)
             for job in list(self._jobs.values()):
                 if not job.pending and now - job.last_activity > self.config.forget_after_s and all(
                         now - t > self.config.forget_after_s for t in job.last_seen.values()):
@@ -1309,6 +1348,15 @@ class Lighthouse(pb2_grpc.LighthouseServicer):
                 return guard.Refusal(grpc.StatusCode.RESOURCE_EXHAUSTED, (
                     f"too many new replica ids from {peer} (limit {lim.new_ids_per_s:g}/s after a burst "
                     f"of {lim.new_ids_burst}): replica {rid!r} of job {request.job_id!r} is refused; retry later"))
+            if (job is not None and getattr(request, "process_index", 0) > 0 and rid not in job.groups
+                    and len(job.groups) >= lim.max_replicas_per_job):
+                # a follower whose leader was never heard opens a group of its own: at most as many
+                # groups as replicas (orphans are dropped a detection window after their last beat)
+                return guard.Refusal(grpc.StatusCode.RESOURCE_EXHAUSTED, (
+                    f"job {request.job_id!r} already holds {len(job.groups)} replicas of several processes, this "
+                    f"lighthouse's limit: process {request.process_index} of replica {rid!r}, whose leader (process 0) "
+                    f"was never heard, is refused (start its leader; raise --max-replicas-per-job if the job is "
+                    f"really that large)"))
             if self._admission is not None and not relayed:  # registering an id costs more than a call
                 self._admission.new_id(peer, now)
         if job is not None:
@@ -1321,8 +1369,12 @@ class Lighthouse(pb2_grpc.LighthouseServicer):
                 g = job.groups.get(rid)
                 live = g is not None and now - g.seen.get(proc, -math.inf) <= self.detect_s
             else:
-                live = rid in job.pending or (rid not in job.dead and
-                                              now - job.last_seen.get(rid, -math.inf) <= self.detect_s)
+                # A leader that beats is live by its own beats (a replica's by its stalest process's),
+                # not by a request left pending on the connection of a host that died: that kept a
+                # new leader out for the request's whole deadline instead of one detection window.
+                g = job.groups.get(rid)
+                heard = g.seen.get(0, -math.inf) if g is not None else job.last_seen.get(rid, -math.inf)
+                live = now - heard <= self.detect_s or (rid in job.pending and rid not in job.heartbeating)
             err = guard.incarnation_problem(rid, request.job_id, holder, request.incarnation, live)
             if err:
                 return guard.Refusal(grpc.StatusCode.PERMISSION_DENIED, err)
@@ -1424,8 +1476,7 @@ class Lighthouse(pb2_grpc.LighthouseServicer):
         else:
             job.endpoints[rid] = (ftar, server)
         if nproc > 1:
-            g = self._group(job, rid, nproc, now)
-            g.ftar[0], g.server[0] = ftar, server
+            self._group(job, rid, nproc, now).register(0, ftar, server)
         self._heard(job, rid, now, 0, nproc)
         if rid in job.heartbeating:
             # A leader that heartbeats may skip a beat right after asking (its heartbeat thread
@@ -1564,9 +1615,17 @@ class Lighthouse(pb2_grpc.LighthouseServicer):
         nproc, proc = request.num_processes or 1, request.process_index
         registered = True
         if nproc > 1:
+            held = job.groups.get(rid)
+            if (proc != 0 and held is not None and held.num_processes != nproc
+                    and now - held.seen.get(0, -math.inf) <= self.detect_s):  # nor reshapes its live leader's group
+                raise Refused(grpc.StatusCode.INVALID_ARGUMENT, (
+                    f"{who} says its replica has {nproc} processes but its leader (process 0) registered "
+                    f"{held.num_processes}: start every process of a replica with the same --processes-per-replica"))
             g = self._group(job, rid, nproc, now)
             if request.ftar_addresses:
-                g.ftar[proc], g.server[proc] = tuple(request.ftar_addresses), request.state_server_address
+                err = g.register(proc, tuple(request.ftar_addresses), request.state_server_address)
+                if err:
+                    raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"{who} {err}")
             registered = proc in g.ftar
         self._heard(job, rid, now, proc, nproc)
         if request.beat_interval_ms and self._pacer.inherit(request.beat_interval_ms / 1000.0, now):

@@ -345,6 +345,13 @@ class LeaderQuorumSource:
         self.channel.share("leave", {"left": bool(ok), "forked": list(forked) if forked else None}, 0)
         return ok
 
+    def step0_verdict(self, verdict: str, why: str) -> tuple[str, str]:
+        """The replica's verdict on a rejoin at step 0 (fsm.rejoin_at_step_0): the leader's,
+        taken on its clock, for every process (each process's own clock could cross the grace
+        on different attempts, and the group would exit with mixed codes)."""
+        self.channel.share("step0", [verdict, why], 0)
+        return verdict, why
+
     def __getattr__(self, name):  # heartbeats, status, forked, close: the client's
         return getattr(self.client, name)
 
@@ -411,6 +418,15 @@ class FollowerQuorumSource:
                     f"step {q.max_step})"))
             v = self._view = fresh
         return self._merge(q, v)
+
+    def step0_verdict(self, verdict: str, why: str) -> tuple[str, str]:
+        """The leader's verdict on a rejoin at step 0, in place of this process's own
+        (:meth:`LeaderQuorumSource.step0_verdict`)."""
+        got = self.channel.receive("step0", self.timeout_s)
+        if not (isinstance(got, list) and len(got) == 2 and all(isinstance(x, str) for x in got)):
+            raise ViewUnavailable(f"replica {self.channel.spec.replica_id}: its leader's step-0 verdict is {got!r}, "
+                                  "not [verdict, why]; the replica fails as a unit")
+        return got[0], got[1]
 
     @staticmethod
     def _merge(q, v):

@@ -354,6 +354,9 @@ class Manager:
                     now, grace = time.monotonic(), self.cfg.timeouts.alone_rejoin_s
                     verdict, why = fsm.rejoin_at_step_0(q, self.replica_id, 0.0 if step0_since is None
                                                     else now - step0_since, grace)
+                    agree = getattr(self.lighthouse, "step0_verdict", None)  # a replica of several processes:
+                    if agree is not None:  # its leader's verdict, taken on its clock, for all of them
+                        verdict, why = agree(verdict, why)
                     if verdict == "give up":
                         raise ManagerJobError(
                             f"replica {self.replica_id} was restarted to rejoin its job, but {why}, and the "
