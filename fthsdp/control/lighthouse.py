@@ -398,9 +398,16 @@ class _Group:
         """Times older than ``before`` (a lighthouse stall's start) moved ``lag_s`` later."""
         if self.since < before:
             self.since += lag_s
-        for p, t in self.seen.items():
-            if t < before:
-                self.seen[p] = t + lag_s
+        shift_heard(self.seen, lag_s, before)
+
+
+def shift_heard(heard: dict, lag_s: float, before: float) -> None:
+    """The one rule for a lighthouse stall of ``lag_s`` that ended at ``before + lag_s``: what was
+    heard before it started moves ``lag_s`` later (the stall was not the senders' silence); what
+    was heard after is left, or a death right after the stall would be detected that much later."""
+    for k, t in heard.items():
+        if t < before:
+            heard[k] = t + lag_s
 
 
 @dataclass
@@ -1182,9 +1189,7 @@ class Lighthouse(pb2_grpc.LighthouseServicer):
         log.warning("lighthouse stalled %.2fs (> detection window / 4): not counting it as replicas' silence", lag_s)
         before = now - lag_s
         for job in self._jobs.values():
-            for r, t in job.last_seen.items():
-                if t < before:
-                    job.last_seen[r] = t + lag_s
+            shift_heard(job.last_seen, lag_s, before)
             for g in job.groups.values():
                 g.shift(lag_s, before)
 
