@@ -8,6 +8,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -74,8 +75,8 @@ RingEndpoint::RingEndpoint(const RingOptions& options, ControlThread* thread)
     throw std::invalid_argument("ftar: chunk_bytes must be in [64, 2^30], got " +
                                 std::to_string(options.chunk_bytes));
   }
-  if (!(options.timeout_s > 0)) {
-    throw std::invalid_argument("ftar: timeout_s must be > 0");
+  if (!(options.timeout_s > 0) || !std::isfinite(options.timeout_s)) {
+    throw std::invalid_argument("ftar: timeout_s must be a finite number of seconds > 0");
   }
   send_delay_ = send_delay_from_env();
   if (!options.key.empty() && options.key.size() < 16) {
@@ -101,9 +102,10 @@ void RingEndpoint::configure(const RingConfig& config) {
     throw std::invalid_argument("ftar configure: job_id must have 1.." +
                                 std::to_string(tcp::kJobIdMax - 1) + " characters");
   }
-  if (!(config.connect_timeout_s > 0)) {
-    throw std::invalid_argument("ftar configure: connect_timeout_s must be > 0");
+  if (!(config.connect_timeout_s > 0) || !std::isfinite(config.connect_timeout_s)) {
+    throw std::invalid_argument("ftar configure: connect_timeout_s must be a finite number of seconds > 0");
   }
+  RingConfig resolved = config;
   for (int64_t i = 0; i < n; ++i) {
     const std::string& m = config.members[static_cast<size_t>(i)];
     const bool neighbour = n > 1 && (i == (config.rank + 1) % n || i == (config.rank + n - 1) % n);
@@ -113,10 +115,11 @@ void RingEndpoint::configure(const RingConfig& config) {
     if (!tcp::parse_address(m, &addr, &error)) {
       throw std::invalid_argument("ftar configure: member " + std::to_string(i) + ": " + error);
     }
+    if (n > 1 && i == (config.rank + 1) % n) resolved.right_address = addr;
   }
   {
     std::lock_guard<std::mutex> lk(mu_);
-    commands_.push_back(Command{true, config, ""});
+    commands_.push_back(Command{true, std::move(resolved), ""});
     ++config_gen_;
     state_ = State::kConnecting;
     state_reason_.clear();
@@ -125,6 +128,9 @@ void RingEndpoint::configure(const RingConfig& config) {
 }
 
 std::pair<bool, std::string> RingEndpoint::wait_configured(double timeout_s) {
+  if (!(timeout_s >= 0) || !std::isfinite(timeout_s)) {
+    throw std::invalid_argument("ftar wait_configured: timeout_s must be a finite number of seconds >= 0");
+  }
   std::unique_lock<std::mutex> lk(mu_);
   const auto until = Clock::now() + seconds(timeout_s);
   const bool decided =
@@ -340,6 +346,21 @@ void RingEndpoint::check_ready() {
   if (op_ && !sched_) begin_op();
 }
 
+void RingEndpoint::fail_on_exception(std::exception_ptr error) noexcept {
+  std::string what = "unknown exception";
+  try {
+    std::rethrow_exception(error);
+  } catch (const std::exception& e) {
+    what = e.what();
+  } catch (...) {
+  }
+  try {
+    fail("internal error on the FTAR control thread: " + what, /*fatal=*/true);
+  } catch (...) {
+    // Failing needs memory too: with none left, the op's deadline ends it (run() waits no longer).
+  }
+}
+
 void RingEndpoint::fail(const std::string& reason, bool fatal) {
   close_all();
   if (cfg_) {
@@ -392,7 +413,9 @@ void RingEndpoint::start_op(Clock::time_point now) {
     finish_op(OpStatus::kRecoverable, false,
               "stale quorum id: the step carries quorum " + std::to_string(op.quorum_id) +
                   " but the communicator is configured for quorum " +
-                  std::to_string(cfg_->quorum_id));
+                  std::to_string(cfg_->quorum_id) + " (compared on their low 31 bits: " +
+                  std::to_string(op.quorum_id & kStepQuorumIdMask) + " and " +
+                  std::to_string(cfg_->quorum_id & kStepQuorumIdMask) + ")");
     return;
   }
   if (op.n != n || op.rank != cfg_->rank) {
@@ -620,20 +643,21 @@ void RingEndpoint::on_accept(Clock::time_point now) {
       // Full: close the oldest connection that has not even sent its hello (an
       // idle stranger; an honest neighbour sends its hello as soon as it is
       // connected), else the oldest held hello (one for a quorum this rank is
-      // not configured for). Either is told "busy": an honest sender retries,
-      // so a flood can delay a neighbour but not lock it out. Connections
-      // answering a challenge are never evicted (each is bounded by the
-      // handshake deadline).
+      // not configured for), else the oldest one challenged for its proof: its
+      // hello's fields are public (a stranger can earn a challenge), and an honest
+      // neighbour answers within a round trip, so only a flood of 64 newer
+      // connections inside that round trip could close it before it proves
+      // itself. Each is told "busy": an honest sender retries, so a flood can
+      // delay a neighbour but not lock it out.
       Pending* victim = nullptr;
-      for (auto& q : pending_) {  // pending_ is in arrival order
-        if (q.fd.valid() && q.phase == Pending::Phase::kHello && q.done < sizeof(tcp::Hello)) {
+      for (auto phase : {Pending::Phase::kHello, Pending::Phase::kHeld, Pending::Phase::kProof}) {
+        for (auto& q : pending_) {  // pending_ is in arrival order
+          if (!q.fd.valid() || q.phase != phase) continue;
+          if (phase == Pending::Phase::kHello && q.done >= sizeof(tcp::Hello)) continue;
           victim = &q;
           break;
         }
-      }
-      for (auto& q : pending_) {
         if (victim) break;
-        if (q.fd.valid() && q.phase == Pending::Phase::kHeld) victim = &q;
       }
       if (!victim) {
         busy(std::move(fd), std::to_string(kMaxPending) + " FTAR handshakes pending at this rank; try again");
@@ -679,10 +703,17 @@ void RingEndpoint::on_pending(size_t i, short revents, Clock::time_point now) {
     }
     if (p.done == sizeof(tcp::Hello)) decide(&p, now);
   } else {
-    // A held connection: readable now means its peer gave up (EOF) or broke protocol.
+    // A held connection: readable now means its peer gave up (EOF) or broke protocol. Bytes
+    // after its hello, before the answer, are a violation: refused now (left unread, poll is
+    // level-triggered and reported them on every pass, spinning this thread until the hold's
+    // deadline, for anyone who sends a hello and one byte more).
     char c;
     const ssize_t r = ::recv(p.fd.get(), &c, 1, MSG_DONTWAIT | MSG_PEEK);
-    if (r == 0 || (r < 0 && errno != EAGAIN && errno != EWOULDBLOCK)) p.fd.reset();
+    if (r > 0) {
+      refuse(std::move(p.fd), "sent data after its hello before it was answered (protocol violation)");
+    } else if (r == 0 || (errno != EAGAIN && errno != EWOULDBLOCK)) {
+      p.fd.reset();
+    }
   }
 }
 
@@ -949,9 +980,8 @@ void RingEndpoint::poll_prepare(Clock::time_point now, std::vector<pollfd>* fds,
          " streams from left neighbour " + cfg_->members[left()] + " established");
   }
   if (local_state_ == State::kConnecting) {
-    tcp::Address addr;
-    std::string error;
-    const bool ok = tcp::parse_address(cfg_->members[right()], &addr, &error);
+    const tcp::Address& addr = cfg_->right_address;  // resolved by configure(): no DNS here
+    const bool ok = addr.len > 0;
     for (auto& s : out_) {
       if (s.phase != OutStream::Phase::kWaitRetry) continue;
       if (now < s.retry_at) {
@@ -1193,6 +1223,7 @@ void ControlThread::wake() {
 void ControlThread::loop() {
   std::vector<pollfd> fds;
   std::vector<std::shared_ptr<RingEndpoint>> eps;
+  std::vector<char> skip;  // endpoints whose poll_prepare threw this pass
   for (;;) {
     {
       std::lock_guard<std::mutex> lk(mu_);
@@ -1203,7 +1234,20 @@ void ControlThread::loop() {
     Clock::time_point wake_at = now + std::chrono::milliseconds(200);
     fds.clear();
     fds.push_back(pollfd{wake_fd_.get(), POLLIN, 0});
-    for (auto& ep : eps) ep->poll_prepare(now, &fds, &wake_at);
+    // An exception here (a sender thread that cannot be created, getrandom failing, memory)
+    // fails its endpoint's ring, fatally, with the reason; it must not end this thread, which
+    // serves every endpoint, nor the process (std::terminate).
+    skip.assign(eps.size(), 0);
+    for (size_t i = 0; i < eps.size(); ++i) {
+      const size_t mark = fds.size();
+      try {
+        eps[i]->poll_prepare(now, &fds, &wake_at);
+      } catch (...) {
+        fds.resize(mark);  // what it registered before throwing is not polled
+        skip[i] = 1;
+        eps[i]->fail_on_exception(std::current_exception());
+      }
+    }
     now = Clock::now();
     const auto wait_ms =
         std::chrono::duration_cast<std::chrono::milliseconds>(wake_at - now).count() + 1;
@@ -1214,7 +1258,14 @@ void ControlThread::loop() {
       (void)!::read(wake_fd_.get(), &v, sizeof(v));
     }
     now = Clock::now();
-    for (auto& ep : eps) ep->poll_handle(fds, now);
+    for (size_t i = 0; i < eps.size(); ++i) {
+      if (skip[i]) continue;
+      try {
+        eps[i]->poll_handle(fds, now);
+      } catch (...) {
+        eps[i]->fail_on_exception(std::current_exception());
+      }
+    }
   }
 }
 

@@ -37,6 +37,7 @@
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
+#include <exception>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -86,6 +87,10 @@ struct RingConfig {
   // shards); see fthsdp.control.quorum.ring_neighbourhood).
   std::vector<std::string> members;
   double connect_timeout_s = 30.0;
+  // Set by RingEndpoint::configure (the caller's thread): the right neighbour's address,
+  // resolved once there, so that the control thread, which serves every endpoint, never
+  // blocks in a DNS lookup (a dead resolver stalled it for seconds per retry).
+  tcp::Address right_address{};
 };
 
 // One all-reduce of a contiguous buffer, in place.
@@ -289,6 +294,8 @@ class RingEndpoint {
   void start_op(Clock::time_point now);
   void finish_op(OpStatus status, bool fatal, const std::string& reason);
   void fail(const std::string& reason, bool fatal = false);
+  // An exception out of poll_prepare / poll_handle: the ring fails, fatally, with its message.
+  void fail_on_exception(std::exception_ptr error) noexcept;
   void close_all();
   void set_state(State s, const std::string& reason);
   void check_ready();

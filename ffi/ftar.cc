@@ -1,6 +1,7 @@
 #include "ftar.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <map>
 #include <mutex>
@@ -135,6 +136,9 @@ void Communicator::configure(const std::string& job_id, int64_t quorum_id, int32
 }
 
 std::pair<bool, std::string> Communicator::wait_configured(double timeout_s) {
+  if (!(timeout_s >= 0) || !std::isfinite(timeout_s)) {
+    throw std::invalid_argument("ftar wait_configured: timeout_s must be a finite number of seconds >= 0");
+  }
   const auto until = Clock::now() + std::chrono::duration_cast<Clock::duration>(
                                         std::chrono::duration<double>(timeout_s));
   for (size_t i = 0; i < shards_.size(); ++i) {

@@ -207,6 +207,9 @@ class LaunchConfig:
     kill: tuple[str, ...] = ()  # "REPLICA@STEP"
     restart: bool = True  # the launcher restarts a killed replica, which rejoins from its peers
     restart_delay_s: float = 1.0
+    # The launcher stops the job if it has not finished after this many seconds, writes its summary
+    # and says how to resume it (0: no limit, a training job runs as long as it needs).
+    deadline_s: float = 0.0
     stop: tuple[str, ...] = ()
     random_kills: int = 0
     fault_seed: int = 0

@@ -343,6 +343,7 @@ RULES: dict[str, Rule] = {
     "launch.kill": Parsed(_fault_specs("kill"), "comma-separated REPLICA@STEP"),
     "launch.restart": Anything("true or false"),
     "launch.restart_delay_s": _real(0, why="seconds"),
+    "launch.deadline_s": _real(0, why="seconds after which the launcher stops an unfinished job (0: no limit)"),
     "launch.stop": Parsed(_fault_specs("stop"), "comma-separated REPLICA@STEP"),
     "launch.random_kills": _int(0),
     "launch.fault_seed": SEED,

@@ -266,3 +266,10 @@ def test_what_a_replica_exit_means():
     assert supervise.after_exit(-signal.SIGKILL) == "restart"  # a dead machine, the OOM killer
     assert supervise.after_exit(EXIT_REPLICA_FATAL) == "restart"  # the replica asks for it
     assert supervise.after_exit(EXIT_JOB_FATAL) == "failed" and supervise.after_exit(1) == "failed"
+    # a replica of several processes, the rest stopped by the launcher: the worst verdict stands
+    assert supervise.group_returncode([EXIT_JOB_FATAL]) == EXIT_JOB_FATAL  # a follower's job-fatal exit
+    assert supervise.group_returncode([-signal.SIGKILL, EXIT_JOB_FATAL]) == EXIT_JOB_FATAL
+    assert supervise.group_returncode([1, EXIT_JOB_FATAL]) == EXIT_JOB_FATAL
+    assert supervise.group_returncode([EXIT_REPLICA_FATAL, 1]) == 1  # an unclassified error: no restart
+    assert supervise.group_returncode([-signal.SIGKILL]) == -signal.SIGKILL  # a dead machine: restarted
+    assert supervise.group_returncode([EXIT_REPLICA_FATAL]) == EXIT_REPLICA_FATAL

@@ -12,6 +12,7 @@ import os
 import pathlib
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -245,6 +246,81 @@ def test_lighthouse_that_cannot_be_restarted_stops_the_job_with_a_resume_hint(tm
         job.shutdown()
 
 
+def test_a_job_runs_without_a_time_limit_unless_launch_deadline_s_sets_one(tmp_path):
+    """launch.deadline_s (0 by default: a training job runs as long as it needs; the launcher once
+    stopped every job at 15 minutes). Set, an unfinished job is stopped at it, its summary written,
+    and the launcher says how to resume it (exit 4, as for every job it gives up on)."""
+    from fthsdp.config import LaunchConfig
+    from fthsdp.launch.local import LocalJob
+
+    assert LaunchConfig().deadline_s == 0.0
+    assert LocalJob(config="base", overrides=[], out_dir=tmp_path, replicas=1, steps=1, faults=[]).deadline_s == 0.0
+    out = tmp_path / "run"
+    p = fthsdp_run(out, *job_args(1, 100_000, "launch.deadline_s=2"), timeout=120)
+    assert p.returncode == 4, p.stderr[-3000:]
+    assert "the job did not finish within launch.deadline_s = 2 s" in p.stderr
+    assert f"fthsdp run --resume --out-dir {out}" in p.stderr
+    assert "did not finish within" in summary(out)["gave_up"]
+
+
+def test_a_replica_that_keeps_failing_before_its_first_commit_is_not_restarted_forever(tmp_path):
+    """A replica-fatal exit asks for a restart; one that comes back before any commit, start after
+    start (a deterministic start-up fault), was restarted every second until the job's deadline.
+    Now each restart waits twice as long, and after MAX_FAILED_STARTS the replica is failed with
+    its log's last lines and the resume command. Real processes exiting 70 stand in for it."""
+    from fthsdp.errors import EXIT_REPLICA_FATAL
+    from fthsdp.launch.local import MAX_FAILED_STARTS, LocalJob, ReplicaProc
+
+    job = LocalJob(config="base", overrides=[], out_dir=tmp_path, replicas=2, steps=10, faults=[], progress=False,
+                   restart=True)
+    log_path = tmp_path / "replica-1.out"
+    log_path.write_text("Traceback ...\nRuntimeError: the same start-up fault\n")
+    rp = job.procs[1] = ReplicaProc(1, log_path=log_path)
+    waits = []
+    try:
+        for attempt in range(1, MAX_FAILED_STARTS + 1):
+            rp.proc = subprocess.Popen([sys.executable, "-c", f"import sys; sys.exit({EXIT_REPLICA_FATAL})"])
+            rp.proc.wait(30)
+            rp.state = "running"
+            t0 = time.time()
+            job.reap()
+            if attempt < MAX_FAILED_STARTS:
+                assert rp.state == "killed" and rp.failed_starts == attempt, (rp.state, rp.failed_starts)
+                waits.append(rp.restart_at - t0)
+        assert rp.state == "failed" and rp.returncode == EXIT_REPLICA_FATAL
+        assert waits[1] > 1.8 * waits[0] > 0, waits  # each restart waits longer
+        rp.failed_starts = 0
+        rp.progressed = True  # a replica that committed before it failed is restarted as always
+        rp.proc = subprocess.Popen([sys.executable, "-c", f"import sys; sys.exit({EXIT_REPLICA_FATAL})"])
+        rp.proc.wait(30)
+        rp.state = "running"
+        job.reap()
+        assert rp.state == "killed" and rp.failed_starts == 0
+    finally:
+        job.shutdown()
+
+
+def test_a_second_launcher_on_a_run_directory_in_use_is_refused(tmp_path):
+    """A fresh run clears its directory's checkpoints and ledgers: a second launcher there (another
+    terminal, a forgotten run) would delete a live run's. The first holds the directory; the second
+    is refused with who holds it, and the directory is free once the holder ends."""
+    from fthsdp.launch import rundir
+
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "checkpoints").mkdir()
+    held = rundir.hold(out)
+    try:
+        p = fthsdp_run(out, *job_args(1, 5), timeout=120)
+        assert p.returncode == 2 and "is in use by another launcher (pid " in p.stderr, p.stderr[-2000:]
+        assert (out / "checkpoints").is_dir()  # nothing of the holder's was touched
+        with pytest.raises(rundir.RunDirBusy, match="give this run another --out-dir"):
+            rundir.hold(out)
+    finally:
+        held.close()
+    rundir.hold(out).close()  # free again
+
+
 def test_launchers_lighthouse_gets_the_configured_connection_budget(tmp_path):
     """launch.lighthouse_connection_calls_per_s reaches the lighthouse `fthsdp run` starts: a
     client calling faster than a small budget is held back, and the lighthouse's log names that
@@ -338,7 +414,8 @@ def test_status_line_says_done_for_a_replica_that_exited_cleanly(tmp_path):
 
     from fthsdp.launch.local import LocalJob, ReplicaProc
 
-    job = LocalJob(config="base", overrides=[], out_dir=tmp_path, replicas=2, steps=10, faults=[], progress=False)
+    job = LocalJob(config="base", overrides=[], out_dir=tmp_path, replicas=2, steps=10, faults=[], progress=False,
+                   restart=True)
     done = subprocess.Popen([sys.executable, "-c", "pass"])
     done.wait(30)
     job.procs = {0: ReplicaProc(rid=0, proc=done, state="done"), 1: ReplicaProc(rid=1, proc=None, state="starting")}

@@ -425,15 +425,21 @@ def test_the_step0_rule_applies_only_to_a_stateless_rejoiner_healthy_at_step_0_o
 
 def test_a_reported_quorum_id_moves_the_ids_only_up_to_the_cap():
     """A replica may report any id up to the protocol's 2**53; followed whole, 2**53 would leave no
-    id to issue. Followed up to 2**52, the job keeps 2**52 ids; lower reports are followed exactly."""
+    id to issue. The floor follows reports up to 2**52 (the job keeps 2**52 ids), lower ones exactly;
+    a restarted lighthouse continues past its members' last quorum; ids end, with a reason, at 2**53."""
     hb = {"0": 0.0, "1": 0.0}
     both = ("0", "1")
+    # a restarted lighthouse continues from the quorum its members name: never an id they saw, past the cap too
+    q, reason = decide(reqs(req("0", last_qid=2**52 + 5, last_members=both),
+                            req("1", last_qid=2**52 + 5, last_members=both)), hb, now=0.01, floor=2**52 + 5)
+    assert q is not None and q.quorum_id == 2**52 + 6, reason
+    # ids are used up at the protocol's limit: refused with the reason, no id past it
     q, reason = decide(reqs(req("0", last_qid=2**53, last_members=both), req("1", last_qid=2**53, last_members=both)),
                        hb, now=0.01)
-    assert q is not None and q.quorum_id == MAX_REPORTED_QUORUM_ID + 1 == 2**52 + 1, reason
-    assert "followed only up to" in reason
+    assert q is None and "quorum ids of this job are used up" in reason and "new job id" in reason
     capped, reason = decide(reqs(req("0"), req("1")), hb, now=0.01, floor=2**53)
-    assert capped is not None and capped.quorum_id == 2**52 + 1, reason
+    assert capped is not None and capped.quorum_id == MAX_REPORTED_QUORUM_ID + 1 == 2**52 + 1, reason
+    assert "followed only up to" in reason
     again, reason = decide(reqs(req("0", last_qid=2**52 + 1), req("1", last_qid=2**52 + 1)), hb, capped, now=0.02,
                            floor=2**53)
     assert again is not None and again.quorum_id == 2**52 + 1, reason  # unchanged membership keeps its id

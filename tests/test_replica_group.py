@@ -299,16 +299,19 @@ def test_a_followers_step0_verdict_is_its_leaders():
     try:
         leader = LeaderQuorumSource(None, DecisionChannel(GroupSpec(process_index=0, **spec), client=kv0))
         follower = FollowerQuorumSource(DecisionChannel(GroupSpec(process_index=1, **spec), client=kv1), 10.0, None)
-        for mine, leaders in (("wait", "wait"), ("wait", "give up"), ("give up", "train")):
+        for qid, (mine, leaders) in enumerate((("wait", "wait"), ("wait", "give up"), ("give up", "train"))):
             got = {}
-            t = threading.Thread(target=lambda: got.setdefault("v", follower.step0_verdict(mine, "its own clock")))
+            t = threading.Thread(target=lambda: got.setdefault("v", follower.step0_verdict(mine, "own clock", 0, qid)))
             t.start()  # the follower asks first and waits for its leader's verdict
-            assert leader.step0_verdict(leaders, "the leader's clock") == (leaders, "the leader's clock")
+            assert leader.step0_verdict(leaders, "the leader's clock", 0, qid) == (leaders, "the leader's clock")
             t.join(15)
             assert got["v"] == (leaders, "the leader's clock"), got
-        kv0.key_value_set("fthsdp/r0/step0/3", '"train"')  # a leader's malformed verdict: the replica fails
-        with pytest.raises(ViewUnavailable, match="not \\[verdict, why\\]"):
-            follower.step0_verdict("wait", "x")
+        leader.step0_verdict("wait", "x", 0, 7)  # a verdict on another quorum than the follower's
+        with pytest.raises(ViewUnavailable, match="on step 0 of quorum 7, this process's on step 0 of quorum 8"):
+            follower.step0_verdict("wait", "x", 0, 8)
+        kv0.key_value_set("fthsdp/r0/step0/4", '"train"')  # a leader's malformed verdict: the replica fails
+        with pytest.raises(ViewUnavailable, match="not \\[verdict, why, step, quorum id\\]"):
+            follower.step0_verdict("wait", "x", 0, 9)
     finally:
         for c in (kv0, kv1):
             threading.Thread(target=c.shutdown, daemon=True).start()

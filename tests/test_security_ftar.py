@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+import math
 import os
 import pathlib
 import secrets
@@ -313,6 +314,69 @@ def test_a_flood_of_held_hellos_does_not_lock_out_the_neighbour():
         assert_ring_sums(a, b, 1)
         for s in flood:
             s.close()
+
+
+def test_bytes_after_a_held_hello_are_refused_at_once():
+    """A hello this rank cannot answer yet (not configured) is held; its sender must wait for the
+    answer. One byte more was left unread, and poll reported it on every pass: the control thread
+    spun for the hold's 120 s, for anyone who sent a hello and a byte. It is refused now."""
+    a = ftar.Communicator(timeout_s=5.0, key=KEY)
+    with a, socket.create_connection(host_port(a.address)) as s:
+        s.sendall(hello_bytes(quorum=1, rank=0, stream=0))
+        time.sleep(0.2)  # held: a is not configured
+        t0 = time.monotonic()
+        s.sendall(b"x")
+        ok, reason, _, _ = read_reply(s)
+        assert ok == REFUSED and "sent data after its hello before it was answered" in reason, reason
+        assert time.monotonic() - t0 < 2.0
+
+
+def test_a_flood_of_challenged_strangers_does_not_lock_out_the_neighbour():
+    """A hello's fields are public: a stranger earns a challenge with them and never answers it. A
+    flood keeping all 64 pending slots in that state told every newcomer "busy", the real neighbour
+    too, until its connect deadline; the oldest challenged connection is now closed for a newcomer
+    (an honest neighbour proves itself within a round trip)."""
+    a, b = pair()
+    stop = threading.Event()
+    flood: list[socket.socket] = []
+
+    def strangers():
+        while not stop.is_set():  # ~100 a second, each challenged and silent until its 5 s deadline
+            try:
+                s = socket.create_connection(host_port(b.address), timeout=1.0)
+                s.sendall(hello_bytes(quorum=1, rank=0, stream=len(flood) % 2))
+                flood.append(s)
+            except OSError:
+                pass
+            time.sleep(0.01)
+
+    with a, b:
+        b.configure("job", 1, 1, [a.address, b.address], timeout_s=8.0, wait=False)
+        t = threading.Thread(target=strangers, daemon=True)
+        t.start()
+        try:
+            time.sleep(1.0)  # the pending table is full of challenged strangers
+            # 3 s to connect: the strangers' first challenges expire only 4 s from now (5 s deadline)
+            a.configure("job", 1, 0, [a.address, b.address], timeout_s=3.0, wait=False)
+            ra, rb = a.wait_configured(4.0), b.wait_configured(9.0)
+            assert ra and rb, (ra, rb)
+            assert_ring_sums(a, b, 1)
+        finally:
+            stop.set()
+            t.join(5)
+            for s in flood:
+                s.close()
+
+
+def test_deadlines_must_be_finite():
+    with pytest.raises(ValueError, match="finite number of seconds"):
+        ftar.Communicator(timeout_s=math.inf, key=KEY)
+    a = ftar.Communicator(timeout_s=5.0, key=KEY)
+    with a:
+        with pytest.raises(Exception, match="finite number of seconds"):
+            a.configure("job", 1, 0, [a.address], timeout_s=math.inf)
+        with pytest.raises(Exception, match="finite number of seconds"):
+            a.wait_configured(math.inf)
 
 
 def test_a_silent_connection_is_refused_at_the_handshake_deadline():

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -138,8 +139,8 @@ class FtarOptions:
             raise ValueError(f"chunks must be in [1, 256], got {self.chunks}")
         if not 64 <= self.chunk_bytes <= 1 << 30:
             raise ValueError(f"chunk_bytes must be in [64, 2**30], got {self.chunk_bytes}")
-        if not self.timeout_s > 0:
-            raise ValueError(f"timeout_s must be > 0, got {self.timeout_s}")
+        if not (math.isfinite(self.timeout_s) and self.timeout_s > 0):
+            raise ValueError(f"timeout_s must be a finite number of seconds > 0, got {self.timeout_s}")
         check_host(self.listen_host)
         if self.advertise_host:
             check_host(self.advertise_host)

@@ -902,10 +902,7 @@ class Lighthouse(pb2_grpc.LighthouseServicer):
         window. Replicas that heartbeat while they ask are judged by their
         heartbeats alone, so a stopped process is detected.
         """
-        window = self.detect_s
-        silent_waiters = [r for r, p in job.pending.items()
-                          if r not in job.heartbeating
-                          or job.last_heartbeat.get(r, -math.inf) < p.request.arrived_at - window]
+        silent_waiters = [r for r, p in job.pending.items() if self._asks_without_beats(job, r, p)]
         if not silent_waiters:
             return job.last_seen
         view = dict(job.last_seen)
@@ -913,6 +910,13 @@ class Lighthouse(pb2_grpc.LighthouseServicer):
             g = job.groups.get(r)  # its open call speaks for its leader only, not for silent followers
             view[r] = now if g is None else g.last_seen(leader_at=now)
         return view
+
+    def _asks_without_beats(self, job: _Job, rid: str, pending: "_Pending") -> bool:
+        """Whether ``rid``'s open request is its sign of life (:meth:`_liveness`): it never
+        heartbeat, or its id's last heartbeat (a killed process's) predates the request by more
+        than the detection window (a restarted replica asks before it beats)."""
+        return (rid not in job.heartbeating
+                or job.last_heartbeat.get(rid, -math.inf) < pending.request.arrived_at - self.detect_s)
 
     def _decision_config(self, job: _Job) -> qm.QuorumConfig:
         stated = next(iter(job.stated_replicas.by_value), 0)
@@ -1202,6 +1206,8 @@ class Lighthouse(pb2_grpc.LighthouseServicer):
             for rid in [r for r, g in job.groups.items() if r not in job.last_seen and r not in job.pending
                         and now - g.last_heard() > self.detect_s]:
                 job.drop_group(rid)
+                for held in (job.incarnations, job.metrics_addresses, job.process_phases):
+                    held.pop(rid, None)
                 log.info("job %r: processes of replica %s dropped: its leader was never heard and they are "
                          "silent", job.job_id, rid)
 
@@ -1349,10 +1355,6 @@ class Lighthouse(pb2_grpc.LighthouseServicer):
                 return guard.Refusal(grpc.StatusCode.RESOURCE_EXHAUSTED, (
                     f"job {request.job_id!r} already has {len(job.last_seen)} replicas, this lighthouse's limit: "
                     f"replica {rid!r} is refused (raise --max-replicas-per-job if the job is really that large)"))
-            if not self._new_ids.take(guard.peer_host(peer), now):
-                return guard.Refusal(grpc.StatusCode.RESOURCE_EXHAUSTED, (
-                    f"too many new replica ids from {peer} (limit {lim.new_ids_per_s:g}/s after a burst "
-                    f"of {lim.new_ids_burst}): replica {rid!r} of job {request.job_id!r} is refused; retry later"))
             if (job is not None and getattr(request, "process_index", 0) > 0 and rid not in job.groups
                     and len(job.groups) >= lim.max_replicas_per_job):
                 # a follower whose leader was never heard opens a group of its own: at most as many
@@ -1362,6 +1364,10 @@ class Lighthouse(pb2_grpc.LighthouseServicer):
                     f"lighthouse's limit: process {request.process_index} of replica {rid!r}, whose leader (process 0) "
                     f"was never heard, is refused (start its leader; raise --max-replicas-per-job if the job is "
                     f"really that large)"))
+            if not self._new_ids.take(guard.peer_host(peer), now):
+                return guard.Refusal(grpc.StatusCode.RESOURCE_EXHAUSTED, (
+                    f"too many new replica ids from {peer} (limit {lim.new_ids_per_s:g}/s after a burst "
+                    f"of {lim.new_ids_burst}): replica {rid!r} of job {request.job_id!r} is refused; retry later"))
             if self._admission is not None and not relayed:  # registering an id costs more than a call
                 self._admission.new_id(peer, now)
         if job is not None:
@@ -1374,12 +1380,15 @@ class Lighthouse(pb2_grpc.LighthouseServicer):
                 g = job.groups.get(rid)
                 live = g is not None and now - g.seen.get(proc, -math.inf) <= self.detect_s
             else:
-                # A leader that beats is live by its own beats (a replica's by its stalest process's),
-                # not by a request left pending on the connection of a host that died: that kept a
-                # new leader out for the request's whole deadline instead of one detection window.
+                # A leader is live by its own beats (a replica's by its stalest process's), and by an
+                # open request only as _liveness counts one: a request left pending on the connection
+                # of a host that died kept a new process out for the request's whole deadline instead
+                # of one detection window.
                 g = job.groups.get(rid)
                 heard = g.seen.get(0, -math.inf) if g is not None else job.last_seen.get(rid, -math.inf)
-                live = now - heard <= self.detect_s or (rid in job.pending and rid not in job.heartbeating)
+                pending = job.pending.get(rid)
+                live = now - heard <= self.detect_s or (pending is not None
+                                                        and self._asks_without_beats(job, rid, pending))
             err = guard.incarnation_problem(rid, request.job_id, holder, request.incarnation, live)
             if err:
                 return guard.Refusal(grpc.StatusCode.PERMISSION_DENIED, err)

@@ -59,6 +59,7 @@ from fthsdp.control.session_client import (RelayPath, Routed, SessionError, Sess
                                            SyncSession, beat_covered)
 from fthsdp.observe.load_metrics import LoadSnapshot
 from fthsdp.observe.phase import Phase, PhaseSnapshot, StreamReport
+from fthsdp.observe.root_cause import RootCauseStatus
 from fthsdp.errors import JobFatalError
 from fthsdp.proto import ENDPOINTS_NOT_HELD, LIGHTHOUSE_PROTOCOL_VERSION, lighthouse as _load_stubs
 
@@ -303,29 +304,6 @@ class ReplicaStatus:
     fingerprint: int | None = None  # of its state after fingerprint_step committed steps
     fingerprint_step: int = 0
     condemned: str = ""  # why its state is condemned (a fingerprint mismatch), "" if not
-
-
-@dataclass(frozen=True)
-class RootCauseStatus:
-    """The lighthouse's root-cause verdict as `fthsdp status` shows it (RootCause in the proto)."""
-
-    kind: str
-    culprit: str
-    peer: str
-    evidence: str
-    confidence: float
-    wait_chain: tuple[str, ...]
-    step: int
-    age_s: float
-    process: int = -1  # which process of the culprit replica (-1: none named)
-
-    def describe(self) -> str:
-        if self.kind == "none":
-            return f"no stall ({self.evidence})"
-        proc = f" process {self.process}" if self.process > 0 else ""
-        who = (f"link {self.culprit}{proc} -> {self.peer}" if self.kind == "slow_link"
-               else f"replica {self.culprit}{proc}")
-        return f"{self.kind.upper()} {who} (confidence {self.confidence:.2f}, step {self.step}): {self.evidence}"
 
 
 def phase_to_proto(s: PhaseSnapshot) -> "pb2.PhaseReport":

@@ -136,6 +136,7 @@ from dataclasses import dataclass, field
 from fthsdp.digits import ascii_int
 
 __all__ = [
+    "MAX_QUORUM_ID",
     "MAX_REPORTED_QUORUM_ID",
     "QuorumConfig",
     "QuorumRequest",
@@ -180,11 +181,15 @@ LAST_MEMBERS_SENDERS = 3
 # restarted lighthouse rebuilds the lineage fence from (rule 6). Four pairs, ~30 bytes a request.
 LINEAGE_REPORTED = 4
 
-# How far a replica's report can move the job's quorum ids (rule 5). Reports are followed so that
-# a restarted lighthouse does not reuse ids, but a process holding the job's secret could report
-# 2**53 (the protocol's limit) and leave no id to issue after it. Followed only up to 2**52, a
-# report leaves 2**52 ids: more than any job decides. (A job's own ids reach this only after a
-# report pushed them here; a lighthouse restarted after that may then issue an id its replicas saw.)
+# Quorum ids run to the protocol's limit (guard.Limits.max_step: exact in a double); a decision
+# past it is refused with the reason instead of issuing an id no replica could report back.
+MAX_QUORUM_ID = 2**53
+# How far the quorum id floor (every id any replica reported, heartbeats included; rule 5) can
+# move the job's ids. Followed so that a restarted lighthouse does not reuse ids; but a process
+# holding the job's secret could report the limit and leave no id to issue. Followed only up to
+# 2**52, such a report leaves 2**52 ids: more than any job decides. A restarted lighthouse still
+# continues from the last quorum its members report (their own, named with its members), so it
+# never reuses an id they saw.
 MAX_REPORTED_QUORUM_ID = 2**52
 
 
@@ -989,8 +994,7 @@ def decide_quorum(
     if previous is None and not rebuilt:
         quorum_id, why_id = 1, "first quorum"
     elif previous is None:
-        quorum_id = min(prev_qid, MAX_REPORTED_QUORUM_ID) + 1
-        why_id = f"lighthouse restarted: replicas last saw quorum {prev_qid}"
+        quorum_id, why_id = prev_qid + 1, f"lighthouse restarted: replicas last saw quorum {prev_qid}"
     elif failed:
         quorum_id, why_id = previous.quorum_id + 1, f"commit failed on {_fmt(failed)}"
     elif identity != tuple(m.identity() for m in previous.members):
@@ -1013,6 +1017,9 @@ def decide_quorum(
         quorum_id, why_id = floor + 1, f"{why_id}; above quorum {floor} reported by a replica"
     if capped and quorum_id == MAX_REPORTED_QUORUM_ID + 1:
         why_id += f" (a higher id was reported: followed only up to {MAX_REPORTED_QUORUM_ID})"
+    if quorum_id > MAX_QUORUM_ID:
+        return None, (f"quorum ids of this job are used up: the next would be {quorum_id}, past {MAX_QUORUM_ID} "
+                      f"({why_id}); a replica reported an id near the limit. Resume the job under a new job id")
 
     left_out = tuple(sorted(not_asking, key=ring_key))
     if left_out:

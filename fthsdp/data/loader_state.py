@@ -8,9 +8,11 @@ CRC over the payload catches files damaged by anything else (a copy that
 truncated, a disk error), and reads check format and version, each with an
 error that says what is wrong and what to do.
 
-A rejoining replica resumes its own stream from its record (the batches
-before `position` are already in the model it fetches from peers); a full
-restart resumes from the positions saved with the persistent checkpoint.
+Training does not read it back: a rejoining replica takes every replica's
+position from the state it fetches from its peers (the replicated positions),
+and a full restart from the positions saved with the persistent checkpoint.
+The record is each replica's own durable word on where its stream stands, for
+operators and checks (tests/test_ledger.py compares it with the ledger).
 """
 
 from __future__ import annotations

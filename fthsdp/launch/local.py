@@ -75,6 +75,17 @@ class ReplicaProc:
     followers: list[subprocess.Popen] = field(default_factory=list)
     stopped_process: int = 0  # which process a stop fault froze (SIGCONT goes to it)
     returncode: int | None = None  # how its last process ended (None while one runs)
+    # How its group ended when the launcher stopped the rest of it (supervise.group_returncode):
+    # stands for the leader's own end, which is then the launcher's SIGKILL.
+    group_returncode: int | None = None
+    # Replica-fatal exits in a row of processes that never committed a step: a start that fails
+    # the same way each time is not restarted forever (MAX_FAILED_STARTS), and waits longer each time.
+    failed_starts: int = 0
+
+
+# A replica whose processes exit replica-fatal this many times in a row without committing a step
+# is not restarted again (a deterministic start-up fault would otherwise restart it forever).
+MAX_FAILED_STARTS = 3
 
 
 def _how_it_ended(returncode: int) -> str:
@@ -133,11 +144,12 @@ class LocalJob:
     allreduce: str = "ftar"
     detect_s: float = 1.0
     join_timeout_s: float = 0.5
-    deadline_s: float = 900.0
+    deadline_s: float = 0.0  # stop an unfinished job after this many seconds (0: no limit; launch.deadline_s)
     progress: bool = True
     hash_every: int = 1
     resume: str = ""  # full restart id: replicas resume from the latest persistent checkpoint
     kill_all_at: int | None = None  # SIGKILL every process once a replica reaches this step
+    run_dir_lock: object = field(default=None, repr=False)  # rundir.hold's file: the run directory is ours
     late: dict[int, float] = field(default_factory=dict)  # replica -> start it this many seconds after the others
     max_job_restarts: int = 2  # automatic whole-job fallbacks to the checkpoint
     # Addresses (fthsdp.addresses): a running lighthouse to use instead of starting
@@ -250,7 +262,7 @@ class LocalJob:
             st = self.live_status(rid) if rp.state in ("running", "starting") else {}
             out[rid] = st.get("step") if st else None
             if st:
-                rp.progressed = True
+                rp.progressed = rp.progressed or not st.get("final")  # a final word alone is no commit
                 rp.last_step = st.get("step")
         return out
 
@@ -536,6 +548,7 @@ class LocalJob:
         whose coordinator process 0 serves on the replica's host."""
         rp = self.procs.setdefault(rid, ReplicaProc(rid))
         rp.log_path = self.out_dir / f"replica-{rid}.out"
+        rp.group_returncode = None
         group: list[str] = []
         if self.processes > 1:
             host = self.hosts[rid % len(self.hosts)] if self.hosts else "127.0.0.1"
@@ -571,13 +584,25 @@ class LocalJob:
         host = self.hosts[rid % len(self.hosts)]
         return ["--bind-host", host, "--advertise-host", host]
 
-    def signal_replica(self, rid: int, sig: int) -> None:
+    def signal_replica(self, rid: int, sig: int, process: int | None = None) -> None:
+        """Send ``sig`` to process ``process`` of replica ``rid`` (default: its leader; a SIGCONT
+        goes to the process a stop froze)."""
         rp = self.procs[rid]
-        proc = rp.proc
-        if rp.followers and sig == signal.SIGCONT and rp.stopped_process > 0:
-            proc, rp.stopped_process = rp.followers[rp.stopped_process - 1], 0
-        if proc is not None and proc.poll() is None:
-            os.kill(proc.pid, sig)
+        target = self._signal_target(rp, sig, process)
+        if target is not None and target.poll() is None:
+            os.kill(target.pid, sig)
+
+    @staticmethod
+    def _signal_target(rp: ReplicaProc, sig: int, process: int | None):
+        """The process of ``rp``'s group a signal goes to (None: none runs); a SIGCONT with no
+        process named wakes the one a stop froze."""
+        if process is None:
+            process = rp.stopped_process if sig == signal.SIGCONT else 0
+        if sig == signal.SIGCONT:
+            rp.stopped_process = 0
+        if rp.proc is None or not 0 <= process <= len(rp.followers):
+            return None
+        return rp.proc if process == 0 else rp.followers[process - 1]
 
     def kill_replica(self, rid: int) -> None:
         rp = self.procs[rid]
@@ -610,11 +635,9 @@ class LocalJob:
                 rp.restart_at = time.time() + self.restart_delay_s
         elif f.kind == "stop":
             rp = self.procs[f.replica]
-            if rp.followers and f.process > 0:
-                os.kill(self.group_process(rp, f.process).pid, signal.SIGSTOP)
-                rp.stopped_process = f.process
-            else:
-                self.signal_replica(f.replica, signal.SIGSTOP)
+            process = max(f.process, 0) if rp.followers else 0
+            self.signal_replica(f.replica, signal.SIGSTOP, process)
+            rp.stopped_process = process
             rp.state, rp.cont_at = "stopped", time.time() + f.stop_s
             self.event("stop", f.replica, step=step, seconds=f.stop_s, healthy=sorted(healthy - {f.replica}))
         elif f.kind == "lighthouse":
@@ -714,6 +737,7 @@ class LocalJob:
             return False
         self.event("group_failed", rid, processes=[f"{rid}.{i}" for i, _ in ended],
                    returncodes=[rc for _, rc in ended])
+        self.procs[rid].group_returncode = supervise.group_returncode([rc for _, rc in ended])
         log.warning("replica %d: process(es) %s ended (%s); stopping the rest of the replica", rid,
                     [i for i, _ in ended], [rc for _, rc in ended])
         return True
@@ -722,7 +746,8 @@ class LocalJob:
         self.fail_groups_as_units()
         for rp in self.procs.values():
             if rp.state in ("running", "starting") and rp.proc is not None and rp.proc.poll() is not None:
-                rc = rp.proc.returncode
+                rc = rp.proc.returncode if rp.group_returncode is None else rp.group_returncode
+                rp.group_returncode = None
                 if supervise.after_exit(rc) == "restart":
                     # killed by a signal we did not send (a dead machine, the OOM killer,
                     # an operator), or a replica-fatal fault (the replica's own verdict:
@@ -732,11 +757,21 @@ class LocalJob:
                         self.event("died", rp.rid, signal=-rc)
                     else:
                         self.event("replica_fatal", rp.rid, returncode=rc)
-                        tail = rp.log_path.read_text().splitlines()[-3:] if rp.log_path else []
+                        rp.failed_starts = 0 if rp.progressed else rp.failed_starts + 1
+                        lines = rp.log_path.read_text().splitlines() if rp.log_path else []
+                        if rp.failed_starts >= MAX_FAILED_STARTS:
+                            rp.state, rp.returncode = "failed", rc
+                            self.event("exit", rp.rid, returncode=rc, failed_starts=rp.failed_starts)
+                            log.error("replica %d exited replica-fatal (%d) %d times in a row without committing a "
+                                      "step: a restart would fail the same way, so it is not restarted; fix the "
+                                      "cause (last lines of %s below), then resume the job with: %s\n%s", rp.rid,
+                                      rc, rp.failed_starts, rp.log_path, self.resume_hint(), "\n".join(lines[-15:]))
+                            continue
                         log.warning("replica %d exited replica-fatal (%d); restarting it:\n%s", rp.rid, rc,
-                                    "\n".join(tail))
+                                    "\n".join(lines[-3:]))
                     if self.restart:  # a multi-process replica restarts as a group (start_replica)
-                        rp.restart_at = time.time() + self.restart_delay_s
+                        # a start that keeps failing waits longer each time (1, 2, 4 x the delay)
+                        rp.restart_at = time.time() + self.restart_delay_s * 2 ** rp.failed_starts
                     continue
                 rp.state = "done" if rc == 0 else "failed"
                 rp.returncode = rc
@@ -851,8 +886,12 @@ class LocalJob:
             live.start()
         try:
             while not self.finished():
-                if time.monotonic() - t0 > self.deadline_s:
-                    raise RuntimeError(f"the job did not finish within {self.deadline_s:.0f} s; logs in {self.out_dir}")
+                if self.deadline_s and time.monotonic() - t0 > self.deadline_s:
+                    self.gave_up = (f"the job did not finish within launch.deadline_s = {self.deadline_s:g} s; its "
+                                    f"processes were stopped; resume it with: {self.resume_hint()}")
+                    log.error("%s", self.gave_up)
+                    self.event("gave_up", reason="deadline", deadline_s=self.deadline_s)
+                    break
                 if not self.supervise_lighthouse():
                     break
                 self.supervise_relays()
@@ -1040,6 +1079,11 @@ def cli(argv: list[str]) -> int:
     if cfg.launch.lighthouse and any(f.kind == "lighthouse" for f in faults):
         p.error(f"--kill-lighthouse: the job uses the external lighthouse {cfg.launch.lighthouse} "
                 "(launch.lighthouse), which the launcher does not own; drop one of the two")
+    out.mkdir(parents=True, exist_ok=True)
+    try:
+        held = rundir_lib.hold(out)  # for the launcher's lifetime (job.run_dir_lock)
+    except rundir_lib.RunDirBusy as e:
+        p.error(str(e))
     resume = ""
     if args.resume:
         resume = f"restart-{int(time.time())}"
@@ -1056,7 +1100,6 @@ def cli(argv: list[str]) -> int:
                                       effective=saved.get("effective") or rundir_lib.effective(cfg),
                                       faults=[f.to_json() for f in faults])
     else:
-        out.mkdir(parents=True, exist_ok=True)
         rundir_lib.clean_for_fresh_run(out)
         rundir_lib.RunDir(out).save({"config": config_name, "overrides": overrides,
                                      "effective": rundir_lib.effective(cfg),
@@ -1066,6 +1109,7 @@ def cli(argv: list[str]) -> int:
                    steps=cfg.train.steps, faults=faults,
                    restart=cfg.launch.restart if args.restart is None else args.restart,
                    restart_delay_s=cfg.launch.restart_delay_s, resume=resume, allreduce=args.allreduce,
+                   deadline_s=cfg.launch.deadline_s,
                    max_job_restarts=cfg.launch.max_job_restarts,
                    detect_s=cfg.ft.detect_s, join_timeout_s=cfg.ft.join_timeout_s,
                    external_lighthouse=cfg.launch.lighthouse, lighthouse_bind=cfg.launch.lighthouse_bind,
@@ -1077,6 +1121,7 @@ def cli(argv: list[str]) -> int:
                    relays=cfg.launch.relays, relay_placement=cfg.launch.relay_placement,
                    lighthouse_tls_ca=cfg.ft.lighthouse_tls_ca, lighthouse_standby=cfg.launch.lighthouse_standby,
                    progress=not args.no_progress and sys.stderr.isatty())
+    job.run_dir_lock = held
     log.info("job: %d replicas x %d devices, %d steps, faults (from %s) %s; logs in %s", cfg.launch.replicas,
              cfg.launch.devices_per_replica, cfg.train.steps, sources.origin,
              [f.label() for f in faults] or "none", out)

@@ -608,15 +608,20 @@ class RayJob(LocalJob):
             return {}
         return st if st.get("pid") == rp.proc.pid else {}
 
-    def signal_replica(self, rid: int, sig: int) -> None:
-        ap = self.procs[rid].proc
-        if not isinstance(ap, ActorProcess) or ap.poll() is not None or not ap.placed:
+    def signal_replica(self, rid: int, sig: int, process: int | None = None) -> None:
+        """The local rule, for an actor's worker process: only one on the driver's node can be
+        signalled from here (a pid on another node is some other process of this one)."""
+        rp = self.procs[rid]
+        if not isinstance(rp.proc, ActorProcess) or rp.proc.poll() is not None or not rp.proc.placed:
             return
-        if ap.where.get("node_id") != self.driver_node:
-            log.warning("replica %d runs on another node: signal %s not sent (only SIGKILL and node faults "
-                        "reach other nodes)", rid, signal.Signals(sig).name)
+        target = self._signal_target(rp, sig, process)
+        if target is None or target.poll() is not None:
             return
-        os.kill(ap.pid, sig)
+        if target.where.get("node_id") != self.driver_node:
+            log.warning("replica %d's process %d runs on another node: signal %s not sent (only SIGKILL and node "
+                        "faults reach other nodes)", rid, getattr(target, "index", 0), signal.Signals(sig).name)
+            return
+        os.kill(target.pid, sig)
 
     def kill_replica(self, rid: int) -> None:
         rp = self.procs[rid]
@@ -808,6 +813,7 @@ def launch(config: str, overrides: list[str], out: str | pathlib.Path | None = N
     config_text = config_path.read_text() if config_path.suffix == ".py" and config_path.is_file() else None
     out = pathlib.Path(out or cfg.train.out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    held = rundir_lib.hold(out)  # until the launch ends (RunDirBusy: another launcher has it)
     rundir_lib.clean_for_fresh_run(out)
     rundir_lib.RunDir(out).save({"config": config, "overrides": list(overrides), "launcher": "ray",
                                  "effective": rundir_lib.effective(cfg), "faults": [f.to_json() for f in faults],
@@ -820,7 +826,7 @@ def launch(config: str, overrides: list[str], out: str | pathlib.Path | None = N
         job = RayJob(config=config, overrides=list(overrides), out_dir=out, replicas=cfg.launch.replicas,
                      steps=cfg.train.steps, faults=list(faults),
                      restart=cfg.launch.restart if restart is None else restart,
-                     restart_delay_s=cfg.launch.restart_delay_s, allreduce=allreduce,
+                     restart_delay_s=cfg.launch.restart_delay_s, allreduce=allreduce, deadline_s=cfg.launch.deadline_s,
                      max_job_restarts=cfg.launch.max_job_restarts, detect_s=cfg.ft.detect_s,
                      join_timeout_s=cfg.ft.join_timeout_s, progress=progress, kill_with=kill_with,
                      devices=cfg.launch.devices_per_replica, processes=cfg.launch.processes_per_replica,
@@ -837,6 +843,7 @@ def launch(config: str, overrides: list[str], out: str | pathlib.Path | None = N
                  origin, [f.label() for f in faults] or "none", out)
         job.summary = job.run()
     finally:
+        held.close()  # the run directory is free again (a notebook may launch into it next)
         if started:
             import ray
 

@@ -150,6 +150,36 @@ def archive(out: pathlib.Path, dest: pathlib.Path) -> pathlib.Path:
     return dest
 
 
+class RunDirBusy(RuntimeError):
+    """Another launcher holds the run directory."""
+
+
+def hold(out: pathlib.Path):
+    """Hold run directory ``out`` for this launcher's lifetime (an exclusive lock on a file in it,
+    released when the returned file is closed or the process ends, however it ends). A second
+    launcher on the same directory (another terminal, a forgotten run) would delete the first's
+    checkpoints and ledgers for its fresh run, or resume from a state still being written: it is
+    refused with who holds the directory. Raises :class:`RunDirBusy`."""
+    import fcntl
+    import os
+    import socket
+
+    f = open(pathlib.Path(out) / ".launcher.lock", "a+")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.seek(0)
+        holder = f.read().strip() or "a process"
+        f.close()
+        raise RunDirBusy(f"run directory {out} is in use by another launcher ({holder}): wait for it to end, or "
+                         "give this run another --out-dir") from None
+    f.seek(0)
+    f.truncate()
+    f.write(f"pid {os.getpid()} on {socket.gethostname()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
+    f.flush()
+    return f
+
+
 def clean_for_fresh_run(out: pathlib.Path) -> None:
     """A fresh run in an old directory: nothing of the old run may be mistaken for this one's."""
     for pattern in (*PER_ATTEMPT, "ledger/*.jsonl", "loader_state/*.json", "run.json", "launch.log"):

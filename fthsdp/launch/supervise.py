@@ -101,3 +101,17 @@ def after_exit(returncode: int) -> str:
     if (returncode < 0 and returncode != -signal.SIGTERM) or returncode == EXIT_REPLICA_FATAL:
         return "restart"
     return "failed"
+
+
+def group_returncode(codes: list[int]) -> int:
+    """The exit that stands for a replica of several processes when some ended with ``codes``
+    (non-zero) and the launcher stopped the rest (the replica fails as a unit). A verdict that
+    forbids a restart (job-fatal, an unclassified error) wins over one that asks for it: with the
+    leader's own end standing for the group, a follower's job-fatal exit read as a kill (the
+    launcher's SIGKILL of the leader) and the group was restarted into the same failure, again
+    and again."""
+    final = [c for c in codes if after_exit(c) == "failed"]
+    if final:
+        return EXIT_JOB_FATAL if EXIT_JOB_FATAL in final else final[0]
+    return codes[0] if codes else 0
+

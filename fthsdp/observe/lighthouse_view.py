@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from fthsdp.digits import ascii_int
+from fthsdp.observe.root_cause import RootCauseStatus
 
 if TYPE_CHECKING:
     from fthsdp.control.lighthouse_client import StatusReply
@@ -74,20 +75,6 @@ class SdcView:
 
 
 @dataclass(frozen=True)
-class RootCauseView:
-    """The lighthouse's root-cause verdict (fthsdp/observe/root_cause.py)."""
-
-    kind: str  # none | dead | frozen | slow | slow_link | unknown
-    culprit: str
-    peer: str
-    evidence: str
-    confidence: float
-    step: int
-    age_s: float
-    process: int = -1  # which process of the culprit replica (-1: none named)
-
-
-@dataclass(frozen=True)
 class QuorumView:
     quorum_id: int
     members: tuple[str, ...]
@@ -105,8 +92,8 @@ class JobView:
     last_reason: str
     num_configured: int
     local_world_size: int
-    root_cause: RootCauseView | None = None  # the verdict now
-    last_stall: RootCauseView | None = None  # the last verdict that named a culprit
+    root_cause: RootCauseStatus | None = None  # the verdict now
+    last_stall: RootCauseStatus | None = None  # the last verdict that named a culprit
     sdc_events: tuple[SdcView, ...] = ()  # fingerprint mismatches, oldest first
     finished_step: int | None = None  # the job finished at this step (None: it has not)
 
@@ -140,10 +127,6 @@ def view_from_status(reply: "StatusReply", now: float) -> LighthouseView:
     def quorum(q) -> QuorumView | None:
         return None if q is None else QuorumView(q.quorum_id, q.member_ids, q.healthy, q.behind, q.max_step, q.reason)
 
-    def verdict(v) -> RootCauseView | None:
-        return None if v is None else RootCauseView(v.kind, v.culprit, v.peer, v.evidence, v.confidence, v.step,
-                                                     v.age_s, v.process)
-
     def replica(r) -> ReplicaView:
         word = r.phase.phase.name.lower().replace("_", "-") if r.phase is not None else ""
         return ReplicaView(r.replica_id, r.step, r.last_heartbeat_age_s, r.dead, r.waiting,
@@ -155,7 +138,7 @@ def view_from_status(reply: "StatusReply", now: float) -> LighthouseView:
 
     jobs = tuple(
         JobView(j.job_id, tuple(replica(r) for r in j.replicas), quorum(j.quorum), j.last_reason, j.num_configured,
-                j.local_world_size, verdict(j.root_cause), verdict(j.last_stall),
+                j.local_world_size, j.root_cause, j.last_stall,
                 tuple(SdcView(e.step, tuple(e.culprits), e.fatal, e.reason) for e in j.sdc_events), j.finished_step)
         for j in reply.jobs
     )

@@ -214,6 +214,31 @@ class Verdict:
         return f"{self.kind.upper()} {who} (confidence {self.confidence:.2f}): {self.evidence}"
 
 
+@dataclass(frozen=True)
+class RootCauseStatus:
+    """A lighthouse's root-cause verdict as its Status reports it (RootCause in the proto): the
+    :class:`Verdict`, the step it is about and its age. What `fthsdp status`, the dashboard and
+    its JSON show (one type for all three)."""
+
+    kind: str
+    culprit: str
+    peer: str
+    evidence: str
+    confidence: float
+    wait_chain: tuple[str, ...]
+    step: int
+    age_s: float
+    process: int = -1  # which process of the culprit replica (-1: none named)
+
+    def describe(self) -> str:
+        if self.kind == "none":
+            return f"no stall ({self.evidence})"
+        proc = f" process {self.process}" if self.process > 0 else ""
+        who = (f"link {self.culprit}{proc} -> {self.peer}" if self.kind == "slow_link"
+               else f"replica {self.culprit}{proc}")
+        return f"{self.kind.upper()} {who} (confidence {self.confidence:.2f}, step {self.step}): {self.evidence}"
+
+
 @dataclass
 class _Graph:
     edges: dict[str, tuple[str, ...]] = field(default_factory=dict)

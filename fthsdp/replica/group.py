@@ -345,11 +345,13 @@ class LeaderQuorumSource:
         self.channel.share("leave", {"left": bool(ok), "forked": list(forked) if forked else None}, 0)
         return ok
 
-    def step0_verdict(self, verdict: str, why: str) -> tuple[str, str]:
-        """The replica's verdict on a rejoin at step 0 (fsm.rejoin_at_step_0): the leader's,
-        taken on its clock, for every process (each process's own clock could cross the grace
-        on different attempts, and the group would exit with mixed codes)."""
-        self.channel.share("step0", [verdict, why], 0)
+    def step0_verdict(self, verdict: str, why: str, step: int, quorum_id: int) -> tuple[str, str]:
+        """The replica's verdict on a rejoin at step 0 (fsm.rejoin_at_step_0) on quorum
+        ``quorum_id`` at ``step``: the leader's, taken on its clock, for every process (each
+        process's own clock could cross the grace on different attempts, and the group would exit
+        with mixed codes). Tagged with the step and quorum, so that a process that missed one
+        exchange fails its replica instead of reading a verdict on another quorum."""
+        self.channel.share("step0", [verdict, why, step, quorum_id], 0)
         return verdict, why
 
     def __getattr__(self, name):  # heartbeats, status, forked, close: the client's
@@ -419,13 +421,17 @@ class FollowerQuorumSource:
             v = self._view = fresh
         return self._merge(q, v)
 
-    def step0_verdict(self, verdict: str, why: str) -> tuple[str, str]:
-        """The leader's verdict on a rejoin at step 0, in place of this process's own
-        (:meth:`LeaderQuorumSource.step0_verdict`)."""
+    def step0_verdict(self, verdict: str, why: str, step: int, quorum_id: int) -> tuple[str, str]:
+        """The leader's verdict on a rejoin at step 0 on the same quorum and step, in place of
+        this process's own (:meth:`LeaderQuorumSource.step0_verdict`)."""
         got = self.channel.receive("step0", self.timeout_s)
-        if not (isinstance(got, list) and len(got) == 2 and all(isinstance(x, str) for x in got)):
-            raise ViewUnavailable(f"replica {self.channel.spec.replica_id}: its leader's step-0 verdict is {got!r}, "
-                                  "not [verdict, why]; the replica fails as a unit")
+        if not (isinstance(got, list) and len(got) == 4 and all(isinstance(x, str) for x in got[:2])):
+            raise ViewUnavailable(f"replica {self.channel.spec.replica_id}: its leader's step-0 verdict is "
+                                  f"{str(got)[:200]}, not [verdict, why, step, quorum id]; the replica fails as a unit")
+        if got[2:] != [step, quorum_id]:
+            raise ViewUnavailable(f"replica {self.channel.spec.replica_id}: its leader's step-0 verdict is on step "
+                                  f"{got[2]} of quorum {got[3]}, this process's on step {step} of quorum {quorum_id}: "
+                                  "its processes are out of step; the replica fails as a unit")
         return got[0], got[1]
 
     @staticmethod

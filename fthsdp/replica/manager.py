@@ -356,7 +356,7 @@ class Manager:
                                                     else now - step0_since, grace)
                     agree = getattr(self.lighthouse, "step0_verdict", None)  # a replica of several processes:
                     if agree is not None:  # its leader's verdict, taken on its clock, for all of them
-                        verdict, why = agree(verdict, why)
+                        verdict, why = agree(verdict, why, step, q.quorum_id)
                     if verdict == "give up":
                         raise ManagerJobError(
                             f"replica {self.replica_id} was restarted to rejoin its job, but {why}, and the "

@@ -533,29 +533,31 @@ class ReplicaProcess:
         from fthsdp.step.functional import state_hash
 
         cfg, mgr = self.cfg, self.mgr
-        if self.args.resume:
-            self.resume(self.args.resume)
-        log.info("replica %s: %d device(s), lighthouse %s, ftar endpoints %s, state server %s", self.group.label,
-                 self.mesh.devices.size, self.args.lighthouse, list(self.comm.addresses), self.server.url)
-        self.phases.set(Phase.COMPILING)
-        took = mgr.warm_up()
-        own = self.ts.program_counts()  # a follower process's own program cache (JAX's serves process 0)
-        log.info("replica %s: compiled the step in %.1fs (before checking in)%s", self.group.label, took,
-                 f"; this process's program cache: {own.loaded} loaded, {own.compiled} compiled"
-                 if own.loaded + own.compiled else "")
-        self.phases.set(Phase.IDLE)
-        if cfg.ft.snapshot == "every_commit":
-            self.snapshot()
-        if not self.args.rejoin and not self.client.heartbeating:
-            # A rejoiner starts heartbeating at its first quorum (on_quorum): its open
-            # request is its sign of life until then, so the lighthouse never sees it
-            # "live but not asking" and the others never wait a join limit for it.
-            self.client.start_heartbeats(on_dead=mgr.on_dead, on_asking=mgr.on_asking)
         from fthsdp.errors import classify, exit_code
         from fthsdp.gc_policy import low_pause_gc
         from fthsdp.control.lighthouse_client import JobFinished
 
         try:
+            # start-up inside the classifier too: a job-fatal error here (a checkpoint of another
+            # job, a data state that cannot be installed) exits 78, not 1, and is not restarted
+            if self.args.resume:
+                self.resume(self.args.resume)
+            log.info("replica %s: %d device(s), lighthouse %s, ftar endpoints %s, state server %s", self.group.label,
+                     self.mesh.devices.size, self.args.lighthouse, list(self.comm.addresses), self.server.url)
+            self.phases.set(Phase.COMPILING)
+            took = mgr.warm_up()
+            own = self.ts.program_counts()  # a follower process's own program cache (JAX's serves process 0)
+            log.info("replica %s: compiled the step in %.1fs (before checking in)%s", self.group.label, took,
+                     f"; this process's program cache: {own.loaded} loaded, {own.compiled} compiled"
+                     if own.loaded + own.compiled else "")
+            self.phases.set(Phase.IDLE)
+            if cfg.ft.snapshot == "every_commit":
+                self.snapshot()
+            if not self.args.rejoin and not self.client.heartbeating:
+                # A rejoiner starts heartbeating at its first quorum (on_quorum): its open
+                # request is its sign of life until then, so the lighthouse never sees it
+                # "live but not asking" and the others never wait a join limit for it.
+                self.client.start_heartbeats(on_dead=mgr.on_dead, on_asking=mgr.on_asking)
             if cfg.launch.replicas > 1 and not self.args.rejoin and self.leader:  # a job's (re)start: begin together
                 # in the try: a lighthouse that stays unreachable past the outage limit is job-fatal
                 # (exit 78, with a final status and a Leave) as it is in the step loop
@@ -694,7 +696,17 @@ def main(argv: list[str] | None = None) -> int:
     from fthsdp.replica.group import initialize
 
     initialize(args.group, timeout_s=cfg.ft.startup_timeout_s)  # before any jax computation
-    return ReplicaProcess(args, cfg, out).run()
+    from fthsdp.errors import classify, exit_code
+
+    try:
+        replica = ReplicaProcess(args, cfg, out)
+    except Exception as e:  # noqa: BLE001 - a fault while building the replica leaves with its class's code
+        c = classify(e)
+        code = exit_code(c)
+        log.exception("replica %s: %s fault while starting, exiting with %d: %s", args.group.label, c.kind.value,
+                      code, c.reason)
+        return code
+    return replica.run()
 
 
 if __name__ == "__main__":

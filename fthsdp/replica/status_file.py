@@ -44,7 +44,7 @@ class StatusFile:
         with self._lock:
             if self._final is not None:
                 return False
-            rec = {**self.base, "pid": os.getpid(), "time": time.time(), **fields}
+            rec = {**self.base, "pid": os.getpid(), "time": time.time(), **fields, **({"final": True} if final else {})}
             write_atomic(self.path, json.dumps(rec))
             if final:
                 self._final = rec
