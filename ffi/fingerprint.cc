@@ -27,6 +27,11 @@ namespace {
 constexpr int kFoldShift = 15;
 
 inline uint32_t fold(uint32_t x) { return x ^ (x >> kFoldShift); }
+// Lane 1 mixes each word before its multiply: a sign flip (bit 31) then changes the product
+// in 17 bits, not in bit 31 alone (two such flips cancelled in lane 0 always and in lane 1 half
+// the time, so two negated values could leave the fingerprint unchanged).
+constexpr int kPremixShift = 16;
+inline uint32_t premix(uint32_t x) { return x ^ (x >> kPremixShift); }
 
 // N-lane vectors of words, half-words and bytes, and the load of N consecutive elements
 // (unaligned) as zero-extended words. Spelled out per N: GCC 12 does not apply vector_size
@@ -90,11 +95,11 @@ inline __attribute__((always_inline)) void run_sums(const T* w, int64_t n, uint3
     for (; j + 2 * N <= n; j += 2 * N) {
       const U32 x = Vec<N>::load(w + j), y = Vec<N>::load(w + j + N);
       a0 += x * m0;
-      const U32 t = x * m1;
+      const U32 t = (x ^ (x >> kPremixShift)) * m1;
       a1 += t ^ (t >> kFoldShift);
       const U32 n0 = m0 + e0, n1 = m1 + e1;
       b0 += y * n0;
-      const U32 u = y * n1;
+      const U32 u = (y ^ (y >> kPremixShift)) * n1;
       b1 += u ^ (u >> kFoldShift);
       m0 = n0 + e0;
       m1 = n1 + e1;
@@ -102,7 +107,7 @@ inline __attribute__((always_inline)) void run_sums(const T* w, int64_t n, uint3
     for (; j + N <= n; j += N) {
       const U32 x = Vec<N>::load(w + j);
       a0 += x * m0;
-      const U32 t = x * m1;
+      const U32 t = (x ^ (x >> kPremixShift)) * m1;
       a1 += t ^ (t >> kFoldShift);
       m0 += e0;
       m1 += e1;
@@ -118,7 +123,7 @@ inline __attribute__((always_inline)) void run_sums(const T* w, int64_t n, uint3
   for (; j < n; ++j) {
     const uint32_t x = static_cast<uint32_t>(w[j]);
     b0 += x * c0;
-    b1 += fold(x * c1);
+    b1 += fold(premix(x) * c1);
     c0 += d0;
     c1 += d1;
   }

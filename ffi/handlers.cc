@@ -44,7 +44,7 @@ ffi::Error ReduceSumImpl(ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::Result<ffi::An
 ffi::ErrorOr<int32_t> scalar_i32(ffi::Buffer<ffi::S32> b, const char* name) {
   if (b.element_count() != 1) {
     return ffi::Unexpected(ffi::Error::InvalidArgument(
-        std::string("fthsdp ftar: ") + name + " must be a single int32, got " +
+        std::string("fthsdp ftar fatal: ") + name + " must be a single int32, got " +
         std::to_string(b.element_count()) + " elements"));
   }
   return b.typed_data()[0];
@@ -63,10 +63,10 @@ ffi::Error FtarImpl(ffi::Buffer<ffi::S32> comm, ffi::Buffer<ffi::S32> shard,
     v[i] = r.value();
   }
   if (status->element_count() != 1) {
-    return ffi::Error::InvalidArgument("fthsdp ftar: status output must hold one int32");
+    return ffi::Error::InvalidArgument("fthsdp ftar fatal: status output must hold one int32");
   }
   if (args.size() != rets.size()) {
-    return ffi::Error::InvalidArgument("fthsdp ftar: " + std::to_string(args.size()) +
+    return ffi::Error::InvalidArgument("fthsdp ftar fatal: " + std::to_string(args.size()) +
                                        " buffers in but " + std::to_string(rets.size()) + " out");
   }
   std::vector<FtarBuffer> buffers;
@@ -78,12 +78,12 @@ ffi::Error FtarImpl(ffi::Buffer<ffi::S32> comm, ffi::Buffer<ffi::S32> shard,
     FtarBuffer b;
     if (!to_dtype(a.value().element_type(), &b.dtype)) {
       return ffi::Error::InvalidArgument(
-          "fthsdp ftar: buffer " + std::to_string(i) +
+          "fthsdp ftar fatal: buffer " + std::to_string(i) +
           " has an unsupported dtype (supported: float32, bfloat16, float16)");
     }
     if ((*r.value()).element_type() != a.value().element_type() ||
         (*r.value()).element_count() != a.value().element_count()) {
-      return ffi::Error::InvalidArgument("fthsdp ftar: output " + std::to_string(i) +
+      return ffi::Error::InvalidArgument("fthsdp ftar fatal: output " + std::to_string(i) +
                                          " must match its input's dtype and size");
     }
     b.in = a.value().untyped_data();
@@ -92,7 +92,7 @@ ffi::Error FtarImpl(ffi::Buffer<ffi::S32> comm, ffi::Buffer<ffi::S32> shard,
     buffers.push_back(b);
   }
   const FtarResult res = ftar_allreduce(v[0], v[1], v[2], v[3], v[4], buffers);
-  if (res.fatal) return ffi::Error::Internal("fthsdp ftar: " + res.reason);
+  if (res.fatal) return ffi::Error::Internal("fthsdp ftar fatal: " + res.reason);
   status->typed_data()[0] = static_cast<int32_t>(res.status);
   return ffi::Error::Success();
 }

@@ -90,6 +90,10 @@ class Classified:
 _NEIGHBOUR = re.compile(r"(?:left|right) neighbour (\[[0-9A-Fa-f:.%]+\]:\d+|[^\s:\[\]]+:\d+)")
 # XLA runtime errors that FTAR's custom call raises (handlers.cc prefixes them).
 _FTAR_MARK = "fthsdp ftar:"
+# What FTAR's handlers raise (ffi/handlers.cc, ffi/cuda/kernels.cu): a fault of this replica's own
+# communicator (bad quorum inputs, an unknown handle, an unresponsive control thread, a fatal
+# earlier op), never a peer's; a peer's breach comes back as a RECOVERABLE status, not an error.
+_FTAR_FATAL_MARK = "fthsdp ftar fatal:"
 _XLA_RUNTIME = ("JaxRuntimeError", "XlaRuntimeError")
 
 
@@ -137,6 +141,9 @@ def classify(exc: BaseException) -> Classified:
         return Classified(FaultClass.RECOVERABLE, f"{what} (a transient lighthouse error: ask again)")
     if names & set(_XLA_RUNTIME):
         msg = str(exc)
+        if _FTAR_FATAL_MARK in msg:
+            return Classified(FaultClass.REPLICA_FATAL, f"{what} (FTAR's own state on this replica is broken: "
+                                                        "restart the replica; it rejoins from its peers)")
         if _FTAR_MARK in msg:
             peer = blamed_address(msg)
             blame = f"; blaming {peer}" if peer else ""

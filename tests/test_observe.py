@@ -101,6 +101,29 @@ def test_history_a_live_replica_dropped_from_the_quorum_is_a_failure_once():
     assert f.back_after_s == 2.0
 
 
+def test_history_counts_a_replica_that_left_the_job_and_not_a_lighthouse_restart():
+    """A replica that fails with a fault it classified leaves (Leave) and the lighthouse forgets it:
+    gone from the view, it was never counted. A restarted lighthouse lists the replicas before its
+    first quorum: that window counted every member as lost. A finished job's leavers are no loss,
+    and the first poll only seeds the history (a dashboard started late reports no old losses)."""
+    import dataclasses
+
+    h = History()
+    assert h.update(view(0.0, [rv(0), rv(1), rv(2, age=50.0, dead=True)], qv(1, [0, 1]))) == []  # seeded
+    (f,) = h.update(view(1.0, [rv(0)], qv(1, [0, 1])))  # replica 1 left (and was forgotten)
+    assert (f.replica, f.kind, f.quorum_id) == ("1", "left job", 1)
+    assert h.update(view(2.0, [rv(0)], qv(2, [0]))) == []  # the same loss, once
+    h.update(view(3.0, [rv(0), rv(1)], qv(3, [0, 1])))
+    assert f.back_time == 3.0
+    # the lighthouse restarts: replicas listed, no quorum yet, then the same members again
+    assert h.update(view(4.0, [rv(0), rv(1)], None)) == []
+    assert h.update(view(5.0, [rv(0), rv(1)], qv(4, [0, 1]))) == []
+    # the job finishes: its replicas leave one by one, no failure
+    done = view(6.0, [rv(0)], qv(4, [0, 1]))
+    done = dataclasses.replace(done, jobs=(dataclasses.replace(done.jobs[0], finished_step=40),))
+    assert h.update(done) == []
+
+
 def test_history_measures_the_survivors_stall_from_the_job_steps():
     h = History()
     steps = [(0.0, 9, False), (0.5, 10, False), (1.0, 10, True), (2.0, 10, True), (3.0, 10, True), (4.0, 11, True)]
@@ -332,6 +355,12 @@ def test_prometheus_targets_group_by_labels_sorted():
         {"targets": ["127.0.0.1:9200"], "labels": {"job": "j", "process": "0", "replica": "0", "role": "replica"}},
         {"targets": ["127.0.0.1:9100"], "labels": {"role": "lighthouse"}},
     ]
+    # a lighthouse serving its metrics on every interface is scraped on the host it was reached on
+    import dataclasses
+
+    wild = dataclasses.replace(v, metrics_address="0.0.0.0:9100")
+    assert status_targets(wild, lighthouse_host="10.1.2.3")[-1]["targets"] == ["10.1.2.3:9100"]
+    assert status_targets(dataclasses.replace(v, metrics_address="not an address"))[-1]["labels"]["role"] == "replica"
     cfg = json.loads(scrape_config("/tmp/t.json", "1s"))
     assert cfg["scrape_configs"][0]["honor_labels"] is True
 

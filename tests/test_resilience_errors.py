@@ -54,6 +54,18 @@ def test_malformed_ftar_chunk_is_recoverable_and_blames_the_neighbour():
     assert c.blame == "127.0.0.1:41234" and "blaming 127.0.0.1:41234" in c.reason
 
 
+def test_ftars_own_fatal_error_is_replica_fatal_not_retried():
+    """FTAR's handlers raise only for this replica's own broken state (bad quorum inputs, an
+    unknown communicator, an unresponsive control thread): retried as recoverable, every replica
+    rebuilt its ring on every attempt until the retries ran out, and a GPU's reported fatal error
+    could even be cleared and trained past. It restarts the replica."""
+    e = xla_error("INTERNAL: fthsdp ftar fatal: bad quorum inputs: the step says rank 1 of 2 but quorum 7 "
+                  "configured this communicator as rank 0 of 2")
+    c = classify(e)
+    assert c.kind is RF and not c.recoverable and "FTAR's own state" in c.reason
+    assert exit_code(c) == EXIT_REPLICA_FATAL
+
+
 def test_xla_error_outside_ftar_is_replica_fatal():
     c = classify(xla_error("RESOURCE_EXHAUSTED: out of memory allocating 12 GiB"))
     assert c.kind is RF and "outside FTAR" in c.reason

@@ -26,7 +26,7 @@ def _one_device(tree):
 def test_every_single_bit_flip_changes_both_lanes():
     """The requirement: a flipped bit always changes the fingerprint -- in each lane on its own,
     with the jax reference and the native kernel alike. Distinct flips need not give distinct
-    values (two sign-bit flips may collide: the module docstring says why that is fine)."""
+    values (the module docstring says why that is fine)."""
     x = np.random.default_rng(0).standard_normal((4, 8)).astype(np.float32)
     words = x.view(np.uint32).reshape(-1)
     flipped = []
@@ -45,6 +45,29 @@ def test_every_single_bit_flip_changes_both_lanes():
     for k in (0, 31, 500, 1023):  # the native kernel on a few of them
         t, _ = _one_device({"w": flipped[k]})
         assert fpm.to_int(native(t)) == fpm.to_int(ref[k + 1]) != fpm.to_int(ref[0])
+
+
+def test_two_negated_values_change_it():
+    """Two sign flips cancel in lane 0 (each adds 2^31); lane 1 once cancelled them half the time,
+    so a state with two values negated kept the clean fingerprint. Every pair of a 256-word leaf
+    (32,640 states), and pairs of bit-30 flips of neighbours, against the clean state."""
+    x = np.random.default_rng(1).standard_normal(256).astype(np.float32)
+    words = x.view(np.uint32)
+    i, j = np.triu_indices(words.size, 1)
+    pairs = np.repeat(words[None, :], i.size, axis=0)
+    pairs[np.arange(i.size), i] ^= np.uint32(1 << 31)
+    pairs[np.arange(i.size), j] ^= np.uint32(1 << 31)
+    lanes = jax.jit(jax.vmap(lambda w: fpm.reference({"w": w.view(jnp.float32)})))
+    clean = np.asarray(fpm.reference({"w": jnp.asarray(x)}))
+    got = np.asarray(lanes(jnp.asarray(pairs)))
+    assert not (got == clean).all(axis=1).any(), "two sign flips left the fingerprint unchanged"
+    near = np.repeat(words[None, :], words.size - 1, axis=0)
+    k = np.arange(words.size - 1)
+    near[k, k] ^= np.uint32(1 << 30)
+    near[k, k + 1] ^= np.uint32(1 << 30)
+    assert not (np.asarray(lanes(jnp.asarray(near))) == clean).all(axis=1).any()
+    tree, shs = _one_device({"w": pairs[7].view(np.float32)})  # the native kernel agrees
+    assert fpm.to_int(jax.jit(lambda t: fpm.fingerprint(t, shs))(tree)) == fpm.to_int(got[7])
 
 
 def test_swaps_and_moves_between_leaves_change_it():

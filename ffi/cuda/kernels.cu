@@ -341,16 +341,16 @@ ffi::Error FtarCudaImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> comm, ffi::Bu
   const char* names[5] = {"comm", "shard", "quorum_id", "rank", "num_members"};
   for (int i = 0; i < 5; ++i) {
     if (scalars[i]->element_count() != 1) {
-      return ffi::Error::InvalidArgument(std::string("fthsdp ftar: ") + names[i] +
+      return ffi::Error::InvalidArgument(std::string("fthsdp ftar fatal: ") + names[i] +
                                          " must be a single int32, got " +
                                          std::to_string(scalars[i]->element_count()) + " elements");
     }
   }
   if (status->element_count() != 1) {
-    return ffi::Error::InvalidArgument("fthsdp ftar: status output must hold one int32");
+    return ffi::Error::InvalidArgument("fthsdp ftar fatal: status output must hold one int32");
   }
   if (args.size() != rets.size()) {
-    return ffi::Error::InvalidArgument("fthsdp ftar: " + std::to_string(args.size()) +
+    return ffi::Error::InvalidArgument("fthsdp ftar fatal: " + std::to_string(args.size()) +
                                        " buffers in but " + std::to_string(rets.size()) + " out");
   }
   if (args.size() > FTHSDP_MAX_BLOCKS) {
@@ -372,12 +372,12 @@ ffi::Error FtarCudaImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> comm, ffi::Bu
     if (r.has_error()) return r.error();
     if (!to_dtype(a.value().element_type(), &dtypes[i])) {
       return ffi::Error::InvalidArgument(
-          "fthsdp ftar: buffer " + std::to_string(i) +
+          "fthsdp ftar fatal: buffer " + std::to_string(i) +
           " has an unsupported dtype (supported: float32, bfloat16, float16)");
     }
     if ((*r.value()).element_type() != a.value().element_type() ||
         (*r.value()).element_count() != a.value().element_count()) {
-      return ffi::Error::InvalidArgument("fthsdp ftar: output " + std::to_string(i) +
+      return ffi::Error::InvalidArgument("fthsdp ftar fatal: output " + std::to_string(i) +
                                          " must match its input's dtype and size");
     }
     in[i] = static_cast<const char*>(a.value().untyped_data());
@@ -434,7 +434,7 @@ ffi::Error FtarCudaImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> comm, ffi::Bu
   // releases every wait and ends the reduce worker (reduce_stop), in stream
   // order, by the deadline at the latest.
   if (api->submit(q, &op, err, sizeof(err)) != 0) {  // released FATAL in order; no worker to fork
-    return ffi::Error::Internal(std::string("fthsdp ftar: an earlier all-reduce failed fatally: ") + err);
+    return ffi::Error::Internal(std::string("fthsdp ftar fatal: an earlier all-reduce failed fatally: ") + err);
   }
   // Fork: the reduce worker runs beside the copies, on the side stream.
   e = cudaEventRecord(side.fork_event(), stream);

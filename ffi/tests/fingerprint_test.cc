@@ -26,9 +26,10 @@ void check(bool ok, const char* what, int trial) {
 }
 
 uint32_t fold(uint32_t x) { return x ^ (x >> 15); }
+uint32_t premix(uint32_t x) { return x ^ (x >> 16); }
 
 // The definition: word w at global word index i of leaf k adds w * c_0 to lane 0 and
-// fold(w * c_1) to lane 1, c_l = 2 * (i * A_l + k * S_l + B_l) + 1 (mod 2^32).
+// fold(premix(w) * c_1) to lane 1, c_l = 2 * (i * A_l + k * S_l + B_l) + 1 (mod 2^32).
 void reference(const FpBlock& b, uint32_t out[2]) {
   int64_t count = 1;
   for (int d = 0; d < b.rank; ++d) count *= b.local_dims[d];
@@ -49,7 +50,7 @@ void reference(const FpBlock& b, uint32_t out[2]) {
       const uint32_t i = g * wpe + k;
       for (int l = 0; l < 2; ++l) {
         const uint32_t c = 2u * (i * fthsdp::kFpIndexMul[l] + b.leaf * fthsdp::kFpLeafMul[l] + fthsdp::kFpOffset[l]) + 1u;
-        out[l] += l == 0 ? w * c : fold(w * c);
+        out[l] += l == 0 ? w * c : fold(premix(w) * c);
       }
     }
   }

@@ -299,6 +299,13 @@ def _heartbeat_problem(req, limits: Limits, who: str, known: KnownAddresses | No
                              limits.max_id_len, f" ({who})")
         if err:
             return err
+        # Kept as sent and shown by `fthsdp status`, the dashboard (its JSON refuses NaN) and the
+        # root-cause analysis: every number must be a finite, non-negative one.
+        values = [ph.in_phase_s, ph.waiting_s, ph.compute_s, ph.last_step_s,
+                  *(x for st in ph.streams for x in (st.bytes_per_s, st.busy_fraction))]
+        if not all(math.isfinite(v) and v >= 0.0 for v in values):
+            return (f"phase has a time, rate or fraction that is negative, NaN or infinite ({who}): report "
+                    "finite non-negative numbers")
     return None
 
 

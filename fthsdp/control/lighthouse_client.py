@@ -458,6 +458,8 @@ def format_load(load: LoadSnapshot, before: LoadSnapshot | None = None) -> str:
 
 
 def _duration(s: float) -> str:
+    if not math.isfinite(s):
+        return "?"  # a lighthouse's answer: never trusted to be a number int() takes
     s = max(0, int(s))
     return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
 
@@ -606,7 +608,8 @@ def _print_targets(address: str, job: str, status_key: bytes | None = None) -> i
                   f"{[j.job_id for j in view.jobs]}", file=sys.stderr)
             return 1
         view = dataclasses.replace(view, jobs=(view.job(job),))
-    print(json.dumps(status_targets(view), indent=1), flush=True)
+    print(json.dumps(status_targets(view, lighthouse_host=address.rpartition(":")[0].strip("[]")), indent=1),
+          flush=True)
     return 0
 
 

@@ -22,6 +22,7 @@ import argparse
 import importlib.resources
 import json
 import logging
+import math
 import mimetypes
 import pathlib
 import signal
@@ -59,6 +60,18 @@ def status_json(address: str, view: LighthouseView | None, history: History, err
         "beat_interval_s": view.beat_interval_s if view is not None else None,
         "jobs": [history.job_json(j) for j in view.jobs] if view is not None else [],
     }
+
+
+def _finite(value):
+    """``value`` (plain JSON data) with every NaN or infinity as None: JSON has no such numbers, and
+    one sent by an older or lying lighthouse must not fail every answer of /api/status."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
 
 
 class Dashboard:
@@ -162,7 +175,7 @@ class Dashboard:
                     ctype = mimetypes.guess_type(name)[0] or "application/octet-stream"
                     self._send(200, dash._static[name], f"{ctype}; charset=utf-8")
                 elif path == "/api/status":
-                    body = json.dumps(dash.snapshot(), allow_nan=False, default=str).encode()
+                    body = json.dumps(_finite(dash.snapshot()), allow_nan=False, default=str).encode()
                     self._send(200, body, "application/json")
                 elif path == "/metrics":
                     with dash._lock:

@@ -34,7 +34,10 @@ OUTSIDE = "outside"  # alive, not in the current quorum, not asking (starting, c
 STATES = (HEALTHY, BEHIND, WAITING, OUTSIDE, DEAD)
 # How a replica was lost (Failure.kind): declared dead, or dropped from the quorum while alive.
 LEFT_QUORUM = "left quorum"
-FAILURE_KINDS = (DEAD, LEFT_QUORUM)
+# Gone from the lighthouse's view while the job runs: its process left (a fault it classified ends
+# with a Leave, and the lighthouse forgets it) or a restarted lighthouse never heard it again.
+LEFT_JOB = "left job"
+FAILURE_KINDS = (DEAD, LEFT_QUORUM, LEFT_JOB)
 
 
 class LighthouseUnreachable(ConnectionError):
@@ -278,16 +281,19 @@ class History:
             for r in job.replicas:
                 was = prev.states.get(r.replica_id) if prev else None
                 silence = r.heartbeat_age_s if r.heartbeat_age_s >= 0 else None
-                if r.dead and was != DEAD:
+                if prev is None:
+                    pass  # the first poll seeds the history: what was lost before it is not a new failure
+                elif r.dead and was != DEAD:
                     f = open_.get(r.replica_id)
                     if f is not None and f.kind != "dead":  # it left the quorum first, then was declared dead
                         f.kind, f.silence_s = "dead", silence
                     elif f is None:
                         new.append(Failure(job.job_id, r.replica_id, "dead", view.time,
                                            prev.quorum_id if prev else s.quorum_id, silence_s=silence))
-                elif (prev is not None and not r.dead and r.replica_id in prev.members
-                      and s.quorum_id != prev.quorum_id and r.replica_id not in s.members
-                      and r.replica_id not in open_):
+                elif (not r.dead and r.replica_id in prev.members and s.quorum_id and s.quorum_id != prev.quorum_id
+                      and r.replica_id not in s.members and r.replica_id not in open_):
+                    # (a lighthouse restarted lists replicas before its first quorum: no quorum yet is
+                    # nobody's loss, or every member of the job would count as lost at each restart)
                     new.append(Failure(job.job_id, r.replica_id, LEFT_QUORUM, view.time, prev.quorum_id))
                 f = open_.get(r.replica_id)
                 if f is not None and not r.dead and r.replica_id in s.members and s.quorum_id > f.quorum_id:
@@ -297,6 +303,10 @@ class History:
                 if dq and r.step < dq[-1][1]:
                     dq.clear()  # restarted from an earlier step
                 dq.append((view.time, r.step, s.states[r.replica_id]))
+            if prev is not None and job.finished_step is None:
+                listed = {r.replica_id for r in job.replicas}
+                new.extend(Failure(job.job_id, rid, LEFT_JOB, view.time, prev.quorum_id) for rid in prev.members
+                           if rid not in listed and rid not in open_)
             top = max((r.step for r in job.replicas if not r.dead), default=-1)
             stepped = top > h.max_step
             if stepped:

@@ -30,7 +30,7 @@ from typing import Any, Iterable, Mapping, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
-from fthsdp.addresses import join_host_port
+from fthsdp.addresses import is_wildcard, join_host_port
 from fthsdp.digits import ascii_int
 from fthsdp.observe.lighthouse_view import (
     FAILURE_KINDS,
@@ -421,14 +421,23 @@ def prometheus_targets(targets: Iterable[tuple[str, Mapping[str, str]]]) -> list
     return [{"targets": sorted(set(addrs)), "labels": dict(key)} for key, addrs in sorted(groups.items())]
 
 
-def status_targets(view: LighthouseView, lighthouse_metrics: str = "") -> list[dict]:
+def status_targets(view: LighthouseView, lighthouse_metrics: str = "", lighthouse_host: str = "") -> list[dict]:
     """The scrape targets of everything a lighthouse knows: every process of each
     live replica that advertised its metrics address (with its heartbeats;
     labelled job, replica, process) and, if given, the address serving the
     lighthouse's own metrics (default: where the lighthouse says it serves them,
-    ``fthsdp lighthouse --metrics-bind``). What ``fthsdp status --prometheus-targets`` prints."""
+    ``fthsdp lighthouse --metrics-bind``; a wildcard host there is replaced by
+    ``lighthouse_host``, the host the lighthouse was reached on, since 0.0.0.0 would
+    make Prometheus scrape its own host). What ``fthsdp status --prometheus-targets`` prints."""
     pairs: list[tuple[str, Mapping[str, str]]] = []
-    lighthouse_metrics = lighthouse_metrics or view.metrics_address
+    if not lighthouse_metrics and view.metrics_address:
+        try:
+            host, port = parse_bind(view.metrics_address)
+        except ValueError:  # not HOST:PORT (a lighthouse's word): no target rather than a traceback
+            host, port = "", 0
+        if port:
+            lighthouse_metrics = (join_host_port(lighthouse_host, port) if is_wildcard(host) and lighthouse_host
+                                  else view.metrics_address)
     if lighthouse_metrics:
         pairs.append((lighthouse_metrics, {"role": "lighthouse"}))
     for job in view.jobs:

@@ -66,7 +66,7 @@ from fthsdp.errors import JobFatalError, PeerFetchError, ReplicaFatalError, clas
 from fthsdp.data import LoaderState, ReplicaStream
 from fthsdp.observe.phase import Phase, PhaseTracker
 from fthsdp.step.intervention import Intervention
-from fthsdp.step.quorum_inputs import QuorumInputs, make_quorum_inputs
+from fthsdp.step.quorum_inputs import STATUS_FATAL, QuorumInputs, make_quorum_inputs
 from fthsdp.step.fingerprint import read_commit
 from fthsdp.step.functional import TrainState, TrainStep
 
@@ -469,9 +469,15 @@ class Manager:
                 if self.on_commit:
                     self.on_commit(self, rec)
                 return rec
+            status = _on_host(m["status"])
+            if (status == STATUS_FATAL).any():  # (FTAR on a GPU: its fatal errors come back as status 2)
+                raise ReplicaFatalError(
+                    f"step {step} attempt {attempt} on quorum {q.quorum_id}: FTAR reported a fatal error on this "
+                    f"replica (status {status.tolist()}): its communicator's state is broken, so the replica "
+                    "restarts and rejoins from its peers (the reason is in the log above)")
             commit_failed = True
             self._note_violations(q, step, attempt, events)
-            events.append(f"attempt {attempt} on quorum {q.quorum_id}: all-reduce failed (status {_on_host(m['status']).tolist()})")
+            events.append(f"attempt {attempt} on quorum {q.quorum_id}: all-reduce failed (status {status.tolist()})")
             log.warning("step %d attempt %d: all-reduce on quorum %d failed; retrying on a new quorum",
                         step, attempt, q.quorum_id)
         raise ManagerError(

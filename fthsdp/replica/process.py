@@ -171,11 +171,18 @@ class ReplicaProcess:
                                    grad_bytes=pytree_bytes(state.params))
         self.prom_server = serve(self.prom.registry, os.environ.get("FTHSDP_METRICS_BIND") or
                                  join_host_port(cfg.ft.bind_host, 0))
+        # Where scrapers reach it: the advertise host when the bind host is a wildcard (0.0.0.0 would
+        # make every scrape target Prometheus's own host), as FTAR and the state server are advertised.
+        from fthsdp.addresses import is_wildcard
+
+        self.metrics_address = (join_host_port(cfg.ft.advertise_host, self.prom_server.port)
+                                if is_wildcard(self.prom_server.host) and cfg.ft.advertise_host
+                                else self.prom_server.address)
         self.status_path = files / f"status-{self.rid}.json"
         self.started = time.time()
         # One object for every thread that writes the status (its lock is what keeps a final record).
         self.status = StatusFile(self.status_path, {"replica": self.rid, "started": self.started,
-                                                    "metrics_address": self.prom_server.address,
+                                                    "metrics_address": self.metrics_address,
                                                     "peer_server": self.server.url})
         from fthsdp.control.sdc import parse_flip
 
@@ -230,7 +237,7 @@ class ReplicaProcess:
 
                 self.client = LeaderQuorumSource(self.client, self.channel)
         # Advertised with this process's heartbeats (fthsdp status --prometheus-targets).
-        client.advertise_metrics(self.prom_server.address)
+        client.advertise_metrics(self.metrics_address)
         self.watchdog = None
         if self.group.num_processes > 1:
             from fthsdp.replica.group import GroupWatchdog

@@ -17,10 +17,11 @@ The fingerprint is the pair of wrapping (mod 2^32) sums, over every word of
 every leaf,
 
     lane 0:  sum of  w * c_0(i, k)
-    lane 1:  sum of  fold(w * c_1(i, k))        fold(x) = x XOR (x >> 15)
+    lane 1:  sum of  fold(premix(w) * c_1(i, k))
+             fold(x) = x XOR (x >> 15), premix(x) = x XOR (x >> 16)
 
 **Why it detects what it must.** Multiplication by an odd number is a
-bijection mod 2^32, and so is ``fold``: changing any one word -- one flipped
+bijection mod 2^32, and so are ``fold`` and ``premix``: changing any one word -- one flipped
 bit, or any other change of one element -- changes its term and therefore
 the sum, with certainty, in each lane (a flip of bit ``b`` changes lane 0 by
 ``+-2^b * c``, which is nonzero mod 2^32 because ``c`` is odd). Because the
@@ -34,10 +35,16 @@ and lane 1 is not linear, so the two rarely miss the same change.
 mix of every word, ~10 integer operations per word) also gave *distinct*
 fingerprints to distinct single-bit flips. Nothing needs that: the judge
 (fthsdp/control/sdc.py) only asks whether replicas agree, and a flip must only
-change the value, which this guarantees. Two flips of the sign bit (bit 31)
-of different words change lane 0 by the same ``2^31`` and may collide with
-each other (never with the unflipped state). That earlier form cost 6% of a
+change the value, which this guarantees. That earlier form cost 6% of a
 step of the ``make run`` model on a CPU, mostly in XLA's per-leaf kernels.
+
+**Why lane 1 mixes the word first.** A flip of the sign bit changes a word's
+lane-0 term by ``2^31`` whatever the multiplier, so *two* sign flips in one
+state cancel in lane 0; without ``premix`` they changed lane 1's terms in two
+bits only and cancelled there half the time: two negated values left the
+fingerprint unchanged (a review found it; ``tests/test_sdc_fingerprint.py``
+flips sign pairs). With it, a sign flip changes the product in its 17 top bits
+and ``fold`` spreads them, so such pairs cancel about once in 2^17.
 
 **Why it is the same everywhere.** A modular sum does not depend on the
 order of its terms, and the multiplier is a function of the *global* index,
@@ -89,6 +96,7 @@ _LANES = (
     (0x7FEB352D, 0x846CA68B, 0x5BD1E995),
 )
 _FOLD_SHIFT = 15
+_PREMIX_SHIFT = 16  # lane 1 mixes each word before its multiply (ffi/fingerprint.cc: premix)
 _TARGET = "fthsdp_fingerprint"
 _MAX_RANK = 32  # the native kernel's highest leaf rank (kFpMaxRank, ffi/fingerprint.h)
 
@@ -125,8 +133,10 @@ def _leaf_lanes(w: jax.Array, k: int) -> jax.Array:
     out = []
     for lane, (a, s, b) in enumerate(_LANES):
         c = (idx * jnp.uint32(a) + jnp.uint32((k * s + b) & _M32)) * jnp.uint32(2) + jnp.uint32(1)
-        t = w * c
-        if lane == 1:
+        if lane == 0:
+            t = w * c
+        else:
+            t = (w ^ (w >> _PREMIX_SHIFT)) * c
             t = t ^ (t >> _FOLD_SHIFT)
         out.append(jnp.sum(t, dtype=jnp.uint32))
     return jnp.stack(out)

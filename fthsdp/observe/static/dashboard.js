@@ -5,8 +5,13 @@
 
 const SVG_NS = "http://www.w3.org/2000/svg";
 const params = new URLSearchParams(location.search);
-const INTERVAL_MS = Math.max(200, Number(params.get("interval") || 1000));
-const WINDOW_S = Math.max(10, Number(params.get("window") || 300)); // timeline span
+// A number from the URL, or the default when it is not one (NaN would poll in a tight loop).
+function numberParam(name, fallback, least) {
+  const v = Number(params.get(name));
+  return Number.isFinite(v) && params.get(name) !== null ? Math.max(least, v) : fallback;
+}
+const INTERVAL_MS = numberParam("interval", 1000, 200);
+const WINDOW_S = numberParam("window", 300, 10); // timeline span
 const STATE_WORD = { healthy: "healthy", behind: "behind", waiting: "waiting", outside: "outside", dead: "DEAD" };
 
 function el(tag, attrs, ...children) {
