@@ -72,8 +72,10 @@ ROWS: tuple[Row, ...] = (
         Panel("Step", "short", "The current quorum's step, and the step each replica last committed.",
               ((f"fthsdp_lighthouse_quorum_max_step{J}", "{{job}} quorum"),
                (f"fthsdp_step{J}", "{{job}} replica {{replica}}"))),
-        Panel("Committed steps per second", "short", "Each replica's commits per second (caught-up steps count).",
-              ((f"sum by (job, replica) (rate(fthsdp_commits_total{J}[{RATE}]))", "{{job}} replica {{replica}}"),)),
+        Panel("Committed steps per second", "short",
+              "Each replica's commits per second (caught-up steps count); every process of a replica counts "
+              "its commits, so a replica's is the max over them.",
+              ((f"max by (job, replica) (rate(fthsdp_commits_total{J}[{RATE}]))", "{{job}} replica {{replica}}"),)),
         Panel("Step time", "s", "Wall time of a committed step (quorum, compute, all-reduce, retries): p50 and p99.",
               ((_quantile(0.5, "fthsdp_step_seconds"), "{{job}} p50"),
                (_quantile(0.99, "fthsdp_step_seconds"), "{{job}} p99"))),
@@ -82,8 +84,8 @@ ROWS: tuple[Row, ...] = (
     )),
     Row("Failures and stalls", (
         Panel("Replica failures in the last hour", "short",
-              "Replicas declared dead, or dropped from the quorum while alive, counted over the hour before "
-              "each point.",
+              "Replicas declared dead, dropped from the quorum while alive, or gone from the job (left after a "
+              "fault), counted over the hour before each point.",
               ((f"sum by (job, kind) (increase(fthsdp_lighthouse_failures_total{J}[1h]))", "{{job}} {{kind}}"),)),
         Panel("Heartbeat age", "s",
               "Seconds since the lighthouse last heard each replica; a replica is declared dead past the detection "
@@ -97,8 +99,8 @@ ROWS: tuple[Row, ...] = (
         Panel("Retried all-reduces and catch-ups", "short",
               "All-reduce attempts that failed and were retried on a new quorum, and steps on which a replica was "
               "behind and fetched the live state from its peers, per second.",
-              ((f"sum by (job, replica) (rate(fthsdp_retries_total{J}[{RATE}]))", "{{job}} {{replica}} retries"),
-               (f"sum by (job, replica) (rate(fthsdp_catch_ups_total{J}[{RATE}]))",
+              ((f"max by (job, replica) (rate(fthsdp_retries_total{J}[{RATE}]))", "{{job}} {{replica}} retries"),
+               (f"max by (job, replica) (rate(fthsdp_catch_ups_total{J}[{RATE}]))",
                 "{{job}} {{replica}} catch-ups"))),
         Panel("Who is stalling the job", "short",
               "The lighthouse's root-cause verdict: 1 for the current one, labelled with its kind (none, dead, "
