@@ -300,12 +300,11 @@ def _heartbeat_problem(req, limits: Limits, who: str, known: KnownAddresses | No
         if err:
             return err
         # Kept as sent and shown by `fthsdp status`, the dashboard (its JSON refuses NaN) and the
-        # root-cause analysis: every number must be a finite, non-negative one.
+        # root-cause analysis: every number must be finite (-1 is "not known yet", PhaseSnapshot).
         values = [ph.in_phase_s, ph.waiting_s, ph.compute_s, ph.last_step_s,
                   *(x for st in ph.streams for x in (st.bytes_per_s, st.busy_fraction))]
-        if not all(math.isfinite(v) and v >= 0.0 for v in values):
-            return (f"phase has a time, rate or fraction that is negative, NaN or infinite ({who}): report "
-                    "finite non-negative numbers")
+        if not all(math.isfinite(v) for v in values):
+            return f"phase has a time, rate or fraction that is NaN or infinite ({who}): report finite numbers"
     return None
 
 
