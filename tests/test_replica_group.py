@@ -175,6 +175,17 @@ def _kv_pair():
     return service, clients
 
 
+def _kv_shutdown(service, clients) -> None:
+    """Ends :func:`_kv_pair`'s store: each client's shutdown waits for the others (a barrier), so
+    they go from threads, then the service."""
+    import threading
+
+    for c in clients:
+        threading.Thread(target=c.shutdown, daemon=True).start()
+    time.sleep(0.2)
+    service.shutdown()
+
+
 def test_followers_learn_the_leaders_forked_verdict_at_leave():
     """The lighthouse judges a leaving replica's final state forked (its last quorum's steps were
     re-decided by a quorum it was not in): the leader's client records it, and each follower of
@@ -214,10 +225,7 @@ def test_followers_learn_the_leaders_forked_verdict_at_leave():
         finally:
             for c in [*clients, own]:
                 c.close()
-            for c in (kv0, kv1):
-                threading.Thread(target=c.shutdown, daemon=True).start()
-            time.sleep(0.2)
-            service.shutdown()
+            _kv_shutdown(service, (kv0, kv1))
 
 
 def test_a_followers_accusation_reaches_the_lighthouse_through_its_leader():
@@ -227,7 +235,6 @@ def test_a_followers_accusation_reaches_the_lighthouse_through_its_leader():
     leader sends it with its next quorum request: the lighthouse leaves replica 2 out. Before,
     a follower's accusations were dropped, and a faulty neighbour on a follower's ring failed
     every attempt of every replica on it until they ran out of retries."""
-    import threading
     from concurrent.futures import ThreadPoolExecutor
 
     from fthsdp.control.lighthouse import LighthouseConfig, LighthouseThread
@@ -280,10 +287,7 @@ def test_a_followers_accusation_reaches_the_lighthouse_through_its_leader():
         finally:
             for c in cs.values():
                 c.close()
-            for c in (kv0, kv1):
-                threading.Thread(target=c.shutdown, daemon=True).start()
-            time.sleep(0.2)
-            service.shutdown()
+            _kv_shutdown(service, (kv0, kv1))
 
 
 def test_a_followers_step0_verdict_is_its_leaders():
@@ -313,7 +317,4 @@ def test_a_followers_step0_verdict_is_its_leaders():
         with pytest.raises(ViewUnavailable, match="not \\[verdict, why, step, quorum id\\]"):
             follower.step0_verdict("wait", "x", 0, 9)
     finally:
-        for c in (kv0, kv1):
-            threading.Thread(target=c.shutdown, daemon=True).start()
-        time.sleep(0.2)
-        service.shutdown()
+        _kv_shutdown(service, (kv0, kv1))

@@ -1350,18 +1350,19 @@ class Lighthouse(pb2_grpc.LighthouseServicer):
                 f"this lighthouse serves {len(self._jobs)} jobs, its limit: job {request.job_id!r} is refused; "
                 "run it on another lighthouse, or wait for a finished job to be forgotten (--forget-after)"))
         rid = request.replica_id
+        proc = getattr(request, "process_index", 0)  # Leave: the replica's leader
         if job is None or rid not in job.last_seen:
             if job is not None and len(job.last_seen) >= lim.max_replicas_per_job:
                 return guard.Refusal(grpc.StatusCode.RESOURCE_EXHAUSTED, (
                     f"job {request.job_id!r} already has {len(job.last_seen)} replicas, this lighthouse's limit: "
                     f"replica {rid!r} is refused (raise --max-replicas-per-job if the job is really that large)"))
-            if (job is not None and getattr(request, "process_index", 0) > 0 and rid not in job.groups
+            if (job is not None and proc > 0 and rid not in job.groups
                     and len(job.groups) >= lim.max_replicas_per_job):
                 # a follower whose leader was never heard opens a group of its own: at most as many
                 # groups as replicas (orphans are dropped a detection window after their last beat)
                 return guard.Refusal(grpc.StatusCode.RESOURCE_EXHAUSTED, (
                     f"job {request.job_id!r} already holds {len(job.groups)} replicas of several processes, this "
-                    f"lighthouse's limit: process {request.process_index} of replica {rid!r}, whose leader (process 0) "
+                    f"lighthouse's limit: process {proc} of replica {rid!r}, whose leader (process 0) "
                     f"was never heard, is refused (start its leader; raise --max-replicas-per-job if the job is "
                     f"really that large)"))
             if not self._new_ids.take(guard.peer_host(peer), now):
@@ -1371,7 +1372,6 @@ class Lighthouse(pb2_grpc.LighthouseServicer):
             if self._admission is not None and not relayed:  # registering an id costs more than a call
                 self._admission.new_id(peer, now)
         if job is not None:
-            proc = getattr(request, "process_index", 0)  # Leave: the replica's leader
             holder = job.incarnations.get(rid, {}).get(proc)
             if proc > 0:
                 # A follower's holder is live by its own beats: its replica's new leader, asking

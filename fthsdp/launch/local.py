@@ -592,17 +592,14 @@ class LocalJob:
         if target is not None and target.poll() is None:
             os.kill(target.pid, sig)
 
-    @staticmethod
-    def _signal_target(rp: ReplicaProc, sig: int, process: int | None):
+    def _signal_target(self, rp: ReplicaProc, sig: int, process: int | None):
         """The process of ``rp``'s group a signal goes to (None: none runs); a SIGCONT with no
         process named wakes the one a stop froze."""
         if process is None:
             process = rp.stopped_process if sig == signal.SIGCONT else 0
         if sig == signal.SIGCONT:
             rp.stopped_process = 0
-        if rp.proc is None or not 0 <= process <= len(rp.followers):
-            return None
-        return rp.proc if process == 0 else rp.followers[process - 1]
+        return None if rp.proc is None else self.group_process(rp, process)
 
     def kill_replica(self, rid: int) -> None:
         rp = self.procs[rid]
