@@ -176,6 +176,45 @@ def test_a_batch_committed_but_not_logged_is_recorded_by_a_replica_back_after_th
     assert exactly_once(out, run) == (16, 15)
 
 
+def test_a_finished_replica_exiting_before_it_is_reaped_is_not_a_lost_job(tmp_path):
+    """The launcher reaps exited processes, then decides on restarts and the whole-job fallback
+    from its views of them. A finisher that exits between the two still held the job's last
+    state: its status file says so. Its view read as a running replica that never committed, so
+    with the other replica restarting to rejoin, "no healthy replica is left" restarted the whole
+    finished job from its checkpoint (seen in CI, in the test above)."""
+    from fthsdp.launch import supervise
+    from fthsdp.launch.local import LocalJob, ReplicaProc
+
+    job = LocalJob(config="base", overrides=[], out_dir=tmp_path, replicas=2, steps=16, faults=[], progress=False)
+    done = subprocess.Popen([sys.executable, "-c", "pass"])
+    rejoiner = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        while done.poll() is None:  # exited; the launcher has not reaped it yet
+            time.sleep(0.01)
+        (tmp_path / "status-0.json").write_text(json.dumps({"pid": done.pid, "step": 16, "state": "done",
+                                                            "final": True}))
+        r0, r1 = (job.procs.setdefault(rid, ReplicaProc(rid)) for rid in (0, 1))
+        r0.proc, r0.state, r0.progressed, r0.last_step = done, "running", True, 16
+        r1.proc, r1.state, r1.mode, r1.last_step = rejoiner, "running", "rejoin", 15
+        views = job.views()
+        assert views[0].live_step == 16
+        assert not supervise.needs_fallback(views)
+        job.maybe_fall_back()
+        assert job.job_restarts == [] and not job.gave_up
+        job.reap()
+        assert r0.state == "done" and supervise.job_done(job.views())
+        # a process that died (not finished) holds nothing, before it is reaped too
+        r0.proc, r0.state, r0.returncode = subprocess.Popen([sys.executable, "-c", "raise SystemExit(70)"]), \
+            "running", None
+        r0.proc.wait()
+        (tmp_path / "status-0.json").write_text(json.dumps({"pid": r0.proc.pid, "step": 16}))
+        assert job.views()[0].live_step is None
+    finally:
+        rejoiner.kill()
+        rejoiner.wait()
+        job.shutdown()
+
+
 def test_no_healthy_replica_left_falls_back_to_the_checkpoint(tmp_path):
     out = tmp_path / "run"
     # both replicas die at step 15 (the restart of the first is delayed past the

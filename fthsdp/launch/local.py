@@ -246,9 +246,13 @@ class LocalJob:
 
     def live_status(self, rid: int) -> dict:
         """The status its *live* process wrote; {} before that process commits
-        (a killed predecessor's file says nothing about the new process)."""
+        (a killed predecessor's file says nothing about the new process). A process
+        that finished (exit 0) but is not reaped yet still has its last word: one that
+        exits between reap() and a decision must not read as running without a commit
+        (a finisher then looked like "no healthy replica left"). One that died holds
+        nothing any more, reaped or not."""
         rp = self.procs.get(rid)
-        if rp is None or rp.proc is None or rp.proc.poll() is not None:
+        if rp is None or rp.proc is None or rp.proc.poll() not in (None, 0):
             return {}
         try:
             st = json.loads((self.out_dir / f"status-{rid}.json").read_text())

@@ -600,7 +600,9 @@ class RayJob(LocalJob):
         import json
 
         rp = self.procs.get(rid)
-        if rp is None or not isinstance(rp.proc, ActorProcess) or rp.proc.poll() is not None or not rp.proc.placed:
+        # a finished, unreaped process keeps its last word (see LocalJob.live_status)
+        if rp is None or not isinstance(rp.proc, ActorProcess) or rp.proc.poll() not in (None, 0) \
+                or not rp.proc.placed:
             return {}
         try:
             st = json.loads((self.out_dir / f"status-{rid}.json").read_text())
