@@ -19,14 +19,15 @@ def run(script, *args, timeout=400):
 
 def test_failure_stall_quick(tmp_path):
     out = tmp_path / "fs.json"
-    run("failure_stall.py", "--quick", "--out", str(out))
+    # One shape: the quick form's two-process shape (3x1p2) is the killed group of
+    # tests/test_multiprocess_replica.py, whose survivors' stall is bounded there.
+    run("failure_stall.py", "--quick", "--configs", "3x2", "--out", str(out))
     res = json.loads(out.read_text())
     for key in ("detection_s", "rebuild_s", "allreduce_s", "median_step_s", "stall_s"):
         assert isinstance(res[key], float) and res[key] >= (-1 if key == "stall_s" else 0), key
-    # a one-process shape and a two-process shape (issue 11), side by side
-    assert len(res["runs"]) == 2 and all(r["identical_final_state"] for r in res["runs"])
-    assert set(res["shapes"]) == {"3x2 P1", "3x1 P2"}
-    assert 0 < res["detection_s"] < 3.0 and 0 < res["shapes"]["3x1 P2"]["detection_s"] < 3.0
+    assert len(res["runs"]) == 1 and all(r["identical_final_state"] for r in res["runs"])
+    assert set(res["shapes"]) == {"3x2 P1"}
+    assert 0 < res["detection_s"] < 3.0
     assert out.with_suffix(".png").stat().st_size > 10_000
 
 
