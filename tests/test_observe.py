@@ -472,6 +472,73 @@ def test_a_status_answer_that_cannot_be_read_is_reported_not_raised():
         server.stop(None)
 
 
+def test_dashboard_access_rules_are_one_pure_decision():
+    a = dash_mod.access
+    tok = "ab" * 32
+    assert a("/api/status", "", "127.0.0.1:8765", None, None, None).code == 200  # no token: open
+    assert a("/", "", "[::1]:8765", None, None, None).code == 200
+    assert a("/", "", "localhost:8765", None, None, None).code == 200
+    assert a("/", "", None, None, None, None).code == 200  # HTTP/1.0, no Host: not a browser
+    rebind = a("/api/status", "", "evil.example:8765", None, None, None)
+    assert rebind.code == 403 and "--allow-host" in rebind.reason
+    assert a("/", "", "Dash.Internal:80", None, None, None, frozenset({"dash.internal"})).code == 200
+    assert a("/", "", "[::1", None, None, None).code == 200 and a("/", "", "a:b:c", None, None, None).code == 403
+    missing = a("/api/status", "", "127.0.0.1", None, None, tok)
+    assert missing.code == 401 and "no access token" in missing.reason and "--access-token-file" in missing.reason
+    assert a("/api/status", "", "127.0.0.1", "Bearer " + "cd" * 32, None, tok).reason.startswith("a wrong")
+    assert a("/metrics", "", "127.0.0.1", "bearer " + tok, None, tok) == dash_mod.Verdict(200)
+    assert a("/", "token=" + tok, "127.0.0.1", None, None, tok) == dash_mod.Verdict(200, set_cookie=True)
+    assert a("/", "", "127.0.0.1", None, f"x=1; {dash_mod.TOKEN_COOKIE}={tok}", tok) == dash_mod.Verdict(200)
+    assert a("/", "", "127.0.0.1", None, 'bad"cookie; =;', tok).code == 401  # unreadable cookie: no token
+    assert a("/", "token=\u00e9", "127.0.0.1", "Bearer \u00e9", None, tok).code == 401
+    assert a("/healthz", "", "127.0.0.1", None, None, tok).code == 200  # liveness probes need no token
+
+
+def test_dashboard_with_a_status_key_needs_a_token_beyond_loopback_and_serves_only_with_it(tmp_path):
+    """The dashboard reads the lighthouse with its status key; served on a non-loopback address
+    without a token it would hand what that key protects to anyone who reaches it."""
+    import urllib.error
+
+    key, tok = b"k" * 32, bytes(range(32))
+    with pytest.raises(ValueError, match="access token.*--access-token-file"):
+        dash_mod.Dashboard("127.0.0.1:1", "0.0.0.0:0", status_key=key)
+    dash_mod.Dashboard("127.0.0.1:1", "127.0.0.1:0", status_key=key)._httpd.server_close()  # loopback: fine
+    # bound to every address, reached here over loopback only
+    with dash_mod.Dashboard("127.0.0.1:1", "0.0.0.0:0", interval_s=0.2, status_key=key, access_token=tok) as d:
+        base = f"http://127.0.0.1:{d.address.rpartition(':')[2]}/"
+
+        def fetch(path, **headers):
+            try:
+                with urllib.request.urlopen(urllib.request.Request(base + path, headers=headers), timeout=10) as r:
+                    return r.status, r.headers, r.read()
+            except urllib.error.HTTPError as e:
+                return e.code, e.headers, e.read()
+
+        code, headers, body = fetch("api/status")
+        assert code == 401 and b"no access token" in body and headers["WWW-Authenticate"].startswith("Bearer")
+        assert fetch("metrics", Authorization="Bearer " + "00" * 32)[0] == 401
+        assert fetch("metrics", Authorization="Bearer " + tok.hex())[0] == 200
+        code, headers, body = fetch("?token=" + tok.hex())
+        assert code == 200 and b"<html" in body.lower()
+        cookie = headers["Set-Cookie"]
+        assert cookie.startswith(f"{dash_mod.TOKEN_COOKIE}={tok.hex()};") and "HttpOnly" in cookie
+        assert "SameSite=Strict" in cookie
+        code, _, body = fetch("api/status", Cookie=cookie.partition(";")[0])  # the page's own polls
+        assert code == 200 and json.loads(body)["lighthouse"] == "127.0.0.1:1"
+        assert fetch("healthz")[0] == 200
+        assert fetch("api/status", Host="rebound.example", Authorization="Bearer " + tok.hex())[0] == 403
+    tok_file = tmp_path / "token"
+    tok_file.write_text(tok.hex() + "\n")
+    tok_file.chmod(0o600)
+    key_file = tmp_path / "status.key"
+    key_file.write_text(key.hex() + "\n")
+    key_file.chmod(0o600)
+    bad = subprocess.run([sys.executable, "-m", "fthsdp.cli", "dashboard", "--lighthouse", "127.0.0.1:1", "--bind",
+                          "0.0.0.0:0", "--status-key-file", str(key_file)], cwd=REPO, capture_output=True, text=True,
+                         timeout=60)
+    assert bad.returncode == 2 and "--access-token-file" in bad.stderr
+
+
 def test_dashboard_cli_serves_on_the_port_it_writes(tmp_path):
     from fthsdp.control.lighthouse import LighthouseThread
 

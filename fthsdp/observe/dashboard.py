@@ -14,12 +14,25 @@ A small HTTP server polls a lighthouse's public Status RPC and serves:
 The server is bounded: a fixed number of requests are served at once (the
 rest get 503), each socket has a timeout, and the poll history has a fixed
 size. It only reads the lighthouse, so it can run anywhere that reaches it.
+
+Who may read it (``access``): a request's ``Host`` must name an IP address,
+``localhost`` or a name given with ``--allow-host`` (a web page elsewhere that
+points its own name at this address, DNS rebinding, would otherwise read the
+page through the user's browser). With an access token (``--access-token-file``)
+every path but ``/healthz`` needs it: ``Authorization: Bearer HEX`` (Prometheus's
+``authorization.credentials_file``), or ``/?token=HEX`` once in a browser, which
+sets a cookie for the page's own polls. A dashboard that holds the lighthouse's
+status key serves what that key protects, so it refuses a non-loopback bind
+without a token.
 """
 
 from __future__ import annotations
 
 import argparse
+import hmac
+import http.cookies
 import importlib.resources
+import ipaddress
 import json
 import logging
 import math
@@ -29,9 +42,11 @@ import signal
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
+from urllib.parse import parse_qs
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
@@ -42,6 +57,63 @@ from fthsdp.observe.metrics import LighthouseMetrics, parse_bind
 log = logging.getLogger("fthsdp.observe.dashboard")
 
 STATIC_FILES = ("index.html", "dashboard.css", "dashboard.js")
+TOKEN_COOKIE = "fthsdp_dashboard_token"
+TOKEN_FILE_ENV, TOKEN_ENV = "FTHSDP_DASHBOARD_TOKEN_FILE", "FTHSDP_DASHBOARD_TOKEN"
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What ``access`` decided about one request: its HTTP code (200 = serve it), why not, and
+    whether to set the token's cookie (a browser that brought it in the URL)."""
+
+    code: int
+    reason: str = ""
+    set_cookie: bool = False
+
+
+def host_allowed(host_header: str | None, allowed: frozenset[str]) -> bool:
+    """A request's ``Host`` names an IP address, ``localhost`` or an allowed name (no Host at
+    all is an HTTP/1.0 client, not a browser: allowed)."""
+    if host_header is None:
+        return True
+    name = host_header.strip().lower()
+    if name.startswith("["):  # [v6]:port
+        name = name[1:].partition("]")[0]
+    elif name.count(":") == 1:
+        name = name.partition(":")[0]
+    if name in ("localhost", *allowed):
+        return True
+    try:
+        ipaddress.ip_address(name)
+    except ValueError:
+        return False
+    return True
+
+
+def access(path: str, query: str, host_header: str | None, authorization: str | None, cookie: str | None,
+           token: str | None, allowed_hosts: frozenset[str] = frozenset()) -> Verdict:
+    """Whether to serve a request (pure: its parts in, a verdict out)."""
+    if not host_allowed(host_header, allowed_hosts):
+        return Verdict(HTTPStatus.FORBIDDEN, f"Host {host_header!r} is not this dashboard's: open it by its IP "
+                                             "address or localhost, or start it with --allow-host NAME")
+    if token is None or path == "/healthz":
+        return Verdict(HTTPStatus.OK)
+    given = []
+    if authorization and authorization[:7].lower() == "bearer ":
+        given.append(("header", authorization[7:].strip()))
+    try:
+        jar = http.cookies.SimpleCookie(cookie or "")
+    except http.cookies.CookieError:
+        jar = http.cookies.SimpleCookie()
+    if TOKEN_COOKIE in jar:
+        given.append(("cookie", jar[TOKEN_COOKIE].value))
+    given += [("query", v) for v in parse_qs(query).get("token", [])[:1]]
+    for where, value in given:
+        if hmac.compare_digest(value.encode("utf-8", "replace"), token.encode()):
+            return Verdict(HTTPStatus.OK, set_cookie=where == "query")
+    why = "a wrong access token" if given else "no access token"
+    return Verdict(HTTPStatus.UNAUTHORIZED, f"{why}: this dashboard needs the hex of its --access-token-file, as "
+                                            "/?token=HEX in a browser or 'Authorization: Bearer HEX'")
 
 
 def static_dir() -> Any:
@@ -79,9 +151,20 @@ class Dashboard:
     ``address`` is where it listens (port 0 binds a free port)."""
 
     def __init__(self, lighthouse: str, bind: str = "127.0.0.1:8765", interval_s: float = 0.5,
-                 max_concurrent: int = 16, socket_timeout_s: float = 10.0, status_key: bytes | None = None) -> None:
+                 max_concurrent: int = 16, socket_timeout_s: float = 10.0, status_key: bytes | None = None,
+                 access_token: bytes | None = None, allow_hosts: tuple[str, ...] = ()) -> None:
         if interval_s <= 0:
             raise ValueError(f"poll interval {interval_s!r}: must be > 0 seconds")
+        from fthsdp.control.lighthouse import is_loopback
+
+        host, port = parse_bind(bind)
+        if status_key is not None and access_token is None and not is_loopback(host):
+            raise ValueError(f"--bind {bind}: this dashboard reads the lighthouse with its status key and would "
+                             "serve what the key protects to anyone who reaches that address; give it an access "
+                             "token (--access-token-file, e.g. from `openssl rand -hex 32`) or bind a loopback "
+                             "address")
+        self.access_token = access_token.hex() if access_token is not None else None
+        self.allow_hosts = frozenset(h.strip().lower() for h in allow_hosts if h.strip())
         self.poller = StatusPoller(lighthouse, rpc_timeout_s=max(1.0, 4 * interval_s), status_key=status_key)
         self.lighthouse = lighthouse
         self.interval_s = interval_s
@@ -93,7 +176,6 @@ class Dashboard:
         self._stop = threading.Event()
         self._slots = threading.BoundedSemaphore(max_concurrent)
         self._static = {name: static_dir().joinpath(name).read_bytes() for name in STATIC_FILES}
-        host, port = parse_bind(bind)
         server_class = type("DashboardHTTPServer", (ThreadingHTTPServer,), {"address_family": family(host)})
         self._httpd = server_class((host, port), self._handler_class(socket_timeout_s))
         self._httpd.daemon_threads = True
@@ -142,12 +224,18 @@ class Dashboard:
         class Handler(BaseHTTPRequestHandler):
             timeout = socket_timeout_s
             server_version = "fthsdp-dashboard"
+            _set_cookie = False
 
             def log_message(self, fmt: str, *args: Any) -> None:  # quiet: polled every second
                 log.debug("%s " + fmt, self.address_string(), *args)
 
             def _send(self, code: int, body: bytes, ctype: str) -> None:
                 self.send_response(code)
+                if self._set_cookie:  # HttpOnly: no script reads it; Strict: no other site's page sends it
+                    self.send_header("Set-Cookie", f"{TOKEN_COOKIE}={dash.access_token}; Path=/; HttpOnly; "
+                                                   "SameSite=Strict")
+                if code == HTTPStatus.UNAUTHORIZED:
+                    self.send_header("WWW-Authenticate", 'Bearer realm="fthsdp dashboard"')
                 self.send_header("Content-Type", ctype)
                 self.send_header("Content-Length", str(len(body)))
                 self.send_header("Cache-Control", "no-store")
@@ -163,7 +251,14 @@ class Dashboard:
                     self._send(HTTPStatus.SERVICE_UNAVAILABLE, b"busy: too many requests at once\n", "text/plain")
                     return
                 try:
-                    self._route(self.path.split("?", 1)[0])
+                    path, _, query = self.path.partition("?")
+                    verdict = access(path, query, self.headers.get("Host"), self.headers.get("Authorization"),
+                                     self.headers.get("Cookie"), dash.access_token, dash.allow_hosts)
+                    self._set_cookie = verdict.set_cookie
+                    if verdict.code != HTTPStatus.OK:
+                        self._send(verdict.code, verdict.reason.encode() + b"\n", "text/plain; charset=utf-8")
+                        return
+                    self._route(path)
                 finally:
                     dash._slots.release()
 
@@ -223,6 +318,13 @@ def cli(argv: list[str]) -> int:
     p.add_argument("--port-file", default="", help="write the bound port here once listening (for scripts)")
     p.add_argument("--status-key-file", default=None,
                    help="the lighthouse's read-only status key (`fthsdp run` writes status.key in its run directory)")
+    p.add_argument("--access-token-file", default=None,
+                   help="64 hex digits every reader must present (/?token=HEX once in a browser, or "
+                        "'Authorization: Bearer HEX'); needed to serve a status key's view beyond loopback "
+                        f"(or ${TOKEN_FILE_ENV}, ${TOKEN_ENV})")
+    p.add_argument("--allow-host", action="append", default=[], metavar="NAME",
+                   help="a host name this dashboard is reached by (requests naming another are refused; IP "
+                        "addresses and localhost always work); repeatable")
     logs.add_format_argument(p)
     args = p.parse_args(argv)
     logs.setup("fthsdp.observe.dashboard", fmt=args.log_format)
@@ -230,12 +332,15 @@ def cli(argv: list[str]) -> int:
 
     try:
         key = auth.load_secret(args.status_key_file) if args.status_key_file else None
-        dash = Dashboard(args.lighthouse, args.bind, interval_s=args.interval, status_key=key)
+        token = auth.load_secret(args.access_token_file, file_env=TOKEN_FILE_ENV, env=TOKEN_ENV)
+        dash = Dashboard(args.lighthouse, args.bind, interval_s=args.interval, status_key=key, access_token=token,
+                         allow_hosts=tuple(args.allow_host))
     except (ValueError, OSError) as e:
         p.error(str(e))
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # close the server cleanly on `kill`
     with dash:
-        log.info("dashboard of lighthouse %s at %s", args.lighthouse, dash.url)
+        log.info("dashboard of lighthouse %s at %s%s", args.lighthouse, dash.url,
+                 "?token=HEX (HEX: the access token)" if token is not None else "")
         if args.port_file:
             path = pathlib.Path(args.port_file)
             tmp = path.with_name(f".{path.name}.tmp")
