@@ -155,6 +155,31 @@ def test_history_keeps_jobs_apart_and_estimates_step_time():
     assert h2.step_seconds("j", "0") == pytest.approx(6.0 / 9)  # 5 -> 14 healthy over 6 s
 
 
+def test_history_and_exporter_forget_old_jobs_and_replicas():
+    """A dashboard or exporter that runs for months keeps a bounded history: a job the lighthouse
+    stopped listing an hour ago goes (with its counters), at most MAX_JOBS are kept, and a replica
+    the lighthouse forgot leaves its step-time window."""
+    m = LighthouseMetrics()
+    h = m.history
+    m.update(LighthouseView(0.0, (JobView("old", (rv(0, 1), rv(1, 1)), qv(1, [0, 1]), "", 2, 1),), 0.8, 1))
+    m.update(LighthouseView(1.0, (JobView("old", (rv(0, 2),), qv(2, [0]), "", 2, 1),), 0.8, 1))  # 1 left the job
+    assert set(h.jobs["old"].steps) == {"0"}
+    value = m.registry.get_sample_value
+    assert value("fthsdp_lighthouse_failures_total", {"job": "old", "kind": "left job"}) == 1.0
+    m.update(LighthouseView(1000.0, (JobView("new", (rv(0, 1),), qv(1, [0]), "", 1, 1),), 0.8, 1))
+    assert set(h.jobs) == {"old", "new"} and h.forgotten == []  # unlisted for 999 s: its failures stay
+    m.update(LighthouseView(1.0 + h.FORGET_AFTER_S + 1, (JobView("new", (rv(0, 2),), qv(1, [0]), "", 1, 1),), 0.8, 1))
+    assert set(h.jobs) == {"new"} and h.forgotten == ["old"]
+    assert value("fthsdp_lighthouse_failures_total", {"job": "old", "kind": "left job"}) is None
+    assert value("fthsdp_lighthouse_quorum_decisions_total", {"job": "old"}) is None
+    assert value("fthsdp_lighthouse_quorum_decisions_total", {"job": "new"}) == 1.0
+    small = History()
+    small.MAX_JOBS = 3
+    for t in range(6):
+        small.update(LighthouseView(float(t), (JobView(f"j{t}", (rv(0),), qv(1, [0]), "", 1, 1),), 0.8, 1))
+    assert sorted(small.jobs) == ["j3", "j4", "j5"]
+
+
 def test_timeline_json_is_the_changes_and_the_last_sample():
     h = History()
     for v in kill_and_rejoin_views():

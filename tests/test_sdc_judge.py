@@ -125,10 +125,16 @@ def test_status_view_metrics_and_text_show_a_mismatch():
     (e,) = view.jobs[0].sdc_events
     assert e.culprits == ("1",) and e.step == 9 and not e.fatal
     m = LighthouseMetrics()
+    m.update(view_from_proto(pb2.StatusResponse(jobs=[pb2.JobStatus(job_id="j")]), 0.0))  # before the mismatch
     m.update(view)
     m.update(view)  # the same event seen twice counts once
     assert m.registry.get_sample_value("fthsdp_lighthouse_sdc_mismatches_total",
                                        {"job": "j", "replica": "1", "fatal": "false"}) == 1.0
+    late = LighthouseMetrics()  # started (or restarted) after it: not counted again
+    late.update(view)
+    late.update(view)
+    assert late.registry.get_sample_value("fthsdp_lighthouse_sdc_mismatches_total",
+                                          {"job": "j", "replica": "1", "fatal": "false"}) is None
     text = format_status([JobStatus("j", (ReplicaStatus("1", 9, 0.1, False, False, fingerprint=8, fingerprint_step=9,
                                                         condemned=v.reason),), None, "", 1, 3,
                                     sdc_events=tuple(resp.jobs[0].sdc_events))])

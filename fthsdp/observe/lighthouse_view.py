@@ -258,13 +258,33 @@ class History:
     """
 
     STEP_WINDOW = 20  # polls used for a replica's step-time estimate
+    # A job the lighthouse no longer lists is kept this long (its failures stay on the page; the
+    # lighthouse itself forgets a silent job after 10 minutes), and at most MAX_JOBS jobs are kept:
+    # a dashboard that runs for months does not keep every job it ever saw.
+    FORGET_AFTER_S = 3600.0
+    MAX_JOBS = 256
 
     def __init__(self) -> None:
         self.jobs: dict[str, JobHistory] = {}
         self._prev: dict[str, Sample] = {}
+        self._last_listed: dict[str, float] = {}  # job -> the time of the last view that listed it
+        self.forgotten: list[str] = []  # the jobs the last update() forgot (their series go too)
+
+    def _forget_old_jobs(self, now: float) -> None:
+        by_age = sorted(self._last_listed, key=self._last_listed.__getitem__)
+        gone = [j for j in by_age if now - self._last_listed[j] > self.FORGET_AFTER_S]
+        gone += [j for j in by_age if j not in gone][:max(0, len(by_age) - len(gone) - self.MAX_JOBS)]
+        for j in gone:
+            self.jobs.pop(j, None)
+            self._prev.pop(j, None)
+            del self._last_listed[j]
+        self.forgotten = gone
 
     def update(self, view: LighthouseView) -> list[Failure]:
         found: list[Failure] = []
+        for job in view.jobs:
+            self._last_listed[job.job_id] = view.time
+        self._forget_old_jobs(view.time)
         for job in view.jobs:
             h = self.jobs.setdefault(job.job_id, JobHistory())
             q = job.quorum
@@ -303,6 +323,8 @@ class History:
                 if dq and r.step < dq[-1][1]:
                     dq.clear()  # restarted from an earlier step
                 dq.append((view.time, r.step, s.states[r.replica_id]))
+            for gone in set(h.steps) - set(s.states):  # a replica the lighthouse forgot
+                del h.steps[gone]
             if prev is not None and job.finished_step is None:
                 listed = {r.replica_id for r in job.replicas}
                 new.extend(Failure(job.job_id, rid, LEFT_JOB, view.time, prev.quorum_id) for rid in prev.members

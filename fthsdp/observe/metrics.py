@@ -265,7 +265,9 @@ class LighthouseMetrics:
                            "Replicas whose state fingerprint disagreed with the others' after a commit (silent data "
                            "corruption); fatal=true: no majority, the job was stopped", ["job", "replica", "fatal"],
                            registry=r)
-        self._sdc_seen: set[tuple] = set()
+        self._sdc_seen: set[tuple] = set()  # (job, step, culprits, fatal) already counted
+        self._sdc_labels: dict[str, set[tuple[str, ...]]] = {}  # job -> its SDC counter's label sets
+        self._polled = False  # the first view seeds what was counted (see update)
         self._stall_pending: list = []  # failures whose stall has not ended yet
         self._decisions_seen: dict[str, int] = {}
         self._labels: dict[Any, set[tuple[str, ...]]] = {}
@@ -312,8 +314,16 @@ class LighthouseMetrics:
                 if key in self._sdc_seen:
                     continue
                 self._sdc_seen.add(key)
+                if not self._polled:
+                    # found before this exporter started (or restarted): counting it again would
+                    # read as a new mismatch to increase() and fire its alert a second time
+                    continue
                 for who in (e.culprits or ("-",)):  # a fatal mismatch names no culprit
-                    self.sdc.labels(job.job_id, who, "true" if e.fatal else "false").inc()
+                    labels = (job.job_id, who, "true" if e.fatal else "false")
+                    self.sdc.labels(*labels).inc()
+                    self._sdc_labels.setdefault(job.job_id, set()).add(labels)
+        self._polled = True
+        self._forget(self.history.forgotten)
         for f in failures:
             job = f.job
             self.failures.labels(job, f.kind).inc()
@@ -330,6 +340,27 @@ class LighthouseMetrics:
             for labels in old - seen.get(gauge, set()):
                 gauge.remove(*labels)
         self._labels = seen
+
+    def _forget(self, jobs: list[str]) -> None:
+        """Drop the counters of jobs the history forgot (kept an hour after the lighthouse stopped
+        listing them): an exporter that runs for months holds a bounded number of series."""
+        for j in jobs:
+            for kind in FAILURE_KINDS:
+                self._remove(self.failures, j, kind)
+            for metric in (self.detection, self.stall, self.decisions):
+                self._remove(metric, j)
+            for labels in self._sdc_labels.pop(j, ()):
+                self._remove(self.sdc, *labels)
+            self._decisions_seen.pop(j, None)
+            self._sdc_seen = {k for k in self._sdc_seen if k[0] != j}
+            self._stall_pending = [f for f in self._stall_pending if f.job != j]
+
+    @staticmethod
+    def _remove(metric, *labels: str) -> None:
+        try:
+            metric.remove(*labels)
+        except KeyError:  # never created
+            pass
 
     def poll_once(self, poller: StatusPoller) -> LighthouseView | None:
         try:
