@@ -489,6 +489,12 @@ def test_the_load_line_gives_rates_between_two_readings_and_restarts_from_a_new_
                                  "UNAUTHENTICATED")
     # a restarted lighthouse (less uptime than the last reading): its counters began again
     assert format_load(load(5.0, 1.0, 50, 0, 0.0, {}), b).startswith("lighthouse since it started 0m05s ago")
+    # ... or more uptime, from a restart longer ago than the last reading: a counter went back
+    later = load(200.0, 30.0, 9_000, 400, 0.8, {"INVALID_ARGUMENT": 2, "UNAUTHENTICATED": 5})
+    assert format_load(later, b).startswith("lighthouse since it started 3m20s ago")
+    fewer_refused = load(200.0, 30.0, 20_000, 400, 0.8, {"INVALID_ARGUMENT": 1})
+    assert format_load(fewer_refused, b).startswith("lighthouse since it started")
+    assert "-" not in format_load(later, b)  # no negative rate
     # behind relays: the share of the messages that came through them (a drop: processes left their relays)
     c, d = load(100.0, 20.0, 10_000, 200, 0.4, {}, 6_000, 1_000), load(110.0, 25.0, 12_000, 300, 0.6, {}, 6_500, 1_100)
     assert "200 session messages/s (3 sessions open, 4 opened; 50/s of them through 1 relay stream(s) in 10 " \

@@ -425,7 +425,7 @@ def load_from_status(resp: "pb2.StatusResponse") -> LoadSnapshot | None:
 def format_load(load: LoadSnapshot, before: LoadSnapshot | None = None) -> str:
     """A person's line about the lighthouse's load: since it started, or, given the reading
     ``before`` of the same lighthouse (``fthsdp status --watch``), between the two."""
-    if before is not None and load.uptime_s > before.uptime_s:
+    if before is not None and load.uptime_s > before.uptime_s and not _counters_went_back(load, before):
         span, since = load.uptime_s - before.uptime_s, f"over the last {load.uptime_s - before.uptime_s:.1f}s"
     else:  # the first reading, or a restarted lighthouse (its counters began again)
         before, span, since = None, load.uptime_s, f"since it started {_duration(load.uptime_s)} ago"
@@ -455,6 +455,18 @@ def format_load(load: LoadSnapshot, before: LoadSnapshot | None = None) -> str:
         "refused: " + (", ".join(f"{v} {k}" for k, v in refused.items() if v) or "none"),
     ]
     return f"lighthouse {since}: {load.jobs} job(s); " + "; ".join(parts)
+
+
+_LOAD_COUNTERS = ("held_total", "sessions_opened", "session_messages", "relay_batches", "relayed_messages",
+                  "evaluations", "evaluation_s", "heartbeats", "cpu_s")
+
+
+def _counters_went_back(load: LoadSnapshot, before: LoadSnapshot) -> bool:
+    """A counter smaller than at the reading before: the lighthouse restarted between the two,
+    though its uptime grew past the old one (a watch slower than the restart); the rates since
+    then would be negative."""
+    return (any(getattr(load, n) < getattr(before, n) for n in _LOAD_COUNTERS)
+            or any(load.refused_by_code.get(k, 0) < v for k, v in before.refused_by_code.items()))
 
 
 def _duration(s: float) -> str:
