@@ -379,3 +379,17 @@ def test_a_session_request_without_a_usable_deadline_is_refused_before_it_is_sen
             s.request("Heartbeat", b"", timeout_s)
     finally:
         s.close()
+    # the emulation's asyncio client, the same rule
+    import asyncio
+
+    from fthsdp.sim.aio_client import AioSession
+
+    async def ask():
+        channel = grpc.aio.insecure_channel("127.0.0.1:9")
+        try:
+            with pytest.raises(ValueError, match="timeout_s is .*finite number of seconds"):
+                await AioSession(channel).request("Heartbeat", b"", timeout_s)
+        finally:
+            await channel.close()
+
+    asyncio.run(ask())

@@ -59,7 +59,7 @@ pb2, _ = _load_stubs()
 log = logging.getLogger("fthsdp.control.lighthouse")
 
 __all__ = ["SERVICE", "METHOD", "RELAY_METHOD", "SESSION_METHODS", "MAX_OPEN", "MAX_OPEN_RELAYED", "MAX_BATCH",
-           "MAX_BATCH_BYTES", "MAX_TIMEOUT_S", "UNREADABLE", "Stream", "envelope", "reply", "envelope_problem", "batch", "take_batch",
+           "MAX_BATCH_BYTES", "MAX_TIMEOUT_S", "UNREADABLE", "Stream", "check_deadline", "envelope", "reply", "envelope_problem", "batch", "take_batch",
            "batch_problem", "generic_handler",
            "status_code"]
 
@@ -89,6 +89,14 @@ _CODES = {c.value[0]: c for c in grpc.StatusCode}
 def status_code(value: int) -> grpc.StatusCode:
     """The gRPC status code of a reply's ``code`` (UNKNOWN for a number gRPC does not define)."""
     return _CODES.get(value, grpc.StatusCode.UNKNOWN)
+
+
+def check_deadline(method: str, timeout_s: float) -> None:
+    """A client's own check of a request's deadline, before it waits on it: ``inf`` or a month
+    would raise in the wait's timer, or be refused by the lighthouse after it was sent."""
+    if not (math.isfinite(timeout_s) and 0.0 < timeout_s <= MAX_TIMEOUT_S):
+        raise ValueError(f"{method}: timeout_s is {timeout_s!r}; give a finite number of seconds in "
+                         f"(0, {MAX_TIMEOUT_S:g}] (the lighthouse refuses other deadlines)")
 
 
 def envelope(seq: int, method: str, body: bytes, timeout_s: float = 0.0) -> bytes:

@@ -409,9 +409,7 @@ class SyncSession:
         """Send request ``body`` of ``method`` and wait at most ``timeout_s`` for its reply's body.
         Raises :class:`SessionError` (the status the unary call would have had; ``DEADLINE_EXCEEDED``
         when nothing came back in time, ``UNAVAILABLE`` when the stream broke)."""
-        if not (math.isfinite(timeout_s) and 0.0 < timeout_s <= session.MAX_TIMEOUT_S):
-            raise ValueError(f"{method}: timeout_s is {timeout_s!r}; give a finite number of seconds in "
-                             f"(0, {session.MAX_TIMEOUT_S:g}] (the lighthouse refuses other deadlines)")
+        session.check_deadline(method, timeout_s)
         w = _Waiter()
         with self._lock:
             if self._closed:

@@ -243,6 +243,7 @@ class AioSession:
 
     async def request(self, method: str, body: bytes, timeout_s: float) -> bytes:
         """``body``'s reply body; raises SessionError (the unary call's status)."""
+        sess.check_deadline(method, timeout_s)
         seq = next(self._seq)
         fut = asyncio.get_running_loop().create_future()
         self._waiters[seq] = fut
