@@ -157,6 +157,11 @@ class LaunchConfig:
     replicas: int = 1
     devices_per_replica: int = 2  # per process of a replica
     processes_per_replica: int = 1  # one JAX runtime per replica over all its processes (fthsdp.replica.group)
+    # The job's name at its lighthouse, which serves every job by name: two jobs on one lighthouse
+    # need two names (with the same one their replicas would join one quorum). With an
+    # authenticated external lighthouse it is the JOB of `fthsdp lighthouse --print-job-secret JOB`
+    # (the job's secret is derived from it). It also names the checkpoint directory's owner.
+    job_id: str = "fthsdp"
     lighthouse: str = ""  # host:port ([v6]:port) of a running lighthouse; empty = start one locally
     lighthouse_bind: str = "127.0.0.1:0"  # where the launcher's own lighthouse listens (port 0: any free one)
     lighthouse_advertise: str = ""  # the host replicas reach it on (empty: the bind host)

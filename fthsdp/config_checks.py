@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import typing
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -182,6 +183,15 @@ def _readable_or_empty(value: Any) -> None:
         raise ValueError("is not a readable file (give the path of a PEM file, or leave it empty)")
 
 
+_JOB_ID = re.compile(r"[A-Za-z0-9._-]{1,64}")
+
+
+def _job_id(value: Any) -> None:
+    if not isinstance(value, str) or not _JOB_ID.fullmatch(value):
+        raise ValueError("a job's name is 1 to 64 ASCII letters, digits, '.', '_' or '-' (it names the job at "
+                         "its lighthouse, in its replicas' Ray actor names and in the checkpoint directory)")
+
+
 def _secret_file_or_empty(value: Any) -> None:
     if value == "":
         return
@@ -324,6 +334,7 @@ RULES: dict[str, Rule] = {
     "launch.replicas": _int(1),
     "launch.devices_per_replica": _int(1),
     "launch.processes_per_replica": _int(1, why="processes of one replica (process 0 leads)"),
+    "launch.job_id": Parsed(_job_id, "the job's name at its lighthouse: 1 to 64 of A-Z a-z 0-9 . _ -"),
     "launch.lighthouse": Parsed(_host_port_or_empty, "empty (start one locally) or host:port ([v6]:port)"),
     "launch.lighthouse_bind": Parsed(_bind_address, "host:port ([v6]:port) to listen on, port 0 = any free port"),
     "launch.lighthouse_advertise": Parsed(_host_or_empty, "empty (the bind host) or the host replicas connect to"),

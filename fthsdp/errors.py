@@ -135,6 +135,11 @@ def classify(exc: BaseException) -> Classified:
                                                     "can form a quorum; restart it or resume the job)")
         if "InvalidLighthouseRequest" in names:
             return Classified(FaultClass.JOB_FATAL, f"{what} (the replicas of this job disagree on its shape)")
+        if "NotAuthorized" in names and "ReplicaIdHeld" not in names:
+            return Classified(FaultClass.JOB_FATAL, f"{what} (the lighthouse refuses this job's credential, and "
+                                                    "asking again cannot change it: give the job the secret "
+                                                    "printed for its name, `fthsdp lighthouse --print-job-secret "
+                                                    "JOB` with `fthsdp run --job JOB` / launch.job_id=JOB)")
         if "QuorumTimeout" in names:
             return Classified(FaultClass.REPLICA_FATAL, f"{what} (no quorum including this replica formed: "
                                                         "restart it to rejoin)")

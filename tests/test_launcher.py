@@ -215,6 +215,53 @@ def test_a_finished_replica_exiting_before_it_is_reaped_is_not_a_lost_job(tmp_pa
         job.shutdown()
 
 
+def test_two_jobs_share_an_authenticated_lighthouse_by_name(tmp_path):
+    """An external lighthouse serves jobs by name, each with the secret printed for that name
+    (`fthsdp lighthouse --print-job-secret JOB`). fthsdp run named every job "fthsdp", so the
+    README's own commands failed (the secret of "myjob" does not verify for "fthsdp"), and two
+    jobs on one lighthouse would have been one job. A refused credential is job-fatal at once
+    (it was retried as transient, and the job restarted from its checkpoint until its restarts ran
+    out)."""
+    from fthsdp.control import auth
+
+    lh_key, port_file = tmp_path / "lh.key", tmp_path / "lh.port"
+    auth.write_secret(str(lh_key), auth.new_secret())
+    keys = {}
+    for job in ("alpha", "beta"):
+        keys[job] = tmp_path / f"{job}.key"
+        auth.write_secret(str(keys[job]), auth.job_key(auth.load_secret(str(lh_key)), job))
+    lh = subprocess.Popen([sys.executable, "-m", "fthsdp.cli", "lighthouse", "--secret-file", str(lh_key), "--bind",
+                           "127.0.0.1:0", "--port-file", str(port_file), "--replicas", "1"],
+                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not port_file.exists():
+            assert lh.poll() is None and time.monotonic() < deadline, "the lighthouse did not start"
+            time.sleep(0.05)
+        address = f"127.0.0.1:{int(port_file.read_text())}"
+        runs = {job: subprocess.Popen([sys.executable, "-m", "fthsdp.cli", "run", "--no-progress", "--out-dir",
+                                       str(tmp_path / job), *job_args(1, 6, "--lighthouse", address, "--job", job,
+                                                                      "--secret-file", str(keys[job]))],
+                                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                for job in keys}
+        for job, p in runs.items():
+            _, err = p.communicate(timeout=300)
+            assert p.returncode == 0, (job, err[-3000:])
+            assert report.load_run(tmp_path / job).done["0"]["step"] == 6
+        # the secret of one name given to a job of another: refused once, job-fatal, no restarts
+        p = fthsdp_run(tmp_path / "wrong", *job_args(1, 6, "--lighthouse", address, "--secret-file",
+                                                     str(keys["alpha"])))
+        assert p.returncode == 4 and "exited job-fatal" in p.stderr, p.stderr[-3000:]
+        assert summary(tmp_path / "wrong")["job_restarts"] == []
+        out = (tmp_path / "wrong" / "replica-0.out").read_text()
+        assert "credential does not verify" in out and "--print-job-secret JOB" in out and "--job JOB" in out
+    finally:
+        lh.kill()
+        lh.wait(30)
+    bad = fthsdp_run(tmp_path / "bad-name", *job_args(1, 6, "--job", "my job"))
+    assert bad.returncode != 0 and "launch.job_id" in bad.stderr and "1 to 64" in bad.stderr
+
+
 def test_no_healthy_replica_left_falls_back_to_the_checkpoint(tmp_path):
     out = tmp_path / "run"
     # both replicas die at step 15 (the restart of the first is delayed past the

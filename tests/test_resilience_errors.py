@@ -24,7 +24,9 @@ from fthsdp.control.lighthouse_client import (
     JobFinished,
     LighthouseError,
     LighthouseUnavailable,
+    NotAuthorized,
     QuorumTimeout,
+    ReplicaIdHeld,
 )
 from fthsdp.replica.group import DecisionTimeout
 from fthsdp.replica.manager import ManagerError, ManagerJobError
@@ -88,6 +90,12 @@ def test_xla_error_outside_ftar_is_replica_fatal():
     (InvalidLighthouseRequest("local_world_size 4 conflicts with 2", grpc.StatusCode.INVALID_ARGUMENT), JF),
     (ManagerJobError("no other replica is running"), JF),
     (JobFatalError("the job cannot continue"), JF),
+    # a credential the lighthouse refuses stays refused (another job's secret, another lighthouse's):
+    # retried as transient, the job was restarted from its checkpoint until its restarts ran out
+    (NotAuthorized("GetQuorum of job 'fthsdp': the credential does not verify", grpc.StatusCode.UNAUTHENTICATED),
+     JF),
+    # ... unlike a replica id held by a process not yet declared dead
+    (ReplicaIdHeld("replica id '1' is held by another live process", grpc.StatusCode.PERMISSION_DENIED), R),
 ])
 def test_each_exception_class(exc, kind):
     c = classify(exc)

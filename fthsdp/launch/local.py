@@ -1005,6 +1005,9 @@ def cli(argv: list[str]) -> int:
     p.add_argument("--hosts", default=None, metavar="H1,H2,...",
                    help="emulated machines: replica r binds and advertises host r mod N (launch.hosts), e.g. "
                         "127.0.0.2,127.0.0.3")
+    p.add_argument("--job", default=None, metavar="NAME",
+                   help="the job's name at its lighthouse (launch.job_id, default fthsdp): one per job on a shared "
+                        "lighthouse; with --secret-file, the JOB its secret was printed for")
     p.add_argument("--secret-file", default=None, metavar="FILE",
                    help="the lighthouse secret for the launcher's own lighthouse (default: a fresh one per job), or "
                         "with --lighthouse the job's secret (`fthsdp lighthouse --print-job-secret JOB`); "
@@ -1025,7 +1028,8 @@ def cli(argv: list[str]) -> int:
     from fthsdp import logs
 
     new_overrides = shape_overrides(args)
-    for flag, key in (("lighthouse", "launch.lighthouse"), ("lighthouse_bind", "launch.lighthouse_bind"),
+    for flag, key in (("job", "launch.job_id"), ("lighthouse", "launch.lighthouse"),
+                      ("lighthouse_bind", "launch.lighthouse_bind"),
                       ("lighthouse_advertise", "launch.lighthouse_advertise"), ("bind_host", "ft.bind_host"),
                       ("advertise_host", "ft.advertise_host"), ("hosts", "launch.hosts"),
                       ("secret_file", "launch.secret_file"), ("lighthouse_tls_cert", "launch.lighthouse_tls_cert"),
@@ -1107,7 +1111,7 @@ def cli(argv: list[str]) -> int:
                                      "faults": [f.to_json() for f in faults], "fired": [], "attempts": []})
     logs.setup("fthsdp.launch")
     job = LocalJob(config=config_name, overrides=overrides, out_dir=out, replicas=cfg.launch.replicas,
-                   steps=cfg.train.steps, faults=faults,
+                   steps=cfg.train.steps, faults=faults, job_id=cfg.launch.job_id,
                    restart=cfg.launch.restart if args.restart is None else args.restart,
                    restart_delay_s=cfg.launch.restart_delay_s, resume=resume, allreduce=args.allreduce,
                    deadline_s=cfg.launch.deadline_s,

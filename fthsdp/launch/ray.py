@@ -826,7 +826,7 @@ def launch(config: str, overrides: list[str], out: str | pathlib.Path | None = N
                                                                 cfg.launch.processes_per_replica), temp_dir)
     try:
         job = RayJob(config=config, overrides=list(overrides), out_dir=out, replicas=cfg.launch.replicas,
-                     steps=cfg.train.steps, faults=list(faults),
+                     steps=cfg.train.steps, faults=list(faults), job_id=cfg.launch.job_id,
                      restart=cfg.launch.restart if restart is None else restart,
                      restart_delay_s=cfg.launch.restart_delay_s, allreduce=allreduce, deadline_s=cfg.launch.deadline_s,
                      max_job_restarts=cfg.launch.max_job_restarts, detect_s=cfg.ft.detect_s,
