@@ -8,6 +8,7 @@ import pathlib
 import re
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -328,6 +329,58 @@ def test_exporter_serves_the_registry_on_an_ephemeral_loopback_port():
         assert "# TYPE fthsdp_step_seconds histogram" in text
     finally:
         srv.close()
+
+
+def test_http_listeners_bound_their_connections_and_close_silent_ones():
+    """A client that connects and sends nothing held a thread of prometheus_client's server for
+    ever (no socket timeout), and every new connection got a thread: enough of them exhaust the
+    process, and the scrape waits behind them. Now a listener serves a bounded number at once
+    (one more is answered 503 at once) and closes a silent one after its socket timeout."""
+    import socket
+
+    from prometheus_client import make_wsgi_app
+
+    from fthsdp.observe import http_bounded
+
+    srv = http_bounded.wsgi_server("127.0.0.1", 0, make_wsgi_app(ReplicaMetrics("j", "0").registry),
+                                   max_connections=3, socket_timeout_s=1.0)
+    thread = threading.Thread(target=srv.serve_forever, daemon=True)
+    thread.start()
+    addr = srv.server_address[:2]
+    idle = [socket.create_connection(addr, timeout=10) for _ in range(3)]
+    try:
+        time.sleep(0.3)  # accepted, each on its thread, waiting for a request line
+
+        def ask() -> bytes:
+            with socket.create_connection(addr, timeout=10) as s:
+                s.sendall(b"GET /metrics HTTP/1.0\r\n\r\n")
+                data = b""
+                while chunk := s.recv(65536):
+                    data += chunk
+                return data
+
+        t0 = time.monotonic()
+        assert ask().startswith(b"HTTP/1.1 503") and time.monotonic() - t0 < 0.5  # at once, not queued
+        for s in idle:  # the server closes each silent connection after its timeout
+            assert s.recv(1) == b""
+        assert time.monotonic() - t0 < 5
+        time.sleep(0.1)
+        reply = ask()
+        assert reply.startswith(b"HTTP/1.0 200") and b"fthsdp_commits_total" in reply
+    finally:
+        for s in idle:
+            s.close()
+        srv.shutdown()
+        srv.server_close()
+    board = dash_mod.Dashboard("127.0.0.1:1", "127.0.0.1:0", max_concurrent=1, socket_timeout_s=1.0)
+    with board:
+        host, port = board.address.rsplit(":", 1)
+        with socket.create_connection((host, int(port)), timeout=10):
+            time.sleep(0.3)
+            with pytest.raises(urllib.error.HTTPError, match="503"):
+                get(board.url + "healthz")
+        time.sleep(0.2)
+        assert get(board.url + "healthz")[0] == 200
 
 
 def test_ipv6_listeners_advertise_bracketed_addresses():

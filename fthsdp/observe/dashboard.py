@@ -11,9 +11,9 @@ A small HTTP server polls a lighthouse's public Status RPC and serves:
   one process gives an operator the page and the lighthouse scrape target;
 * ``/healthz``.
 
-The server is bounded: a fixed number of requests are served at once (the
-rest get 503), each socket has a timeout, and the poll history has a fixed
-size. It only reads the lighthouse, so it can run anywhere that reaches it.
+The server is bounded (fthsdp.observe.http_bounded): a fixed number of
+connections are served at once (the rest get 503 when they connect), each
+socket has a timeout, and the poll history has a fixed size. It only reads the lighthouse, so it can run anywhere that reaches it.
 
 Who may read it (``access``): a request's ``Host`` must name an IP address,
 ``localhost`` or a name given with ``--allow-host`` (a web page elsewhere that
@@ -44,13 +44,14 @@ import threading
 import time
 from dataclasses import dataclass
 from http import HTTPStatus
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from typing import Any
 from urllib.parse import parse_qs
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from fthsdp.addresses import family, join_host_port
+from fthsdp.addresses import join_host_port
+from fthsdp.observe import http_bounded
 from fthsdp.observe.lighthouse_view import History, LighthouseUnreachable, LighthouseView, StatusPoller
 from fthsdp.observe.metrics import LighthouseMetrics, parse_bind
 
@@ -174,11 +175,9 @@ class Dashboard:
         self._error = "not polled yet"
         self._lock = threading.Lock()
         self._stop = threading.Event()
-        self._slots = threading.BoundedSemaphore(max_concurrent)
         self._static = {name: static_dir().joinpath(name).read_bytes() for name in STATIC_FILES}
-        server_class = type("DashboardHTTPServer", (ThreadingHTTPServer,), {"address_family": family(host)})
-        self._httpd = server_class((host, port), self._handler_class(socket_timeout_s))
-        self._httpd.daemon_threads = True
+        # connections past max_concurrent get a 503 at accept (a thread each only for those served)
+        self._httpd = http_bounded.http_server(host, port, self._handler_class(socket_timeout_s), max_concurrent)
         self._threads: list[threading.Thread] = []
 
     @property
@@ -247,20 +246,14 @@ class Dashboard:
                 self.do_GET()
 
             def do_GET(self) -> None:
-                if not dash._slots.acquire(blocking=False):
-                    self._send(HTTPStatus.SERVICE_UNAVAILABLE, b"busy: too many requests at once\n", "text/plain")
+                path, _, query = self.path.partition("?")
+                verdict = access(path, query, self.headers.get("Host"), self.headers.get("Authorization"),
+                                 self.headers.get("Cookie"), dash.access_token, dash.allow_hosts)
+                self._set_cookie = verdict.set_cookie
+                if verdict.code != HTTPStatus.OK:
+                    self._send(verdict.code, verdict.reason.encode() + b"\n", "text/plain; charset=utf-8")
                     return
-                try:
-                    path, _, query = self.path.partition("?")
-                    verdict = access(path, query, self.headers.get("Host"), self.headers.get("Authorization"),
-                                     self.headers.get("Cookie"), dash.access_token, dash.allow_hosts)
-                    self._set_cookie = verdict.set_cookie
-                    if verdict.code != HTTPStatus.OK:
-                        self._send(verdict.code, verdict.reason.encode() + b"\n", "text/plain; charset=utf-8")
-                        return
-                    self._route(path)
-                finally:
-                    dash._slots.release()
+                self._route(path)
 
             def _route(self, path: str) -> None:
                 if path in ("/", "/index.html"):

@@ -28,10 +28,11 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Sequence
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_wsgi_app
 
 from fthsdp.addresses import is_wildcard, join_host_port
 from fthsdp.digits import ascii_int
+from fthsdp.observe import http_bounded
 from fthsdp.observe.lighthouse_view import (
     FAILURE_KINDS,
     STATES,
@@ -406,7 +407,7 @@ def parse_bind(bind: str, default_host: str = "127.0.0.1") -> tuple[str, int]:
 
 @dataclass
 class MetricsServer:
-    """A running ``/metrics`` endpoint (prometheus_client's WSGI server in a thread)."""
+    """A running ``/metrics`` endpoint (a bounded WSGI server in a thread: fthsdp.observe.http_bounded)."""
 
     host: str
     port: int
@@ -428,7 +429,9 @@ def serve(registry: CollectorRegistry, bind: str = "127.0.0.1:0") -> MetricsServ
     """Serve ``registry`` at ``http://HOST:PORT/metrics``. Loopback by default:
     exposing metrics beyond the machine is a decision, not a default."""
     host, port = parse_bind(bind)
-    server, thread = start_http_server(port, addr=host, registry=registry)
+    server = http_bounded.wsgi_server(host, port, make_wsgi_app(registry))
+    thread = threading.Thread(target=server.serve_forever, name="fthsdp-metrics-http", daemon=True)
+    thread.start()
     return MetricsServer(host, server.server_address[1], server, thread)
 
 
