@@ -299,6 +299,7 @@ def test_invalid_heartbeat_and_status_versions(lighthouse):
 
 def test_conflicting_job_settings_are_rejected_with_the_fix(lighthouse):
     clients = make_clients(lighthouse.address, "job", 3)
+    clients[0].state_signature = 0xF16  # replica 2 states none (0): never compared
     try:
         with ThreadPoolExecutor(1) as ex:  # replica 0 waits (2 shards, 3 replicas) for the others
             fut = ex.submit(clients[0].get_quorum, 0, ftar_addresses=addrs(0, 2), num_replicas=3, timeout_s=5)
@@ -307,6 +308,12 @@ def test_conflicting_job_settings_are_rejected_with_the_fix(lighthouse):
                 clients[1].get_quorum(0, ftar_addresses=addrs(1, 4), num_replicas=3, timeout_s=5)
             with pytest.raises(InvalidLighthouseRequest, match="num_replicas 5 .*conflicts with 3"):
                 clients[1].get_quorum(0, ftar_addresses=addrs(1, 2), num_replicas=5, timeout_s=5)
+            # a state made unlike replica 0's (fthsdp/step/signature.py): refused, naming both
+            clients[1].state_signature = 0xB16
+            with pytest.raises(InvalidLighthouseRequest, match="state of replica '1'.*signature 0000000000000b16.*"
+                               "not made like that of live replica '0' \\(0000000000000f16\\).*model\\.\\*"):
+                clients[1].get_quorum(0, ftar_addresses=addrs(1, 2), num_replicas=3, timeout_s=5)
+            clients[1].state_signature = 0xF16
             # Fixed requests complete the quorum that replica 0 has been waiting for.
             qs = quorum_all(clients[1:], [0, 0], lws=2)
             assert dataclasses.replace(fut.result(), rings=()) == dataclasses.replace(qs[0], rings=())

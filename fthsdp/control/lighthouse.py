@@ -462,6 +462,8 @@ class _Job:
     # Processes per replica: every replica of a job has the same P x D shape (a rejoining
     # process fetches its local shards from the matching process of a healthy replica).
     processes: _Setting = field(default_factory=_Setting)
+    # What each replica's training state is made of (fthsdp/step/signature.py), when stated.
+    state_signature: _Setting = field(default_factory=_Setting)
     pending: dict[str, _Pending] = field(default_factory=dict)
     quorum: qm.Quorum | None = None
     # member -> the request_id of its request that `quorum` answered (Lighthouse.accept_quorum_request:
@@ -1335,6 +1337,16 @@ class Lighthouse(pb2_grpc.LighthouseServicer):
                     f"num_replicas {req.num_replicas} of {who} conflicts with {c[1]} stated by live replica "
                     f"{c[0]!r}: every replica of a job must be launched with the same replica count"
                 )
+        if req.state_signature:
+            c = job.state_signature.conflict(req.replica_id, req.state_signature, is_live)
+            if c is not None:
+                return (
+                    f"the training state of {who} (signature {req.state_signature:016x}) is not made like that of "
+                    f"live replica {c[0]!r} ({c[1]:016x}): its parameter or optimizer shapes or dtypes differ, or "
+                    "its model, optimizer or data settings (fthsdp/step/signature.py), so the replicas would "
+                    "average unlike values; launch every replica of a job with the same model.*, optim.* and "
+                    "data.* settings"
+                )
         return None
 
     def _admit(self, request, peer: str, now: float, relayed: bool = False) -> guard.Refusal | None:
@@ -1519,6 +1531,7 @@ class Lighthouse(pb2_grpc.LighthouseServicer):
         job.local_world_size.set(rid, request.local_world_size)
         job.stated_replicas.set(rid, request.num_replicas or None)
         job.processes.set(rid, nproc)
+        job.state_signature.set(rid, request.state_signature or None)
         old = job.pending.pop(rid, None)
         if old is not None and not old.future.done():
             old.future.set_exception(_Superseded())
@@ -1766,6 +1779,7 @@ class Lighthouse(pb2_grpc.LighthouseServicer):
         job.local_world_size.set(rid, None)
         job.stated_replicas.set(rid, None)
         job.processes.set(rid, None)
+        job.state_signature.set(rid, None)
         job.drop_group(rid)
 
     async def Status(self, request: pb2.StatusRequest, context: grpc.aio.ServicerContext) -> pb2.StatusResponse:

@@ -871,6 +871,9 @@ class LighthouseClient:
         # serves /metrics.
         self.fingerprint: tuple[int, int, int] | None = None
         self.metrics_address = ""
+        # What this replica's training state is made of (fthsdp/step/signature.py), stated with
+        # every quorum request: the lighthouse refuses one unlike a live replica's (0: not stated).
+        self.state_signature = 0
 
     def report_fingerprint(self, step: int, fingerprint: int, quorum_id: int) -> None:
         """The fingerprint of the state after ``step`` committed steps, the last of them
@@ -1099,6 +1102,7 @@ class LighthouseClient:
             process_index=self.process_index,
             num_processes=self.num_processes,
             **self._fingerprint_fields(),
+            state_signature=self.state_signature,
             accused_replica_ids=list(accused),
             incarnation=self.incarnation,
             accepts_members_omitted=True,

@@ -218,6 +218,9 @@ class ReplicaProcess:
                                   heartbeat_timeout_s=cfg.timeouts.heartbeat_rpc_s,
                                   outage_s=cfg.timeouts.lighthouse_outage_s, rejoin=args.rejoin,
                                   process_index=self.group.process_index, num_processes=self.group.num_processes)
+        from fthsdp.step.signature import state_signature
+
+        client.state_signature = state_signature(state, cfg)  # stated with its quorum requests (a leader's)
         if self.group.num_processes > 1:
             client.register(self.comm.addresses, self.server.url,
                             len(self.comm.addresses) * self.group.num_processes)

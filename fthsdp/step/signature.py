@@ -1,0 +1,53 @@
+"""What a replica's training state is made of, as one number every replica of a job must share.
+
+FTAR checks that a neighbour sends the number of bytes it expects, not what
+they mean: replicas built from different configs whose states have the same
+size (a bfloat16 model beside a float16 one, two layers swapped, another
+optimizer with the same slots) would average bytes of different things, and
+train on without an error. Each replica leader states its signature with every
+quorum request (``QuorumRequest.state_signature``), and the lighthouse refuses
+one that differs from a live replica's, naming both (fthsdp.control.lighthouse),
+before any byte is exchanged.
+
+The signature hashes the state's tree structure (the containers and their
+field names), each leaf's global shape and dtype (not the values, nor the
+sharding: the ring checks its own shape), and the config sections that decide
+what the numbers mean without changing their shapes: ``model`` (activations'
+dtype), ``optim`` (learning rate, schedule) and ``data`` (the corpus and the
+batches each replica draws: exactly-once is counted over one stream).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from typing import Any
+
+import jax
+import numpy as np
+
+SIGNATURE_BITS = 63  # a positive int64 (0 means "not stated" on the wire)
+
+
+SECTIONS = ("model", "optim", "data")  # the config a job's replicas must share beyond the state's shapes
+
+
+def describe(state: Any, cfg: Any = None) -> str:
+    """The text the signature hashes: the tree structure, one ``shape dtype`` per leaf, then
+    the config's :data:`SECTIONS` (when given) as ``section.field=value`` lines."""
+    leaves, treedef = jax.tree_util.tree_flatten(state)
+    parts = [str(treedef)]
+    for leaf in leaves:
+        shape = tuple(int(d) for d in np.shape(leaf))
+        dtype = np.dtype(getattr(leaf, "dtype", None) or np.asarray(leaf).dtype)
+        parts.append(f"{shape} {dtype.name}")
+    for section in SECTIONS if cfg is not None else ():
+        fields = dataclasses.asdict(getattr(cfg, section))
+        parts += [f"{section}.{k}={fields[k]!r}" for k in sorted(fields)]
+    return "\n".join(parts)
+
+
+def state_signature(state: Any, cfg: Any = None) -> int:
+    """A 63-bit hash of :func:`describe` (never 0: 0 is "not stated")."""
+    digest = hashlib.blake2b(describe(state, cfg).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") % ((1 << SIGNATURE_BITS) - 1) + 1

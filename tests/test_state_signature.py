@@ -1,0 +1,79 @@
+"""A replica's state signature (fthsdp/step/signature.py): equal for replicas built alike, different
+for any change of structure, shape, dtype or of the model/optimizer/data settings; and a replica
+whose signature differs from a live one's is refused by the lighthouse and exits job-fatal."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import subprocess
+import sys
+import time
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from fthsdp import config as config_lib
+from fthsdp.step.signature import describe, state_signature
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+
+
+def test_the_signature_is_of_structure_shapes_dtypes_and_settings_not_values():
+    a = {"w": jnp.zeros((4, 3), jnp.float32), "b": jnp.zeros(3, jnp.float32), "step": np.int32(0)}
+    same = {"b": np.ones(3, np.float32), "w": np.full((4, 3), 7, np.float32), "step": 9}
+    assert state_signature(a) == state_signature({**same, "step": np.int32(9)}) > 0
+    assert describe(a).splitlines()[1:] == ["(3,) float32", "() int32", "(4, 3) float32"]
+    assert state_signature(a) != state_signature({**a, "w": jnp.zeros((4, 3), jnp.bfloat16)})
+    assert state_signature({**a, "w": jnp.zeros((4, 3), jnp.float16)}) != state_signature(
+        {**a, "w": jnp.zeros((4, 3), jnp.bfloat16)})  # the same bytes, unlike values
+    assert state_signature(a) != state_signature({**a, "w": jnp.zeros((3, 4), jnp.float32)})  # same size
+    assert state_signature(a) != state_signature({"v": a["w"], "b": a["b"], "step": a["step"]})  # a renamed field
+    assert state_signature(a) != state_signature([a["w"], a["b"], a["step"]])
+    cfg = config_lib.load("base")
+    assert state_signature(a, cfg) == state_signature(a, config_lib.load("base"))
+    for override in ("optim.lr=0.01", "model.dtype=bfloat16", "data.seed=1"):
+        assert state_signature(a, cfg) != state_signature(a, config_lib.load("base", [override])), override
+    # settings a replica may hold alone (where it listens, its output) are not in it
+    assert state_signature(a, cfg) == state_signature(a, config_lib.load("base", ["ft.bind_host=127.0.0.2"]))
+
+
+@pytest.mark.multiprocess
+def test_a_replica_unlike_the_live_one_is_refused_and_exits_job_fatal(tmp_path):
+    """Replica 1 runs with another learning rate (its state has the same shapes: FTAR would
+    have averaged its gradients with replica 0's and trained on): the lighthouse refuses its
+    quorum request naming both signatures, and it exits 78 at once, not after retries."""
+    from fthsdp.errors import EXIT_JOB_FATAL
+    from test_fault_tolerance import TINY
+    from test_resilience_lighthouse import free_port, start_lighthouse
+
+    port = free_port()
+    lh = start_lighthouse(port, tmp_path / "lighthouse.log")
+    env = dict(os.environ, PYTHONUNBUFFERED="1", FTHSDP_PEER_TOKEN="state-signature-test-token")
+
+    def start(rid: int, *extra: str) -> subprocess.Popen:
+        return subprocess.Popen(
+            [sys.executable, "-m", "fthsdp.replica.process", "--config", "base", "--replica-id", str(rid),
+             "--lighthouse", f"127.0.0.1:{port}", "--job", "sig", "--out-dir", str(tmp_path / f"r{rid}"), *TINY,
+             "launch.replicas=2", "launch.devices_per_replica=1", "train.steps=4", *extra],
+            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+    first = start(0)
+    try:
+        deadline = time.monotonic() + 120
+        log0 = tmp_path / "r0" / "replica-0.log"
+        while not (log0.exists() and "checking in" in log0.read_text()):
+            assert first.poll() is None and time.monotonic() < deadline, "replica 0 did not start"
+            time.sleep(0.1)
+        time.sleep(1.0)  # replica 0 is asking (waiting for the other) before replica 1 asks
+        other = start(1, "optim.lr=0.01")
+        out, _ = other.communicate(timeout=180)
+        assert other.returncode == EXIT_JOB_FATAL, out[-3000:]
+        assert "is not made like that of live replica '0'" in out and "optim.*" in out, out[-3000:]
+        assert "attempt 2" not in out  # refused once, not retried
+    finally:
+        first.kill()
+        first.communicate()
+        lh.kill()
+        lh.wait(30)
