@@ -135,6 +135,42 @@ def test_double_buffering_and_leases():
     snaps.close()
 
 
+def test_a_replica_whose_snapshot_cannot_be_taken_trains_on():
+    """The replica's snapshot hook runs after a commit: a peer holding every spare slot past the
+    lease (a stuck fetch) made it raise, the healthy replica exited replica-fatal, and, as it
+    ran before the commit's ledger line, left a committed batch out of the ledger. Now it logs,
+    serves no snapshot of that step (a fetch is told to ask again) and trains on."""
+    import collections
+    import types
+
+    from fthsdp.replica.process import ReplicaProcess
+
+    State = collections.namedtuple("State", "step w")
+    snaps = Snapshotter(piece_bytes=4096, lease_timeout_s=0.2)
+    fake = types.SimpleNamespace(snapshots=snaps, _snapshot_step=-1, rid="1", group=types.SimpleNamespace(
+        num_processes=1), mgr=types.SimpleNamespace(state=None, data_state=lambda: {"p": np.zeros(2, np.int64)}))
+
+    def at(step):
+        fake.mgr.state = State(np.int32(step), np.full(1000, step, np.float32))
+
+    at(1)
+    ReplicaProcess.snapshot(fake)
+    snaps.wait()
+    assert fake._snapshot_step == 1
+    at(2)
+    ReplicaProcess.snapshot(fake)
+    snaps.wait()
+    with snaps.lease(1):  # a stuck peer reads step 1, the slot step 3 must reuse
+        at(3)
+        ReplicaProcess.snapshot(fake)  # no exception: logged, no snapshot of step 3
+        assert fake._snapshot_step == -1 and snaps.served_step() == 2
+    at(4)
+    ReplicaProcess.snapshot(fake)  # the lease is gone: the next commit's snapshot is taken
+    snaps.wait()
+    assert fake._snapshot_step == 4 and snaps.served_step() == 4
+    snaps.close()
+
+
 def test_a_slot_to_reuse_takes_no_new_lease_so_overlapping_readers_cannot_hold_it():
     """A peer fetching the older step with two streams takes a lease per piece and the leases
     overlap, so the slot's count may never reach 0 on its own: begin() of the next-but-one step

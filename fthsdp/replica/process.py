@@ -406,6 +406,8 @@ class ReplicaProcess:
 
     def snapshot(self) -> None:
         """Start the lazy host copy of the committed state (it lands while the step computes)."""
+        from fthsdp.checkpoint.snapshot import SnapshotError
+
         step = int(self.mgr.state.step)
         if self._snapshot_step != step:
             train = self.mgr.state
@@ -415,7 +417,15 @@ class ReplicaProcess:
                 from fthsdp.checkpoint.local_shards import local_parts
 
                 train = local_parts(train)
-            self.snapshots.begin(step, {"train": train, "data": self.mgr.data_state()})
+            try:
+                self.snapshots.begin(step, {"train": train, "data": self.mgr.data_state()})
+            except SnapshotError as e:
+                # A peer holding every spare slot past the lease, or the last copy failed: this
+                # replica's training is fine; only a fetch now finds no snapshot and asks again.
+                log.warning("replica %s: no snapshot of step %d for peers (%s); training goes on, a rejoiner's "
+                            "fetch is told to ask again", self.rid, step, e)
+                self._snapshot_step = -1
+                return
             self._snapshot_step = step
 
     def on_quorum(self, mgr, q) -> None:
@@ -430,12 +440,12 @@ class ReplicaProcess:
 
         committed = rec.step + 1
         self.prom.observe_step(rec)
-        if self.cfg.ft.snapshot == "every_commit":
-            self.snapshot()
         if self.die_before_ledger == (self.args.replica_id, rec.step):
             self._die_before_ledger(rec.step)
         if rec.healthy:
             self.ledger.commit(committed, rec.position)
+        if self.cfg.ft.snapshot == "every_commit":  # after the ledger: nothing may come between a commit and it
+            self.snapshot()
         self.loader_store.save(mgr.loader, committed)
         # Every process of the writer replica (the same decision on each: replayed quorum) calls save.
         if self.ckpt.should_save(committed) and self.rid == min(mgr.quorum.healthy, key=int):
