@@ -285,6 +285,48 @@ def test_a_forked_writer_discards_its_own_checkpoints_of_the_discarded_steps(tmp
         lineage.close()
 
 
+def test_a_new_writer_prunes_the_old_writers_steps_and_a_failed_save_costs_only_itself(tmp_path, monkeypatch,
+                                                                                        caplog):
+    """Writers change with the quorum (the lowest healthy replica saves). A manager listed its
+    steps once, so each pruned only its own: two writers kept twice max_to_keep on disk, and more
+    with every change. And Orbax's save() raised the previous save's error, losing the next
+    checkpoint too, under its own step's name."""
+    import logging
+
+    import numpy as np
+
+    st = {"w": np.zeros(3, np.float32)}
+    a = PersistentCheckpointer(tmp_path / "ckpt", every=1, max_to_keep=3)
+    b = PersistentCheckpointer(tmp_path / "ckpt", every=1, max_to_keep=3)
+    try:
+        for step in (1, 2, 3):
+            a.save(step, st, {0: step})
+        a.wait()
+        for step in (4, 5, 6):
+            b.save(step, st, {0: step})
+        b.wait()
+        assert b.all_steps() == [4, 5, 6]
+
+        real, calls = b._mngr.wait_until_finished, []
+
+        def finish_fails():  # step 6's save fails as it finishes (once: it is reported once)
+            calls.append(1)
+            if len(calls) == 1:
+                raise OSError("disk full while finishing step 6")
+            return real()
+
+        monkeypatch.setattr(b._mngr, "wait_until_finished", finish_fails)
+        with caplog.at_level(logging.ERROR, logger="fthsdp.checkpoint.persistent"):
+            assert b.save(7, st, {0: 7})
+        assert "checkpoint of step 6 failed while it finished: OSError: disk full" in caplog.text
+        monkeypatch.undo()
+        b.wait()
+        assert b.all_steps() == [5, 6, 7]
+    finally:
+        a.close()
+        b.close()
+
+
 def test_a_checkpoint_directory_belongs_to_one_job(tmp_path, states):
     """Two jobs pointed at one directory: the second is refused with what to do, the first goes
     on (its checkpoints restore, the owner file is not mistaken for a step, its meta names the job)."""

@@ -17,6 +17,7 @@ those positions.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import time
 import uuid
@@ -26,6 +27,8 @@ from typing import Any, Mapping
 import orbax.checkpoint as ocp
 
 from fthsdp.errors import JobFatalError
+
+log = logging.getLogger("fthsdp.checkpoint.persistent")
 
 LOADER_FORMAT = "fthsdp.loader_positions"
 LOADER_VERSION = 1
@@ -158,6 +161,7 @@ class PersistentCheckpointer:
             claim_directory(self.directory, job_id)
         self.every = every
         self.writer = writer
+        self._in_flight: int | None = None  # the step of the last save started (named in its error)
         options = ocp.CheckpointManagerOptions(
             max_to_keep=max_to_keep,
             enable_async_checkpointing=async_save,
@@ -184,6 +188,28 @@ class PersistentCheckpointer:
             loader=ocp.args.JsonSave(_positions_to_json(step, loader_positions)),
             meta=ocp.args.JsonSave(meta),
         )
+        try:
+            # Orbax's save() first finishes the save in flight and raises its error, which then
+            # aborted this save too (two checkpoints lost, the log naming the wrong step).
+            self._mngr.wait_until_finished()
+        except Exception as e:  # noqa: BLE001 - reported for the step it belongs to; this save goes on
+            log.error("persistent checkpoint of step %s failed while it finished: %s: %s", self._in_flight,
+                      type(e).__name__, e)
+        # Steps another writer saved since this manager last listed (a new writer after a quorum
+        # change): its max_to_keep pruning counts them too, or checkpoints piled up on disk.
+        _listed(self._mngr.reload)
+        if int(step) in self._mngr.all_steps():
+            # Another writer saved this step (a quorum change, a split brain's two writers): the
+            # newer save wins, as Orbax did by itself when it had not listed that step yet; said
+            # here (a writer whose state forked discards what it wrote: discard_written_by).
+            try:
+                was = self.metadata(int(step))
+            except Exception as e:  # noqa: BLE001 - unreadable: replaced all the same
+                was = {"error": f"{type(e).__name__}: {e}"}
+            log.warning("checkpoint of step %d already exists (writer %s, quorum %s): replaced by this save",
+                        step, was.get("writer", "?"), was.get("quorum_id", "?"))
+            self._mngr.delete(int(step))
+        self._in_flight = int(step)
         return bool(self._mngr.save(int(step), args=args, force=True))
 
     def wait(self) -> None:
