@@ -135,7 +135,7 @@ def classify(exc: BaseException) -> Classified:
                                                     "can form a quorum; restart it or resume the job)")
         if "InvalidLighthouseRequest" in names:
             return Classified(FaultClass.JOB_FATAL, f"{what} (the replicas of this job disagree on its shape)")
-        if "NotAuthorized" in names and "ReplicaIdHeld" not in names:
+        if "CredentialRefused" in names:
             return Classified(FaultClass.JOB_FATAL, f"{what} (the lighthouse refuses this job's credential, and "
                                                     "asking again cannot change it: give the job the secret "
                                                     "printed for its name, `fthsdp lighthouse --print-job-secret "

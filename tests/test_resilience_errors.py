@@ -20,6 +20,7 @@ from fthsdp.errors import (
     exit_code,
 )
 from fthsdp.control.lighthouse_client import (
+    CredentialRefused,
     InvalidLighthouseRequest,
     JobFinished,
     LighthouseError,
@@ -92,8 +93,10 @@ def test_xla_error_outside_ftar_is_replica_fatal():
     (JobFatalError("the job cannot continue"), JF),
     # a credential the lighthouse refuses stays refused (another job's secret, another lighthouse's):
     # retried as transient, the job was restarted from its checkpoint until its restarts ran out
-    (NotAuthorized("GetQuorum of job 'fthsdp': the credential does not verify", grpc.StatusCode.UNAUTHENTICATED),
-     JF),
+    (CredentialRefused("GetQuorum of job 'fthsdp': the credential does not verify",
+                       grpc.StatusCode.UNAUTHENTICATED), JF),
+    # ... a replay or clock refusal is not the credential's fault: a new call is signed anew
+    (NotAuthorized("Heartbeat of job 'j': nonce already used", grpc.StatusCode.UNAUTHENTICATED), R),
     # ... unlike a replica id held by a process not yet declared dead
     (ReplicaIdHeld("replica id '1' is held by another live process", grpc.StatusCode.PERMISSION_DENIED), R),
 ])

@@ -118,6 +118,24 @@ def test_the_authenticator_refuses_each_bad_credential_with_its_reason():
     assert r.code == guard.DENIED and "read-only status key" in r.reason
     assert "NTP" in check(auth.signed_request(key, "Heartbeat", "j", "0", body, now=time.time() - 600)).reason
     assert guard.CallAuthenticator(None).check("Heartbeat", "j", "0", None) is None  # off: anything goes
+    # The refusals asking again cannot change are the credential's own (a replica stops job-fatal on
+    # them: CredentialRefused); a replay's or the clock's are not, and while another job's flood fills
+    # the replay cache a fresh call is asked to retry (RESOURCE_EXHAUSTED), not refused as unsigned.
+    permanent = [check(body), check(body, legacy_metadata=True), check(body, malformed=True), r,
+                 check(auth.signed_request(key, "GetQuorum", "j", "0", body)),
+                 checker.check("Status", "", "", auth.split_signed(auth.signed_request(key, "Status", "", "", body)))]
+    for refusal in permanent:
+        assert any(m in refusal.reason for m in auth.PERMANENT_REFUSALS), refusal.reason
+    for refusal in (check(good), check(auth.signed_request(key, "Heartbeat", "j", "0", body, now=time.time() - 600))):
+        assert not any(m in refusal.reason for m in auth.PERMANENT_REFUSALS), refusal.reason
+    small = guard.CallAuthenticator(secret, replay_capacity=100)
+    other = auth.derive(auth.job_key(secret, "flooder"), "lighthouse")
+    flood = pb2.HeartbeatRequest(protocol_version=V, job_id="flooder", replica_id="0").SerializeToString()
+    for _ in range(200):  # signed 29 s ahead: inside the clock window, pushing the floor up
+        small.check("Heartbeat", "flooder", "0", auth.split_signed(
+            auth.signed_request(other, "Heartbeat", "flooder", "0", flood, now=time.time() + 29)))
+    r = small.check("Heartbeat", "j", "0", auth.split_signed(auth.signed_request(key, "Heartbeat", "j", "0", body)))
+    assert r.code == guard.EXHAUSTED and "retry it" in r.reason
 
 
 def test_the_cached_pad_hmac_is_hmac_sha256():

@@ -474,8 +474,8 @@ class ReplayCache:
         self._count -= len(self._slices.pop(index))
         self._oldest = min(self._slices) if self._slices else None
 
-    _TOO_OLD = ("the call is too old to be checked for replay while the lighthouse is flooded: retry it "
-                "(a fresh nonce and timestamp)")
+    TOO_OLD = ("the call is too old to be checked for replay while the lighthouse is flooded: retry it "
+               "(a fresh nonce and timestamp)")
 
     def check_and_add(self, nonce: bytes | str, timestamp: float, now: float) -> str | None:
         """None when fresh (and remembered); otherwise why it is refused. (Every accepted call
@@ -488,7 +488,7 @@ class ReplayCache:
             for i in [i for i in self._slices if (i + 1) * self._width < now - self.window_s]:
                 self._drop(i)  # wholly outside the window
         if timestamp <= self.floor:
-            return self._TOO_OLD
+            return self.TOO_OLD
         index = int(timestamp // self._width)
         seen = self._slices.get(index)
         if seen is None:
@@ -517,8 +517,17 @@ class ReplayCache:
             if not oldest:
                 self._drop(self._oldest)
         if dropped_self or timestamp <= self.floor:
-            return self._TOO_OLD
+            return self.TOO_OLD
         return None
+
+
+# The refusals of a call's credential that asking again cannot change (fthsdp.control.guard
+# builds them; a client raises CredentialRefused for them, and the replica stops job-fatal): the
+# wrong secret, none, or a client that signs otherwise. A replay or clock refusal is not among
+# them: a new call carries a new nonce and timestamp.
+PERMANENT_REFUSALS = ("the credential does not verify", "carries no credential", "malformed credential",
+                      "is signed in gRPC metadata", "signed with the read-only status key",
+                      "a job's secret reads that job only")
 
 
 def launcher_keys(secret_file: str, job_id: str, own_lighthouse: bool,

@@ -454,7 +454,7 @@ class CallAuthenticator:
             ok = auth.verify_job_request(key, method, job_id, replica_id, data)
             if ok:
                 why = self.replays.check_and_add(ok[1], ok[0] / 1e6, time.time())
-                return None if why is None else Refusal(UNAUTHENTICATED, f"{_where(method, job_id, replica_id)}: {why}")
+                return None if why is None else _replay_refusal(why, method, job_id, replica_id)
             if ok is False:
                 return _does_not_verify(method, job_id, replica_id)
         signed = auth.split_signed(data)
@@ -505,8 +505,15 @@ class CallAuthenticator:
             return _does_not_verify(method, job_id, replica_id)
         why = self.replays.check_and_add(cred.nonce, cred.timestamp_us / 1e6, time.time() if now is None else now)
         if why is not None:
-            return Refusal(UNAUTHENTICATED, f"{_where(method, job_id, replica_id)}: {why}")
+            return _replay_refusal(why, method, job_id, replica_id)
         return None
+
+
+def _replay_refusal(why: str, method: str, job_id: str, replica_id: str) -> Refusal:
+    """A verified call the replay check refused: while the cache is flooded (TOO_OLD) a call
+    is asked to retry (RESOURCE_EXHAUSTED, which clients retry), not told its credential is bad."""
+    code = EXHAUSTED if why == auth.ReplayCache.TOO_OLD else UNAUTHENTICATED
+    return Refusal(code, f"{_where(method, job_id, replica_id)}: {why}")
 
 
 # -- transport ------------------------------------------------------------------

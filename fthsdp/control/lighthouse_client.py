@@ -117,6 +117,12 @@ class NotAuthorized(LighthouseError, PermissionError):
     """The lighthouse refused the credential (UNAUTHENTICATED / PERMISSION_DENIED); the message says why."""
 
 
+class CredentialRefused(NotAuthorized):
+    """The lighthouse refused the credential itself (auth.PERMANENT_REFUSALS: another secret, none,
+    a client that signs otherwise): asking again cannot change that, unlike a replay or clock
+    refusal or a replica id held by another process."""
+
+
 class ReplicaIdHeld(NotAuthorized):
     """Another live process holds this replica id (guard.incarnation_problem): get_quorum retries
     until it is declared dead, then raises this."""
@@ -1051,7 +1057,8 @@ class LighthouseClient:
             return ReplicaIdHeld(f"{what} refused by {where}: {details}", code)
         if code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
             older = older_lighthouse_advice(self._call_key is not None or self._status_key is not None, code, details)
-            return NotAuthorized(f"{what} refused by {where}: {older or details}", code)
+            kind = CredentialRefused if any(m in details for m in auth.PERMANENT_REFUSALS) else NotAuthorized
+            return kind(f"{what} refused by {where}: {older or details}", code)
         if code == grpc.StatusCode.UNAVAILABLE:
             return LighthouseUnavailable(
                 f"{what}: cannot reach {where}: {details}; is `fthsdp lighthouse` running at that address?", code
