@@ -322,6 +322,30 @@ def test_conflicting_job_settings_are_rejected_with_the_fix(lighthouse):
         close_all(clients)
 
 
+def test_a_second_lighthouse_or_relay_on_a_port_in_use_is_refused():
+    """gRPC binds with SO_REUSEPORT by default: a second lighthouse on a port in use bound it too
+    and the kernel split the replicas' connections between two lighthouses, each deciding its own
+    quorums (a split brain). The second one must fail to start, saying the port is in use; a
+    lighthouse restarted on the port of one that stopped binds it."""
+    from fthsdp.control.lighthouse import LighthouseConfig, LighthouseThread
+    from fthsdp.control.relay import RelayConfig, RelayThread
+
+    with LighthouseThread(LighthouseConfig(bind="127.0.0.1:0")) as first:
+        port = first.address.rpartition(":")[2]
+        with pytest.raises(OSError, match="is the port in use"):
+            with LighthouseThread(LighthouseConfig(bind=f"127.0.0.1:{port}")):
+                pass
+        relay = RelayThread(RelayConfig(lighthouse=first.address, bind="127.0.0.1:0"))
+        relay.start()
+        try:
+            with pytest.raises(OSError):
+                RelayThread(RelayConfig(lighthouse=first.address, bind=relay.address)).start()
+        finally:
+            relay.stop()
+    with LighthouseThread(LighthouseConfig(bind=f"127.0.0.1:{port}")) as again:  # the first one stopped
+        assert again.address.endswith(f":{port}")
+
+
 def test_unreachable_lighthouse_is_a_clear_error():
     import socket
 

@@ -51,3 +51,11 @@ RECONNECT_ARGS: tuple[tuple[str, int], ...] = (
     # gRPC's name for the minimum connect timeout, not a backoff (see the module docstring).
     ("grpc.min_reconnect_backoff_ms", int(CONNECT_TIMEOUT_S * 1000)),
 )
+
+
+# A server argument, for the lighthouse and the relay. gRPC binds with SO_REUSEPORT by default: a
+# second lighthouse (or relay) on a port in use bound it too, and the kernel split new connections
+# between the two, each deciding its own quorums with the same ids (a split brain). Off, the
+# second one's bind fails ("is the port in use?"); a restart on a dead one's port still binds
+# (SO_REUSEADDR stays on).
+NO_REUSEPORT = ("grpc.so_reuseport", 0)

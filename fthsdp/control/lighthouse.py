@@ -76,6 +76,7 @@ from fthsdp.addresses import split_host_port
 from fthsdp.control import admission, auth, guard, quorum as qm, pacing, session, wire
 from fthsdp.control.guard import Refused
 from fthsdp.control.server_thread import ServerThread
+from fthsdp.control.channel_args import NO_REUSEPORT
 from fthsdp.observe import root_cause as rc
 from fthsdp.observe.load_metrics import LoadCollector, LoadSnapshot
 from fthsdp.observe.verdict_metrics import RootCauseMetrics
@@ -285,7 +286,7 @@ def _server_options(config: LighthouseConfig) -> list[tuple[str, int]]:
     """
     n = config.max_pending_rpcs
     return [("grpc.server.max_pending_requests", n), ("grpc.server.max_pending_requests_hard_limit", n),
-            ("grpc.server_max_unrequested_time_in_server", 3600)]
+            ("grpc.server_max_unrequested_time_in_server", 3600), NO_REUSEPORT]
 
 
 class _Superseded(Exception):

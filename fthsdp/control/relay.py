@@ -58,7 +58,7 @@ import grpc
 from fthsdp.addresses import split_host_port
 from fthsdp.control import session as sess
 from fthsdp.control.admission import Bucket
-from fthsdp.control.channel_args import RECONNECT_ARGS
+from fthsdp.control.channel_args import NO_REUSEPORT, RECONNECT_ARGS
 from fthsdp.control.guard import Limits
 from fthsdp.control.server_thread import ServerThread
 from fthsdp.control.session_client import stop_stream
@@ -230,7 +230,7 @@ class Relay:
         # A client's message must fit the lighthouse's limit inside a batch: a larger one would break
         # the relay's one stream (every client's), so it breaks only its own client's stream here.
         limit = c.lighthouse_max_request_bytes - MESSAGE_MARGIN
-        self._server = grpc.aio.server(options=[("grpc.max_receive_message_length", limit)])
+        self._server = grpc.aio.server(options=[("grpc.max_receive_message_length", limit), NO_REUSEPORT])
         handler = grpc.stream_stream_rpc_method_handler(self._serve, request_deserializer=None,
                                                         response_serializer=None)
         self._server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(sess.SERVICE, {"Open": handler}),))
