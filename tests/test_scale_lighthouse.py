@@ -131,6 +131,34 @@ def test_members_answered_late_are_not_declared_dead():
 
 
 
+def test_a_request_whose_caller_gave_up_is_not_decided_into_a_quorum():
+    """A unary GetQuorum that times out: its future is cancelled, then the call's abort yields to
+    the event loop before the request is withdrawn. A decision in that gap took it into a quorum
+    nobody told it of; its caller restarted while the other members waited for it in the
+    all-reduce until its deadline. A done future is not a candidate."""
+    from fthsdp.control import lighthouse as lhm
+    from fthsdp.control import quorum as qm
+
+    async def main():
+        server = lhm.Lighthouse(LighthouseConfig(detect_s=5.0, join_timeout_s=0.0, min_replicas=1))
+        job = server._job("gone")
+        now = time.monotonic()
+        loop = asyncio.get_running_loop()
+        entries = {}
+        for rid in ("0", "1", "2"):
+            req = qm.QuorumRequest(rid, 3, now - 1.0, (f"h:{rid}",), f"s:{rid}", 1)
+            entries[rid] = job.pending[rid] = lhm._Pending(req, loop.create_future())
+            job.last_seen[rid] = now
+            job.steps[rid] = 3
+        entries["0"].future.cancel()  # its caller's deadline passed; not withdrawn yet
+        server._evaluate(job)
+        return job.quorum, entries["1"].future
+
+    quorum, answer = asyncio.run(main())
+    assert quorum is not None and [m.replica_id for m in quorum.members] == ["1", "2"]
+    assert answer.done() and not answer.cancelled()
+
+
 def _burst_while_frozen(cfg: LighthouseConfig, n: int, frozen_s: float, channels: int = 4) -> list[str]:
     """``n`` replicas heartbeat at once (over a few connections) while the lighthouse's
     event loop is frozen, so every call waits in gRPC's queue of calls the server has

@@ -1021,6 +1021,8 @@ class Lighthouse(pb2_grpc.LighthouseServicer):
         out: dict[str, qm.QuorumRequest] = {}
         notes = []
         for r, p in job.pending.items():
+            if p.future.done():  # its caller was answered or gave up: it cannot be told of a quorum
+                continue
             g = job.groups.get(r)
             if g is None:
                 out[r] = p.request
@@ -1452,8 +1454,12 @@ class Lighthouse(pb2_grpc.LighthouseServicer):
         try:
             result = await asyncio.wait_for(entry.future, wait)
         except TimeoutError:
+            # Withdrawn before the abort's await: a decision in between took the timed-out request
+            # into a quorum that nobody told it of, and the others waited for it in the all-reduce.
+            self.withdraw(job, entry)
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, self.no_quorum_reason(job))
         except (_SdcStop, _Superseded) as e:
+            self.withdraw(job, entry)
             err = self.quorum_error(request, e)
             await context.abort(err.code, err.reason)
         finally:
