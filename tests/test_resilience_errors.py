@@ -116,3 +116,20 @@ def test_blamed_address():
     assert blamed_address("connection from left neighbour 10.0.0.7:5000 lost: reset") == "10.0.0.7:5000"
     assert blamed_address("right neighbour 127.0.0.1:77 refused the handshake: stale") == "127.0.0.1:77"
     assert blamed_address("deadline passed") is None
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--replica-id", "2", "launch.replicas=2"], "--replica-id 2 is not one of the job's replicas 0..1"),
+    (["--replica-id", "0", "optim.lr=abc"], "optim.lr"),
+])
+def test_a_replica_started_wrongly_exits_job_fatal_at_once(tmp_path, args, says):
+    """A replica id past launch.replicas failed every healthy replica at its first commit with it
+    (the data positions are indexed by replica id); a config error exited 1, which the launcher
+    never restarts but reads as an unclassified failure. Both are the job's to fix: exit 78."""
+    import subprocess
+    import sys
+
+    p = subprocess.run([sys.executable, "-m", "fthsdp.replica.process", "--config", "base", "--lighthouse",
+                        "127.0.0.1:1", "--out-dir", str(tmp_path), *args], capture_output=True, text=True, timeout=120)
+    assert p.returncode == EXIT_JOB_FATAL and says in p.stderr, p.stderr[-2000:]
+

@@ -621,10 +621,19 @@ class ReplicaProcess:
             code = exit_code(c)
             log.exception("replica %s: %s fault at step %d, exiting with %d: %s", self.rid, c.kind.value,
                           int(mgr.state.step), code, c.reason)
-            self.client.leave(int(mgr.state.step), finished=False)
-            self.write_status(final=True, step=int(mgr.state.step), state=f"failed ({c.kind.value})", fault=c.reason,
-                              exit_code=code)
-            self.close()
+            # Each farewell on its own: one that fails (a lighthouse gone too, a full disk) must not
+            # replace the fault's exit code by an uncaught error's 1, which is never restarted.
+            for what, farewell in (
+                    ("leave the lighthouse", lambda: self.client.leave(int(mgr.state.step), finished=False)),
+                    ("write the status", lambda: self.write_status(final=True, step=int(mgr.state.step),
+                                                                   state=f"failed ({c.kind.value})", fault=c.reason,
+                                                                   exit_code=code)),
+                    ("close", self.close)):
+                try:
+                    farewell()
+                except Exception as err:  # noqa: BLE001
+                    log.warning("replica %s: could not %s on the way out: %s: %s", self.rid, what,
+                                type(err).__name__, err)
             return code
         self.close()
         for d in mgr.detections:
@@ -706,7 +715,20 @@ def main(argv: list[str] | None = None) -> int:
     from fthsdp import logs
     from fthsdp.devices import enable_compilation_cache, force_host_devices, place_replica_on_gpus
 
-    cfg = config_lib.load(args.config, args.overrides)
+    from fthsdp.errors import EXIT_JOB_FATAL, EXIT_REPLICA_FATAL
+
+    try:
+        cfg = config_lib.load(args.config, args.overrides)
+    except (ValueError, OSError) as e:  # a config error: every restart would fail the same way
+        print(f"fthsdp replica: {e}", file=sys.stderr)
+        return EXIT_JOB_FATAL
+    if not 0 <= int(args.replica_id) < cfg.launch.replicas:
+        # The data positions every replica carries are indexed by replica id: an id past the
+        # job's count failed every healthy replica at its first commit with this one.
+        print(f"fthsdp replica: --replica-id {args.replica_id} is not one of the job's replicas 0.."
+              f"{cfg.launch.replicas - 1} (launch.replicas={cfg.launch.replicas}): number replicas from 0, or "
+              "raise launch.replicas on every replica", file=sys.stderr)
+        return EXIT_JOB_FATAL
     force_host_devices(cfg.launch.devices_per_replica)  # before jax starts
     place_replica_on_gpus(args.replica_id, cfg.launch.replicas, cfg.launch.devices_per_replica)
     out = pathlib.Path(args.out_dir)
@@ -715,7 +737,12 @@ def main(argv: list[str] | None = None) -> int:
     enable_compilation_cache()
     from fthsdp.replica.group import initialize
 
-    initialize(args.group, timeout_s=cfg.ft.startup_timeout_s)  # before any jax computation
+    try:
+        initialize(args.group, timeout_s=cfg.ft.startup_timeout_s)  # before any jax computation
+    except Exception:  # noqa: BLE001 - the group's coordinator not up in time, a peer process gone: restart it
+        log.exception("replica %s: the replica's processes did not form one JAX runtime; exiting with %d (a "
+                      "restart of the group tries again)", args.group.label, EXIT_REPLICA_FATAL)
+        return EXIT_REPLICA_FATAL
     from fthsdp.errors import classify, exit_code
 
     try:
