@@ -441,6 +441,8 @@ def test_startup_barrier_gives_up_after_the_outage_limit():
     import dataclasses
     import types
 
+    from fthsdp.errors import JobFatalError
+
     from fthsdp.config import Config
     from fthsdp.replica.manager import Manager
 
@@ -449,11 +451,24 @@ def test_startup_barrier_gives_up_after_the_outage_limit():
     waiter = LighthouseClient(f"127.0.0.1:{free_port()}", "job", 0, outage_s=1.0)
     try:
         t0 = time.monotonic()
-        with pytest.raises(LighthouseUnavailable):
+        with pytest.raises(JobFatalError, match="lighthouse stayed unreachable") as ei:
             Manager.wait_for_peers(types.SimpleNamespace(cfg=cfg), waiter.status, 1, 60.0)
+        assert isinstance(ei.value.__cause__, LighthouseUnavailable)
         assert time.monotonic() - t0 < 30
     finally:
         waiter.close()
+
+    # a hung lighthouse (each Status past its deadline: QuorumTimeout) is the same: job-fatal, not
+    # this replica's own fault (which restarted every replica to rejoin a job that never started)
+    from fthsdp.control.lighthouse_client import QuorumTimeout
+    from fthsdp.errors import FaultClass, classify
+
+    def hung():
+        raise QuorumTimeout("Status: no answer within 5s")
+
+    with pytest.raises(JobFatalError) as ei:
+        Manager.wait_for_peers(types.SimpleNamespace(cfg=cfg), hung, 1, 60.0)
+    assert classify(ei.value).kind is FaultClass.JOB_FATAL
 
 
 def test_startup_barrier_rides_out_a_slow_status_answer():
