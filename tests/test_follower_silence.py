@@ -180,3 +180,28 @@ def test_stop_waits_for_the_thread_so_no_native_call_outlives_the_process():
     leader.stop()
     assert not leader._thread.is_alive()
     GroupWatchdog(GroupSpec(1, 0, 1, "127.0.0.1:1"), 0.02, 0.4, None, client=store).start().stop()  # never started
+
+
+def test_a_follower_beats_on_after_a_failed_write():
+    """One failed write to the store (a transient error of the runtime's client) ended the
+    follower's beat thread: a live follower was then judged silent and its replica restarted."""
+
+    class Flaky(Store):
+        failed = 0
+
+        def key_value_set(self, key, value, allow_overwrite=False):
+            if value in ("2", "3") and self.failed < 2:
+                self.failed += 1
+                raise RuntimeError("UNAVAILABLE: a transient error of the coordination service")
+            super().key_value_set(key, value, allow_overwrite)
+
+    store = Flaky()
+    follower = GroupWatchdog(GroupSpec(1, 1, 2, "127.0.0.1:1"), 0.02, 0.4, None, client=store).start()
+    try:
+        deadline = time.monotonic() + 5.0
+        while int(store.kv.get("fthsdp/r1/alive/p1", "0")) < 6:
+            assert time.monotonic() < deadline, (store.failed, store.kv)
+            time.sleep(0.02)
+        assert store.failed == 2 and follower._thread.is_alive()
+    finally:
+        follower.stop()

@@ -290,6 +290,49 @@ def test_a_followers_accusation_reaches_the_lighthouse_through_its_leader():
             _kv_shutdown(service, (kv0, kv1))
 
 
+def test_a_passing_view_error_costs_the_follower_one_step_not_its_replica():
+    """A follower's GetView that fails with a passing error (a deadline, a budget's
+    RESOURCE_EXHAUSTED) took the step without its view (the replica's commit vote fails and its
+    leader asks again) instead of failing the replica as a unit, which the leader's own quorum
+    request would have retried; a lighthouse unreachable past its allowance still ends it."""
+    import grpc
+
+    from fthsdp.control import quorum as qm
+    from fthsdp.control.lighthouse_client import LighthouseError, LighthouseUnavailable
+    from fthsdp.replica.group import DecisionChannel, FollowerQuorumSource, ViewUnavailable, quorum_to_json
+
+    class Client:  # the follower's own lighthouse client, as far as get_quorum uses it
+        replica_id, process_index = "0", 1
+        error: Exception
+
+        def set_step(self, step):
+            pass
+
+        def get_view(self, quorum_id):
+            raise self.error
+
+    service, (kv0, kv1) = _kv_pair()
+    spec = dict(replica_id=0, num_processes=2, coordinator="127.0.0.1:1")
+    try:
+        leader = DecisionChannel(GroupSpec(process_index=0, **spec), client=kv0)
+        client = Client()
+        follower = FollowerQuorumSource(DecisionChannel(GroupSpec(process_index=1, **spec), client=kv1), 20.0, client)
+        member = qm.Member("0", 3, ("127.0.0.1:7000",), "http://127.0.0.1:7100", 1)
+        for qid, error in ((5, LighthouseError("GetView: RESOURCE_EXHAUSTED: held by a budget",
+                                               grpc.StatusCode.RESOURCE_EXHAUSTED)),
+                           (6, LighthouseError("GetView: DEADLINE_EXCEEDED", grpc.StatusCode.DEADLINE_EXCEEDED))):
+            client.error = error
+            leader.share("quorum", quorum_to_json(qm.Quorum(qid, (member,), 3, ("0",), ())), 0)
+            q = follower.get_quorum(3)
+            assert q.quorum_id == qid and q.rings == () and "no view of quorum" in follower.missing_view
+        client.error = LighthouseUnavailable("cannot reach the lighthouse for 61s", grpc.StatusCode.UNAVAILABLE)
+        leader.share("quorum", quorum_to_json(qm.Quorum(7, (member,), 3, ("0",), ())), 0)
+        with pytest.raises(ViewUnavailable, match="replica fails as a unit"):
+            follower.get_quorum(3)
+    finally:
+        _kv_shutdown(service, (kv0, kv1))
+
+
 def test_a_followers_step0_verdict_is_its_leaders():
     """A replica restarted to rejoin, at step 0: whether to train, wait or give up is taken on the
     leader's clock for every process (each on its own could cross the grace on different attempts

@@ -310,6 +310,19 @@ def _not_held(e: Exception) -> bool:
     return getattr(getattr(e, "code", None), "name", "") == "FAILED_PRECONDITION"
 
 
+# GetView failures that end a follower: the lighthouse stayed unreachable past its outage
+# allowance, it refuses this job's credential, or the job is over. Any other lighthouse error (a
+# deadline, a budget's RESOURCE_EXHAUSTED, ABORTED) is passing: the follower takes the step
+# without its view, the replica's commit vote fails, and its leader asks again, as the leader
+# itself does for the same errors of its quorum request.
+_VIEW_FATAL = {"LighthouseUnavailable", "CredentialRefused", "JobFinished"}
+
+
+def _passing(e: Exception) -> bool:
+    names = {c.__name__ for c in type(e).__mro__}
+    return "LighthouseError" in names and not names & _VIEW_FATAL
+
+
 class LeaderQuorumSource:
     """The leader's lighthouse client, publishing every quorum it gets to its followers."""
 
@@ -408,6 +421,8 @@ class FollowerQuorumSource:
             try:
                 fresh = self.client.get_view(q.quorum_id)
             except Exception as e:  # noqa: BLE001 - any failure: this process cannot follow its leader
+                if _passing(e) and not _not_held(e):
+                    return self._without_view(q, v, f"{me}: no view of quorum {q.quorum_id} this time ({e})")
                 if not _not_held(e):
                     raise ViewUnavailable(f"{me}: no view of quorum {q.quorum_id} from the lighthouse ({e}); the "
                                           "replica fails as a unit and rejoins") from e
@@ -615,13 +630,21 @@ class GroupWatchdog:
             self._thread.join(timeout_s)
 
     def _follow(self) -> None:
-        n = 0
+        n, failing = 0, False
         while not self._stop.wait(self.interval_s):
             n += 1
             try:
                 self._client.key_value_set(f"{self.prefix}/p{self.spec.process_index}", str(n), allow_overwrite=True)
-            except Exception:  # noqa: BLE001 - the leader is gone: the runtime ends this process itself
-                return
+            except Exception as e:  # noqa: BLE001 - beat on: one failed write must not silence a live follower
+                # (a leader that is gone ends this process through the runtime itself)
+                if not failing:
+                    log.warning("replica %s: a beat to the group's leader failed (%s: %s); beating on",
+                                self.spec.replica_id, type(e).__name__, e)
+                failing = True
+                continue
+            if failing:
+                log.info("replica %s: beats to the group's leader go through again", self.spec.replica_id)
+            failing = False
 
     def _watch(self) -> None:
         judge = FollowerSilence(self.interval_s, self.silent_s, self.startup_silent_s)
