@@ -232,6 +232,13 @@ def test_a_well_formed_request_passes_every_limit():
                                fingerprint_step=5, fingerprint_quorum_id=-1)
     assert "fingerprint_quorum_id is -1" in guard.request_problem("Heartbeat", bad, guard.Limits())
     assert guard.request_problem("Status", pb2.StatusRequest(protocol_version=V), guard.Limits()) is None
+    # a phase report names the streams to the process's ring neighbours: a few, not thousands
+    stream = pb2.StreamRate(to_replica="1", bytes_per_s=1e9, bytes=10, busy_fraction=0.5)
+    for n, ok in ((guard.MAX_PHASE_STREAMS, True), (guard.MAX_PHASE_STREAMS + 1, False)):
+        hb = pb2.HeartbeatRequest(protocol_version=V, job_id="job", replica_id="0", step=5,
+                                  phase=pb2.PhaseReport(phase=pb2.PHASE_ALLREDUCE, streams=[stream] * n))
+        err = guard.request_problem("Heartbeat", hb, guard.Limits())
+        assert (err is None) == ok and (ok or f"at most {guard.MAX_PHASE_STREAMS}" in err), err
 
 
 def test_known_addresses_skip_only_what_was_found_good():

@@ -45,6 +45,10 @@ __all__ = ["Limits", "Refusal", "request_problem", "KnownAddresses", "CallAuthen
            "incarnation_problem", "CallGate", "generic_handler"]
 
 INVALID = grpc.StatusCode.INVALID_ARGUMENT
+# Stream reports in one heartbeat's phase: a process reports one (to its right neighbour); the
+# limit was the replica count (16,384), which let a holder of the job's secret pin megabytes of
+# phase state per process on the lighthouse, walked at every root-cause analysis.
+MAX_PHASE_STREAMS = 4
 EXHAUSTED = grpc.StatusCode.RESOURCE_EXHAUSTED
 UNAUTHENTICATED = grpc.StatusCode.UNAUTHENTICATED
 DENIED = grpc.StatusCode.PERMISSION_DENIED
@@ -293,8 +297,9 @@ def _heartbeat_problem(req, limits: Limits, who: str, known: KnownAddresses | No
             return err
     if req.HasField("phase"):
         ph = req.phase
-        if len(ph.streams) > limits.max_replicas_per_job:
-            return f"phase.streams has {len(ph.streams)} entries ({who}); at most {limits.max_replicas_per_job}"
+        if len(ph.streams) > MAX_PHASE_STREAMS:
+            return (f"phase.streams has {len(ph.streams)} entries ({who}); at most {MAX_PHASE_STREAMS} (a process "
+                    "reports the stream to its right ring neighbour: fthsdp.observe.phase)")
         err = _texts_problem("a replica id in phase", [ph.waiting_on, *(s.to_replica for s in ph.streams)],
                              limits.max_id_len, f" ({who})")
         if err:
