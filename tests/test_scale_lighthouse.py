@@ -131,6 +131,26 @@ def test_members_answered_late_are_not_declared_dead():
 
 
 
+def test_a_jobs_budget_counts_the_follower_processes_heard_not_declared():
+    """The job's admission budget grows with its processes. A follower's heartbeat declaring
+    num_processes=4096 under a fresh replica id counted 4,095 followers at once: a holder of the
+    job's secret could raise its job's budget without bound with a few heartbeats."""
+    from fthsdp.control.lighthouse import Lighthouse
+
+    lh = Lighthouse(LighthouseConfig(detect_s=0.5))
+    job = lh._job("j")
+    for i in range(10):
+        lh._heard(job, f"x{i}", 100.0, process=1, num_processes=4096)
+    assert lh._job_size("j") == 10
+    lh._heard(job, "x0", 100.1, process=1, num_processes=4096)  # heard again: counted once
+    lh._heard(job, "x0", 100.1, process=2, num_processes=4096)
+    assert lh._job_size("j") == 11
+    lh._heard(job, "x0", 100.2, process=1, num_processes=2)  # reshaped: a new group, its one follower
+    assert lh._job_size("j") == 10
+    job.drop_group("x1")
+    assert lh._job_size("j") == 9
+
+
 def test_a_request_whose_caller_gave_up_is_not_decided_into_a_quorum():
     """A unary GetQuorum that times out: its future is cancelled, then the call's abort yields to
     the event loop before the request is withdrawn. A decision in that gap took it into a quorum

@@ -503,8 +503,10 @@ class _Job:
     # Replicas of several processes (replica id -> its processes); one-process replicas have none.
     # Changed only through set_group / drop_group, which keep follower_processes.
     groups: dict[str, _Group] = field(default_factory=dict)
-    # Processes of the groups beyond their leaders: the job's admission budget counts them on
-    # every request (summing over the groups there made a round O(replicas^2)).
+    # Processes of the groups beyond their leaders that were heard: the job's admission budget
+    # counts them on every request (summing over the groups there made a round O(replicas^2)).
+    # Heard, not declared: a follower's heartbeat stating num_processes=4096 under fresh ids
+    # added thousands of calls a second to its job's budget each.
     follower_processes: int = 0
     # The last few decided quorums by id (GetView answers a follower about its leader's quorum).
     decided: dict[int, qm.Quorum] = field(default_factory=dict)
@@ -556,12 +558,18 @@ class _Job:
     def set_group(self, rid: str, g: "_Group") -> None:
         self.drop_group(rid)
         self.groups[rid] = g
-        self.follower_processes += g.num_processes - 1
+        self.follower_processes += sum(1 for p in g.seen if p > 0)
+
+    def heard_process(self, g: "_Group", process: int, now: float) -> None:
+        """``g``'s ``process`` was heard (counted once for the job's budget, if a follower)."""
+        if process > 0 and process not in g.seen:
+            self.follower_processes += 1
+        g.seen[process] = now
 
     def drop_group(self, rid: str) -> None:
         g = self.groups.pop(rid, None)
         if g is not None:
-            self.follower_processes -= g.num_processes - 1
+            self.follower_processes -= sum(1 for p in g.seen if p > 0)
 
     def quorum_proto(self, q: qm.Quorum) -> pb2.Quorum:
         if self.proto_cache is None or self.proto_cache[0] is not q:
@@ -1103,7 +1111,7 @@ class Lighthouse(pb2_grpc.LighthouseServicer):
         leader's first request or heartbeat does) nor brings a dead one back."""
         if num_processes > 1:
             g = self._group(job, rid, num_processes, now)
-            g.seen[process] = now
+            job.heard_process(g, process, now)
             t = g.last_seen()
             if process != 0:
                 if rid in job.last_seen and rid not in job.dead:
