@@ -340,6 +340,59 @@ def test_a_fetch_where_no_piece_lands_for_the_stall_limit_fails_instead_of_waiti
         session.close()
 
 
+def test_a_manifest_too_large_or_trickled_is_refused_within_a_bound():
+    """A peer (or anyone on the path without TLS) answering the manifest request with a huge
+    Content-Length made read() allocate all of it at once; one trickling a byte within each read's
+    timeout kept get_manifest waiting for ever. Both are refused: the size before reading, the
+    trickle at the manifest's deadline."""
+    import socket
+    import threading
+
+    from fthsdp.checkpoint import peer_fetch
+    from fthsdp.checkpoint.snapshot import SnapshotError
+
+    def serve(reply_head: bytes, trickle: bool) -> tuple[socket.socket, threading.Event]:
+        srv = socket.create_server(("127.0.0.1", 0))
+        stop = threading.Event()
+
+        def run():
+            conn, _ = srv.accept()
+            with conn:
+                conn.recv(65536)
+                conn.sendall(reply_head)
+                while trickle and not stop.wait(0.05):
+                    try:
+                        conn.sendall(b" ")
+                    except OSError:
+                        return
+
+        threading.Thread(target=run, daemon=True).start()
+        return srv, stop
+
+    huge = b"HTTP/1.1 200 OK\r\nContent-Length: 20000000000\r\n\r\n{"
+    srv, stop = serve(huge, trickle=False)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(SnapshotError, match="claims '20000000000' bytes: at most"):
+            peer_fetch.get_manifest(f"http://127.0.0.1:{srv.getsockname()[1]}", TOKEN, timeout_s=5.0)
+        assert time.monotonic() - t0 < 2.0
+    finally:
+        stop.set()
+        srv.close()
+    srv, stop = serve(b"HTTP/1.1 200 OK\r\nContent-Length: 1000000\r\n\r\n{", trickle=True)
+    old = peer_fetch.STALL_FLOOR_S
+    try:
+        peer_fetch.STALL_FLOOR_S = 1.0
+        t0 = time.monotonic()
+        with pytest.raises(SnapshotError, match="took over 1s to arrive"):
+            peer_fetch.get_manifest(f"http://127.0.0.1:{srv.getsockname()[1]}", TOKEN, timeout_s=0.2)
+        assert time.monotonic() - t0 < 3.0
+    finally:
+        peer_fetch.STALL_FLOOR_S = old
+        stop.set()
+        srv.close()
+
+
 def test_capped_peers_add_up_when_striped():
     """Each server caps its serving bandwidth; striping over two gets about twice one."""
     from fthsdp.checkpoint.peer_fetch import PeerFetcher

@@ -131,12 +131,15 @@ def _key_bytes(key: bytes | str | None) -> bytes | None:
 STALL_FLOOR_S = 30.0
 STALL_TIMEOUTS = 4.0
 MAX_ERROR_BODY = 64 << 10  # an error's JSON body is a sentence: more is not read
+# A manifest lists each leaf's path, shape and piece checksums: 16 MiB holds ~10^5 leaves of
+# ~10^3 pieces. A peer claiming more is refused before anything is allocated for it.
+MAX_MANIFEST_BYTES = 16 << 20
 
 
 def _error_reason(resp: http.client.HTTPResponse) -> str:
+    """The first MAX_ERROR_BODY bytes of an error's body, as a reason. The rest is not read (a peer
+    could send it for ever): the caller closes the connection after an error."""
     body = resp.read(MAX_ERROR_BODY)
-    while resp.read(MAX_ERROR_BODY):  # the rest drained, not kept: the connection stays usable
-        pass
     try:
         return f"HTTP {resp.status}: {str(json.loads(body)['error'])[:1000]}"
     except (ValueError, KeyError, TypeError, RecursionError):
@@ -154,9 +157,32 @@ def get_manifest(url: str, key: bytes | str | None, step: int | None = None, tim
         resp = conn.getresponse()
         if resp.status != 200:
             raise _Gone(_error_reason(resp))
-        return Manifest.from_json(resp.read())
+        return Manifest.from_json(_read_bounded(resp, MAX_MANIFEST_BYTES, max(STALL_FLOOR_S, STALL_TIMEOUTS * timeout_s),
+                                                "manifest"))
     finally:
         conn.close()
+
+
+def _read_bounded(resp: http.client.HTTPResponse, limit: int, deadline_s: float, what: str) -> bytes:
+    """A response's body of at most ``limit`` bytes, read within ``deadline_s`` overall: a peer
+    claiming a huge body (read() allocated all of it at once) or trickling a byte within each
+    read's timeout (read() waited for ever) is refused (SnapshotError: the source is dropped)."""
+    claimed = resp.getheader("Content-Length")
+    if claimed is not None and (not claimed.isascii() or not claimed.isdigit() or int(claimed) > limit):
+        raise SnapshotError(f"the peer's {what} claims {claimed[:32]!r} bytes: at most {limit} are read")
+    deadline = time.monotonic() + deadline_s
+    parts, got = [], 0
+    while True:
+        chunk = resp.read1(64 << 10)
+        if not chunk:
+            return b"".join(parts)
+        parts.append(chunk)
+        got += len(chunk)
+        if got > limit:
+            raise SnapshotError(f"the peer's {what} is over {limit} bytes: refused")
+        if time.monotonic() > deadline:
+            raise SnapshotError(f"the peer's {what} took over {deadline_s:g}s to arrive ({got} bytes so far): "
+                                "a stalled or trickling peer")
 
 
 class FetchSession:
@@ -291,6 +317,8 @@ class FetchSession:
                         conn = ep.connect(self.timeout_s)
                     self._get(conn, ep, pid)
                 except _Rejected as e:
+                    conn.close()  # the rejected response may be unread: a fresh connection for the next piece
+                    conn = None
                     self._fail(url, pid, str(e))
                 except _Gone as e:
                     self._fail(url, pid, str(e), dead=True)
@@ -334,8 +362,7 @@ class FetchSession:
         got_range = resp.getheader("X-Fthsdp-Range")
         length = resp.getheader("Content-Length")
         if resp.getheader("X-Fthsdp-Step") != str(m.step) or got_range != f"{start}-{end}" or length != str(n):
-            resp.read()
-            raise _Rejected(
+            raise _Rejected(  # (its body is not read: the connection is closed)
                 f"wrong piece: step {resp.getheader('X-Fthsdp-Step')} range {got_range} length {length}, "
                 f"expected step {m.step} range {start}-{end} length {n}"
             )
