@@ -252,6 +252,28 @@ def test_majority_manifest_outvotes_a_diverged_peer(peers):
     assert st.bytes == 0 and all("disagrees with the manifest" in x for x in st.failures)
 
 
+def test_a_vote_without_a_majority_is_refused_not_won_by_the_first_source():
+    """Two sources whose states differ (one flipped a bit, or lies): the first one listed won each
+    tied piece and its state was installed. Now a tie is a FetchError naming both sides; with a
+    third source the majority wins whatever the order."""
+    import itertools
+
+    from fthsdp.checkpoint.peer_fetch import FetchError, consensus
+    from fthsdp.checkpoint.snapshot import Snapshotter
+
+    good, bad = make_state(0), make_state(0)
+    bad["params"]["b"][0] += 1  # one value of one leaf: one piece differs
+    m_good = Snapshotter(piece_bytes=PIECE).take(STEP, good).manifest
+    m_bad = Snapshotter(piece_bytes=PIECE).take(STEP, bad).manifest
+    for order in (("liar", "honest"), ("honest", "liar")):
+        manifests = {u: (m_bad if u == "liar" else m_good) for u in order}
+        with pytest.raises(FetchError, match="no majority.*silent data corruption"):
+            consensus(manifests, STEP)
+    for order in itertools.permutations(("liar", "a", "b")):
+        agreed, members, _ = consensus({u: (m_bad if u == "liar" else m_good) for u in order}, STEP)
+        assert agreed.checksums == m_good.checksums and "liar" in members  # its other pieces still count
+
+
 def test_peer_frozen_mid_transfer_times_out_and_the_other_finishes():
     from fthsdp.checkpoint.peer_fetch import PeerFetcher
 

@@ -475,6 +475,12 @@ def consensus(manifests: dict[str, Manifest], step: int | None) -> tuple[Manifes
                 break
         else:
             layouts.append((m, [u]))
+    # A vote without a majority is not decided by the sources' order: the first one listed (a
+    # liar, or a replica whose memory flipped a bit) won, and its state was installed.
+    sizes = sorted((len(x[1]) for x in layouts), reverse=True)
+    if len(sizes) > 1 and sizes[0] == sizes[1]:
+        raise FetchError(f"the sources of step {step} disagree on the snapshot's layout with no majority "
+                         f"({[sorted(x[1]) for x in layouts]}): their replicas run different models or one lies")
     ref, members = max(layouts, key=lambda x: len(x[1]))
     for u in same_step:
         if u not in members:
@@ -484,8 +490,14 @@ def consensus(manifests: dict[str, Manifest], step: int | None) -> tuple[Manifes
         per_piece = []
         for k in range(ref.num_pieces(i)):
             votes = Counter(same_step[u].checksums[i][k] for u in members)
-            best = max(votes.values())  # ties: the first source in the caller's order wins
-            per_piece.append(next(same_step[u].checksums[i][k] for u in members if votes[same_step[u].checksums[i][k]] == best))
+            (top, best), *rest = votes.most_common(2)
+            if rest and rest[0][1] == best:
+                split = {f"{c:08x}": sorted(u for u in members if same_step[u].checksums[i][k] == c) for c in votes}
+                raise FetchError(f"the sources of step {step} disagree on piece {k} of leaf {i} "
+                                 f"({ref.leaves[i].path[:120]}) with no majority: {split}; one of them holds "
+                                 "corrupt state (silent data corruption) or lies: the lighthouse's fingerprint "
+                                 "check names it, or fetch from more sources")
+            per_piece.append(top)
         sums.append(tuple(per_piece))
     agreed = Manifest(step, ref.leaves, ref.piece_bytes, tuple(sums), ref.total_bytes)
     return agreed, members, excluded
