@@ -327,6 +327,32 @@ def test_a_new_writer_prunes_the_old_writers_steps_and_a_failed_save_costs_only_
         b.close()
 
 
+def test_a_resume_skips_a_torn_checkpoint_and_says_when_none_restores(tmp_path):
+    """A host crash can leave the newest checkpoint's JSON items empty (Orbax writes them without
+    fsync). A resume restored only the latest step, failed, and was restarted into the same
+    failure; now it restores the newest step that reads, and with none it is job-fatal, naming
+    each step's error."""
+    import types
+
+    import numpy as np
+
+    from fthsdp.errors import JobFatalError
+    from fthsdp.replica.process import ReplicaProcess
+
+    ckpt = PersistentCheckpointer(tmp_path / "ckpt", every=10, async_save=False)
+    for step in (10, 20):
+        ckpt.save(step, {"w": np.full(3, step, np.float32)}, {0: step})
+    ckpt.wait()
+    fake = types.SimpleNamespace(ckpt=ckpt, abstract={"w": np.zeros(3, np.float32)}, rid="0")
+    (tmp_path / "ckpt" / "20" / "loader" / "metadata").write_text("")  # torn
+    restored = ReplicaProcess._restore_newest_readable(fake)
+    assert restored.step == 10 and float(np.asarray(restored.state["w"])[0]) == 10.0
+    (tmp_path / "ckpt" / "10" / "loader" / "metadata").write_text("{")
+    with pytest.raises(JobFatalError, match="no persistent checkpoint .* can be restored: step 20: .*; step 10: "):
+        ReplicaProcess._restore_newest_readable(fake)
+    ckpt.close()
+
+
 def test_a_checkpoint_directory_belongs_to_one_job(tmp_path, states):
     """Two jobs pointed at one directory: the second is refused with what to do, the first goes
     on (its checkpoints restore, the owner file is not mistaken for a step, its meta names the job)."""

@@ -534,7 +534,7 @@ class ReplicaProcess:
             log.warning("replica %s: --resume but no finished checkpoint under %s; starting from step 0",
                         self.rid, self.out / "checkpoints")
             return
-        restored = self.ckpt.restore(self.abstract)
+        restored = self._restore_newest_readable()
         mgr.state = restored.state
         n = len(mgr.positions)
         last = restored.metadata.get("last_step")  # absent from checkpoints written before it was saved
@@ -547,6 +547,25 @@ class ReplicaProcess:
         self.record_unrecorded_commit(int(mgr.positions[me]), int(mgr.last_step[me]))
         log.info("replica %s: resumed from the persistent checkpoint of step %d, stream position %d",
                  self.rid, restored.step, mgr.loader.position)
+
+    def _restore_newest_readable(self):
+        """The newest persistent checkpoint that restores. One torn by a host crash (Orbax writes
+        its JSON items without fsync) or otherwise unreadable is skipped, with its error in the
+        log: restoring only the latest failed every restart the same way. None restoring is
+        job-fatal, naming each step's error."""
+        from fthsdp.errors import JobFatalError
+
+        failures = []
+        for step in sorted(self.ckpt.all_steps(), reverse=True):
+            try:
+                return self.ckpt.restore(self.abstract, step)
+            except Exception as e:  # noqa: BLE001 - this step cannot be used: the one before may be
+                failures.append(f"step {step}: {type(e).__name__}: {str(e)[:300]}")
+                log.error("replica %s: the persistent checkpoint of step %d cannot be restored (%s: %s); trying "
+                          "the one before", self.rid, step, type(e).__name__, e)
+        raise JobFatalError(f"no persistent checkpoint under {self.ckpt.directory} can be restored: "
+                            f"{'; '.join(failures)}; move the broken step directories aside to start the job over, "
+                            "or fix what the errors name")
 
     def run(self) -> int:
         from fthsdp.observe.phase import Phase
