@@ -205,3 +205,23 @@ def test_a_follower_beats_on_after_a_failed_write():
         assert store.failed == 2 and follower._thread.is_alive()
     finally:
         follower.stop()
+
+
+def test_the_leaders_decisions_do_not_pile_up_in_the_store():
+    """Every attempt's quorum was a new key in the coordinator's store, never deleted: its memory
+    grew with the job. The leader keeps the last few decisions of each kind."""
+    from fthsdp.replica.group import DecisionChannel
+
+    class Deleting(Store):
+        def key_value_delete(self, key):
+            with self.lock:
+                self.kv.pop(key, None)
+
+    store = Deleting()
+    spec = dict(replica_id=3, num_processes=2, coordinator="127.0.0.1:1")
+    leader = DecisionChannel(GroupSpec(process_index=0, **spec), client=store)
+    for i in range(1000):
+        leader.publish("quorum", {"quorum_id": i})
+        assert store.kv[f"fthsdp/r3/quorum/{i}"] == f'{{"quorum_id": {i}}}'
+    assert sorted(store.kv) == [f"fthsdp/r3/quorum/{i}" for i in range(1000 - DecisionChannel.KEPT, 1000)]
+

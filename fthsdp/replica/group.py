@@ -168,9 +168,16 @@ class DecisionChannel:
                 raise RuntimeError("DecisionChannel: jax.distributed is not initialized (call "
                                    "replica_group.initialize first)")
 
-    def _key(self, kind: str) -> str:
-        seq = self._seq.get(kind, 0)
-        self._seq[kind] = seq + 1
+    # Decisions of one kind kept in the store behind the newest: a follower reads each before the
+    # collective step it decides, so it is never more than one or two behind; older keys are
+    # deleted (each quorum's, with every member's endpoints, grew the coordinator's memory with
+    # every attempt of a long job).
+    KEPT = 8
+
+    def _key(self, kind: str, seq: int | None = None) -> str:
+        if seq is None:
+            seq = self._seq.get(kind, 0)
+            self._seq[kind] = seq + 1
         return f"{self.namespace}/r{self.spec.replica_id}/{kind}/{seq}"
 
     def publish(self, kind: str, payload: Any) -> Any:
@@ -180,6 +187,12 @@ class DecisionChannel:
         key = self._key(kind)
         if self._client is not None:
             self._client.key_value_set(key, json.dumps(payload))
+            old = self._seq[kind] - 1 - self.KEPT
+            if old >= 0:
+                try:
+                    self._client.key_value_delete(self._key(kind, old))
+                except Exception as e:  # noqa: BLE001 - housekeeping: a key left behind costs memory only
+                    log.debug("replica %s: could not delete decision %s/%d: %s", self.spec.replica_id, kind, old, e)
         return payload
 
     def receive(self, kind: str, timeout_s: float) -> Any:

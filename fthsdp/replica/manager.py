@@ -49,6 +49,7 @@ long and why one accuser cannot evict anyone for good).
 
 from __future__ import annotations
 
+import collections
 import logging
 import threading
 import time
@@ -210,7 +211,9 @@ class Manager:
         self._configured_qid: int | None = None
         self._aborted_qid: int | None = None  # the configured quorum whose ring we aborted
         self._lock = threading.Lock()
-        self.records: list[StepRecord] = []
+        # The last steps' records (for a debugger or a test; the log and metrics carry them all):
+        # bounded, as a list one record per commit grew with the job.
+        self.records: collections.deque[StepRecord] = collections.deque(maxlen=1024)
         self.detections: list[dict] = []
         self._zero_grads = None
         # self.state is a catch-up's fetched state whose step has not committed (see the module's docstring)
