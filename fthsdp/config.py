@@ -73,6 +73,9 @@ class FTConfig:
     heartbeat_interval_s: float = 0.1
     detect_s: float = 0.8  # heartbeat silence that declares a replica dead
     allreduce_timeout_s: float = 10.0
+    # Added to the all-reduce deadline of a quorum with a behind member: the healthy members wait
+    # this much longer for it to fetch the state (a death is still detected within detect_s).
+    catch_up_timeout_s: float = 30.0
     quorum_timeout_s: float = 120.0  # one get_quorum call waits this long for a decision
     lighthouse_outage_s: float = 60.0  # replicas ride out a lighthouse outage this long
     max_retries: int = 3

@@ -302,6 +302,7 @@ RULES: dict[str, Rule] = {
     "ft.heartbeat_interval_s": Timeout(),
     "ft.detect_s": Timeout(),
     "ft.allreduce_timeout_s": Timeout(),
+    "ft.catch_up_timeout_s": Timeout(),
     "ft.quorum_timeout_s": Timeout(),
     "ft.lighthouse_outage_s": Timeout(),
     "ft.max_retries": _int(0, why="retries of a failed step before the replica gives up"),

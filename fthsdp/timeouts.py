@@ -31,6 +31,10 @@ class Timeouts:
     detect_s: float = 0.8  # heartbeat silence that declares a replica dead
     join_timeout_s: float = 0.5  # how long a quorum waits for a *newcomer* that is live but not asking
     allreduce_timeout_s: float = 10.0  # FTAR's deadline: the backstop when detection misses a fault
+    # Added to that deadline in a quorum with a behind member, which fetches the state before it
+    # joins the all-reduce: a fetch longer than the deadline failed every attempt of the healthy
+    # members (each one refetched) until they gave up and the job fell back to its checkpoint.
+    catch_up_timeout_s: float = 30.0
     quorum_timeout_s: float = 120.0  # how long one get_quorum call waits for a decision
     startup_timeout_s: float = 120.0  # a fresh job waits this long for every replica to be live
     lighthouse_outage_s: float = 60.0  # replicas ride out a lighthouse outage this long, then give up
@@ -68,6 +72,11 @@ class Timeouts:
             if not getattr(self, lo) < getattr(self, hi):
                 raise TimeoutsError(
                     f"ft.{lo}={getattr(self, lo):g} must be < ft.{hi}={getattr(self, hi):g}: {why}")
+        if not self.catch_up_allreduce_s < self.quorum_timeout_s:
+            raise TimeoutsError(
+                f"ft.allreduce_timeout_s + ft.catch_up_timeout_s = {self.catch_up_allreduce_s:g} must be < "
+                f"ft.quorum_timeout_s={self.quorum_timeout_s:g}: a replica must not give up on a quorum while its "
+                "peers can still be in a catch-up's all-reduce")
         need = self.MIN_HEARTBEATS_PER_WINDOW * self.heartbeat_interval_s
         if self.detect_s < need:
             raise TimeoutsError(
@@ -91,6 +100,11 @@ class Timeouts:
     def from_ft(cls, ft) -> "Timeouts":
         """The timeouts of an ``FTConfig`` (any object with the same field names)."""
         return cls(**{f.name: getattr(ft, f.name) for f in dataclasses.fields(cls)})
+
+    @property
+    def catch_up_allreduce_s(self) -> float:
+        """The all-reduce deadline of a quorum with a behind member (it fetches the state first)."""
+        return self.allreduce_timeout_s + self.catch_up_timeout_s
 
     @property
     def heartbeat_rpc_s(self) -> float:

@@ -94,6 +94,8 @@ def test_shipped_configs_validate(name):
     ("ft.allreduce_timeout_s=0", r"ft.allreduce_timeout_s=0.0: must be a finite number of seconds > 0"),
     ("ft.quorum_timeout_s=1e300", r"ft.quorum_timeout_s=1e\+300: must be .* <= 604800"),
     ("ft.allreduce_timeout_s=0.5", r"ft.detect_s=0.8 must be < ft.allreduce_timeout_s=0.5"),
+    ("ft.catch_up_timeout_s=115", r"ft.allreduce_timeout_s \+ ft.catch_up_timeout_s = 125 must be < "
+                                  r"ft.quorum_timeout_s=120: .* catch-up's all-reduce"),
     ("ft.max_retries=-1", r"ft.max_retries=-1: must be an integer >= 0"),
     ("ft.streams_per_peer=65", r"ft.streams_per_peer=65: must be an integer >= 1 and <= 64"),
     ("ft.checkpoint_every=0", r"ft.checkpoint_every=0: must be an integer >= 1"),

@@ -133,3 +133,24 @@ def test_a_replica_started_wrongly_exits_job_fatal_at_once(tmp_path, args, says)
                         "127.0.0.1:1", "--out-dir", str(tmp_path), *args], capture_output=True, text=True, timeout=120)
     assert p.returncode == EXIT_JOB_FATAL and says in p.stderr, p.stderr[-2000:]
 
+
+def test_a_quorum_with_a_behind_member_gives_its_all_reduce_the_catch_up_allowance():
+    """A behind member fetches the state before it joins the all-reduce: with the plain deadline a
+    fetch longer than it failed every attempt of the healthy members (each one refetched) until
+    they gave up. Such a quorum's ring is configured with ft.catch_up_timeout_s more."""
+    import threading
+    import types
+
+    from fthsdp import config as config_lib
+    from fthsdp.control import quorum as qm
+    from fthsdp.replica.manager import Manager
+
+    got = []
+    comm = types.SimpleNamespace(configure=lambda job, qid, rank, members, timeout_s: got.append(timeout_s))
+    cfg = config_lib.load("base", ["ft.allreduce_timeout_s=10", "ft.catch_up_timeout_s=45"])
+    fake = types.SimpleNamespace(cfg=cfg, comm=comm, replica_id="0", job_id="j", _lock=threading.Lock())
+    members = tuple(qm.Member(r, 5, (f"127.0.0.1:{7000 + int(r)}",), "", 1) for r in ("0", "1"))
+    Manager._configure(fake, qm.Quorum(3, members, 5, ("0", "1"), ()))
+    Manager._configure(fake, qm.Quorum(4, members, 5, ("0",), ("1",), recovery={"1": ("0",)}))
+    assert got == [10.0, 55.0]
+

@@ -218,6 +218,11 @@ class Manager:
         self._zero_grads = None
         # self.state is a catch-up's fetched state whose step has not committed (see the module's docstring)
         self._fetched_uncommitted = False
+        # (step, data state) of the state this process fetched for a catch-up that has not
+        # committed yet: a retry on a quorum at the same step installs it again instead of
+        # fetching it again (each attempt refetched, and a fetch longer than the all-reduce's
+        # deadline then failed every attempt).
+        self._fetch_cache: tuple[int, dict] | None = None
         self._lr_mode = int(Intervention.parse(self.cfg.ft.intervention))
         self._accused: list[str] = []  # replicas that broke FTAR's protocol, for the next quorum request
 
@@ -273,7 +278,10 @@ class Manager:
         t0 = time.perf_counter()
         rank = q.rank_of(self.replica_id)
         members = q.ring_addresses(self.replica_id)  # per member, this process's shards' endpoints
-        self.comm.configure(self.job_id, q.quorum_id, rank, members, timeout_s=self.cfg.ft.allreduce_timeout_s)
+        t = self.cfg.timeouts
+        # A behind member fetches the state before it joins the all-reduce: its quorum waits longer.
+        deadline = t.catch_up_allreduce_s if q.behind else t.allreduce_timeout_s
+        self.comm.configure(self.job_id, q.quorum_id, rank, members, timeout_s=deadline)
         with self._lock:
             self._configured_qid = q.quorum_id
             self._aborted_qid = None
@@ -390,14 +398,27 @@ class Manager:
                 fetch_failed = ""
                 if not healthy:
                     grads = None
-                    if not no_view:  # without its view this process has no sources: the attempt fails anyway
+                    if self.cfg.launch.processes_per_replica > 1:
+                        # Set on every process of the replica, whatever its own fetch does: the flag must
+                        # be the replica's (a process whose fetch failed kept it False and trained when
+                        # the next quorum called the replica healthy, while its leader refused to). A
+                        # replica of one process sets it only once its fetch replaced its state (below).
+                        self._fetched_uncommitted = True
+                    cached = self._fetch_cache
+                    if not no_view and cached is not None and cached[0] == q.max_step:
+                        fetched = cached[1]  # self.state is that fetched state still (the attempt failed)
+                        events.append(f"attempt {attempt}: the state of step {q.max_step} fetched in an earlier "
+                                      "attempt is used again")
+                    elif not no_view:  # without its view this process has no sources: the attempt fails anyway
                         self.phases.set(Phase.FETCHING)
                         t0 = time.perf_counter()
                         try:
                             # the old tensors go now (a catch-up needs no more memory than a step); the step,
                             # the data state and the loader follow only if the step commits
+                            self._fetch_cache = None
                             self.state, fetched = self._fetch_peers_state(q, step, events)
                             self._fetched_uncommitted = True
+                            self._fetch_cache = (q.max_step, fetched)
                         except PeerFetchError as e:
                             # The replica's other processes may have fetched their shards: they go on to
                             # the commit vote, a collective over every process of the replica. This one
@@ -453,6 +474,7 @@ class Manager:
                 if fetched is not None:  # every process of the replica fetched: the catch-up counts now
                     step = self._install_fetched(q, fetched, events)
                 self._fetched_uncommitted = False
+                self._fetch_cache = None
                 self.state = new_state
                 fingerprint = self._report_fingerprint(fingerprint, step + 1, q.quorum_id)
                 for r in q.healthy:
