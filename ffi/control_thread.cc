@@ -24,6 +24,7 @@ Clock::duration seconds(double s) {
 }
 
 constexpr auto kRetryDelay = std::chrono::milliseconds(20);
+constexpr double kMaxTimeoutS = 7 * 24 * 3600.0;  // a week (fthsdp.timeouts.Timeouts.MAX_S)
 constexpr size_t kReadBudget = 8u << 20;  // bytes read from one stream per wake-up
 // Hostile-input limits of one listener (see control_thread.h).
 constexpr size_t kMaxPending = 64;                          // undecided handshakes
@@ -105,6 +106,10 @@ void RingEndpoint::configure(const RingConfig& config) {
   if (!(config.connect_timeout_s > 0) || !std::isfinite(config.connect_timeout_s)) {
     throw std::invalid_argument("ftar configure: connect_timeout_s must be a finite number of seconds > 0");
   }
+  if (!(config.op_timeout_s >= 0) || !std::isfinite(config.op_timeout_s) || config.op_timeout_s > kMaxTimeoutS) {
+    throw std::invalid_argument("ftar configure: op_timeout_s must be a finite number of seconds in [0, a week] "
+                                "(0: the communicator's timeout_s)");
+  }
   RingConfig resolved = config;
   for (int64_t i = 0; i < n; ++i) {
     const std::string& m = config.members[static_cast<size_t>(i)];
@@ -117,6 +122,7 @@ void RingEndpoint::configure(const RingConfig& config) {
     }
     if (n > 1 && i == (config.rank + 1) % n) resolved.right_address = addr;
   }
+  op_timeout_s_.store(config.op_timeout_s, std::memory_order_relaxed);
   {
     std::lock_guard<std::mutex> lk(mu_);
     commands_.push_back(Command{true, std::move(resolved), ""});
@@ -965,7 +971,7 @@ void RingEndpoint::poll_prepare(Clock::time_point now, std::vector<pollfd>* fds,
                                 Clock::time_point* wake_at) {
   take_commands(now);
   if (op_ && now >= op_->deadline) {
-    const auto waited = std::chrono::duration<double>(now - op_->deadline).count() + options_.timeout_s;
+    const auto waited = std::chrono::duration<double>(now - op_->deadline).count() + op_timeout_s();
     fail("timeout: the all-reduce did not finish within " + std::to_string(waited) +
          " s (a peer is stopped, overloaded or unreachable)");
   }

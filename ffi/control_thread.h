@@ -87,6 +87,9 @@ struct RingConfig {
   // shards); see fthsdp.control.quorum.ring_neighbourhood).
   std::vector<std::string> members;
   double connect_timeout_s = 30.0;
+  // One all-reduce's deadline in this ring (0: options().timeout_s). A quorum with a member
+  // catching up gives its all-reduce longer: that member fetches the state before it joins.
+  double op_timeout_s = 0.0;
   // Set by RingEndpoint::configure (the caller's thread): the right neighbour's address,
   // resolved once there, so that the control thread, which serves every endpoint, never
   // blocks in a DNS lookup (a dead resolver stalled it for seconds per retry).
@@ -164,6 +167,11 @@ class RingEndpoint {
 
   const std::string& address() const { return address_; }
   const RingOptions& options() const { return options_; }
+  // The deadline of one all-reduce now: the last configure()'s op_timeout_s, else options().
+  double op_timeout_s() const {
+    const double t = op_timeout_s_.load(std::memory_order_relaxed);
+    return t > 0 ? t : options_.timeout_s;
+  }
 
   // Validates (throws std::invalid_argument) and hands the new configuration
   // to the control thread, which tears down the old connections and connects
@@ -174,7 +182,7 @@ class RingEndpoint {
   // Makes the in-flight op (if any) return RECOVERABLE promptly and drops the
   // connections; ops fail RECOVERABLE until the next configure().
   void abort(const std::string& reason);
-  // Runs one all-reduce (blocking, bounded by options().timeout_s).
+  // Runs one all-reduce (blocking, bounded by op_timeout_s()).
   void run(const std::shared_ptr<Op>& op);
   RingStats stats();
   RingProgress progress() const;  // lock-free (atomics only)
@@ -320,6 +328,7 @@ class RingEndpoint {
   int32_t right() const;
 
   RingOptions options_;
+  std::atomic<double> op_timeout_s_{0.0};  // RingConfig::op_timeout_s of the last configure()
   crypto::HmacKey key_;  // from options_.key; empty: insecure
   ControlThread* thread_;
   std::string address_;

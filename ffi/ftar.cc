@@ -111,7 +111,8 @@ std::vector<std::string> Communicator::addresses() const {
 }
 
 void Communicator::configure(const std::string& job_id, int64_t quorum_id, int32_t rank,
-                             const std::vector<std::string>& members, double connect_timeout_s) {
+                             const std::vector<std::string>& members, double connect_timeout_s,
+                             double op_timeout_s) {
   std::vector<std::vector<std::string>> per_member;
   for (size_t m = 0; m < members.size(); ++m) {
     auto parts = split(members[m], ',');
@@ -130,6 +131,7 @@ void Communicator::configure(const std::string& job_id, int64_t quorum_id, int32
     c.quorum_id = quorum_id;
     c.rank = rank;
     c.connect_timeout_s = connect_timeout_s;
+    c.op_timeout_s = op_timeout_s;
     for (const auto& pm : per_member) c.members.push_back(pm[i]);
   }
   for (size_t i = 0; i < shards_.size(); ++i) shards_[i]->configure(configs[i]);
@@ -203,7 +205,7 @@ FtarResult ftar_allreduce(int32_t handle, int32_t shard, int64_t quorum_id, int3
   RingEndpoint* ep = ftar_endpoint(handle, shard, rank, n, &comm, &result);
   if (!ep) return result;
   const auto timeout = std::chrono::duration_cast<Clock::duration>(
-      std::chrono::duration<double>(ep->options().timeout_s));
+      std::chrono::duration<double>(ep->op_timeout_s()));
   const auto deadline = Clock::now() + timeout;  // one deadline for the whole call
   for (const auto& b : buffers) {
     result = ftar_allreduce_on(ep, quorum_id, rank, n, b.out, b.dtype, b.count, deadline);

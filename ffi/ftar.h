@@ -29,7 +29,8 @@ class Communicator {
   std::vector<std::string> addresses() const;
   // members[m] is member m's address string: its shards' addresses joined by ','.
   void configure(const std::string& job_id, int64_t quorum_id, int32_t rank,
-                 const std::vector<std::string>& members, double connect_timeout_s);
+                 const std::vector<std::string>& members, double connect_timeout_s,
+                 double op_timeout_s = 0.0);
   std::pair<bool, std::string> wait_configured(double timeout_s);
   void abort(const std::string& reason);
   std::vector<RingStats> stats();

@@ -70,8 +70,8 @@ NB_MODULE(_ffi, m) {
   m.def("ftar_addresses", [get](int32_t h) { return get(h)->addresses(); });
   m.def("ftar_configure",
         [get](int32_t h, const std::string& job_id, int64_t quorum_id, int32_t rank,
-              const std::vector<std::string>& members, double connect_timeout_s) {
-          get(h)->configure(job_id, quorum_id, rank, members, connect_timeout_s);
+              const std::vector<std::string>& members, double connect_timeout_s, double op_timeout_s) {
+          get(h)->configure(job_id, quorum_id, rank, members, connect_timeout_s, op_timeout_s);
         });
   m.def("ftar_wait_configured",
         [get](int32_t h, double timeout_s) {

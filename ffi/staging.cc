@@ -197,7 +197,7 @@ void StagingQueue::run(const FthsdpStagedOp& op) {
     return;
   }
   // The network deadline counts from the moment the stream reached the op.
-  const auto deadline = Clock::now() + seconds(ep->options().timeout_s);
+  const auto deadline = Clock::now() + seconds(ep->op_timeout_s());
   try {
     reducer_->begin(op.seq, reduce_slots_for(ep->options().chunks),
                     static_cast<size_t>(ep->options().chunk_bytes));

@@ -182,6 +182,28 @@ def test_host_allreduce_sums_odd_sizes_in_process():
             assert xa.tobytes() == xb.tobytes()
 
 
+def test_a_rings_all_reduce_deadline_is_the_one_its_configure_gave():
+    """A quorum with a member catching up gives its all-reduce a longer deadline (that member
+    fetches the state first): configure's op_timeout_s, for that ring only; 0 is the
+    communicator's own timeout_s. A deadline that is not a finite number of seconds in [0, a
+    week] is refused."""
+    a, b = pair(timeout_s=0.5)
+    with a, b:
+        members = [a.address, b.address]
+        for qid, op_timeout_s, lo, hi in ((3, 2.5, 2.2, 4.5), (4, 0.0, 0.3, 1.8)):
+            a.configure("job", qid, 0, members, timeout_s=5.0, wait=False, op_timeout_s=op_timeout_s)
+            b.configure("job", qid, 1, members, timeout_s=5.0, wait=False, op_timeout_s=op_timeout_s)
+            assert a.wait_configured(6.0) and b.wait_configured(6.0)
+            t0 = time.perf_counter()  # b never joins: a's all-reduce ends at its deadline
+            status, reason = a.allreduce_host(np.ones(64, np.float32), quorum_id=qid, rank=0, n=2)
+            took = time.perf_counter() - t0
+            assert status == ftar.STATUS_RECOVERABLE and "timeout" in reason, reason
+            assert lo < took < hi, (op_timeout_s, took)
+        for bad in (-1.0, float("inf"), float("nan"), 8 * 24 * 3600.0):
+            with pytest.raises(ValueError, match="op_timeout_s must be a finite number"):
+                a.configure("job", 5, 0, members, timeout_s=1.0, wait=False, op_timeout_s=bad)
+
+
 def test_stale_quorum_id_is_refused_at_the_handshake():
     a, b = pair()
     with a, b:

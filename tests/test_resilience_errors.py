@@ -146,7 +146,8 @@ def test_a_quorum_with_a_behind_member_gives_its_all_reduce_the_catch_up_allowan
     from fthsdp.replica.manager import Manager
 
     got = []
-    comm = types.SimpleNamespace(configure=lambda job, qid, rank, members, timeout_s: got.append(timeout_s))
+    comm = types.SimpleNamespace(configure=lambda job, qid, rank, members, timeout_s, op_timeout_s:
+                                 got.append(op_timeout_s))
     cfg = config_lib.load("base", ["ft.allreduce_timeout_s=10", "ft.catch_up_timeout_s=45"])
     fake = types.SimpleNamespace(cfg=cfg, comm=comm, replica_id="0", job_id="j", _lock=threading.Lock())
     members = tuple(qm.Member(r, 5, (f"127.0.0.1:{7000 + int(r)}",), "", 1) for r in ("0", "1"))

@@ -218,17 +218,18 @@ class Communicator:
 
     def configure(self, job_id: str, quorum_id: int, rank: int,
                   members: Sequence[str | Sequence[str]], timeout_s: float = 30.0,
-                  wait: bool = True) -> ConfigureResult:
+                  wait: bool = True, op_timeout_s: float = 0.0) -> ConfigureResult:
         """Tear down the old ring and connect this quorum's neighbours.
 
         members: every member's addresses in ring order (a list of per-shard
         addresses, or one ','-joined string). With wait=True, blocks until the
         ring is connected or `timeout_s` passed; a failure is not raised: the
-        next all-reduce reports RECOVERABLE with the same reason.
+        next all-reduce reports RECOVERABLE with the same reason. op_timeout_s:
+        each all-reduce's deadline in this ring (0: the options' timeout_s).
         """
         joined = [m if isinstance(m, str) else ",".join(m) for m in members]
         self._mod.ftar_configure(self.handle, str(job_id), int(quorum_id), int(rank), joined,
-                                 float(timeout_s))
+                                 float(timeout_s), float(op_timeout_s))
         if not wait:
             return ConfigureResult(True, "connecting")
         ok, reason = self._mod.ftar_wait_configured(self.handle, float(timeout_s) + 1.0)

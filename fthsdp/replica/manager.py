@@ -110,7 +110,7 @@ class Communicator(Protocol):
     def addresses(self) -> Sequence[str]: ...  # one listen address per local shard
 
     def configure(self, job_id: str, quorum_id: int, rank: int, members: Sequence[Sequence[str]],
-                  timeout_s: float) -> None: ...
+                  timeout_s: float, op_timeout_s: float = 0.0) -> None: ...  # connect / one all-reduce
 
     def abort(self, reason: str) -> None: ...
 
@@ -133,7 +133,8 @@ class SoloCommunicator:
     handle = -1
     addresses: tuple[str, ...] = ("solo",)
 
-    def configure(self, job_id: str, quorum_id: int, rank: int, members, timeout_s: float) -> None:
+    def configure(self, job_id: str, quorum_id: int, rank: int, members, timeout_s: float,
+                  op_timeout_s: float = 0.0) -> None:
         if len(members) != 1:
             raise ManagerError(
                 f"quorum {quorum_id} has {len(members)} replicas but this replica runs without FTAR "
@@ -281,7 +282,8 @@ class Manager:
         t = self.cfg.timeouts
         # A behind member fetches the state before it joins the all-reduce: its quorum waits longer.
         deadline = t.catch_up_allreduce_s if q.behind else t.allreduce_timeout_s
-        self.comm.configure(self.job_id, q.quorum_id, rank, members, timeout_s=deadline)
+        self.comm.configure(self.job_id, q.quorum_id, rank, members, timeout_s=t.allreduce_timeout_s,
+                            op_timeout_s=deadline)
         with self._lock:
             self._configured_qid = q.quorum_id
             self._aborted_qid = None
