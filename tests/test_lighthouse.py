@@ -19,6 +19,7 @@ from fthsdp.control.lighthouse import LighthouseConfig, LighthouseThread
 from fthsdp.control.lighthouse_client import (
     InvalidLighthouseRequest,
     LighthouseClient,
+    LighthouseError,
     LighthouseUnavailable,
     QuorumTimeout,
 )
@@ -318,6 +319,22 @@ def test_conflicting_job_settings_are_rejected_with_the_fix(lighthouse):
             qs = quorum_all(clients[1:], [0, 0], lws=2)
             assert dataclasses.replace(fut.result(), rings=()) == dataclasses.replace(qs[0], rings=())
             assert qs[0].num_members == 3 and qs[0].num_configured == 3 and qs[0].quorum_id == 1
+    finally:
+        close_all(clients)
+
+
+def test_a_quorum_request_ended_by_its_replicas_leave_says_so(lighthouse):
+    """A replica that leaves while its quorum request waits: the request was refused as
+    "superseded by a newer quorum request", which sent a reader looking for a second request."""
+    clients = make_clients(lighthouse.address, "job", 2)
+    try:
+        with ThreadPoolExecutor(1) as ex:
+            fut = ex.submit(clients[0].get_quorum, 0, ftar_addresses=addrs(0, 1), num_replicas=2, timeout_s=10)
+            time.sleep(0.3)  # waiting for replica 1
+            clients[0].leave(0, finished=False)
+            with pytest.raises(LighthouseError, match="replica '0' of job 'job' left \\(Leave\\): this quorum "
+                                                      "request of it is void"):
+                fut.result(15)
     finally:
         close_all(clients)
 

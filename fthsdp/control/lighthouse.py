@@ -290,7 +290,11 @@ def _server_options(config: LighthouseConfig) -> list[tuple[str, int]]:
 
 
 class _Superseded(Exception):
-    pass
+    """A pending quorum request ended by its replica's newer request, or (``left``) by its Leave."""
+
+    def __init__(self, left: bool = False) -> None:
+        super().__init__("left" if left else "superseded")
+        self.left = left
 
 
 def answer_wait_s(remaining_s: float) -> float:
@@ -1618,6 +1622,9 @@ class Lighthouse(pb2_grpc.LighthouseServicer):
         """How a pending request that ended in ``e`` is refused."""
         if isinstance(e, _SdcStop):
             return guard.Refusal(grpc.StatusCode.DATA_LOSS, str(e))
+        if isinstance(e, _Superseded) and e.left:
+            return guard.Refusal(grpc.StatusCode.ABORTED, f"replica {request.replica_id!r} of job {request.job_id!r} "
+                                                          "left (Leave): this quorum request of it is void")
         if isinstance(e, _Superseded):
             return guard.Refusal(grpc.StatusCode.ABORTED, f"superseded by a newer quorum request from replica "
                                                           f"{request.replica_id!r} of job {request.job_id!r}")
@@ -1731,7 +1738,7 @@ class Lighthouse(pb2_grpc.LighthouseServicer):
         self._forget(job, rid)
         old = job.pending.pop(rid, None)
         if old is not None and not old.future.done():
-            old.future.set_exception(_Superseded())
+            old.future.set_exception(_Superseded(left=True))
         job.live_hint = max(0, job.live_hint - (1 if known else 0))
         forked = qm.forked_at(job.lineage, request.last_quorum_id, request.step)
         if forked is not None:
