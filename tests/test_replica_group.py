@@ -333,6 +333,28 @@ def test_a_passing_view_error_costs_the_follower_one_step_not_its_replica():
         _kv_shutdown(service, (kv0, kv1))
 
 
+def test_a_follower_leaving_on_its_own_fault_does_not_wait_for_its_leader():
+    """On a fault, a follower waited up to its whole decision timeout (five minutes) for its
+    leader's leave verdict, which a leader waiting for it in a collective never publishes; the
+    replica stayed out of the job meanwhile. It now stops beating and goes at once."""
+    from fthsdp.replica.group import DecisionChannel, FollowerQuorumSource
+
+    service, (kv0, kv1) = _kv_pair()
+    stopped = []
+    client = type("Client", (), {"stop_heartbeats": lambda self: stopped.append(True)})()
+    try:
+        spec = dict(replica_id=0, num_processes=2, coordinator="127.0.0.1:1")
+        follower = FollowerQuorumSource(DecisionChannel(GroupSpec(process_index=1, **spec), client=kv1), 300.0, client)
+        t0 = time.monotonic()
+        follower.abandon(7)
+        assert stopped == [True] and time.monotonic() - t0 < 1.0
+        t0 = time.monotonic()
+        follower.timeout_s = 1.0
+        assert follower.leave(7) is False and time.monotonic() - t0 >= 0.9  # leave() waits for the verdict
+    finally:
+        _kv_shutdown(service, (kv0, kv1))
+
+
 def test_a_followers_step0_verdict_is_its_leaders():
     """A replica restarted to rejoin, at step 0: whether to train, wait or give up is taken on the
     leader's clock for every process (each on its own could cross the grace on different attempts

@@ -526,6 +526,13 @@ class FollowerQuorumSource:
             self.forked = (int(forked[0]), str(forked[1]))
         return bool(d.get("left")) if isinstance(d, dict) else False
 
+    def abandon(self, step: int) -> None:
+        """A follower's goodbye on a fault of its own: stop heartbeating and go, without waiting for
+        its leader's verdict. The leader publishes it only when it leaves itself, and a leader
+        waiting for this process in a collective never does: :meth:`leave` waited its whole
+        timeout (five minutes by default) while the replica was out of the job."""
+        self.client.stop_heartbeats()
+
     def close(self) -> None:
         self.client.close()
 

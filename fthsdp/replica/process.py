@@ -642,8 +642,13 @@ class ReplicaProcess:
                           int(mgr.state.step), code, c.reason)
             # Each farewell on its own: one that fails (a lighthouse gone too, a full disk) must not
             # replace the fault's exit code by an uncaught error's 1, which is never restarted.
+            if self.watchdog is not None:  # a follower's beats stop now: its leader's watchdog sees it go
+                self.watchdog.stop()
+            # (a follower does not wait for its leader's leave verdict: its leader may be waiting for it)
+            abandon = getattr(self.client, "abandon", None)
             for what, farewell in (
-                    ("leave the lighthouse", lambda: self.client.leave(int(mgr.state.step), finished=False)),
+                    ("leave the lighthouse", lambda: abandon(int(mgr.state.step)) if abandon is not None else
+                     self.client.leave(int(mgr.state.step), finished=False)),
                     ("write the status", lambda: self.write_status(final=True, step=int(mgr.state.step),
                                                                    state=f"failed ({c.kind.value})", fault=c.reason,
                                                                    exit_code=code)),
