@@ -45,6 +45,11 @@ def test_quorum_error_retries_without_touching_commit_failed():
     assert s3.action is fsm.Action.GIVE_UP and "2 attempts failed" in s3.reason
     with pytest.raises(ValueError, match="no plan"):
         fsm.after_attempt(s, fsm.plan(s, quorum(1, {"0": 2}), "0"), fsm.Outcome.QUORUM_ERROR)
+    # failing for less than the lighthouse outage allowance, a quorum error uses no attempt (a
+    # lighthouse holding calls back under load answers again: four went in under a second)
+    assert not fsm.quorum_error_counts(5.0, 60.0) and fsm.quorum_error_counts(61.0, 60.0)
+    free = fsm.after_attempt(s2, None, fsm.Outcome.QUORUM_ERROR, counted=False)
+    assert (free.attempt, free.action, free.step) == (2, fsm.Action.ASK, s2.step) and "not counted" in free.reason
 
 
 def test_behind_replica_catches_up_and_drops_grads():

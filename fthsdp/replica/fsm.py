@@ -165,11 +165,22 @@ def plan(state: StepState, quorum: qm.Quorum, replica_id: str) -> Plan:
                 reason="train" if not state.has_grads else "retry the all-reduce with the gradients in hand")
 
 
-def after_attempt(state: StepState, p: Plan | None, outcome: Outcome) -> StepState:
-    """The next state after an attempt ended with ``outcome`` (``p`` None for QUORUM_ERROR)."""
+def quorum_error_counts(failing_for_s: float, outage_s: float) -> bool:
+    """Whether a transient failure of the quorum request uses up one of the step's attempts: not
+    while the requests have failed for less than the lighthouse outage allowance (a lighthouse
+    restarting, or holding calls back under load, answers again; four attempts went in under a
+    second and the replica restarted), and then yes (a lighthouse that keeps refusing)."""
+    return failing_for_s > outage_s
+
+
+def after_attempt(state: StepState, p: Plan | None, outcome: Outcome, counted: bool = True) -> StepState:
+    """The next state after an attempt ended with ``outcome`` (``p`` None for QUORUM_ERROR, which
+    uses up an attempt only when ``counted``: :func:`quorum_error_counts`)."""
     if outcome is Outcome.QUORUM_ERROR:
         if p is not None:
             raise ValueError("a quorum error has no plan (the quorum never arrived)")
+        if not counted:
+            return replace(state, action=Action.ASK, reason="quorum request failed: asking again (not counted)")
         return _retry(state, commit_failed=state.commit_failed, has_grads=state.has_grads,
                       step=state.step, configured=state.configured_qid, why="quorum request failed")
     if p is None:

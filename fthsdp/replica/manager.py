@@ -320,6 +320,8 @@ class Manager:
         events: list[str] = []
         rebuild_s = grads_s = catch_up_s = 0.0
         attempt, step0_since, step0_trusted = 0, None, False
+        failing_since: float | None = None  # the first of the quorum requests failing in a row
+        failing = 0  # how many in a row (the pause before the next grows with them)
         while attempt <= self.cfg.ft.max_retries:
             attempt += 1
             fetched: dict | None = None  # a behind replica's fetched data state, installed when the step commits
@@ -335,10 +337,19 @@ class Manager:
                 c = classify(e)
                 if not c.recoverable or type(e).__name__ == "JobFinished":
                     raise
-                events.append(f"attempt {attempt}: quorum request failed: {c.reason}")
-                log.warning("step %d attempt %d: quorum request failed (%s); asking again", step, attempt, c.reason)
-                time.sleep(min(1.0, 0.1 * attempt))
+                now = time.monotonic()
+                failing_since, failing = (now if failing_since is None else failing_since), failing + 1
+                counted = fsm.quorum_error_counts(now - failing_since, self.cfg.timeouts.lighthouse_outage_s)
+                events.append(f"attempt {attempt}: quorum request failed{'' if counted else ' (not counted)'}: "
+                              f"{c.reason}")
+                log.warning("step %d attempt %d: quorum request failed (%s); asking again%s", step, attempt, c.reason,
+                            "" if counted else f" (failing for {now - failing_since:.1f}s, within "
+                            f"ft.lighthouse_outage_s: not counted as an attempt)")
+                if not counted:
+                    attempt -= 1
+                time.sleep(min(1.0, 0.1 * failing))
                 continue
+            failing_since, failing = None, 0
             quorum_at = time.time()
             if self.replica_id not in q.member_ids:
                 raise ManagerError(f"quorum {q.quorum_id} does not include replica {self.replica_id}: {q.reason}")

@@ -495,15 +495,16 @@ class RankGroup:
         self._plans = {k: fsm.plan(x, q, rid) for k, x in self._distinct.items()}
         return sum(self._counts[k] for k, p in self._plans.items() if p != leader)
 
-    def after(self, outcome: fsm.Outcome, planned: bool, leader: fsm.StepState) -> int:
+    def after(self, outcome: fsm.Outcome, planned: bool, leader: fsm.StepState, counted: bool = True) -> int:
         """Every rank moves on from its attempt's ``outcome`` (with its plan when
-        ``planned``); returns how many ranks reach a state other than ``leader``'s.
+        ``planned``; a quorum error ``counted`` or not, as the leader judged it: one clock);
+        returns how many ranks reach a state other than ``leader``'s.
         A rank reaching an equal state holds the leader's object (they stay shared)."""
         if not planned:
             self._group()
         nxt = {}
         for k, x in self._distinct.items():
-            t = fsm.after_attempt(x, self._plans[k] if planned else None, outcome)
+            t = fsm.after_attempt(x, self._plans[k] if planned else None, outcome, counted)
             nxt[k] = leader if t == leader else t
         if len(nxt) == 1:  # every rank held the same state: every rank takes the same result
             self.states = [next(iter(nxt.values()))] * len(self.states)
@@ -694,6 +695,8 @@ class EmulatedReplica:
             self.clients.append(cl)
         self.client = self.clients[0]  # the leader's
         self.view_qid = 0  # the quorum id whose views the followers hold
+        self.failing_since: float | None = None  # quorum requests failing in a row: since, how many
+        self.failing = 0
         self.inflight: tuple[qm.Quorum, int] | None = None  # the quorum and step of the all-reduce it is in
         self.hung = False
         self.finished = False
@@ -707,9 +710,10 @@ class EmulatedReplica:
     def _violation(self, what: str) -> None:
         self.emu.problems.append(f"replica {self.rid}.{self.incarnation}: {what}")
 
-    def _replay_after(self, p: fsm.Plan | None, outcome: fsm.Outcome, new: fsm.StepState) -> None:
+    def _replay_after(self, p: fsm.Plan | None, outcome: fsm.Outcome, new: fsm.StepState,
+                      counted: bool = True) -> None:
         t_work = time.perf_counter()
-        bad = sum(g.after(outcome, p is not None, new) for g in self.groups)
+        bad = sum(g.after(outcome, p is not None, new, counted) for g in self.groups)
         self.emu.rank_work(self.state.step, time.perf_counter() - t_work)
         self.emu.rank_replays += self.emu.config.ranks_per_replica
         if bad:
@@ -756,9 +760,16 @@ class EmulatedReplica:
                     emu.events.append(f"replica {self.rid} step {state.step}: quorum request failed: {e}")
                     emu.waits.append((f"replica {self.rid} get_quorum", time.perf_counter() - last_req,
                                       c.timeouts.quorum_timeout_s))
-                    self.state = fsm.after_attempt(state, None, fsm.Outcome.QUORUM_ERROR)
-                    self._replay_after(None, fsm.Outcome.QUORUM_ERROR, self.state)
+                    now = time.monotonic()  # the Manager's rule: failures within the outage allowance are free
+                    self.failing_since = now if self.failing_since is None else self.failing_since
+                    self.failing += 1
+                    counted = fsm.quorum_error_counts(now - self.failing_since, c.timeouts.lighthouse_outage_s)
+                    self.state = fsm.after_attempt(state, None, fsm.Outcome.QUORUM_ERROR, counted)
+                    self._replay_after(None, fsm.Outcome.QUORUM_ERROR, self.state, counted)
+                    if not counted:
+                        await asyncio.sleep(min(1.0, 0.1 * self.failing))
                     continue
+                self.failing_since, self.failing = None, 0
                 q = reply.quorum
                 if state.attempt == 1 and self.incarnation == 0:
                     emu.answered(self, state.step)
