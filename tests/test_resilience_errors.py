@@ -155,3 +155,15 @@ def test_a_quorum_with_a_behind_member_gives_its_all_reduce_the_catch_up_allowan
     Manager._configure(fake, qm.Quorum(4, members, 5, ("0",), ("1",), recovery={"1": ("0",)}))
     assert got == [10.0, 55.0]
 
+
+def test_a_launch_mistake_of_the_step_loop_is_job_fatal():
+    """A replica without FTAR in a quorum of several (--allreduce local) fails the same way at
+    every restart: it was replica-fatal (restarted until the launcher's failed-start limit, and
+    the job ended as "no healthy replica left" instead of with the cause)."""
+    from fthsdp.replica.manager import SoloCommunicator
+
+    with pytest.raises(ManagerJobError) as ei:
+        SoloCommunicator().configure("j", 1, 0, [["a"], ["b"]], 1.0)
+    c = classify(ei.value)
+    assert c.kind is JF and "--allreduce ftar" in c.reason
+

@@ -135,8 +135,8 @@ class SoloCommunicator:
 
     def configure(self, job_id: str, quorum_id: int, rank: int, members, timeout_s: float,
                   op_timeout_s: float = 0.0) -> None:
-        if len(members) != 1:
-            raise ManagerError(
+        if len(members) != 1:  # a launch mistake every restart repeats: job-fatal
+            raise ManagerJobError(
                 f"quorum {quorum_id} has {len(members)} replicas but this replica runs without FTAR "
                 "(--allreduce local); start every replica with --allreduce ftar"
             )
@@ -574,8 +574,8 @@ class Manager:
         """Behind: the healthy replicas' state of the end of step max_step - 1 (this process's
         shards of it) and their data state. The caller puts the tensors in place at once; the
         data state and the step count only once the step commits (:meth:`_install_fetched`)."""
-        if self.recover is None:
-            raise ManagerError(
+        if self.recover is None:  # built without a way to fetch state: every restart would be the same
+            raise ManagerJobError(
                 f"replica {self.replica_id} is behind (at step {step}, quorum at {q.max_step}) and has no way to "
                 "fetch state from peers (start it with a state server / recovery enabled)"
             )
@@ -635,7 +635,8 @@ class Manager:
                                    lr_mode=self._lr_mode, comm=self.comm.handle)
         new_state, m = self.ts.apply_grads(self.state, grads, probe)
         if bool(m["committed"]):
-            raise ManagerError("warm-up step committed; the step's commit vote is broken")
+            raise ManagerJobError("warm-up step committed; the step's commit vote is broken (a bug of this "
+                                  "build: every replica would fail the same way)")
         jax.block_until_ready((new_state, self.zero_grads()))  # a catch-up step compiles nothing
         return time.perf_counter() - t0
 
