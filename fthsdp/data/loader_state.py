@@ -96,9 +96,11 @@ def decode(data: bytes, where: str = "loader_state") -> LoaderRecord:
 class LoaderStateStore:
     """The loader_state files of a job, one per replica, in `directory`."""
 
-    def __init__(self, directory: str | os.PathLike):
+    def __init__(self, directory: str | os.PathLike, durable: bool = True):
+        """``durable``: each save is fsync'd (a host crash keeps it), else only replaced atomically."""
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
+        self.durable = durable
 
     def path(self, replica: int) -> Path:
         return self.directory / f"replica_{replica}.json"
@@ -106,7 +108,7 @@ class LoaderStateStore:
     def save(self, state: LoaderState, step: int) -> LoaderRecord:
         """Records `state` (the next position to train) after committed `step`."""
         rec = LoaderRecord(state.replica, state.position, step)
-        write_atomic(self.path(rec.replica), encode(rec), durable=True)
+        write_atomic(self.path(rec.replica), encode(rec), durable=self.durable)
         return rec
 
     def load(self, replica: int) -> LoaderRecord | None:

@@ -152,8 +152,12 @@ class ReplicaProcess:
         # shards into it (Orbax's multi-process save: its process 0 alone writes the metadata and
         # the JSON items), and every process restores its own shards from it.
         self.ckpt = PersistentCheckpointer(out / "checkpoints", every=cfg.ft.checkpoint_every, job_id=args.job)
-        self.ledger = Ledger(files / "ledger" / f"replica_{self.rid}.jsonl", args.replica_id)
-        self.loader_store = LoaderStateStore(files / "loader_state")
+        # One fsync per commit, for the file that is read back: the ledger (a host crash lost its
+        # unsynced lines, and the exactly-once check then reported batches the model holds as never
+        # trained). loader_state, a record for people and reports that training never reads, was the
+        # one fsync'd, and is now only replaced atomically.
+        self.ledger = Ledger(files / "ledger" / f"replica_{self.rid}.jsonl", args.replica_id, fsync=True)
+        self.loader_store = LoaderStateStore(files / "loader_state", durable=False)
         # Only this replica's torn temporaries: another live replica may be mid-write
         # of its own (a restarted replica that cleaned them all made a survivor's
         # os.replace fail).
