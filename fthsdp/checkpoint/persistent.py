@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import time
 import uuid
 from dataclasses import dataclass
@@ -255,18 +256,32 @@ class PersistentCheckpointer:
         of fthsdp.control.quorum): as the lowest healthy replica of its quorum it saved the
         forked state, and a later restart restoring it would bring back commits its ledger
         rolled back. A step the lineage's writer saved since (the same directory, its own
-        metadata) is kept. Waits for this process's own save in flight first."""
+        metadata) is kept. Waits for this process's own save in flight first.
+
+        Plain file operations, no Orbax call: only a replica's leader discards, and Orbax's
+        restore and delete wait at a barrier of every process of the replica, which its
+        followers never reach (the leader hung there, or paired it with their next collective).
+        A step is renamed aside (atomic: a reader lists it whole or not at all), then removed."""
         self.wait()
         gone = []
         for step in self.all_steps():
             if first <= step <= last:
                 try:
-                    mine = str(self.metadata(step).get("writer")) == str(writer)
-                except Exception:  # noqa: BLE001 - a step being rewritten or removed by another process
+                    with open(os.path.join(self.step_dir(step), "meta", "metadata"), encoding="utf-8") as f:
+                        mine = str(json.load(f).get("writer")) == str(writer)
+                except (OSError, ValueError, AttributeError):  # being rewritten or removed by another process
                     continue
                 if mine:
-                    self._mngr.delete(step)
+                    aside = f"{self.step_dir(step)}.discarded-{uuid.uuid4().hex[:8]}"
+                    try:
+                        os.rename(self.step_dir(step), aside)
+                    except OSError as e:
+                        log.warning("could not discard the checkpoint of step %d (%s): %s", step, aside, e)
+                        continue
+                    shutil.rmtree(aside, ignore_errors=True)
                     gone.append(step)
+        if gone:
+            _listed(self._mngr.reload)
         return gone
 
     def close(self) -> None:
