@@ -65,8 +65,8 @@ def run_whole(root: str, *args, fn: str = "run") -> dict:
 
 def run(where: str, replicas: int, ranks: int, steps: int, fault_step: int, down_s: float, deadline_s: float,
         lighthouse_from: str = "") -> dict:
-    t = Timeouts(detect_s=0.8, join_timeout_s=0.5, allreduce_timeout_s=deadline_s, quorum_timeout_s=60.0,
-                 lighthouse_outage_s=30.0)
+    t = Timeouts(detect_s=0.8, join_timeout_s=0.5, allreduce_timeout_s=deadline_s, catch_up_timeout_s=5.0,
+                 quorum_timeout_s=60.0, lighthouse_outage_s=30.0)
     cfg = EmulationConfig(replicas=replicas, ranks_per_replica=ranks, steps=steps, timeouts=t,
                           model=ModelShape(params=10**8, step_s=0.05), run_timeout_s=300.0,
                           faults=(Fault(WHERE[where], step=fault_step, seconds=down_s),),

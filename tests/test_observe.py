@@ -178,7 +178,12 @@ def test_history_and_exporter_forget_old_jobs_and_replicas():
     small.MAX_JOBS = 3
     for t in range(6):
         small.update(LighthouseView(float(t), (JobView(f"j{t}", (rv(0),), qv(1, [0]), "", 1, 1),), 0.8, 1))
-    assert sorted(small.jobs) == ["j3", "j4", "j5"]
+    assert sorted(small.jobs) == ["j2", "j3", "j4", "j5"]  # the listed one and 3 no longer listed
+    many = tuple(JobView(f"k{i}", (rv(0),), qv(1, [0]), "", 1, 1) for i in range(5))  # more listed than kept
+    for t in (10.0, 11.0):
+        small.update(LighthouseView(t, many, 0.8, 1))
+        assert {f"k{i}" for i in range(5)} <= set(small.jobs)  # every listed job kept
+        assert small.forgotten == (["j2"] if t == 10.0 else [])  # of the unlisted, the oldest past 3
 
 
 def test_timeline_json_is_the_changes_and_the_last_sample():

@@ -33,7 +33,8 @@ def test_the_signature_is_of_structure_shapes_dtypes_and_settings_not_values():
     assert state_signature(a) != state_signature([a["w"], a["b"], a["step"]])
     cfg = config_lib.load("base")
     assert state_signature(a, cfg) == state_signature(a, config_lib.load("base"))
-    for override in ("optim.lr=0.01", "model.dtype=bfloat16", "data.seed=1"):
+    for override in ("optim.lr=0.01", "model.dtype=bfloat16", "data.seed=1", "train.steps=7", "train.seed=3",
+                     "ft.intervention=none"):
         assert state_signature(a, cfg) != state_signature(a, config_lib.load("base", [override])), override
     # settings a replica may hold alone (where it listens, its output) are not in it
     assert state_signature(a, cfg) == state_signature(a, config_lib.load("base", ["ft.bind_host=127.0.0.2"]))

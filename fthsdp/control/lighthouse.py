@@ -1325,7 +1325,7 @@ class Lighthouse(pb2_grpc.LighthouseServicer):
         job = self._jobs.get(req.job_id)
         if (job is None or _reads_lineage(job, req.replica_id, req.last_quorum_id)) and req.lineage:
             try:
-                qm.parse_lineage_report(req.lineage, req.last_quorum_id, req.step)
+                qm.parse_lineage_report(req.lineage, req.last_quorum_id)
             except ValueError as e:
                 return f"{e} ({who}): send the newest entries of the replica's own lineage (quorum.lineage_report)"
         if job is None:

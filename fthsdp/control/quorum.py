@@ -675,14 +675,14 @@ def unreported_through(pairs: Sequence[tuple[int, int]]) -> int:
     return pairs[0][0] - 1 if len(pairs) >= LINEAGE_REPORTED else 0
 
 
-def parse_lineage_report(values: Sequence[int], last_quorum_id: int | None = None,
-                         step: int | None = None) -> tuple[tuple[int, int], ...]:
+def parse_lineage_report(values: Sequence[int], last_quorum_id: int | None = None) -> tuple[tuple[int, int], ...]:
     """The entries of a QuorumRequest.lineage (see :func:`lineage_report`); ValueError saying
     what is wrong when it is not pairs of increasing quorum ids > 0 and steps >= 0, or, given the
-    request's ``last_quorum_id`` and ``step``, names a quorum past the one the replica was last a
-    member of (or past MAX_REPORTED_QUORUM_ID) or a step past its own: an honest replica's newest
-    entry is its last quorum. (A restarted lighthouse merged such an entry into the job's lineage,
-    and the entries it then appended were no longer sorted: honest replicas read as forked.)"""
+    request's ``last_quorum_id``, names a quorum past the one the replica was last a member of (or
+    past MAX_REPORTED_QUORUM_ID): an honest replica's newest entry is its last quorum. (A restarted
+    lighthouse merged such an entry into the job's lineage, and the entries it then appended were
+    no longer sorted: honest replicas read as forked.) Its step is not compared with the request's:
+    a replica whose catch-up did not commit reports the quorum's step while it asks at its own."""
     if len(values) % 2:
         raise ValueError(f"lineage has {len(values)} values: it must be (quorum_id, step) pairs")
     if len(values) > 2 * LINEAGE_REPORTED:
@@ -700,8 +700,6 @@ def parse_lineage_report(values: Sequence[int], last_quorum_id: int | None = Non
             raise ValueError(f"lineage entry (quorum {newest_q}, step {newest_s}) is past the last quorum this "
                              f"replica was a member of ({last_quorum_id}) or past {MAX_REPORTED_QUORUM_ID}: report "
                              "quorums this replica was answered")
-        if step is not None and newest_s > step:
-            raise ValueError(f"lineage entry (quorum {newest_q}, step {newest_s}) is past this replica's step {step}")
     return pairs
 
 

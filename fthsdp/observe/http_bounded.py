@@ -12,7 +12,9 @@ lighthouse's ``/metrics``, the dashboard) is built here instead:
   answered ``503`` at once (best effort, without blocking the accept loop) and
   closed;
 * each connection's socket has a timeout, so a client that stops sending or
-  reading frees its slot after ``socket_timeout_s``.
+  reading frees its slot after ``socket_timeout_s``. (Each read has it: a client
+  trickling a byte within it keeps its slot. The bound on slots is what keeps
+  such clients from taking the process down.)
 """
 
 from __future__ import annotations
@@ -31,8 +33,9 @@ log = logging.getLogger("fthsdp.observe.http")
 
 MAX_CONNECTIONS = 32  # connections served at once per listener (Prometheus needs one; a person a few)
 SOCKET_TIMEOUT_S = 10.0  # a connection silent this long is closed
-BUSY_REPLY = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: text/plain\r\nContent-Length: 37\r\n"
-              b"Connection: close\r\n\r\nbusy: too many connections at once\r\n\r\n")
+_BUSY_BODY = b"busy: too many connections at once\n"
+BUSY_REPLY = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: text/plain\r\nContent-Length: "
+              + str(len(_BUSY_BODY)).encode() + b"\r\nConnection: close\r\n\r\n" + _BUSY_BODY)
 
 
 class BoundedConnections(ThreadingMixIn):

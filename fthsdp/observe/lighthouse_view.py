@@ -259,8 +259,8 @@ class History:
 
     STEP_WINDOW = 20  # polls used for a replica's step-time estimate
     # A job the lighthouse no longer lists is kept this long (its failures stay on the page; the
-    # lighthouse itself forgets a silent job after 10 minutes), and at most MAX_JOBS jobs are kept:
-    # a dashboard that runs for months does not keep every job it ever saw.
+    # lighthouse itself forgets a silent job after 10 minutes), and at most MAX_JOBS such jobs are
+    # kept: a dashboard that runs for months does not keep every job it ever saw.
     FORGET_AFTER_S = 3600.0
     MAX_JOBS = 256
 
@@ -270,8 +270,10 @@ class History:
         self._last_listed: dict[str, float] = {}  # job -> the time of the last view that listed it
         self.forgotten: list[str] = []  # the jobs the last update() forgot (their series go too)
 
-    def _forget_old_jobs(self, now: float) -> None:
-        by_age = sorted(self._last_listed, key=self._last_listed.__getitem__)
+    def _forget_old_jobs(self, now: float, listed: set[str]) -> None:
+        # Only jobs the lighthouse no longer lists: a listed one forgotten each poll lost its history
+        # (its failures went unseen) and its counters restarted.
+        by_age = sorted((j for j in self._last_listed if j not in listed), key=self._last_listed.__getitem__)
         gone = [j for j in by_age if now - self._last_listed[j] > self.FORGET_AFTER_S]
         gone += [j for j in by_age if j not in gone][:max(0, len(by_age) - len(gone) - self.MAX_JOBS)]
         for j in gone:
@@ -284,7 +286,7 @@ class History:
         found: list[Failure] = []
         for job in view.jobs:
             self._last_listed[job.job_id] = view.time
-        self._forget_old_jobs(view.time)
+        self._forget_old_jobs(view.time, {job.job_id for job in view.jobs})
         for job in view.jobs:
             h = self.jobs.setdefault(job.job_id, JobHistory())
             q = job.quorum

@@ -40,7 +40,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--coordinator", default=None, metavar="HOST:PORT",
                    help="the replica's JAX coordinator, served by its process 0 (or FTHSDP_COORDINATOR)")
     p.add_argument("--lighthouse", default=None, help="HOST:PORT of `fthsdp lighthouse` (or FTHSDP_LIGHTHOUSE)")
-    p.add_argument("--job", default="fthsdp")
+    p.add_argument("--job", default=None, help="the job's name at its lighthouse (default: launch.job_id)")
     p.add_argument("--out-dir", required=True)
     p.add_argument("--allreduce", choices=("ftar", "local"), default="ftar",
                    help="local = identity (a job of one replica, no FTAR)")
@@ -750,6 +750,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, OSError) as e:  # a config error: every restart would fail the same way
         print(f"fthsdp replica: {e}", file=sys.stderr)
         return EXIT_JOB_FATAL
+    args.job = args.job or cfg.launch.job_id
     if not 0 <= int(args.replica_id) < cfg.launch.replicas:
         # The data positions every replica carries are indexed by replica id: an id past the
         # job's count failed every healthy replica at its first commit with this one.

@@ -71,6 +71,7 @@ from typing import TYPE_CHECKING
 from fthsdp.gc_policy import low_pause_gc
 from fthsdp.control import quorum as qm
 from fthsdp.replica import fsm
+from fthsdp.errors import classify
 from fthsdp.control.lighthouse_client import JobFinished, LighthouseError, LighthouseUnavailable, ring_request_flags
 from fthsdp.control.pacing import paced_interval
 from fthsdp.control.relay import relay_of
@@ -763,7 +764,10 @@ class EmulatedReplica:
                     now = time.monotonic()  # the Manager's rule: failures within the outage allowance are free
                     self.failing_since = now if self.failing_since is None else self.failing_since
                     self.failing += 1
-                    counted = fsm.quorum_error_counts(now - self.failing_since, c.timeouts.lighthouse_outage_s)
+                    # (as the Manager: only an error classify() calls recoverable may go uncounted; the
+                    # others end a real replica at once, and here use up an attempt as before)
+                    counted = (not classify(e).recoverable
+                               or fsm.quorum_error_counts(now - self.failing_since, c.timeouts.lighthouse_outage_s))
                     self.state = fsm.after_attempt(state, None, fsm.Outcome.QUORUM_ERROR, counted)
                     self._replay_after(None, fsm.Outcome.QUORUM_ERROR, self.state, counted)
                     if not counted:

@@ -14,7 +14,10 @@ field names), each leaf's global shape and dtype (not the values, nor the
 sharding: the ring checks its own shape), and the config sections that decide
 what the numbers mean without changing their shapes: ``model`` (activations'
 dtype), ``optim`` (learning rate, schedule) and ``data`` (the corpus and the
-batches each replica draws: exactly-once is counted over one stream).
+batches each replica draws: exactly-once is counted over one stream), and
+:data:`FIELDS` (the schedule's length, the initial parameters' seed, the
+learning-rate intervention). The tree structure is printed by jax, so replicas
+running different jax (or fthsdp) versions are refused too: run one version per job.
 """
 
 from __future__ import annotations
@@ -30,6 +33,9 @@ SIGNATURE_BITS = 63  # a positive int64 (0 means "not stated" on the wire)
 
 
 SECTIONS = ("model", "optim", "data")  # the config a job's replicas must share beyond the state's shapes
+# ... and single fields elsewhere that change the numbers: the learning-rate schedule's length
+# (train.steps), the initial parameters (train.seed) and the learning-rate intervention.
+FIELDS = (("train", "steps"), ("train", "seed"), ("ft", "intervention"))
 
 
 def describe(state: Any, cfg: Any = None) -> str:
@@ -44,6 +50,8 @@ def describe(state: Any, cfg: Any = None) -> str:
     for section in SECTIONS if cfg is not None else ():
         fields = dataclasses.asdict(getattr(cfg, section))
         parts += [f"{section}.{k}={fields[k]!r}" for k in sorted(fields)]
+    for section, name in FIELDS if cfg is not None else ():
+        parts.append(f"{section}.{name}={getattr(getattr(cfg, section), name)!r}")
     return "\n".join(parts)
 
 
