@@ -571,8 +571,16 @@ def test_dashboard_access_rules_are_one_pure_decision():
     assert a("/api/status", "", "127.0.0.1", "Bearer " + "cd" * 32, None, tok).reason.startswith("a wrong")
     assert a("/metrics", "", "127.0.0.1", "bearer " + tok, None, tok) == dash_mod.Verdict(200)
     assert a("/", "token=" + tok, "127.0.0.1", None, None, tok) == dash_mod.Verdict(200, set_cookie=True)
-    assert a("/", "", "127.0.0.1", None, f"x=1; {dash_mod.TOKEN_COOKIE}={tok}", tok) == dash_mod.Verdict(200)
+    # the cookie holds a value derived from the token (not the token: other ports of the host see it),
+    # read by hand (the standard parser dropped every cookie after another site's odd one)
+    good = f"{dash_mod.TOKEN_COOKIE}={dash_mod.cookie_value(tok)}"
+    assert a("/", "", "127.0.0.1", None, f'a={{"x":1}}; {good}', tok) == dash_mod.Verdict(200)
+    assert a("/", "", "127.0.0.1", None, f"{dash_mod.TOKEN_COOKIE}={tok}", tok).code == 401  # the raw token
+    assert a("/", "", "127.0.0.1", None, good, tok, cookie_name="other_port").code == 401  # another dashboard's
     assert a("/", "", "127.0.0.1", None, 'bad"cookie; =;', tok).code == 401  # unreadable cookie: no token
+    # a valid Bearer token opens it by any Host (Prometheus by a DNS name; a rebinding page cannot send it)
+    assert a("/metrics", "", "dash.example:8765", "Bearer " + tok, None, tok) == dash_mod.Verdict(200)
+    assert a("/metrics", "", "dash.example:8765", "Bearer " + "cd" * 32, None, tok).code == 403
     assert a("/", "token=\u00e9", "127.0.0.1", "Bearer \u00e9", None, tok).code == 401
     assert a("/healthz", "", "127.0.0.1", None, None, tok).code == 200  # liveness probes need no token
 
@@ -604,12 +612,14 @@ def test_dashboard_with_a_status_key_needs_a_token_beyond_loopback_and_serves_on
         code, headers, body = fetch("?token=" + tok.hex())
         assert code == 200 and b"<html" in body.lower()
         cookie = headers["Set-Cookie"]
-        assert cookie.startswith(f"{dash_mod.TOKEN_COOKIE}={tok.hex()};") and "HttpOnly" in cookie
+        name = f"{dash_mod.TOKEN_COOKIE}_{d.address.rpartition(':')[2]}"  # one per port
+        assert cookie.startswith(f"{name}={dash_mod.cookie_value(tok.hex())};") and "HttpOnly" in cookie
         assert "SameSite=Strict" in cookie
         code, _, body = fetch("api/status", Cookie=cookie.partition(";")[0])  # the page's own polls
         assert code == 200 and json.loads(body)["lighthouse"] == "127.0.0.1:1"
         assert fetch("healthz")[0] == 200
-        assert fetch("api/status", Host="rebound.example", Authorization="Bearer " + tok.hex())[0] == 403
+        assert fetch("api/status", Host="rebound.example", Cookie=cookie.partition(";")[0])[0] == 403  # rebinding
+        assert fetch("metrics", Host="dash.example", Authorization="Bearer " + tok.hex())[0] == 200  # by DNS name
     tok_file = tmp_path / "token"
     tok_file.write_text(tok.hex() + "\n")
     tok_file.chmod(0o600)

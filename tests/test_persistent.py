@@ -337,25 +337,32 @@ def test_a_new_writer_prunes_the_old_writers_steps_and_a_failed_save_costs_only_
 def test_a_resume_skips_a_torn_checkpoint_and_says_when_none_restores(tmp_path):
     """A host crash can leave the newest checkpoint's JSON items empty (Orbax writes them without
     fsync). A resume restored only the latest step, failed, and was restarted into the same
-    failure; now it restores the newest step that reads, and with none it is job-fatal, naming
-    each step's error."""
+    failure; now it restores the newest step that reads, and with none it fails naming each
+    step's error (replica-fatal: the launcher's failed-start limit ends a lasting cause). A
+    replica of several processes tries the latest only (a process falling back alone would mix
+    steps)."""
     import types
 
     import numpy as np
 
-    from fthsdp.errors import JobFatalError
+    from fthsdp.errors import ReplicaFatalError
     from fthsdp.replica.process import ReplicaProcess
 
     ckpt = PersistentCheckpointer(tmp_path / "ckpt", every=10, async_save=False)
     for step in (10, 20):
         ckpt.save(step, {"w": np.full(3, step, np.float32)}, {0: step})
     ckpt.wait()
-    fake = types.SimpleNamespace(ckpt=ckpt, abstract={"w": np.zeros(3, np.float32)}, rid="0")
+    fake = types.SimpleNamespace(ckpt=ckpt, abstract={"w": np.zeros(3, np.float32)}, rid="0",
+                                 group=types.SimpleNamespace(num_processes=1))
     (tmp_path / "ckpt" / "20" / "loader" / "metadata").write_text("")  # torn
     restored = ReplicaProcess._restore_newest_readable(fake)
     assert restored.step == 10 and float(np.asarray(restored.state["w"])[0]) == 10.0
+    fake.group.num_processes = 2  # several processes: the latest only
+    with pytest.raises(ReplicaFatalError, match="can be restored: step 20: [^;]*; move"):
+        ReplicaProcess._restore_newest_readable(fake)
+    fake.group.num_processes = 1
     (tmp_path / "ckpt" / "10" / "loader" / "metadata").write_text("{")
-    with pytest.raises(JobFatalError, match="no persistent checkpoint .* can be restored: step 20: .*; step 10: "):
+    with pytest.raises(ReplicaFatalError, match="no persistent checkpoint .* can be restored: step 20: .*; step 10: "):
         ReplicaProcess._restore_newest_readable(fake)
     ckpt.close()
 

@@ -29,8 +29,8 @@ without a token.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import hmac
-import http.cookies
 import importlib.resources
 import ipaddress
 import json
@@ -91,28 +91,45 @@ def host_allowed(host_header: str | None, allowed: frozenset[str]) -> bool:
     return True
 
 
+def cookie_value(token: str) -> str:
+    """What the cookie holds: derived from the token, not the token itself (a browser sends a
+    host's cookies to every port of it: another service there learns this value, which opens
+    only this page, not the Bearer credential Prometheus uses)."""
+    return hmac.new(token.encode(), b"fthsdp dashboard cookie", hashlib.sha256).hexdigest()
+
+
+def cookie_of(header: str | None, name: str) -> str | None:
+    """The value of cookie ``name`` in a Cookie header, read by hand: the standard parser drops
+    every cookie after one it cannot read (another site's on the same host)."""
+    for part in (header or "").split(";"):
+        k, sep, v = part.strip().partition("=")
+        if sep and k == name:
+            return v.strip()
+    return None
+
+
 def access(path: str, query: str, host_header: str | None, authorization: str | None, cookie: str | None,
-           token: str | None, allowed_hosts: frozenset[str] = frozenset()) -> Verdict:
+           token: str | None, allowed_hosts: frozenset[str] = frozenset(), cookie_name: str = TOKEN_COOKIE) -> Verdict:
     """Whether to serve a request (pure: its parts in, a verdict out)."""
+    def same(a: str, b: str) -> bool:
+        return hmac.compare_digest(a.encode("utf-8", "replace"), b.encode())
+
+    bearer = authorization[7:].strip() if authorization and authorization[:7].lower() == "bearer " else None
+    if bearer is not None and token is not None and same(bearer, token):
+        return Verdict(HTTPStatus.OK)  # a rebinding page cannot send it: any Host (Prometheus by DNS name)
     if not host_allowed(host_header, allowed_hosts):
         return Verdict(HTTPStatus.FORBIDDEN, f"Host {host_header!r} is not this dashboard's: open it by its IP "
-                                             "address or localhost, or start it with --allow-host NAME")
+                                             "address or localhost, start it with --allow-host NAME, or send its "
+                                             "access token as 'Authorization: Bearer HEX'")
     if token is None or path == "/healthz":
         return Verdict(HTTPStatus.OK)
-    given = []
-    if authorization and authorization[:7].lower() == "bearer ":
-        given.append(("header", authorization[7:].strip()))
-    try:
-        jar = http.cookies.SimpleCookie(cookie or "")
-    except http.cookies.CookieError:
-        jar = http.cookies.SimpleCookie()
-    if TOKEN_COOKIE in jar:
-        given.append(("cookie", jar[TOKEN_COOKIE].value))
-    given += [("query", v) for v in parse_qs(query).get("token", [])[:1]]
-    for where, value in given:
-        if hmac.compare_digest(value.encode("utf-8", "replace"), token.encode()):
-            return Verdict(HTTPStatus.OK, set_cookie=where == "query")
-    why = "a wrong access token" if given else "no access token"
+    jar = cookie_of(cookie, cookie_name)
+    if jar is not None and same(jar, cookie_value(token)):
+        return Verdict(HTTPStatus.OK)
+    asked = parse_qs(query).get("token", [])[:1]
+    if asked and same(asked[0], token):
+        return Verdict(HTTPStatus.OK, set_cookie=True)
+    why = "a wrong access token" if (bearer is not None or jar is not None or asked) else "no access token"
     return Verdict(HTTPStatus.UNAUTHORIZED, f"{why}: this dashboard needs the hex of its --access-token-file, as "
                                             "/?token=HEX in a browser or 'Authorization: Bearer HEX'")
 
@@ -178,6 +195,9 @@ class Dashboard:
         self._static = {name: static_dir().joinpath(name).read_bytes() for name in STATIC_FILES}
         # connections past max_concurrent get a 503 at accept (a thread each only for those served)
         self._httpd = http_bounded.http_server(host, port, self._handler_class(socket_timeout_s), max_concurrent)
+        # one cookie per port: a browser sends a host's cookies to all its ports (two dashboards on one
+        # host overwrote each other's)
+        self.cookie_name = f"{TOKEN_COOKIE}_{self._httpd.server_address[1]}"
         self._threads: list[threading.Thread] = []
 
     @property
@@ -231,8 +251,8 @@ class Dashboard:
             def _send(self, code: int, body: bytes, ctype: str) -> None:
                 self.send_response(code)
                 if self._set_cookie:  # HttpOnly: no script reads it; Strict: no other site's page sends it
-                    self.send_header("Set-Cookie", f"{TOKEN_COOKIE}={dash.access_token}; Path=/; HttpOnly; "
-                                                   "SameSite=Strict")
+                    self.send_header("Set-Cookie", f"{dash.cookie_name}={cookie_value(dash.access_token)}; Path=/; "
+                                                   "HttpOnly; SameSite=Strict")
                 if code == HTTPStatus.UNAUTHORIZED:
                     self.send_header("WWW-Authenticate", 'Bearer realm="fthsdp dashboard"')
                 self.send_header("Content-Type", ctype)
@@ -248,7 +268,7 @@ class Dashboard:
             def do_GET(self) -> None:
                 path, _, query = self.path.partition("?")
                 verdict = access(path, query, self.headers.get("Host"), self.headers.get("Authorization"),
-                                 self.headers.get("Cookie"), dash.access_token, dash.allow_hosts)
+                                 self.headers.get("Cookie"), dash.access_token, dash.allow_hosts, dash.cookie_name)
                 self._set_cookie = verdict.set_cookie
                 if verdict.code != HTTPStatus.OK:
                     self._send(verdict.code, verdict.reason.encode() + b"\n", "text/plain; charset=utf-8")

@@ -555,21 +555,27 @@ class ReplicaProcess:
     def _restore_newest_readable(self):
         """The newest persistent checkpoint that restores. One torn by a host crash (Orbax writes
         its JSON items without fsync) or otherwise unreadable is skipped, with its error in the
-        log: restoring only the latest failed every restart the same way. None restoring is
-        job-fatal, naming each step's error."""
-        from fthsdp.errors import JobFatalError
+        log: restoring only the latest failed every restart the same way. A replica of several
+        processes tries the latest only: each process restores its own shards, and one falling
+        back alone would mix steps (or wait at another barrier than the others). None restoring
+        is replica-fatal, naming each step's error: a passing cause (a storage outage) is retried
+        by the restart, a lasting one stops at the launcher's limit of failed starts."""
+        from fthsdp.errors import ReplicaFatalError
 
         failures = []
-        for step in sorted(self.ckpt.all_steps(), reverse=True):
+        steps = sorted(self.ckpt.all_steps(), reverse=True)
+        if self.group.num_processes > 1:
+            steps = steps[:1]
+        for step in steps:
             try:
                 return self.ckpt.restore(self.abstract, step)
             except Exception as e:  # noqa: BLE001 - this step cannot be used: the one before may be
                 failures.append(f"step {step}: {type(e).__name__}: {str(e)[:300]}")
                 log.error("replica %s: the persistent checkpoint of step %d cannot be restored (%s: %s); trying "
                           "the one before", self.rid, step, type(e).__name__, e)
-        raise JobFatalError(f"no persistent checkpoint under {self.ckpt.directory} can be restored: "
-                            f"{'; '.join(failures)}; move the broken step directories aside to start the job over, "
-                            "or fix what the errors name")
+        raise ReplicaFatalError(f"no persistent checkpoint under {self.ckpt.directory} can be restored: "
+                                f"{'; '.join(failures)}; move the broken step directories aside, or fix what the "
+                                "errors name")
 
     def run(self) -> int:
         from fthsdp.observe.phase import Phase
