@@ -25,6 +25,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+import jax
 import orbax.checkpoint as ocp
 
 from fthsdp.errors import JobFatalError
@@ -197,7 +198,16 @@ class PersistentCheckpointer:
             log.error("persistent checkpoint of step %s failed while it finished: %s: %s", self._in_flight,
                       type(e).__name__, e)
         # Steps another writer saved since this manager last listed (a new writer after a quorum
-        # change): its max_to_keep pruning counts them too, or checkpoints piled up on disk.
+        # change): its max_to_keep pruning counts them too, or checkpoints piled up on disk. Not in a
+        # replica of several processes: each would decide from its own listing whether the step
+        # exists, and the Orbax calls below wait at barriers of all of them (one listing that
+        # disagrees, on a shared filesystem's cache, and they wait at different ones).
+        if jax.process_count() == 1:
+            self._replace_existing(int(step))
+        self._in_flight = int(step)
+        return bool(self._mngr.save(int(step), args=args, force=True))
+
+    def _replace_existing(self, step: int) -> None:
         _listed(self._mngr.reload)
         if int(step) in self._mngr.all_steps():
             # Another writer saved this step (a quorum change, a split brain's two writers): the
@@ -210,8 +220,6 @@ class PersistentCheckpointer:
             log.warning("checkpoint of step %d already exists (writer %s, quorum %s): replaced by this save",
                         step, was.get("writer", "?"), was.get("quorum_id", "?"))
             self._mngr.delete(int(step))
-        self._in_flight = int(step)
-        return bool(self._mngr.save(int(step), args=args, force=True))
 
     def wait(self) -> None:
         """Blocks until the async save in flight (if any) is durable."""
