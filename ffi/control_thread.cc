@@ -106,10 +106,7 @@ void RingEndpoint::configure(const RingConfig& config) {
   if (!(config.connect_timeout_s > 0) || !std::isfinite(config.connect_timeout_s)) {
     throw std::invalid_argument("ftar configure: connect_timeout_s must be a finite number of seconds > 0");
   }
-  if (!(config.op_timeout_s >= 0) || !std::isfinite(config.op_timeout_s) || config.op_timeout_s > kMaxTimeoutS) {
-    throw std::invalid_argument("ftar configure: op_timeout_s must be a finite number of seconds in [0, a week] "
-                                "(0: the communicator's timeout_s)");
-  }
+  check_op_timeout(config.op_timeout_s);
   RingConfig resolved = config;
   for (int64_t i = 0; i < n; ++i) {
     const std::string& m = config.members[static_cast<size_t>(i)];
@@ -131,6 +128,18 @@ void RingEndpoint::configure(const RingConfig& config) {
     state_reason_.clear();
   }
   thread_->wake();
+}
+
+void RingEndpoint::check_op_timeout(double seconds) {
+  if (!(seconds >= 0) || !std::isfinite(seconds) || seconds > kMaxTimeoutS) {
+    throw std::invalid_argument("ftar configure: op_timeout_s must be a finite number of seconds in [0, a week] "
+                                "(0: the communicator's timeout_s)");
+  }
+}
+
+void RingEndpoint::set_op_timeout(double seconds) {
+  check_op_timeout(seconds);
+  op_timeout_s_.store(seconds, std::memory_order_relaxed);
 }
 
 std::pair<bool, std::string> RingEndpoint::wait_configured(double timeout_s) {

@@ -167,6 +167,9 @@ class RingEndpoint {
 
   const std::string& address() const { return address_; }
   const RingOptions& options() const { return options_; }
+  // Sets the deadline of the all-reduces from now on (0: options().timeout_s), as configure()
+  // does, for a quorum that keeps its ring but not its deadline (its behind member caught up).
+  void set_op_timeout(double seconds);
   // The deadline of one all-reduce now: the last configure()'s op_timeout_s, else options().
   double op_timeout_s() const {
     const double t = op_timeout_s_.load(std::memory_order_relaxed);
@@ -194,6 +197,7 @@ class RingEndpoint {
   enum class State { kUnconfigured, kConnecting, kReady, kFailed };
 
   static constexpr size_t kMaxViolations = 16;
+  static void check_op_timeout(double seconds);  // throws std::invalid_argument
   struct SendItem {
     tcp::ChunkHeader header;
     const char* data;

@@ -137,6 +137,10 @@ void Communicator::configure(const std::string& job_id, int64_t quorum_id, int32
   for (size_t i = 0; i < shards_.size(); ++i) shards_[i]->configure(configs[i]);
 }
 
+void Communicator::set_op_timeout(double seconds) {
+  for (auto& s : shards_) s->set_op_timeout(seconds);
+}
+
 std::pair<bool, std::string> Communicator::wait_configured(double timeout_s) {
   if (!(timeout_s >= 0) || !std::isfinite(timeout_s)) {
     throw std::invalid_argument("ftar wait_configured: timeout_s must be a finite number of seconds >= 0");

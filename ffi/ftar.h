@@ -32,6 +32,7 @@ class Communicator {
                  const std::vector<std::string>& members, double connect_timeout_s,
                  double op_timeout_s = 0.0);
   std::pair<bool, std::string> wait_configured(double timeout_s);
+  void set_op_timeout(double seconds);  // every shard's ring: see RingEndpoint::set_op_timeout
   void abort(const std::string& reason);
   std::vector<RingStats> stats();
   std::vector<RingProgress> progress() const;  // lock-free: never waits for the control thread

@@ -80,6 +80,7 @@ NB_MODULE(_ffi, m) {
           return c->wait_configured(timeout_s);
         });
   m.def("ftar_abort", [get](int32_t h, const std::string& reason) { get(h)->abort(reason); });
+  m.def("ftar_set_op_timeout", [get](int32_t h, double seconds) { get(h)->set_op_timeout(seconds); });
   m.def("ftar_destroy", [](int32_t h) { return fthsdp::ftar_destroy(h); });
   m.def("ftar_stats", [get](int32_t h) {
     nb::list out;

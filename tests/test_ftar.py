@@ -199,9 +199,18 @@ def test_a_rings_all_reduce_deadline_is_the_one_its_configure_gave():
             took = time.perf_counter() - t0
             assert status == ftar.STATUS_RECOVERABLE and "timeout" in reason, reason
             assert lo < took < hi, (op_timeout_s, took)
+        a.configure("job", 5, 0, members, timeout_s=5.0, wait=False)
+        b.configure("job", 5, 1, members, timeout_s=5.0, wait=False)
+        assert a.wait_configured(6.0) and b.wait_configured(6.0)
+        a.set_op_timeout(1.5)  # the same ring, another deadline (its quorum's behind member caught up)
+        t0 = time.perf_counter()
+        status, _ = a.allreduce_host(np.ones(64, np.float32), quorum_id=5, rank=0, n=2)
+        assert status == ftar.STATUS_RECOVERABLE and 1.2 < time.perf_counter() - t0 < 3.5
         for bad in (-1.0, float("inf"), float("nan"), 8 * 24 * 3600.0):
             with pytest.raises(ValueError, match="op_timeout_s must be a finite number"):
-                a.configure("job", 5, 0, members, timeout_s=1.0, wait=False, op_timeout_s=bad)
+                a.configure("job", 6, 0, members, timeout_s=1.0, wait=False, op_timeout_s=bad)
+            with pytest.raises(ValueError, match="op_timeout_s must be a finite number"):
+                a.set_op_timeout(bad)
 
 
 def test_stale_quorum_id_is_refused_at_the_handshake():

@@ -138,6 +138,7 @@ def test_a_quorum_with_a_behind_member_gives_its_all_reduce_the_catch_up_allowan
     """A behind member fetches the state before it joins the all-reduce: with the plain deadline a
     fetch longer than it failed every attempt of the healthy members (each one refetched) until
     they gave up. Such a quorum's ring is configured with ft.catch_up_timeout_s more."""
+    import dataclasses
     import threading
     import types
 
@@ -147,13 +148,20 @@ def test_a_quorum_with_a_behind_member_gives_its_all_reduce_the_catch_up_allowan
 
     got = []
     comm = types.SimpleNamespace(configure=lambda job, qid, rank, members, timeout_s, op_timeout_s:
-                                 got.append(op_timeout_s))
+                                 got.append(("configure", op_timeout_s)),
+                                 set_op_timeout=lambda s: got.append(("set", s)))
     cfg = config_lib.load("base", ["ft.allreduce_timeout_s=10", "ft.catch_up_timeout_s=45"])
-    fake = types.SimpleNamespace(cfg=cfg, comm=comm, replica_id="0", job_id="j", _lock=threading.Lock())
+    fake = types.SimpleNamespace(cfg=cfg, comm=comm, replica_id="0", job_id="j", _lock=threading.Lock(),
+                                 _op_deadline=0.0)
+    fake._deadline = lambda q: Manager._deadline(fake, q)
     members = tuple(qm.Member(r, 5, (f"127.0.0.1:{7000 + int(r)}",), "", 1) for r in ("0", "1"))
     Manager._configure(fake, qm.Quorum(3, members, 5, ("0", "1"), ()))
-    Manager._configure(fake, qm.Quorum(4, members, 5, ("0",), ("1",), recovery={"1": ("0",)}))
-    assert got == [10.0, 55.0]
+    behind = qm.Quorum(4, members, 5, ("0",), ("1",), recovery={"1": ("0",)})
+    Manager._configure(fake, behind)
+    # the member caught up: the next quorum keeps id 4 (same members) and the ring, not the long deadline
+    Manager._keep_deadline(fake, dataclasses.replace(behind, healthy=("0", "1"), behind=(), recovery={}))
+    Manager._keep_deadline(fake, dataclasses.replace(behind, healthy=("0", "1"), behind=(), recovery={}))
+    assert got == [("configure", 10.0), ("configure", 55.0), ("set", 10.0)]
 
 
 def test_a_launch_mistake_of_the_step_loop_is_job_fatal():

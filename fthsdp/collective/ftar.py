@@ -235,6 +235,11 @@ class Communicator:
         ok, reason = self._mod.ftar_wait_configured(self.handle, float(timeout_s) + 1.0)
         return ConfigureResult(bool(ok), reason)
 
+    def set_op_timeout(self, seconds: float) -> None:
+        """The deadline of this ring's all-reduces from now on (0: the options' timeout_s), for a
+        quorum that keeps its ring (same id) but not its deadline: its behind member caught up."""
+        self._mod.ftar_set_op_timeout(self.handle, float(seconds))
+
     def wait_configured(self, timeout_s: float) -> ConfigureResult:
         ok, reason = self._mod.ftar_wait_configured(self.handle, float(timeout_s))
         return ConfigureResult(bool(ok), reason)

@@ -219,6 +219,7 @@ class Manager:
         self._zero_grads = None
         # self.state is a catch-up's fetched state whose step has not committed (see the module's docstring)
         self._fetched_uncommitted = False
+        self._op_deadline = 0.0  # the all-reduce deadline the configured ring has (_deadline)
         # (step, data state) of the state this process fetched for a catch-up that has not
         # committed yet: a retry on a quorum at the same step installs it again instead of
         # fetching it again (each attempt refetched, and a fetch longer than the all-reduce's
@@ -279,15 +280,30 @@ class Manager:
         t0 = time.perf_counter()
         rank = q.rank_of(self.replica_id)
         members = q.ring_addresses(self.replica_id)  # per member, this process's shards' endpoints
-        t = self.cfg.timeouts
-        # A behind member fetches the state before it joins the all-reduce: its quorum waits longer.
-        deadline = t.catch_up_allreduce_s if q.behind else t.allreduce_timeout_s
-        self.comm.configure(self.job_id, q.quorum_id, rank, members, timeout_s=t.allreduce_timeout_s,
-                            op_timeout_s=deadline)
+        self._op_deadline = self._deadline(q)
+        self.comm.configure(self.job_id, q.quorum_id, rank, members,
+                            timeout_s=self.cfg.timeouts.allreduce_timeout_s, op_timeout_s=self._op_deadline)
         with self._lock:
             self._configured_qid = q.quorum_id
             self._aborted_qid = None
         return time.perf_counter() - t0
+
+    def _deadline(self, q: qm.Quorum) -> float:
+        """The all-reduce deadline of quorum ``q``: a behind member fetches the state before it
+        joins the all-reduce, so its quorum waits ft.catch_up_timeout_s longer."""
+        t = self.cfg.timeouts
+        return t.catch_up_allreduce_s if q.behind else t.allreduce_timeout_s
+
+    def _keep_deadline(self, q: qm.Quorum) -> None:
+        """``q`` keeps the configured ring (same id: the same members), but its behind members may
+        have caught up, or fallen behind: the ring's deadline follows (the long one stayed on for
+        the rest of a job whose members all caught up under one quorum id)."""
+        want = self._deadline(q)
+        if want != self._op_deadline:
+            setter = getattr(self.comm, "set_op_timeout", None)
+            if setter is not None:
+                setter(want)
+            self._op_deadline = want
 
     def _quorum_inputs(self, q: qm.Quorum, healthy: bool) -> QuorumInputs:
         return make_quorum_inputs(
@@ -359,7 +375,9 @@ class Manager:
                 if no_view:  # no rings for q here: the all-reduce fails at once and the replica asks again
                     self.comm.abort(f"step {step}: {no_view}")
                     events.append(f"attempt {attempt} on quorum {q.quorum_id}: no view of it ({no_view})")
-                elif q.quorum_id != self._configured_qid:
+                elif q.quorum_id == self._configured_qid:
+                    self._keep_deadline(q)
+                else:
                     self.quorum = q
                     took = self._configure(q)
                     rebuild_s += took
