@@ -265,16 +265,12 @@ def test_a_job_over_ipv6_loopback_with_an_external_lighthouse(tmp_path):
     from fthsdp.launch import report
     from test_fault_tolerance import assert_identical_after_every_commit
 
-    port_file = tmp_path / "lh.port"
-    lh = subprocess.Popen([sys.executable, "-m", "fthsdp.control.lighthouse", "--bind", "[::1]:0", "--insecure", "--port-file",
-                           str(port_file), "--replicas", "2", "--detect", "0.8", "--join-timeout", "0.5"],
-                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    from test_resilience_lighthouse import lighthouse_process
+
+    lh, port = lighthouse_process(["--bind", "[::1]:0", "--insecure", "--replicas", "2", "--detect", "0.8",
+                                   "--join-timeout", "0.5"], tmp_path / "lh.port")
     try:
-        deadline = time.monotonic() + 60
-        while not port_file.exists():
-            assert lh.poll() is None and time.monotonic() < deadline, "the lighthouse did not start on [::1]"
-            time.sleep(0.05)
-        address = f"[::1]:{int(port_file.read_text())}"
+        address = f"[::1]:{port}"
         out = tmp_path / "run"
         rc, seen, err = _run_and_watch(out, ["--config", "base", "--replicas", "2", "--devices-per-replica", "1",
                                              "--lighthouse", address, "--bind-host", "::1", *TINY,

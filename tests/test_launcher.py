@@ -223,6 +223,7 @@ def test_two_jobs_share_an_authenticated_lighthouse_by_name(tmp_path):
     (it was retried as transient, and the job restarted from its checkpoint until its restarts ran
     out)."""
     from fthsdp.control import auth
+    from test_resilience_lighthouse import lighthouse_process
 
     lh_key, port_file = tmp_path / "lh.key", tmp_path / "lh.port"
     auth.write_secret(str(lh_key), auth.new_secret())
@@ -230,15 +231,10 @@ def test_two_jobs_share_an_authenticated_lighthouse_by_name(tmp_path):
     for job in ("alpha", "beta"):
         keys[job] = tmp_path / f"{job}.key"
         auth.write_secret(str(keys[job]), auth.job_key(auth.load_secret(str(lh_key)), job))
-    lh = subprocess.Popen([sys.executable, "-m", "fthsdp.cli", "lighthouse", "--secret-file", str(lh_key), "--bind",
-                           "127.0.0.1:0", "--port-file", str(port_file), "--replicas", "1"],
-                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    lh, port = lighthouse_process(["--secret-file", str(lh_key), "--bind", "127.0.0.1:0", "--replicas", "1"],
+                                  port_file)
     try:
-        deadline = time.monotonic() + 60
-        while not port_file.exists():
-            assert lh.poll() is None and time.monotonic() < deadline, "the lighthouse did not start"
-            time.sleep(0.05)
-        address = f"127.0.0.1:{int(port_file.read_text())}"
+        address = f"127.0.0.1:{port}"
         runs = {job: subprocess.Popen([sys.executable, "-m", "fthsdp.cli", "run", "--no-progress", "--out-dir",
                                        str(tmp_path / job), *job_args(1, 6, "--lighthouse", address, "--job", job,
                                                                       "--secret-file", str(keys[job]))],

@@ -315,18 +315,24 @@ def test_leave_is_not_a_death_and_a_finished_job_answers_rejoiners(caplog):
 # -- a real job, its lighthouse SIGKILLed mid-run and restarted ----------------------------------------
 
 
-def start_lighthouse(port: int, log: pathlib.Path) -> subprocess.Popen:
-    port_file = log.with_suffix(".port")
+def lighthouse_process(args: list[str], port_file: pathlib.Path, log: pathlib.Path | None = None
+                       ) -> tuple[subprocess.Popen, int]:
+    """`fthsdp lighthouse ARGS` in its own session, and the port it serves on once it does."""
     port_file.unlink(missing_ok=True)
-    p = subprocess.Popen([sys.executable, "-m", "fthsdp.cli", "lighthouse", "--bind", f"127.0.0.1:{port}", "--insecure",
-                          "--detect", "0.8", "--join-timeout", "0.5", "--port-file", str(port_file)],
-                         cwd=REPO, stdout=open(log, "a"), stderr=subprocess.STDOUT, start_new_session=True)
+    out = open(log, "a") if log is not None else subprocess.DEVNULL
+    p = subprocess.Popen([sys.executable, "-m", "fthsdp.cli", "lighthouse", *args, "--port-file", str(port_file)],
+                         cwd=REPO, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     deadline = time.monotonic() + 60
     while not port_file.exists():
-        assert p.poll() is None, log.read_text()
+        assert p.poll() is None, log.read_text() if log is not None else "the lighthouse exited"
         assert time.monotonic() < deadline, "the lighthouse did not start"
         time.sleep(0.05)
-    return p
+    return p, int(port_file.read_text())
+
+
+def start_lighthouse(port: int, log: pathlib.Path) -> subprocess.Popen:
+    return lighthouse_process(["--bind", f"127.0.0.1:{port}", "--insecure", "--detect", "0.8", "--join-timeout",
+                               "0.5"], log.with_suffix(".port"), log)[0]
 
 
 def step_of(out: pathlib.Path, rid: int) -> int:

@@ -1333,35 +1333,29 @@ class Lighthouse(pb2_grpc.LighthouseServicer):
         def is_live(r: str) -> bool:
             return r in job.pending or now - job.last_seen.get(r, -math.inf) <= self.detect_s
 
-        c = job.local_world_size.conflict(req.replica_id, req.local_world_size, is_live)
-        if c is not None:
-            return (
-                f"local_world_size {req.local_world_size} of {who} conflicts with {c[1]} of live replica "
-                f"{c[0]!r}: every replica of a job must shard the same way (same devices per replica)"
-            )
-        c = job.processes.conflict(req.replica_id, req.num_processes or 1, is_live)
-        if c is not None:
-            return (
-                f"num_processes {req.num_processes or 1} of {who} conflicts with {c[1]} of live replica {c[0]!r}: "
-                "every replica of a job must have the same processes x devices shape (--processes-per-replica)"
-            )
-        if req.num_replicas:
-            c = job.stated_replicas.conflict(req.replica_id, req.num_replicas, is_live)
-            if c is not None:
-                return (
-                    f"num_replicas {req.num_replicas} of {who} conflicts with {c[1]} stated by live replica "
-                    f"{c[0]!r}: every replica of a job must be launched with the same replica count"
-                )
-        if req.state_signature:
-            c = job.state_signature.conflict(req.replica_id, req.state_signature, is_live)
-            if c is not None:
-                return (
-                    f"the training state of {who} (signature {req.state_signature:016x}) is not made like that of "
-                    f"live replica {c[0]!r} ({c[1]:016x}): its parameter or optimizer shapes or dtypes differ, or "
-                    "its model, optimizer or data settings (fthsdp/step/signature.py), so the replicas would "
-                    "average unlike values; launch every replica of a job with the same model.*, optim.* and "
-                    "data.* settings"
-                )
+        # Settings every live replica of a job must share: (kept values, this request's (None: not
+        # stated), why a different one is refused). Each message is built only for a refusal.
+        shared = (
+            (job.local_world_size, req.local_world_size, lambda v, r, w: (
+                f"local_world_size {v} of {who} conflicts with {w} of live replica {r!r}: every replica of a job "
+                "must shard the same way (same devices per replica)")),
+            (job.processes, req.num_processes or 1, lambda v, r, w: (
+                f"num_processes {v} of {who} conflicts with {w} of live replica {r!r}: every replica of a job must "
+                "have the same processes x devices shape (--processes-per-replica)")),
+            (job.stated_replicas, req.num_replicas or None, lambda v, r, w: (
+                f"num_replicas {v} of {who} conflicts with {w} stated by live replica {r!r}: every replica of a "
+                "job must be launched with the same replica count")),
+            (job.state_signature, req.state_signature or None, lambda v, r, w: (
+                f"the training state of {who} (signature {v:016x}) is not made like that of live replica {r!r} "
+                f"({w:016x}): its parameter or optimizer shapes or dtypes differ, or its model, optimizer or data "
+                "settings (fthsdp/step/signature.py), so the replicas would average unlike values; launch every "
+                "replica of a job with the same model.*, optim.* and data.* settings")),
+        )
+        for kept, value, why in shared:
+            if value is not None:
+                c = kept.conflict(req.replica_id, value, is_live)
+                if c is not None:
+                    return why(value, *c)
         return None
 
     def _admit(self, request, peer: str, now: float, relayed: bool = False) -> guard.Refusal | None:
