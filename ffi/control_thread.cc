@@ -980,7 +980,8 @@ void RingEndpoint::poll_prepare(Clock::time_point now, std::vector<pollfd>* fds,
                                 Clock::time_point* wake_at) {
   take_commands(now);
   if (op_ && now >= op_->deadline) {
-    const auto waited = std::chrono::duration<double>(now - op_->deadline).count() + op_timeout_s();
+    // (how long this op ran: a reconfiguration since may have changed the ring's deadline)
+    const auto waited = std::chrono::duration<double>(now - op_->started).count();
     fail("timeout: the all-reduce did not finish within " + std::to_string(waited) +
          " s (a peer is stopped, overloaded or unreachable)");
   }

@@ -105,6 +105,7 @@ struct Op {
   int32_t rank = 0;
   int32_t n = 0;
   Clock::time_point deadline;
+  Clock::time_point started;  // when it was submitted (its timeout message says how long it ran)
   // When set (FTAR on the GPU), the reduce-scatter's additions run on the
   // device: chunks are received into its slots and posted to it.
   ReduceOffload* offload = nullptr;

@@ -256,6 +256,7 @@ FtarResult ftar_allreduce_on(RingEndpoint* ep, int64_t quorum_id, int32_t rank, 
   op->rank = rank;
   op->n = n;
   op->deadline = deadline;
+  op->started = Clock::now();
   op->offload = offload;
   ep->run(op);
   if (op->fatal) {

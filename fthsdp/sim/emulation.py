@@ -894,10 +894,12 @@ class EmulatedReplica:
             await asyncio.sleep(c.model.step_s)
         if outcome is None:
             self.inflight = (q, p.step)
+            # the Manager's deadline: a quorum with a behind member waits ft.catch_up_timeout_s longer
+            deadline = c.timeouts.catch_up_allreduce_s if q.behind else c.timeouts.allreduce_timeout_s
             res = await emu.fabric.allreduce(q.quorum_id, p.step, self.rid, emu.member_set(q), nbytes,
-                                             c.ranks_per_replica, c.timeouts.allreduce_timeout_s)
+                                             c.ranks_per_replica, deadline)
             self.inflight = None
-            emu.waits.append((f"replica {self.rid} all-reduce", res.waited_s, c.timeouts.allreduce_timeout_s))
+            emu.waits.append((f"replica {self.rid} all-reduce", res.waited_s, deadline))
             local = emu.fabric.rank_faults_of(p.step, self.rid)
             failed_rings = res.failed_rings
             ok = res.ok
