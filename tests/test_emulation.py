@@ -268,8 +268,8 @@ def test_every_replica_killed_its_rejoiners_ask_again_then_give_up_rather_than_r
     (fsm.rejoin_at_step_0) they ask again for Timeouts.alone_rejoin_s and then give up job-fatal;
     they never train the job from its start again (before, the emulated ones did: its first
     batches trained twice)."""
-    t = Timeouts(detect_s=0.4, join_timeout_s=0.2, allreduce_timeout_s=2.0, catch_up_timeout_s=5.0, quorum_timeout_s=20.0,
-                 lighthouse_outage_s=10.0)
+    t = Timeouts(detect_s=0.4, join_timeout_s=0.2, allreduce_timeout_s=2.0, catch_up_timeout_s=5.0,
+                 quorum_timeout_s=20.0, lighthouse_outage_s=10.0)
     cfg = EmulationConfig(replicas=2, ranks_per_replica=2, steps=30, model=ModelShape(params=10**6, step_s=0.05),
                           timeouts=t, faults=(Fault("kill", step=4, replica=0, seconds=0.3),
                                               Fault("kill", step=4, replica=1, seconds=0.3)), run_timeout_s=60.0)

@@ -52,8 +52,8 @@ def test_a_killed_emulator_process_is_reported_and_the_others_go_on():
     them, or, killed between steps, the next quorum forms without them; their round barriers stop
     waiting for the dead process), the run ends, and the report names the process that sent no
     report and no other broken invariant."""
-    t = Timeouts(detect_s=1.0, join_timeout_s=0.5, allreduce_timeout_s=2.0, catch_up_timeout_s=5.0, quorum_timeout_s=20.0,
-                 lighthouse_outage_s=10.0)
+    t = Timeouts(detect_s=1.0, join_timeout_s=0.5, allreduce_timeout_s=2.0, catch_up_timeout_s=5.0,
+                 quorum_timeout_s=20.0, lighthouse_outage_s=10.0)
     cfg = EmulationConfig(replicas=4, ranks_per_replica=2, steps=80, model=ModelShape(params=10**6, step_s=0.05),
                           timeouts=t, emulator_processes=2, round_barrier=True, run_timeout_s=60.0)
     killed: list[int] = []

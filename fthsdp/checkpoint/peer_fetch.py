@@ -157,8 +157,8 @@ def get_manifest(url: str, key: bytes | str | None, step: int | None = None, tim
         resp = conn.getresponse()
         if resp.status != 200:
             raise _Gone(_error_reason(resp))
-        return Manifest.from_json(_read_bounded(resp, MAX_MANIFEST_BYTES, max(STALL_FLOOR_S, STALL_TIMEOUTS * timeout_s),
-                                                "manifest"))
+        deadline_s = max(STALL_FLOOR_S, STALL_TIMEOUTS * timeout_s)
+        return Manifest.from_json(_read_bounded(resp, MAX_MANIFEST_BYTES, deadline_s, "manifest"))
     finally:
         conn.close()
 

@@ -59,7 +59,8 @@ pb2, _ = _load_stubs()
 log = logging.getLogger("fthsdp.control.lighthouse")
 
 __all__ = ["SERVICE", "METHOD", "RELAY_METHOD", "SESSION_METHODS", "MAX_OPEN", "MAX_OPEN_RELAYED", "MAX_BATCH",
-           "MAX_BATCH_BYTES", "MAX_TIMEOUT_S", "UNREADABLE", "Stream", "check_deadline", "envelope", "reply", "envelope_problem", "batch", "take_batch",
+           "MAX_BATCH_BYTES", "MAX_TIMEOUT_S", "UNREADABLE", "Stream", "check_deadline", "envelope", "reply",
+           "envelope_problem", "batch", "take_batch",
            "batch_problem", "generic_handler",
            "status_code"]
 

@@ -13,7 +13,8 @@ A small HTTP server polls a lighthouse's public Status RPC and serves:
 
 The server is bounded (fthsdp.observe.http_bounded): a fixed number of
 connections are served at once (the rest get 503 when they connect), each
-socket has a timeout, and the poll history has a fixed size. It only reads the lighthouse, so it can run anywhere that reaches it.
+socket has a timeout, and the poll history has a fixed size. It only reads the
+lighthouse, so it can run anywhere that reaches it.
 
 Who may read it (``access``): a request's ``Host`` must name an IP address,
 ``localhost`` or a name given with ``--allow-host`` (a web page elsewhere that

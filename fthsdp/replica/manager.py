@@ -685,9 +685,9 @@ class Manager:
                     # Job-fatal, as a lighthouse unreachable past the limit is in get_quorum: a
                     # Status past its deadline (a hung lighthouse) read as this replica's own fault,
                     # every replica restarted to rejoin a job that never started.
-                    raise JobFatalError(f"start-up: the lighthouse stayed unreachable for {now - unreachable_since:.0f}s "
-                                        f"(ft.lighthouse_outage_s={outage_s:g}): {e}; restart it, then start the "
-                                        "job again") from e
+                    raise JobFatalError(f"start-up: the lighthouse stayed unreachable for "
+                                        f"{now - unreachable_since:.0f}s (ft.lighthouse_outage_s={outage_s:g}): {e}; "
+                                        "restart it, then start the job again") from e
                 log.warning("start-up: lighthouse unreachable for %.1fs (%s); waiting up to ft.lighthouse_outage_s="
                             "%gs", now - unreachable_since, e, outage_s)
                 time.sleep(0.2)
