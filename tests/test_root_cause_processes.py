@@ -33,9 +33,13 @@ def wait_for(fn, timeout_s: float, what: str):
     deadline = time.monotonic() + timeout_s
     last = None
     while time.monotonic() < deadline:
-        last = fn()
-        if last:
-            return last
+        try:
+            last = fn()
+        except LookupError as e:  # the job is not on the lighthouse until a leader is heard (a loaded CI)
+            last = e
+        else:
+            if last:
+                return last
         time.sleep(0.05)
     raise AssertionError(f"timed out after {timeout_s}s waiting for {what}; last: {last}")
 
