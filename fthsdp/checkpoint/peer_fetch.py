@@ -37,6 +37,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from fthsdp.checkpoint.peer_auth import sign
+from fthsdp.digits import ascii_int
 from fthsdp.checkpoint.snapshot import HostBuffer, Manifest, SnapshotError, checksum, check_matches, flatten, restore_tree
 
 
@@ -168,7 +169,8 @@ def _read_bounded(resp: http.client.HTTPResponse, limit: int, deadline_s: float,
     claiming a huge body (read() allocated all of it at once) or trickling a byte within each
     read's timeout (read() waited for ever) is refused (SnapshotError: the source is dropped)."""
     claimed = resp.getheader("Content-Length")
-    if claimed is not None and (not claimed.isascii() or not claimed.isdigit() or int(claimed) > limit):
+    size = ascii_int(claimed) if claimed is not None else None
+    if claimed is not None and (size is None or size > limit):
         raise SnapshotError(f"the peer's {what} claims {claimed[:32]!r} bytes: at most {limit} are read")
     deadline = time.monotonic() + deadline_s
     parts, got = [], 0
