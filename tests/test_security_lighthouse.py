@@ -167,6 +167,11 @@ def test_replay_cache_refuses_replays_stale_calls_and_stays_bounded():
         assert r.check_and_add(f"n{i}", t, t) is None, i
         assert "replayed" in r.check_and_add(f"n{i}", t, t)
     assert len(r) <= 256
+    # a cache started at t refuses every call stamped before it (it cannot know them), as retryable
+    r = auth.ReplayCache(window_s=30.0, not_before=3000.0)
+    assert r.check_and_add("a", 2999.0, 3000.5) == auth.ReplayCache.BEFORE_START
+    assert r.check_and_add("b", 3000.2, 3000.5) is None
+    assert auth.ReplayCache.BEFORE_START in auth.ReplayCache.RETRYABLE
 
 
 def test_secrets_load_from_file_or_environment_and_say_what_is_wrong(tmp_path):
@@ -377,6 +382,22 @@ def test_calls_without_a_valid_credential_are_refused_with_what_to_do(secure):
     assert e.code() == grpc.StatusCode.UNAUTHENTICATED and "gRPC metadata" in e.details()
     assert "upgrade fthsdp" in e.details()
     raw_call(secure.address, "Heartbeat", *signed(call_key("job"), "Heartbeat", hb))
+
+
+def test_a_call_captured_before_a_lighthouse_restart_cannot_be_replayed_after_it():
+    """A restarted lighthouse (or a standby taking over) starts with an empty replay cache: a
+    call signed before it started is refused as one to retry afresh, never taken a second time."""
+    hb = pb2.HeartbeatRequest(protocol_version=V, job_id="job", replica_id="0", step=1, incarnation="x")
+    cfg = LighthouseConfig(secret=SECRET, join_timeout_s=0.2, detect_s=0.5)
+    with LighthouseThread(cfg) as first:
+        body, md = signed(call_key("job"), "Heartbeat", hb)
+        raw_call(first.address, "Heartbeat", body, md)  # the call as its replica sent it
+    time.sleep(0.01)  # (the restart comes after the signature on the wall clock)
+    with LighthouseThread(cfg) as restarted:
+        e = refused(restarted.address, "Heartbeat", body, md)  # the captured call, replayed
+        assert e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, e.details()
+        assert "signed before this server started" in e.details() and "retry" in e.details()
+        raw_call(restarted.address, "Heartbeat", *signed(call_key("job"), "Heartbeat", hb))  # a fresh one
 
 
 def test_status_needs_a_credential_and_never_lists_other_jobs(secure):

@@ -315,7 +315,8 @@ class _Server:
         self.bytes_served = 0
         self.pieces_served = 0
         self.refusals = _RefusalLog()
-        self.replay = ReplayCache(CLOCK_WINDOW_S, limits.replay_capacity)
+        # empty at start: requests signed before it cannot be checked, and are refused
+        self.replay = ReplayCache(CLOCK_WINDOW_S, limits.replay_capacity, not_before=time.time())
         self.listener = socket.socket(family(addr[0]), socket.SOCK_STREAM)
         try:
             self.listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

@@ -454,18 +454,31 @@ class ReplayCache:
     every call stamped at or before the latest dropped timestamp is refused
     as possibly replayed (``floor``): a flood can make old-but-valid calls
     retry, never let a replay through, and a fresh call stays accepted.
+
+    A cache starts empty, so a server (re)started less than a window after
+    a call was captured could not tell its replay from the call: calls stamped
+    at or before ``not_before`` (the server's start, :meth:`started`) are
+    refused as :data:`BEFORE_START`, which a client retries with a fresh
+    credential. Without it, a lighthouse restart (or a standby taking over)
+    opened a window's worth of replays of every call signed before it.
     """
 
     SLICES = 256
 
-    def __init__(self, window_s: float = CLOCK_WINDOW_S, capacity: int = 200_000) -> None:
+    def __init__(self, window_s: float = CLOCK_WINDOW_S, capacity: int = 200_000,
+                 not_before: float = -float("inf")) -> None:
         self.window_s = window_s
         self.capacity = capacity
         self._width = window_s / self.SLICES
         self._slices: dict[int, dict] = {}  # slice (timestamp // width) -> nonce -> timestamp
         self._count = 0
         self._oldest: int | None = None  # the smallest slice index held
-        self.floor = -float("inf")  # calls with timestamp <= floor are refused
+        self.floor = -float("inf")  # calls with timestamp <= floor are refused (TOO_OLD)
+        self.not_before = not_before  # calls with timestamp <= not_before are refused (BEFORE_START)
+
+    def started(self, now: float) -> None:
+        """The server starts serving at ``now`` (wall clock): calls signed before are refused."""
+        self.not_before = now
 
     def __len__(self) -> int:
         return self._count
@@ -476,6 +489,10 @@ class ReplayCache:
 
     TOO_OLD = ("the call is too old to be checked for replay while the lighthouse is flooded: retry it "
                "(a fresh nonce and timestamp)")
+    BEFORE_START = ("the call was signed before this server started, so it cannot be checked for replay: "
+                    "retry it (a fresh nonce and timestamp); if every call is refused so, this host's clock "
+                    "is behind the server's: synchronise them (NTP)")
+    RETRYABLE = (TOO_OLD, BEFORE_START)  # refusals a fresh credential answers
 
     def check_and_add(self, nonce: bytes | str, timestamp: float, now: float) -> str | None:
         """None when fresh (and remembered); otherwise why it is refused. (Every accepted call
@@ -489,6 +506,8 @@ class ReplayCache:
                 self._drop(i)  # wholly outside the window
         if timestamp <= self.floor:
             return self.TOO_OLD
+        if timestamp <= self.not_before:
+            return self.BEFORE_START
         index = int(timestamp // self._width)
         seen = self._slices.get(index)
         if seen is None:

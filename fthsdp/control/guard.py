@@ -515,9 +515,10 @@ class CallAuthenticator:
 
 
 def _replay_refusal(why: str, method: str, job_id: str, replica_id: str) -> Refusal:
-    """A verified call the replay check refused: while the cache is flooded (TOO_OLD) a call
-    is asked to retry (RESOURCE_EXHAUSTED, which clients retry), not told its credential is bad."""
-    code = EXHAUSTED if why == auth.ReplayCache.TOO_OLD else UNAUTHENTICATED
+    """A verified call the replay check refused: while the cache is flooded (TOO_OLD), or when
+    the call was signed before the lighthouse started (BEFORE_START), a call is asked to retry
+    (RESOURCE_EXHAUSTED, which clients retry), not told its credential is bad."""
+    code = EXHAUSTED if why in auth.ReplayCache.RETRYABLE else UNAUTHENTICATED
     return Refusal(code, f"{_where(method, job_id, replica_id)}: {why}")
 
 

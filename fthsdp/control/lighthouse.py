@@ -852,6 +852,8 @@ class Lighthouse(pb2_grpc.LighthouseServicer):
             raise OSError(f"lighthouse cannot bind {self.config.bind}: {e} (is the port in use?)") from e
         if self.port == 0:
             raise OSError(f"lighthouse cannot bind {self.config.bind} (is the port in use?)")
+        # Its replay memory starts empty: calls signed before now are refused (retried afresh).
+        self._auth.replays.started(time.time())
         await self._server.start()
         if c.metrics_bind:
             from fthsdp.observe.metrics import serve as serve_metrics
