@@ -305,7 +305,11 @@ def _set(obj, parts: list[str], value: str, full: str):
     if parts[0] not in names:
         raise ConfigError(f"override {full!r}: no field {parts[0]!r} in {type(obj).__name__}; fields: {', '.join(names)}")
     if len(parts) == 1:
-        new = _convert(value, hints[parts[0]], full)
+        if dataclasses.is_dataclass(hints[parts[0]]):  # (its constructor took the text as its first field)
+            fields = ", ".join(f.name for f in dataclasses.fields(hints[parts[0]]))
+            raise ConfigError(f"override {full!r}: {parts[0]!r} is a section, not a value: set its fields one by "
+                              f"one ({parts[0]}.FIELD=VALUE; fields: {fields})")
+        new = _convert(value.strip(), hints[parts[0]], full)
     else:
         new = _set(getattr(obj, parts[0]), parts[1:], value, full)
     return dataclasses.replace(obj, **{parts[0]: new})

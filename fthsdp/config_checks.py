@@ -66,8 +66,8 @@ class Number:
             return self.allowed()
         if self.integer and not isinstance(value, int):
             return self.allowed()
-        if not isinstance(value, (int, float)) or not math.isfinite(value):
-            return self.allowed()
+        if not isinstance(value, (int, float)) or (isinstance(value, float) and not math.isfinite(value)):
+            return self.allowed()  # (an int is finite; math.isfinite of one past a float's range raises)
         if self.lo is not None and (value < self.lo or (self.lo_open and value == self.lo)):
             return self.allowed()
         if self.hi is not None and (value > self.hi or (self.hi_open and value == self.hi)):
@@ -361,7 +361,7 @@ RULES: dict[str, Rule] = {
     "launch.fault_seed": SEED,
     "launch.max_job_restarts": _int(0, why="whole-job restarts from the latest checkpoint, 0 = never"),
     # train
-    "train.steps": _int(0),
+    "train.steps": _int(0, 2**31 - 1, "the state counts committed steps in an int32"),
     "train.seed": SEED,
     "train.log_every": _int(1),
     "train.eval_every": _int(0, why="0 = no evaluation"),
@@ -379,7 +379,7 @@ def _type_problem(value: Any, typ: Any) -> str | None:
     if typ is int:
         return None if isinstance(value, int) and not isinstance(value, bool) else "an integer"
     if typ is float:
-        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+        ok = isinstance(value, int) and not isinstance(value, bool) or isinstance(value, float) and math.isfinite(value)
         return None if ok else "a finite number"
     if typ is str:
         return None if isinstance(value, str) else "a string"
@@ -427,7 +427,7 @@ def _check_lighthouse_budget(cfg: Any) -> None:
                           f"uses the external lighthouse launch.lighthouse={cfg.launch.lighthouse}: give that "
                           "lighthouse --beats-per-s instead")
     beats = 1.0 / cfg.ft.heartbeat_interval_s
-    if rate < 2 * beats:
+    if not cfg.launch.lighthouse and rate < 2 * beats:  # (an external one: its --connection-calls-per-s)
         raise ConfigError(f"launch.lighthouse_connection_calls_per_s={rate:g} leaves no room: a replica process's "
                           f"heartbeats alone send {beats:g} calls/s (1/ft.heartbeat_interval_s), and its quorum "
                           f"requests come on top; give at least {2 * beats:g} (twice the heartbeat rate)")
@@ -497,6 +497,13 @@ def check(cfg: Any) -> None:
     if d.seq_len > m.max_seq_len:
         raise ConfigError(f"data.seq_len={d.seq_len} exceeds model.max_seq_len={m.max_seq_len}: "
                           "data.seq_len must be <= model.max_seq_len")
+    if cfg.train.eval_every > 0 and d.eval_batches == 0:
+        raise ConfigError(f"train.eval_every={cfg.train.eval_every} evaluates, but data.eval_batches=0 gives it no "
+                          "batch (its loss would be NaN): set data.eval_batches >= 1, or train.eval_every=0")
+    if cfg.train.eval_every > 0 and max(d.corpus_bytes // 8, 1 << 16) < d.seq_len + 2:
+        raise ConfigError(f"data.seq_len={d.seq_len} is longer than the held-out corpus "
+                          f"({max(d.corpus_bytes // 8, 1 << 16)} bytes, data.corpus_bytes // 8 or 64 KiB): "
+                          "raise data.corpus_bytes, or set train.eval_every=0")
     if d.corpus_bytes < d.seq_len + 2:
         raise ConfigError(f"data.corpus_bytes={d.corpus_bytes} must be >= data.seq_len + 2 = {d.seq_len + 2}: "
                           "a training window must fit in the corpus")

@@ -32,6 +32,9 @@ def test_overrides_are_typed():
     ("model.num_heads=3", "not divisible"),
     ("ft.intervention=cubic", "unknown LR intervention"),
     ("data.seq_len=1000", "exceeds model.max_seq_len"),
+    ("optim=adamw", "'optim' is a section, not a value: set its fields one by one"),  # (not OptimConfig('adamw'))
+    ("train.steps=" + "9" * 400, "train.steps="),  # past a float's range: refused, not an OverflowError
+    ("data.eval_batches=0", "gives it no batch"),
 ])
 def test_bad_overrides_say_what_is_wrong(bad, msg):
     with pytest.raises(ValueError, match=msg):
@@ -155,6 +158,19 @@ def test_out_of_range_values_are_refused_naming_the_field_and_what_is_allowed(ba
 def test_lighthouse_connection_budget_is_checked(overrides, msg):
     with pytest.raises(ConfigError, match=msg):
         config_lib.load("base", overrides)
+
+
+def test_an_external_lighthouses_heartbeat_budget_is_its_own():
+    """With launch.lighthouse set, the budget is that lighthouse's --connection-calls-per-s: fast
+    heartbeats are not refused against the launcher's default it cannot change."""
+    cfg = config_lib.load("base", ["launch.lighthouse=127.0.0.1:29510", "ft.heartbeat_interval_s=0.01"])
+    assert cfg.ft.heartbeat_interval_s == 0.01
+    with pytest.raises(ConfigError, match="give at least 200"):
+        config_lib.load("base", ["ft.heartbeat_interval_s=0.01"])
+
+
+def test_override_values_are_stripped():
+    assert config_lib.load("base", ["train.out_dir= runs/x "]).train.out_dir == "runs/x"
 
 
 def test_lighthouse_connection_budget_defaults_to_the_lighthouses_own():

@@ -112,6 +112,67 @@ def test_a_fenced_replica_rolls_back_its_discarded_commits(tmp_path):
     assert [c.step for c in live_commits(read_ledger(paths[0]))] == [1, 2, 7, 8, 9]
 
 
+def test_a_ledgers_own_order_is_its_file_order_whatever_the_clock_says(tmp_path, monkeypatch):
+    """A rollback or restore voids the commits above it in its own ledger, even when the clock
+    was stepped back between them (a reboot, NTP): by wall clock the rollback came "first" and
+    voided nothing, and the retrained batch counted twice."""
+    import fthsdp.data.ledger as ledger_mod
+
+    clock = iter([100, 50, 60, 70, 40, 45])  # each append reads it once
+    monkeypatch.setattr(ledger_mod.time, "time_ns", lambda: next(clock))
+    p = tmp_path / "ledger_0.jsonl"
+    with Ledger(p, 0) as led:
+        led.commit(3, 2)  # t=100
+        led.rollback(2, 3, 3)  # t=50: the clock went back
+        led.commit(3, 2)  # t=60: the batch trained again, on the installed state
+        led.commit(4, 3)  # t=70
+        led.restore(3, "r1")  # t=40: a restart from step 3 voids the commit of step 4 above it
+        led.commit(4, 3)  # t=45
+    contents = read_ledger(p)
+    assert [c.t_ns for c in live_commits(contents)] == [60, 45]
+    rep = check_exactly_once([p], {0: 4})
+    assert not rep.duplicates and not rep.step_conflicts and rep.rolled_back == 2, rep.summary()
+
+
+def test_a_record_written_in_part_is_cut_back_so_the_ledger_stays_readable(tmp_path):
+    """A short write (a nearly full disk) never leaves half a line for the next record to
+    follow: that line in the middle of the file made every later read refuse the ledger."""
+    p = tmp_path / "l.jsonl"
+
+    class ShortWrites:  # the raw file's write() stores part of the line, then fails
+        def __init__(self, f):
+            self.f, self.calls = f, 0
+
+        def write(self, view):
+            self.calls += 1
+            if self.calls == 1:
+                return self.f.write(bytes(view[:10]))
+            raise OSError(28, "No space left on device")
+
+        def __getattr__(self, name):
+            return getattr(self.f, name)
+
+    with Ledger(p, 0) as led:
+        led.commit(1, 0)
+        real = led._f
+        led._f = ShortWrites(real)
+        with pytest.raises(OSError, match="No space"):
+            led.commit(2, 1)
+        led._f = real
+        led.commit(2, 1)  # space again: the next record starts on its own line
+    assert [r.position for r in read_ledger(p).records] == [0, 1]
+
+
+@pytest.mark.parametrize("line", [b"null", b"5", b'"x"', b"[1, 2]"])
+def test_a_line_that_is_not_a_record_is_named_not_a_crash(tmp_path, line):
+    p = tmp_path / "l.jsonl"
+    with Ledger(p, 0) as led:
+        led.commit(1, 0)
+    p.write_bytes(line + b"\n" + p.read_bytes())
+    with pytest.raises(LedgerError, match="line 1 is damaged.*not a JSON object"):
+        read_ledger(p)
+
+
 def test_rollback_arguments_are_checked(tmp_path):
     with Ledger(tmp_path / "l.jsonl", 0) as led:
         for bad in ((5, 0, 2), (5, 4, 3), (-1, 1, 2)):

@@ -49,6 +49,13 @@ def test_record_of_another_replica_is_refused(tmp_path):
         store.load(1)
 
 
+def test_an_unreadable_record_is_named_not_an_os_error(tmp_path):
+    store = LoaderStateStore(tmp_path)
+    store.path(1).mkdir(parents=True)  # a directory where the record belongs
+    with pytest.raises(LoaderStateError, match="replica_1.json: cannot read the loader state"):
+        store.load(1)
+
+
 def test_invalid_records_are_refused():
     with pytest.raises(LoaderStateError, match="position must be a non-negative int"):
         LoaderRecord(0, -1, 0)

@@ -9,7 +9,9 @@ the restart: every commit recorded before the restart's first `restore` line
 back with the discarded model. Log it at every (re)start of the job, step 0
 included: a job killed before its first checkpoint was durable starts over.
 (Wall-clock order: the replicas' clocks must agree to well within the time a
-restart takes, as they do on one host or under NTP.)
+restart takes, as they do on one host or under NTP. Within one ledger, which
+record came first is its order in the file, never the clock: a clock stepped
+back, after a reboot, must not revive a commit its own later line voided.)
 
 A replica that finds its own commits missing from the state it installed
 appends a `rollback` line naming the steps of the discarded commits: it was
@@ -57,6 +59,7 @@ class Commit:
     replica: int
     position: int
     t_ns: int
+    seq: int = 0  # its line's index in its ledger (read_ledger): the order within the file
 
 
 @dataclass(frozen=True)
@@ -69,9 +72,11 @@ class Rollback:
     last: int
     replica: int
     t_ns: int
+    seq: int = 0
 
     def voids(self, c: Commit) -> bool:
-        return c.replica == self.replica and c.t_ns < self.t_ns and self.first <= c.step <= self.last
+        """Whether it voids ``c``, a commit of the same ledger (by their order in the file)."""
+        return c.replica == self.replica and c.seq < self.seq and self.first <= c.step <= self.last
 
 
 @dataclass(frozen=True)
@@ -80,6 +85,7 @@ class Restore:
     replica: int
     t_ns: int
     restart: str  # names the job restart (every replica of it logs the same id)
+    seq: int = 0
 
 
 def _line(doc: dict) -> bytes:
@@ -90,8 +96,10 @@ def _line(doc: dict) -> bytes:
 Record = Commit | Restore | Rollback
 
 
-def _parse(raw: bytes, where: str) -> Record:
+def _parse(raw: bytes, where: str, seq: int = 0) -> Record:
     doc = json.loads(raw)
+    if not isinstance(doc, dict):
+        raise ValueError(f"not a JSON object but {type(doc).__name__}")
     crc = doc.pop("crc")
     body = json.dumps(doc, sort_keys=True, separators=(",", ":"))
     if zlib.crc32(body.encode()) & 0xFFFFFFFF != crc:
@@ -99,11 +107,12 @@ def _parse(raw: bytes, where: str) -> Record:
     if doc.get("v") != FORMAT_VERSION:
         raise LedgerError(f"{where}: ledger version {doc.get('v')!r} unsupported (this fthsdp reads {FORMAT_VERSION})")
     if doc["kind"] == "commit":
-        return Commit(int(doc["step"]), int(doc["replica"]), int(doc["position"]), int(doc["t"]))
+        return Commit(int(doc["step"]), int(doc["replica"]), int(doc["position"]), int(doc["t"]), seq)
     if doc["kind"] == "restore":
-        return Restore(int(doc["step"]), int(doc["replica"]), int(doc["t"]), str(doc["restart"]))
+        return Restore(int(doc["step"]), int(doc["replica"]), int(doc["t"]), str(doc["restart"]), seq)
     if doc["kind"] == "rollback":
-        return Rollback(int(doc["step"]), int(doc["first"]), int(doc["last"]), int(doc["replica"]), int(doc["t"]))
+        return Rollback(int(doc["step"]), int(doc["first"]), int(doc["last"]), int(doc["replica"]), int(doc["t"]),
+                        seq)
     raise ValueError(f"unknown record kind {doc['kind']!r}")
 
 
@@ -125,7 +134,7 @@ def read_ledger(path: str | os.PathLike) -> LedgerContents:
             continue
         last = i == len(lines) - 1  # no newline after it: an append that did not finish
         try:
-            records.append(_parse(raw, str(p)))
+            records.append(_parse(raw, str(p), len(records)))
         except LedgerError:
             raise
         except (ValueError, KeyError, TypeError) as e:
@@ -161,6 +170,8 @@ class Ledger:
         try:  # a whole record whose newline never made it: keep it (readers count it too)
             _parse(data[keep:], str(self.path))
             whole = True
+        except LedgerError:
+            raise  # a whole record of another version: never cut (read_ledger refuses the file too)
         except (ValueError, KeyError, TypeError):
             whole = False
         with open(self.path, "r+b") as f:
@@ -173,7 +184,23 @@ class Ledger:
         return not whole
 
     def _append(self, doc: dict) -> None:
-        self._f.write(_line({"v": FORMAT_VERSION, "t": time.time_ns(), "replica": self.replica, **doc}))
+        view = memoryview(_line({"v": FORMAT_VERSION, "t": time.time_ns(), "replica": self.replica, **doc}))
+        start = self._f.tell()
+        try:
+            while view:  # a raw file may write part of the line (a nearly full disk)
+                n = self._f.write(view)
+                if not n:
+                    raise OSError(f"ledger {self.path}: no byte written (is the disk full?)")
+                view = view[n:]
+        except OSError:
+            # Half a line followed by the next append would be one damaged line in the middle,
+            # which every later read refuses as an altered ledger: cut back to the last whole line.
+            try:
+                self._f.truncate(start)
+            except OSError as e:
+                raise OSError(f"ledger {self.path}: a record was written in part and could not be cut off ({e}): "
+                              "the file now ends with a torn line, which its next opening removes") from None
+            raise
         if self.fsync:
             os.fsync(self._f.fileno())
 
@@ -222,7 +249,7 @@ def live_commits(contents: LedgerContents) -> list[Commit]:
     restores = [r for r in contents.records if isinstance(r, Restore)]
     rollbacks = [r for r in contents.records if isinstance(r, Rollback)]
     return [c for c in contents.records if isinstance(c, Commit)
-            and not any(r.t_ns > c.t_ns and r.step < c.step for r in restores)
+            and not any(r.seq > c.seq and r.step < c.step for r in restores)
             and not any(r.voids(c) for r in rollbacks)]
 
 
@@ -284,17 +311,17 @@ def check_exactly_once(
     """Replays `ledgers`; `expected_positions[r] = n` means positions 0..n-1 of replica r
     must each be in the final model exactly once."""
     contents = [c if isinstance(c, LedgerContents) else read_ledger(c) for c in ledgers]
-    commits: list[Commit] = []
+    commits: list[tuple[int, Commit]] = []  # (its ledger's index, the commit)
     restores: list[Restore] = []
-    rollbacks: dict[int, list[Rollback]] = {}  # replica -> its rollbacks (they void its own commits only)
-    for c in contents:
+    own: dict[int, list[Restore | Rollback]] = {}  # ledger index -> its restores and rollbacks (file order)
+    for i, c in enumerate(contents):
         for rec in c.records:
             if isinstance(rec, Commit):
-                commits.append(rec)
-            elif isinstance(rec, Restore):
-                restores.append(rec)
+                commits.append((i, rec))
             else:
-                rollbacks.setdefault(rec.replica, []).append(rec)
+                own.setdefault(i, []).append(rec)
+                if isinstance(rec, Restore):
+                    restores.append(rec)
     report = ExactlyOnceReport(ok=True, torn_tails=[c.path for c in contents if c.torn_tail])
 
     restarts: dict[str, tuple[int, int]] = {}  # restart id -> (first time logged, step)
@@ -307,11 +334,14 @@ def check_exactly_once(
             )
         restarts[r.restart] = (min(t, r.t_ns), step)
 
-    def rolled_back(c: Commit) -> bool:
+    def rolled_back(i: int, c: Commit) -> bool:
+        # a restart voids later steps on every replica from its first restore line (wall clock);
+        # a ledger's own later restore or rollback voids its commit whatever the clocks say
         return (any(t > c.t_ns and step < c.step for t, step in restarts.values())
-                or any(r.voids(c) for r in rollbacks.get(c.replica, ())))
+                or any(r.voids(c) if isinstance(r, Rollback) else (r.seq > c.seq and r.step < c.step)
+                       for r in own.get(i, ())))
 
-    live = [c for c in commits if not rolled_back(c)]
+    live = [c for i, c in commits if not rolled_back(i, c)]
     report.rolled_back = len(commits) - len(live)
     report.counted = len(live)
     seen: dict[tuple[int, int], list[int]] = {}

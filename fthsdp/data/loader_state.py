@@ -118,6 +118,9 @@ class LoaderStateStore:
             data = p.read_bytes()
         except FileNotFoundError:
             return None
+        except OSError as e:  # a directory in its place, no permission: say which file and why
+            raise LoaderStateError(f"{p}: cannot read the loader state ({e.strerror or e}); fix the file or its "
+                                   "permissions") from None
         rec = decode(data, str(p))
         if rec.replica != replica:
             raise LoaderStateError(f"{p} holds replica {rec.replica}'s state, not replica {replica}'s (file was moved?)")

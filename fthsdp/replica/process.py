@@ -546,9 +546,11 @@ class ReplicaProcess:
         mgr.install_data_state({"positions": np.array([restored.loader_positions.get(i, 0) for i in range(n)]),
                                 "last_step": last})
         self.ledger.restore(restored.step, restart_id)
-        # the checkpoint may hold a batch of ours whose ledger line our killed predecessor never wrote
-        me = self.args.replica_id
-        self.record_unrecorded_commit(int(mgr.positions[me]), int(mgr.last_step[me]))
+        # The checkpoint may hold a batch of ours whose ledger line our killed predecessor never
+        # wrote, or lack one it recorded at the checkpoint's step or before (our last commit
+        # succeeded while the peers' failed, and the job died before we rejoined): the restore
+        # line voids only later steps, so the ledger is reconciled as at a rejoin.
+        self.reconcile_ledger({"positions": mgr.positions, "last_step": mgr.last_step}, restored.step)
         log.info("replica %s: resumed from the persistent checkpoint of step %d, stream position %d",
                  self.rid, restored.step, mgr.loader.position)
 
