@@ -125,6 +125,43 @@ def test_history_counts_a_replica_that_left_the_job_and_not_a_lighthouse_restart
     assert h.update(done) == []
 
 
+def test_history_counts_each_death_of_a_crash_looping_replica():
+    """A replica that restarts and dies again before it rejoins is a new failure each time:
+    counted once, a crash loop never reached the failures alert."""
+    h = History()
+    h.update(view(0.0, [rv(0), rv(1)], qv(1, [0, 1])))
+    deaths = []
+    for t in range(1, 7):  # dead, restarted (alive, outside the quorum), dead, ...
+        dead = t % 2 == 1
+        deaths += h.update(view(float(t), [rv(0), rv(1, age=1.0 if dead else 0.1, dead=dead)], qv(2, [0])))
+    assert [f.kind for f in deaths] == ["dead"] * 3
+    assert [f.ended for f in h.jobs["j"].failures] == [True, True, False]
+    h.update(view(7.0, [rv(0), rv(1)], qv(3, [0, 1])))  # back at last: only the open one closes
+    assert [f.back_time for f in h.jobs["j"].failures] == [None, None, 7.0]
+
+
+def test_a_lighthouse_restart_before_its_replicas_are_back_is_no_left_job():
+    """A restarted lighthouse lists a job as its first replica comes back, before any quorum:
+    the members not back yet have not left the job."""
+    h = History()
+    h.update(view(0.0, [rv(0), rv(1), rv(2), rv(3)], qv(5, [0, 1, 2, 3])))
+    assert h.update(view(1.0, [rv(0)], None)) == []  # restarted: one replica back, no quorum yet
+    assert h.update(view(2.0, [rv(0), rv(1), rv(2)], None)) == []
+    (f,) = h.update(view(3.0, [rv(0), rv(1), rv(2)], qv(6, [0, 1, 2])))  # decided without 3: it left
+    assert (f.replica, f.kind, f.quorum_id) == ("3", "left job", 5)
+
+
+def test_a_replica_found_dead_after_it_left_the_quorum_has_its_detection_time_observed():
+    from fthsdp.observe.metrics import LighthouseMetrics
+
+    m = LighthouseMetrics()
+    m.update(view(0.0, [rv(0), rv(1)], qv(1, [0, 1])))
+    m.update(view(1.0, [rv(0), rv(1)], qv(2, [0])))  # left the quorum alive
+    m.update(view(2.0, [rv(0), rv(1, age=1.5, dead=True)], qv(2, [0])))  # then found dead
+    assert m.registry.get_sample_value("fthsdp_lighthouse_detection_seconds_sum", {"job": "j"}) == 1.5
+    assert m.registry.get_sample_value("fthsdp_lighthouse_failures_total", {"job": "j", "kind": "left quorum"}) == 1
+
+
 def test_history_measures_the_survivors_stall_from_the_job_steps():
     h = History()
     steps = [(0.0, 9, False), (0.5, 10, False), (1.0, 10, True), (2.0, 10, True), (3.0, 10, True), (4.0, 11, True)]

@@ -234,6 +234,10 @@ class Failure:
     stall_s: float | None = None
     lost_at: float | None = None  # estimated time of the loss: last heard (dead), else when seen
     progress_before: float | None = None  # the last poll that saw the job step before lost_at
+    # A dead replica seen alive again (restarted) that has not rejoined a quorum yet: if it dies
+    # again, that is a new failure (a crash loop is counted at every death, not once).
+    revived: bool = False
+    ended: bool = False  # closed by a new failure of the same replica (it died again before rejoining)
 
 
 @dataclass
@@ -244,6 +248,8 @@ class JobHistory:
     steps: dict[str, collections.deque] = field(default_factory=dict)  # replica -> (time, step, state) of recent polls
     last_reason: str = ""
     max_step: int = -1  # the job's highest live replica step seen
+    members: tuple = ()  # the members of the last decided quorum seen (a restarted lighthouse has none yet)
+    last_quorum_id: int = 0
     advances: collections.deque = field(default_factory=lambda: collections.deque(maxlen=512))  # polls it grew
 
 
@@ -269,6 +275,9 @@ class History:
         self._prev: dict[str, Sample] = {}
         self._last_listed: dict[str, float] = {}  # job -> the time of the last view that listed it
         self.forgotten: list[str] = []  # the jobs the last update() forgot (their series go too)
+        # The failures the last update() found dead that were open as "left quorum" (not new:
+        # counted when they left, but their detection time is known only now).
+        self.upgraded: list[Failure] = []
 
     def _forget_old_jobs(self, now: float, listed: set[str]) -> None:
         # Only jobs the lighthouse no longer lists: a listed one forgotten each poll lost its history
@@ -284,6 +293,7 @@ class History:
 
     def update(self, view: LighthouseView) -> list[Failure]:
         found: list[Failure] = []
+        upgraded: list[Failure] = []
         for job in view.jobs:
             self._last_listed[job.job_id] = view.time
         self._forget_old_jobs(view.time, {job.job_id for job in view.jobs})
@@ -299,7 +309,7 @@ class History:
                 h.decisions += 1
             h.last_reason = job.last_reason or (q.reason if q else "")
             new: list[Failure] = []
-            open_ = {f.replica: f for f in h.failures if f.back_time is None}
+            open_ = {f.replica: f for f in h.failures if f.back_time is None and not f.ended}
             for r in job.replicas:
                 was = prev.states.get(r.replica_id) if prev else None
                 silence = r.heartbeat_age_s if r.heartbeat_age_s >= 0 else None
@@ -307,8 +317,12 @@ class History:
                     pass  # the first poll seeds the history: what was lost before it is not a new failure
                 elif r.dead and was != DEAD:
                     f = open_.get(r.replica_id)
+                    if f is not None and f.kind == "dead" and f.revived:  # restarted, died again before rejoining
+                        f.ended = True
+                        f = open_[r.replica_id] = None
                     if f is not None and f.kind != "dead":  # it left the quorum first, then was declared dead
                         f.kind, f.silence_s = "dead", silence
+                        upgraded.append(f)
                     elif f is None:
                         new.append(Failure(job.job_id, r.replica_id, "dead", view.time,
                                            prev.quorum_id if prev else s.quorum_id, silence_s=silence))
@@ -318,6 +332,8 @@ class History:
                     # nobody's loss, or every member of the job would count as lost at each restart)
                     new.append(Failure(job.job_id, r.replica_id, LEFT_QUORUM, view.time, prev.quorum_id))
                 f = open_.get(r.replica_id)
+                if f is not None and f.kind == "dead" and not r.dead:
+                    f.revived = True
                 if f is not None and not r.dead and r.replica_id in s.members and s.quorum_id > f.quorum_id:
                     f.back_time = view.time
                     f.back_after_s = view.time - f.time
@@ -327,10 +343,14 @@ class History:
                 dq.append((view.time, r.step, s.states[r.replica_id]))
             for gone in set(h.steps) - set(s.states):  # a replica the lighthouse forgot
                 del h.steps[gone]
-            if prev is not None and job.finished_step is None:
+            if prev is not None and job.finished_step is None and s.quorum_id:
+                # Only against a decided quorum: a restarted lighthouse lists its replicas as they come
+                # back, before its first quorum, and the members not back yet have not left.
                 listed = {r.replica_id for r in job.replicas}
-                new.extend(Failure(job.job_id, rid, LEFT_JOB, view.time, prev.quorum_id) for rid in prev.members
-                           if rid not in listed and rid not in open_)
+                new.extend(Failure(job.job_id, rid, LEFT_JOB, view.time, h.last_quorum_id) for rid in h.members
+                           if rid not in listed and not open_.get(rid))
+            if s.quorum_id:
+                h.members, h.last_quorum_id = s.members, s.quorum_id
             top = max((r.step for r in job.replicas if not r.dead), default=-1)
             stepped = top > h.max_step
             if stepped:
@@ -347,6 +367,7 @@ class History:
             found.extend(new)
             h.samples.append(s)
             self._prev[job.job_id] = s
+        self.upgraded = upgraded
         return found
 
     def step_seconds(self, job_id: str, replica: str) -> float | None:

@@ -332,6 +332,9 @@ class LighthouseMetrics:
                 self.detection.labels(job).observe(f.silence_s)
             log.warning("job %r: replica %s %s (quorum %d)%s", job, f.replica, f.kind, f.quorum_id,
                         f", silent {f.silence_s:.2f}s" if f.silence_s is not None else "")
+        for f in self.history.upgraded:  # left the quorum first, found dead now: its detection time
+            if f.silence_s is not None:
+                self.detection.labels(f.job).observe(f.silence_s)
         self._stall_pending.extend(failures)
         for f in [f for f in self._stall_pending if f.stall_s is not None]:
             self.stall.labels(f.job).observe(f.stall_s)

@@ -362,7 +362,8 @@ def _roots(g: _Graph) -> tuple[dict[str, _Reach], set[str]]:
             rev.setdefault(b, []).append(a)
     quorum = _Reach(_walk(rev, QUORUM, None)) if QUORUM in rev else None
     reach: dict[str, _Reach] = {}
-    reached: set[str] = set(quorum.hops) if quorum is not None and g.edges.get(QUORUM) else set()
+    # Quorum waiters are never a cycle: with every member asking, they wait on the decision itself.
+    reached: set[str] = set(quorum.hops) if quorum is not None else set()
     for s in (b for b in rev if not g.edges.get(b) and b != QUORUM):
         hops = _walk(rev, s, QUORUM)
         reach[s] = _Reach(hops, quorum if QUORUM in hops else None)
@@ -409,8 +410,10 @@ def _names(ids: list[str], most: int = 8) -> str:
 
 
 def _slow_link(snap: JobSnapshot, th: Thresholds) -> Verdict | None:
+    # A stream at 0 B/s counts only while busy: a sender blocked on a link that carries nothing.
     links = [(r.replica, s.to, s.bytes_per_s, s.busy_fraction, s.process) for r in snap.reports for s in r.streams
-             if s.bytes_per_s > 0 and (not snap.members or r.replica in snap.member_set)]
+             if (s.bytes_per_s > 0 or (s.bytes_per_s == 0 and s.busy_fraction >= th.link_min_busy))
+             and (not snap.members or r.replica in snap.member_set)]
     if len(links) < 2:
         return None
     key = _order_key(snap.members)
@@ -419,13 +422,14 @@ def _slow_link(snap: JobSnapshot, th: Thresholds) -> Verdict | None:
     median = statistics.median(others)
     if worst[2] * th.link_factor > median or worst[3] < th.link_min_busy:
         return None
-    ratio = median / worst[2]
+    ratio = median / worst[2] if worst[2] > 0 else float("inf")
     sender = f"{worst[0]} (process {worst[4]})" if worst[4] > 0 else worst[0]
+    more = f"{ratio:.0f}x more" if worst[2] > 0 else "while it carries nothing"
     return Verdict(
         SLOW_LINK, worst[0], worst[1],
         f"FTAR stream {sender} -> {worst[1]} carries {_rate(worst[2])} while busy, and is busy "
         f"{worst[3]:.0%} of the time; the other {len(others)} stream(s) carry {_rate(median)} (median), "
-        f"{ratio:.0f}x more",
+        f"{more}",
         confidence=min(1.0, 0.5 + ratio / (4 * th.link_factor)), process=worst[4])
 
 
@@ -534,4 +538,9 @@ def analyse(snap: JobSnapshot, th: Thresholds | None = None) -> Verdict:
                        f"{_names(ring)} wait on each other in a cycle with no silent, slow or throttled "
                        "member to blame (a ring in progress, or a fault this analysis cannot see)", 0.2)
     n = len(snap.members) or len(snap.reports)
+    if QUORUM in g.edges and not g.edges[QUORUM]:
+        waiting = sorted((a for a, outs in g.edges.items() if outs == (QUORUM,)), key=key)
+        return Verdict(NONE, "", "", f"{_names(waiting)} ask for a quorum and every known member is asking: they "
+                                     "wait for the lighthouse's decision (a newcomer's join timeout, or fewer "
+                                     "replicas than the job's minimum), not on one another", 1.0)
     return Verdict(NONE, "", "", f"{n} process(es) reporting, none silent, slow or waiting on another", 1.0)
