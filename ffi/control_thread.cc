@@ -76,8 +76,8 @@ RingEndpoint::RingEndpoint(const RingOptions& options, ControlThread* thread)
     throw std::invalid_argument("ftar: chunk_bytes must be in [64, 2^30], got " +
                                 std::to_string(options.chunk_bytes));
   }
-  if (!(options.timeout_s > 0) || !std::isfinite(options.timeout_s)) {
-    throw std::invalid_argument("ftar: timeout_s must be a finite number of seconds > 0");
+  if (!(options.timeout_s > 0) || !std::isfinite(options.timeout_s) || options.timeout_s > kMaxTimeoutS) {
+    throw std::invalid_argument("ftar: timeout_s must be a finite number of seconds in (0, a week]");
   }
   send_delay_ = send_delay_from_env();
   if (!options.key.empty() && options.key.size() < 16) {
@@ -90,7 +90,12 @@ RingEndpoint::RingEndpoint(const RingOptions& options, ControlThread* thread)
   std::memset(staging_.data(), 0, staging_.size());
 }
 
-RingEndpoint::~RingEndpoint() = default;
+RingEndpoint::~RingEndpoint() {
+  // The sender threads (joined by ~OutStream) write p_out_, declared after out_ and so
+  // destroyed before it: stop them first.
+  out_.clear();
+  in_.clear();
+}
 
 void RingEndpoint::configure(const RingConfig& config) {
   const int64_t n = static_cast<int64_t>(config.members.size());
@@ -103,8 +108,9 @@ void RingEndpoint::configure(const RingConfig& config) {
     throw std::invalid_argument("ftar configure: job_id must have 1.." +
                                 std::to_string(tcp::kJobIdMax - 1) + " characters");
   }
-  if (!(config.connect_timeout_s > 0) || !std::isfinite(config.connect_timeout_s)) {
-    throw std::invalid_argument("ftar configure: connect_timeout_s must be a finite number of seconds > 0");
+  if (!(config.connect_timeout_s > 0) || !std::isfinite(config.connect_timeout_s) ||
+      config.connect_timeout_s > kMaxTimeoutS) {  // (past it, the deadline's nanoseconds overflow)
+    throw std::invalid_argument("ftar configure: connect_timeout_s must be a finite number of seconds in (0, a week]");
   }
   check_op_timeout(config.op_timeout_s);
   RingConfig resolved = config;
@@ -112,12 +118,23 @@ void RingEndpoint::configure(const RingConfig& config) {
     const std::string& m = config.members[static_cast<size_t>(i)];
     const bool neighbour = n > 1 && (i == (config.rank + 1) % n || i == (config.rank + n - 1) % n);
     if (m.empty() && !neighbour) continue;  // a member this endpoint does not connect to
-    tcp::Address addr;
-    std::string error;
-    if (!tcp::parse_address(m, &addr, &error)) {
+    // Every address must be well formed (a malformed one is the caller's bug), but only the right
+    // neighbour's is resolved: it is the one connected to. A name that does not resolve (a dead
+    // member's DNS record gone before the quorum dropped it) fails the ring, RECOVERABLE, with the
+    // reason: thrown, it ended this healthy replica over a peer it never connects to.
+    std::string host, error;
+    long port = 0;
+    if (!wire::split_host_port(m, &host, &port, &error)) {
       throw std::invalid_argument("ftar configure: member " + std::to_string(i) + ": " + error);
     }
-    if (n > 1 && i == (config.rank + 1) % n) resolved.right_address = addr;
+    if (n > 1 && i == (config.rank + 1) % n) {
+      tcp::Address addr;
+      if (tcp::parse_address(m, &addr, &error)) {
+        resolved.right_address = addr;
+      } else {
+        resolved.resolve_error = "right neighbour " + m + ": " + error;
+      }
+    }
   }
   op_timeout_s_.store(config.op_timeout_s, std::memory_order_relaxed);
   {
@@ -143,8 +160,8 @@ void RingEndpoint::set_op_timeout(double seconds) {
 }
 
 std::pair<bool, std::string> RingEndpoint::wait_configured(double timeout_s) {
-  if (!(timeout_s >= 0) || !std::isfinite(timeout_s)) {
-    throw std::invalid_argument("ftar wait_configured: timeout_s must be a finite number of seconds >= 0");
+  if (!(timeout_s >= 0) || !std::isfinite(timeout_s) || timeout_s > kMaxTimeoutS) {
+    throw std::invalid_argument("ftar wait_configured: timeout_s must be a finite number of seconds in [0, a week]");
   }
   std::unique_lock<std::mutex> lk(mu_);
   const auto until = Clock::now() + seconds(timeout_s);
@@ -342,6 +359,10 @@ void RingEndpoint::apply_configure(const RingConfig& config, Clock::time_point n
   in_.resize(options_.streams);
   connect_deadline_ = now + seconds(config.connect_timeout_s);
   set_state(State::kConnecting, "");
+  if (!config.resolve_error.empty()) {
+    fail("cannot connect the ring for quorum " + std::to_string(config.quorum_id) + ": " + config.resolve_error);
+    return;
+  }
   // Hellos that arrived before this configure() may belong to it: re-checked
   // now (and challenged); none of them took a slot while held.
   for (auto& p : pending_) {

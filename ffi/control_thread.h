@@ -94,6 +94,7 @@ struct RingConfig {
   // resolved once there, so that the control thread, which serves every endpoint, never
   // blocks in a DNS lookup (a dead resolver stalled it for seconds per retry).
   tcp::Address right_address{};
+  std::string resolve_error;  // why right_address could not be resolved ("": it was)
 };
 
 // One all-reduce of a contiguous buffer, in place.

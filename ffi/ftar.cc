@@ -17,7 +17,10 @@ namespace {
 class Registry {
  public:
   ~Registry() {
-    // Staging queues first: their workers may be running ops on the communicators.
+    // Every ring aborted first: a staging worker in an op whose peers are gone returns now, not
+    // at the op's deadline (a minute or more, which process exit waited for in its join).
+    for (auto& entry : comms_) entry.second->abort("process exiting");
+    // Staging queues next: their workers may be running ops on the communicators.
     queues_.clear();
     // Communicators unregister from the thread; the thread stops with its last owner.
     comms_.clear();
@@ -142,8 +145,8 @@ void Communicator::set_op_timeout(double seconds) {
 }
 
 std::pair<bool, std::string> Communicator::wait_configured(double timeout_s) {
-  if (!(timeout_s >= 0) || !std::isfinite(timeout_s)) {
-    throw std::invalid_argument("ftar wait_configured: timeout_s must be a finite number of seconds >= 0");
+  if (!(timeout_s >= 0) || !std::isfinite(timeout_s) || timeout_s > 7 * 24 * 3600.0) {
+    throw std::invalid_argument("ftar wait_configured: timeout_s must be a finite number of seconds in [0, a week]");
   }
   const auto until = Clock::now() + std::chrono::duration_cast<Clock::duration>(
                                         std::chrono::duration<double>(timeout_s));

@@ -71,7 +71,9 @@ NB_MODULE(_ffi, m) {
   m.def("ftar_configure",
         [get](int32_t h, const std::string& job_id, int64_t quorum_id, int32_t rank,
               const std::vector<std::string>& members, double connect_timeout_s, double op_timeout_s) {
-          get(h)->configure(job_id, quorum_id, rank, members, connect_timeout_s, op_timeout_s);
+          auto c = get(h);
+          nb::gil_scoped_release release;  // (a DNS lookup of the right neighbour may take a while)
+          c->configure(job_id, quorum_id, rank, members, connect_timeout_s, op_timeout_s);
         });
   m.def("ftar_wait_configured",
         [get](int32_t h, double timeout_s) {
@@ -189,6 +191,8 @@ NB_MODULE(_ffi, m) {
           if (r.fatal) throw std::runtime_error(r.reason);
           return std::make_pair(static_cast<int>(r.status), r.reason);
         },
+        nb::arg("h"), nb::arg("shard"), nb::arg("quorum_id"), nb::arg("rank"), nb::arg("n"),
+        nb::arg("a").noconvert(),  // a converted copy would be summed, the caller's array left as it was
         "In-place all-reduce of a C-contiguous host array, outside XLA (tests, benchmarks).");
   m.def("ring_schedule",
         [](int64_t count, int64_t chunk_elems, int32_t chunks, int32_t n, int32_t rank) {

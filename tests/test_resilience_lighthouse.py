@@ -201,7 +201,7 @@ def test_a_manager_in_a_doomed_all_reduce_aborts_it_when_a_member_asks_the_resta
         assert all(oks), [o.reason for o in oks]
         mgr = types.SimpleNamespace(quorum=q, _configured_qid=q.quorum_id, _aborted_qid=None, _lock=threading.Lock(),
                                     replica_id="0", phases=PhaseTracker(), detections=[], comm=comms[0])
-        mgr._take_abort = functools.partial(Manager._take_abort, mgr)
+        mgr._abort_ours = functools.partial(Manager._abort_ours, mgr)
         on_asking = functools.partial(Manager.on_asking, mgr)
         on_asking(("1",), q.quorum_id, 1)  # not in an all-reduce: nothing to abort
         mgr.phases.set(Phase.ALLREDUCE, step=1, quorum_id=q.quorum_id, members=q.member_ids)
@@ -235,6 +235,48 @@ def test_a_manager_in_a_doomed_all_reduce_aborts_it_when_a_member_asks_the_resta
             c.close()
         first.stop()
         second.stop()
+
+
+def test_a_heartbeat_abort_decided_for_one_quorum_never_lands_on_the_next_ones_ring():
+    """FTAR applies configures and aborts in order, to whatever ring is current: an abort decided
+    for quorum Q from a late heartbeat reply (naming a replica dead in Q that is back in Q+1),
+    queued while the Manager configures Q+1, failed Q+1's first all-reduce. The decision and its queueing are one step under the Manager's lock,
+    and no abort is decided while a configure is under way."""
+    import functools
+    import types
+
+    from fthsdp.replica.manager import Manager
+
+    def quorum(qid, members):
+        return types.SimpleNamespace(quorum_id=qid, member_ids=members, rank_of=members.index,
+                                     ring_addresses=lambda me: [[f"127.0.0.1:{7000 + int(m)}"] for m in members])
+
+    # replica 1 was declared dead in quorum 1, restarted, and is a member of quorum 2 again
+    q1, q2 = quorum(1, ("0", "1", "2")), quorum(2, ("0", "1", "2"))
+    log: list = []
+
+    class Comm:  # the order FTAR would see its commands in
+        def abort(self, reason):
+            assert mgr._lock.locked(), "an abort queued outside the Manager's lock"
+            log.append(("abort", reason))
+
+        def configure(self, job, qid, rank, members, **kw):
+            mgr.on_dead(("1",), 1)  # a late reply about quorum 1 arrives mid-configure
+            log.append(("configure", qid))
+
+    mgr = types.SimpleNamespace(quorum=q1, _configured_qid=1, _aborted_qid=None, _lock=threading.Lock(),
+                                replica_id="0", detections=[], comm=Comm(), job_id="job", _op_deadline=0.0,
+                                cfg=types.SimpleNamespace(timeouts=types.SimpleNamespace(allreduce_timeout_s=5.0)))
+    mgr._abort_ours = functools.partial(Manager._abort_ours, mgr)
+    mgr._deadline = lambda q: 5.0
+    mgr.on_dead = functools.partial(Manager.on_dead, mgr)
+    mgr.on_dead(("1",), 1)  # in quorum 1's all-reduce: aborted, once
+    mgr.on_dead(("1",), 1)
+    assert log == [("abort", "lighthouse declared replica(s) 1 dead")]
+    mgr._aborted_qid = None  # as when quorum 1's all-reduce failed on its own (EOF), never aborted
+    mgr.quorum = q2
+    Manager._configure(mgr, q2)
+    assert log[1:] == [("configure", 2)] and mgr._configured_qid == 2  # the stale abort never queued
 
 
 def test_between_tries_across_an_outage_the_client_waits_for_its_channel_not_a_backoff():

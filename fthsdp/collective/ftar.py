@@ -54,6 +54,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 from fthsdp.collective import native
 from fthsdp.addresses import LOOPBACK, advertised, check_host, is_wildcard
 from fthsdp.step.quorum_inputs import STATUS_FATAL, STATUS_OK, STATUS_RECOVERABLE, QuorumInputs
+from fthsdp.timeouts import Timeouts
 
 __all__ = ["FtarOptions", "ConfigureResult", "PeerViolation", "key_from_secret", "Communicator", "allreduce", "STATUS_OK",
            "STATUS_RECOVERABLE", "STATUS_FATAL", "SUPPORTED_DTYPES"]
@@ -139,8 +140,8 @@ class FtarOptions:
             raise ValueError(f"chunks must be in [1, 256], got {self.chunks}")
         if not 64 <= self.chunk_bytes <= 1 << 30:
             raise ValueError(f"chunk_bytes must be in [64, 2**30], got {self.chunk_bytes}")
-        if not (math.isfinite(self.timeout_s) and self.timeout_s > 0):
-            raise ValueError(f"timeout_s must be a finite number of seconds > 0, got {self.timeout_s}")
+        if not (math.isfinite(self.timeout_s) and 0 < self.timeout_s <= Timeouts.MAX_S):
+            raise ValueError(f"timeout_s must be a finite number of seconds in (0, a week], got {self.timeout_s}")
         check_host(self.listen_host)
         if self.advertise_host:
             check_host(self.advertise_host)
@@ -232,7 +233,7 @@ class Communicator:
                                  float(timeout_s), float(op_timeout_s))
         if not wait:
             return ConfigureResult(True, "connecting")
-        ok, reason = self._mod.ftar_wait_configured(self.handle, float(timeout_s) + 1.0)
+        ok, reason = self._mod.ftar_wait_configured(self.handle, min(float(timeout_s) + 1.0, Timeouts.MAX_S))
         return ConfigureResult(bool(ok), reason)
 
     def set_op_timeout(self, seconds: float) -> None:
@@ -266,6 +267,10 @@ class Communicator:
     def allreduce_host(self, array: np.ndarray, *, quorum_id: int, rank: int, n: int,
                        shard: int = 0) -> tuple[int, str]:
         """In-place sum of a host array over the ring, outside XLA (tests, benchmarks)."""
+        if not isinstance(array, np.ndarray) or not array.flags.c_contiguous or not array.flags.writeable:
+            raise ValueError("allreduce_host sums in place: give a writeable, C-contiguous numpy array "
+                             "(np.ascontiguousarray(x) and copy the result back; a view such as x[:, ::2] or "
+                             "x.T would be summed as a copy and the array left unchanged)")
         return self._mod.ftar_allreduce_host(self.handle, shard, quorum_id, rank, n, array)
 
     def close(self) -> None:

@@ -237,11 +237,10 @@ class Manager:
         quorum; it aborts only if one of them is in the ring we are using, once
         per quorum id, so FTAR returns RECOVERABLE now instead of at its deadline.
         """
-        ours = self._take_abort(dead, quorum_id)
+        ours = self._abort_ours(dead, quorum_id, lambda o: f"lighthouse declared replica(s) {', '.join(o)} dead")
         if ours:
             log.warning("lighthouse declared %s dead: aborting the all-reduce of quorum %d", ours, quorum_id)
             self.detections.append({"time": time.time(), "dead": list(ours), "quorum_id": quorum_id})
-            self.comm.abort(f"lighthouse declared replica(s) {', '.join(ours)} dead")
 
     def on_asking(self, asking: tuple[str, ...], quorum_id: int, step: int) -> None:
         """Heartbeat-thread callback: members of the quorum whose all-reduce of ``step`` this
@@ -254,17 +253,23 @@ class Manager:
         Only while still in that step's all-reduce (the reply may come after it ended)."""
         if not self.phases.in_allreduce(step):
             return
-        ours = self._take_abort(asking, quorum_id)
+        ours = self._abort_ours(asking, quorum_id, lambda o: (
+            f"replica(s) {', '.join(o)} of quorum {quorum_id} ask for a new quorum at step <= {step} instead of "
+            "joining its all-reduce"))
         if ours:
             log.warning("replica(s) %s of quorum %d ask for a quorum at step <= %d, so they are not in its "
                         "all-reduce: aborting it", ours, quorum_id, step)
             self.detections.append({"time": time.time(), "asking": list(ours), "quorum_id": quorum_id})
-            self.comm.abort(f"replica(s) {', '.join(ours)} of quorum {quorum_id} ask for a new quorum at step "
-                            f"<= {step} instead of joining its all-reduce")
 
-    def _take_abort(self, named: tuple[str, ...], quorum_id: int) -> list[str]:
-        """The other members of the configured quorum ``quorum_id`` among ``named``, once per
-        configured quorum (FTAR fails RECOVERABLE until the next configure); [] otherwise."""
+    def _abort_ours(self, named: tuple[str, ...], quorum_id: int, reason) -> list[str]:
+        """Aborts the ring of the configured quorum ``quorum_id`` if other members of it are
+        among ``named``, once per configured quorum (FTAR fails RECOVERABLE until the next
+        configure); returns them ([]: nothing aborted).
+
+        The abort is queued under the lock that :meth:`_configure` takes before it queues a new
+        ring: FTAR applies its commands in order and an abort hits whatever ring is current, so
+        an abort decided for quorum Q but queued after Q+1's configure failed Q+1's first
+        all-reduce (a retry and a job-wide round lost to a stale heartbeat reply)."""
         with self._lock:
             q = self.quorum
             if q is None or quorum_id != self._configured_qid or self._aborted_qid == quorum_id:
@@ -272,6 +277,7 @@ class Manager:
             ours = [d for d in named if d in q.member_ids and d != self.replica_id]
             if ours:
                 self._aborted_qid = quorum_id
+                self.comm.abort(reason(ours))
             return ours
 
     # -- one step -------------------------------------------------------------
@@ -281,6 +287,8 @@ class Manager:
         rank = q.rank_of(self.replica_id)
         members = q.ring_addresses(self.replica_id)  # per member, this process's shards' endpoints
         self._op_deadline = self._deadline(q)
+        with self._lock:  # from here no heartbeat reply aborts a ring (see _abort_ours)
+            self._configured_qid = None
         self.comm.configure(self.job_id, q.quorum_id, rank, members,
                             timeout_s=self.cfg.timeouts.allreduce_timeout_s, op_timeout_s=self._op_deadline)
         with self._lock:
