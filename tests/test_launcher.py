@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import signal
 import subprocess
 import sys
 import time
@@ -345,13 +346,19 @@ def test_a_job_runs_without_a_time_limit_unless_launch_deadline_s_sets_one(tmp_p
     assert "did not finish within" in summary(out)["gave_up"]
 
 
-def test_a_replica_that_keeps_failing_before_its_first_commit_is_not_restarted_forever(tmp_path):
+@pytest.mark.parametrize("how", ["replica-fatal", "SIGSEGV"])
+def test_a_replica_that_keeps_failing_before_its_first_commit_is_not_restarted_forever(tmp_path, how):
     """A replica-fatal exit asks for a restart; one that comes back before any commit, start after
     start (a deterministic start-up fault), was restarted every second until the job's deadline.
     Now each restart waits twice as long, and after MAX_FAILED_STARTS the replica is failed with
-    its log's last lines and the resume command. Real processes exiting 70 stand in for it."""
+    its log's last lines and the resume command. Real processes exiting 70 stand in for it, or
+    dying of SIGSEGV (a crash in XLA or the FFI at every start, which was restarted for ever)."""
     from fthsdp.errors import EXIT_REPLICA_FATAL
     from fthsdp.launch.local import MAX_FAILED_STARTS, LocalJob, ReplicaProc
+
+    code = (f"import sys; sys.exit({EXIT_REPLICA_FATAL})" if how == "replica-fatal" else
+            "import os, signal; os.kill(os.getpid(), signal.SIGSEGV)")
+    rc = EXIT_REPLICA_FATAL if how == "replica-fatal" else -signal.SIGSEGV
 
     job = LocalJob(config="base", overrides=[], out_dir=tmp_path, replicas=2, steps=10, faults=[], progress=False,
                    restart=True)
@@ -361,7 +368,7 @@ def test_a_replica_that_keeps_failing_before_its_first_commit_is_not_restarted_f
     waits = []
     try:
         for attempt in range(1, MAX_FAILED_STARTS + 1):
-            rp.proc = subprocess.Popen([sys.executable, "-c", f"import sys; sys.exit({EXIT_REPLICA_FATAL})"])
+            rp.proc = subprocess.Popen([sys.executable, "-c", code])
             rp.proc.wait(30)
             rp.state = "running"
             t0 = time.time()
@@ -369,17 +376,50 @@ def test_a_replica_that_keeps_failing_before_its_first_commit_is_not_restarted_f
             if attempt < MAX_FAILED_STARTS:
                 assert rp.state == "killed" and rp.failed_starts == attempt, (rp.state, rp.failed_starts)
                 waits.append(rp.restart_at - t0)
-        assert rp.state == "failed" and rp.returncode == EXIT_REPLICA_FATAL
+        assert rp.state == "failed" and rp.returncode == rc
         assert waits[1] > 1.8 * waits[0] > 0, waits  # each restart waits longer
         rp.failed_starts = 0
         rp.progressed = True  # a replica that committed before it failed is restarted as always
-        rp.proc = subprocess.Popen([sys.executable, "-c", f"import sys; sys.exit({EXIT_REPLICA_FATAL})"])
+        rp.proc = subprocess.Popen([sys.executable, "-c", code])
         rp.proc.wait(30)
         rp.state = "running"
         job.reap()
         assert rp.state == "killed" and rp.failed_starts == 0
     finally:
         job.shutdown()
+
+
+def test_a_fault_never_fires_at_a_replica_that_finished_and_a_kill_that_hangs_does_not_crash_the_launcher(tmp_path):
+    """A kill due at the last step found the replica finished (exit 0) but not yet reaped, and
+    overwrote "done" with "killed": the finished job was restarted from its checkpoint. And a
+    process that does not end after SIGKILL (uninterruptible sleep) raised TimeoutExpired out of
+    the launcher's loop."""
+    from fthsdp.launch.faults import Fault
+    from fthsdp.launch.local import LocalJob, ReplicaProc, _wait_killed
+
+    job = LocalJob(config="base", overrides=[], out_dir=tmp_path, replicas=2, steps=10, faults=[], progress=False,
+                   restart=True)
+    try:
+        for rid in (0, 1):
+            rp = job.procs[rid] = ReplicaProc(rid, state="running")
+            rp.proc = subprocess.Popen([sys.executable, "-c", "pass"])
+            rp.proc.wait(30)
+            (tmp_path / f"status-{rid}.json").write_text(json.dumps({"pid": rp.proc.pid, "step": 10, "final": True}))
+        job.pending = [Fault(10, 1, "kill")]
+        job.apply_faults()
+        assert job.pending and job.procs[1].state == "running" and not job.fired  # not fired at the finisher
+        job.reap()
+        assert [job.procs[r].state for r in (0, 1)] == ["done", "done"]
+    finally:
+        job.shutdown()
+
+    class Stuck:  # a process in uninterruptible sleep: SIGKILL is pending, wait() times out
+        pid = 4242
+
+        def wait(self, timeout=None):
+            raise subprocess.TimeoutExpired("replica", timeout)
+
+    assert _wait_killed(Stuck(), 0.01, "replica 1") is False
 
 
 def test_a_second_launcher_on_a_run_directory_in_use_is_refused(tmp_path):

@@ -59,6 +59,29 @@ def test_lighthouse_listens_on_loopback_on_one_machine_else_on_the_driver_node()
     assert node_host(dead, "a") == "127.0.0.1"
 
 
+def test_an_actor_refuses_a_checkpoint_directory_it_does_not_share_with_the_driver(tmp_path, monkeypatch):
+    """The default checkpoint directory is a path on the driver's machine: on another node it was
+    created empty, and the job's checkpoints scattered across nodes. An actor must see the file
+    the driver wrote there before it links it; the launcher reads its refusal as job-fatal."""
+    import shutil
+
+    from fthsdp.launch.ray_actors import NOT_SHARED, ReplicaActor
+
+    monkeypatch.setenv("FTHSDP_COMPILATION_CACHE", str(tmp_path / "xla"))
+    actor = ReplicaActor(0, {}, {}, None, f"{tmp_path.name}-")
+    try:
+        shared, elsewhere = tmp_path / "shared", tmp_path / "node-local"
+        shared.mkdir()
+        (shared / ".fthsdp-driver-x").write_text("")
+        with pytest.raises(RuntimeError, match=f"{NOT_SHARED}: .*--checkpoint-dir a path every node mounts"):
+            actor.link_checkpoints(str(elsewhere), ".fthsdp-driver-x")
+        assert not (actor.dir / "checkpoints").exists()
+        actor.link_checkpoints(str(shared), ".fthsdp-driver-x")
+        assert (actor.dir / "checkpoints").resolve() == shared.resolve()
+    finally:
+        shutil.rmtree(actor.dir, ignore_errors=True)
+
+
 def test_ray_fault_flags_parse_and_refuse_bad_input():
     (f,) = parse_ray_kills(["1@40"], "kill_node", 3)
     assert (f.replica, f.step, f.kind) == (1, 40, "kill_node")

@@ -78,12 +78,13 @@ class ReplicaProc:
     # How its group ended when the launcher stopped the rest of it (supervise.group_returncode):
     # stands for the leader's own end, which is then the launcher's SIGKILL.
     group_returncode: int | None = None
-    # Replica-fatal exits in a row of processes that never committed a step: a start that fails
-    # the same way each time is not restarted forever (MAX_FAILED_STARTS), and waits longer each time.
+    # Replica-fatal exits (or deaths by a signal the launcher did not send) in a row of processes
+    # that never committed a step: a start that fails the same way each time is not restarted
+    # forever (MAX_FAILED_STARTS), and waits longer each time.
     failed_starts: int = 0
 
 
-# A replica whose processes exit replica-fatal this many times in a row without committing a step
+# A replica whose processes exit replica-fatal (or die of a signal) this many times in a row without committing a step
 # is not restarted again (a deterministic start-up fault would otherwise restart it forever).
 MAX_FAILED_STARTS = 3
 
@@ -92,11 +93,25 @@ def _how_it_ended(returncode: int) -> str:
     return f"signal {-returncode}" if returncode < 0 else f"exit code {returncode}"
 
 
+def _wait_killed(proc, seconds: float, what: str) -> bool:
+    """Waits up to ``seconds`` for ``proc``, just sent SIGKILL; False (and said why) when it has not
+    ended: a process in uninterruptible sleep (a hung network filesystem, a GPU driver tearing a
+    context down) ends only when the kernel lets it. The launcher goes on; a later poll() reaps it."""
+    try:
+        proc.wait(seconds)
+        return True
+    except subprocess.TimeoutExpired:
+        log.error("%s (pid %s) has not ended %g s after SIGKILL: it is in uninterruptible sleep (a hung "
+                  "filesystem or device driver?); going on without it, it is reaped when it ends", what,
+                  getattr(proc, "pid", "?"), seconds)
+        return False
+
+
 def _reap(proc: subprocess.Popen) -> None:
     """Kill ``proc`` if it still runs, wait for it, close the pipe the launcher held to it."""
     if proc.poll() is None:
         proc.kill()
-    proc.wait(10)
+    _wait_killed(proc, 10, "a process")
     if getattr(proc, "stdin", None) is not None:  # a Popen's (a Ray actor has none)
         with contextlib.suppress(OSError):
             proc.stdin.close()
@@ -457,7 +472,7 @@ class LocalJob:
         except RuntimeError:
             if proc.poll() is None:
                 proc.kill()
-            proc.wait(10)
+            _wait_killed(proc, 10, f"relay {i}")
             raise
         return proc, join_host_port(host, bound)
 
@@ -523,7 +538,7 @@ class LocalJob:
         self.stop_standby()
         if self.lighthouse is not None and self.lighthouse.poll() is None:
             self.lighthouse.kill()
-            self.lighthouse.wait(10)
+            _wait_killed(self.lighthouse, 10, "the lighthouse")
 
     def supervise_lighthouse(self) -> bool:
         """Restarts a lighthouse that died; False (and `gave_up` set) if it cannot be."""
@@ -614,7 +629,7 @@ class LocalJob:
                 rp.proc.kill()
             except ProcessLookupError:
                 pass
-            rp.proc.wait(30)
+            _wait_killed(rp.proc, 30, f"replica {rid}")
 
     # -- faults ------------------------------------------------------------------
 
@@ -628,7 +643,7 @@ class LocalJob:
                 target = self.group_process(rp, f.process)
                 if target.poll() is None:
                     target.kill()
-                    target.wait(30)
+                    _wait_killed(target, 30, f"replica {f.replica} process {f.process}")
             self.kill_replica(f.replica)
             rp.state = "killed"
             self.event("kill", f.replica, step=step, healthy=sorted(healthy - {f.replica}))
@@ -644,14 +659,14 @@ class LocalJob:
         elif f.kind == "lighthouse":
             if self.lighthouse is not None and self.lighthouse.poll() is None:
                 self.lighthouse.kill()
-                self.lighthouse.wait(10)
+                _wait_killed(self.lighthouse, 10, "the lighthouse")
             self.event("kill_lighthouse", step=step)
         elif f.kind == "relay":
             i = f.relay_index
             proc = self.relay_procs[i] if i < len(self.relay_procs) else None
             if proc is not None and proc.poll() is None:
                 proc.kill()
-                proc.wait(10)
+                _wait_killed(proc, 10, f"relay {i}")
             self.event("kill_relay", step=step, index=i)
         elif f.kind == "kill_all":
             for rp in self.procs.values():
@@ -674,7 +689,9 @@ class LocalJob:
             f = self.pending[i]
             progress = self.progress_by_replica()
             healthy = supervise.healthy(self.views())
-            if due(f, progress, healthy) == "fire":
+            target = self.procs.get(f.replica) if f.replica >= 0 else None
+            exited = target is not None and (target.proc is None or target.proc.poll() is not None)
+            if due(f, progress, healthy) == "fire" and not exited:  # (exited: reap() decides what it was)
                 self.pending.pop(i)
                 self._fire(f, progress, healthy)
                 if self.killed_all:
@@ -687,6 +704,8 @@ class LocalJob:
         for rp in self.procs.values():
             if rp.state != "killed" or rp.restart_at is None or now < rp.restart_at:
                 continue
+            if any(p.poll() is None for p in (rp.proc, *rp.followers) if p is not None):
+                continue  # killed but not ended yet (see _wait_killed): its successor would share its devices
             views = self.views()
             if supervise.job_done(views):
                 rp.restart_at = None
@@ -713,7 +732,7 @@ class LocalJob:
                     f.kill()
                 except ProcessLookupError:
                     pass
-                f.wait(30)
+                _wait_killed(f, 30, f"a process of replica {rp.rid}")
 
     def fail_groups_as_units(self) -> None:
         """A multi-process replica fails as a unit: when one of its processes dies (or ends with
@@ -727,7 +746,7 @@ class LocalJob:
                 if rp.proc.poll() is None:
                     os.kill(rp.proc.pid, signal.SIGCONT)
                     rp.proc.kill()
-                    rp.proc.wait(30)
+                    _wait_killed(rp.proc, 30, f"replica {rp.rid}")
 
     def group_failed(self, rid: int, group: list) -> bool:
         """True (and logged) when a process of replica ``rid``'s group ended with an error
@@ -754,22 +773,26 @@ class LocalJob:
                     # an operator), or a replica-fatal fault (the replica's own verdict:
                     # restart me): like a --kill, it is restarted and rejoins
                     rp.state = "killed"
+                    # A start that dies before its first commit counts, whether by its own verdict or
+                    # by a signal (a SIGSEGV or SIGABRT in XLA or the FFI on a bad GPU, the OOM killer at
+                    # every compile): each restart would fail the same way, so at MAX_FAILED_STARTS in a
+                    # row it is not restarted. (The launcher's own kills never reach here: _fire.)
+                    rp.failed_starts = 0 if rp.progressed else rp.failed_starts + 1
+                    how = f"died of signal {-rc}" if rc < 0 else f"exited replica-fatal ({rc})"
                     if rc < 0:
                         self.event("died", rp.rid, signal=-rc)
                     else:
                         self.event("replica_fatal", rp.rid, returncode=rc)
-                        rp.failed_starts = 0 if rp.progressed else rp.failed_starts + 1
-                        lines = rp.log_path.read_text().splitlines() if rp.log_path else []
-                        if rp.failed_starts >= MAX_FAILED_STARTS:
-                            rp.state, rp.returncode = "failed", rc
-                            self.event("exit", rp.rid, returncode=rc, failed_starts=rp.failed_starts)
-                            log.error("replica %d exited replica-fatal (%d) %d times in a row without committing a "
-                                      "step: a restart would fail the same way, so it is not restarted; fix the "
-                                      "cause (last lines of %s below), then resume the job with: %s\n%s", rp.rid,
-                                      rc, rp.failed_starts, rp.log_path, self.resume_hint(), "\n".join(lines[-15:]))
-                            continue
-                        log.warning("replica %d exited replica-fatal (%d); restarting it:\n%s", rp.rid, rc,
-                                    "\n".join(lines[-3:]))
+                    lines = rp.log_path.read_text(errors="replace").splitlines() if rp.log_path else []
+                    if rp.failed_starts >= MAX_FAILED_STARTS:
+                        rp.state, rp.returncode = "failed", rc
+                        self.event("exit", rp.rid, returncode=rc, failed_starts=rp.failed_starts)
+                        log.error("replica %d %s %d times in a row without committing a step: a restart would "
+                                  "fail the same way, so it is not restarted; fix the cause (last lines of %s "
+                                  "below), then resume the job with: %s\n%s", rp.rid, how, rp.failed_starts,
+                                  rp.log_path, self.resume_hint(), "\n".join(lines[-15:]))
+                        continue
+                    log.warning("replica %d %s; restarting it:\n%s", rp.rid, how, "\n".join(lines[-3:]))
                     if self.restart:  # a multi-process replica restarts as a group (start_replica)
                         # a start that keeps failing waits longer each time (1, 2, 4 x the delay)
                         rp.restart_at = time.time() + self.restart_delay_s * 2 ** rp.failed_starts
@@ -787,8 +810,12 @@ class LocalJob:
     def log_names(self, rids: list[int]) -> str:
         return ", ".join(self.procs[r].log_path.name for r in rids if self.procs[r].log_path is not None) or "the logs"
 
+    def checkpoints(self) -> pathlib.Path:
+        """The job's persistent checkpoints."""
+        return self.out_dir / "checkpoints"
+
     def latest_checkpoint(self) -> int | None:
-        steps = (ascii_int(p.name) for p in (self.out_dir / "checkpoints").glob("*"))
+        steps = (ascii_int(p.name) for p in self.checkpoints().glob("*"))
         return max((s for s in steps if s is not None), default=None)
 
     def maybe_fall_back(self) -> None:
@@ -868,24 +895,25 @@ class LocalJob:
     def run(self) -> dict:
         from fthsdp.launch import report
 
-        self.start_lighthouse()
-        self.start_relays()
-        for rid in range(self.replicas):
-            if rid in self.late:
-                rp = self.procs.setdefault(rid, ReplicaProc(rid, state="killed"))
-                rp.restart_at = time.time() + self.late[rid]
-                rp.restarts = -1  # its first start joins as a late joiner
-                continue
-            self.start_replica(rid)
         t0 = time.monotonic()
         last_print = 0.0
         live = None
-        if self.progress:
-            from rich.live import Live
+        try:  # (start-up too: what started before a failure or a Ctrl-C in it is stopped)
+            self.start_lighthouse()
+            self.start_relays()
+            for rid in range(self.replicas):
+                if rid in self.late:
+                    rp = self.procs.setdefault(rid, ReplicaProc(rid, state="killed"))
+                    rp.restart_at = time.time() + self.late[rid]
+                    rp.restarts = -1  # its first start joins as a late joiner
+                    continue
+                self.start_replica(rid)
+            t0 = time.monotonic()
+            if self.progress:
+                from rich.live import Live
 
-            live = Live("", refresh_per_second=4, transient=False)
-            live.start()
-        try:
+                live = Live("", refresh_per_second=4, transient=False)
+                live.start()
             while not self.finished():
                 if self.deadline_s and time.monotonic() - t0 > self.deadline_s:
                     self.gave_up = (f"the job did not finish within launch.deadline_s = {self.deadline_s:g} s; its "
@@ -896,8 +924,8 @@ class LocalJob:
                 if not self.supervise_lighthouse():
                     break
                 self.supervise_relays()
+                self.reap()  # first: a fault must not fire at a replica that finished but is not reaped yet
                 self.apply_faults()
-                self.reap()
                 self.restart_killed()
                 self.maybe_fall_back()
                 line = self.status_line()
@@ -1137,6 +1165,9 @@ def cli(argv: list[str]) -> int:
         log.warning("the launcher was stopped by a signal (exit %s); its replicas and lighthouse were stopped; "
                     "resume with: %s", e.code, job.resume_hint())
         raise
+    except KeyboardInterrupt:  # (no traceback: the job was stopped as asked)
+        log.warning("interrupted: the replicas and lighthouse were stopped; resume with: %s", job.resume_hint())
+        return 130
     if job.killed_all:
         log.info("every process was killed at step %s; resume with: %s",
                  job.fired[-1].get("at_step") if job.fired else "?", job.resume_hint())

@@ -42,6 +42,7 @@ storage every node can reach, as a Ray job's storage path must be.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import pathlib
@@ -151,16 +152,21 @@ class ActorProcess:
         group: list[str] = []
         try:
             wheres = ray.get([a.where.remote() for a in actors], timeout=job.place_timeout_s)
-            ray.get([a.link_checkpoints.remote(str(job.checkpoint_dir)) for a in actors], timeout=POLL_TIMEOUT_S)
+            ray.get([a.link_checkpoints.remote(str(job.checkpoint_dir), job.storage_marker) for a in actors],
+                    timeout=POLL_TIMEOUT_S)
             if len(actors) > 1:  # the replica's JAX coordinator, served by process 0 on its node
                 host = wheres[0]["ip"] if job.listen_host else "127.0.0.1"
                 port = ray.get(actors[0].free_port.remote(host), timeout=POLL_TIMEOUT_S)
                 group = ["--num-processes", str(len(actors)), "--coordinator", f"{host}:{port}"]
         except Exception as e:  # noqa: BLE001 - a start that fails is a death: restarted by the rules
+            from fthsdp.errors import EXIT_JOB_FATAL
+            from fthsdp.launch.ray_actors import NOT_SHARED
+
             log.warning("replica %d: its actors did not start: %s", self.rid, e)
             self.followers = [ActorProcess.attached(self, a, {}, i + 1) for i, a in enumerate(actors[1:])]
             self.teardown()
-            self.returncode = -int(signal.SIGKILL)
+            # (storage that is not shared fails every start the same way: the job stops, saying so)
+            self.returncode = EXIT_JOB_FATAL if NOT_SHARED in str(e) else -int(signal.SIGKILL)
             return
         self.where = wheres[0]
         self.pid = int(self.where["pid"])
@@ -369,6 +375,12 @@ class RayJob(LocalJob):
         if self.kill_with not in KILL_WITH:
             raise ValueError(f"kill_with={self.kill_with!r}: expected one of {KILL_WITH}")
         self.checkpoint_dir = pathlib.Path(self.checkpoint_dir or self.out_dir / "checkpoints").resolve()
+        self.work_prefix = f"fthsdp-ray-{secrets.token_hex(4)}-"  # this job's node-local work dirs
+        # Every actor checks it sees this file before it links the checkpoint directory: a path
+        # only the driver's disk holds was created empty on each node, and the checkpoints scattered.
+        self.storage_marker = f".fthsdp-driver-{self.work_prefix.removeprefix('fthsdp-ray-').rstrip('-')}"
+        self.checkpoint_dir.mkdir(parents=True, exist_ok=True)
+        (self.checkpoint_dir / self.storage_marker).write_text("written by the fthsdp ray driver\n")
         self.placement = placement_for(self.devices, self.processes, ray.cluster_resources().get("GPU", 0.0))
         from fthsdp.launch.ray_actors import node_host
 
@@ -376,7 +388,17 @@ class RayJob(LocalJob):
         self.driver_node = ray.get_runtime_context().get_node_id()
         self.listen_host = "" if node_host(ray_nodes(), self.driver_node) == "127.0.0.1" else "node"
         self.relay_nodes: list[str] = []  # relay i's node ("" or past the end: the driver's)
-        self.work_prefix = f"fthsdp-ray-{secrets.token_hex(4)}-"  # this job's node-local work dirs
+
+    def checkpoints(self) -> pathlib.Path:
+        return self.checkpoint_dir  # (storage every node reaches, not OUT/checkpoints)
+
+    def resume_hint(self) -> str:
+        """`fthsdp ray` has no --resume: the hint must not send a cluster job to `fthsdp run` on the
+        driver's host, which reads OUT/checkpoints only."""
+        where = (f"its checkpoints are in {self.checkpoint_dir}" if self.checkpoint_dir is not None
+                 else "it has no checkpoint directory")
+        return (f"(fthsdp ray cannot resume a job yet; {where}: start a new job, or on one host resume it "
+                f"with `fthsdp run --resume --out-dir {self.out_dir}` where OUT/checkpoints holds them)")
 
     # -- what the actors get -----------------------------------------------------------
 
@@ -824,6 +846,7 @@ def launch(config: str, overrides: list[str], out: str | pathlib.Path | None = N
         logs.setup("fthsdp.launch")
     started = connect(address, num_cpus or cluster_cpus_needed(cfg.launch.replicas, cfg.launch.devices_per_replica,
                                                                 cfg.launch.processes_per_replica), temp_dir)
+    job = None
     try:
         job = RayJob(config=config, overrides=list(overrides), out_dir=out, replicas=cfg.launch.replicas,
                      steps=cfg.train.steps, faults=list(faults), job_id=cfg.launch.job_id,
@@ -845,6 +868,9 @@ def launch(config: str, overrides: list[str], out: str | pathlib.Path | None = N
                  origin, [f.label() for f in faults] or "none", out)
         job.summary = job.run()
     finally:
+        if job is not None:
+            with contextlib.suppress(OSError):
+                (job.checkpoint_dir / job.storage_marker).unlink()
         held.close()  # the run directory is free again (a notebook may launch into it next)
         if started:
             import ray
@@ -923,10 +949,20 @@ def cli(argv: list[str]) -> int:
                       + parse_ray_kills(args.kill_worker, "kill_worker", cfg.launch.replicas))
     except ValueError as e:
         p.error(str(e))
-    job = launch(args.config, overrides, out=args.out_dir, faults=plan, address=args.address,
-                 num_cpus=args.num_cpus, temp_dir=args.temp_dir, kill_with=args.kill_with, restart=args.restart,
-                 checkpoint_dir=args.checkpoint_dir, allreduce=args.allreduce,
-                 progress=not args.no_progress and sys.stderr.isatty(), origin=sources.origin)
+    from fthsdp.launch import lifetime
+
+    lifetime.exit_on_termination_signals()  # a SIGTERM'd or SIGHUP'd driver still stops its actors
+    try:
+        job = launch(args.config, overrides, out=args.out_dir, faults=plan, address=args.address,
+                     num_cpus=args.num_cpus, temp_dir=args.temp_dir, kill_with=args.kill_with, restart=args.restart,
+                     checkpoint_dir=args.checkpoint_dir, allreduce=args.allreduce,
+                     progress=not args.no_progress and sys.stderr.isatty(), origin=sources.origin)
+    except lifetime.Terminated as e:
+        log.warning("the driver was stopped by a signal (exit %s); the job's actors were stopped", e.code)
+        raise
+    except KeyboardInterrupt:
+        log.warning("interrupted: the job's actors were stopped")
+        return 130
     summary = job.summary
     if job.gave_up:
         return 4

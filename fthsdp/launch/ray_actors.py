@@ -36,6 +36,7 @@ APPENDED = ("metrics-{rid}.jsonl", "replica-{rid}.log", "ledger/replica_{rid}.js
 REWRITTEN = ("status-{rid}.json", "loader_state/replica_{rid}.json")
 # Where the driver writes a process's relay when it places it elsewhere (ft.lighthouse_relay_file).
 RELAY_FILE = "relay"
+NOT_SHARED = "checkpoint directory not shared"  # (the launcher reads it as job-fatal)
 
 
 def node_ip() -> str:
@@ -161,8 +162,15 @@ class ReplicaActor:
                 "parent_pid": os.getppid(), "host": socket.gethostname(), "ip": node_ip(),
                 "work_dir": str(self.dir)}
 
-    def link_checkpoints(self, path: str) -> None:
-        """The persistent checkpoints' home: storage every node reaches (a Ray job's storage path)."""
+    def link_checkpoints(self, path: str, marker: str = "") -> None:
+        """The persistent checkpoints' home: storage every node reaches (a Ray job's storage path).
+        ``marker``: a file the driver wrote there; not finding it, this node does not share that
+        storage (a path on the driver's disk, created empty here), and the job's checkpoints would
+        scatter across nodes: refused, job-fatal (see fthsdp.launch.ray)."""
+        if marker and not (pathlib.Path(path) / marker).exists():
+            raise RuntimeError(f"{NOT_SHARED}: {path} on node {socket.gethostname()} does not hold the file "
+                               f"{marker} the driver wrote there, so it is not storage the driver shares; give "
+                               "fthsdp ray --checkpoint-dir a path every node mounts (a shared filesystem)")
         link = self.dir / "checkpoints"
         if not link.exists():
             pathlib.Path(path).mkdir(parents=True, exist_ok=True)
