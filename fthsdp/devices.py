@@ -93,13 +93,42 @@ def visible_gpus() -> list[str]:
     return [str(i) for i, line in enumerate(out.splitlines()) if line.startswith("GPU ")]
 
 
+# Set by a launcher that placed its processes itself (launcher_gpu_env): the process keeps its env.
+PLACED_ENV = "FTHSDP_GPUS_PLACED"
+
+
+def launcher_gpu_env(replica_id: int, replicas: int, devices_per_replica: int, process_index: int = 0,
+                     processes: int = 1, gpus: Sequence[str] | None = None,
+                     environ: dict[str, str] | None = None) -> dict[str, str]:
+    """What a launcher sets in one replica process's environment: its GPUs among ``gpus`` (default:
+    the launcher's own visible ones), one slot per process (replica r's process p is slot r*P+p,
+    each of ``devices_per_replica`` GPUs: a replica's mesh takes that many per process).
+
+    Why the launcher and not the process: a CUDA_VISIBLE_DEVICES the launcher inherited (a Slurm
+    allocation, a shared box) is the pool to split, but passed on unchanged it read as the user's
+    own choice in every replica, and all of them stacked on its first GPUs. {} without GPUs."""
+    environ = os.environ if environ is None else environ
+    pool = visible_gpus() if gpus is None else list(gpus)
+    p = gpu_placement(replica_id * processes + process_index, replicas * processes, devices_per_replica, pool)
+    if p.visible is None:
+        return {}
+    out = {"CUDA_VISIBLE_DEVICES": ",".join(p.visible), PLACED_ENV: "1"}
+    if (p.mem_fraction is not None and "XLA_PYTHON_CLIENT_MEM_FRACTION" not in environ
+            and "XLA_PYTHON_CLIENT_PREALLOCATE" not in environ):
+        out["XLA_PYTHON_CLIENT_MEM_FRACTION"] = str(p.mem_fraction)
+    return out
+
+
 def place_replica_on_gpus(replica_id: int, replicas: int, devices_per_replica: int) -> GpuPlacement:
     """Apply `gpu_placement` to this process's environment (before jax starts).
 
     A user's own CUDA_VISIBLE_DEVICES / XLA_PYTHON_CLIENT_MEM_FRACTION /
-    XLA_PYTHON_CLIENT_PREALLOCATE settings win; on a host without GPUs this
-    does nothing.
+    XLA_PYTHON_CLIENT_PREALLOCATE settings win, and so does a launcher's
+    placement (:func:`launcher_gpu_env`); on a host without GPUs this does
+    nothing.
     """
+    if os.environ.get(PLACED_ENV):
+        return GpuPlacement(None, None)
     p = gpu_placement(replica_id, replicas, devices_per_replica, visible_gpus())
     if p.visible is not None and "CUDA_VISIBLE_DEVICES" not in os.environ:
         os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(p.visible)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from fthsdp.devices import GpuPlacement, gpu_placement, place_replica_on_gpus
+from fthsdp.devices import PLACED_ENV, GpuPlacement, gpu_placement, launcher_gpu_env, place_replica_on_gpus
 
 
 def test_no_gpus_changes_nothing():
@@ -51,3 +51,27 @@ def test_cpu_only_platform_sees_no_gpus(monkeypatch):
     monkeypatch.setenv("JAX_PLATFORMS", "cpu")
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
     assert place_replica_on_gpus(0, 2, 1) == GpuPlacement(None, None)
+
+
+def test_the_launcher_splits_its_own_visible_gpus_among_every_process(monkeypatch):
+    """A CUDA_VISIBLE_DEVICES the launcher inherited (a Slurm allocation) is the pool it splits:
+    passed on unchanged it read as each replica's own choice, and every replica stacked on its
+    first GPUs. Replica r's process p is slot r*P+p."""
+    pool = ["4", "5", "6", "7"]
+    env = [launcher_gpu_env(r, 2, 1, p, 2, pool, {}) for r in range(2) for p in range(2)]
+    assert [e["CUDA_VISIBLE_DEVICES"] for e in env] == ["4", "5", "6", "7"]
+    assert all(e[PLACED_ENV] == "1" and "XLA_PYTHON_CLIENT_MEM_FRACTION" not in e for e in env)
+    shared = launcher_gpu_env(2, 3, 2, gpus=pool, environ={})  # 3 replicas x 2 GPUs on 4: they share
+    assert shared["CUDA_VISIBLE_DEVICES"] == "4,5" and float(shared["XLA_PYTHON_CLIENT_MEM_FRACTION"]) < 0.75
+    assert "XLA_PYTHON_CLIENT_MEM_FRACTION" not in launcher_gpu_env(
+        2, 3, 2, gpus=pool, environ={"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.3"})  # the user's wins
+    assert launcher_gpu_env(0, 2, 1, gpus=[], environ={}) == {}  # no GPUs: nothing
+    # a process the launcher placed keeps what it was given
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "6")
+    monkeypatch.setenv(PLACED_ENV, "1")
+    monkeypatch.delenv("JAX_PLATFORMS", raising=False)
+    monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION", raising=False)
+    assert place_replica_on_gpus(1, 2, 1) == GpuPlacement(None, None)
+    import os
+
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == "6" and "XLA_PYTHON_CLIENT_MEM_FRACTION" not in os.environ

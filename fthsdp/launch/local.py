@@ -44,6 +44,7 @@ from fthsdp.addresses import family, join_host_port, split_host_port
 from fthsdp.atomic_file import write_atomic
 from fthsdp.control.admission import FairnessLimits
 from fthsdp.control.pacing import DEFAULT_BEATS_PER_S
+from fthsdp.devices import launcher_gpu_env, visible_gpus
 from fthsdp.digits import ascii_int
 from fthsdp.errors import EXIT_JOB_FATAL
 from fthsdp.launch import rundir as rundir_lib
@@ -175,6 +176,7 @@ class LocalJob:
     lighthouse_advertise: str = ""
     hosts: tuple[str, ...] = ()
     processes: int = 1  # processes per replica (one JAX runtime per replica; process 0 leads)
+    devices: int = 1  # devices per process of a replica (launch.devices_per_replica): its GPUs, on a GPU host
     procs: dict[int, ReplicaProc] = field(default_factory=dict)
     # The operator's secret (launch.secret_file; fthsdp.control.auth.launcher_keys): with our own
     # lighthouse its secret (default: a fresh one per job), with launch.lighthouse the job's secret.
@@ -195,6 +197,7 @@ class LocalJob:
     def __post_init__(self) -> None:
         self.out_dir = pathlib.Path(self.out_dir)
         self.out_dir.mkdir(parents=True, exist_ok=True)
+        self.gpus = visible_gpus()  # the launcher's: split among the replicas' processes (_env)
         self.rundir = rundir_lib.RunDir(self.out_dir)
         if not self.rundir.load():  # used as a library (tests): record what the run is
             self.rundir.save({"config": self.config, "overrides": list(self.overrides),
@@ -291,8 +294,12 @@ class LocalJob:
                                       rp.returncode)
                 for rid, rp in sorted(self.procs.items())]
 
-    def _env(self) -> dict:
+    def _env(self, rid: int | None = None, process: int = 0) -> dict:
+        """A child's environment; replica ``rid``'s process ``process`` also gets its GPUs (on a
+        host with GPUs: devices.launcher_gpu_env)."""
         env = lifetime.child_env(dict(os.environ))  # its processes die with the launcher
+        if rid is not None and self.gpus:
+            env.update(launcher_gpu_env(rid, self.replicas, self.devices, process, self.processes, self.gpus, env))
         env.setdefault("FTHSDP_COMPILATION_CACHE", str(pathlib.Path.home() / ".cache" / "fthsdp" / "xla"))
         env["PYTHONUNBUFFERED"] = "1"
         env["FTHSDP_PEER_TOKEN"] = self.token
@@ -587,7 +594,7 @@ class LocalJob:
                  *(["--resume", self.resume] if self.resume and mode == "start" else []),
                  *(["--rejoin"] if mode == "rejoin" else []), *self.host_flags(rid), *self.overrides,
                  *self.relay_overrides(), *self.relay_file_override(rid)],
-                stdout=logf, stderr=subprocess.STDOUT, env=self._env(), start_new_session=True)
+                stdout=logf, stderr=subprocess.STDOUT, env=self._env(rid, index), start_new_session=True)
             logf.close()
             if index == 0:
                 rp.proc = proc
@@ -1147,7 +1154,8 @@ def cli(argv: list[str]) -> int:
                    detect_s=cfg.ft.detect_s, join_timeout_s=cfg.ft.join_timeout_s,
                    external_lighthouse=cfg.launch.lighthouse, lighthouse_bind=cfg.launch.lighthouse_bind,
                    lighthouse_advertise=cfg.launch.lighthouse_advertise, hosts=tuple(cfg.launch.hosts),
-                   processes=cfg.launch.processes_per_replica, secret_file=cfg.launch.secret_file,
+                   processes=cfg.launch.processes_per_replica, devices=cfg.launch.devices_per_replica,
+                   secret_file=cfg.launch.secret_file,
                    lighthouse_tls=(cfg.launch.lighthouse_tls_cert, cfg.launch.lighthouse_tls_key),
                    lighthouse_calls_per_s=cfg.launch.lighthouse_connection_calls_per_s,
                    lighthouse_beats_per_s=cfg.launch.lighthouse_beats_per_s,

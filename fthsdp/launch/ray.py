@@ -361,7 +361,6 @@ class RayJob(LocalJob):
     """A LocalJob whose processes are Ray actors; see the module's docstring."""
 
     kill_with: str = "ray-kill"
-    devices: int = 1
     checkpoint_dir: pathlib.Path | None = None
     config_text: str | None = None  # a config given as a file: its text travels to the actors
     place_timeout_s: float = 120.0
