@@ -422,6 +422,33 @@ def test_a_fault_never_fires_at_a_replica_that_finished_and_a_kill_that_hangs_do
     assert _wait_killed(Stuck(), 0.01, "replica 1") is False
 
 
+def test_a_followers_job_fatal_exit_after_its_leaders_restart_exit_stands_for_the_group(tmp_path):
+    """The leader notices its follower's silence and exits 70 (restart me); the follower, on its
+    way out with a job-fatal verdict (78), was SIGKILLed by the launcher first and the group was
+    restarted into the same failure. Now the rest of a group whose ended processes ask for a
+    restart get a moment to end on their own, and the group ends as its worst process did."""
+    from fthsdp.errors import EXIT_JOB_FATAL, EXIT_REPLICA_FATAL
+    from fthsdp.launch.local import LocalJob, ReplicaProc
+
+    job = LocalJob(config="base", overrides=[], out_dir=tmp_path, replicas=2, steps=10, faults=[], progress=False,
+                   restart=True, detect_s=0.5)
+    rp = job.procs[1] = ReplicaProc(1, log_path=tmp_path / "replica-1.out", state="running")
+    rp.log_path.write_text("")
+    try:
+        rp.proc = subprocess.Popen([sys.executable, "-c", f"import sys; sys.exit({EXIT_REPLICA_FATAL})"])
+        rp.followers = [subprocess.Popen([sys.executable, "-c",
+                                          f"import sys, time; time.sleep(1.0); sys.exit({EXIT_JOB_FATAL})"])]
+        rp.proc.wait(30)
+        deadline = time.time() + 20
+        while rp.state == "running" and time.time() < deadline:
+            job.reap()
+            time.sleep(0.05)
+        assert rp.followers[0].returncode == EXIT_JOB_FATAL  # it ended on its own, not by the launcher's kill
+        assert (rp.state, rp.returncode) == ("failed", EXIT_JOB_FATAL)
+    finally:
+        job.shutdown()
+
+
 def test_a_second_launcher_on_a_run_directory_in_use_is_refused(tmp_path):
     """A fresh run clears its directory's checkpoints and ledgers: a second launcher there (another
     terminal, a forgotten run) would delete a live run's. The first holds the directory; the second

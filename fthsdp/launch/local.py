@@ -79,6 +79,9 @@ class ReplicaProc:
     # How its group ended when the launcher stopped the rest of it (supervise.group_returncode):
     # stands for the leader's own end, which is then the launcher's SIGKILL.
     group_returncode: int | None = None
+    # Until when the rest of a group whose ended processes asked for a restart may end on their own
+    # (fail_groups_as_units); None: no such wait.
+    group_grace_until: float | None = None
     # Replica-fatal exits (or deaths by a signal the launcher did not send) in a row of processes
     # that never committed a step: a start that fails the same way each time is not restarted
     # forever (MAX_FAILED_STARTS), and waits longer each time.
@@ -744,11 +747,28 @@ class LocalJob:
     def fail_groups_as_units(self) -> None:
         """A multi-process replica fails as a unit: when one of its processes dies (or ends with
         an error) the others, which may be stuck in an intra-replica collective, are killed; the
-        leader's end then stands for the replica's (a follower's death reads as a kill)."""
+        leader's end then stands for the replica's (a follower's death reads as a kill).
+
+        When every process that ended asked for a restart (a signal, exit 70), the others get a
+        moment (detect_s + 2 s) to end on their own first: a follower on its way out with a
+        job-fatal verdict (78) was killed by the launcher after its leader noticed its silence
+        and exited 70, and the group was restarted into the same failure."""
+        now = time.time()
         for rp in self.procs.values():
             if not rp.followers or rp.proc is None:
                 continue
-            if self.group_failed(rp.rid, [rp.proc, *rp.followers]):
+            group = [rp.proc, *rp.followers]
+            codes = [p.returncode for p in group if p.poll() is not None and p.returncode != 0]
+            if not codes or all(p.poll() is not None for p in group):
+                rp.group_grace_until = None
+                continue
+            if all(supervise.after_exit(c) == "restart" for c in codes):
+                if rp.group_grace_until is None:
+                    rp.group_grace_until = now + self.detect_s + 2.0
+                if now < rp.group_grace_until:
+                    continue
+            rp.group_grace_until = None
+            if self.group_failed(rp.rid, group):
                 self.kill_followers(rp)
                 if rp.proc.poll() is None:
                     os.kill(rp.proc.pid, signal.SIGCONT)
@@ -773,8 +793,14 @@ class LocalJob:
         self.fail_groups_as_units()
         for rp in self.procs.values():
             if rp.state in ("running", "starting") and rp.proc is not None and rp.proc.poll() is not None:
+                if rp.proc.returncode != 0 and any(f.poll() is None for f in rp.followers):
+                    continue  # its followers may still say how they end (fail_groups_as_units)
                 rc = rp.proc.returncode if rp.group_returncode is None else rp.group_returncode
                 rp.group_returncode = None
+                if rp.followers and all(f.poll() is not None for f in rp.followers):
+                    # every process ended on its own: the replica ends as its worst process did
+                    codes = [c for c in (rc, *(f.returncode for f in rp.followers)) if c != 0]
+                    rc = supervise.group_returncode(codes) if codes else 0
                 if supervise.after_exit(rc) == "restart":
                     # killed by a signal we did not send (a dead machine, the OOM killer,
                     # an operator), or a replica-fatal fault (the replica's own verdict:
