@@ -96,6 +96,10 @@ def test_cli_refuses_a_bad_fault_flag_before_starting_ray():
                         "--kill-node", "9@5"],
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 2 and "replicas 0..2" in p.stderr, p.stderr
+    # a process the replica does not have: refused here, not raised out of the job at its step
+    p = subprocess.run([sys.executable, "-m", "fthsdp.cli", "ray", "--config", "base", "--replicas", "2",
+                        "--kill", "1.1@40"], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and "a replica has processes 0..0" in p.stderr, p.stderr
 
 
 # -- a real local cluster ---------------------------------------------------------------------

@@ -893,7 +893,13 @@ class LocalJob:
         self._begin_attempt("fallback")
         self.job_restarts.append({"attempt": self.attempt, "checkpoint": ckpt, "time": time.time(),
                                   "replicas": dead})
-        self.start_lighthouse()
+        err = _start_again(self.start_lighthouse)  # (its port, just freed: tried as a dead one is)
+        if err is not None:
+            self.gave_up = (f"the whole-job restart could not start the lighthouse on {self.lighthouse_addr or 'its port'} "
+                            f"({err}); resume the job with: {self.resume_hint()}")
+            log.error("%s", self.gave_up)
+            self.event("lighthouse_lost", reason="whole-job restart", error=str(err))
+            return
         for rid in range(self.replicas):
             self.start_replica(rid, mode="start")
 

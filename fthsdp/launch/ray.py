@@ -278,7 +278,12 @@ class ServerActorProcess:
         self.returncode: int | None = None
         self.address, self.pid = "", 0
         if not standby:
-            self._serving(self._ray.get(self.actor.address.remote(), timeout=60))
+            try:
+                self._serving(self._ray.get(self.actor.address.remote(), timeout=60))
+            except Exception as e:  # noqa: BLE001 - RayActorError, GetTimeoutError...: the launcher's
+                # restart rules (its tries, then a clear give-up) know RuntimeError; and no actor is left
+                self.kill()
+                raise RuntimeError(f"{actor_cls.__name__} did not start serving: {type(e).__name__}: {e}") from e
 
     def _serving(self, address: str) -> None:
         self.address = address
@@ -711,7 +716,15 @@ class RayJob(LocalJob):
         rp = self.procs[f.replica]
         t = time.time()
         how = {"kill_node": "node", "kill_worker": "sigkill"}.get(f.kind, self.kill_with)
-        info = self.ray_kill(f.replica, how, getattr(f, "process", -1))
+        try:
+            info = self.ray_kill(f.replica, how, getattr(f, "process", -1))
+        except (RuntimeError, ValueError) as e:
+            # A fault this cluster cannot carry out (a node kill on the driver's only node, a process
+            # the replica does not have): said and skipped, not raised out of the job's loop.
+            self.fired[-1]["skipped"] = str(e)
+            self.event("fault_skipped", f.replica, step=step, fault=f.label(), reason=str(e))
+            log.error("fault %s not carried out: %s", f.label(), e)
+            return
         rp.state = "killed"
         # The event's time is the fault's (before the wait for Ray), as the report measures from it.
         self.event("kill", f.replica, step=step, healthy=sorted(healthy - {f.replica}), fault_time=t, **info)
@@ -948,6 +961,10 @@ def cli(argv: list[str]) -> int:
                       + parse_ray_kills(args.kill_worker, "kill_worker", cfg.launch.replicas))
     except ValueError as e:
         p.error(str(e))
+    bad = [f.label() for f in plan if getattr(f, "process", -1) >= cfg.launch.processes_per_replica]
+    if bad:  # (as fthsdp run: caught here, not when the fault is due)
+        p.error(f"{', '.join(bad)}: a replica has processes 0..{cfg.launch.processes_per_replica - 1} "
+                "(launch.processes_per_replica)")
     from fthsdp.launch import lifetime
 
     lifetime.exit_on_termination_signals()  # a SIGTERM'd or SIGHUP'd driver still stops its actors
