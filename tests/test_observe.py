@@ -311,6 +311,13 @@ def test_metrics_file_follower_reads_complete_lines_only(tmp_path):
     assert follow.poll() == 1 and follow.steps == 2
     assert value(m.registry, "fthsdp_retries_total", job="j", replica="0", process="0") == 2
     assert value(m.registry, "fthsdp_step", job="j", replica="0", process="0") == 2
+    # a line it cannot read (a step without its fields, not an object) is skipped, not the rest
+    with open(path, "a") as f:
+        f.write(json.dumps({"kind": "step"}) + "\n" + "[1]\n" + json.dumps({**line, "step": 2}) + "\n")
+    assert follow.poll() == 1 and follow.steps == 3
+    # the file replaced by a shorter one (a restarted writer): read from its start again
+    path.write_text(json.dumps({**line, "step": 0}) + "\n")
+    assert follow.poll() == 1 and follow.steps == 4
 
 
 def test_lighthouse_metrics_from_views_and_stale_series_removed():

@@ -102,6 +102,17 @@ def test_cli_refuses_a_bad_fault_flag_before_starting_ray():
     assert p.returncode == 2 and "a replica has processes 0..0" in p.stderr, p.stderr
 
 
+def test_a_checkpoint_dir_holding_an_earlier_runs_checkpoints_is_refused(tmp_path):
+    """fthsdp ray cannot resume: a fallback would restore the earlier run's state as this job's."""
+    from fthsdp.launch.ray import check_checkpoint_dir
+
+    check_checkpoint_dir(str(tmp_path / "missing"))
+    (tmp_path / "ckpt" / "100").mkdir(parents=True)
+    (tmp_path / "ckpt" / ".fthsdp-owner").write_text("{}")
+    with pytest.raises(ValueError, match=r"holds checkpoints of an earlier run \(steps \[100\]\)"):
+        check_checkpoint_dir(str(tmp_path / "ckpt"))
+
+
 # -- a real local cluster ---------------------------------------------------------------------
 
 

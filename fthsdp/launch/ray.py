@@ -55,6 +55,7 @@ from dataclasses import dataclass, field
 from fthsdp.atomic_file import write_atomic
 from fthsdp.control.admission import FairnessLimits
 from fthsdp.control.pacing import DEFAULT_BEATS_PER_S
+from fthsdp.digits import ascii_int
 from fthsdp.launch import faults as faults_lib
 from fthsdp.launch import rundir as rundir_lib
 from fthsdp.launch import supervise
@@ -849,6 +850,7 @@ def launch(config: str, overrides: list[str], out: str | pathlib.Path | None = N
     config_text = config_path.read_text() if config_path.suffix == ".py" and config_path.is_file() else None
     out = pathlib.Path(out or cfg.train.out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    check_checkpoint_dir(checkpoint_dir)
     held = rundir_lib.hold(out)  # until the launch ends (RunDirBusy: another launcher has it)
     rundir_lib.clean_for_fresh_run(out)
     rundir_lib.RunDir(out).save({"config": config, "overrides": list(overrides), "launcher": "ray",
@@ -889,6 +891,19 @@ def launch(config: str, overrides: list[str], out: str | pathlib.Path | None = N
 
             ray.shutdown()
     return job
+
+
+def check_checkpoint_dir(checkpoint_dir: str | None) -> None:
+    """A --checkpoint-dir must hold no checkpoint yet: fthsdp ray cannot resume, and a whole-job
+    fallback would restore an earlier run's state as this job's (OUT/checkpoints, the default, is
+    cleaned with the run directory). ValueError saying what to do."""
+    if not checkpoint_dir:
+        return
+    steps = sorted(s for s in (ascii_int(p.name) for p in pathlib.Path(checkpoint_dir).glob("*")) if s is not None)
+    if steps:
+        raise ValueError(f"--checkpoint-dir {checkpoint_dir} holds checkpoints of an earlier run (steps "
+                         f"{steps[:5]}{'...' if len(steps) > 5 else ''}), and fthsdp ray cannot resume: give it an "
+                         "empty directory, or remove them")
 
 
 def cli(argv: list[str]) -> int:
@@ -959,6 +974,10 @@ def cli(argv: list[str]) -> int:
                                relays=cfg.launch.relays)
         plan = sorted(plan + parse_ray_kills(args.kill_node, "kill_node", cfg.launch.replicas)
                       + parse_ray_kills(args.kill_worker, "kill_worker", cfg.launch.replicas))
+    except ValueError as e:
+        p.error(str(e))
+    try:
+        check_checkpoint_dir(args.checkpoint_dir)
     except ValueError as e:
         p.error(str(e))
     bad = [f.label() for f in plan if getattr(f, "process", -1) >= cfg.launch.processes_per_replica]

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import pathlib
 import threading
 from dataclasses import dataclass
@@ -201,6 +202,8 @@ class MetricsFileFollower:
     def poll(self) -> int:
         try:
             with open(self.path, "rb") as f:
+                if os.fstat(f.fileno()).st_size < self._offset:  # replaced or truncated: read it anew
+                    self._offset = 0
                 f.seek(self._offset)
                 data = f.read()
         except FileNotFoundError:
@@ -213,13 +216,15 @@ class MetricsFileFollower:
         for line in data[: end + 1].splitlines():
             try:
                 d = json.loads(line)
-            except json.JSONDecodeError:
-                continue  # a torn line of a killed writer
-            if d.get("kind") == "step":
-                self.metrics.observe_step(step_record_from_json(d))
-                n += 1
-            elif d.get("kind") == "detection":
-                self.metrics.observe_detection(d.get("dead", ()), int(d.get("quorum_id", 0)))
+                if not isinstance(d, dict):
+                    continue
+                if d.get("kind") == "step":
+                    self.metrics.observe_step(step_record_from_json(d))
+                    n += 1
+                elif d.get("kind") == "detection":
+                    self.metrics.observe_detection(d.get("dead", ()), int(d.get("quorum_id", 0)))
+            except (ValueError, KeyError, TypeError, AttributeError):
+                continue  # a torn line of a killed writer, or one this version cannot read: the rest still counts
         self.steps += n
         return n
 
