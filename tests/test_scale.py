@@ -130,3 +130,47 @@ def test_scale_rows_split_over_emulator_processes_with_the_lighthouse_bound_apar
         r = subprocess.run([sys.executable, str(REPO / "experiments" / "scale.py"), *bad, "--out",
                             str(tmp_path / "x.json")], cwd=REPO, capture_output=True, text=True, timeout=120)
         assert r.returncode != 0 and words in r.stderr, r.stderr
+
+
+def _scale_module():
+    import importlib.util
+
+    sys.path.insert(0, str(REPO / "experiments"))
+    try:
+        spec = importlib.util.spec_from_file_location("scale_under_test", REPO / "experiments" / "scale.py")
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        return mod
+    finally:
+        sys.path.remove(str(REPO / "experiments"))
+
+
+def test_incomplete_rounds_fail_the_latency_verdict_and_are_not_dropped():
+    """A round not every replica completed ranks slower than any (it used to be dropped, and the
+    slowest rounds with it), and a row with one never meets the 70 ms target, however fast the
+    rest; the report counts replicas, not records, and the warm-up round nowhere."""
+    from fthsdp.sim.emulation import EmulationConfig, EmulationReport, QuorumRecord, percentile_failing
+
+    assert percentile_failing([0.01] * 49 + [None], 0.99) is None  # the slowest of 50 rounds
+    assert percentile_failing([0.03, None, 0.01], 0.5) == 0.03 and percentile_failing([], 0.5) is None
+    scale = _scale_module()
+    row = {"system": "fthsdp-hierarchical", "ranks": 100_000, "replicas": 16, "ranks_per_replica": 6250,
+           "processes_per_replica": 1, "transport": "session", "p99_s": 0.05, "complete_rounds": 19, "rounds": 20}
+    assert scale.meets_target(dict(row, complete_rounds=20), 0.07)
+    assert not scale.meets_target(row, 0.07)
+    assert scale.verdict([row])["meets_70ms_p99_at_100k"] == {"16x6250/1": False}
+
+    def rec(rid: str, step: int, t: float) -> QuorumRecord:
+        return QuorumRecord(rid, step, 1, 1, 0.0, 0.0, t, t, 0.0)
+
+    # round 0: warm-up; round 1: replica 0 asked twice (one replica, not two); round 2: both, 0.2 s
+    recs = [rec("0", 0, 5.0), rec("1", 0, 5.0), rec("0", 1, 0.1), rec("0", 1, 0.1), rec("0", 2, 0.2),
+            rec("1", 2, 0.2)]
+    rep = EmulationReport(config=EmulationConfig(replicas=2, ranks_per_replica=1, steps=3), wall_s=1.0,
+                          quorum_records=recs, commits={}, committers={}, final_steps={}, qids_seen={}, waits=[],
+                          events=[], problems=[], lighthouse_starts=1, rank_replays=0, fabric_completed=0,
+                          fabric_failed=0, decode=(0, 0), unfinished=[])
+    assert [r["replicas"] for r in rep.rounds()] == [2, 1, 2]
+    s = rep.summary()
+    assert (s["rounds"], s["complete_rounds"]) == (2, 1)
+    assert s["p50_s"] == pytest.approx(0.2) and s["p99_s"] is None  # the incomplete round is the slowest

@@ -141,6 +141,23 @@ def test_bad_masks_are_refused_clearly(twin3):
         twin3.run(_mask(4, 3, down=[(0, 2, 3), (1, 2, 3), (2, 2, 3)]))
     with pytest.raises(TwinError, match="up at step 0"):
         twin3.run(_mask(4, 3, down=[(0, 0, 1)]))
+    # windows back to back: at step 2, 0 and 1 come back as 2 goes; none of them can catch up
+    # from anyone (before: ZeroDivisionError at the catch-up)
+    with pytest.raises(TwinError, match="no replica is healthy at step 2"):
+        twin3.run(_mask(4, 3, down=[(0, 1, 2), (1, 1, 2), (2, 2, 3)]))
+
+
+def test_scaled_failure_windows_leave_a_healthy_replica_between_them():
+    """A schedule whose windows fill their slots leaves a step between consecutive ones (before:
+    back to back, replica 0 went down the step replica 1 came back, and the twin divided by 0)."""
+    sc = schedules.scale("d2x_fp32_for2.5k_1reps", schedules.ScaleRule(200, 2), seed=0)
+    (a, b) = sc.failures
+    assert a.end < b.start and schedules.no_healthy_steps(sc.alive) == []
+    stranded = np.ones((5, 2), bool)
+    stranded[1, 0] = stranded[2, 1] = False
+    assert schedules.no_healthy_steps(stranded) == [2]
+    with pytest.raises(schedules.ScheduleError, match="healthy at step 2"):
+        schedules.mask_from_outages(5, 2, [(0, 1, 2), (1, 2, 3)])
 
 
 def test_twin_runs_a_scaled_paper_schedule(twin3):

@@ -748,6 +748,35 @@ OnDead = Callable[[tuple[str, ...], int], None]
 OnAsking = Callable[[tuple[str, ...], int, int], None]
 
 
+def lighthouse_error(what: str, where: str, code: grpc.StatusCode | None, details: str, timeout_s: float = 0.0,
+                     signed: bool = False) -> LighthouseError:
+    """The error a failed lighthouse call raises, by its status. Its class decides what the replica
+    does (fthsdp.errors.classify): a malformed request, a job stopped for silent data corruption or
+    a refused credential is job-fatal, a deadline replica-fatal, the rest passing. One function for
+    this client and the emulation's (fthsdp.sim.aio_client), so the two cannot drift apart.
+    ``signed``: the call carried a credential (an older lighthouse that misread it is named)."""
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        within = f" within {timeout_s:g}s" if timeout_s else ""
+        return QuorumTimeout(f"{what}: no answer from {where}{within}: {details}", code)
+    if code == grpc.StatusCode.INVALID_ARGUMENT:
+        return InvalidLighthouseRequest(f"{what} rejected by {where}: {details}", code)
+    if code == grpc.StatusCode.NOT_FOUND:
+        return JobNotFound(f"{what} at {where}: {details}", code)
+    if code == grpc.StatusCode.DATA_LOSS:
+        return SilentDataCorruption(f"{what}: {where} stopped the job: {details}", code)
+    if code == grpc.StatusCode.PERMISSION_DENIED and "held by another live process" in details:
+        return ReplicaIdHeld(f"{what} refused by {where}: {details}", code)
+    if code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
+        older = older_lighthouse_advice(signed, code, details)
+        kind = CredentialRefused if any(m in details for m in auth.PERMANENT_REFUSALS) else NotAuthorized
+        return kind(f"{what} refused by {where}: {older or details}", code)
+    if code == grpc.StatusCode.UNAVAILABLE:
+        return LighthouseUnavailable(
+            f"{what}: cannot reach {where}: {details}; is `fthsdp lighthouse` running at that address?", code
+        )
+    return LighthouseError(f"{what} failed at {where}: {code}: {details}", code)
+
+
 class LighthouseClient:
     """One replica's connection to the lighthouse (thread-safe)."""
 
@@ -1045,25 +1074,8 @@ class LighthouseClient:
         code = e.code() if hasattr(e, "code") else None
         details = (e.details() if hasattr(e, "details") else None) or str(e)
         where = f"lighthouse {self.address} (job {self.job_id!r}, replica {self.replica_id!r})"
-        if code == grpc.StatusCode.DEADLINE_EXCEEDED:
-            return QuorumTimeout(f"{what}: no answer from {where} within {timeout_s:g}s: {details}", code)
-        if code == grpc.StatusCode.INVALID_ARGUMENT:
-            return InvalidLighthouseRequest(f"{what} rejected by {where}: {details}", code)
-        if code == grpc.StatusCode.NOT_FOUND:
-            return JobNotFound(f"{what} at {where}: {details}", code)
-        if code == grpc.StatusCode.DATA_LOSS:
-            return SilentDataCorruption(f"{what}: {where} stopped the job: {details}", code)
-        if code == grpc.StatusCode.PERMISSION_DENIED and "held by another live process" in details:
-            return ReplicaIdHeld(f"{what} refused by {where}: {details}", code)
-        if code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
-            older = older_lighthouse_advice(self._call_key is not None or self._status_key is not None, code, details)
-            kind = CredentialRefused if any(m in details for m in auth.PERMANENT_REFUSALS) else NotAuthorized
-            return kind(f"{what} refused by {where}: {older or details}", code)
-        if code == grpc.StatusCode.UNAVAILABLE:
-            return LighthouseUnavailable(
-                f"{what}: cannot reach {where}: {details}; is `fthsdp lighthouse` running at that address?", code
-            )
-        return LighthouseError(f"{what} failed at {where}: {code}: {details}", code)
+        signed = self._call_key is not None or self._status_key is not None
+        return lighthouse_error(what, where, code, details, timeout_s, signed)
 
     # -- calls ---------------------------------------------------------------
 

@@ -46,13 +46,14 @@ from fthsdp.control.lighthouse_client import (
     JobFinished,
     LighthouseError,
     LighthouseUnavailable,
-    QuorumTimeout,
+    ReplicaIdHeld,
     Registration,
     backoff_delays,
     endpoints_not_held,
     heartbeat_reply,
     keep_members,
     keep_neighbourhood,
+    lighthouse_error,
     keep_ring_delta,
     keep_rings,
     new_request_id,
@@ -513,6 +514,7 @@ class AioLighthouseClient:
         down_since: float | None = None
         delays = backoff_delays()
         paused = ""
+        held_until = time.monotonic() + timeout_s
         while True:
             sent = time.perf_counter()
             try:
@@ -520,14 +522,17 @@ class AioLighthouseClient:
                 break
             except (grpc.aio.AioRpcError, SessionError) as e:
                 code = e.code()
-                where = f"lighthouse {self.address} (replica {self.replica_id}, process {self.process_index})"
-                if code == grpc.StatusCode.DEADLINE_EXCEEDED:
-                    raise QuorumTimeout(f"{what} at {where}: {e.details()}", code) from None
                 if endpoints_not_held(code, e.details()):
                     raise _EndpointsNotHeld(0.0 if down_since is None else time.monotonic() - down_since) from None
-                if code != grpc.StatusCode.UNAVAILABLE:
-                    raise LighthouseError(f"{what} at {where}: {code}: {e.details()} "
-                                          f"({e.debug_error_string()})", code) from None
+                where = f"lighthouse {self.address} (replica {self.replica_id}, process {self.process_index})"
+                err = lighthouse_error(what, where, code, e.details() or str(e))
+                if isinstance(err, ReplicaIdHeld) and name == "GetQuorum" and time.monotonic() < held_until:
+                    # as the real get_quorum: a restart that came back before its old process was
+                    # declared dead waits that out
+                    await asyncio.sleep(0.2)
+                    continue
+                if not isinstance(err, LighthouseUnavailable):
+                    raise err from None
             now = time.monotonic()
             down_since = now if down_since is None else down_since
             if now - down_since >= self.outage_s:

@@ -43,11 +43,16 @@ bandwidth, while everything that decides is real:
 
 :class:`Emulation` records what every replica and rank did and
 :meth:`EmulationReport.violations` checks the invariants the real tests
-check: every decision identical on all ranks of a replica and on all replicas
-of a quorum, no wait past its deadline, no all-reduce run to its deadline (a
+check: every decision identical on all ranks of a replica (a follower process's
+ranks planning on their own view) and on all replicas of a quorum, no wait past
+its deadline (a get_quorum round timed from its first ask; an all-reduce aborted
+on a death within the detection window), no all-reduce run to its deadline (a
 member that cannot join is detected and the all-reduce aborted: survivors do
-not wait for it), every emulated batch trained exactly once, quorum ids never
-going backwards.
+not wait for it), every emulated batch trained exactly once (each commit's batch
+against the replica's own loader; the kept lineage's steps each once; the job
+never redone from its start), quorum ids never going backwards, no error the
+real replica would die of (replica-fatal: it restarts; job-fatal: the job stops),
+and every injected fault fired.
 """
 
 from __future__ import annotations
@@ -60,20 +65,20 @@ import logging
 import os
 import re
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
+import dataclasses
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from fthsdp.gc_policy import low_pause_gc
 from fthsdp.control import quorum as qm
 from fthsdp.replica import fsm
-from fthsdp.errors import classify
+from fthsdp.errors import FaultClass, classify
 from fthsdp.control.lighthouse_client import JobFinished, LighthouseError, LighthouseUnavailable, ring_request_flags
-from fthsdp.control.pacing import paced_interval
+from fthsdp.control.pacing import PACED_BEATS_PER_WINDOW, paced_interval
 from fthsdp.control.relay import relay_of
 from fthsdp.control.session_client import RelayPath
 from fthsdp.sim.aio_client import AioLighthouseClient, DecodeCache
@@ -86,7 +91,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("fthsdp.sim.emulation")
 
 __all__ = ["Fault", "EmulationConfig", "Emulation", "EmulationReport", "LighthouseProcess", "package_first",
-           "run_emulation"]
+           "percentile_failing", "run_emulation"]
 
 FAULT_KINDS = ("kill", "hang", "ring", "rank", "lighthouse", "lighthouse_answering", "relay", "relay_stop")
 RELAY_FAULTS = ("relay", "relay_stop")  # their `replica` is a relay's number
@@ -386,6 +391,78 @@ class RelayProcess(LighthouseProcess):
             self.stats = {}
 
 
+def percentile_failing(xs: list[float | None], q: float) -> float | None:
+    """The ``q`` quantile of round latencies where None is a round that never completed: it
+    ranks slower than any, and a quantile that falls on one is None (not met), instead of the
+    incomplete rounds being dropped and the slowest rounds with them. None for no rounds."""
+    if not xs:
+        return None
+    s = sorted(xs, key=lambda x: (x is None, x or 0.0))
+    return s[min(len(s) - 1, max(0, round(q * (len(s) - 1))))]
+
+
+DECLARED_DEAD = "lighthouse declared"  # how an all-reduce aborted on a member's death says so
+
+
+def detection_bound_s(t: Timeouts, paced_s: float) -> float:
+    """The longest a survivor should wait in an all-reduce whose member went silent (hung or
+    dead) before it aborts: the lighthouse's silence window (widened when it paces the beats,
+    fthsdp.control.pacing), then a beat of the survivor's to hear of it, and that beat's RPC.
+    The member fell silent no later than the survivors entered the all-reduce (it hangs in the
+    step's compute, before its own all-reduce), so this bounds the wait from entering."""
+    window = max(t.detect_s, PACED_BEATS_PER_WINDOW * paced_s)
+    return window + paced_interval(t.heartbeat_interval_s, paced_s) + t.heartbeat_rpc_s
+
+
+def retry_pause_s(failing: int) -> float:
+    """The pause before asking again after ``failing`` quorum requests failed in a row: the
+    Manager's ``min(1, 0.1 x failing)``, whether the failure used up an attempt or not."""
+    return min(1.0, 0.1 * failing)
+
+
+def quorum_wait_deadline(t: Timeouts, outage_s: float) -> float:
+    """The longest a get_quorum round may take from its first ask: the quorum deadline, plus
+    the outage allowance when the answer came after riding out an unreachable lighthouse."""
+    return t.quorum_timeout_s + (t.lighthouse_outage_s if outage_s > 0 else 0.0)
+
+
+def redone_from_scratch(first: CommitRecord | None, superseded: list[CommitRecord]) -> str:
+    """A problem ("" if none) when the kept lineage's step 0 (``first``) was committed after a
+    superseded commit of a later step: the job's progress was thrown away and trained again
+    from its start (every replica lost its state and the rejoiners began anew)."""
+    if first is None or not first.at:
+        return ""
+    lost = [r for r in superseded if r.step > 0 and r.at and r.at < first.at]
+    if not lost:
+        return ""
+    top = max(lost, key=lambda r: r.step)
+    return (f"the job was redone from scratch: the lineage kept committed step 0 (quorum {first.quorum_id}) after "
+            f"step {top.step} had been committed (quorum {top.quorum_id}, superseded)")
+
+
+def commit_problems(rid: str, p: fsm.Plan, q: qm.Quorum, position: int, last_step: int, batch: int | None,
+                    trained: bool) -> list[str]:
+    """What is wrong with replica ``rid`` committing ``p.step`` in ``q`` from a data state whose
+    last commit was ``last_step``, its own loader at ``position``, and the data state saying it
+    trained stream position ``batch`` (None: none): checks from outside the data state, so
+    that a batch skipped or trained twice, a step committed twice or skipped, or a committer
+    the quorum does not name each show (empty: none)."""
+    out = []
+    members, healthy = fsm.membership(q)
+    if rid not in members:
+        out.append(f"committed step {p.step} in quorum {q.quorum_id}, which does not name it")
+    elif trained != (rid in healthy):
+        out.append(f"committed step {p.step} in quorum {q.quorum_id} as {p.action.value} but the quorum calls it "
+                   f"{'healthy' if rid in healthy else 'behind'}")
+    if p.step != last_step + 1:
+        out.append(f"committed step {p.step} on a data state whose last step is {last_step}")
+    if trained and batch != position:
+        out.append(f"trained stream position {batch} at step {p.step}, but its loader is at {position}")
+    elif not trained and batch is not None:
+        out.append(f"trained stream position {batch} at step {p.step} while catching up")
+    return out
+
+
 class DataState:
     """The replicated data state: the next stream position of every replica's loader.
 
@@ -404,13 +481,21 @@ class DataState:
     fetches the other's state), which the report checks at the end.
     """
 
-    __slots__ = ("positions", "_after", "parent", "step", "quorum_id", "batches")
+    __slots__ = ("positions", "_after", "parent", "step", "quorum_id", "batches", "_trained")
 
     def __init__(self, positions: dict[str, int] | None = None, parent: "DataState | None" = None,
                  step: int = -1, quorum_id: int = 0, batches: tuple = ()) -> None:
         self.positions: dict[str, int] = positions if positions is not None else {}
         self._after: tuple[qm.Quorum, tuple, "DataState"] | None = None  # the last commit from this state
         self.parent, self.step, self.quorum_id, self.batches = parent, step, quorum_id, batches
+        self._trained: dict[str, int] | None = None
+
+    def trained(self) -> dict[str, int]:
+        """replica -> the stream position it trained into the commit that made this state (built
+        once per shared state, not once per replica: O(R) a round, not O(R^2))."""
+        if self._trained is None:
+            self._trained = dict(self.batches)
+        return self._trained
 
     def history(self) -> list["DataState"]:
         """The commits that made this state, oldest first (one per committed step)."""
@@ -435,6 +520,21 @@ class DataState:
         new = DataState(nxt, self, q.max_step, q.quorum_id, batches)
         self._after = (q, batches, new)
         return batches, new
+
+
+def decision(p: fsm.Plan) -> tuple:
+    """What a plan decides, the same on every rank of a replica: the fields a follower process,
+    planning on its own view (other rings, its own shards' sources), must agree on with its leader."""
+    return p.action, p.step, p.quorum_id, p.reconfigure, p.compute
+
+
+def follower_quorum(q: qm.Quorum, view: qm.Quorum) -> qm.Quorum:
+    """The quorum a follower process plans on: its leader's decision ``q`` with its own ``view``'s
+    rings and recovery sources. A mirror of ``FollowerQuorumSource._merge`` (fthsdp/replica/group.py)
+    but for the members' state servers, which no plan reads and which would cost O(R) per process
+    per round here (the members stay the leader's tuple: fsm.membership's cache keeps hitting)."""
+    return dataclasses.replace(q, rings=view.rings, first_shard=view.first_shard, ring_neighbours=view.ring_neighbours,
+                               sources=view.sources if q.recovery else (), recovery=view.recovery if q.recovery else {})
 
 
 class RankGroup:
@@ -489,12 +589,16 @@ class RankGroup:
         return sum(self._counts[k] for k, x in self._distinct.items() if x is not state and x != state)
 
     def plan(self, rid: str, leader: fsm.Plan) -> int:
-        """Every rank plans its attempt on the answer the group holds; returns how many
-        ranks planned differently from ``leader``."""
+        """Every rank plans its attempt on the answer the group holds (a follower process's: the
+        leader's decision with its own view's rings and sources); returns how many ranks decided
+        differently from ``leader`` (:func:`decision`: what to do, not which rings to do it on).
+        A rank that gave up earlier (it disagreed once already) stays given up."""
         self._group()
         q = self.quorum
-        self._plans = {k: fsm.plan(x, q, rid) for k, x in self._distinct.items()}
-        return sum(self._counts[k] for k, p in self._plans.items() if p != leader)
+        self._plans = {k: fsm.plan(x, q, rid) if x.action is fsm.Action.ASK else None
+                       for k, x in self._distinct.items()}
+        want = decision(leader)
+        return sum(self._counts[k] for k, p in self._plans.items() if p is None or decision(p) != want)
 
     def after(self, outcome: fsm.Outcome, planned: bool, leader: fsm.StepState, counted: bool = True) -> int:
         """Every rank moves on from its attempt's ``outcome`` (with its plan when
@@ -505,6 +609,9 @@ class RankGroup:
             self._group()
         nxt = {}
         for k, x in self._distinct.items():
+            if x.action is fsm.Action.GIVE_UP:  # (a diverged rank: see plan)
+                nxt[k] = x
+                continue
             t = fsm.after_attempt(x, self._plans[k] if planned else None, outcome, counted)
             nxt[k] = leader if t == leader else t
         if len(nxt) == 1:  # every rank held the same state: every rank takes the same result
@@ -536,6 +643,7 @@ class CommitRecord:
     members: tuple[str, ...]
     healthy: tuple[str, ...]
     batches: tuple[tuple[str, int], ...]  # (replica, stream position) trained into this step
+    at: float = field(default=0.0, compare=False)  # time.monotonic() of its first commit (system-wide on Linux)
 
 
 @dataclass
@@ -636,8 +744,8 @@ class EmulationReport:
             by[(r.step, r.attempt)].append(r)
         out = []
         for (step, attempt), rs in sorted(by.items()):
-            out.append({
-                "step": step, "attempt": attempt, "replicas": len(rs),
+            out.append({  # (a replica that asked twice in one round, e.g. a rejoiner told to wait, counts once)
+                "step": step, "attempt": attempt, "replicas": len({r.replica_id for r in rs}),
                 "quorum_ids": sorted({r.quorum_id for r in rs}),
                 "latency_s": max(r.all_ranks_hold for r in rs) - max(r.last_rank_request for r in rs),
                 "lighthouse_s": max(r.received for r in rs) - max(r.sent for r in rs),
@@ -647,13 +755,17 @@ class EmulationReport:
         return out
 
     def summary(self) -> dict:
-        full = [r for r in self.rounds() if r["replicas"] == self.config.replicas and r["outage_s"] == 0]
-        lat = sorted(r["latency_s"] for r in full[1:])  # round 0 connects and forms the first quorum
+        """Latency over the rounds after the first (round 0 connects and forms the first quorum),
+        counted alike in ``rounds``, ``complete_rounds`` and the percentiles; a round that not
+        every replica completed (or one that rode out an outage) counts as slower than any, so
+        that it cannot leave the percentiles looking better (None when one falls on it)."""
+        rounds = self.rounds()[1:]
+        full = [r["replicas"] == self.config.replicas and r["outage_s"] == 0 for r in rounds]
+        lat = [r["latency_s"] if ok else None for r, ok in zip(rounds, full)]
         return {
             "replicas": self.config.replicas, "ranks": self.config.ranks, "wall_s": self.wall_s,
-            "complete_rounds": len(full), "rounds": len({(r.step, r.attempt) for r in self.quorum_records}),
-            "p50_s": statistics.median(lat) if lat else None,
-            "p99_s": lat[min(len(lat) - 1, int(round(0.99 * (len(lat) - 1))))] if lat else None,
+            "complete_rounds": sum(full), "rounds": len(rounds),
+            "p50_s": percentile_failing(lat, 0.5), "p99_s": percentile_failing(lat, 0.99),
             "final_steps": sorted(set(self.final_steps.values())),
             "events": len(self.events), "violations": len(self.violations()),
         }
@@ -682,6 +794,10 @@ class EmulatedReplica:
         self.state = fsm.initial(0, c.max_retries)
         self.groups = [RankGroup(p * self.per_process, self.per_process, self.state) for p in range(nproc)]
         self.data = emu.initial_data  # the replicated data state (shared with the replicas in the same state)
+        # Its own loader's next stream position, kept apart from ``data`` (advanced on a committed
+        # TRAIN, installed from the fetched state on a committed catch-up; a restart holds none):
+        # each commit's batch is checked against it (commit_problems).
+        self.position = 0
         self.clients: list[AioLighthouseClient] = []
         for p in range(nproc):
             cl = AioLighthouseClient(emu.lighthouse_address, c.job_id, self.rid,
@@ -696,6 +812,7 @@ class EmulatedReplica:
             self.clients.append(cl)
         self.client = self.clients[0]  # the leader's
         self.view_qid = 0  # the quorum id whose views the followers hold
+        self.views: list[qm.Quorum | None] = [None] * nproc  # each follower process's (index 0: the leader's)
         self.failing_since: float | None = None  # quorum requests failing in a row: since, how many
         self.failing = 0
         self.inflight: tuple[qm.Quorum, int] | None = None  # the quorum and step of the all-reduce it is in
@@ -703,6 +820,8 @@ class EmulatedReplica:
         self.finished = False
         self.step0_since: float | None = None  # a rejoiner healthy at step 0 asks again since (fsm.rejoin_at_step_0)
         self.step0_trusted = False
+        self.asking: tuple[int, int] | None = None  # the (step, attempt) it asks for, since perf_counter asked_at
+        self.asked_at = 0.0
         self.task: asyncio.Task | None = None
         self.hb_tasks: list[asyncio.Task] = []
 
@@ -710,6 +829,16 @@ class EmulatedReplica:
 
     def _violation(self, what: str) -> None:
         self.emu.problems.append(f"replica {self.rid}.{self.incarnation}: {what}")
+
+    def _fatal(self, kind: FaultClass, why: str) -> None:
+        """What a real replica process does on an error it cannot retry: it exits; a replica-fatal
+        one is restarted by its supervisor (it rejoins), a job-fatal one stops the job. Either is a
+        violation here: no emulated fault should make the control plane give up."""
+        self._violation(f"{kind.value}: {why}")
+        if kind is FaultClass.JOB_FATAL:
+            self.emu.job_fatal(self)
+        else:
+            self.emu.replica_fatal(self)
 
     def _replay_after(self, p: fsm.Plan | None, outcome: fsm.Outcome, new: fsm.StepState,
                       counted: bool = True) -> None:
@@ -732,60 +861,64 @@ class EmulatedReplica:
             await self.client.connect(c.timeouts.lighthouse_outage_s)
             while self.state.step < c.steps and self.state.action is not fsm.Action.GIVE_UP:
                 state = self.state
-                if state.attempt == 1 and self.incarnation == 0:
-                    if self.index == emu.replica_indices.start:
-                        emu.sample_cpu(state.step)
-                    await emu.fire_faults(self, state.step)
+                if state.attempt == 1 and self.incarnation == 0 and self.index == emu.replica_indices.start:
+                    emu.sample_cpu(state.step)
+                await emu.fire_faults(self, state.step)
                 # Gather: every rank asks its leader for the quorum of its step.
                 t_work = time.perf_counter()
                 bad = sum(g.disagree(state) for g in self.groups)
                 emu.rank_work(state.step, time.perf_counter() - t_work)
                 if bad:
                     self._violation(f"{bad} rank(s) ask for a different step state than the leader")
-                last_req = time.perf_counter()
+                if self.asking != (state.step, state.attempt):  # a re-sent request keeps the round's clock
+                    self.asking, self.asked_at = (state.step, state.attempt), time.perf_counter()
+                last_req = self.asked_at
                 try:
                     reply = await self.client.get_quorum(
                         state.step, ftar_addresses=self.ftar[0], state_server_address=self.servers[0],
                         commit_failed=state.commit_failed, num_replicas=c.replicas,
                         timeout_s=c.timeouts.quorum_timeout_s, local_world_size=c.ranks_per_replica)
-                    if len(self.clients) > 1 and reply.quorum.quorum_id != self.view_qid:
+                    # as FollowerQuorumSource: a new quorum id, or a recovery (its sources are per process)
+                    if len(self.clients) > 1 and (reply.quorum.quorum_id != self.view_qid or reply.quorum.recovery):
                         await self._follower_views(reply.quorum)
                 except JobFinished as e:
                     emu.events.append(f"replica {self.rid}: job finished at step {e.step} (at step {state.step})")
                     self.finished = True
                     return
-                except LighthouseUnavailable as e:
-                    self._violation(f"lighthouse unreachable past ft.lighthouse_outage_s: {e}")
+                except LighthouseUnavailable as e:  # job-fatal (classify): no replica can form a quorum
+                    self._fatal(FaultClass.JOB_FATAL, f"lighthouse unreachable past ft.lighthouse_outage_s: {e}")
                     return
                 except LighthouseError as e:
                     emu.events.append(f"replica {self.rid} step {state.step}: quorum request failed: {e}")
+                    # (failures in a row within the outage allowance are free: they may take that long on top)
                     emu.waits.append((f"replica {self.rid} get_quorum", time.perf_counter() - last_req,
-                                      c.timeouts.quorum_timeout_s))
+                                      quorum_wait_deadline(c.timeouts, float(self.failing > 0))))
+                    kind = classify(e).kind
+                    if kind is not FaultClass.RECOVERABLE:  # the Manager re-raises it: the process ends
+                        self._fatal(kind, f"quorum request at step {state.step} failed: {type(e).__name__}: {e}")
+                        return
                     now = time.monotonic()  # the Manager's rule: failures within the outage allowance are free
                     self.failing_since = now if self.failing_since is None else self.failing_since
                     self.failing += 1
-                    # (as the Manager: only an error classify() calls recoverable may go uncounted; the
-                    # others end a real replica at once, and here use up an attempt as before)
-                    counted = (not classify(e).recoverable
-                               or fsm.quorum_error_counts(now - self.failing_since, c.timeouts.lighthouse_outage_s))
+                    counted = fsm.quorum_error_counts(now - self.failing_since, c.timeouts.lighthouse_outage_s)
                     self.state = fsm.after_attempt(state, None, fsm.Outcome.QUORUM_ERROR, counted)
                     self._replay_after(None, fsm.Outcome.QUORUM_ERROR, self.state, counted)
-                    if not counted:
-                        await asyncio.sleep(min(1.0, 0.1 * self.failing))
+                    await asyncio.sleep(retry_pause_s(self.failing))  # counted or not, as the Manager
                     continue
                 self.failing_since, self.failing = None, 0
                 q = reply.quorum
-                if state.attempt == 1 and self.incarnation == 0:
-                    emu.answered(self, state.step)
+                emu.answered(self, state.step)
                 emu.answer_bytes = max(emu.answer_bytes, self.client.last_reply_bytes)
                 emu.wire_sizes.append((self.client.last_request_bytes, self.client.last_reply_bytes))
-                for g in self.groups:  # one fan-out per process: its ranks read the group's answer
-                    g.quorum = q
+                self.groups[0].quorum = q  # one fan-out per process: its ranks read the group's answer
+                for g, v in zip(self.groups[1:], self.views[1:]):  # a follower's: with its own view
+                    g.quorum = follower_quorum(q, v) if v is not None else q
                 held = time.perf_counter()
                 emu.quorum_records.append(QuorumRecord(self.rid, state.step, state.attempt, q.quorum_id, last_req,
                                                        reply.sent_at, reply.received_at, held, reply.outage_s))
-                emu.waits.append((f"replica {self.rid} get_quorum", reply.received_at - reply.sent_at - reply.outage_s,
-                                  c.timeouts.quorum_timeout_s))
+                # the whole wait from the round's first ask (an outage ridden out is allowed on top)
+                emu.waits.append((f"replica {self.rid} get_quorum", reply.received_at - last_req,
+                                  quorum_wait_deadline(c.timeouts, reply.outage_s)))
                 emu.qids_seen[self.rid].append(q.quorum_id)
                 if c.round_barrier:
                     await emu.round_barrier((state.step, state.attempt))
@@ -838,8 +971,9 @@ class EmulatedReplica:
 
     async def _follower_views(self, q: qm.Quorum) -> None:
         """The followers fetch their own views of the leader's new quorum ``q`` (their
-        shards' rings), as the real FollowerQuorumSource does; the decision itself came
-        from the leader. A view that disagrees with the decision is a violation; a view
+        shards' rings and recovery sources), as the real FollowerQuorumSource does, and keep
+        them: their ranks plan on the leader's decision merged with them (follower_quorum).
+        A view that disagrees with the decision is a violation; a view
         the lighthouse no longer holds fails the attempt (LighthouseError, as for the
         real follower: the replica then asks again)."""
         c = self.emu.config
@@ -855,6 +989,7 @@ class EmulatedReplica:
                                 f"{len(vq.rings)}, not its shards {p * want}+{want}")
         self.emu.views_fetched += len(views)
         self.view_qid = q.quorum_id
+        self.views[1:] = [v.quorum for v in views]
 
     async def _attempt(self, state: fsm.StepState, q: qm.Quorum, nbytes: int) -> fsm.Outcome | None:
         emu, c = self.emu, self.emu.config
@@ -889,8 +1024,9 @@ class EmulatedReplica:
             else:
                 fetched = snap[1]
         elif p.compute:
-            if emu.take_hang(self, p.step):
-                await self._hang(p.step)
+            hang = emu.take_hang(self, p.step)
+            if hang is not None:
+                await self._hang(p.step, hang.seconds)
             await asyncio.sleep(c.model.step_s)
         if outcome is None:
             self.inflight = (q, p.step)
@@ -900,7 +1036,11 @@ class EmulatedReplica:
                                              c.ranks_per_replica, deadline)
             self.inflight = None
             emu.waits.append((f"replica {self.rid} all-reduce", res.waited_s, deadline))
-            local = emu.fabric.rank_faults_of(p.step, self.rid)
+            if not res.ok and DECLARED_DEAD in res.reason:  # aborted on a death: within detection, not the deadline
+                emu.waits.append((f"replica {self.rid} all-reduce abort on a death",
+                                  res.waited_s, detection_bound_s(c.timeouts, self.client.paced_s)))
+            # a rank fault fires at an all-reduce it can fail (one failing anyway would hide it)
+            local = emu.fabric.rank_faults_of(p.step, self.rid) if res.ok else set()
             failed_rings = res.failed_rings
             ok = res.ok
             votes = [ok] * c.ranks_per_replica  # rank k's all-reduce: its ring and its own local part
@@ -914,8 +1054,16 @@ class EmulatedReplica:
         if outcome is fsm.Outcome.COMMITTED:
             if fetched is not None:
                 self.data = fetched
+                self.position = fetched.positions.get(self.rid, 0)  # the loader's state comes with the model's
                 emu.events.append(f"replica {self.rid}: caught up to step {p.step} from {p.sources[0]}")
+            before = self.data
             batches, self.data = self.data.commit(q)
+            trained = p.action is fsm.Action.TRAIN
+            for what in commit_problems(self.rid, p, q, self.position, before.step,
+                                        self.data.trained().get(self.rid), trained):
+                self._violation(what)
+            if trained:
+                self.position += 1  # its loader hands out the next batch
             for g in self.groups:
                 g.commits += 1
             emu.record_commit(self, p.step, q, batches)
@@ -929,8 +1077,7 @@ class EmulatedReplica:
             return None
         return outcome
 
-    async def _hang(self, step: int) -> None:
-        secs = self.emu.hang_seconds(self, step)
+    async def _hang(self, step: int, secs: float) -> None:
         self.emu.events.append(f"replica {self.rid}: hangs {secs:g}s at step {step}")
         self.hung = True
         await asyncio.sleep(secs)
@@ -965,7 +1112,7 @@ class EmulatedReplica:
             return
         q, step = self.inflight
         ours = self._others_of(q, reply.dead_members) if reply.quorum_id == q.quorum_id else []
-        if ours and self.emu.fabric.abort(q.quorum_id, f"lighthouse declared {ours} dead"):
+        if ours and self.emu.fabric.abort(q.quorum_id, f"{DECLARED_DEAD} {ours} dead"):
             self.emu.events.append(f"replica {self.rid}: aborted quorum {q.quorum_id} ({ours} dead)")
         ours = self._others_of(q, reply.asking) if reply.allreduce == (q.quorum_id, step) else []
         names = ", ".join(ours[:4]) + (f" and {len(ours) - 4} more" if len(ours) > 4 else "")
@@ -1026,8 +1173,8 @@ class Emulation:
         self.views_fetched = 0
         self.answer_bytes = 0
         self.wire_sizes: list[tuple[int, int]] = []
+        self.stopped = False  # a job-fatal error stopped the job (job_fatal)
         self._fired: set[Fault] = set()
-        self._hangs: dict[tuple[int, int], float] = {}
         self._side_tasks: list[asyncio.Task] = []
         self._barriers: dict[tuple[int, int], list] = {}
         self._member_sets: dict[int, tuple[qm.Quorum, frozenset[str]]] = {}
@@ -1050,8 +1197,11 @@ class Emulation:
         return relay_of(addresses, replica, self.config.replicas)
 
     async def fire_faults(self, rep: EmulatedReplica, step: int) -> None:
+        """The faults due when ``rep`` begins (or asks again for) ``step``: each fires once, at
+        the first step at or after its own that its replica (replica 0 for the servers') reaches,
+        in whichever incarnation and attempt (one that never does is a problem: unfired_faults)."""
         for f in self.config.faults:
-            if f in self._fired or f.step != step:
+            if f in self._fired or f.step > step:
                 continue
             if f.kind == "kill" and f.replica == rep.index:
                 self._fired.add(f)
@@ -1059,9 +1209,6 @@ class Emulation:
                 # Mid-step (during its compute or all-reduce), as a real SIGKILL lands.
                 delay = self.config.model.step_s / 2
                 self._side_tasks.append(asyncio.get_running_loop().create_task(self._kill(rep, f.seconds, delay)))
-            elif f.kind == "hang" and f.replica == rep.index:
-                self._fired.add(f)
-                self._hangs[(rep.index, step)] = f.seconds
             elif f.kind == "lighthouse" and rep.index == 0:
                 self._fired.add(f)
                 self.events.append(f"fault: lighthouse SIGKILLed at step {step}, restarted after {f.seconds:g}s")
@@ -1080,7 +1227,7 @@ class Emulation:
         """Replica ``rep`` holds its answer for ``step``: a ``lighthouse_answering`` fault fires
         now, synchronously (no await: the lighthouse is still writing the other answers)."""
         for f in self.config.faults:
-            if f.kind == "lighthouse_answering" and f.step == step and rep.index == 0 and f not in self._fired:
+            if f.kind == "lighthouse_answering" and f.step <= step and rep.index == 0 and f not in self._fired:
                 self._fired.add(f)
                 self.events.append(f"fault: lighthouse SIGKILLed while answering step {step}, restarted after "
                                    f"{f.seconds:g}s")
@@ -1135,11 +1282,25 @@ class Emulation:
             hit = self._member_sets[q.quorum_id] = (q, frozenset(fsm.membership(q)[0]))
         return hit[1]
 
-    def take_hang(self, rep: EmulatedReplica, step: int) -> bool:
-        return rep.incarnation == 0 and (rep.index, step) in self._hangs
+    def take_hang(self, rep: EmulatedReplica, step: int) -> Fault | None:
+        """The hang fault ``rep`` runs into as it computes ``step`` (the first of its own due at or
+        before it, fired now), or None."""
+        for f in self.config.faults:
+            if f.kind == "hang" and f.replica == rep.index and f.step <= step and f not in self._fired:
+                self._fired.add(f)
+                return f
+        return None
 
-    def hang_seconds(self, rep: EmulatedReplica, step: int) -> float:
-        return self._hangs.pop((rep.index, step))
+    def unfired_faults(self) -> list[str]:
+        """The injected faults that never fired (a run that tests nothing it claims to): the
+        fabric's still pending, the others never reached."""
+        pending = self.fabric.pending_faults()
+        out = []
+        for f in self.config.faults:
+            key = {"ring": ("ring", f.step, "", f.rank), "rank": ("rank", f.step, str(f.replica), f.rank)}.get(f.kind)
+            if (key in pending) if key is not None else (f not in self._fired):
+                out.append(f"fault {f} never fired (its replica never reached step {f.step} or later)")
+        return out
 
     def record_commit(self, rep: EmulatedReplica, step: int, q: qm.Quorum, batches: tuple) -> None:
         key = (step, q.quorum_id)
@@ -1147,7 +1308,7 @@ class Emulation:
         if first is not None and first.batches is batches:
             rec = first  # the same shared state and quorum: equal without an O(R) comparison
         else:
-            rec = CommitRecord(step, q.quorum_id, tuple(fsm.membership(q)[0]), q.healthy, batches)
+            rec = CommitRecord(step, q.quorum_id, tuple(fsm.membership(q)[0]), q.healthy, batches, time.monotonic())
             first = self.commit_log.setdefault(key, rec)
         if first != rec:  # members of one quorum holding different states: a fork nobody fenced
             self.problems.append(f"step {step} in quorum {q.quorum_id}: replica {rep.rid} committed from a different "
@@ -1172,6 +1333,10 @@ class Emulation:
                 self.problems.append(f"replicas {ref_rid} and {rid} ended at step {top} with different states "
                                      "(split brain: their lineages forked and neither was abandoned)")
                 break
+        steps = [step for step, _, _ in ref_hist]
+        if steps != list(range(len(steps))):  # (a dict keyed by step below would hide a step committed twice)
+            self.problems.append(f"replica {ref_rid}'s lineage does not commit steps 0, 1, 2, ... once each: "
+                                 f"{steps[:20]}")
         commits: dict[int, CommitRecord] = {}
         committers: dict[int, set[str]] = {}
         for step, qid, batches in ref_hist:
@@ -1179,7 +1344,11 @@ class Emulation:
             commits[step] = rec if rec is not None else CommitRecord(step, qid, (), (), batches)
             committers[step] = set(self.committers.get((step, qid), ()))
         kept = {(step, qid) for step, qid, _ in ref_hist}
-        return commits, committers, sum(1 for k in self.commit_log if k not in kept)
+        superseded = [rec for k, rec in self.commit_log.items() if k not in kept]
+        redo = redone_from_scratch(commits.get(0), superseded)
+        if redo:
+            self.problems.append(redo)
+        return commits, committers, len(superseded)
 
     def shard_state(self, cpu_s: float, wall_s: float) -> dict:
         """What this shard's replicas did (fthsdp.sim.shards), for its coordinator's :meth:`absorb`."""
@@ -1241,7 +1410,17 @@ class Emulation:
 
     def replica_fatal(self, rep: EmulatedReplica) -> None:
         """The replica process exits (replica-fatal): its supervisor restarts it, as after a kill."""
-        self._side_tasks.append(asyncio.get_running_loop().create_task(self._restart(rep, 0.5)))
+        if not self.stopped:
+            self._side_tasks.append(asyncio.get_running_loop().create_task(self._restart(rep, 0.5)))
+
+    def job_fatal(self, rep: EmulatedReplica) -> None:
+        """A job-fatal error: the job stops (every replica ends where it is; none is restarted),
+        as the real launcher stops a job whose replica exited job-fatal."""
+        self.stopped = True
+        self.events.append(f"replica {rep.rid}: job-fatal error: the job stops")
+        for r in self.replicas.values():
+            if r is not rep and r.task is not None and not r.task.done():
+                r.task.cancel()
 
     # -- fault machinery -------------------------------------------------------
 
@@ -1258,6 +1437,8 @@ class Emulation:
 
     async def _restart(self, rep: EmulatedReplica, after_s: float) -> None:
         await asyncio.sleep(after_s)
+        if self.stopped:
+            return
         self.fabric.revive(rep.rid, max((q for qs in self.qids_seen.values() for q in qs[-1:]), default=0))
         new = EmulatedReplica(self, rep.index, rep.incarnation + 1, rejoin=True)
         self.replicas[rep.index] = new
@@ -1328,6 +1509,7 @@ class Emulation:
         for t in self._side_tasks:
             t.cancel()
         await asyncio.sleep(0)
+        self.problems += self.unfired_faults()
         paths = [cl.relay_path for r in self.replicas.values() for cl in r.clients if cl.relay_path.leaves]
         if paths:
             why = collections.Counter(re.sub(r"\d+", "N", p.left_why)[:200] for p in paths).most_common(1)[0][0]

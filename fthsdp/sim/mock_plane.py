@@ -136,11 +136,17 @@ class MockFabric:
         self._rank_faults.add((step, replica_id, rank))
 
     def rank_faults_of(self, step: int, replica_id: str) -> set[int]:
-        """Ranks of ``replica_id`` with a pending local fault at ``step`` (consumed)."""
-        hit = {k for (s, r, k) in self._rank_faults if s == step and r == replica_id}
-        for k in hit:
-            self._rank_faults.discard((step, replica_id, k))
-        return hit
+        """Ranks of ``replica_id`` with a pending local fault at or before ``step`` (consumed: a
+        fault fires at the first all-reduce of its step or after, never waits for one at exactly it)."""
+        due = {(s, r, k) for (s, r, k) in self._rank_faults if s <= step and r == replica_id}
+        self._rank_faults -= due
+        return {k for (_, _, k) in due}
+
+    def pending_faults(self) -> set[tuple[str, int, str, int]]:
+        """The injected faults that have not fired: ("ring", step, "", ring) and ("rank", step,
+        replica, rank)."""
+        return ({("ring", s, "", k) for (s, k) in self._ring_faults}
+                | {("rank", s, r, k) for (s, r, k) in self._rank_faults})
 
     def kill(self, replica_id: str) -> None:
         """The replica's process died: its sockets close, so every open all-reduce with it fails now."""
@@ -230,8 +236,9 @@ class MockFabric:
         if rv.done.is_set():
             return
         step = rv.key[1]
-        rv.failed_rings = frozenset(k for (s, k) in self._ring_faults if s == step)
-        self._ring_faults -= {(step, k) for k in rv.failed_rings}  # a ring fault fires once
+        due = {(s, k) for (s, k) in self._ring_faults if s <= step}  # at its step, or the first after it
+        rv.failed_rings = frozenset(k for (_, k) in due)
+        self._ring_faults -= due  # a ring fault fires once
         self.completed += 1
         rv.done.set()
 

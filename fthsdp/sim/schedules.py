@@ -211,7 +211,19 @@ def scaled_length(sched: FailureSchedule, rule: ScaleRule) -> int:
     lo, hi = rule.phase
     period = (hi - lo) / rule.periods
     slot = period / sched.failures
-    return max(1, min(int(math.floor(slot)), int(round(sched.length * period / sched.period))))
+    # At most one step short of the slot: consecutive windows (centred in adjacent slots) then
+    # leave a step between them where nobody new is down, so that a replica coming back always
+    # has a healthy peer to catch up from (windows back to back could leave none: no_healthy_steps).
+    room = int(math.floor(slot))
+    return max(1, min(room - 1 if room >= 2 else room, int(round(sched.length * period / sched.period))))
+
+
+def no_healthy_steps(alive: np.ndarray) -> list[int]:
+    """The steps of a membership mask at which no replica is healthy (up at that step and the one
+    before): whoever is up there is coming back and has nobody to catch up from."""
+    healthy = alive.copy()
+    healthy[1:] &= alive[:-1]
+    return [int(t) for t in np.flatnonzero(~healthy.any(axis=1))]
 
 
 def scale(sched: FailureSchedule | str, rule: ScaleRule, seed: int = 0) -> ScaledSchedule:
@@ -239,6 +251,10 @@ def scale(sched: FailureSchedule | str, rule: ScaleRule, seed: int = 0) -> Scale
             victims = tuple(sorted(int(r) for r in rng.choice(rule.num_replicas, sched.concurrent, replace=False)))
             alive[start:end, list(victims)] = False
             failures.append(Failure(start, end, victims))
+    stranded = no_healthy_steps(alive)
+    if stranded:  # a slot too short to leave a step between windows (one step long)
+        raise ScheduleError(f"{sched.name} scaled to {rule.total_steps} steps leaves no healthy replica at step "
+                            f"{stranded[0]} (failure windows back to back): use more steps or fewer failures")
     return ScaledSchedule(sched, rule, seed, tuple(failures), alive)
 
 
@@ -260,6 +276,10 @@ def mask_from_outages(total_steps: int, num_replicas: int, outages) -> np.ndarra
     dead = np.flatnonzero(~alive.any(axis=1))
     if dead.size:
         raise ScheduleError(f"no replica is up at step {int(dead[0])}: at least one must survive every step")
+    stranded = no_healthy_steps(alive)
+    if stranded:
+        raise ScheduleError(f"no replica is healthy at step {stranded[0]} (up then and the step before): the ones "
+                            "coming back have nobody to catch up from")
     return alive
 
 

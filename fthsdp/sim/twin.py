@@ -71,6 +71,7 @@ from fthsdp.step.intervention import Intervention
 from fthsdp.step.quorum_inputs import make_quorum_inputs
 from fthsdp.step.sharding import replica_mesh
 from fthsdp.step.functional import TrainState, make_train_step, state_hash
+from fthsdp.sim.schedules import no_healthy_steps
 
 ReduceFn = Callable[[list], object]  # list of gradient pytrees in rank order -> their sum
 
@@ -201,6 +202,10 @@ class Twin:
         dead_steps = np.flatnonzero(~alive.any(axis=1))
         if dead_steps.size:
             raise TwinError(f"no replica is up at step {int(dead_steps[0])}: at least one must survive every step")
+        stranded = no_healthy_steps(alive)
+        if stranded:  # (the catch-up below would divide by the empty healthy set)
+            raise TwinError(f"no replica is healthy at step {stranded[0]} (up then and the step before): the ones "
+                            "coming back there have nobody to catch up from")
         mode = int(Intervention.parse(intervention))
         eval_at = set(eval_steps)
 
