@@ -672,7 +672,15 @@ void RingEndpoint::violation(int32_t rank, const std::string& what) {
 void RingEndpoint::on_accept(Clock::time_point now) {
   for (;;) {
     tcp::Fd fd = tcp::accept_one(listen_fd_.get());
-    if (!fd.valid()) break;
+    if (!fd.valid()) {
+      if (errno == EMFILE || errno == ENFILE || errno == ENOBUFS || errno == ENOMEM) {
+        // Out of descriptors: the connection stays queued and the listener stays readable, so a
+        // level-triggered poll would spin this thread (every ring's driver) at 100% CPU. The
+        // listener is left out of the poll for a moment; what is queued is accepted after.
+        accept_paused_until_ = now + std::chrono::milliseconds(100);
+      }
+      break;
+    }
     size_t live = 0;
     for (const auto& q : pending_) live += q.fd.valid();
     if (live >= kMaxPending) {
@@ -1068,7 +1076,11 @@ void RingEndpoint::poll_prepare(Clock::time_point now, std::vector<pollfd>* fds,
     fds->push_back(pollfd{fd, events, 0});
     slots_.push_back(Slot{kind, index});
   };
-  add(listen_fd_.get(), POLLIN, 0, 0);
+  if (now >= accept_paused_until_) {
+    add(listen_fd_.get(), POLLIN, 0, 0);
+  } else {
+    *wake_at = std::min(*wake_at, accept_paused_until_);
+  }
   for (size_t i = 0; i < pending_.size(); ++i) add(pending_[i].fd.get(), POLLIN, 1, i);
   for (size_t i = 0; i < out_.size(); ++i) {
     const OutStream& s = out_[i];

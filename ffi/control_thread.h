@@ -361,6 +361,7 @@ class RingEndpoint {
   // Control-thread private.
   std::optional<RingConfig> cfg_;
   Clock::time_point connect_deadline_;
+  Clock::time_point accept_paused_until_{};  // out of descriptors: the listener is not polled until then
   std::vector<OutStream> out_;
   std::vector<InStream> in_;
   std::vector<Pending> pending_;
