@@ -288,7 +288,7 @@ RULES: dict[str, Rule] = {
     "data.eval_batches": _int(0),
     # optim
     "optim.lr": _real(0, lo_open=True),
-    "optim.warmup_steps": _int(0),
+    "optim.warmup_steps": _int(0, 2**31 - 2, "compared with the int32 step counter"),
     "optim.weight_decay": _real(0),
     "optim.b1": _real(0, 1, hi_open=True),
     "optim.b2": _real(0, 1, hi_open=True),
@@ -326,7 +326,8 @@ RULES: dict[str, Rule] = {
     "ft.lighthouse_relays": Parsed(_relay_addresses, "empty or host:port of each `fthsdp relay` (port 1..65535)"),
     "ft.lighthouse_relay_file": Anything("empty or the path of a file the launcher writes a moved relay's "
                                          "host:port to"),
-    "ft.fingerprint_every": _int(1, why="fingerprint the state after every K-th committed step (1: every commit)"),
+    "ft.fingerprint_every": _int(1, 2**31 - 1, "fingerprint the state after every K-th committed step (1: every "
+                                               "commit; an int32, as the step counter it divides)"),
     "ft.test_flip_bit": Parsed(_flip_spec, "empty (off) or REPLICA@STEP[:BIT] (a test hook)"),
     "ft.test_hold_view": Parsed(_hold_view_spec, "empty (off), STEP:SECONDS or STEP:SECONDS:recovering (a test hook)"),
     "ft.test_die_before_ledger": Parsed(_die_before_ledger_spec, "empty (off) or REPLICA@STEP (a test hook)"),

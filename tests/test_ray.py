@@ -74,7 +74,7 @@ def test_an_actor_refuses_a_checkpoint_directory_it_does_not_share_with_the_driv
         shared.mkdir()
         (shared / ".fthsdp-driver-x").write_text("")
         with pytest.raises(RuntimeError, match=f"{NOT_SHARED}: .*--checkpoint-dir a path every node mounts"):
-            actor.link_checkpoints(str(elsewhere), ".fthsdp-driver-x")
+            actor.link_checkpoints(str(elsewhere), ".fthsdp-driver-x", wait_s=0.3)
         assert not (actor.dir / "checkpoints").exists()
         actor.link_checkpoints(str(shared), ".fthsdp-driver-x")
         assert (actor.dir / "checkpoints").resolve() == shared.resolve()

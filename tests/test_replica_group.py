@@ -298,7 +298,7 @@ def test_a_passing_view_error_costs_the_follower_one_step_not_its_replica():
     import grpc
 
     from fthsdp.control import quorum as qm
-    from fthsdp.control.lighthouse_client import LighthouseError, LighthouseUnavailable
+    from fthsdp.control.lighthouse_client import CredentialRefused, LighthouseError, LighthouseUnavailable
     from fthsdp.replica.group import DecisionChannel, FollowerQuorumSource, ViewUnavailable, quorum_to_json
 
     class Client:  # the follower's own lighthouse client, as far as get_quorum uses it
@@ -328,6 +328,13 @@ def test_a_passing_view_error_costs_the_follower_one_step_not_its_replica():
         client.error = LighthouseUnavailable("cannot reach the lighthouse for 61s", grpc.StatusCode.UNAVAILABLE)
         leader.share("quorum", quorum_to_json(qm.Quorum(7, (member,), 3, ("0",), ())), 0)
         with pytest.raises(ViewUnavailable, match="replica fails as a unit"):
+            follower.get_quorum(3)
+        # the job's own verdicts stand for the replica: a refused credential is job-fatal (78), not a
+        # replica restart into the same refusal
+        client.error = CredentialRefused("GetView refused: the credential does not verify",
+                                         grpc.StatusCode.UNAUTHENTICATED)
+        leader.share("quorum", quorum_to_json(qm.Quorum(8, (member,), 3, ("0",), ())), 0)
+        with pytest.raises(CredentialRefused):
             follower.get_quorum(3)
     finally:
         _kv_shutdown(service, (kv0, kv1))

@@ -384,20 +384,26 @@ def test_calls_without_a_valid_credential_are_refused_with_what_to_do(secure):
     raw_call(secure.address, "Heartbeat", *signed(call_key("job"), "Heartbeat", hb))
 
 
-def test_a_call_captured_before_a_lighthouse_restart_cannot_be_replayed_after_it():
+def test_a_call_captured_before_a_lighthouse_restart_cannot_be_replayed_after_it(monkeypatch):
     """A restarted lighthouse (or a standby taking over) starts with an empty replay cache: a
-    call signed before it started is refused as one to retry afresh, never taken a second time."""
+    call signed before it started (past a short grace for clocks a little behind) is refused as
+    one to retry afresh, never taken a second time."""
+    monkeypatch.setattr(auth, "START_GRACE_S", 0.2)
     hb = pb2.HeartbeatRequest(protocol_version=V, job_id="job", replica_id="0", step=1, incarnation="x")
     cfg = LighthouseConfig(secret=SECRET, join_timeout_s=0.2, detect_s=0.5)
     with LighthouseThread(cfg) as first:
         body, md = signed(call_key("job"), "Heartbeat", hb)
         raw_call(first.address, "Heartbeat", body, md)  # the call as its replica sent it
-    time.sleep(0.01)  # (the restart comes after the signature on the wall clock)
+        late = signed(call_key("job"), "Heartbeat", hb)  # signed, then held up: the restart comes right after
+    time.sleep(0.3)  # (the restart comes past the grace after the first signature)
     with LighthouseThread(cfg) as restarted:
         e = refused(restarted.address, "Heartbeat", body, md)  # the captured call, replayed
         assert e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, e.details()
         assert "signed before this server started" in e.details() and "retry" in e.details()
         raw_call(restarted.address, "Heartbeat", *signed(call_key("job"), "Heartbeat", hb))  # a fresh one
+    monkeypatch.setattr(auth, "START_GRACE_S", 5.0)  # a call signed within the grace before a start is taken
+    with LighthouseThread(cfg) as again:
+        raw_call(again.address, "Heartbeat", *late)
 
 
 def test_status_needs_a_credential_and_never_lists_other_jobs(secure):

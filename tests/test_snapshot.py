@@ -168,6 +168,25 @@ def test_a_replica_whose_snapshot_cannot_be_taken_trains_on():
     ReplicaProcess.snapshot(fake)  # the lease is gone: the next commit's snapshot is taken
     snaps.wait()
     assert fake._snapshot_step == 4 and snaps.served_step() == 4
+    # a copy that fails in the background: the same step is taken again when asked (a retry of
+    # the step), and its failure does not cost the next step's snapshot
+    land, failed = snaps._land, []
+
+    def fails_once(*args):
+        if not failed:
+            failed.append(True)
+            raise OSError("host memory exhausted")
+        return land(*args)
+
+    snaps._land = fails_once
+    at(5)
+    ReplicaProcess.snapshot(fake)  # its copy fails off the training thread
+    while snaps.pending:
+        time.sleep(0.01)
+    assert failed and snaps.served_step() == 4
+    ReplicaProcess.snapshot(fake)  # asked again at step 5: taken again, the old failure only logged
+    snaps.wait()
+    assert fake._snapshot_step == 5 and snaps.served_step() == 5
     snaps.close()
 
 

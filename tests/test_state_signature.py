@@ -9,6 +9,7 @@ import pathlib
 import subprocess
 import sys
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -33,8 +34,14 @@ def test_the_signature_is_of_structure_shapes_dtypes_and_settings_not_values():
     cfg = config_lib.load("base")
     assert state_signature(a, cfg) == state_signature(a, config_lib.load("base"))
     for override in ("optim.lr=0.01", "model.dtype=bfloat16", "data.seed=1", "train.steps=7", "train.seed=3",
-                     "ft.intervention=none"):
+                     "ft.intervention=none", "ft.fingerprint=false", "ft.fingerprint_every=4"):
         assert state_signature(a, cfg) != state_signature(a, config_lib.load("base", [override])), override
+    # one intervention mode however it is spelt
+    assert state_signature(a, config_lib.load("base", ["ft.intervention=SQRT"])) == state_signature(
+        a, config_lib.load("base", ["ft.intervention=sqrt"]))
+    # the runtime that computes the numbers: another jax, backend or device kind rounds differently
+    text = describe(a, cfg)
+    assert f"jax={jax.__version__}" in text and "backend=cpu" in text and "device_kind=cpu" in text
     # settings a replica may hold alone (where it listens, its output) are not in it
     assert state_signature(a, cfg) == state_signature(a, config_lib.load("base", ["ft.bind_host=127.0.0.2"]))
 

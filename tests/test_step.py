@@ -212,6 +212,26 @@ def test_invalid_quorum_is_refused_on_the_host():
         make_quorum_inputs(num_contributing=3, num_members=2)
     with pytest.raises(ValueError, match="rank 2 outside ring of 2"):
         make_quorum_inputs(num_contributing=2, rank=2)
+    # this replica's own part must agree with the count (the old check compared a number with itself)
+    with pytest.raises(ValueError, match="contributes but 0 replicas"):
+        make_quorum_inputs(contribute=True, num_contributing=0, num_members=2, num_configured=2)
+    with pytest.raises(ValueError, match="contributes nothing but all 2 members"):
+        make_quorum_inputs(contribute=False, num_contributing=2, num_members=2, num_configured=2)
+
+
+def test_the_learning_rate_schedule_and_its_leaf_are_what_the_config_says():
+    """A cosine schedule with no warm-up starts at the full rate (rounded up to one warm-up step,
+    step 0 trained at rate 0); an integer rate from a config file is a float32 leaf from the start
+    (a weak int32 leaf turned float32 after the first commit: a recompilation, and every fetch or
+    restore of that state refused against the initial template)."""
+    from fthsdp.step.functional import lr_schedule, make_optimizer
+
+    cosine = lr_schedule(OptimConfig(lr=0.5, warmup_steps=0, decay="cosine"), 100)
+    assert float(cosine(0)) == 0.5 and float(cosine(1)) < 0.5
+    assert float(lr_schedule(OptimConfig(lr=0.5, warmup_steps=10, decay="cosine"), 100)(0)) == 0.0
+    opt = make_optimizer(OptimConfig(lr=1, warmup_steps=0, decay="constant"))
+    state = opt.init({"w": jnp.zeros((2,), jnp.float32)})
+    assert state.hyperparams["learning_rate"].dtype == jnp.float32
 
 
 def test_loss_decreases_over_a_few_steps(ts4):

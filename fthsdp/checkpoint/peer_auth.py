@@ -34,10 +34,10 @@ import secrets
 import time
 from dataclasses import dataclass
 
-from fthsdp.control.auth import CLOCK_WINDOW_S, ReplayCache
+from fthsdp.control.auth import CLOCK_WINDOW_S, START_GRACE_S, ReplayCache
 
 __all__ = ["SCHEME", "PURPOSE", "Refusal", "Credential", "sign", "parse_credential", "check_request",
-           "ReplayCache", "CLOCK_WINDOW_S"]
+           "ReplayCache", "CLOCK_WINDOW_S", "START_GRACE_S"]
 
 SCHEME = "FTHSDP-HMAC-SHA256"
 PURPOSE = "peer-server"  # the purpose string the peer key is derived under from the job key

@@ -80,7 +80,7 @@ from typing import Protocol
 
 from fthsdp.addresses import LOOPBACK, check_host, family, is_wildcard, join_host_port, url as make_url
 from fthsdp.checkpoint.http_head import HeadLimits, Request, parse_head
-from fthsdp.checkpoint.peer_auth import CLOCK_WINDOW_S, PURPOSE, ReplayCache, Refusal, check_request
+from fthsdp.checkpoint.peer_auth import CLOCK_WINDOW_S, PURPOSE, START_GRACE_S, ReplayCache, Refusal, check_request
 from fthsdp.checkpoint.snapshot import Snapshot, StaleStepError
 from fthsdp.digits import ascii_int
 from fthsdp.timeouts import Timeouts
@@ -316,7 +316,7 @@ class _Server:
         self.pieces_served = 0
         self.refusals = _RefusalLog()
         # empty at start: requests signed before it cannot be checked, and are refused
-        self.replay = ReplayCache(CLOCK_WINDOW_S, limits.replay_capacity, not_before=time.time())
+        self.replay = ReplayCache(CLOCK_WINDOW_S, limits.replay_capacity, not_before=time.time() - START_GRACE_S)
         self.listener = socket.socket(family(addr[0]), socket.SOCK_STREAM)
         try:
             self.listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import logging
 import math
 import mmap
 import os
@@ -36,6 +37,8 @@ from dataclasses import dataclass
 from typing import Any, Iterator, Sequence
 
 import numpy as np
+
+log = logging.getLogger("fthsdp.checkpoint.snapshot")
 
 FORMAT = "fthsdp.snapshot"
 FORMAT_VERSION = 1
@@ -333,8 +336,13 @@ class Snapshotter:
         """Starts copying `state` (committed at `step`) to host; returns at once.
 
         Blocks only if the previous copy is still pending, or if the slot to
-        reuse is still being read by a peer (bounded by lease_timeout_s)."""
-        self.wait()
+        reuse is still being read by a peer (bounded by lease_timeout_s). The
+        previous copy's failure is logged, not raised: it was that step's, and
+        raising it here lost this step's snapshot too."""
+        try:
+            self.wait()
+        except SnapshotError as e:
+            log.warning("the snapshot before step %d's was not taken: %s", step, e)
         paths, leaves, _ = flatten(state)
         key = (tuple(paths), tuple((getattr(x, "shape", None), getattr(x, "dtype", None)) for x in leaves))
         if key != self._layout_key:  # the layout only changes if the state's structure does

@@ -53,6 +53,9 @@ KEY_BYTES = 32  # every secret and derived key: 256 bits (HMAC-SHA256's output)
 # their skew and a client's retries, and bounds the replay cache to the calls of
 # 60 s. (A protocol constant, not a timeout: nothing waits on it.)
 CLOCK_WINDOW_S = 30.0
+# A server (re)started refuses calls signed more than this before its start (ReplayCache.not_before):
+# it cannot know which of them it saw. The grace spares a client whose clock is a little behind.
+START_GRACE_S = 1.0
 
 # Where an operator puts a secret (never on a command line: it would show in `ps`).
 SECRET_FILE_ENV = "FTHSDP_JOB_SECRET_FILE"

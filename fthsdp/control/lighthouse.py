@@ -852,8 +852,10 @@ class Lighthouse(pb2_grpc.LighthouseServicer):
             raise OSError(f"lighthouse cannot bind {self.config.bind}: {e} (is the port in use?)") from e
         if self.port == 0:
             raise OSError(f"lighthouse cannot bind {self.config.bind} (is the port in use?)")
-        # Its replay memory starts empty: calls signed before now are refused (retried afresh).
-        self._auth.replays.started(time.time())
+        # Its replay memory starts empty: calls signed before now are refused (retried afresh), but
+        # for a second's grace, so that a client whose clock is a little behind is not refused for
+        # that long after every restart (a replay captured in that second goes through).
+        self._auth.replays.started(time.time() - auth.START_GRACE_S)
         await self._server.start()
         if c.metrics_bind:
             from fthsdp.observe.metrics import serve as serve_metrics
@@ -1350,8 +1352,9 @@ class Lighthouse(pb2_grpc.LighthouseServicer):
             (job.state_signature, req.state_signature or None, lambda v, r, w: (
                 f"the training state of {who} (signature {v:016x}) is not made like that of live replica {r!r} "
                 f"({w:016x}): its parameter or optimizer shapes or dtypes differ, or its model, optimizer or data "
-                "settings (fthsdp/step/signature.py), so the replicas would average unlike values; launch every "
-                "replica of a job with the same model.*, optim.* and data.* settings")),
+                "settings, train.steps, train.seed, ft.intervention or ft.fingerprint*, or its jax, jaxlib or "
+                "fthsdp version or kind of device (fthsdp/step/signature.py), so the replicas would average "
+                "unlike values; launch every replica of a job alike")),
         )
         for kept, value, why in shared:
             if value is not None:

@@ -185,7 +185,7 @@ class Ledger:
 
     def _append(self, doc: dict) -> None:
         view = memoryview(_line({"v": FORMAT_VERSION, "t": time.time_ns(), "replica": self.replica, **doc}))
-        start = self._f.tell()
+        start = os.fstat(self._f.fileno()).st_size  # (the file's end: appends go there, whatever the offset)
         try:
             while view:  # a raw file may write part of the line (a nearly full disk)
                 n = self._f.write(view)
@@ -197,6 +197,7 @@ class Ledger:
             # which every later read refuses as an altered ledger: cut back to the last whole line.
             try:
                 self._f.truncate(start)
+                self._f.seek(start)  # (truncate leaves the offset past the end: a later cut would pad with NULs)
             except OSError as e:
                 raise OSError(f"ledger {self.path}: a record was written in part and could not be cut off ({e}): "
                               "the file now ends with a torn line, which its next opening removes") from None

@@ -46,7 +46,7 @@ from fthsdp.control.admission import FairnessLimits
 from fthsdp.control.pacing import DEFAULT_BEATS_PER_S
 from fthsdp.devices import launcher_gpu_env, visible_gpus
 from fthsdp.digits import ascii_int
-from fthsdp.errors import EXIT_JOB_FATAL
+from fthsdp.errors import EXIT_JOB_FATAL, EXIT_REPLICA_FATAL
 from fthsdp.launch import rundir as rundir_lib
 from fthsdp.launch import lifetime, supervise
 from fthsdp.launch.faults import Fault, choose_sources, due, plan
@@ -82,6 +82,7 @@ class ReplicaProc:
     # Until when the rest of a group whose ended processes asked for a restart may end on their own
     # (fail_groups_as_units); None: no such wait.
     group_grace_until: float | None = None
+    group_killed: bool = False  # the launcher sent its group SIGKILL (fail_groups_as_units): once
     # Replica-fatal exits (or deaths by a signal the launcher did not send) in a row of processes
     # that never committed a step: a start that fails the same way each time is not restarted
     # forever (MAX_FAILED_STARTS), and waits longer each time.
@@ -201,6 +202,11 @@ class LocalJob:
         self.out_dir = pathlib.Path(self.out_dir)
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self.gpus = visible_gpus()  # the launcher's: split among the replicas' processes (_env)
+        if self.gpus:  # the shape the replicas build (a library caller sets it through the overrides alone)
+            from fthsdp import config as config_lib
+
+            shape = config_lib.load(self.config, self.overrides).launch
+            self.devices, self.processes = shape.devices_per_replica, shape.processes_per_replica
         self.rundir = rundir_lib.RunDir(self.out_dir)
         if not self.rundir.load():  # used as a library (tests): record what the run is
             self.rundir.save({"config": self.config, "overrides": list(self.overrides),
@@ -577,7 +583,7 @@ class LocalJob:
         whose coordinator process 0 serves on the replica's host."""
         rp = self.procs.setdefault(rid, ReplicaProc(rid))
         rp.log_path = self.out_dir / f"replica-{rid}.out"
-        rp.group_returncode = None
+        rp.group_returncode, rp.group_killed, rp.group_grace_until = None, False, None
         group: list[str] = []
         if self.processes > 1:
             host = self.hosts[rid % len(self.hosts)] if self.hosts else "127.0.0.1"
@@ -749,26 +755,29 @@ class LocalJob:
         an error) the others, which may be stuck in an intra-replica collective, are killed; the
         leader's end then stands for the replica's (a follower's death reads as a kill).
 
-        When every process that ended asked for a restart (a signal, exit 70), the others get a
-        moment (detect_s + 2 s) to end on their own first: a follower on its way out with a
-        job-fatal verdict (78) was killed by the launcher after its leader noticed its silence
-        and exited 70, and the group was restarted into the same failure."""
+        When a process ended with its own restart verdict (exit 70) and none with a worse one, the
+        others get a moment (detect_s + 2 s) to end on their own first: a follower on its way out
+        with a job-fatal verdict (78) was killed by the launcher after its leader noticed its
+        silence and exited 70, and the group was restarted into the same failure. (A death by a
+        signal is no verdict: the rest are killed at once.) The kill is sent once: a process that
+        does not end (see _wait_killed) is left to end, and reap goes on without it."""
         now = time.time()
         for rp in self.procs.values():
-            if not rp.followers or rp.proc is None:
+            if not rp.followers or rp.proc is None or rp.group_killed:
                 continue
             group = [rp.proc, *rp.followers]
             codes = [p.returncode for p in group if p.poll() is not None and p.returncode != 0]
             if not codes or all(p.poll() is not None for p in group):
                 rp.group_grace_until = None
                 continue
-            if all(supervise.after_exit(c) == "restart" for c in codes):
+            if EXIT_REPLICA_FATAL in codes and all(supervise.after_exit(c) == "restart" for c in codes):
                 if rp.group_grace_until is None:
                     rp.group_grace_until = now + self.detect_s + 2.0
                 if now < rp.group_grace_until:
                     continue
             rp.group_grace_until = None
             if self.group_failed(rp.rid, group):
+                rp.group_killed = True
                 self.kill_followers(rp)
                 if rp.proc.poll() is None:
                     os.kill(rp.proc.pid, signal.SIGCONT)
@@ -793,12 +802,14 @@ class LocalJob:
         self.fail_groups_as_units()
         for rp in self.procs.values():
             if rp.state in ("running", "starting") and rp.proc is not None and rp.proc.poll() is not None:
-                if rp.proc.returncode != 0 and any(f.poll() is None for f in rp.followers):
+                failing = rp.proc.returncode != 0
+                if failing and not rp.group_killed and any(f.poll() is None for f in rp.followers):
                     continue  # its followers may still say how they end (fail_groups_as_units)
                 rc = rp.proc.returncode if rp.group_returncode is None else rp.group_returncode
                 rp.group_returncode = None
-                if rp.followers and all(f.poll() is not None for f in rp.followers):
-                    # every process ended on its own: the replica ends as its worst process did
+                if failing and rp.followers and all(f.poll() is not None for f in rp.followers):
+                    # a failing group whose processes all ended: it ends as its worst process did (a
+                    # leader that finished is done, whatever its followers' teardown did)
                     codes = [c for c in (rc, *(f.returncode for f in rp.followers)) if c != 0]
                     rc = supervise.group_returncode(codes) if codes else 0
                 if supervise.after_exit(rc) == "restart":

@@ -835,12 +835,14 @@ def launch(config: str, overrides: list[str], out: str | pathlib.Path | None = N
            faults: list[faults_lib.Fault] = (), address: str | None = None, num_cpus: int | None = None,
            temp_dir: str | None = None, kill_with: str = "ray-kill", restart: bool | None = None,
            checkpoint_dir: str | None = None, allreduce: str = "ftar", progress: bool = False,
-           origin: str = "the caller") -> RayJob:
+           origin: str = "the caller", handle_signals: bool = False) -> RayJob:
     """Runs one job on Ray and returns it (its `.summary` is summary.json's content).
 
     The library form of `fthsdp ray`, for notebooks and scripts: joins the
     cluster this process is connected to (or `address`), else starts a fresh
-    local one for the job and ends it afterwards.
+    local one for the job and ends it afterwards. ``handle_signals`` (the CLI's):
+    SIGTERM and SIGHUP stop the job through its ``finally`` (installed after
+    ``ray.init``, which sets its own SIGTERM handler).
     """
     from fthsdp import config as config_lib
     from fthsdp import logs
@@ -860,6 +862,10 @@ def launch(config: str, overrides: list[str], out: str | pathlib.Path | None = N
         logs.setup("fthsdp.launch")
     started = connect(address, num_cpus or cluster_cpus_needed(cfg.launch.replicas, cfg.launch.devices_per_replica,
                                                                 cfg.launch.processes_per_replica), temp_dir)
+    if handle_signals:
+        from fthsdp.launch import lifetime
+
+        lifetime.exit_on_termination_signals()
     job = None
     try:
         job = RayJob(config=config, overrides=list(overrides), out_dir=out, replicas=cfg.launch.replicas,
@@ -991,7 +997,8 @@ def cli(argv: list[str]) -> int:
         job = launch(args.config, overrides, out=args.out_dir, faults=plan, address=args.address,
                      num_cpus=args.num_cpus, temp_dir=args.temp_dir, kill_with=args.kill_with, restart=args.restart,
                      checkpoint_dir=args.checkpoint_dir, allreduce=args.allreduce,
-                     progress=not args.no_progress and sys.stderr.isatty(), origin=sources.origin)
+                     progress=not args.no_progress and sys.stderr.isatty(), origin=sources.origin,
+                     handle_signals=True)
     except lifetime.Terminated as e:
         log.warning("the driver was stopped by a signal (exit %s); the job's actors were stopped", e.code)
         raise

@@ -162,12 +162,17 @@ class ReplicaActor:
                 "parent_pid": os.getppid(), "host": socket.gethostname(), "ip": node_ip(),
                 "work_dir": str(self.dir)}
 
-    def link_checkpoints(self, path: str, marker: str = "") -> None:
+    def link_checkpoints(self, path: str, marker: str = "", wait_s: float = 5.0) -> None:
         """The persistent checkpoints' home: storage every node reaches (a Ray job's storage path).
         ``marker``: a file the driver wrote there; not finding it, this node does not share that
         storage (a path on the driver's disk, created empty here), and the job's checkpoints would
         scatter across nodes: refused, job-fatal (see fthsdp.launch.ray)."""
-        if marker and not (pathlib.Path(path) / marker).exists():
+        seen = not marker or (pathlib.Path(path) / marker).exists()
+        deadline = time.monotonic() + wait_s  # a FUSE mount may show a file written elsewhere late
+        while not seen and time.monotonic() < deadline:
+            time.sleep(0.25)
+            seen = (pathlib.Path(path) / marker).exists()
+        if not seen:
             raise RuntimeError(f"{NOT_SHARED}: {path} on node {socket.gethostname()} does not hold the file "
                                f"{marker} the driver wrote there, so it is not storage the driver shares; give "
                                "fthsdp ray --checkpoint-dir a path every node mounts (a shared filesystem)")

@@ -144,9 +144,7 @@ class PhaseTracker:
             else:
                 wall = now - base[4]
                 current = ()
-                if busy > base[3] and sent >= base[2] and wall > 0:
-                    # (busy sending and nothing sent: a stalled link, reported at 0 B/s so the
-                    # analysis can name it; with no report it read as a cycle of waits)
+                if busy > base[3] and sent > base[2] and wall > 0:
                     current = (StreamReport(right, (sent - base[2]) / (busy - base[3]), sent - base[2],
                                             min(1.0, (busy - base[3]) / (wall * streams))),)
                 self._rates = current if wall >= self.MIN_WINDOW_S or not self._rates_done else self._rates_done

@@ -410,10 +410,8 @@ def _names(ids: list[str], most: int = 8) -> str:
 
 
 def _slow_link(snap: JobSnapshot, th: Thresholds) -> Verdict | None:
-    # A stream at 0 B/s counts only while busy: a sender blocked on a link that carries nothing.
     links = [(r.replica, s.to, s.bytes_per_s, s.busy_fraction, s.process) for r in snap.reports for s in r.streams
-             if (s.bytes_per_s > 0 or (s.bytes_per_s == 0 and s.busy_fraction >= th.link_min_busy))
-             and (not snap.members or r.replica in snap.member_set)]
+             if s.bytes_per_s > 0 and (not snap.members or r.replica in snap.member_set)]
     if len(links) < 2:
         return None
     key = _order_key(snap.members)
@@ -422,14 +420,13 @@ def _slow_link(snap: JobSnapshot, th: Thresholds) -> Verdict | None:
     median = statistics.median(others)
     if worst[2] * th.link_factor > median or worst[3] < th.link_min_busy:
         return None
-    ratio = median / worst[2] if worst[2] > 0 else float("inf")
+    ratio = median / worst[2]
     sender = f"{worst[0]} (process {worst[4]})" if worst[4] > 0 else worst[0]
-    more = f"{ratio:.0f}x more" if worst[2] > 0 else "while it carries nothing"
     return Verdict(
         SLOW_LINK, worst[0], worst[1],
         f"FTAR stream {sender} -> {worst[1]} carries {_rate(worst[2])} while busy, and is busy "
         f"{worst[3]:.0%} of the time; the other {len(others)} stream(s) carry {_rate(median)} (median), "
-        f"{more}",
+        f"{ratio:.0f}x more",
         confidence=min(1.0, 0.5 + ratio / (4 * th.link_factor)), process=worst[4])
 
 

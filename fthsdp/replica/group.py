@@ -434,6 +434,14 @@ class FollowerQuorumSource:
             try:
                 fresh = self.client.get_view(q.quorum_id)
             except Exception as e:  # noqa: BLE001 - any failure: this process cannot follow its leader
+                from fthsdp.errors import FaultClass, classify
+
+                # The job's own verdicts stand for the replica too (a refused credential, a malformed
+                # request, a job stopped for corruption: 78; the end: 0). A lighthouse this process
+                # alone cannot reach, while its leader just did, is this process's: replica-fatal below.
+                unreachable = type(e).__name__ == "LighthouseUnavailable"
+                if type(e).__name__ == "JobFinished" or (classify(e).kind is FaultClass.JOB_FATAL and not unreachable):
+                    raise
                 if _passing(e) and not _not_held(e):
                     return self._without_view(q, v, f"{me}: no view of quorum {q.quorum_id} this time ({e})")
                 if not _not_held(e):

@@ -24,6 +24,7 @@ import signal
 import sys
 import time
 
+from fthsdp.errors import JobFatalError
 from fthsdp.replica.status_file import StatusFile
 
 log = logging.getLogger("fthsdp.replica.process")
@@ -209,7 +210,7 @@ class ReplicaProcess:
         try:  # the job's secret: $FTHSDP_JOB_SECRET_FILE or $FTHSDP_JOB_SECRET (the launchers set it)
             job_key = auth.load_secret()
         except auth.SecretError as e:
-            raise SystemExit(f"fthsdp replica: {e}") from None
+            raise JobFatalError(f"fthsdp replica: {e}") from None
         if job_key is None:
             logging.getLogger("fthsdp.replica").warning(
                 "no job secret ($%s / $%s): lighthouse calls are unsigned, which only a lighthouse run "
@@ -274,7 +275,7 @@ class ReplicaProcess:
         try:
             job_key = auth.load_secret()
         except auth.SecretError as e:
-            raise SystemExit(f"fthsdp replica: {e}") from None
+            raise JobFatalError(f"fthsdp replica: {e}") from None
         secret = job_key if job_key is not None else os.environ.get("FTHSDP_PEER_TOKEN", "").encode()
         return ftar.key_from_secret(secret) if secret else b""
 
@@ -290,14 +291,14 @@ class ReplicaProcess:
         try:
             job_key = auth.load_secret()
         except auth.SecretError as e:
-            raise SystemExit(f"fthsdp replica: {e}") from None
+            raise JobFatalError(f"fthsdp replica: {e}") from None
         if job_key is not None:
             return peer_key(job_key)
         token = os.environ.get("FTHSDP_PEER_TOKEN", "")
         if token:
             return token.encode()
         if cfg.launch.replicas > 1:
-            raise SystemExit(f"no job secret (${auth.SECRET_ENV} / ${auth.SECRET_FILE_ENV}) and no FTHSDP_PEER_TOKEN: "
+            raise JobFatalError(f"no job secret (${auth.SECRET_ENV} / ${auth.SECRET_FILE_ENV}) and no FTHSDP_PEER_TOKEN: "
                              "every replica of a job needs the job's secret to serve and fetch state (fthsdp run "
                              "sets it)")
         return secrets.token_bytes(32)
@@ -413,7 +414,10 @@ class ReplicaProcess:
         from fthsdp.checkpoint.snapshot import SnapshotError
 
         step = int(self.mgr.state.step)
-        if self._snapshot_step != step:
+        # Taken already: its copy is in flight or served. (One whose copy failed in the background
+        # is neither: it is taken again, or peers asking for this step found none until the next.)
+        taken = self._snapshot_step == step and (self.snapshots.pending or self.snapshots.served_step() == step)
+        if not taken:
             train = self.mgr.state
             if self.group.num_processes > 1:
                 # A replica of several processes: each process serves only its own shards (no
@@ -532,7 +536,14 @@ class ReplicaProcess:
         import numpy as np
 
         mgr = self.mgr
-        if self.ckpt.latest_step() is None:
+        latest = self.ckpt.latest_step()
+        if self.group.num_processes > 1:
+            # The leader's listing decides for the whole replica: each process listing the directory
+            # itself (a shared mount's cached listing lags) restored its shards of different steps,
+            # or none, past an Orbax barrier that names no step.
+            latest = self.channel.share("resume_step", latest, self.cfg.ft.startup_timeout_s)
+        self._resume_step = latest
+        if latest is None:
             # killed before its first durable checkpoint: the whole job starts over
             self.ledger.restore(0, restart_id)
             log.warning("replica %s: --resume but no finished checkpoint under %s; starting from step 0",
@@ -567,7 +578,7 @@ class ReplicaProcess:
         failures = []
         steps = sorted(self.ckpt.all_steps(), reverse=True)
         if self.group.num_processes > 1:
-            steps = steps[:1]
+            steps = [self._resume_step]  # the leader's (resume)
         for step in steps:
             try:
                 return self.ckpt.restore(self.abstract, step)
@@ -621,6 +632,11 @@ class ReplicaProcess:
                 self.watchdog.training()  # from here a silent follower stalls the job: the strict window
             with low_pause_gc():
                 mgr.run(cfg.train.steps)
+            if self.leader and self.watchdog is not None:
+                # Training is over: its followers stop beating as they finish (close), while this
+                # leader may still roll a forked state back (a slow delete); judged silent then,
+                # they turned a finished replica into a replica-fatal exit and a restart.
+                self.watchdog.stop()
             self.ckpt.wait()
             step = int(mgr.state.step)
             # A normal exit is not a death; the finisher's data state lets a replica that
@@ -640,6 +656,8 @@ class ReplicaProcess:
                 # the finished model holds that batch of ours; record it now (never train it;
                 # a follower's copy of the ledger the same way).
                 self.record_unrecorded_commit(int(e.data["positions"][me]), int(e.data["last_step"][me]))
+            if self.leader and self.watchdog is not None:
+                self.watchdog.stop()  # (as after training: the followers finish too)
             self.client.leave(int(mgr.state.step), finished=False)
             self.roll_back_fork(int(mgr.state.step))  # woken after the end with a forked state
             self.metrics.write(kind="job_finished", replica=self.rid, step=int(mgr.state.step),
@@ -794,4 +812,13 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    _code = main()
+    # Out now, past the interpreter's exit hooks: in a replica of several processes, jax's hook
+    # waits at its runtime's shutdown barrier for every other process (300 s by default), and a
+    # process that left on its own fault looked alive to its launcher, its group not restarted,
+    # for minutes. What must outlive the process is written by now (ledger lines fsync'd, the
+    # final status, the checkpoint waited for on a normal end).
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(_code if isinstance(_code, int) else 1)

@@ -70,13 +70,16 @@ def state_hash(state: TrainState) -> str:
 
 
 def lr_schedule(cfg: OptimConfig, total_steps: int) -> optax.Schedule:
-    warmup = max(cfg.warmup_steps, 1)
+    lr = float(cfg.lr)  # (an int from a config file made a weak int32 leaf that turned float32 at step 1)
+    warmup = cfg.warmup_steps
     if cfg.decay == "constant":
-        return optax.linear_schedule(0.0, cfg.lr, warmup) if cfg.warmup_steps else optax.constant_schedule(cfg.lr)
+        return optax.linear_schedule(0.0, lr, warmup) if warmup else optax.constant_schedule(lr)
     if cfg.decay != "cosine":
         raise ValueError(f"optim.decay must be 'cosine' or 'constant', got {cfg.decay!r}")
+    # (warmup 0 is optax's own "no warm-up": step 0 at the full rate; rounded up to 1, step 0
+    # trained at rate 0)
     return optax.warmup_cosine_decay_schedule(
-        0.0, cfg.lr, warmup, max(total_steps, warmup + 1), end_value=cfg.lr * 0.1
+        0.0, lr, warmup, max(total_steps, warmup + 1), end_value=lr * 0.1
     )
 
 
@@ -89,7 +92,7 @@ def make_optimizer(cfg: OptimConfig) -> optax.GradientTransformation:
             optax.adamw(learning_rate, b1=cfg.b1, b2=cfg.b2, weight_decay=cfg.weight_decay),
         )
 
-    return optax.inject_hyperparams(build)(learning_rate=cfg.lr)
+    return optax.inject_hyperparams(build)(learning_rate=float(cfg.lr))
 
 
 def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:

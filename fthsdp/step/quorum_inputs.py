@@ -74,11 +74,19 @@ def make_quorum_inputs(
     """Host-side constructor (numpy int32 scalars: cheap to pass every step)."""
     if num_members is None:
         num_members = num_contributing
-    if not 0 <= num_contributing <= num_members <= max(num_configured, num_members):
+    if not 0 <= num_contributing <= num_members or num_configured < 1:
         raise ValueError(
             f"inconsistent quorum: {num_contributing} contributing, {num_members} members, "
             f"{num_configured} configured"
         )
+    # This replica's own part must agree with the count: one contributing while counted out never
+    # commits (its sum has no divisor), one counted in while sending zeros scales every replica's
+    # mean by (n-1)/n without a word.
+    if contribute and num_contributing == 0:
+        raise ValueError("inconsistent quorum: this replica contributes but 0 replicas are counted contributing")
+    if not contribute and num_contributing == num_members:
+        raise ValueError(f"inconsistent quorum: this replica contributes nothing but all {num_members} members "
+                         "are counted contributing")
     if not 0 <= rank < max(num_members, 1):
         raise ValueError(f"rank {rank} outside ring of {num_members} members")
     i32 = lambda v: np.asarray(v, dtype=np.int32)  # noqa: E731

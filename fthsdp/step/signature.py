@@ -16,8 +16,13 @@ what the numbers mean without changing their shapes: ``model`` (activations'
 dtype), ``optim`` (learning rate, schedule) and ``data`` (the corpus and the
 batches each replica draws: exactly-once is counted over one stream), and
 :data:`FIELDS` (the schedule's length, the initial parameters' seed, the
-learning-rate intervention). The tree structure is printed by jax, so replicas
-running different jax (or fthsdp) versions are refused too: run one version per job.
+learning-rate intervention, the SDC fingerprint's settings, which change the
+compiled update). With a config it also hashes the runtime that computes the
+numbers (:func:`runtime`: the jax, jaxlib and fthsdp versions, the backend and
+its device kind, 64-bit mode, the default matmul precision): the update's
+reductions (the gradient clip's global norm) round differently across them, and
+the fingerprints of honest replicas would then disagree and read as silent data
+corruption. Run one version on one kind of device per job.
 """
 
 from __future__ import annotations
@@ -35,7 +40,29 @@ SIGNATURE_BITS = 63  # a positive int64 (0 means "not stated" on the wire)
 SECTIONS = ("model", "optim", "data")  # the config a job's replicas must share beyond the state's shapes
 # ... and single fields elsewhere that change the numbers: the learning-rate schedule's length
 # (train.steps), the initial parameters (train.seed) and the learning-rate intervention.
-FIELDS = (("train", "steps"), ("train", "seed"), ("ft", "intervention"))
+FIELDS = (("train", "steps"), ("train", "seed"), ("ft", "intervention"), ("ft", "fingerprint"),
+          ("ft", "fingerprint_every"))
+
+
+def runtime() -> list[str]:
+    """What computes the numbers: replicas that differ here round the same update differently."""
+    import jaxlib
+
+    import fthsdp
+
+    return [f"jax={jax.__version__}", f"jaxlib={jaxlib.__version__}",
+            f"fthsdp={getattr(fthsdp, '__version__', '')}", f"backend={jax.default_backend()}",
+            f"device_kind={jax.devices()[0].device_kind}", f"x64={bool(jax.config.jax_enable_x64)}",
+            f"matmul_precision={jax.config.jax_default_matmul_precision}"]
+
+
+def _field(cfg: Any, section: str, name: str) -> str:
+    value = getattr(getattr(cfg, section), name)
+    if (section, name) == ("ft", "intervention"):  # one mode, however it is spelt ("SQRT", "sqrt", 2)
+        from fthsdp.step.intervention import Intervention
+
+        value = Intervention.parse(value).name.lower()
+    return f"{section}.{name}={value!r}"
 
 
 def describe(state: Any, cfg: Any = None) -> str:
@@ -51,7 +78,9 @@ def describe(state: Any, cfg: Any = None) -> str:
         fields = dataclasses.asdict(getattr(cfg, section))
         parts += [f"{section}.{k}={fields[k]!r}" for k in sorted(fields)]
     for section, name in FIELDS if cfg is not None else ():
-        parts.append(f"{section}.{name}={getattr(getattr(cfg, section), name)!r}")
+        parts.append(_field(cfg, section, name))
+    if cfg is not None:
+        parts += runtime()
     return "\n".join(parts)
 
 
