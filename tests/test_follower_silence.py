@@ -92,6 +92,19 @@ def test_before_training_a_follower_gets_the_startup_window_then_the_strict_one_
     assert silent is not None and 2.0 < t <= 2.1 + 1e-9, t
     # Without a startup window the detection window applies from the start.
     assert FollowerSilence(interval_s=0.1, silent_s=0.8).window_s == 0.8
+    # A follower that never beat (it froze before its first beat) is judged from training on:
+    # not judged at all, its leader waited in the first collective for ever.
+    j = FollowerSilence(interval_s=0.1, silent_s=0.8, startup_silent_s=8.0)
+    j.poll(0.0)
+    j.training(0.0, range(1, 3))
+    j.observe(1, "1", 0.0)  # follower 1 beats on; follower 2 never did ("" read)
+    t, silent = 0.0, None
+    while silent is None and t < 5.0:
+        t += 0.1
+        j.poll(t)
+        assert j.observe(1, str(int(t * 10)), t) is None
+        silent = j.observe(2, "", t)
+    assert 0.8 < t <= 0.9 + 1e-9, t
 
 
 def test_the_startup_window_is_ten_detection_windows_within_the_startup_limit():

@@ -575,12 +575,16 @@ class FollowerSilence:
     forgiven_s: float = 0.0  # the leader's own delays, in all (the watchdog logs each)
     trains: bool = False
 
-    def training(self, now: float) -> None:
+    def training(self, now: float, followers: "range | tuple[int, ...]" = ()) -> None:
         """The replica starts its step loop at ``now``: the strict window from here on, counted
-        from ``now`` for every follower (their start-up is not held against them)."""
+        from ``now`` for every follower (their start-up is not held against them), ``followers``
+        that never beat included (one that froze before its first beat was never judged, and
+        its leader waited in the first collective for ever)."""
         if not self.trains:
             self.trains = True
             self.seen = {p: (v, now) for p, (v, _) in self.seen.items()}
+            for p in followers:
+                self.seen.setdefault(p, ("", now))
 
     @property
     def window_s(self) -> float:
@@ -679,7 +683,7 @@ class GroupWatchdog:
         while not self._stop.wait(self.interval_s):
             now = time.monotonic()
             if self._training.is_set():
-                judge.training(now)
+                judge.training(now, range(1, self.spec.num_processes))
             late = judge.poll(now)
             if late:
                 log.warning("replica %s: the group watchdog's round came %.2fs late (this process was not "
@@ -688,8 +692,10 @@ class GroupWatchdog:
             for p in range(1, self.spec.num_processes):
                 try:
                     value = self._client.key_value_try_get(f"{self.prefix}/p{p}")
-                except Exception:  # noqa: BLE001 - not beating yet (NOT_FOUND)
-                    continue
+                except Exception:  # noqa: BLE001 - not beating yet (NOT_FOUND): judged from training on
+                    value = ""
+                    if not judge.trains:
+                        continue
                 silent = judge.observe(p, value, now)
                 if silent is not None:
                     self.on_silent(p, silent)

@@ -784,6 +784,14 @@ def main(argv: list[str] | None = None) -> int:
               f"{cfg.launch.replicas - 1} (launch.replicas={cfg.launch.replicas}): number replicas from 0, or "
               "raise launch.replicas on every replica", file=sys.stderr)
         return EXIT_JOB_FATAL
+    if args.group.num_processes != cfg.launch.processes_per_replica:
+        # The runtime's size is the replica's (--num-processes, the same on each of its processes):
+        # the Manager decides some steps by the config's count (a catch-up's flag is set on every
+        # process of a replica of several), and a config left at 1 split its processes' decisions.
+        import dataclasses
+
+        cfg = dataclasses.replace(cfg, launch=dataclasses.replace(
+            cfg.launch, processes_per_replica=args.group.num_processes))
     force_host_devices(cfg.launch.devices_per_replica)  # before jax starts
     place_replica_on_gpus(args.replica_id, cfg.launch.replicas, cfg.launch.devices_per_replica)
     out = pathlib.Path(args.out_dir)
