@@ -240,8 +240,9 @@ def test_a_manager_in_a_doomed_all_reduce_aborts_it_when_a_member_asks_the_resta
 def test_a_heartbeat_abort_decided_for_one_quorum_never_lands_on_the_next_ones_ring():
     """FTAR applies configures and aborts in order, to whatever ring is current: an abort decided
     for quorum Q from a late heartbeat reply (naming a replica dead in Q that is back in Q+1),
-    queued while the Manager configures Q+1, failed Q+1's first all-reduce. The decision and its queueing are one step under the Manager's lock,
-    and no abort is decided while a configure is under way."""
+    queued while the Manager configures Q+1, failed Q+1's first all-reduce. The decision and its
+    queueing are one step under the Manager's lock, and no abort is decided while a configure is
+    under way."""
     import functools
     import types
 

@@ -906,8 +906,9 @@ class LocalJob:
                                   "replicas": dead})
         err = _start_again(self.start_lighthouse)  # (its port, just freed: tried as a dead one is)
         if err is not None:
-            self.gave_up = (f"the whole-job restart could not start the lighthouse on {self.lighthouse_addr or 'its port'} "
-                            f"({err}); resume the job with: {self.resume_hint()}")
+            where = self.lighthouse_addr or "its port"
+            self.gave_up = (f"the whole-job restart could not start the lighthouse on {where} ({err}); resume "
+                            f"the job with: {self.resume_hint()}")
             log.error("%s", self.gave_up)
             self.event("lighthouse_lost", reason="whole-job restart", error=str(err))
             return

@@ -298,9 +298,9 @@ class ReplicaProcess:
         if token:
             return token.encode()
         if cfg.launch.replicas > 1:
-            raise JobFatalError(f"no job secret (${auth.SECRET_ENV} / ${auth.SECRET_FILE_ENV}) and no FTHSDP_PEER_TOKEN: "
-                             "every replica of a job needs the job's secret to serve and fetch state (fthsdp run "
-                             "sets it)")
+            raise JobFatalError(f"no job secret (${auth.SECRET_ENV} / ${auth.SECRET_FILE_ENV}) and no "
+                                "FTHSDP_PEER_TOKEN: every replica of a job needs the job's secret to serve and fetch "
+                                "state (fthsdp run sets it)")
         return secrets.token_bytes(32)
 
     # -- state from peers -------------------------------------------------------
