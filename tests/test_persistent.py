@@ -357,7 +357,8 @@ def test_a_resume_skips_a_torn_checkpoint_and_says_when_none_restores(tmp_path):
     (tmp_path / "ckpt" / "20" / "loader" / "metadata").write_text("")  # torn
     restored = ReplicaProcess._restore_newest_readable(fake)
     assert restored.step == 10 and float(np.asarray(restored.state["w"])[0]) == 10.0
-    fake.group.num_processes = 2  # several processes: the latest only
+    fake.group.num_processes = 2  # several processes: the step their leader listed only (resume)
+    fake._resume_step = 20
     with pytest.raises(ReplicaFatalError, match="can be restored: step 20: [^;]*; move"):
         ReplicaProcess._restore_newest_readable(fake)
     fake.group.num_processes = 1
