@@ -355,16 +355,15 @@ def test_a_resume_skips_a_torn_checkpoint_and_says_when_none_restores(tmp_path):
     fake = types.SimpleNamespace(ckpt=ckpt, abstract={"w": np.zeros(3, np.float32)}, rid="0",
                                  group=types.SimpleNamespace(num_processes=1))
     (tmp_path / "ckpt" / "20" / "loader" / "metadata").write_text("")  # torn
-    restored = ReplicaProcess._restore_newest_readable(fake)
+    restored = ReplicaProcess._restore_newest_readable(fake, 20)
     assert restored.step == 10 and float(np.asarray(restored.state["w"])[0]) == 10.0
     fake.group.num_processes = 2  # several processes: the step their leader listed only (resume)
-    fake._resume_step = 20
     with pytest.raises(ReplicaFatalError, match="can be restored: step 20: [^;]*; move"):
-        ReplicaProcess._restore_newest_readable(fake)
+        ReplicaProcess._restore_newest_readable(fake, 20)
     fake.group.num_processes = 1
     (tmp_path / "ckpt" / "10" / "loader" / "metadata").write_text("{")
     with pytest.raises(ReplicaFatalError, match="no persistent checkpoint .* can be restored: step 20: .*; step 10: "):
-        ReplicaProcess._restore_newest_readable(fake)
+        ReplicaProcess._restore_newest_readable(fake, 20)
     ckpt.close()
 
 

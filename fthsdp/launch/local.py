@@ -778,11 +778,7 @@ class LocalJob:
             rp.group_grace_until = None
             if self.group_failed(rp.rid, group):
                 rp.group_killed = True
-                self.kill_followers(rp)
-                if rp.proc.poll() is None:
-                    os.kill(rp.proc.pid, signal.SIGCONT)
-                    rp.proc.kill()
-                    _wait_killed(rp.proc, 30, f"replica {rp.rid}")
+                self.kill_replica(rp.rid)
 
     def group_failed(self, rid: int, group: list) -> bool:
         """True (and logged) when a process of replica ``rid``'s group ended with an error

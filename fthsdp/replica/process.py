@@ -542,14 +542,13 @@ class ReplicaProcess:
             # itself (a shared mount's cached listing lags) restored its shards of different steps,
             # or none, past an Orbax barrier that names no step.
             latest = self.channel.share("resume_step", latest, self.cfg.ft.startup_timeout_s)
-        self._resume_step = latest
         if latest is None:
             # killed before its first durable checkpoint: the whole job starts over
             self.ledger.restore(0, restart_id)
             log.warning("replica %s: --resume but no finished checkpoint under %s; starting from step 0",
                         self.rid, self.out / "checkpoints")
             return
-        restored = self._restore_newest_readable()
+        restored = self._restore_newest_readable(latest)
         mgr.state = restored.state
         n = len(mgr.positions)
         last = restored.metadata.get("last_step")  # absent from checkpoints written before it was saved
@@ -565,12 +564,13 @@ class ReplicaProcess:
         log.info("replica %s: resumed from the persistent checkpoint of step %d, stream position %d",
                  self.rid, restored.step, mgr.loader.position)
 
-    def _restore_newest_readable(self):
+    def _restore_newest_readable(self, latest: int):
         """The newest persistent checkpoint that restores. One torn by a host crash (Orbax writes
         its JSON items without fsync) or otherwise unreadable is skipped, with its error in the
         log: restoring only the latest failed every restart the same way. A replica of several
-        processes tries the latest only: each process restores its own shards, and one falling
-        back alone would mix steps (or wait at another barrier than the others). None restoring
+        processes tries ``latest`` only, its leader's listing: each process restores its own
+        shards, and one falling back alone would mix steps (or wait at another barrier than the
+        others). None restoring
         is replica-fatal, naming each step's error: a passing cause (a storage outage) is retried
         by the restart, a lasting one stops at the launcher's limit of failed starts."""
         from fthsdp.errors import ReplicaFatalError
@@ -578,7 +578,7 @@ class ReplicaProcess:
         failures = []
         steps = sorted(self.ckpt.all_steps(), reverse=True)
         if self.group.num_processes > 1:
-            steps = [self._resume_step]  # the leader's (resume)
+            steps = [latest]  # the leader's listing (resume)
         for step in steps:
             try:
                 return self.ckpt.restore(self.abstract, step)
