@@ -60,6 +60,13 @@ class OptimConfig:
     b2: float = 0.98
     grad_clip: float = 1.0
     decay: str = "cosine"  # cosine | constant
+    # Averaged gradients holding a NaN or an infinity (a loss spike, a peer's corrupt contribution):
+    #   skip  - the step commits (its batch is spent) with the parameters and optimizer state unchanged
+    #   apply - the update is applied as it is (the state turns NaN on every replica alike)
+    nonfinite: str = "skip"
+    # This many skipped steps in a row end the job (exit 78) with the step to resume from: the
+    # run has diverged, and skipping on would spend the data on nothing.
+    nonfinite_limit: int = 10
 
 
 @dataclass(frozen=True)

@@ -294,6 +294,8 @@ RULES: dict[str, Rule] = {
     "optim.b2": _real(0, 1, hi_open=True),
     "optim.grad_clip": _real(0, lo_open=True, why="the global gradient norm is clipped to this"),
     "optim.decay": OneOf(("cosine", "constant")),
+    "optim.nonfinite": OneOf(("skip", "apply")),
+    "optim.nonfinite_limit": _int(1, 2**31 - 2, "skipped steps in a row"),
     # ft
     "ft.intervention": Parsed(_intervention, "an LR intervention (none, linear or sqrt)"),
     "ft.min_replicas": _int(1),

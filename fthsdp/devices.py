@@ -7,7 +7,7 @@ import os
 import re
 import shutil
 import subprocess
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 
 def force_host_devices(n: int) -> None:
@@ -99,7 +99,7 @@ PLACED_ENV = "FTHSDP_GPUS_PLACED"
 
 def launcher_gpu_env(replica_id: int, replicas: int, devices_per_replica: int, process_index: int = 0,
                      processes: int = 1, gpus: Sequence[str] | None = None,
-                     environ: dict[str, str] | None = None) -> dict[str, str]:
+                     environ: Mapping[str, str] | None = None) -> dict[str, str]:
     """What a launcher sets in one replica process's environment: its GPUs among ``gpus`` (default:
     the launcher's own visible ones), one slot per process (replica r's process p is slot r*P+p,
     each of ``devices_per_replica`` GPUs: a replica's mesh takes that many per process).
@@ -113,10 +113,16 @@ def launcher_gpu_env(replica_id: int, replicas: int, devices_per_replica: int, p
     if p.visible is None:
         return {}
     out = {"CUDA_VISIBLE_DEVICES": ",".join(p.visible), PLACED_ENV: "1"}
-    if (p.mem_fraction is not None and "XLA_PYTHON_CLIENT_MEM_FRACTION" not in environ
-            and "XLA_PYTHON_CLIENT_PREALLOCATE" not in environ):
-        out["XLA_PYTHON_CLIENT_MEM_FRACTION"] = str(p.mem_fraction)
+    out.update(_mem_fraction_env(p, environ))
     return out
+
+
+def _mem_fraction_env(p: GpuPlacement, environ: Mapping[str, str]) -> dict[str, str]:
+    """The memory share to set, unless the user chose one (or chose no preallocation) already."""
+    if (p.mem_fraction is None or "XLA_PYTHON_CLIENT_MEM_FRACTION" in environ
+            or "XLA_PYTHON_CLIENT_PREALLOCATE" in environ):
+        return {}
+    return {"XLA_PYTHON_CLIENT_MEM_FRACTION": str(p.mem_fraction)}
 
 
 def place_replica_on_gpus(replica_id: int, replicas: int, devices_per_replica: int) -> GpuPlacement:
@@ -132,7 +138,5 @@ def place_replica_on_gpus(replica_id: int, replicas: int, devices_per_replica: i
     p = gpu_placement(replica_id, replicas, devices_per_replica, visible_gpus())
     if p.visible is not None and "CUDA_VISIBLE_DEVICES" not in os.environ:
         os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(p.visible)
-    if (p.mem_fraction is not None and "XLA_PYTHON_CLIENT_MEM_FRACTION" not in os.environ
-            and "XLA_PYTHON_CLIENT_PREALLOCATE" not in os.environ):
-        os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"] = str(p.mem_fraction)
+    os.environ.update(_mem_fraction_env(p, os.environ))
     return p

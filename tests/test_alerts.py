@@ -27,7 +27,7 @@ def rules() -> list[dict]:
 def test_every_alert_says_how_bad_what_and_what_to_do(capsys):
     alerts = rules()
     names = [r["alert"] for r in alerts]
-    assert len(names) == len(set(names)) == 11, names
+    assert len(names) == len(set(names)) == 12, names
     for r in alerts:
         assert r["labels"]["severity"] in ("critical", "warning", "info"), r
         assert r["annotations"]["summary"] and len(r["annotations"]["description"]) > 80, r
@@ -40,7 +40,7 @@ def test_every_alert_says_how_bad_what_and_what_to_do(capsys):
 @needs_promtool
 def test_promtool_accepts_the_rules():
     p = subprocess.run([PROMTOOL, "check", "rules", str(alerts_file())], capture_output=True, text=True, timeout=60)
-    assert p.returncode == 0 and "SUCCESS: 11 rules found" in p.stdout, p.stdout + p.stderr
+    assert p.returncode == 0 and "SUCCESS: 12 rules found" in p.stdout, p.stdout + p.stderr
 
 
 def alert(name: str, at: str, labels: dict | None = None, summary: str | None = None) -> dict:
@@ -125,6 +125,13 @@ CASES = {
          ("fthsdp_retries_total{job='j',replica='0',instance='r0'}", "0x10 1x20")],
         [alert("FthsdpRetryStorm", "25m", {"severity": "warning", "job": "j", "replica": "1", "instance": "r1"},
                "Replica 1 of job j retries 0.1 steps a second")]),
+    "a replica that skipped one update for non-finite gradients (exported at 0 before); another none": (
+        [("fthsdp_nonfinite_skips_total{job='j',replica='0',instance='r0'}", "0x5 1x30"),
+         ("fthsdp_nonfinite_skips_total{job='j',replica='1',instance='r1'}", "0x35")],
+        [alert("FthsdpNonFiniteGradients", "4m"),
+         alert("FthsdpNonFiniteGradients", "8m", {"severity": "warning", "job": "j", "replica": "0", "instance": "r0"},
+               "Replica 0 of job j skipped updates for non-finite gradients"),
+         alert("FthsdpNonFiniteGradients", "30m")]),  # 24 minutes later, nothing new: quiet again
 }
 
 

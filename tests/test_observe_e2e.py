@@ -460,7 +460,7 @@ def test_prometheus_scrapes_the_job_and_sees_the_kill(observed):
     # the lighthouse's real quorum_size and replicas_configured series.
     body = json.loads(urllib.request.urlopen(f"{url}/api/v1/rules?type=alert", timeout=10).read())
     loaded = [r for g in body["data"]["groups"] for r in g["rules"]]
-    assert len(loaded) == 11 and all(r["health"] == "ok" for r in loaded), [(r["name"], r.get("lastError"))
+    assert len(loaded) == 12 and all(r["health"] == "ok" for r in loaded), [(r["name"], r.get("lastError"))
                                                                             for r in loaded]
     degraded = prom_query(url, f'ALERTS{{alertname="FthsdpJobDegraded",job="{JOB}"}}', start=t_start,
                           end=time.time(), step="0.5")

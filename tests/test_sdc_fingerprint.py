@@ -158,8 +158,8 @@ def test_train_step_reports_the_reference_fingerprint(every):
         grads, _ = ts.compute_grads(state, *ts.shard_batch(x, x))
         new, m = ts.apply_grads(state, grads, quorum)
         assert int(new.step) == step
-        committed, got = fpm.read_commit(m["commit_words"])
-        assert committed
+        committed, got, skipped = fpm.read_commit(m["commit_words"])
+        assert committed and not skipped
         if step % every:
             assert got == 0
         else:
@@ -171,8 +171,8 @@ def test_train_step_reports_the_reference_fingerprint(every):
     idle = make_quorum_inputs(contribute=False, num_contributing=0, num_members=1, num_configured=1, lr_mode=0)
     grads, _ = ts.compute_grads(state, *ts.shard_batch(x, x))
     kept, m = ts.apply_grads(state, grads, idle)
-    committed, got = fpm.read_commit(m["commit_words"])
-    assert not committed and int(kept.step) == every  # a multiple of K: fingerprinted
+    committed, got, skipped = fpm.read_commit(m["commit_words"])
+    assert not committed and not skipped and int(kept.step) == every  # a multiple of K: fingerprinted
     assert got == fpm.to_int(jax.jit(fpm.reference)(kept))
 
 
@@ -224,10 +224,11 @@ def test_native_kernel_long_runs_every_dtype(dtype, spec):
         assert fpm.to_int(got) == fpm.to_int(jax.jit(fpm.reference)(changed)), idx
 
 
-def test_read_commit_reads_flag_and_fingerprint():
+def test_read_commit_reads_flags_and_fingerprint():
     words = jnp.asarray([1, 0x89ABCDEF, 0x01234567], jnp.uint32)
-    assert fpm.read_commit(words) == (True, 0x89ABCDEF01234567)
-    assert fpm.read_commit(words.at[0].set(0)) == (False, 0x89ABCDEF01234567)
+    assert fpm.read_commit(words) == (True, 0x89ABCDEF01234567, False)
+    assert fpm.read_commit(words.at[0].set(0)) == (False, 0x89ABCDEF01234567, False)
+    assert fpm.read_commit(words.at[0].set(3)) == (True, 0x89ABCDEF01234567, True)
 
 
 def test_cpp_kernel_copies_equal_the_definition():

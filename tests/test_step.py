@@ -122,6 +122,45 @@ def test_a_step_that_does_not_commit_returns_its_input_learning_rate_included():
     assert _tree_bytes(new) == before
 
 
+def _poisoning_allreduce(value):
+    """An all-reduce whose sum holds ``value`` in its first element (a peer's NaN contribution)."""
+    def allreduce(grads, quorum, mesh):
+        leaves, treedef = jax.tree.flatten(grads)
+        leaves[0] = leaves[0].at[(0,) * leaves[0].ndim].set(value)
+        status = jax.lax.with_sharding_constraint(jnp.full((mesh.devices.size,), STATUS_OK, jnp.int32),
+                                                  NamedSharding(mesh, P(mesh.axis_names)))
+        return jax.tree.unflatten(treedef, leaves), status
+
+    return allreduce
+
+
+@pytest.mark.parametrize("value", [jnp.nan, jnp.inf])
+def test_non_finite_averaged_gradients_commit_the_step_with_the_update_skipped(value):
+    """optim.nonfinite=skip: the step commits (its batch is spent, the counter moves), the
+    parameters and optimizer state stay bit for bit, and the flags say so; with
+    optim.nonfinite=apply the NaN goes into the state."""
+    import dataclasses
+
+    skip = make_train_step(CFG, replica_mesh(4), allreduce=_poisoning_allreduce(value), fingerprint=True)
+    state = skip.init(0)
+    new, m = skip.step(state, *_batch(skip), make_quorum_inputs())
+    assert bool(m["committed"]) and bool(m["skipped"]) and int(new.step) == 1
+    assert _tree_bytes((new.params, new.opt_state)) == _tree_bytes((state.params, state.opt_state))
+    assert int(m["commit_words"][0]) == 3  # committed | skipped, in the one word the Manager reads
+
+    cfg = dataclasses.replace(CFG, optim=dataclasses.replace(CFG.optim, nonfinite="apply"))
+    apply = make_train_step(cfg, replica_mesh(4), allreduce=_poisoning_allreduce(value))
+    new, m = apply.step(state, *_batch(apply), make_quorum_inputs())
+    assert bool(m["committed"]) and not bool(m["skipped"]) and int(new.step) == 1
+    assert not all(bool(jnp.all(jnp.isfinite(x))) for x in jax.tree.leaves(new.params))
+
+    # finite gradients are applied under skip as before
+    fine = make_train_step(CFG, replica_mesh(4), fingerprint=True)
+    new, m = fine.step(state, *_batch(fine), make_quorum_inputs())
+    assert bool(m["committed"]) and not bool(m["skipped"]) and int(m["commit_words"][0]) == 1
+    assert _tree_bytes(new.params) != _tree_bytes(state.params)
+
+
 def test_retrying_the_update_with_held_gradients_is_bitwise_identical(ts4):
     """Retrying only the all-reduce + update with held gradients == retraining the step.
 

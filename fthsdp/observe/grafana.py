@@ -96,12 +96,15 @@ ROWS: tuple[Row, ...] = (
               "progress gap around a loss (its last step before to its first after).",
               ((_quantile(0.99, "fthsdp_lighthouse_detection_seconds", window="1h"), "{{job}} detection"),
                (_quantile(0.99, "fthsdp_lighthouse_stall_seconds", window="1h"), "{{job}} stall"))),
-        Panel("Retried all-reduces and catch-ups", "short",
-              "All-reduce attempts that failed and were retried on a new quorum, and steps on which a replica was "
-              "behind and fetched the live state from its peers, per second.",
+        Panel("Retried all-reduces, catch-ups and skipped updates", "short",
+              "All-reduce attempts that failed and were retried on a new quorum, steps on which a replica was "
+              "behind and fetched the live state from its peers, and updates skipped because the averaged "
+              "gradients held a NaN or an infinity, per second.",
               ((f"max by (job, replica) (rate(fthsdp_retries_total{J}[{RATE}]))", "{{job}} {{replica}} retries"),
                (f"max by (job, replica) (rate(fthsdp_catch_ups_total{J}[{RATE}]))",
-                "{{job}} {{replica}} catch-ups"))),
+                "{{job}} {{replica}} catch-ups"),
+               (f"max by (job, replica) (rate(fthsdp_nonfinite_skips_total{J}[{RATE}]))",
+                "{{job}} {{replica}} skipped updates"))),
         Panel("Who is stalling the job", "short",
               "The lighthouse's root-cause verdict: 1 for the current one, labelled with its kind (none, dead, "
               "frozen, slow, slow_link, unknown) and the culprit replica and process.",

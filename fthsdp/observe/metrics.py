@@ -116,6 +116,8 @@ class ReplicaMetrics:
         self.commits = make(Counter, "fthsdp_commits", "Committed steps")
         self.retries = make(Counter, "fthsdp_retries", "All-reduce attempts that failed and were retried on a new quorum")
         self.catch_ups = make(Counter, "fthsdp_catch_ups", "Steps on which this replica was behind and fetched state")
+        self.skipped = make(Counter, "fthsdp_nonfinite_skips",
+                            "Committed steps whose update was skipped: the averaged gradients held a NaN or an infinity")
         self.bus_bandwidth = make(Gauge, "fthsdp_allreduce_bus_bandwidth_bytes_per_second",
                                   "Ring bus bandwidth of the last committing all-reduce: 2(n-1)/n x gradient bytes / time")
         self.detections = make(Counter, "fthsdp_detections",
@@ -138,6 +140,8 @@ class ReplicaMetrics:
         self.quorum_size.set(len(rec.members))
         self.quorum_id.set(rec.quorum_id)
         self.healthy.set(1 if rec.healthy else 0)
+        if getattr(rec, "skipped", False):
+            self.skipped.inc()
         if rec.attempts > 1:
             self.retries.inc(rec.attempts - 1)
             self.stall_seconds.observe(max(0.0, seconds - rec.grads_s - rec.allreduce_s))
@@ -185,7 +189,7 @@ def step_record_from_json(d: Mapping[str, Any]) -> Any:
                       start=float(d["start"]), end=float(d["end"]), position=d.get("position"),
                       events=list(d.get("events", ())), rebuild_s=float(d.get("rebuild_s", 0.0)),
                       allreduce_s=float(d.get("allreduce_s", 0.0)), grads_s=float(d.get("grads_s", 0.0)),
-                      catch_up_s=float(d.get("catch_up_s", 0.0)))
+                      catch_up_s=float(d.get("catch_up_s", 0.0)), skipped=bool(d.get("skipped", False)))
 
 
 class MetricsFileFollower:

@@ -171,6 +171,7 @@ class StepRecord:
     catch_up_s: float = 0.0  # fetching and installing the peers' state (behind replicas)
     fingerprint: int | None = None  # of the committed state (fthsdp/step/fingerprint.py), when computed
     quorum_at: float | None = None  # when the committing quorum's answer came (wall clock, as start/end)
+    skipped: bool = False  # committed with the update skipped: the averaged gradients were not finite
 
     @property
     def seconds(self) -> float:
@@ -227,6 +228,7 @@ class Manager:
         self._fetch_cache: tuple[int, dict] | None = None
         self._lr_mode = int(Intervention.parse(self.cfg.ft.intervention))
         self._accused: list[str] = []  # replicas that broke FTAR's protocol, for the next quorum request
+        self._nonfinite_run = 0  # steps in a row whose update was skipped for non-finite gradients
 
     # -- failure detection ----------------------------------------------------
 
@@ -488,10 +490,11 @@ class Manager:
                 t0 = time.perf_counter()
                 new_state, m = self.ts.apply_grads(self.state, grads if healthy else self.zero_grads(),
                                                    self._quorum_inputs(q, healthy))
-                if "commit_words" in m:  # the flag and the fingerprint in one read
-                    committed, fingerprint = read_commit(m["commit_words"])
+                if "commit_words" in m:  # the flags and the fingerprint in one read
+                    committed, fingerprint, skipped = read_commit(m["commit_words"])
                 else:
                     committed, fingerprint = bool(m["committed"]), None
+                    skipped = committed and bool(m["skipped"])
                 committed = committed and not fetch_failed  # (its closed ring failed the vote already)
                 allreduce_s = time.perf_counter() - t0
             except Exception as e:  # noqa: BLE001 - classified: RECOVERABLE retries, the rest propagates
@@ -522,16 +525,19 @@ class Manager:
                 if healthy:
                     self.loader = self.loader.advanced()
                     assert self.positions[int(self.replica_id)] == self.loader.position
+                self._note_nonfinite(step, skipped, events)
                 rec = StepRecord(step, q.quorum_id, q.member_ids, healthy, True, attempt,
                                  float(loss) if (healthy and loss is not None) else None,
                                  start, time.time(), position if healthy else None, events,
                                  rebuild_s=rebuild_s, allreduce_s=allreduce_s, grads_s=grads_s,
-                                 catch_up_s=catch_up_s, fingerprint=fingerprint, quorum_at=quorum_at)
+                                 catch_up_s=catch_up_s, fingerprint=fingerprint, quorum_at=quorum_at,
+                                 skipped=skipped)
                 self.records.append(rec)
                 self.phases.last_step_s = rec.seconds
                 self.phases.set(Phase.IDLE, step + 1)
                 if self.on_commit:
                     self.on_commit(self, rec)
+                self._check_nonfinite_run(step)
                 return rec
             status = _on_host(m["status"])
             if (status == STATUS_FATAL).any():  # (FTAR on a GPU: its fatal errors come back as status 2)
@@ -548,6 +554,31 @@ class Manager:
             f"step {step}: {self.cfg.ft.max_retries + 1} attempts failed ({'; '.join(events[-3:])}); giving up. "
             f"Raise ft.max_retries or check the replicas' logs for the failing peer."
         )
+
+    def _note_nonfinite(self, step: int, skipped: bool, events: list[str]) -> None:
+        """Counts the committed steps in a row whose update was skipped (optim.nonfinite=skip)."""
+        if not skipped:
+            self._nonfinite_run = 0
+            return
+        self._nonfinite_run += 1
+        why = (f"the averaged gradients of step {step} hold a NaN or an infinity: the update was skipped "
+               f"(optim.nonfinite=skip; {self._nonfinite_run} in a row, the job stops at "
+               f"optim.nonfinite_limit={self.cfg.optim.nonfinite_limit})")
+        events.append(why)
+        log.warning("%s", why)
+
+    def _check_nonfinite_run(self, step: int) -> None:
+        """Ends the job once optim.nonfinite_limit updates in a row were skipped: every replica
+        averaged the same gradients, so all of them reach the limit at the same step."""
+        run, limit = self._nonfinite_run, self.cfg.optim.nonfinite_limit
+        if run < limit:
+            return
+        raise ManagerJobError(
+            f"steps {step - run + 1}..{step}: the averaged gradients held a NaN or an infinity {run} times in a "
+            f"row (optim.nonfinite_limit={limit}); the updates were skipped, and the run has diverged or a "
+            "replica's device computes wrong values. Look for a loss spike in the logs before those steps; "
+            "resume from a persistent checkpoint before them (fthsdp run --resume) with a lower optim.lr or "
+            "optim.grad_clip, or raise optim.nonfinite_limit to skip on")
 
     def _note_violations(self, q: qm.Quorum, step: int, attempt: int, events: list[str]) -> list[str]:
         """The replicas of ``q`` that broke FTAR's protocol in this attempt (from the communicator's

@@ -472,7 +472,7 @@ class ReplicaProcess:
                   "loss": rec.loss, "start": rec.start, "end": rec.end, "position": rec.position,
                   "events": rec.events, "pid": os.getpid(), "rebuild_s": rec.rebuild_s,
                   "allreduce_s": rec.allreduce_s, "grads_s": rec.grads_s, "catch_up_s": rec.catch_up_s,
-                  "quorum_at": rec.quorum_at}
+                  "quorum_at": rec.quorum_at, "skipped": rec.skipped}
         if self.args.hash_every and committed % self.args.hash_every == 0:
             record["hash"] = state_hash(mgr.state)
         if rec.fingerprint is not None:

@@ -276,15 +276,16 @@ def to_int(fp: Any) -> int:
     return (a << 32) | b
 
 
-def read_commit(words: Any) -> tuple[bool, int]:
-    """``apply_grads``' ``metrics["commit_words"]`` (uint32[3]: the commit flag, then the
-    fingerprint's two words) on the host with one read: (committed, fingerprint).
+def read_commit(words: Any) -> tuple[bool, int, bool]:
+    """``apply_grads``' ``metrics["commit_words"]`` (uint32[3]: the commit flags, then the
+    fingerprint's two words) on the host with one read: (committed, fingerprint, skipped).
+    The flags: bit 0 the commit, bit 1 an update skipped for non-finite gradients.
 
     Lean on purpose, it runs after every step: no jax attribute checks (each costs ~8 us; a
     replicated array reads fine in every process of a multi-process replica), no numpy
     arithmetic (``tolist`` gives Python ints at once): as cheap as ``bool(committed)``."""
-    ok, a, b = np.asarray(words).tolist()
-    return ok != 0, (a << 32) | b
+    flags, a, b = np.asarray(words).tolist()
+    return flags & 1 != 0, (a << 32) | b, flags & 2 != 0
 
 
 def to_hex(fp: int | None) -> str:

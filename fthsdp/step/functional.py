@@ -95,6 +95,11 @@ def make_optimizer(cfg: OptimConfig) -> optax.GradientTransformation:
     return optax.inject_hyperparams(build)(learning_rate=float(cfg.lr))
 
 
+def _all_finite(tree: Any) -> jax.Array:
+    """One bool: every element of every leaf is finite (no NaN, no infinity)."""
+    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]))
+
+
 def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
     return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
 
@@ -138,13 +143,15 @@ def make_train_step(
     """Builds the jitted step functions of one replica over `mesh`.
 
     ``fingerprint`` (default ``cfg.ft.fingerprint``): ``apply_grads`` also returns
-    ``metrics["commit_words"]``, uint32[3]: the commit flag, then the state fingerprint
-    (fthsdp/step/fingerprint.py) of the state it returns, computed on the devices inside
-    the same jitted call; ``fingerprint.read_commit`` reads both with one transfer."""
+    ``metrics["commit_words"]``, uint32[3]: the commit flags (bit 0 committed, bit 1 the update
+    skipped for non-finite gradients), then the state fingerprint (fthsdp/step/fingerprint.py)
+    of the state it returns, computed on the devices inside the same jitted call;
+    ``fingerprint.read_commit`` reads them with one transfer."""
     cfg.validate()
     if fingerprint is None:
         fingerprint = cfg.ft.fingerprint
     every = int(cfg.ft.fingerprint_every)
+    skip_nonfinite = cfg.optim.nonfinite == "skip"
     model_cfg = cfg.model
     tx = make_optimizer(cfg.optim)
     schedule = lr_schedule(cfg.optim, cfg.train.steps)
@@ -194,10 +201,15 @@ def make_train_step(
         updates, new_opt = tx.update(mean, opt_state, state.params)
         new_params = optax.apply_updates(state.params, updates)
         new_state = TrainState(state.step + 1, new_params, new_opt)
-        keep = lambda new, old: jnp.where(ok, new, old)  # noqa: E731
-        out = jax.tree.map(keep, new_state, state)
+        # optim.nonfinite=skip: averaged gradients with a NaN or an infinity commit the step (its
+        # batch is spent, the counter moves) and leave the parameters and the optimizer state as
+        # they were. Every replica holds the same averaged bytes, so all of them skip alike.
+        skipped = ok & ~_all_finite(mean) if skip_nonfinite else jnp.zeros((), bool)
+        keep = lambda new, old: jnp.where(ok & ~skipped, new, old)  # noqa: E731
+        out = jax.tree.map(keep, new_state, state)._replace(step=jnp.where(ok, state.step + 1, state.step))
         metrics = {
             "committed": ok,
+            "skipped": skipped,
             "lr": lr,
             "lr_scale": scale,
             "grad_norm": optax.tree.norm(mean),
@@ -212,7 +224,8 @@ def make_train_step(
             # The commit flag and the fingerprint in one output, read with one transfer
             # (fingerprint.read_commit): each read of a step output costs ~60 us of host time
             # and each output ~10 us of dispatch, 0.2% and 0.03% of a make-run step.
-            metrics["commit_words"] = jnp.concatenate([ok.astype(jnp.uint32)[None], fp])
+            flags = ok.astype(jnp.uint32) | (skipped.astype(jnp.uint32) << 1)
+            metrics["commit_words"] = jnp.concatenate([flags[None], fp])
         return out, metrics
 
     def step(state, inputs, targets, quorum):
