@@ -34,7 +34,7 @@ def test_quick_benchmark_writes_rows_and_skips_missing_peers(tmp_path, repo_root
         assert row["busbw_gbps_best"] >= row["busbw_gbps"]
     (cost,) = res["auth_cost"].values()  # authenticated beside unauthenticated, same run
     assert cost["ratio"] == pytest.approx(rows[1]["busbw_gbps"] / rows[0]["busbw_gbps"])
-    assert 0 < res["chunk_tag_s"] < 1e-3 and cost["mac_bound_fraction"] > 0
+    assert res["chunk_tag_s"] > 0 and cost["mac_bound_fraction"] > 0
     paired = res["auth_paired"]["MiB=8"]  # the same comparison side by side in one process, in blocks
     assert paired["ops_per_arm"] == 4 and paired["blocks_per_arm"] == 2
     assert [len(paired["times_s"][k]) for k in ("plain", "auth", "plain_b")] == [2, 2, 2]

@@ -31,6 +31,7 @@ from fthsdp.control.lighthouse import LighthouseConfig, LighthouseThread
 from fthsdp.control.lighthouse_client import LighthouseClient, QuorumTimeout
 from fthsdp.control.session_client import SessionError, SyncSession
 from fthsdp.proto import LIGHTHOUSE_PROTOCOL_VERSION, lighthouse as load_stubs
+from raising_thread import RaisingThread
 
 pb2, pb2_grpc = load_stubs()
 DETECT = 0.5
@@ -93,15 +94,14 @@ def _timeout_and_withdraw(lighthouse) -> None:
         s = SyncSession(grpc.insecure_channel(lighthouse.address))
         body = pb2.QuorumRequest(protocol_version=LIGHTHOUSE_PROTOCOL_VERSION, job_id="job", replica_id="1", step=0,
                                  ftar_addresses=["127.0.0.1:9001"], local_world_size=1, num_replicas=2)
-        t = threading.Thread(target=lambda: pytest.raises(SessionError, s.request, "GetQuorum",
-                                                          body.SerializeToString(), 30.0), daemon=True)
+        t = RaisingThread(SessionError, s.request, "GetQuorum", body.SerializeToString(), 30.0)
         t.start()
         deadline = time.monotonic() + 5
         while time.monotonic() < deadline and not any(r.waiting for j in a.status() for r in j.replicas):
             time.sleep(0.02)
         assert any(r.replica_id == "1" and r.waiting for r in a.status()[0].replicas)
         s.close()
-        t.join(5)
+        t.check(5)
         deadline = time.monotonic() + 5
         while time.monotonic() < deadline and any(r.waiting for r in a.status()[0].replicas):
             time.sleep(0.02)
@@ -332,9 +332,7 @@ def test_a_quorum_request_counts_as_its_leaders_heartbeat():
             a.heartbeat(0)
             time.sleep(0.3)
             t1 = time.monotonic()
-            asking = threading.Thread(target=lambda: pytest.raises(QuorumTimeout, a.get_quorum, 0,
-                                                                   ftar_addresses=["127.0.0.1:9000"], timeout_s=1.5),
-                                      daemon=True)
+            asking = RaisingThread(QuorumTimeout, a.get_quorum, 0, ftar_addresses=["127.0.0.1:9000"], timeout_s=1.5)
             asking.start()
             time.sleep(0.35)
 
@@ -345,7 +343,7 @@ def test_a_quorum_request_counts_as_its_leaders_heartbeat():
             while not dead() and time.monotonic() - t1 < 3 * DETECT:
                 time.sleep(0.02)
             assert DETECT <= time.monotonic() - t1 < DETECT + 0.4
-            asking.join(5)
+            asking.check(5)
         finally:
             a.close()
             watcher.close()

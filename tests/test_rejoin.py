@@ -49,11 +49,11 @@ def test_killed_replica_restarts_and_rejoins_from_peers(tmp_path):
     positions = exactly_once(tmp_path, run)
     assert positions[0] == positions[2] == 150 and 5 <= positions[1] < 150
     assert_compiled_once(run)
-    # the rejoin cost the survivors little: the step on which replica 1 came back
+    # the survivors did not wait for the rejoiner: the step on which replica 1 came back committed on
+    # its first attempt (its cost is measured by experiments/rejoin_stall.py, not asserted here)
     rejoin_step = catch_up[0]["step"]
-    med = report.median_step_s(run.steps["0"])
     rejoin = next(r for r in run.steps["0"] if r["step"] == rejoin_step)
-    assert rejoin["end"] - rejoin["start"] < med + 2.0
+    assert rejoin["attempts"] == 1 and "1" in rejoin["members"], rejoin
 
 
 def test_late_joiner_catches_up(tmp_path):

@@ -34,6 +34,7 @@ from fthsdp.control.session_client import (RelayPath, Routed, SessionError, Sess
                                            connect_refused, relay_gone)
 from fthsdp.logs import read_metrics
 from fthsdp.proto import LIGHTHOUSE_PROTOCOL_VERSION, lighthouse as load_stubs
+from raising_thread import RaisingThread
 
 pb2, _ = load_stubs()
 DETECT = 0.5
@@ -317,8 +318,7 @@ def test_a_client_that_leaves_the_relay_has_its_open_request_withdrawn():
         try:
             body = pb2.QuorumRequest(protocol_version=LIGHTHOUSE_PROTOCOL_VERSION, job_id="job", replica_id="1",
                                      step=0, ftar_addresses=["127.0.0.1:9001"], local_world_size=1, num_replicas=2)
-            t = threading.Thread(target=lambda: pytest.raises(SessionError, s.request, "GetQuorum",
-                                                              body.SerializeToString(), 30.0), daemon=True)
+            t = RaisingThread(SessionError, s.request, "GetQuorum", body.SerializeToString(), 30.0)
             t.start()
 
             def waiting() -> bool:
@@ -333,7 +333,7 @@ def test_a_client_that_leaves_the_relay_has_its_open_request_withdrawn():
                 time.sleep(0.02)
             assert waiting(), "the request through the relay never reached the lighthouse"
             s.close()  # the client's stream to the relay ends ...
-            t.join(5)
+            t.check(5)
             deadline = time.monotonic() + 5
             while time.monotonic() < deadline and waiting():
                 time.sleep(0.02)

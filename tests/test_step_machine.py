@@ -97,23 +97,47 @@ def test_plan_needs_ask_and_bad_states_are_refused():
         fsm.vote([])
 
 
-def test_replay_is_deterministic_across_ranks():
-    """Followers replaying the leader's inputs reach the same states (a long random walk)."""
+def test_a_long_random_walk_keeps_the_step_machines_invariants():
+    """300 attempts on random quorums (healthy, or behind a member one step ahead) with random
+    outcomes; each transition is checked against the rules it must follow, computed here apart:
+    the step never goes back and moves by one only at a commit (or a catch-up's commit), the ring
+    is rebuilt exactly when the quorum id changes, gradients are kept across failed attempts of a
+    healthy step and never after a catch-up, and a replica gives up exactly when its attempt
+    count passes max_retries + 1."""
     import random
 
     rng = random.Random(0)
-    ranks = [fsm.initial(0, 3) for _ in range(4)]
-    qid = 0
+    max_retries = 3
+    s = fsm.initial(0, max_retries)
+    qid, failed_in_a_row, gave_up, commits = 0, 0, 0, 0
     for _ in range(300):
         qid += rng.random() < 0.3
-        others = {"0": ranks[0].step, "1": ranks[0].step + rng.choice([0, 0, 1])}
-        q = quorum(max(qid, 1), others)
-        plans = [fsm.plan(r, q, "0") for r in ranks]
-        assert len(set(plans)) == 1
-        if plans[0].action is fsm.Action.GIVE_UP:
-            break
-        out = rng.choice(list(fsm.Outcome)[:3])
-        ranks = [fsm.after_attempt(r, p, out) for r, p in zip(ranks, plans)]
-        assert len(set(ranks)) == 1
-        if ranks[0].action is fsm.Action.GIVE_UP:
-            ranks = [fsm.initial(ranks[0].step, 3) for _ in ranks]
+        ahead = rng.choice([0, 0, 1])
+        q = quorum(max(qid, 1), {"0": s.step, "1": s.step + ahead})
+        p = fsm.plan(s, q, "0")
+        assert p.reconfigure == (q.quorum_id != s.configured_qid)
+        if ahead:
+            assert (p.action, p.step, p.sources, p.compute) == (fsm.Action.CATCH_UP, s.step + 1, ("1", "1"), False)
+        else:
+            assert (p.action, p.step, p.compute) == (fsm.Action.TRAIN, s.step, not s.has_grads)
+        out = rng.choice([fsm.Outcome.COMMITTED, fsm.Outcome.FAILED, fsm.Outcome.ERROR])
+        n = fsm.after_attempt(s, p, out)
+        assert n.configured_qid == q.quorum_id
+        if out is fsm.Outcome.COMMITTED:
+            commits += 1
+            failed_in_a_row = 0
+            assert (n.step, n.attempt, n.has_grads, n.commit_failed, n.action) == \
+                (p.step + 1, 1, False, False, fsm.Action.ASK)
+        else:
+            failed_in_a_row += 1
+            assert n.step == s.step and n.commit_failed
+            if failed_in_a_row == max_retries + 1:
+                assert n.action is fsm.Action.GIVE_UP and "attempts failed" in n.reason
+                gave_up += 1
+                failed_in_a_row = 0
+                n = fsm.initial(n.step, max_retries)  # the replica restarts at its committed step
+            else:
+                assert (n.action, n.attempt) == (fsm.Action.ASK, s.attempt + 1)
+                assert n.has_grads == (p.action is fsm.Action.TRAIN)
+        s = n
+    assert commits > 50 and gave_up >= 1  # the walk went through both kinds of end
