@@ -460,3 +460,52 @@ def ask_all_of(cs: dict, step: int, ask) -> list[qm.Quorum]:
     leaders = sorted(r for r, p in cs if p == 0)
     with ThreadPoolExecutor(len(leaders)) as ex:
         return list(ex.map(lambda r: ask(cs[(r, 0)], r, step), leaders))
+
+
+def test_a_replica_whose_processes_hold_fewer_shards_than_its_request_does_not_enter_the_quorum(lighthouse):
+    """Replica 2's leader asks with local_world_size=4 while its two processes registered one FTAR
+    endpoint each. Taken into the quorum, it broke every other process's view of it (a ValueError
+    in the GetView handler: UNKNOWN, the follower without its view). It is not asking until its
+    endpoints add up (the reason in the decision), and replicas 0 and 1 train on with whole views."""
+    cs = clients(lighthouse.address, "liar", 2, 2, 2)
+    stop = threading.Event()
+    with grpc.insecure_channel(lighthouse.address) as ch:
+        stub = pb2_grpc.LighthouseStub(ch)
+
+        def beat_liar() -> None:  # after its leader's request: the beats register one endpoint per process
+            while not stop.is_set():
+                for p in range(2):
+                    stub.Heartbeat(pb2.HeartbeatRequest(
+                        protocol_version=LIGHTHOUSE_PROTOCOL_VERSION, job_id="liar", replica_id="2", process_index=p,
+                        num_processes=2, incarnation=f"2-{p}", ftar_addresses=ftar(2, p, 1),
+                        state_server_address=server(2, p), local_world_size=2), timeout=5)
+                stop.wait(0.05)
+
+        beater = threading.Thread(target=beat_liar, daemon=True)
+        try:
+            beat_until_registered(cs)
+            liar = stub.GetQuorum.future(pb2.QuorumRequest(
+                protocol_version=LIGHTHOUSE_PROTOCOL_VERSION, job_id="liar", replica_id="2", step=0,
+                ftar_addresses=ftar(2, 0, 2), state_server_address=server(2, 0), local_world_size=4, num_processes=2,
+                num_replicas=3, incarnation="2-0"), timeout=3)
+            time.sleep(0.05)
+            beater.start()
+            time.sleep(0.1)
+            with ThreadPoolExecutor(2) as ex:
+                futs = [ex.submit(cs[(r, 0)].get_quorum, 0, ftar_addresses=ftar(r, 0, 2),
+                                  state_server_address=server(r, 0), num_replicas=3, timeout_s=10) for r in range(2)]
+                q, _ = [f.result() for f in futs]
+            assert q.member_ids == ("0", "1"), q.reason
+            v = cs[(1, 1)].get_view(q.quorum_id)
+            assert v.first_shard == 2 and v.ring_addresses("1") == [ftar(0, 1, 2), ftar(1, 1, 2)]
+            with pytest.raises(grpc.RpcError) as ei:
+                liar.result()
+            assert ei.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            assert ("replica 2: its 2 process(es) registered 2 FTAR endpoint(s) in all, its request has "
+                    "local_world_size=4") in ei.value.details(), ei.value.details()
+        finally:
+            stop.set()
+            if beater.is_alive():
+                beater.join(5)
+            for c in cs.values():
+                c.close()

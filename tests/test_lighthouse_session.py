@@ -391,3 +391,15 @@ def test_a_session_request_without_a_usable_deadline_is_refused_before_it_is_sen
             await channel.close()
 
     asyncio.run(ask())
+
+
+def test_a_session_reply_that_does_not_parse_is_a_failed_call_not_a_decode_error():
+    """A reply body that is not protobuf (a relay of another protocol, a faulty one) raised a bare
+    DecodeError out of the client, which no caller classifies; it is a SessionError (INTERNAL),
+    which the route handles as a failed path, as gRPC reports a unary reply it cannot read."""
+    from fthsdp.control.lighthouse_client import _parse_reply
+
+    with pytest.raises(SessionError) as ei:
+        _parse_reply("GetQuorum", b"\xff\xff\xff")
+    assert ei.value.code() == grpc.StatusCode.INTERNAL and "not a valid QuorumResponse" in ei.value.details()
+    assert _parse_reply("Heartbeat", b"").ByteSize() == 0  # an empty message parses

@@ -355,6 +355,31 @@ def test_leave_is_not_a_death_and_a_finished_job_answers_rejoiners(caplog):
             b.close()
 
 
+def test_a_leave_that_cannot_be_the_jobs_end_does_not_finish_it(caplog):
+    """A Leave saying "finished" ended the job for everyone at whatever step it named: a replica
+    id that was never in the quorum, or a member naming a step its quorum did not run, had every
+    other replica answered job-finished mid-run. They leave; the job goes on until a member of
+    its newest quorum leaves at that quorum's step + 1."""
+    with LighthouseThread(LighthouseConfig(join_timeout_s=0.2, detect_s=0.8)) as lh:
+        a, b = (LighthouseClient(lh.address, "job", i) for i in range(2))
+        try:
+            ask_all([a, b], 4)
+            with caplog.at_level("WARNING", logger="fthsdp.control.lighthouse"):
+                with LighthouseClient(lh.address, "job", 7) as stranger:
+                    assert stranger.leave(5, finished=True)
+                assert a.leave(2**40, finished=True)
+            assert "replica 7 says it finished the job at step 5, but it is not a member" in caplog.text
+            assert (f"replica 0 says it finished the job at step {2**40}, but the job's newest quorum 1 ran step 4, "
+                    "so a finisher leaves at step 5") in caplog.text
+            assert b.status()[0].finished_step is None
+            assert b.leave(5, finished=True)  # the real end
+            [st] = b.status()
+            assert st.finished_step == 5
+        finally:
+            a.close()
+            b.close()
+
+
 # -- a real job, its lighthouse SIGKILLed mid-run and restarted ----------------------------------------
 
 

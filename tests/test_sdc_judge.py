@@ -139,3 +139,29 @@ def test_status_view_metrics_and_text_show_a_mismatch():
                                                         condemned=v.reason),), None, "", 1, 3,
                                     sdc_events=tuple(resp.jobs[0].sdc_events))])
     assert "CONDEMNED" in text and "fingerprint 0000000000000008@9" in text and "SDC: silent data corruption" in text
+
+
+@pytest.mark.parametrize("fakes", [2, 3])
+def test_only_the_members_of_the_quorum_that_ran_a_step_vote_on_it(fakes):
+    """Replica ids that were never in the step's quorum (registered with the job's key, beating a
+    made-up fingerprint) neither tie the two members (2 fakes: no majority, the job stopped) nor
+    outvote them (3 fakes: the members condemned). A member declared dead since keeps its report."""
+    t = sdc.SdcTracker()
+    t.set_voters(7, ["0", "1"])
+    t.record("0", 7, 5)
+    t.record("1", 7, 5)
+    for i in range(fakes):
+        t.record(f"fake{i}", 7, 6)
+    alive = {"0", "1"} | {f"fake{i}" for i in range(fakes)}
+    assert t.update(alive) == [] and t.condemned == {} and t.fatal is None
+    assert t.verdicts[7].kind == sdc.AGREE and [r for r, _ in t.verdicts[7].reports] == ["0", "1"]
+    # a dead member's report still counts toward the majority: replica 2 is out-voted by 0 and the dead 1
+    t.set_voters(8, ["0", "1", "2"])
+    for r, f in (("0", 1), ("1", 1), ("2", 2)):
+        t.record(r, 8, f)
+    new = t.update({"0", "2"})
+    assert [(v.kind, v.culprits) for v in new] == [(sdc.MISMATCH, ("2",))]
+    # where the step's quorum is not known (a lighthouse restarted since), every report votes
+    t.record("0", 9, 3)
+    t.record("9", 9, 4)
+    assert t.update({"0", "9"})[0].kind == sdc.NO_MAJORITY

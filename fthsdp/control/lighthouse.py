@@ -1047,6 +1047,14 @@ class Lighthouse(pb2_grpc.LighthouseServicer):
             if isinstance(ep, str):
                 notes.append(f"replica {r}: {ep}")
                 continue
+            if len(ep[0]) != p.request.local_world_size:
+                # Its processes' endpoints must add up to the shards its leader asked with: a member
+                # with fewer failed every other member's view of the quorum (a ValueError in its
+                # handler, the answer lost) and more would stand in other members' rings.
+                notes.append(f"replica {r}: its {g.num_processes} process(es) registered {len(ep[0])} FTAR "
+                             f"endpoint(s) in all, its request has local_world_size={p.request.local_world_size} "
+                             "(start every process of it with the same --devices-per-replica)")
+                continue
             out[r] = dataclasses.replace(p.request, ftar_addresses=ep[0], state_server_addresses=ep[1],
                                          state_server_address=ep[1][0], num_processes=g.num_processes)
         note = ("; not asking until all its processes registered: " + "; ".join(notes[:4])
@@ -1720,8 +1728,13 @@ class Lighthouse(pb2_grpc.LighthouseServicer):
                                 f"(replica {rid!r} has {m.num_processes} process(es) in quorum {q.quorum_id})")
         held = job.decided.get(request.held_quorum_id) \
             if request.accepts_ring_delta or request.accepts_ring_neighbours else None
-        return job.view_reply(q, rid, request.process_index, self.stats, held=held,
-                              neighbours=request.accepts_ring_neighbours)
+        try:
+            return job.view_reply(q, rid, request.process_index, self.stats, held=held,
+                                  neighbours=request.accepts_ring_neighbours)
+        except ValueError as e:  # a view that cannot be built (shards outside a member's): say why
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"the view of quorum {q.quorum_id} for process {request.process_index} of replica "
+                                f"{rid!r} cannot be built: {e}")
 
     async def Leave(self, request: pb2.LeaveRequest, context: grpc.aio.ServicerContext) -> pb2.LeaveResponse:
         err = _version_error(request.protocol_version)
@@ -1750,15 +1763,38 @@ class Lighthouse(pb2_grpc.LighthouseServicer):
                 self._schedule_evaluation(job)
             return pb2.LeaveResponse(protocol_version=LIGHTHOUSE_PROTOCOL_VERSION, forked=why,
                                      forked_step=forked[1])
-        if request.finished:
+        finished = request.finished
+        doubt = self._finish_doubt(job, rid, request.step) if finished else ""
+        if doubt:
+            # A replica's word alone ended the job for every replica at any step it named: the
+            # others were answered job-finished and exited 0 mid-run. It leaves, the job goes on.
+            log.warning("job %r: replica %s says it finished the job at step %d, but %s: taken as a replica that "
+                        "stopped, not as the job's end", job.job_id, rid, request.step, doubt)
+            finished = False
+        if finished:
             if request.data_positions and (job.finished_step is None or request.step >= job.finished_step):
                 job.finished_data = (tuple(request.data_positions), tuple(request.data_last_steps))
             job.finished_step = max(job.finished_step or 0, request.step)
         log.info("job %r: replica %s left at step %d (%s)", job.job_id, rid, request.step,
-                 "finished the job" if request.finished else "stopped")
+                 "finished the job" if finished else "stopped")
         if job.pending:  # someone may have been waiting for it
             self._schedule_evaluation(job)
         return pb2.LeaveResponse(protocol_version=LIGHTHOUSE_PROTOCOL_VERSION)
+
+    @staticmethod
+    def _finish_doubt(job: _Job, rid: str, step: int) -> str:
+        """Why a Leave saying "finished at ``step``" cannot be the job's end ("" if it can): a
+        finisher ran the last step in the job's newest quorum, so it is one of its members and
+        leaves at its max step + 1. (A lighthouse that decided no quorum yet, restarted, takes
+        its word as before.)"""
+        q = job.quorum
+        if q is None:
+            return ""
+        if rid not in q.member_ids:
+            return f"it is not a member of the job's newest quorum {q.quorum_id} ({', '.join(q.member_ids)})"
+        if step != q.max_step + 1:
+            return f"the job's newest quorum {q.quorum_id} ran step {q.max_step}, so a finisher leaves at step {q.max_step + 1}"
+        return ""
 
     @staticmethod
     def _merge_lineage(job: _Job, rid: str, values) -> None:

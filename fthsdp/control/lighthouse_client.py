@@ -777,6 +777,17 @@ def lighthouse_error(what: str, where: str, code: grpc.StatusCode | None, detail
     return LighthouseError(f"{what} failed at {where}: {code}: {details}", code)
 
 
+def _parse_reply(method: str, data: bytes):
+    """A session reply's body as its message; one that does not parse is a failed call (INTERNAL, as
+    gRPC reports a unary reply it cannot deserialize), not a protobuf DecodeError out of the client."""
+    try:
+        return _REPLY_TYPES[method].FromString(data)
+    except Exception as e:  # noqa: BLE001 - any garbage from the network
+        raise SessionError(grpc.StatusCode.INTERNAL, (
+            f"the reply to {method} is not a valid {_REPLY_TYPES[method].__name__} protobuf message "
+            f"({type(e).__name__}: {str(e)[:200]}): a relay or lighthouse of another protocol, or a faulty one")) from e
+
+
 class LighthouseClient:
     """One replica's connection to the lighthouse (thread-safe)."""
 
@@ -939,7 +950,7 @@ class LighthouseClient:
             start = time.monotonic()
             try:
                 # a return to the relay (RelayPath) leaves half the heartbeat's time for the lighthouse
-                out = _REPLY_TYPES[method].FromString(s.request(method, body, timeout / 2 if s.probe else timeout))
+                out = _parse_reply(method, s.request(method, body, timeout / 2 if s.probe else timeout))
                 self._relay_answered(s)
                 return out
             except SessionError as e:
@@ -956,8 +967,8 @@ class LighthouseClient:
                     self._routed(routed, e.details())
                     if not routed.again:
                         raise  # e.g. UNAVAILABLE from a live relay: an outage to ride out, through the relay again
-                    return _REPLY_TYPES[method].FromString(
-                        again.request(method, body, max(0.001, timeout - (time.monotonic() - start))))
+                    left = max(0.001, timeout - (time.monotonic() - start))
+                    return _parse_reply(method, again.request(method, body, left))
         return self._rpc[method](body, timeout=timeout)
 
     @property

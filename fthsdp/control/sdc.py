@@ -13,7 +13,8 @@ clock, no I/O), so every rule is unit-tested without a server:
 
 * :func:`judge` -- one step: the fingerprints reported so far and the
   *voters* (the replicas expected to hold that step: the members of the
-  quorum that ran it, minus those declared dead since). A fingerprint held
+  quorum that ran it, minus those declared dead since; where that quorum is
+  known, only its members' reports are judged). A fingerprint held
   by a strict majority of the voters wins; every reporter that disagrees
   with it is a *culprit*. If the disagreement cannot be settled yet (voters
   still to report could still make a majority) the verdict is *pending*; if
@@ -174,9 +175,16 @@ class SdcTracker:
         new: list[Verdict] = []
         for step in sorted(steps):
             reports = self.reports.get(step)
+            eligible = self.voters.get(step)
+            if reports and eligible is not None:
+                # Only the members of the quorum that ran the step vote on it: a replica id that was
+                # never one (registered with the job's key, heartbeating a made-up fingerprint) no
+                # longer ties or outvotes the members and stops or steers the job. A member since
+                # declared dead keeps its report (what its state was), not its seat among the awaited.
+                reports = {r: f for r, f in reports.items() if r in eligible}
             if not reports:
                 continue
-            voters = self.voters.get(step, frozenset()) & alive
+            voters = (eligible or frozenset()) & alive
             v = judge(step, reports, voters)
             old = self.verdicts.get(step)
             self.verdicts[step] = v

@@ -311,6 +311,13 @@ def generic_handler(lighthouse, gate: guard.CallGate) -> grpc.GenericRpcHandler:
             got = lighthouse.accept_quorum_request(req, s.peer, now, relayed=s.relayed)
         except Refused as e:
             return refused(s, seq, e.code, e.reason, False)
+        except Exception as e:  # noqa: BLE001 - a fault of the lighthouse: answered under this message's seq
+            # (answered under seq 0, it reached no waiter: the request waited out its deadline, and on a
+            # relay's stream the rest of the batch, other processes' heartbeats too, was never read)
+            log.exception("session %s: %s message %d failed", s.peer, name, seq)
+            s.send(reply(seq, code=grpc.StatusCode.INTERNAL,
+                         details=f"the lighthouse failed on this {name}: {type(e).__name__}: {str(e)[:300]}"))
+            return
         if isinstance(got, bytes):
             s.send(reply(seq, got))
             return
@@ -354,7 +361,10 @@ def generic_handler(lighthouse, gate: guard.CallGate) -> grpc.GenericRpcHandler:
                     break
                 stats["session_messages"] += 1
                 stats["relayed_messages"] += 1
-                await message(s, inner)
+                try:
+                    await message(s, inner)
+                except Exception:  # noqa: BLE001 - one message's fault must not cost the rest of the batch
+                    log.exception("relay stream %s: message %d of a batch failed", s.peer, i)
         finally:
             # After the messages: a client that sent a request and went away before the batch left
             # has both in it, and its request must not stay open. No reply: nobody waits for one (a
