@@ -192,6 +192,10 @@ class Manager:
     state_server_address: str = ""
     on_commit: Callable[["Manager", StepRecord], None] | None = None
     on_quorum: Callable[["Manager", qm.Quorum], None] | None = None  # after (re)configuring, before compute
+    # A catch-up committed: the fetched data state (and its step) is now this replica's. What follows
+    # from it (ledger rollbacks, a forked writer's checkpoints deleted) waits for this, not the fetch:
+    # a fetch whose step then fails, or is refused, changes nothing.
+    on_install: Callable[[dict, int], None] | None = None
     rejoin: bool = False  # restarted alone: it must find peers to rejoin
     # Where this process is, for the lighthouse's root-cause analysis (set at phase boundaries).
     phases: PhaseTracker = field(default_factory=PhaseTracker)
@@ -654,6 +658,8 @@ class Manager:
         fetched data state becomes this replica's, and the quorum's step the one the record is of."""
         self.install_data_state(data)
         got = q.max_step
+        if self.on_install:
+            self.on_install(data, got)
         sources = list(q.sources_for(self.replica_id))
         events.append(f"caught up to step {got} from {sources}")
         log.info("step %d: caught up from %s", got, sources)

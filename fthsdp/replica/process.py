@@ -257,7 +257,7 @@ class ReplicaProcess:
                            lighthouse=self.client, state=state, loader=LoaderState(replica=args.replica_id),
                            recover=self.recover, state_server_address=self.server.url,
                            on_commit=self.on_commit, on_quorum=self.on_quorum, rejoin=args.rejoin,
-                           phases=self.phases)
+                           phases=self.phases, on_install=self.reconcile_ledger)
         if not self.leader:
             # A follower registers its addresses from the start (its heartbeats alone never make
             # its replica known to the lighthouse, nor bring a dead one back: its leader's do).
@@ -347,7 +347,6 @@ class ReplicaProcess:
                                    bytes=int(info.detail.get("bytes", 0)) if isinstance(info.detail, dict) else 0,
                                    state_bytes=local_shards.parts_bytes(self.abstract), sources=sources,
                                    per_shard=per_shard)
-                self.reconcile_ledger(tree["data"], step)
                 train = local_shards.assemble(tree["train"], self.abstract) if per_shard else tree["train"]
                 return train, tree["data"]
             # With on-demand snapshots the peers start copying when they see the
