@@ -763,9 +763,9 @@ class LocalJob:
         does not end (see _wait_killed) is left to end, and reap goes on without it."""
         now = time.time()
         for rp in self.procs.values():
-            if not rp.followers or rp.proc is None or rp.group_killed:
+            group = self.group_of(rp)
+            if group is None or rp.group_killed:
                 continue
-            group = [rp.proc, *rp.followers]
             codes = [p.returncode for p in group if p.poll() is not None and p.returncode != 0]
             if not codes or all(p.poll() is not None for p in group):
                 rp.group_grace_until = None
@@ -779,6 +779,13 @@ class LocalJob:
             if self.group_failed(rp.rid, group):
                 rp.group_killed = True
                 self.kill_replica(rp.rid)
+
+    def group_of(self, rp: ReplicaProc) -> list | None:
+        """Replica ``rp``'s running group, its leader first (None: a replica of one process, or
+        none started): what fail_groups_as_units judges (the Ray launcher's are actors)."""
+        if not rp.followers or rp.proc is None:
+            return None
+        return [rp.proc, *rp.followers]
 
     def group_failed(self, rid: int, group: list) -> bool:
         """True (and logged) when a process of replica ``rid``'s group ended with an error

@@ -608,6 +608,7 @@ class RayJob(LocalJob):
         rp.log_path = self.out_dir / f"replica-{rid}.log"
         rp.log_path.touch()
         rp.followers = []  # the group's processes 1..P-1 join once it is placed
+        rp.group_returncode, rp.group_killed, rp.group_grace_until = None, False, None
         rp.proc = ActorProcess(self, rid, self.replica_argv(rid, mode))
         rp.state, rp.mode, rp.progressed = "running", mode, False
         rp.restart_at = rp.cont_at = None
@@ -663,14 +664,14 @@ class RayJob(LocalJob):
         for f in rp.followers:
             f.kill()
 
-    def fail_groups_as_units(self) -> None:
-        """The local rule (one process of a replica ends -> the rest are stopped), through Ray."""
-        for rp in self.procs.values():
-            ap = rp.proc
-            if not isinstance(ap, ActorProcess) or not ap.followers or not ap.placed:
-                continue
-            if self.group_failed(rp.rid, [ap, *ap.followers]):
-                ap.kill()  # its group: every actor, then the placement group
+    def group_of(self, rp: ReplicaProc) -> list | None:
+        """The local rule (LocalJob.fail_groups_as_units: one process of a replica ends -> the
+        rest are stopped, after a grace when it gave its own restart verdict) over a placed
+        group's actors; kill_replica then kills the group: every actor, then the placement group."""
+        ap = rp.proc
+        if not isinstance(ap, ActorProcess) or not ap.followers or not ap.placed:
+            return None
+        return [ap, *ap.followers]
 
     def ray_kill(self, rid: int, how: str, process: int = -1) -> dict:
         """The fault: `ray-kill` (ray.kill of the actor), `sigkill` (SIGKILL of its worker
