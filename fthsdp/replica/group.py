@@ -342,13 +342,16 @@ class LeaderQuorumSource:
     def __init__(self, client, channel: DecisionChannel):
         self.client = client
         self.channel = channel
+        self._mail: list[str] = []  # followers' accusations collected and not yet sent in a request that got an answer
 
     def get_quorum(self, step: int, **kwargs):
         from fthsdp.control.lighthouse_client import JobFinished
 
         # The followers' accusations (a ring neighbour of theirs broke FTAR's protocol), sent
-        # with the leader's own: only the leader asks the lighthouse.
-        mail = [str(r) for posted in self.channel.collect("accused") if isinstance(posted, list) for r in posted]
+        # with the leader's own: only the leader asks the lighthouse. Kept until a request carrying
+        # them is answered (collected once from the channel, they were lost with a failed request).
+        posted = [str(r) for p in self.channel.collect("accused") if isinstance(p, list) for r in p]
+        self._mail = mail = list(dict.fromkeys([*self._mail, *posted]))
         if mail:
             from fthsdp.control.lighthouse import MAX_ACCUSED  # what one request may carry
 
@@ -359,6 +362,7 @@ class LeaderQuorumSource:
         except JobFinished as e:  # the followers end the same way (exit 0), not at a timeout
             self.channel.share("quorum", {"job_finished": e.step, "message": str(e), "data": e.data}, 0)
             raise
+        self._mail = []
         self.channel.share("quorum", quorum_to_json(q), 0)
         return q
 
