@@ -11,7 +11,18 @@ if that copy is still pending.
 Two buffers (slots) are reused across steps: the latest snapshot is never the
 one being overwritten, the previous one stays servable until its slot is
 reused, and a slot with a peer still reading from it (a lease) is not reused
-until that read ends.
+until that read ends. `begin` runs on the training thread, which must never
+wait for a peer: when the slot to reuse is still leased, that step's snapshot
+is skipped (logged once per run of skips) and the previous one stays served; a
+fetch of the newer step is told it is stale and asks another peer or again.
+The leased slot takes no new lease from then on, so it is free as soon as the
+pieces in flight are sent (ft.peer_send_s bounds each).
+
+A snapshot is the replica's state at a step *as of its latest `begin`*: a
+later `begin` of step s (the state was replaced at the same step number by a
+lineage fence, a fetch or a resume, or rewound to an earlier step) makes every
+snapshot of step s or later unservable at once, before the new copy lands, so
+no new lease ever reads bytes the replica no longer holds.
 
 Layout: every leaf of the state (in `jax.tree_util` order) is stored whole, in
 C order, at a 64-byte aligned offset; each leaf is cut into pieces of at most
@@ -57,7 +68,8 @@ class StaleStepError(LookupError):
     def __init__(self, requested: int, served: int | None):
         self.requested = requested
         self.served = served
-        what = "no snapshot yet" if served is None else f"step {served} is served"
+        what = ("no snapshot yet (none taken, or the last one was superseded by a new snapshot of its step, "
+                "not landed yet)" if served is None else f"step {served} is served")
         super().__init__(f"step {requested} is not available: {what}")
 
 
@@ -117,7 +129,8 @@ class Manifest:
         try:
             d = json.loads(text)
         except (ValueError, UnicodeDecodeError, RecursionError) as e:  # RecursionError: a body nested too deep
-            raise SnapshotError(f"snapshot manifest is not valid JSON ({e}); is the peer an fthsdp peer server?") from None
+            raise SnapshotError(f"snapshot manifest is not valid JSON ({e}); is the peer an fthsdp peer "
+                                "server?") from None
         if not isinstance(d, dict) or d.get("format") != FORMAT:
             got = d.get("format") if isinstance(d, dict) else type(d).__name__
             raise SnapshotError(f"not a snapshot manifest: format is {got!r}, expected {FORMAT!r}")
@@ -130,7 +143,8 @@ class Manifest:
             raise SnapshotError(f"unsupported checksum {d.get('checksum_algo')!r}, expected {CHECKSUM_ALGO!r}")
         try:
             leaves = tuple(
-                LeafSpec(str(x["path"]), tuple(int(s) for s in x["shape"]), str(x["dtype"]), int(x["offset"]), int(x["nbytes"]))
+                LeafSpec(str(x["path"]), tuple(int(s) for s in x["shape"]), str(x["dtype"]), int(x["offset"]),
+                         int(x["nbytes"]))
                 for x in d["leaves"]
             )
             m = Manifest(
@@ -302,6 +316,8 @@ class Snapshotter:
     run step s+1's forward and backward; call `wait()` before anything that
     could invalidate the arrays (donation), else simply before the next
     `begin`. Peers read the latest complete snapshot through `lease(step)`.
+    To replace the snapshot of a step already taken (the state was replaced
+    at that step number), call `begin(step, new_state)` again.
     """
 
     def __init__(self, piece_bytes: int = DEFAULT_PIECE_BYTES, slots: int = 2, lease_timeout_s: float = 60.0,
@@ -318,10 +334,16 @@ class Snapshotter:
         self._pending: Future | None = None
         self.nice = nice
         self.worker_tid: int | None = None
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fthsdp-snapshot", initializer=self._lower_priority)
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fthsdp-snapshot",
+                                        initializer=self._lower_priority)
         self.last_copy_s = 0.0  # background time of the last copy (copy + checksums)
         self._layout_key = None
         self._layout: tuple[tuple[LeafSpec, ...], int] = ((), 0)
+        # One begin at a time: two racing begins could claim the same free slot, and the copy
+        # submitted last (whichever step it was) overwrote the other under its readers.
+        self._begin_lock = threading.Lock()
+        self._generation = 0  # of the latest begin: only its copy may become the served snapshot
+        self.skipped = 0  # snapshots skipped in a row because a peer still read the slot to reuse
 
     def _lower_priority(self) -> None:
         """The copy has a whole step to land: let the training threads go first (Linux: per-thread nice)."""
@@ -332,36 +354,49 @@ class Snapshotter:
 
     # -- taking snapshots -------------------------------------------------
 
-    def begin(self, step: int, state) -> None:
-        """Starts copying `state` (committed at `step`) to host; returns at once.
+    def begin(self, step: int, state) -> bool:
+        """Starts copying `state` (committed at `step`) to host; returns at once: whether it started.
 
-        Blocks only if the previous copy is still pending, or if the slot to
-        reuse is still being read by a peer (bounded by lease_timeout_s). The
-        previous copy's failure is logged, not raised: it was that step's, and
-        raising it here lost this step's snapshot too."""
-        try:
-            self.wait()
-        except SnapshotError as e:
-            log.warning("the snapshot before step %d's was not taken: %s", step, e)
-        paths, leaves, _ = flatten(state)
-        key = (tuple(paths), tuple((getattr(x, "shape", None), getattr(x, "dtype", None)) for x in leaves))
-        if key != self._layout_key:  # the layout only changes if the state's structure does
-            self._layout = plan_layout(paths, leaves)
-            self._layout_key = key
-        layout, total = self._layout
-        for x in leaves:
-            if getattr(x, "is_fully_addressable", True) is False:
-                raise SnapshotError(
-                    f"array of shape {x.shape} is not fully addressable by this process; a snapshot holds a "
-                    "replica's whole state, so each replica must live in one process (its mesh over local devices)"
-                )
-        slot = self._free_slot()
-        if slot.layout != layout or slot.buffer is None:
-            slot.buffer = HostBuffer(total)
-            slot.layout = layout
-        # Starting transfers (~40 us per array) and enumerating shards (~15 us) is done by the copy
-        # thread, off the training thread.
-        self._pending = self._pool.submit(self._land, int(step), slot, layout, total, leaves)
+        Never waits for a peer: if the slot to reuse is still leased, this
+        step's snapshot is skipped (False; the previous one stays served, a
+        fetch of this step is told it is stale) rather than making the
+        training thread miss its collective deadlines. Blocks only while the
+        previous copy (our own, off-thread) is still landing. That copy's
+        failure is logged, not raised: it was that step's, and raising it here
+        lost this step's snapshot too. A begin of a step already snapshotted
+        replaces that snapshot (see the module docstring)."""
+        with self._begin_lock:
+            try:
+                self.wait()
+            except SnapshotError as e:
+                log.warning("the snapshot before step %d's was not taken: %s", step, e)
+            paths, leaves, _ = flatten(state)
+            key = (tuple(paths), tuple((getattr(x, "shape", None), getattr(x, "dtype", None)) for x in leaves))
+            if key != self._layout_key:  # the layout only changes if the state's structure does
+                self._layout = plan_layout(paths, leaves)
+                self._layout_key = key
+            layout, total = self._layout
+            for x in leaves:
+                if getattr(x, "is_fully_addressable", True) is False:
+                    raise SnapshotError(
+                        f"array of shape {x.shape} is not fully addressable by this process; a snapshot holds a "
+                        "replica's whole state, so each replica must live in one process (its mesh over local "
+                        "devices)"
+                    )
+            with self._cond:
+                self._generation += 1
+                generation = self._generation
+                self._supersede(int(step))
+                slot = self._claim_slot(int(step))
+            if slot is None:
+                return False
+            if slot.layout != layout or slot.buffer is None:
+                slot.buffer = HostBuffer(total)
+                slot.layout = layout
+            # Starting transfers (~40 us per array) and enumerating shards (~15 us) is done by the copy
+            # thread, off the training thread.
+            self._pending = self._pool.submit(self._land, int(step), slot, layout, total, leaves, generation)
+            return True
 
     def wait(self, timeout: float | None = None) -> Snapshot | None:
         """Blocks until the pending copy (if any) has landed; returns the served snapshot."""
@@ -372,9 +407,11 @@ class Snapshotter:
             except TimeoutError:
                 raise
             except Exception as e:
-                self._pending = None
+                if self._pending is fut:  # not a newer begin's copy, which must still be waited for
+                    self._pending = None
                 raise SnapshotError(f"snapshot copy failed: {type(e).__name__}: {e}") from e
-            self._pending = None
+            if self._pending is fut:
+                self._pending = None
         return self.latest()
 
     @property
@@ -382,39 +419,74 @@ class Snapshotter:
         return self._pending is not None and not self._pending.done()
 
     def take(self, step: int, state) -> Snapshot:
-        """begin + wait: a synchronous snapshot (tests, servers of fixed state)."""
-        self.begin(step, state)
-        snap = self.wait()
-        assert snap is not None
-        return snap
-
-    def _free_slot(self) -> _Slot:
+        """begin + wait: a synchronous snapshot of `step` (tests, servers of fixed state; never a
+        training thread). It may wait for a peer: up to lease_timeout_s for the slot to reuse."""
         deadline = time.monotonic() + self.lease_timeout_s
-        draining: _Slot | None = None
-        with self._cond:
-            while True:
-                served = self._served[0] if self._served else None
-                candidates = [s for s in self._slots if s is not served]
-                free = [s for s in candidates if s.leases == 0]
-                if free:
-                    free[0].snap = None  # no longer servable: it is about to be overwritten
-                    return free[0]
-                if draining is None:
-                    # Every spare slot is being read. The least-read one takes no new lease from
-                    # now on (its older step is about to be overwritten: a fetch of it is told it
-                    # is stale and asks for the new one), so only the pieces in flight are waited
-                    # for: a fetcher whose streams overlap their leases must not hold it forever.
-                    draining = min(candidates, key=lambda s: s.leases)
-                    draining.snap = None
-                left = deadline - time.monotonic()
-                if left <= 0:
+        while not self.begin(step, state):
+            with self._cond:
+                if not self._cond.wait_for(self._slot_free, timeout=max(0.0, deadline - time.monotonic())):
                     raise SnapshotError(
                         f"every spare snapshot slot is still being read by a peer after {self.lease_timeout_s}s; "
                         "a stuck peer connection holds it (raise lease_timeout_s or add slots)"
                     )
-                self._cond.wait(left)
+        snap = self.wait()
+        assert snap is not None and snap.step == step
+        return snap
 
-    def _land(self, step: int, slot: _Slot, layout, total: int, leaves) -> None:
+    def _supersede(self, step: int) -> None:
+        """Under _cond: a begin of `step` means the replica's state at `step` is the one being copied
+        now, so any snapshot of `step` or later holds bytes it no longer has (a fork replaced by the
+        lineage's state, a rewind): no new lease may read them. Leases already held finish on
+        them (their fetcher checks those bytes against the manifest it got with them)."""
+        for s in self._slots:
+            if s.snap is not None and s.snap.step >= step:
+                s.snap = None
+        if self._served is not None and self._served[1].step >= step:
+            self._served = None
+
+    def _spares(self) -> list[_Slot]:
+        served = self._served[0] if self._served else None
+        return [s for s in self._slots if s is not served]
+
+    def _slot_free(self) -> bool:
+        return any(s.leases == 0 for s in self._spares())
+
+    def _claim_slot(self, step: int) -> _Slot | None:
+        """Under _cond: a spare slot no peer is reading, now unservable (it is about to be
+        overwritten); None if every spare is read, and the snapshot of `step` is skipped.
+
+        Skipping, not waiting (the training thread must not wait for a peer) nor allocating a
+        further slot: a slot is a whole replica state of host memory, populated at ~1 GB/s on the
+        allocating thread, and a bound on spares only moves the stall to the next stuck peer.
+        What a skip costs is only freshness: peers are served the previous step until a slot is
+        free, and a fetch of the newer step is told it is stale and asks another peer."""
+        spares = self._spares()
+        free = [s for s in spares if s.leases == 0]
+        if free:
+            # Empty slots first, then the oldest step: the newer snapshots stay servable longest.
+            slot = min(free, key=lambda s: (s.snap is not None, -1 if s.snap is None else s.snap.step))
+            slot.snap = None
+            if self.skipped:
+                log.info("snapshots resume at step %d: peers have let go of the slot it reuses (%d snapshot(s) "
+                         "skipped while they read it)", step, self.skipped)
+                self.skipped = 0
+            return slot
+        # Every spare slot is being read. The least-read one takes no new lease from now on (its
+        # older step is about to be overwritten: a fetch of it is told it is stale and asks for the
+        # new one), so only the pieces in flight hold it: a fetcher whose streams overlap their
+        # leases must not hold it forever.
+        min(spares, key=lambda s: s.leases).snap = None
+        served = f"step {self._served[1].step} stays served" if self._served else "no snapshot is served"
+        if not self.skipped:
+            log.warning("snapshot of step %d skipped: a peer is still reading the slot it would reuse (a slow or "
+                        "stopped fetcher; each piece's send is bounded by ft.peer_send_s); %s and training goes "
+                        "on; snapshots resume once that read ends (no warning per step until then)", step, served)
+        else:
+            log.debug("snapshot of step %d skipped: the slot to reuse is still being read", step)
+        self.skipped += 1
+        return None
+
+    def _land(self, step: int, slot: _Slot, layout, total: int, leaves, generation: int) -> None:
         t0 = time.perf_counter()
         buf = slot.buffer
         assert buf is not None
@@ -441,8 +513,9 @@ class Snapshotter:
         manifest = Manifest(step, layout, self.piece_bytes, tuple(sums), total)
         snap = Snapshot(manifest, buf)
         with self._cond:
-            slot.snap = snap
-            self._served = (slot, snap)
+            if generation == self._generation:  # else a later begin superseded it while it was copied
+                slot.snap = snap
+                self._served = (slot, snap)
             self._cond.notify_all()
         self.last_copy_s = time.perf_counter() - t0
 
@@ -462,17 +535,22 @@ class Snapshotter:
 
         The previous step's snapshot stays servable until its slot is reused
         by the next-but-one `begin`, so a fetch of step s that outlasts one
-        training step still completes."""
+        training step still completes. A snapshot superseded by a later
+        `begin` of its step (or an earlier one) is never served."""
         with self._cond:
-            if self._served is None:
-                raise StaleStepError(-1 if step is None else step, None)
+            served = self._served[1].step if self._served else None
             if step is None:
+                if self._served is None:
+                    raise StaleStepError(-1, None)
                 slot, snap = self._served
             else:
+                # At most one slot holds a servable snapshot of a step: a begin of it clears the others.
                 held = [s for s in self._slots if s.snap is not None and s.snap.step == step]
                 if not held:
-                    raise StaleStepError(step, self._served[1].step)
-                slot, snap = held[0], held[0].snap
+                    raise StaleStepError(step, served)
+                slot = held[0]
+                snap = slot.snap
+                assert snap is not None
             slot.leases += 1
         try:
             yield snap

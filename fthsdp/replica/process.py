@@ -257,7 +257,7 @@ class ReplicaProcess:
                            lighthouse=self.client, state=state, loader=LoaderState(replica=args.replica_id),
                            recover=self.recover, state_server_address=self.server.url,
                            on_commit=self.on_commit, on_quorum=self.on_quorum, rejoin=args.rejoin,
-                           phases=self.phases, on_install=self.reconcile_ledger)
+                           phases=self.phases, on_install=self.on_install)
         if not self.leader:
             # A follower registers its addresses from the start (its heartbeats alone never make
             # its replica known to the lighthouse, nor bring a dead one back: its leader's do).
@@ -425,15 +425,23 @@ class ReplicaProcess:
 
                 train = local_parts(train)
             try:
-                self.snapshots.begin(step, {"train": train, "data": self.mgr.data_state()})
+                began = self.snapshots.begin(step, {"train": train, "data": self.mgr.data_state()})
             except SnapshotError as e:
-                # A peer holding every spare slot past the lease, or the last copy failed: this
+                # The state cannot be copied (an array this process does not hold whole): this
                 # replica's training is fine; only a fetch now finds no snapshot and asks again.
                 log.warning("replica %s: no snapshot of step %d for peers (%s); training goes on, a rejoiner's "
                             "fetch is told to ask again", self.rid, step, e)
-                self._snapshot_step = -1
-                return
-            self._snapshot_step = step
+                began = False
+            # (not begun: a peer still reads every spare slot; the Snapshotter said so, and the next
+            # call tries again)
+            self._snapshot_step = step if began else -1
+
+    def on_install(self, data: dict, step: int) -> None:
+        """A catch-up committed (Manager.on_install): the state is the lineage's now, whatever this
+        replica snapshotted before under the same step number (a fenced replica's forked state of
+        that step, which peers would otherwise go on fetching as the job's); then the ledger."""
+        self._snapshot_step = -1
+        self.reconcile_ledger(data, step)
 
     def on_quorum(self, mgr, q) -> None:
         if not self.client.heartbeating:  # a rejoiner starts heartbeating once it is a member
@@ -549,6 +557,7 @@ class ReplicaProcess:
             return
         restored = self._restore_newest_readable(latest)
         mgr.state = restored.state
+        self._snapshot_step = -1  # whatever was snapshotted under this step number is not this state
         n = len(mgr.positions)
         last = restored.metadata.get("last_step")  # absent from checkpoints written before it was saved
         last = np.array(last, np.int64) if isinstance(last, list) and len(last) == n else np.full(n, -1)
