@@ -375,7 +375,7 @@ def test_unknown_communicator_handle_raises_inside_jit():
     mesh = Mesh(np.array([cpu]), (AXIS,))  # the CPU handler raises at once (the GPU one reports later)
     q = make_quorum_inputs(num_contributing=2, num_members=2, num_configured=2, rank=0, quorum_id=1, comm=999)
     put = lambda x: jax.device_put(x, cpu)  # noqa: E731
-    with pytest.raises(Exception, match="unknown communicator handle 999"):
+    with pytest.raises(jax.errors.JaxRuntimeError, match="unknown communicator handle 999"):
         jax.block_until_ready(jax.jit(lambda g, q: ftar.allreduce(g, q, mesh))({"w": put(jnp.ones(4))}, q))
     # A ring of one needs no communicator: the sum is the input, status OK.
     q1 = make_quorum_inputs(comm=-1)

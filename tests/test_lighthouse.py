@@ -18,6 +18,7 @@ import pytest
 from fthsdp.control.lighthouse import LighthouseConfig, LighthouseThread
 from fthsdp.control.lighthouse_client import (
     InvalidLighthouseRequest,
+    JobNotFound,
     LighthouseClient,
     LighthouseError,
     LighthouseUnavailable,
@@ -484,7 +485,7 @@ def test_silent_job_is_forgotten():
             assert {j.job_id for j in d.status(job_id="")} == {"gone", "alive"}
             time.sleep(0.3)
             assert {j.job_id for j in d.status(job_id="")} == {"alive"}
-            with pytest.raises(Exception, match="no job 'gone'"):
+            with pytest.raises(JobNotFound, match="no job 'gone'"):
                 c.status()
 
 

@@ -19,7 +19,7 @@ import pytest
 
 from fthsdp.control import quorum as qm
 from fthsdp.control.lighthouse import LighthouseConfig, LighthouseThread
-from fthsdp.control.lighthouse_client import LighthouseClient, LighthouseError, Registration
+from fthsdp.control.lighthouse_client import LighthouseClient, LighthouseError, Registration, ReplicaIdHeld
 from fthsdp.proto import LIGHTHOUSE_PROTOCOL_VERSION, lighthouse as load_stubs
 
 pb2, pb2_grpc = load_stubs()
@@ -428,7 +428,7 @@ def test_a_restarted_groups_follower_takes_over_while_its_new_leader_asks(lighth
         assert [q.member_ids for q in ask_all_of(cs, 0, ask)] == [("0", "1")] * 2
         stranger = LighthouseClient(lighthouse.address, "t", 0, process_index=1, num_processes=2)
         new.append(stranger)
-        with pytest.raises(Exception, match="held by another live process"):  # replica 0's follower beats
+        with pytest.raises(ReplicaIdHeld, match="held by another live process"):  # replica 0's follower beats
             stranger._beat()
         for p in (0, 1):
             cs[(1, p)].stop_heartbeats()  # replica 1 dies whole, without a Leave

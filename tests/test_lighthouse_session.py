@@ -28,7 +28,7 @@ import pytest
 
 from fthsdp.control import session
 from fthsdp.control.lighthouse import LighthouseConfig, LighthouseThread
-from fthsdp.control.lighthouse_client import LighthouseClient, QuorumTimeout
+from fthsdp.control.lighthouse_client import CredentialRefused, LighthouseClient, QuorumTimeout
 from fthsdp.control.session_client import SessionError, SyncSession
 from fthsdp.proto import LIGHTHOUSE_PROTOCOL_VERSION, lighthouse as load_stubs
 from raising_thread import RaisingThread
@@ -242,9 +242,9 @@ def check_credentials(address: str, secret: bytes, **kw) -> None:
     anonymous = _client(address, 2, **kw)
     try:
         assert good.heartbeat(0).quorum_id == 0
-        with pytest.raises(Exception, match="does not verify"):
+        with pytest.raises(CredentialRefused, match="does not verify"):
             stranger.heartbeat(0)
-        with pytest.raises(Exception, match="carries no credential"):
+        with pytest.raises(CredentialRefused, match="carries no credential"):
             anonymous.heartbeat(0)
         assert good._route.session is not None
     finally:

@@ -72,5 +72,5 @@ def test_handler_reports_bad_dtype_as_ffi_error():
     native.ensure_registered()
     call = jax.ffi.ffi_call("fthsdp_reduce_sum", jax.ShapeDtypeStruct((4,), jnp.int32))
     z = jax.device_put(np.zeros(4, np.int32), _device("cpu"))
-    with pytest.raises(Exception, match="unsupported dtype"):
+    with pytest.raises(jax.errors.JaxRuntimeError, match="unsupported dtype"):
         jax.block_until_ready(call(z, z))

@@ -119,8 +119,8 @@ def test_the_authenticator_refuses_each_bad_credential_with_its_reason():
     assert "NTP" in check(auth.signed_request(key, "Heartbeat", "j", "0", body, now=time.time() - 600)).reason
     assert guard.CallAuthenticator(None).check("Heartbeat", "j", "0", None) is None  # off: anything goes
     # The refusals asking again cannot change are the credential's own (a replica stops job-fatal on
-    # them: CredentialRefused); a replay's or the clock's are not, and while another job's flood fills
-    # the replay cache a fresh call is asked to retry (RESOURCE_EXHAUSTED), not refused as unsigned.
+    # them: CredentialRefused); a replay's or the clock's are not, and while a key's own flood fills
+    # its replay cache its fresh calls are asked to retry (RESOURCE_EXHAUSTED), not refused as unsigned.
     permanent = [check(body), check(body, legacy_metadata=True), check(body, malformed=True), r,
                  check(auth.signed_request(key, "GetQuorum", "j", "0", body)),
                  checker.check("Status", "", "", auth.split_signed(auth.signed_request(key, "Status", "", "", body)))]
@@ -131,11 +131,20 @@ def test_the_authenticator_refuses_each_bad_credential_with_its_reason():
     small = guard.CallAuthenticator(secret, replay_capacity=100)
     other = auth.derive(auth.job_key(secret, "flooder"), "lighthouse")
     flood = pb2.HeartbeatRequest(protocol_version=V, job_id="flooder", replica_id="0").SerializeToString()
-    for _ in range(200):  # signed 29 s ahead: inside the clock window, pushing the floor up
-        small.check("Heartbeat", "flooder", "0", auth.split_signed(
-            auth.signed_request(other, "Heartbeat", "flooder", "0", flood, now=time.time() + 29)))
-    r = small.check("Heartbeat", "j", "0", auth.split_signed(auth.signed_request(key, "Heartbeat", "j", "0", body)))
-    assert r.code == guard.EXHAUSTED and "retry it" in r.reason
+
+    def flooder(ahead_s: float) -> guard.Refusal | None:
+        return small.check("Heartbeat", "flooder", "0", auth.split_signed(
+            auth.signed_request(other, "Heartbeat", "flooder", "0", flood, now=time.time() + ahead_s)))
+
+    r = flooder(29)  # inside the old ±30 s window, which let such a flood lift every job's floor
+    assert r.code == guard.UNAUTHENTICATED and "more than 5 s ahead" in r.reason and "NTP" in r.reason
+    for _ in range(200):  # signed 4 s ahead, twice the capacity: the floor goes up, the flooder's own
+        flooder(4)
+    r = flooder(0)
+    assert r.code == guard.EXHAUSTED and "retry it" in r.reason  # its own fresh call waits ...
+    assert small.check("Heartbeat", "j", "0", auth.split_signed(  # ... another job's is untouched
+        auth.signed_request(key, "Heartbeat", "j", "0", body))) is None
+    assert len(small.replays.cache("flooder")) == 100 and len(small.replays.cache("j")) == 1
 
 
 def test_the_cached_pad_hmac_is_hmac_sha256():

@@ -65,7 +65,8 @@ class PeerCheckpointHandler(ocp.CheckpointHandler):
             self.last_restore = RestoreInfo("persistent", _step_of(directory))
             return out
         if not isinstance(args, PeerRestore):
-            raise TypeError(f"PeerCheckpointHandler restores with PeerRestore or StandardRestore, got {type(args).__name__}")
+            raise TypeError("PeerCheckpointHandler restores with PeerRestore or StandardRestore, "
+                            f"got {type(args).__name__}")
         try:
             tree, report = restore_from_peers(args)
         except (FetchError, SnapshotError, OSError) as e:
@@ -103,7 +104,10 @@ class PeerRestore(ocp.args.CheckpointArgs):
     """Restore `item`'s structure, dtypes and shardings from `sources` at `step`.
 
     item: pytree of jax.ShapeDtypeStruct (with .sharding) or arrays; numpy
-    leaves or ShapeDtypeStructs without a sharding come back as numpy."""
+    leaves or ShapeDtypeStructs without a sharding come back as numpy.
+    deadline: a time.monotonic() value by which the fetch is over (PeerFetcher): past it the
+    peers' restore fails (FetchError naming the slow sources; then the fallback, if any). None:
+    only the fetch's stall limit bounds it."""
 
     item: Any
     sources: Sequence[str]
@@ -113,6 +117,7 @@ class PeerRestore(ocp.args.CheckpointArgs):
     timeout_s: float = 10.0
     fallback: bool = True
     tls_ca_file: str | None = None  # https sources: verify them against this CA (PeerFetcher)
+    deadline: float | None = None
 
 
 def _step_of(directory) -> int | None:
@@ -126,11 +131,13 @@ def _step_of(directory) -> int | None:
 
 
 def restore_from_peers(args: PeerRestore) -> tuple[Any, dict]:
-    """The pytree, array by array as each lands, and the fetch report."""
+    """The pytree, array by array as each lands, and the fetch report. Every wait (the manifests,
+    each leaf, the rest) ends by `args.deadline`: the session enforces it and, on any failure, the
+    `finally` closes the session, which shuts its sockets and joins its threads quickly."""
     if not args.sources:
         raise FetchError("no peer sources were given")
     fetcher = PeerFetcher(args.sources, args.key, step=args.step, streams_per_source=args.streams_per_source,
-                          timeout_s=args.timeout_s, tls_ca_file=args.tls_ca_file)
+                          timeout_s=args.timeout_s, tls_ca_file=args.tls_ca_file, deadline=args.deadline)
     session = fetcher.start(like=args.item)
     try:
         paths, leaves, treedef = flatten(args.item)
@@ -147,7 +154,10 @@ def restore_from_peers(args: PeerRestore) -> tuple[Any, dict]:
 
 def restore(like, sources: Sequence[str], key: bytes | str, step: int | None, checkpoint_dir: str | None = None,
             **kwargs) -> tuple[Any, RestoreInfo]:
-    """Peers first, else the persistent checkpoint item at `checkpoint_dir` (…/STEP/state)."""
+    """Peers first, else the persistent checkpoint item at `checkpoint_dir` (…/STEP/state).
+
+    `kwargs` are PeerRestore's fields: streams_per_source, timeout_s, fallback, tls_ca_file, and
+    deadline (a time.monotonic() value by which the peers' fetch must be over)."""
     handler = PeerCheckpointHandler()
     args = PeerRestore(like, list(sources), key, step, **kwargs)
     if checkpoint_dir is not None:

@@ -12,10 +12,12 @@ TARGET || ts || nonce)``, each field prefixed with its length. HOST is the serve
 fetcher dialled it (the ``Host`` header, which the server must recognise as
 itself) and TARGET the request path, so a captured request cannot be
 replayed for another piece, another step or another server; the timestamp
-bounds how long it is worth anything (``CLOCK_WINDOW_S``, the control
-plane's one clock window, ``fthsdp.control.auth``), and each server remembers
-the nonces it accepted inside that window (the control plane's bounded
-``ReplayCache``), so it cannot be replayed to the same server either. The key is derived from the job's
+bounds how long it is worth anything (the control plane's one clock window,
+``fthsdp.control.auth``: ``CLOCK_WINDOW_S`` behind the server's clock to
+``MAX_FUTURE_S`` ahead), and each server remembers the nonces it accepted
+inside that window (the control plane's bounded ``ReplayCache``; one cache
+suffices, every request a server takes being signed with its own job's key),
+so it cannot be replayed to the same server either. The key is derived from the job's
 secret (``peer_key``), so a replica of another job signs with another key
 and is refused. TLS, when the operator gives certificates, adds secrecy of
 the state bytes and lets the fetcher verify the server; the HMAC stays on,
@@ -34,10 +36,10 @@ import secrets
 import time
 from dataclasses import dataclass
 
-from fthsdp.control.auth import CLOCK_WINDOW_S, START_GRACE_S, ReplayCache
+from fthsdp.control.auth import CLOCK_WINDOW_S, MAX_FUTURE_S, START_GRACE_S, ReplayCache, clock_problem
 
 __all__ = ["SCHEME", "PURPOSE", "Refusal", "Credential", "sign", "parse_credential", "check_request",
-           "ReplayCache", "CLOCK_WINDOW_S", "START_GRACE_S"]
+           "ReplayCache", "CLOCK_WINDOW_S", "MAX_FUTURE_S", "START_GRACE_S"]
 
 SCHEME = "FTHSDP-HMAC-SHA256"
 PURPOSE = "peer-server"  # the purpose string the peer key is derived under from the job key
@@ -110,8 +112,8 @@ def check_request(header: str | None, key: bytes, method: str, host: str, target
         return Refusal(403, "wrong credential: not signed with this job's peer key for this request "
                             "(a peer of another job, a different job secret, or a request altered in transit)")
     ts_s = cred.ts_ms / 1000
-    if abs(ts_s - now_s) > cache.window_s:
-        return Refusal(401, f"credential timestamp is {ts_s - now_s:+.1f} s from this peer server's clock "
-                            f"(allowed +-{cache.window_s:g} s): sign afresh, and synchronise the hosts' clocks (NTP)")
+    clock = clock_problem(ts_s, now_s, cache.window_s, cache.max_future_s, "this peer server's")
+    if clock is not None:
+        return Refusal(401, f"credential {clock}; then sign afresh")
     why = cache.check_and_add(cred.nonce, ts_s, now_s)
     return None if why is None else Refusal(403, f"{why.replace('the lighthouse', 'this peer server')}")

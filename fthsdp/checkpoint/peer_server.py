@@ -13,9 +13,9 @@ with the job's *peer key*, ``derive(job_key, "peer-server")``
 ts=..,nonce=..,mac=..``, an HMAC-SHA256 over the method, the server's own
 host:port, the path, a millisecond timestamp and a random nonce
 (``fthsdp/checkpoint/peer_auth.py`` says why this and not a bearer token).
-The server checks the MAC in constant time, refuses a timestamp more than
-``CLOCK_WINDOW_S`` (30 s, ``fthsdp.control.auth``) from its clock, and remembers every accepted nonce
-for that window, so a captured request can be replayed neither for another
+The server checks the MAC in constant time, refuses a timestamp more than 30 s
+behind or 5 s ahead of its clock (``CLOCK_WINDOW_S``, ``MAX_FUTURE_S``: ``fthsdp.control.auth``), and
+remembers every accepted nonce for that window, so a captured request can be replayed neither for another
 resource (path, server) nor for the same one. A peer of another job holds
 another key and is refused (403). No key or secret is ever sent. With
 ``tls=TLSFiles(cert, key)`` (in a job: ``ft.peer_tls_cert``, ``ft.peer_tls_key``
@@ -58,7 +58,7 @@ Bodies are sent straight from the snapshot buffer (no copy) under a lease, so
 the slot is not overwritten mid-transfer.
 
 `Fault` injects misbehaviour (corrupt bytes, truncated bodies, lying
-checksums, delays) for tests and experiments of the fetcher.
+checksums, delays, 503s) for tests and experiments of the fetcher.
 """
 
 from __future__ import annotations
@@ -166,14 +166,15 @@ class Fault:
     """Misbehaviour to inject into piece responses (fault injection, not a mock).
 
     kind: corrupt (flip a byte), truncate (send half the body, then close),
-    bad_checksum (header lies), delay (sleep `delay_s` before each piece).
+    bad_checksum (header lies), delay (sleep `delay_s` before each piece),
+    unavailable (answer 503, as a server at its limits does).
     count: how many piece responses to affect (None: all)."""
 
     kind: str
     count: int | None = None
     delay_s: float = 0.0
 
-    KINDS = ("corrupt", "truncate", "bad_checksum", "delay")
+    KINDS = ("corrupt", "truncate", "bad_checksum", "delay", "unavailable")
 
     def __post_init__(self):
         if self.kind not in self.KINDS:
@@ -661,6 +662,10 @@ class _Server:
             body = snap.piece(leaf, piece)
             crc = man.checksums[leaf][piece]
             fault = self.take_fault()
+            if fault is not None and fault.kind == "unavailable":
+                self._send(conn, _json_response(503, {"error": "fault injection: unavailable, try again"},
+                                                req.keep_alive), deadline)
+                return True
             if fault is not None and fault.kind == "delay":
                 time.sleep(fault.delay_s)
             if fault is not None and fault.kind == "bad_checksum":
@@ -714,11 +719,19 @@ class _Server:
         self._wake()
 
     def server_close(self, timeout: float = 5.0) -> None:
+        """Stops the workers and closes every socket, within `timeout` in all. A worker writing to a
+        slow reader would hold it for up to ft.peer_send_s: the busy connections are shut down first,
+        so their writes fail at once, and only then are the workers joined."""
+        until = time.monotonic() + timeout
         self._done.wait(timeout)
+        for conn in list(self._conns):
+            if conn.busy:  # its worker may be blocked in sendall: shut down, not close (the worker owns it)
+                with contextlib.suppress(OSError):
+                    socket.socket.shutdown(conn.sock, socket.SHUT_RDWR)
         for _ in self._workers:
             self._work.put(None)
         for t in self._workers:
-            t.join(timeout)
+            t.join(max(0.0, until - time.monotonic()))
         for conn in list(self._conns):
             self._close(conn)
         for s in (self.listener, self._wake_r, self._wake_w):

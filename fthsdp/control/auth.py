@@ -18,8 +18,10 @@ purpose of each call's key).
 A job key is never sent: the per-call credential (:func:`sign`) is an HMAC over
 the method, job id, replica id, the key's kind, a timestamp, a nonce and the
 request's bytes; the lighthouse recomputes it, compares in constant time, refuses a
-timestamp outside :data:`CLOCK_WINDOW_S` and a nonce it saw in that window
-(:class:`ReplayCache`). It travels inside the request, as its last field, in a
+timestamp more than :data:`CLOCK_WINDOW_S` behind its clock or :data:`MAX_FUTURE_S` ahead,
+and a nonce the same key signed in that window (:class:`KeyedReplayCache`: one
+:class:`ReplayCache` per key, so one job's calls can crowd out no other job's). It travels
+inside the request, as its last field, in a
 fixed binary layout (:func:`signed_request`, :func:`split_signed`; below says
 why not gRPC metadata).
 
@@ -42,17 +44,26 @@ from typing import NamedTuple
 from fthsdp.control.wire import varint
 
 __all__ = [
-    "KEY_BYTES", "CLOCK_WINDOW_S", "derive", "job_key", "status_key", "new_secret",
-    "load_secret", "SecretError",
+    "KEY_BYTES", "CLOCK_WINDOW_S", "MAX_FUTURE_S", "derive", "job_key", "status_key", "new_secret",
+    "load_secret", "SecretError", "ReplayCache", "KeyedReplayCache", "clock_problem",
 ]
 
 KEY_BYTES = 32  # every secret and derived key: 256 bits (HMAC-SHA256's output)
 
-# How far a call's timestamp may be from the lighthouse's clock (seconds), either
-# way. Replicas and lighthouse of one job run on hosts with NTP; 30 s tolerates
-# their skew and a client's retries, and bounds the replay cache to the calls of
-# 60 s. (A protocol constant, not a timeout: nothing waits on it.)
+# How far a call's timestamp may be behind the server's clock (seconds). Replicas and
+# lighthouse of one job run on hosts with NTP; 30 s tolerates their skew and a call's
+# delays on its way (held by a budget, retried, a peer request's slow head: timeouts.py),
+# which only ever make a call older. (A protocol constant, not a timeout: nothing waits on it.)
 CLOCK_WINDOW_S = 30.0
+# How far a call's timestamp may be *ahead* of the server's clock (seconds). Only a client's
+# clock running ahead makes an honest call look early (no delay does), and NTP keeps hosts
+# well within a second of each other, so a few seconds is ample. Why not the full window: a
+# replay cache must remember a nonce until its timestamp leaves the window, and when it
+# overflows it forgets the earliest-stamped first and refuses everything stamped before them
+# (the floor, ReplayCache): calls stamped far ahead are what lift that floor past the present,
+# so that fresh calls of the same key are refused until the clock catches up. Bounded here, a
+# flood's own key recovers within this many seconds, and a nonce is remembered 35 s at most, not 60.
+MAX_FUTURE_S = 5.0
 # A server (re)started refuses calls signed more than this before its start (ReplayCache.not_before):
 # it cannot know which of them it saw. The grace spares a client whose clock is a little behind.
 START_GRACE_S = 1.0
@@ -70,7 +81,8 @@ class SecretError(ValueError):
 
 def _check_key(key: bytes, what: str) -> None:
     if not isinstance(key, (bytes, bytearray)) or len(key) < 16:
-        raise SecretError(f"{what} must be at least 16 bytes of secret (got {len(key) if isinstance(key, (bytes, bytearray)) else type(key).__name__})")
+        got = len(key) if isinstance(key, (bytes, bytearray)) else type(key).__name__
+        raise SecretError(f"{what} must be at least 16 bytes of secret (got {got})")
 
 
 def derive(job_key: bytes, purpose: str) -> bytes:
@@ -372,7 +384,8 @@ def signed_request(key: bytes, method: str, job_id: str, replica_id: str, body: 
     the signature, the last 32 bytes, over what precedes it (:func:`split_signed`)."""
     # Written out rather than through sign(): every step costs a replica's process far more
     # between gRPC's work than in a hot loop (cold caches), so the body is hashed in place and
-    # copied once, with the tail packed in one go (timed in a running client: 9.0 -> 8.2 us per heartbeat; 1.4 us in a hot loop).
+    # copied once, with the tail packed in one go (timed in a running client: 9.0 -> 8.2 us per heartbeat; 1.4 us
+    # in a hot loop).
     tail = _NONCES.tail(_KIND_BYTES[kind], round((time.time() if now is None else now) * 1e6))
     inner, outer, prefix = _STATES.get(key, method, job_id, replica_id)
     if len(body) <= _NATIVE_MAX_BYTES and _native_hmac is not None:
@@ -443,20 +456,54 @@ def verify_job_request(key: bytes, method: str, job_id: str, replica_id: str,
     return _TS_NONCE.unpack_from(data, n + 4)
 
 
+def clock_problem(timestamp: float, now: float, behind_s: float = CLOCK_WINDOW_S, ahead_s: float = MAX_FUTURE_S,
+                  clock: str = "the lighthouse's") -> str | None:
+    """Why a call stamped ``timestamp`` is refused by a server whose clock reads ``now``, or None
+    when it is within ``behind_s`` behind to ``ahead_s`` ahead. ``clock``: whose clock, for the
+    text (the lighthouse's, a peer server's)."""
+    off = timestamp - now
+    if -behind_s <= off <= ahead_s:
+        return None
+    side = f"more than {behind_s:g} s behind" if off < 0 else f"more than {ahead_s:g} s ahead of"
+    return (f"timestamp is {off:+.1f} s from {clock} clock, {side} it (accepted: from {behind_s:g} s behind to "
+            f"{ahead_s:g} s ahead): synchronise the clocks (NTP) of this host and {clock} host")
+
+
+# Refusals of a verified call that the same call signed afresh (a new nonce and timestamp) answers:
+# the server asks it to retry (the lighthouse: RESOURCE_EXHAUSTED), not to change its secret.
+TOO_OLD = ("the call is too old to be checked for replay: this key's calls overflowed the lighthouse's replay "
+           "cache (more of them within the clock window than it holds, or stamped ahead of this one), which then "
+           "refuses every call stamped as early as those it forgot: retry it (a fresh nonce and timestamp)")
+BEFORE_START = ("the call was signed before this server started, so it cannot be checked for replay: "
+                "retry it (a fresh nonce and timestamp); if every call is refused so, this host's clock "
+                "is behind the server's: synchronise them (NTP)")
+TOO_MANY_KEYS = ("the lighthouse is checking the calls of as many keys (jobs and the status key) as it may at once "
+                 "(guard.Limits.replay_keys), each of which signed a call within the clock window: retry it "
+                 "(a fresh nonce and timestamp) once one of them has been silent for the clock window, or raise "
+                 "the limit")
+
+
 class ReplayCache:
     """Nonces seen within the clock window, bounded: refuses a nonce seen before.
+
+    One cache serves one key (one principal: a job, the status key, a peer
+    server's job); the lighthouse, which serves many, keeps one per key
+    (:class:`KeyedReplayCache`).
 
     Nonces are kept by their call's *timestamp*, in slices of 1/256 of the
     window (~0.12 s), each in arrival order: a replay carries the same signed
     timestamp, so one lookup in one slice decides, and a slice whose every
     timestamp is outside the window is dropped whole (such a call is refused
     by its timestamp anyway). Keyed by timestamp rather than arrival, a call
-    stamped ahead of the lighthouse's clock stays remembered as long as it
-    could be replayed. When more than ``capacity`` nonces are held, the
-    oldest are dropped one by one, oldest slice first, and, to stay safe,
-    every call stamped at or before the latest dropped timestamp is refused
-    as possibly replayed (``floor``): a flood can make old-but-valid calls
-    retry, never let a replay through, and a fresh call stays accepted.
+    stamped ahead of the server's clock (at most ``max_future_s``) stays
+    remembered as long as it could be replayed. When more than ``capacity``
+    nonces are held, the earliest-stamped are dropped one by one, oldest slice
+    first, and, to stay safe, every call stamped at or before the latest
+    dropped timestamp is refused as possibly replayed (``floor``): a flood can
+    make old-but-valid calls retry, never let a replay through, and a fresh
+    call stays accepted. (A flood stamped ahead lifts the floor up to
+    ``max_future_s`` past the present: only for the key that sent it, since
+    each key has its own cache.)
 
     A cache starts empty, so a server (re)started less than a window after
     a call was captured could not tell its replay from the call: calls stamped
@@ -469,8 +516,9 @@ class ReplayCache:
     SLICES = 256
 
     def __init__(self, window_s: float = CLOCK_WINDOW_S, capacity: int = 200_000,
-                 not_before: float = -float("inf")) -> None:
+                 not_before: float = -float("inf"), max_future_s: float = MAX_FUTURE_S) -> None:
         self.window_s = window_s
+        self.max_future_s = max_future_s
         self.capacity = capacity
         self._width = window_s / self.SLICES
         self._slices: dict[int, dict] = {}  # slice (timestamp // width) -> nonce -> timestamp
@@ -490,27 +538,30 @@ class ReplayCache:
         self._count -= len(self._slices.pop(index))
         self._oldest = min(self._slices) if self._slices else None
 
-    TOO_OLD = ("the call is too old to be checked for replay while the lighthouse is flooded: retry it "
-               "(a fresh nonce and timestamp)")
-    BEFORE_START = ("the call was signed before this server started, so it cannot be checked for replay: "
-                    "retry it (a fresh nonce and timestamp); if every call is refused so, this host's clock "
-                    "is behind the server's: synchronise them (NTP)")
-    RETRYABLE = (TOO_OLD, BEFORE_START)  # refusals a fresh credential answers
+    TOO_OLD = TOO_OLD
+    BEFORE_START = BEFORE_START
+    RETRYABLE = (TOO_OLD, BEFORE_START, TOO_MANY_KEYS)  # refusals a fresh credential answers
+
+    def expire(self, now: float) -> None:
+        """Forget the slices wholly outside the window at ``now`` (their calls are refused by their
+        timestamp anyway)."""
+        oldest = self._oldest
+        if oldest is not None and (oldest + 1) * self._width < now - self.window_s:
+            for i in [i for i in self._slices if (i + 1) * self._width < now - self.window_s]:
+                self._drop(i)
 
     def check_and_add(self, nonce: bytes | str, timestamp: float, now: float) -> str | None:
         """None when fresh (and remembered); otherwise why it is refused. (Every accepted call
         runs this on the lighthouse's event loop: the common path is kept to few operations.)"""
-        if not -self.window_s <= timestamp - now <= self.window_s:
-            return (f"timestamp is {timestamp - now:+.1f} s from the lighthouse's clock (window ±{self.window_s:g} s): "
-                    "synchronise the clocks (NTP) of this host and the lighthouse's")
+        if not -self.window_s <= timestamp - now <= self.max_future_s:
+            return clock_problem(timestamp, now, self.window_s, self.max_future_s)
         oldest = self._oldest
         if oldest is not None and (oldest + 1) * self._width < now - self.window_s:
-            for i in [i for i in self._slices if (i + 1) * self._width < now - self.window_s]:
-                self._drop(i)  # wholly outside the window
+            self.expire(now)
         if timestamp <= self.floor:
-            return self.TOO_OLD
+            return TOO_OLD
         if timestamp <= self.not_before:
-            return self.BEFORE_START
+            return BEFORE_START
         index = int(timestamp // self._width)
         seen = self._slices.get(index)
         if seen is None:
@@ -522,25 +573,166 @@ class ReplayCache:
         seen[nonce] = timestamp
         self._count += 1
         if self._count > self.capacity:
-            return self._evict(nonce, timestamp)
+            if self._drop_oldest(self.capacity, nonce) or timestamp <= self.floor:
+                return TOO_OLD  # the call just added was dropped, or is now below the floor
         return None
 
-    def _evict(self, nonce: bytes | str, timestamp: float) -> str | None:
-        """Drop the oldest nonces down to capacity, raising ``floor`` past them; refuses the call
-        just added if it was dropped or is now below the floor."""
-        dropped_self = False
-        while self._count > self.capacity:
+    def shed(self, keep: int) -> None:
+        """Hold at most ``keep`` nonces, dropping the earliest-stamped (and raising ``floor`` past
+        them): :class:`KeyedReplayCache` keeps its keys together within its total bound so."""
+        self._drop_oldest(keep, None)
+
+    def _drop_oldest(self, keep: int, nonce: bytes | str | None) -> bool:
+        """Drop the earliest-stamped nonces down to ``keep``, raising ``floor`` past them; whether
+        ``nonce`` was among them."""
+        dropped = False
+        while self._count > keep:
             oldest = self._slices[self._oldest]
             n = next(iter(oldest))
             t = oldest.pop(n)
             self._count -= 1
             self.floor = max(self.floor, t)
-            dropped_self = dropped_self or n == nonce
+            dropped = dropped or n == nonce
             if not oldest:
                 self._drop(self._oldest)
-        if dropped_self or timestamp <= self.floor:
-            return self.TOO_OLD
-        return None
+        return dropped
+
+
+class KeyedReplayCache:
+    """One :class:`ReplayCache` per key (principal) that signed calls, within bounds on the
+    nonces each key and all keys together may hold and on the keys held.
+
+    Why per key: a lighthouse serves many jobs, and one cache shared by all let a holder
+    of any one job's key (or of the read-only status key) refuse every other job's calls.
+    Its calls, stamped ahead of the clock and more of them than the cache held, made it
+    forget the earliest-stamped nonces first, the honest calls stamped now, and refuse
+    every call stamped before them (the floor): every fresh call of every job, for as
+    long as the flood went on, and a nonce another job had used was refused as a replay.
+    Here a key's nonces, floor and capacity are its own: a flood lifts the floor of the
+    key that sent it only, and nonces are compared within a key only.
+
+    Memory stays bounded: each key holds at most ``capacity`` nonces, all together at
+    most ``total_capacity`` (when over, the keys holding the most are cut down to one
+    level, earliest-stamped first, so a flood's own key pays for it and a key holding
+    fewer than its share is not touched), and at most ``max_keys`` keys are held. A key
+    enters only once a call signed with it verified, so the keys held are keys someone
+    was given (a job's, the status key), never what a stranger makes up; a key whose
+    nonces all left the window is forgotten, and a new key beyond ``max_keys`` is refused
+    as :data:`TOO_MANY_KEYS` (retryable) until one falls silent.
+
+    The lighthouse passes the job id as the key of a job-signed call and a token of its
+    own for the status key (fthsdp.control.guard.CallAuthenticator); any hashable will do.
+    """
+
+    TOO_MANY_KEYS = TOO_MANY_KEYS
+
+    def __init__(self, window_s: float = CLOCK_WINDOW_S, capacity: int = 200_000, total_capacity: int = 400_000,
+                 max_keys: int = 4096, not_before: float = -float("inf"),
+                 max_future_s: float = MAX_FUTURE_S) -> None:
+        for name, v in (("capacity", capacity), ("total_capacity", total_capacity), ("max_keys", max_keys)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"KeyedReplayCache {name}={v!r}: must be an integer >= 1")
+        if capacity > total_capacity:
+            raise ValueError(f"KeyedReplayCache capacity={capacity} (nonces per key) exceeds total_capacity="
+                             f"{total_capacity} (all keys together): raise the total or lower the per-key bound")
+        self.window_s = window_s
+        self.max_future_s = max_future_s
+        self.capacity = capacity
+        self.total_capacity = total_capacity
+        self.max_keys = max_keys
+        self.not_before = not_before
+        self._caches: dict[object, ReplayCache] = {}
+        # Nonces held by every key's cache together, at least: counted up per accepted call and
+        # recounted over every key only when past the bound (the common path is one addition).
+        self._total = 0
+        # What a recount leaves under the bound (cutting the keys that hold the most if need be),
+        # so that a sustained flood pays for a pass over every key once per this many calls at most.
+        self._slack = max(1, total_capacity // 64)
+
+    def started(self, now: float) -> None:
+        """The server starts serving at ``now`` (wall clock): calls signed before are refused, for every key."""
+        self.not_before = now
+        for c in self._caches.values():
+            c.started(now)
+
+    def __len__(self) -> int:
+        """Nonces held, every key together (calls that left the window included until their key is next checked)."""
+        return sum(c._count for c in self._caches.values())
+
+    def keys(self) -> int:
+        """Keys held (the replay cache of each)."""
+        return len(self._caches)
+
+    def cache(self, key: object) -> ReplayCache | None:
+        """``key``'s own cache, None when none is held (for tests and metrics)."""
+        return self._caches.get(key)
+
+    def check_and_add(self, key: object, nonce: bytes | str, timestamp: float, now: float) -> str | None:
+        """None when ``nonce`` is fresh for ``key`` (and remembered); otherwise why it is refused.
+        ``key`` must be the principal the call's signature verified as (one per job key)."""
+        cache = self._caches.get(key)
+        if cache is None:
+            if not -self.window_s <= timestamp - now <= self.max_future_s:  # holds no key for such a call
+                return clock_problem(timestamp, now, self.window_s, self.max_future_s)
+            cache = self._new_key(key, now)
+            if cache is None:
+                return TOO_MANY_KEYS
+        why = cache.check_and_add(nonce, timestamp, now)
+        if why is None:
+            self._total += 1
+            if self._total > self.total_capacity:
+                self._shed(now)
+                if timestamp <= cache.floor:
+                    why = TOO_OLD  # cut along with its key's earliest calls: refused as ReplayCache refuses it
+        return why
+
+    def _new_key(self, key: object, now: float) -> ReplayCache | None:
+        if len(self._caches) >= self.max_keys:
+            self._forget_idle(now)
+            if len(self._caches) >= self.max_keys:
+                return None
+        cache = self._caches[key] = ReplayCache(self.window_s, self.capacity, self.not_before, self.max_future_s)
+        return cache
+
+    def _forget_idle(self, now: float) -> None:
+        """Expire every key's calls outside the window; forget a key holding none whose floor is
+        outside it too (anything at or below that floor is refused by its timestamp: nothing the
+        key's cache knows is lost)."""
+        total = 0
+        for key, c in list(self._caches.items()):
+            c.expire(now)
+            if not c._count and c.floor < now - self.window_s:
+                del self._caches[key]
+            total += c._count
+        self._total = total
+
+    def _shed(self, now: float) -> None:
+        """The count passed the total bound: recount; if less than ``_slack`` under the bound, cut the
+        keys holding the most down to one level (water-filling), earliest-stamped first, until it is."""
+        self._forget_idle(now)
+        target = self.total_capacity - self._slack
+        if self._total <= target:
+            return
+        caches = sorted(self._caches.values(), key=len, reverse=True)
+        level = _water_level([len(c) for c in caches], target)
+        for c in caches:
+            if len(c) <= level:
+                break
+            self._total -= len(c) - level
+            c.shed(level)
+
+
+def _water_level(sizes: list[int], target: int) -> int:
+    """The largest level such that cutting every size above it down to it leaves at most
+    ``target`` in all (``sizes`` in decreasing order)."""
+    rest = sum(sizes)
+    for k, s in enumerate(sizes, 1):
+        rest -= s
+        below = sizes[k] if k < len(sizes) else 0
+        level = (target - rest) // k
+        if level >= below:
+            return max(level, 0)
+    return 0
 
 
 # The refusals of a call's credential that asking again cannot change (fthsdp.control.guard

@@ -78,11 +78,21 @@ class Limits:
     new_ids_per_s: float = 2000.0  # per client host, sustained ...
     new_ids_burst: int = 16_384  # ... after a burst of this many (one host may start a whole job at once)
     max_request_bytes: int = 4 * 1024 * 1024
+    # The replay cache (fthsdp.control.auth.KeyedReplayCache), one per key that signed calls (each
+    # job's, the status key): the nonces one key's calls may hold within the clock window (~105
+    # bytes each; the lighthouse's heartbeats are paced to 5,000/s in all, 175,000 in 35 s), ...
+    replay_nonces_per_key: int = 200_000
+    replay_nonces_total: int = 400_000  # ... all keys together (those holding the most are cut first) ...
+    replay_keys: int = 4096  # ... and the keys held at once (each signed a call within the window)
 
     def __post_init__(self) -> None:
         for k, v in self.__dict__.items():
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
                 raise ValueError(f"Limits.{k}={v!r}: must be a finite number > 0")
+        if self.replay_nonces_per_key > self.replay_nonces_total:
+            raise ValueError(f"Limits.replay_nonces_per_key={self.replay_nonces_per_key} exceeds "
+                             f"Limits.replay_nonces_total={self.replay_nonces_total}: one key may hold at most "
+                             "what all keys together hold; raise the total or lower the per-key bound")
 
 
 @dataclass(frozen=True)
@@ -414,6 +424,11 @@ def _does_not_verify(method: str, job_id: str, replica_id: str) -> Refusal:
         "give the replicas the secret of this lighthouse and job"))
 
 
+# The replay-cache key of calls signed with the read-only status key: a job's is its job id (a
+# str), so no job id, whatever its text, shares the status key's nonces, floor or capacity.
+STATUS_PRINCIPAL = ("status key",)
+
+
 class CallAuthenticator:
     """Checks each call's credential against the lighthouse secret (None: authentication off).
 
@@ -421,16 +436,41 @@ class CallAuthenticator:
     (``derive(job_key(secret, job_id), "lighthouse")``): knowing one job's key
     signs nothing for another job. ``Status`` may also be signed with the
     read-only status key (any job, or all) or, for its own job, a job key.
+
+    A verified call's nonce is then checked for replay against the nonces of
+    the key it verified under only (:attr:`replays`, a
+    :class:`auth.KeyedReplayCache`: the job id, or :data:`STATUS_PRINCIPAL`):
+    one key's flood fills and lifts the floor of its own cache, never another
+    job's. Its bounds are ``limits``' (``replay_*``); ``replay_capacity``, when
+    given, is the nonces per key instead (the total then at least as large).
+    Given neither, the authenticator takes the limits of the :class:`CallGate`
+    it is put in (:meth:`use_limits`).
     """
 
     PURPOSE = "lighthouse"
 
     def __init__(self, secret: bytes | None, window_s: float = auth.CLOCK_WINDOW_S,
-                 replay_capacity: int = 200_000) -> None:
+                 replay_capacity: int | None = None, *, limits: Limits | None = None) -> None:
         self.secret = secret
-        self.replays = auth.ReplayCache(window_s, replay_capacity)
+        self.window_s = window_s
+        self._replay_capacity = replay_capacity
+        self._replay_bounds_given = replay_capacity is not None or limits is not None
+        self.replays = self._replay_cache(limits or Limits())
         self._keys: OrderedDict[str, bytes] = OrderedDict()
         self._status_key = auth.status_key(secret) if secret is not None else b""
+
+    def _replay_cache(self, limits: Limits, not_before: float = -math.inf) -> auth.KeyedReplayCache:
+        per_key = limits.replay_nonces_per_key if self._replay_capacity is None else self._replay_capacity
+        return auth.KeyedReplayCache(self.window_s, per_key, max(per_key, limits.replay_nonces_total),
+                                     limits.replay_keys, not_before)
+
+    def use_limits(self, limits: Limits) -> None:
+        """Take ``limits``' replay bounds, unless bounds were given at construction or a call was
+        already checked. Why: the lighthouse builds its authenticator before the :class:`CallGate`
+        that it hands its configured limits, so the gate passes them on; without it
+        ``LighthouseConfig.limits``' replay bounds would never reach the cache."""
+        if not self._replay_bounds_given and not self.replays.keys():
+            self.replays = self._replay_cache(limits, self.replays.not_before)
 
     @property
     def enabled(self) -> bool:
@@ -458,7 +498,7 @@ class CallAuthenticator:
             key = self._keys.get(job_id) or self.job_call_key(job_id)
             ok = auth.verify_job_request(key, method, job_id, replica_id, data)
             if ok:
-                why = self.replays.check_and_add(ok[1], ok[0] / 1e6, time.time())
+                why = self.replays.check_and_add(job_id, ok[1], ok[0] / 1e6, time.time())
                 return None if why is None else _replay_refusal(why, method, job_id, replica_id)
             if ok is False:
                 return _does_not_verify(method, job_id, replica_id)
@@ -508,16 +548,19 @@ class CallAuthenticator:
             key = self.job_call_key(job_id)
         if not auth.verify_split(key, method, job_id, replica_id, covered, cred):
             return _does_not_verify(method, job_id, replica_id)
-        why = self.replays.check_and_add(cred.nonce, cred.timestamp_us / 1e6, time.time() if now is None else now)
+        principal = STATUS_PRINCIPAL if cred.kind == "status" else job_id  # the key it verified under
+        why = self.replays.check_and_add(principal, cred.nonce, cred.timestamp_us / 1e6,
+                                         time.time() if now is None else now)
         if why is not None:
             return _replay_refusal(why, method, job_id, replica_id)
         return None
 
 
 def _replay_refusal(why: str, method: str, job_id: str, replica_id: str) -> Refusal:
-    """A verified call the replay check refused: while the cache is flooded (TOO_OLD), or when
-    the call was signed before the lighthouse started (BEFORE_START), a call is asked to retry
-    (RESOURCE_EXHAUSTED, which clients retry), not told its credential is bad."""
+    """A verified call the replay check refused: while its key's cache is flooded (TOO_OLD), when
+    the call was signed before the lighthouse started (BEFORE_START) or while the cache holds as
+    many keys as it may (TOO_MANY_KEYS), a call is asked to retry (RESOURCE_EXHAUSTED, which
+    clients retry), not told its credential is bad."""
     code = EXHAUSTED if why in auth.ReplayCache.RETRYABLE else UNAUTHENTICATED
     return Refusal(code, f"{_where(method, job_id, replica_id)}: {why}")
 
@@ -630,6 +673,10 @@ class CallGate:
     throttled: ThrottleLog = field(default_factory=ThrottleLog)
     # Calls refused, by the gRPC status code's name (fthsdp.observe.load_metrics serves them).
     refused: dict[str, int] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.authenticator is not None and self.limits is not None:  # (a test's gate may have neither)
+            self.authenticator.use_limits(self.limits)  # the replay bounds of these limits (see use_limits)
 
     def count(self, code: grpc.StatusCode) -> None:
         """One call was refused with ``code`` (every transport's refusal path calls this once)."""

@@ -328,16 +328,22 @@ class ReplicaProcess:
         like = {"train": local_shards.local_like(self.abstract) if per_shard else self.abstract,
                 "data": self.mgr.data_state()}
         last: Exception | None = None
-        deadline = time.monotonic() + self.cfg.ft.allreduce_timeout_s
+        # The fetch's share of a behind quorum's all-reduce deadline (allreduce_timeout_s more than
+        # this: Manager._deadline): every wait of every try ends by it. A source that trickles its
+        # bytes held the fetch, and through the quorum the whole job, for as long as it liked.
+        deadline = time.monotonic() + self.cfg.ft.catch_up_timeout_s
         while True:
-            for sources in tries:
+            for i, sources in enumerate(tries):
                 if not sources:
                     continue
+                now = time.monotonic()
+                # the assigned sources get half of what is left, so a slow one leaves the others a try
+                until = deadline if i == len(tries) - 1 else now + (deadline - now) / 2
                 try:
                     tree, info = orbax_peer.restore(like, sources, self.peer_key, step,
                                                     tls_ca_file=self.cfg.ft.peer_tls_ca or None,
                                                     timeout_s=self.cfg.ft.allreduce_timeout_s,
-                                                    streams_per_source=self.cfg.ft.peer_streams)
+                                                    streams_per_source=self.cfg.ft.peer_streams, deadline=until)
                 except Exception as e:  # noqa: BLE001 - every failure falls through to the next sources
                     last = e
                     continue
