@@ -19,7 +19,8 @@ import pytest
 
 from fthsdp.control import quorum as qm
 from fthsdp.control.lighthouse import LighthouseConfig, LighthouseThread
-from fthsdp.control.lighthouse_client import LighthouseClient, LighthouseError, Registration, ReplicaIdHeld
+from fthsdp.control.lighthouse_client import (InvalidLighthouseRequest, LighthouseClient, LighthouseError, Registration,
+                                           ReplicaIdHeld)
 from fthsdp.proto import LIGHTHOUSE_PROTOCOL_VERSION, lighthouse as load_stubs
 
 pb2, pb2_grpc = load_stubs()
@@ -509,3 +510,24 @@ def test_a_replica_whose_processes_hold_fewer_shards_than_its_request_does_not_e
                 beater.join(5)
             for c in cs.values():
                 c.close()
+
+
+def test_a_follower_of_a_live_single_process_replica_is_refused(lighthouse):
+    """A process saying it is process 1 of 2 of a replica whose live leader beats as a replica of
+    one process opened a process group for it, and that replica was then held out of every quorum
+    until "all its processes registered". It is refused; once the leader is silent past the
+    detection window (a replica restarted with other settings), a group may form."""
+    leader = LighthouseClient(lighthouse.address, "single", 0)
+    stranger = LighthouseClient(lighthouse.address, "single", 0, process_index=1, num_processes=2)
+    try:
+        leader._beat()
+        stranger.register(ftar(0, 1, 1), server(0, 1), 2)
+        with pytest.raises(InvalidLighthouseRequest, match="its live leader .* runs as a replica of one process"):
+            stranger._beat()
+        assert "0" not in lighthouse.server._jobs["single"].groups
+        time.sleep(DETECT + 0.2)  # the leader is silent past the window
+        stranger._beat()
+        assert lighthouse.server._jobs["single"].groups["0"].num_processes == 2
+    finally:
+        leader.close()
+        stranger.close()

@@ -1677,6 +1677,14 @@ class Lighthouse(pb2_grpc.LighthouseServicer):
                 raise Refused(grpc.StatusCode.INVALID_ARGUMENT, (
                     f"{who} says its replica has {nproc} processes but its leader (process 0) registered "
                     f"{held.num_processes}: start every process of a replica with the same --processes-per-replica"))
+            if (proc != 0 and held is None and rid in job.heartbeating
+                    and now - job.last_heartbeat.get(rid, -math.inf) <= self.detect_s):
+                # Its live leader beats as a replica of one process: a group opened here held that
+                # replica out of every quorum ("not asking until all its processes registered").
+                raise Refused(grpc.StatusCode.INVALID_ARGUMENT, (
+                    f"{who} says its replica has {nproc} processes but its live leader (process 0) runs as a "
+                    "replica of one process: start every process of a replica with the same "
+                    "--processes-per-replica"))
             g = self._group(job, rid, nproc, now)
             if request.ftar_addresses:
                 err = g.register(proc, tuple(request.ftar_addresses), request.state_server_address)
