@@ -1,9 +1,13 @@
 """Test-wide setup: 4 host devices for in-process sharding tests, a shared
 XLA compilation cache for the many processes the multi-process tests start,
 and the `slow` marker's rule: tests marked slow (the longest end-to-end
-variants, each beside a shorter test of the same feature) run only with
-FTHSDP_RUN_SLOW=1 (`make test-all`), so `make test` (CI) stays well under
-its 30-minute budget on 2 cores."""
+variants) run only with FTHSDP_RUN_SLOW=1 (`make test-all`), so `make test`
+(CI) stays well under its 30-minute budget on 2 cores. Most sit beside a
+shorter test of the same feature; a few have none and are covered only by
+`make test-all`: CMake configuring without CUDA (tests/test_cuda_build_optional.py),
+a Ray node's loss (tests/test_ray_nodes.py), a replica of several processes
+resuming from its checkpoint, the Ray lighthouse actor restarted, and one
+peer-server security variant."""
 
 import os
 import pathlib
