@@ -45,8 +45,14 @@ def train_cli(argv: list[str]) -> int:
     enable_compilation_cache()
     from fthsdp.step.train import train
 
+    from fthsdp.errors import EXIT_JOB_FATAL, JobFatalError
+
     progress = not args.no_progress and sys.stderr.isatty()
-    train(cfg, progress=progress)
+    try:
+        train(cfg, progress=progress)
+    except JobFatalError as e:  # (a diverged run: optim.nonfinite_limit) said plainly, no traceback
+        print(f"fthsdp train: {e}", file=sys.stderr)
+        return EXIT_JOB_FATAL
     return 0
 
 

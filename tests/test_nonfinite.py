@@ -48,3 +48,17 @@ def test_a_diverged_run_skips_its_non_finite_updates_then_stops_with_what_to_do(
     for step in range(LIMIT + 1):
         assert run.steps["0"][step]["fingerprint"] == run.steps["1"][step]["fingerprint"], step
     assert "lower optim.lr" in (tmp_path / "replica-0.out").read_text()
+
+
+def test_fthsdp_train_stops_a_diverged_run_the_same_way(tmp_path):
+    """The one-replica trainer (`fthsdp train`) counted skipped updates as commits and trained on
+    to the end; it stops at optim.nonfinite_limit skips in a row, exit 78, saying what to do."""
+    args = [sys.executable, "-m", "fthsdp.cli", "train", "--config", "base", "--no-progress", *TINY,
+            "launch.devices_per_replica=2", "train.steps=20", f"train.out_dir={tmp_path}", "optim.lr=1e30",
+            "optim.warmup_steps=0", "optim.decay=constant", f"optim.nonfinite_limit={LIMIT}"]
+    p = subprocess.run(args, capture_output=True, text=True, timeout=240)
+    assert p.returncode == 78, (p.stdout + p.stderr)[-3000:]
+    assert f"fthsdp train: steps 1..{LIMIT}: the averaged gradients held a NaN or an infinity {LIMIT} times" \
+        in p.stderr, p.stderr[-3000:]
+    assert "Traceback" not in p.stderr
+    assert p.stderr.count("the update was skipped") == LIMIT

@@ -120,6 +120,7 @@ class ActorProcess:
         self._ray = ray
         self.index = 0  # process index in the replica (0 leads and owns the placement group)
         self.followers: list[ActorProcess] = []
+        self.teardown_deferred = False  # ended with followers still running: see _finish
 
     # -- placement and start ------------------------------------------------------------
 
@@ -196,6 +197,7 @@ class ActorProcess:
         f.job, f.rid, f.argv, f.pg, f.ready_ref, f.deadline = leader.job, leader.rid, [], None, None, 0.0
         f.actor, f.run_ref, f.where, f.returncode = actor, None, where, None
         f.pid, f.unplaced, f._ray, f.index, f.followers = int(where.get("pid", -1)), "", leader._ray, index, []
+        f.teardown_deferred = False
         return f
 
     @property
@@ -206,6 +208,9 @@ class ActorProcess:
 
     def poll(self) -> int | None:
         if self.returncode is not None:
+            if self.teardown_deferred and all(f.poll() is not None for f in self.followers):
+                self.teardown_deferred = False
+                self.teardown()  # its followers ended too: the placement group goes
             return self.returncode
         if self.run_ref is None:
             return None
@@ -223,6 +228,13 @@ class ActorProcess:
             if self.index == 0:
                 self.job.collect_one(self.rid, self)  # its last records, before the actor goes
         self.returncode = rc
+        if rc != 0 and any(f.poll() is None for f in self.followers):
+            # A leader that failed with followers still running: they may be on their way out with a
+            # verdict of their own (a job-fatal 78 after the leader's 70), which the group rule waits
+            # for (LocalJob.fail_groups_as_units); killing them here made that grace void. The rule's
+            # kill_replica, or their own end (poll above), removes the group.
+            self.teardown_deferred = True
+            return
         self.teardown()
 
     def wait(self, timeout: float | None = None) -> int:
@@ -242,6 +254,7 @@ class ActorProcess:
     terminate = kill
 
     def teardown(self) -> None:
+        self.teardown_deferred = False
         ray = self._ray
         if self.actor is not None:
             try:
@@ -659,6 +672,8 @@ class RayJob(LocalJob):
             if isinstance(rp.proc, ActorProcess) and rp.proc.placed:
                 self.signal_replica(rid, signal.SIGCONT)  # a stopped actor must not hold its group
             rp.proc.kill()
+        elif isinstance(rp.proc, ActorProcess) and rp.proc.teardown_deferred:
+            rp.proc.kill()  # its leader ended first (ActorProcess._finish): its followers and the group go
 
     def kill_followers(self, rp: ReplicaProc) -> None:
         for f in rp.followers:

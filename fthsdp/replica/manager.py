@@ -69,7 +69,7 @@ from fthsdp.observe.phase import Phase, PhaseTracker
 from fthsdp.step.intervention import Intervention
 from fthsdp.step.quorum_inputs import STATUS_FATAL, QuorumInputs, make_quorum_inputs
 from fthsdp.step.fingerprint import read_commit
-from fthsdp.step.functional import TrainState, TrainStep
+from fthsdp.step.functional import TrainState, TrainStep, nonfinite_skipped, nonfinite_stop
 
 log = logging.getLogger("fthsdp.replica.manager")
 
@@ -565,24 +565,18 @@ class Manager:
             self._nonfinite_run = 0
             return
         self._nonfinite_run += 1
-        why = (f"the averaged gradients of step {step} hold a NaN or an infinity: the update was skipped "
-               f"(optim.nonfinite=skip; {self._nonfinite_run} in a row, the job stops at "
-               f"optim.nonfinite_limit={self.cfg.optim.nonfinite_limit})")
+        why = nonfinite_skipped(step, self._nonfinite_run, self.cfg.optim.nonfinite_limit)
         events.append(why)
         log.warning("%s", why)
 
     def _check_nonfinite_run(self, step: int) -> None:
-        """Ends the job once optim.nonfinite_limit updates in a row were skipped: every replica
-        averaged the same gradients, so all of them reach the limit at the same step."""
+        """Ends the job once optim.nonfinite_limit updates in a row were skipped. Every replica
+        averaged the same gradients, so the replicas that lived through the whole run of skips
+        reach the limit at the same step; one restarted during it counts from its restart, and
+        ends later or not at all (the others' job-fatal exit ends the job)."""
         run, limit = self._nonfinite_run, self.cfg.optim.nonfinite_limit
-        if run < limit:
-            return
-        raise ManagerJobError(
-            f"steps {step - run + 1}..{step}: the averaged gradients held a NaN or an infinity {run} times in a "
-            f"row (optim.nonfinite_limit={limit}); the updates were skipped, and the run has diverged or a "
-            "replica's device computes wrong values. Look for a loss spike in the logs before those steps; "
-            "resume from a persistent checkpoint before them (fthsdp run --resume) with a lower optim.lr or "
-            "optim.grad_clip, or raise optim.nonfinite_limit to skip on")
+        if run >= limit:
+            raise ManagerJobError(nonfinite_stop(step, run, limit))
 
     def _note_violations(self, q: qm.Quorum, step: int, attempt: int, events: list[str]) -> list[str]:
         """The replicas of ``q`` that broke FTAR's protocol in this attempt (from the communicator's

@@ -666,10 +666,13 @@ class ReplicaProcess:
                         self.rid, e)
             me = self.args.replica_id
             if e.data is not None and 0 <= me < len(e.data["positions"]) == len(e.data["last_step"]):
-                # Killed between a commit and its ledger line, and restarted too late to rejoin:
-                # the finished model holds that batch of ours; record it now (never train it;
-                # a follower's copy of the ledger the same way).
-                self.record_unrecorded_commit(int(e.data["positions"][me]), int(e.data["last_step"][me]))
+                # Our ledger is made to say what the finished model holds, as at a catch-up's commit:
+                # a batch of ours it holds that we never recorded (killed between a commit and its
+                # ledger line, restarted too late to rejoin) is recorded, never trained; commits of
+                # ours it lacks (fenced, or our last commit succeeded while the peers' failed, and
+                # the catch-up that would have rolled them back never committed) are rolled back.
+                # A follower's copy of the ledger the same way.
+                self.reconcile_ledger(e.data, int(e.step))
             if self.leader and self.watchdog is not None:
                 self.watchdog.stop()  # (as after training: the followers finish too)
             self.client.leave(int(mgr.state.step), finished=False)
@@ -769,6 +772,7 @@ class ReplicaProcess:
         if close is not None:
             close()
         self.server.close()
+        self.snapshots.close()  # after the server: no lease is taken any more; its copy thread ends
         self.prom_server.close()
         self.ckpt.close()
         self.ledger.close()

@@ -100,6 +100,21 @@ def _all_finite(tree: Any) -> jax.Array:
     return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]))
 
 
+def nonfinite_skipped(step: int, run: int, limit: int) -> str:
+    """What a step whose update was skipped for non-finite gradients says (optim.nonfinite=skip)."""
+    return (f"the averaged gradients of step {step} hold a NaN or an infinity: the update was skipped "
+            f"(optim.nonfinite=skip; {run} in a row, the job stops at optim.nonfinite_limit={limit})")
+
+
+def nonfinite_stop(step: int, run: int, limit: int) -> str:
+    """Why a run stops after ``run`` (>= optim.nonfinite_limit) skipped updates in a row, and what to do."""
+    return (f"steps {step - run + 1}..{step}: the averaged gradients held a NaN or an infinity {run} times in a "
+            f"row (optim.nonfinite_limit={limit}); the updates were skipped, and the run has diverged or a "
+            "replica's device computes wrong values. Look for a loss spike in the logs before those steps; "
+            "resume from a persistent checkpoint before them (fthsdp run --resume) with a lower optim.lr or "
+            "optim.grad_clip, or raise optim.nonfinite_limit to skip on")
+
+
 def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
     return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
 

@@ -21,7 +21,8 @@ from fthsdp.data import LoaderState, ReplicaStream, eval_batches
 from fthsdp.step.intervention import Intervention
 from fthsdp.step.quorum_inputs import make_quorum_inputs
 from fthsdp.step.sharding import replica_mesh
-from fthsdp.step.functional import TrainState, make_train_step
+from fthsdp.errors import JobFatalError
+from fthsdp.step.functional import TrainState, make_train_step, nonfinite_skipped, nonfinite_stop
 
 log = logging.getLogger("fthsdp.step.train")
 
@@ -67,6 +68,7 @@ def train(cfg: Config, *, progress: bool = True) -> TrainResult:
                    disable=not progress, transient=False)
     first_loss = last_loss = float("nan")
     eval_loss = float("nan")
+    skipped_run = 0  # steps in a row whose update was skipped for non-finite gradients
     t0 = time.perf_counter()
     with bar:
         task = bar.add_task("train", total=cfg.train.steps, loss=float("nan"))
@@ -80,6 +82,13 @@ def train(cfg: Config, *, progress: bool = True) -> TrainResult:
             m = {**m, **m2}
             if bool(m["committed"]):
                 loader = loader.advanced()
+                # optim.nonfinite=skip, as in the Manager: the run stops at nonfinite_limit skips in a row
+                skipped_run = skipped_run + 1 if bool(m["skipped"]) else 0
+                if skipped_run:
+                    log.warning("%s", nonfinite_skipped(i, skipped_run, cfg.optim.nonfinite_limit))
+                if skipped_run >= cfg.optim.nonfinite_limit:
+                    metrics.close()
+                    raise JobFatalError(nonfinite_stop(i, skipped_run, cfg.optim.nonfinite_limit))
             if i == 0:
                 first_loss = float(m["loss"])
                 t0 = time.perf_counter()  # exclude compilation from throughput
