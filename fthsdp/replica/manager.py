@@ -496,9 +496,9 @@ class Manager:
                                                    self._quorum_inputs(q, healthy))
                 if "commit_words" in m:  # the flags and the fingerprint in one read
                     committed, fingerprint, skipped = read_commit(m["commit_words"])
-                else:
-                    committed, fingerprint = bool(m["committed"]), None
-                    skipped = committed and bool(m["skipped"])
+                else:  # the flags alone (ft.fingerprint off), in one read too
+                    flags, fingerprint = int(m["commit_flags"]), None
+                    committed, skipped = flags & 1 != 0, flags & 2 != 0
                 committed = committed and not fetch_failed  # (its closed ring failed the vote already)
                 allreduce_s = time.perf_counter() - t0
             except Exception as e:  # noqa: BLE001 - classified: RECOVERABLE retries, the rest propagates
