@@ -147,6 +147,9 @@ def test_non_finite_averaged_gradients_commit_the_step_with_the_update_skipped(v
     assert bool(m["committed"]) and bool(m["skipped"]) and int(new.step) == 1
     assert _tree_bytes((new.params, new.opt_state)) == _tree_bytes((state.params, state.opt_state))
     assert int(m["commit_words"][0]) == 3  # committed | skipped, in the one word the Manager reads
+    bare = make_train_step(CFG, replica_mesh(4), allreduce=_poisoning_allreduce(value), fingerprint=False)
+    _, m = bare.step(state, *_batch(bare), make_quorum_inputs())
+    assert "commit_words" not in m and int(m["commit_flags"]) == 3  # without the fingerprint: the flags alone
 
     cfg = dataclasses.replace(CFG, optim=dataclasses.replace(CFG.optim, nonfinite="apply"))
     apply = make_train_step(cfg, replica_mesh(4), allreduce=_poisoning_allreduce(value))
