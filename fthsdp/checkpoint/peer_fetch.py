@@ -193,11 +193,15 @@ class _Live:
         self._socks: dict[http.client.HTTPConnection, list[socket.socket]] = {}
         self.cut_why: str | None = None
 
-    def _hold(self, conn: http.client.HTTPConnection, sock: socket.socket) -> None:
+    def _hold(self, conn: http.client.HTTPConnection, sock: socket.socket | None = None) -> None:
+        """Keeps ``sock`` to be cut; raises if the fetch is over already. With no socket, only the
+        check: a cut that came while a socket was connecting found it unconnected (its shutdown a
+        no-op), so the socket is checked again once connected."""
         with self._lock:
             if self.cut_why is not None:
                 raise ConnectionAbortedError(f"the fetch is over: {self.cut_why}")
-            self._socks.setdefault(conn, []).append(sock)
+            if sock is not None:
+                self._socks.setdefault(conn, []).append(sock)
 
     def open(self, ep: "_Endpoint", timeout_s: float) -> http.client.HTTPConnection:
         """A connection to `ep`, connected (and its TLS handshake done), held until close(conn)."""
@@ -217,12 +221,14 @@ class _Live:
                     err, sock = e, None
             if sock is None:
                 raise err or OSError(f"{ep.host!r} resolves to no address")
+            self._hold(conn)
             with contextlib.suppress(OSError):
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             if ep.tls is not None:
                 sock = ep.tls.wrap_socket(sock, server_hostname=ep.host, do_handshake_on_connect=False)
                 self._hold(conn, sock)
                 sock.do_handshake()
+                self._hold(conn)
         except BaseException:
             self.close(conn)
             if sock is not None:
@@ -573,7 +579,7 @@ class FetchSession:
                     self._fail(url, pid, f"connection error: {type(e).__name__}: {e}", transient=True)
                     try:  # a dead source refuses to reconnect; a liar that cut one body does not
                         conn = self._live.open(ep, self.timeout_s)
-                    except OSError as e2:
+                    except Exception as e2:  # noqa: BLE001 - (a TLS error too): a worker must not die silently
                         if self._error is None:
                             self._fail(url, None, f"unreachable: {type(e2).__name__}: {e2}", dead=True)
                         return

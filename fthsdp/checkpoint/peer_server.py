@@ -718,13 +718,23 @@ class _Server:
         self._stop.set()
         self._wake()
 
+    def _conns_now(self) -> list:
+        """A copy of the open connections, from another thread than the loop's: a loop that has not
+        stopped may change the set while it is copied (RuntimeError), and the copy is taken again."""
+        for _ in range(100):
+            try:
+                return list(self._conns)
+            except RuntimeError:
+                continue
+        return []
+
     def server_close(self, timeout: float = 5.0) -> None:
         """Stops the workers and closes every socket, within `timeout` in all. A worker writing to a
         slow reader would hold it for up to ft.peer_send_s: the busy connections are shut down first,
         so their writes fail at once, and only then are the workers joined."""
         until = time.monotonic() + timeout
-        self._done.wait(timeout)
-        for conn in list(self._conns):
+        self._done.wait(timeout / 2)  # the loop's end; the rest of the budget is the workers'
+        for conn in self._conns_now():
             if conn.busy:  # its worker may be blocked in sendall: shut down, not close (the worker owns it)
                 with contextlib.suppress(OSError):
                     socket.socket.shutdown(conn.sock, socket.SHUT_RDWR)
@@ -732,7 +742,7 @@ class _Server:
             self._work.put(None)
         for t in self._workers:
             t.join(max(0.0, until - time.monotonic()))
-        for conn in list(self._conns):
+        for conn in self._conns_now():
             self._close(conn)
         for s in (self.listener, self._wake_r, self._wake_w):
             with contextlib.suppress(OSError):
