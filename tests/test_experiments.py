@@ -91,7 +91,8 @@ def test_fingerprint_cost_quick(tmp_path, ring):
         for whole, upd, grad in zip(res["ratios"]["in_step"][clock], res["update_part_shares"]["in_step"][clock],
                                     res["gradient_part_shares"]["in_step"][clock]):
             assert abs((whole - 1) - (upd + grad)) < 1e-9
-    assert 0 < res["work_fraction_of_step_cpu"]["median"] < 1 and res["state_bytes"] > 5e6  # a share (the figure: README)
+    # a share of a step (the figure itself: README)
+    assert 0 < res["work_fraction_of_step_cpu"]["median"] < 1 and res["state_bytes"] > 5e6
 
 
 def test_fingerprint_parts_quick(tmp_path):

@@ -1801,7 +1801,8 @@ class Lighthouse(pb2_grpc.LighthouseServicer):
         if rid not in q.member_ids:
             return f"it is not a member of the job's newest quorum {q.quorum_id} ({', '.join(q.member_ids)})"
         if step != q.max_step + 1:
-            return f"the job's newest quorum {q.quorum_id} ran step {q.max_step}, so a finisher leaves at step {q.max_step + 1}"
+            return (f"the job's newest quorum {q.quorum_id} ran step {q.max_step}, so a finisher leaves at step "
+                    f"{q.max_step + 1}")
         return ""
 
     @staticmethod

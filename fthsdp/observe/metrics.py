@@ -116,8 +116,8 @@ class ReplicaMetrics:
         self.commits = make(Counter, "fthsdp_commits", "Committed steps")
         self.retries = make(Counter, "fthsdp_retries", "All-reduce attempts that failed and were retried on a new quorum")
         self.catch_ups = make(Counter, "fthsdp_catch_ups", "Steps on which this replica was behind and fetched state")
-        self.skipped = make(Counter, "fthsdp_nonfinite_skips",
-                            "Committed steps whose update was skipped: the averaged gradients held a NaN or an infinity")
+        self.skipped = make(Counter, "fthsdp_nonfinite_skips", "Committed steps whose update was skipped: "
+                            "the averaged gradients held a NaN or an infinity")
         self.bus_bandwidth = make(Gauge, "fthsdp_allreduce_bus_bandwidth_bytes_per_second",
                                   "Ring bus bandwidth of the last committing all-reduce: 2(n-1)/n x gradient bytes / time")
         self.detections = make(Counter, "fthsdp_detections",
