@@ -12,6 +12,12 @@ replica (no gather to host), and each process moves about 1/P of the state.
 
 A leaf replicated over the replica (a step counter, an unsharded bias) is one
 whole part on every process: small, and needed by each.
+
+Each part is named by where it starts in its leaf (``at:8,0``), and the name is
+part of the leaf's path in the snapshot's manifest: a source whose parts lie
+elsewhere (another process index, another device order) fails the fetch's check
+of the manifest against what this process expects, instead of being installed
+at the wrong indices.
 """
 
 from __future__ import annotations
@@ -26,6 +32,11 @@ __all__ = ["local_parts", "local_like", "assemble", "parts_bytes"]
 
 def _key(index: tuple) -> tuple:
     return tuple((s.start or 0) if isinstance(s, slice) else int(s) for s in index)
+
+
+def _name(key: tuple) -> str:
+    """A part's name: its start in the leaf (part of the leaf's path in a snapshot's manifest)."""
+    return "at:" + ",".join(str(k) for k in key)
 
 
 def _shape_of(index: tuple, shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -45,15 +56,15 @@ def _is_sharded(x) -> bool:
 
 
 def local_parts(tree) -> Any:
-    """``tree`` with every jax.Array leaf replaced by the tuple of its distinct local shards
-    (single-device arrays, index order); other leaves as they are."""
+    """``tree`` with every jax.Array leaf replaced by its distinct local shards (single-device
+    arrays), a dict by each one's start in the leaf (:func:`_name`); other leaves as they are."""
     def cut(x):
         if not isinstance(x, jax.Array):
             return x
         by_key = {}
         for s in x.addressable_shards:
             by_key.setdefault(_key(s.index), s.data)
-        return tuple(by_key[k] for k in sorted(by_key))
+        return {_name(k): by_key[k] for k in sorted(by_key)}
 
     return jax.tree.map(cut, tree)
 
@@ -64,7 +75,8 @@ def local_like(abstract) -> Any:
     def cut(x):
         if not _is_sharded(x):
             return x
-        return tuple(jax.ShapeDtypeStruct(_shape_of(i, x.shape), x.dtype) for i in _local_indices(x.sharding, x.shape))
+        return {_name(_key(i)): jax.ShapeDtypeStruct(_shape_of(i, x.shape), x.dtype)
+                for i in _local_indices(x.sharding, x.shape)}
 
     return jax.tree.map(cut, abstract)
 
@@ -76,9 +88,11 @@ def assemble(parts, abstract) -> Any:
         if not _is_sharded(x):
             return got
         indices = _local_indices(x.sharding, x.shape)
-        if len(got) != len(indices):
-            raise ValueError(f"{len(got)} local parts for an array with {len(indices)} distinct local shards")
-        by_key = {_key(i): np.asarray(p) for i, p in zip(indices, got)}
+        want = {_name(_key(i)) for i in indices}
+        if set(got) != want:
+            raise ValueError(f"local parts {sorted(got)} for an array whose distinct local shards start at "
+                             f"{sorted(want)}: the parts are another process's (or another mesh's)")
+        by_key = {_key(i): np.asarray(got[_name(_key(i))]) for i in indices}
         arrays = [jax.device_put(by_key[_key(i)], d) for d, i in x.sharding.addressable_devices_indices_map(x.shape).items()]
         return jax.make_array_from_single_device_arrays(x.shape, x.sharding, arrays)
 
