@@ -1,13 +1,17 @@
 """The group watchdog's judgement of a follower's silence (fthsdp.replica.group): pure, then
-the watchdog's threads over an in-memory key-value store (the runtime's store has the same
-two calls)."""
+the watchdog's threads over the runtime's own key-value store (jax.distributed's coordination
+service, real gRPC on loopback); a fault (a slow or failing write) is injected by a wrapper
+around the real client."""
 
 from __future__ import annotations
 
 import threading
 import time
 
+import pytest
+
 from fthsdp.replica.group import FollowerSilence, GroupSpec, GroupWatchdog
+from test_replica_group import _kv_pair, _kv_shutdown
 
 
 def test_a_follower_that_stops_beating_is_silent_after_the_window():
@@ -128,34 +132,36 @@ def test_a_lone_rejoiner_waits_at_least_for_a_replica_cut_off_by_a_stopped_relay
     assert Timeouts(startup_timeout_s=1.0).alone_rejoin_s == RelayPath.SILENCE_S + 0.4 + 0.8
 
 
-class Store:
-    """In memory, the two calls GroupWatchdog makes of jax.distributed's key-value client."""
-
-    def __init__(self) -> None:
-        self.kv: dict[str, str] = {}
-        self.lock = threading.Lock()
-
-    def key_value_set(self, key: str, value: str, allow_overwrite: bool = False) -> None:
-        with self.lock:
-            self.kv[key] = value
-
-    def key_value_try_get(self, key: str) -> str:
-        with self.lock:
-            if key not in self.kv:
-                raise KeyError(key)  # the runtime raises NOT_FOUND
-            return self.kv[key]
+@pytest.fixture
+def kv():
+    """Two clients of a fresh coordination service (the leader's, a follower's)."""
+    service, clients = _kv_pair()
+    try:
+        yield clients
+    finally:
+        _kv_shutdown(service, clients)
 
 
-def test_the_watchdog_names_a_follower_that_stops_and_only_it():
-    store, fired = Store(), []
+class Wrapped:
+    """A real key-value client with a fault injected into some of its calls (subclasses)."""
+
+    def __init__(self, real) -> None:
+        self.real = real
+
+    def __getattr__(self, name: str):
+        return getattr(self.real, name)
+
+
+def test_the_watchdog_names_a_follower_that_stops_and_only_it(kv):
+    fired = []
     done = threading.Event()
 
     def on_silent(p: int, s: float) -> None:
         fired.append((p, s, time.monotonic()))
         done.set()
 
-    leader = GroupWatchdog(GroupSpec(1, 0, 3, "127.0.0.1:1"), 0.05, 0.4, on_silent, client=store)
-    followers = [GroupWatchdog(GroupSpec(1, p, 3, "127.0.0.1:1"), 0.05, 0.4, None, client=store) for p in (1, 2)]
+    leader = GroupWatchdog(GroupSpec(1, 0, 3, "127.0.0.1:1"), 0.05, 0.4, on_silent, client=kv[0])
+    followers = [GroupWatchdog(GroupSpec(1, p, 3, "127.0.0.1:1"), 0.05, 0.4, None, client=kv[1]) for p in (1, 2)]
     for w in [leader, *followers]:
         w.start()
     try:
@@ -171,70 +177,70 @@ def test_the_watchdog_names_a_follower_that_stops_and_only_it():
             w.stop()
 
 
-def test_stop_waits_for_the_thread_so_no_native_call_outlives_the_process():
+def test_stop_waits_for_the_thread_so_no_native_call_outlives_the_process(kv):
     """stop() returns with the watchdog's thread ended (it calls the runtime's native client;
     one still inside such a call while the interpreter finalizes can abort the process)."""
-    store = Store()
     calls = threading.Semaphore(0)
 
-    class Slow(Store):
+    class Slow(Wrapped):
         def key_value_set(self, key, value, allow_overwrite=False):
             calls.release()
             time.sleep(0.3)  # a call in flight when stop() is asked
-            super().key_value_set(key, value, allow_overwrite)
+            self.real.key_value_set(key, value, allow_overwrite)
 
-    slow = Slow()
+    slow = Slow(kv[1])
     follower = GroupWatchdog(GroupSpec(1, 1, 2, "127.0.0.1:1"), 0.02, 0.4, None, client=slow).start()
     assert calls.acquire(timeout=5.0)
     t0 = time.monotonic()
     follower.stop()
     assert not follower._thread.is_alive() and time.monotonic() - t0 > 0.1
-    leader = GroupWatchdog(GroupSpec(1, 0, 2, "127.0.0.1:1"), 0.02, 0.4, lambda p, s: None, client=store).start()
+    leader = GroupWatchdog(GroupSpec(1, 0, 2, "127.0.0.1:1"), 0.02, 0.4, lambda p, s: None, client=kv[0]).start()
     leader.stop()
     assert not leader._thread.is_alive()
-    GroupWatchdog(GroupSpec(1, 0, 1, "127.0.0.1:1"), 0.02, 0.4, None, client=store).start().stop()  # never started
+    GroupWatchdog(GroupSpec(1, 0, 1, "127.0.0.1:1"), 0.02, 0.4, None, client=kv[0]).start().stop()  # never started
 
 
-def test_a_follower_beats_on_after_a_failed_write():
+def test_a_follower_beats_on_after_a_failed_write(kv):
     """One failed write to the store (a transient error of the runtime's client) ended the
     follower's beat thread: a live follower was then judged silent and its replica restarted."""
 
-    class Flaky(Store):
+    class Flaky(Wrapped):
         failed = 0
 
         def key_value_set(self, key, value, allow_overwrite=False):
             if value in ("2", "3") and self.failed < 2:
                 self.failed += 1
                 raise RuntimeError("UNAVAILABLE: a transient error of the coordination service")
-            super().key_value_set(key, value, allow_overwrite)
+            self.real.key_value_set(key, value, allow_overwrite)
 
-    store = Flaky()
+    def beats() -> int:
+        try:
+            return int(kv[0].key_value_try_get("fthsdp/r1/alive/p1"))
+        except Exception:  # noqa: BLE001 - NOT_FOUND before the first beat
+            return 0
+
+    store = Flaky(kv[1])
     follower = GroupWatchdog(GroupSpec(1, 1, 2, "127.0.0.1:1"), 0.02, 0.4, None, client=store).start()
     try:
         deadline = time.monotonic() + 5.0
-        while int(store.kv.get("fthsdp/r1/alive/p1", "0")) < 6:
-            assert time.monotonic() < deadline, (store.failed, store.kv)
+        while beats() < 6:
+            assert time.monotonic() < deadline, (store.failed, beats())
             time.sleep(0.02)
         assert store.failed == 2 and follower._thread.is_alive()
     finally:
         follower.stop()
 
 
-def test_the_leaders_decisions_do_not_pile_up_in_the_store():
+def test_the_leaders_decisions_do_not_pile_up_in_the_store(kv):
     """Every attempt's quorum was a new key in the coordinator's store, never deleted: its memory
     grew with the job. The leader keeps the last few decisions of each kind."""
     from fthsdp.replica.group import DecisionChannel
 
-    class Deleting(Store):
-        def key_value_delete(self, key):
-            with self.lock:
-                self.kv.pop(key, None)
-
-    store = Deleting()
     spec = dict(replica_id=3, num_processes=2, coordinator="127.0.0.1:1")
-    leader = DecisionChannel(GroupSpec(process_index=0, **spec), client=store)
-    for i in range(1000):
+    leader = DecisionChannel(GroupSpec(process_index=0, **spec), client=kv[0])
+    for i in range(300):
         leader.publish("quorum", {"quorum_id": i})
-        assert store.kv[f"fthsdp/r3/quorum/{i}"] == f'{{"quorum_id": {i}}}'
-    assert sorted(store.kv) == [f"fthsdp/r3/quorum/{i}" for i in range(1000 - DecisionChannel.KEPT, 1000)]
+        assert kv[1].key_value_try_get(f"fthsdp/r3/quorum/{i}") == f'{{"quorum_id": {i}}}'
+    held = sorted(k for k, _ in kv[1].key_value_dir_get("fthsdp/r3/quorum/"))
+    assert held == sorted(f"fthsdp/r3/quorum/{i}" for i in range(300 - DecisionChannel.KEPT, 300))
 
