@@ -99,6 +99,31 @@ def test_restarted_lighthouse_continues_quorum_ids_and_waits_for_reported_member
         first.stop()
 
 
+def test_a_beat_reporting_a_higher_quorum_id_moves_no_id_once_this_lighthouse_decided_the_jobs():
+    """Rule 5's floor is what a restarted lighthouse learns of ids decided before it. A heartbeat
+    reporting an id above the newest this lighthouse decided (any replica id holding the job's key
+    can send one) made every later decision take a new id, every FTAR ring rebuilt each step; it is
+    not followed once the lighthouse decided the job's quorums (a request's report still is)."""
+    import grpc
+
+    from fthsdp.proto import LIGHTHOUSE_PROTOCOL_VERSION, lighthouse as load_stubs
+
+    pb2, pb2_grpc = load_stubs()
+    with LighthouseThread(LighthouseConfig(join_timeout_s=0.2, detect_s=1.0)) as lh:
+        a, b = (LighthouseClient(lh.address, "job", i) for i in range(2))
+        try:
+            assert {q.quorum_id for q in ask_all([a, b], 0)} == {1}
+            with grpc.insecure_channel(lh.address) as ch:
+                pb2_grpc.LighthouseStub(ch).Heartbeat(pb2.HeartbeatRequest(
+                    protocol_version=LIGHTHOUSE_PROTOCOL_VERSION, job_id="job", replica_id="9", step=1,
+                    last_quorum_id=7), timeout=5)
+            qs = ask_all([a, b], 1)
+            assert {q.quorum_id for q in qs} == {1}, [q.reason for q in qs]
+        finally:
+            a.close()
+            b.close()
+
+
 def test_members_answered_before_a_lighthouse_sigkill_hear_that_the_others_ask_the_restarted_one():
     """The lighthouse answered replica 0's request for step 1 and died before writing 1's and 2's
     (quorum 1 kept: the same members). Replica 0 is in step 1's all-reduce; 1 and 2 ask the

@@ -1706,7 +1706,11 @@ class Lighthouse(pb2_grpc.LighthouseServicer):
         job.steps[rid] = request.step
         if request.HasField("phase"):
             job.phases[rid] = request.phase  # kept as sent: analysed only every rca_interval_s
-        if request.last_quorum_id > job.qid_floor:
+        if request.last_quorum_id > job.qid_floor and job.quorum is None:
+            # What a restarted lighthouse learns of ids decided before it (rule 5). Once it decided
+            # the job's quorums itself, a beat's higher id is no such news (a replica that was
+            # answered by another lighthouse says so in its request, which still counts): followed,
+            # it made every decision take a new id, rebuilding every ring each step.
             job.qid_floor = request.last_quorum_id
         _record_fingerprint(job, rid, request)  # judged at the next evaluation
         # The dead set is recomputed each tick (tick_s adds to detection time;
