@@ -184,7 +184,8 @@ LINEAGE_REPORTED = 4
 # Quorum ids run to the protocol's limit (guard.Limits.max_step: exact in a double); a decision
 # past it is refused with the reason instead of issuing an id no replica could report back.
 MAX_QUORUM_ID = 2**53
-# How far the quorum id floor (every id any replica reported, heartbeats included; rule 5) can
+# How far the quorum id floor (every id any replica reported, heartbeats included until the
+# lighthouse decided the job's first quorum; rule 5) can
 # move the job's ids. Followed so that a restarted lighthouse does not reuse ids; but a process
 # holding the job's secret could report the limit and leave no id to issue. Followed only up to
 # 2**52, such a report leaves 2**52 ids: more than any job decides. A restarted lighthouse still
@@ -838,7 +839,8 @@ def decide_quorum(
     each replica was last heard from (same clock as ``now`` and ``arrived_at``).
     ``previous``: the job's last quorum (None on a fresh or restarted
     lighthouse). ``quorum_id_floor``: the highest quorum id any replica of the
-    job reported (heartbeats included). ``reported_quorum_ids``: each
+    job reported (heartbeats included, until this lighthouse decided a quorum of the job).
+    ``reported_quorum_ids``: each
     replica's last quorum id as its heartbeats report it (what a restarted
     lighthouse knows of replicas that are mid-step). ``condemned``: replicas whose
     state a fingerprint mismatch condemned (:mod:`fthsdp.control.sdc`): listed
