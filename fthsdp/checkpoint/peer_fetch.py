@@ -174,9 +174,14 @@ READ_SLICE = 1 << 20
 CLOSE_JOIN_S = 2.0  # close() waits this long, in all, for its threads (their sockets are shut down)
 
 
+def _stall_s(timeout_s: float) -> float:
+    """The stall bound for a per-read timeout of ``timeout_s`` (see STALL_FLOOR_S)."""
+    return max(STALL_FLOOR_S, STALL_TIMEOUTS * timeout_s)
+
+
 def _until(timeout_s: float, deadline: float | None) -> float:
     """When one request must be over: the stall bound from now, or the fetch's deadline if sooner."""
-    bound = time.monotonic() + max(STALL_FLOOR_S, STALL_TIMEOUTS * timeout_s)
+    bound = time.monotonic() + _stall_s(timeout_s)
     return bound if deadline is None else min(bound, deadline)
 
 
@@ -411,7 +416,7 @@ class FetchSession:
         self._live = _Live()  # every socket of this fetch: shut down when it ends
         # A wait for pieces ends when none has landed for this long: a source that trickles bytes
         # (each read within timeout_s) must not hold a rejoining replica forever.
-        self.stall_s = max(STALL_FLOOR_S, STALL_TIMEOUTS * timeout_s)
+        self.stall_s = _stall_s(timeout_s)
         self.deadline = deadline
         self._progress_at = time.monotonic()
         self._began = self._progress_at

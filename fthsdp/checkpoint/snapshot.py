@@ -340,9 +340,9 @@ class Snapshotter:
         self._layout_key = None
         self._layout: tuple[tuple[LeafSpec, ...], int] = ((), 0)
         # One begin at a time: two racing begins could claim the same free slot, and the copy
-        # submitted last (whichever step it was) overwrote the other under its readers.
+        # submitted last (whichever step it was) overwrote the other under its readers. Each begin
+        # waits for the copy before it under this lock, so copies land in begin order.
         self._begin_lock = threading.Lock()
-        self._generation = 0  # of the latest begin: only its copy may become the served snapshot
         self.skipped = 0  # snapshots skipped in a row because a peer still read the slot to reuse
 
     def _lower_priority(self) -> None:
@@ -384,8 +384,6 @@ class Snapshotter:
                         "devices)"
                     )
             with self._cond:
-                self._generation += 1
-                generation = self._generation
                 self._supersede(int(step))
                 slot = self._claim_slot(int(step))
             if slot is None:
@@ -395,7 +393,7 @@ class Snapshotter:
                 slot.layout = layout
             # Starting transfers (~40 us per array) and enumerating shards (~15 us) is done by the copy
             # thread, off the training thread.
-            self._pending = self._pool.submit(self._land, int(step), slot, layout, total, leaves, generation)
+            self._pending = self._pool.submit(self._land, int(step), slot, layout, total, leaves)
             return True
 
     def wait(self, timeout: float | None = None) -> Snapshot | None:
@@ -486,7 +484,7 @@ class Snapshotter:
         self.skipped += 1
         return None
 
-    def _land(self, step: int, slot: _Slot, layout, total: int, leaves, generation: int) -> None:
+    def _land(self, step: int, slot: _Slot, layout, total: int, leaves) -> None:
         t0 = time.perf_counter()
         buf = slot.buffer
         assert buf is not None
@@ -513,9 +511,8 @@ class Snapshotter:
         manifest = Manifest(step, layout, self.piece_bytes, tuple(sums), total)
         snap = Snapshot(manifest, buf)
         with self._cond:
-            if generation == self._generation:  # else a later begin superseded it while it was copied
-                slot.snap = snap
-                self._served = (slot, snap)
+            slot.snap = snap
+            self._served = (slot, snap)
             self._cond.notify_all()
         self.last_copy_s = time.perf_counter() - t0
 

@@ -441,10 +441,9 @@ class CallAuthenticator:
     the key it verified under only (:attr:`replays`, a
     :class:`auth.KeyedReplayCache`: the job id, or :data:`STATUS_PRINCIPAL`):
     one key's flood fills and lifts the floor of its own cache, never another
-    job's. Its bounds are ``limits``' (``replay_*``); ``replay_capacity``, when
-    given, is the nonces per key instead (the total then at least as large).
-    Given neither, the authenticator takes the limits of the :class:`CallGate`
-    it is put in (:meth:`use_limits`).
+    job's. Its bounds are ``limits``' (``replay_*``, default :class:`Limits`);
+    ``replay_capacity``, when given, is the nonces per key instead (the total
+    then at least as large).
     """
 
     PURPOSE = "lighthouse"
@@ -454,23 +453,14 @@ class CallAuthenticator:
         self.secret = secret
         self.window_s = window_s
         self._replay_capacity = replay_capacity
-        self._replay_bounds_given = replay_capacity is not None or limits is not None
         self.replays = self._replay_cache(limits or Limits())
         self._keys: OrderedDict[str, bytes] = OrderedDict()
         self._status_key = auth.status_key(secret) if secret is not None else b""
 
-    def _replay_cache(self, limits: Limits, not_before: float = -math.inf) -> auth.KeyedReplayCache:
+    def _replay_cache(self, limits: Limits) -> auth.KeyedReplayCache:
         per_key = limits.replay_nonces_per_key if self._replay_capacity is None else self._replay_capacity
         return auth.KeyedReplayCache(self.window_s, per_key, max(per_key, limits.replay_nonces_total),
-                                     limits.replay_keys, not_before)
-
-    def use_limits(self, limits: Limits) -> None:
-        """Take ``limits``' replay bounds, unless bounds were given at construction or a call was
-        already checked. Why: the lighthouse builds its authenticator before the :class:`CallGate`
-        that it hands its configured limits, so the gate passes them on; without it
-        ``LighthouseConfig.limits``' replay bounds would never reach the cache."""
-        if not self._replay_bounds_given and not self.replays.keys():
-            self.replays = self._replay_cache(limits, self.replays.not_before)
+                                     limits.replay_keys)
 
     @property
     def enabled(self) -> bool:
@@ -673,10 +663,6 @@ class CallGate:
     throttled: ThrottleLog = field(default_factory=ThrottleLog)
     # Calls refused, by the gRPC status code's name (fthsdp.observe.load_metrics serves them).
     refused: dict[str, int] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        if self.authenticator is not None and self.limits is not None:  # (a test's gate may have neither)
-            self.authenticator.use_limits(self.limits)  # the replay bounds of these limits (see use_limits)
 
     def count(self, code: grpc.StatusCode) -> None:
         """One call was refused with ``code`` (every transport's refusal path calls this once)."""

@@ -788,7 +788,7 @@ class Lighthouse(pb2_grpc.LighthouseServicer):
                       "sessions_opened": 0, "session_messages": 0, "relay_batches": 0,
                       "sessions_open": 0, "relay_streams_open": 0, "relayed_messages": 0, "requests_endpoints_held": 0,
                       "endpoints_not_held": 0, "answers_resent": 0, "heartbeats": 0}
-        self._auth = guard.CallAuthenticator(self.config.secret)
+        self._auth = guard.CallAuthenticator(self.config.secret, limits=self.config.limits)
         # The verdicts as Prometheus series, served on config.metrics_bind (start()).
         self.rca_metrics = RootCauseMetrics()
         self.metrics_server = None

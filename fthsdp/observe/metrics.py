@@ -140,7 +140,7 @@ class ReplicaMetrics:
         self.quorum_size.set(len(rec.members))
         self.quorum_id.set(rec.quorum_id)
         self.healthy.set(1 if rec.healthy else 0)
-        if getattr(rec, "skipped", False):
+        if rec.skipped:
             self.skipped.inc()
         if rec.attempts > 1:
             self.retries.inc(rec.attempts - 1)
